@@ -1,0 +1,69 @@
+"""The ``dspark`` command line.
+
+One entry point for every way the system runs (serving, standalone services, evaluation, profiling). Each
+subcommand is a small function registered in :data:`COMMANDS`; heavy imports (torch, Ray) happen inside the
+handlers so that ``dspark --help`` stays fast and works on a machine that has only the base install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from collections.abc import Callable, Sequence
+
+from cluster import __version__
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    """Print the package version and the versions of the libraries that decide numerics and transport."""
+    print(f"dspark-serve {__version__}")
+    if args.verbose:
+        for name in ("torch", "triton", "transformers", "ray", "grpc", "msgpack"):
+            try:
+                module = __import__(name)
+                print(f"  {name} {getattr(module, '__version__', '?')}")
+            except ImportError:
+                print(f"  {name} (not installed)")
+        print(f"  python {platform.python_version()} on {platform.machine()}")
+    return 0
+
+
+def _add_version(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("version", help="print the version (and library versions with -v)")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print library versions")
+    p.set_defaults(handler=_cmd_version)
+
+
+#: Subcommand registrars; later modules add theirs here.
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the top-level parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="dspark",
+        description="dspark-serve: lossless DSpark speculative decoding on Ray.",
+    )
+    parser.add_argument("--version", action="version", version=f"dspark-serve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for register in COMMANDS:
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; exit code 2 on usage errors (argparse's convention)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

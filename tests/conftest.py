@@ -1,0 +1,38 @@
+"""Shared pytest setup: GPU tests skip cleanly without CUDA; data under ../shared is required under CI."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def shared_path(relative: str) -> Path:
+    """Path of third-party data under ../shared; missing: fails under CI, skips with the reason elsewhere."""
+    path = SHARED / relative
+    if not path.exists():
+        message = f"{path} is missing (shared third-party data is read by path, never committed)"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run through the device tool)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
