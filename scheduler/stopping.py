@@ -1,0 +1,93 @@
+"""Stop conditions and incremental detokenisation for one request.
+
+Speculative rounds emit several tokens at once, so a stop condition can fire in the middle of a round's tokens: the
+tokens after it must be dropped (they were never produced by the target's own decoding in that position of the
+stream). Stop strings are matched on text, so the text is produced incrementally and the tail that could still be
+the beginning of a stop string is held back: no part of a stop string ever reaches the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything each round.
+
+    Byte-level BPE tokens may split a UTF-8 character; a decode that ends in U+FFFD is incomplete and is retried
+    once more tokens have arrived. A few tokens of left context (``prefix_offset``) make the decode of the new
+    tokens merge exactly as in a full decode (leading-space handling of some tokenizers).
+    """
+
+    decode: Decode
+    tokens: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def push(self, new_tokens: Sequence[int]) -> str:
+        """Append tokens; return the newly complete text."""
+        self.tokens.extend(int(t) for t in new_tokens)
+        prefix_text = self.decode(self.tokens[self.prefix_offset : self.read_offset])
+        full_text = self.decode(self.tokens[self.prefix_offset :])
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.tokens)
+        return delta
+
+    def flush(self) -> str:
+        """Text of tokens still pending at the end of the request (an incomplete character is emitted as is)."""
+        prefix_text = self.decode(self.tokens[self.prefix_offset : self.read_offset])
+        full_text = self.decode(self.tokens[self.prefix_offset :])
+        self.read_offset = self.prefix_offset = len(self.tokens)
+        return full_text[len(prefix_text) :]
+
+
+@dataclass
+class StopStringMatcher:
+    """Finds the first stop string in streamed text and holds back any tail that may start one."""
+
+    stops: tuple[str, ...]
+    _pending: str = ""
+
+    @property
+    def holdback(self) -> int:
+        return max((len(s) for s in self.stops), default=1) - 1
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Return (text safe to emit now, whether a stop string was found). Text from the stop string on is dropped."""
+        if not self.stops:
+            return delta, False
+        text = self._pending + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return text[: min(hits)], True
+        keep = min(self.holdback, len(text))
+        # Hold back only a tail that is a proper prefix of some stop string.
+        cut = len(text)
+        for k in range(keep, 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                cut = len(text) - k
+                break
+        self._pending = text[cut:]
+        return text[:cut], False
+
+    def flush(self) -> str:
+        """At the end of the request the held-back tail is real output (no stop string completed)."""
+        out, self._pending = self._pending, ""
+        return out
+
+
+def first_stop_token(tokens: Sequence[int], stop_ids: frozenset[int]) -> int:
+    """Index of the first token in ``tokens`` that is a stop id, or -1."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return i
+    return -1
