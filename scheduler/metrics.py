@@ -1,0 +1,137 @@
+"""Speculative decoding metrics, per request and aggregate, as plain snapshot objects.
+
+The engine records one entry per round; exporters (Prometheus in the serving layer, tables and plots in the
+benchmarks) read :class:`MetricsSnapshot`. Counters mirror vLLM's spec-decode metrics (drafts, draft tokens,
+accepted tokens, accepted tokens per position) so existing dashboards work, plus what DSpark adds: the verification
+budget chosen by the scheduler and the split of round time into draft, schedule and verify.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestMetrics:
+    """One request's speculative history. ``accepted[i]`` counts accepted draft tokens in round i (bonus excluded)."""
+
+    verified: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+    finish_time: float | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per round including the bonus/correction token (the paper's accepted length)."""
+        return float(np.mean(self.accepted) + 1.0) if self.accepted else 0.0
+
+    @property
+    def mean_verify_budget(self) -> float:
+        return float(np.mean(self.verified)) if self.verified else 0.0
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Aggregate counters at one moment; cheap to copy, safe to hand to another thread."""
+
+    rounds: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_output_tokens: int
+    accepted_per_position: tuple[int, ...]
+    verified_per_position: tuple[int, ...]
+    reached_per_position: tuple[int, ...]
+    draft_time_s: float
+    schedule_time_s: float
+    verify_time_s: float
+    verify_tokens_per_round: float
+    running: int
+    waiting: int
+    recent_round_s: float
+
+    @property
+    def tau(self) -> float:
+        """Tokens per request-round including the bonus token."""
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def conditional_acceptance(self) -> tuple[float, ...]:
+        """P(position k accepted | positions < k accepted and k was verified), per position (paper Figure 2)."""
+        return tuple(
+            acc / reached if reached else float("nan")
+            for acc, reached in zip(self.accepted_per_position, self.reached_per_position, strict=True)
+        )
+
+
+class EngineMetrics:
+    """Accumulates per-round numbers. Single-threaded: the round driver owns it."""
+
+    def __init__(self, block_size: int, window: int = 256) -> None:
+        self.block_size = block_size
+        self.rounds = 0
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_output_tokens = 0
+        self.accepted_per_position = np.zeros(block_size, dtype=np.int64)
+        self.verified_per_position = np.zeros(block_size, dtype=np.int64)
+        # Position k was "reached" when it was verified and every earlier draft was accepted.
+        self.reached_per_position = np.zeros(block_size, dtype=np.int64)
+        self.draft_time_s = 0.0
+        self.schedule_time_s = 0.0
+        self.verify_time_s = 0.0
+        self.verify_tokens = 0
+        self._recent_rounds: deque[float] = deque(maxlen=window)
+
+    def record_round(
+        self,
+        verified: np.ndarray,
+        accepted: np.ndarray,
+        draft_s: float,
+        schedule_s: float,
+        verify_s: float,
+        output_tokens: int,
+    ) -> None:
+        """Record one round over R requests: ``verified[r]`` draft tokens sent, ``accepted[r]`` of them accepted."""
+        verified = np.asarray(verified, dtype=np.int64)
+        accepted = np.asarray(accepted, dtype=np.int64)
+        self.rounds += 1
+        self.num_drafts += int(verified.size)
+        self.num_draft_tokens += int(verified.sum())
+        self.num_accepted_tokens += int(accepted.sum())
+        self.num_output_tokens += output_tokens
+        positions = np.arange(self.block_size)
+        self.verified_per_position += (verified[:, None] > positions[None, :]).sum(axis=0)
+        self.accepted_per_position += (accepted[:, None] > positions[None, :]).sum(axis=0)
+        reached = (verified[:, None] > positions[None, :]) & (accepted[:, None] >= positions[None, :])
+        self.reached_per_position += reached.sum(axis=0)
+        self.draft_time_s += draft_s
+        self.schedule_time_s += schedule_s
+        self.verify_time_s += verify_s
+        self.verify_tokens += int(verified.sum() + verified.size)
+        self._recent_rounds.append(draft_s + schedule_s + verify_s)
+
+    def snapshot(self, running: int = 0, waiting: int = 0) -> MetricsSnapshot:
+        return MetricsSnapshot(
+            rounds=self.rounds,
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_output_tokens=self.num_output_tokens,
+            accepted_per_position=tuple(int(x) for x in self.accepted_per_position),
+            verified_per_position=tuple(int(x) for x in self.verified_per_position),
+            reached_per_position=tuple(int(x) for x in self.reached_per_position),
+            draft_time_s=self.draft_time_s,
+            schedule_time_s=self.schedule_time_s,
+            verify_time_s=self.verify_time_s,
+            verify_tokens_per_round=self.verify_tokens / self.rounds if self.rounds else 0.0,
+            running=running,
+            waiting=waiting,
+            recent_round_s=float(np.median(self._recent_rounds)) if self._recent_rounds else 0.0,
+        )
