@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+# DSPARK_SHARED_DIR overrides the location, e.g. for a git worktree whose parent folder has no shared/.
+SHARED = Path(os.environ.get("DSPARK_SHARED_DIR", ROOT.parent / "shared"))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

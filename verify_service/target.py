@@ -1,0 +1,319 @@
+"""The Qwen3 target: HF weights, our own batched forward over the slot KV cache.
+
+transformers loads the checkpoint (`Qwen3ForCausalLM.from_pretrained`, local files only) and owns every
+weight; this wrapper reuses its modules (projections, norms, MLPs, rotary embedding, LM head) but runs its
+own forward so that one call can serve a ragged batch of prefill chunks and verify chunks, write their K/V
+into per-request slots, and return just what the round needs: fp32 logits of selected rows and the context
+features (hidden states of `feature_layer_ids`) of selected rows. HF's own cache and attention code would
+need a padded batch and a cache object per request, and cannot roll a request back by moving a counter.
+
+Context feature of layer id l: -1 is the embedding output, l in [0, L) is HF `hidden_states[l + 1]`, i.e. the
+output of decoder layer l; for the last layer that is, as in HF, after the final norm. Features of several
+ids are concatenated on the last axis in the order given: [rows, m * H].
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import Qwen3ForCausalLM
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+from verify_service.attention import CachedAttentionMetadata, store_kv, varlen_cached_attention
+from verify_service.kv_cache import RaggedBatch, SlotKVCache
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """What one forward pass returns for the rows the caller selected."""
+
+    logits: torch.Tensor  # [rows, V] float32 (row i predicts the token after row i's position)
+    features: torch.Tensor | None  # [rows, m * H] in the model dtype; None when no feature layers are set
+
+
+class TargetModel:
+    """A Qwen3 causal LM evaluated over a SlotKVCache; see the module docstring."""
+
+    def __init__(self, hf_model: Qwen3ForCausalLM, feature_layer_ids: Sequence[int] = ()) -> None:
+        config = hf_model.config
+        if config.model_type != "qwen3":
+            raise ValueError(f"TargetModel: expected a qwen3 model, got model_type={config.model_type!r}")
+        unsupported = sorted(set(config.layer_types) - {"full_attention"})
+        if unsupported:
+            raise ValueError(f"TargetModel: layer types {unsupported} (sliding window) are not supported")
+        num_layers = config.num_hidden_layers
+        ids = tuple(int(i) for i in feature_layer_ids)
+        bad = [i for i in ids if not -1 <= i < num_layers]
+        if bad:
+            raise ValueError(
+                f"TargetModel: feature layer ids {bad} are outside [-1, {num_layers - 1}] "
+                f"(the target has {num_layers} decoder layers)"
+            )
+        self.hf_model = hf_model.eval().requires_grad_(False)
+        self.config = config
+        self.feature_layer_ids = ids
+        self.num_layers = num_layers
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"TargetModel: {self.num_heads} query heads are not a multiple of "
+                f"{self.num_kv_heads} kv heads"
+            )
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder: str | Path,
+        feature_layer_ids: Sequence[int] = (),
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> TargetModel:
+        """Load a local HF Qwen3 folder (config.json + safetensors); nothing is downloaded.
+
+        Tied embeddings (no lm_head.weight in the file), `rope_parameters` or legacy top-level `rope_theta`,
+        GQA and q/k norms are all handled by transformers' own config and loader.
+        """
+        path = Path(folder)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"TargetModel: {config_file} does not exist (expected a local HF model folder)")
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        if model_type != "qwen3":
+            raise ValueError(f"TargetModel: {config_file} has model_type={model_type!r}, expected 'qwen3'")
+        if not any(path.glob("*.safetensors")):
+            raise ValueError(f"TargetModel: no *.safetensors weight file in {path}")
+        hf_model = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        return cls(hf_model.to(device), feature_layer_ids)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens_weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens_weight.device
+
+    @property
+    def max_context_len(self) -> int:
+        """The config's max_position_embeddings: the longest context the model was built for."""
+        return int(self.config.max_position_embeddings)
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the context features: len(feature_layer_ids) * hidden_size."""
+        return len(self.feature_layer_ids) * self.hidden_size
+
+    @property
+    def embed_tokens_weight(self) -> torch.Tensor:
+        """[V, H] input embedding (the drafter's copy must equal it)."""
+        return self.hf_model.model.embed_tokens.weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, H] output projection; the same tensor as the embedding when the config ties them."""
+        return self.hf_model.lm_head.weight
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from generation_config.json (or config.json); empty when none is set."""
+        generation_config = getattr(self.hf_model, "generation_config", None)
+        eos = getattr(generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.config.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    def new_kv_cache(self, num_slots: int, max_seq_len: int) -> SlotKVCache:
+        """A slot cache shaped for this model, on its device and in its dtype."""
+        return SlotKVCache(
+            self.num_layers,
+            num_slots,
+            max_seq_len,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def prepare(
+        self, cache: SlotKVCache, chunks: Sequence[tuple[int, Sequence[int] | torch.Tensor]]
+    ) -> RaggedBatch:
+        """Validate (slot, token ids) chunks and flatten them into a RaggedBatch (see RaggedBatch.build)."""
+        self._check_cache(cache)
+        return RaggedBatch.build(cache, chunks, self.vocab_size)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        cache: SlotKVCache,
+        batch: RaggedBatch,
+        *,
+        logits_rows: torch.Tensor | None = None,
+        feature_rows: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Run the batch, append its K/V to the slots (lengths advance by each chunk), return selected rows.
+
+        logits_rows / feature_rows: int64 row indices into the flattened batch (None = every row; an empty
+        tensor = none), e.g. `batch.last_rows()` for a prefill chunk that only needs its next-token logits.
+        The batch must have been prepared against the cache's current lengths; a stale batch is refused before
+        anything is written.
+        """
+        self._check_cache(cache)
+        for slot, start in zip(batch.slot_list, batch.starts, strict=True):
+            if cache.length(slot) != start:
+                raise ValueError(
+                    f"TargetModel.forward: batch expects slot {slot} at length {start}, the cache holds "
+                    f"{cache.length(slot)} (prepare the batch again)"
+                )
+        all_rows = torch.arange(batch.num_tokens, device=batch.input_ids.device)
+        logits_rows = all_rows if logits_rows is None else logits_rows.to(all_rows.device)
+        feature_rows = all_rows if feature_rows is None else feature_rows.to(all_rows.device)
+
+        hf = self.hf_model.model
+        meta = CachedAttentionMetadata.from_batch(batch, self.num_heads // self.num_kv_heads)
+        num_tokens = batch.num_tokens
+        x = hf.embed_tokens(batch.input_ids)
+        cos, sin = hf.rotary_emb(x, batch.positions[None])
+        cos, sin = cos[0], sin[0]  # [N, D]
+        collected: dict[int, torch.Tensor] = {}
+        if -1 in self.feature_layer_ids:
+            collected[-1] = x[feature_rows]
+        for index, layer in enumerate(hf.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(num_tokens, self.num_heads, self.head_dim))
+            k = attn.k_norm(attn.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim))
+            v = attn.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+            store_kv(cache.k[index], cache.v[index], k, v, meta)
+            o = varlen_cached_attention(q, cache.k[index], cache.v[index], meta, attn.scaling)
+            x = x + attn.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if index in self.feature_layer_ids and index != self.num_layers - 1:
+                collected[index] = x[feature_rows]
+        if self.num_layers - 1 in self.feature_layer_ids:
+            collected[self.num_layers - 1] = hf.norm(x[feature_rows])
+        logits = self.hf_model.lm_head(hf.norm(x[logits_rows])).float()
+        for slot, length in zip(batch.slot_list, batch.seqlens, strict=True):
+            cache.advance(slot, length)
+        features = None
+        if self.feature_layer_ids:
+            features = torch.cat([collected[i] for i in self.feature_layer_ids], dim=-1)
+        return TargetOutput(logits=logits, features=features)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        cache: SlotKVCache | None = None,
+    ) -> list[list[int]]:
+        """Plain autoregressive decoding of several prompts through the slot cache (batched, a token a step).
+
+        The baseline speculative decoding is measured against, and its oracle at temperature 0 (argmax of fp32
+        logits, the same as HF `generate(do_sample=False)`). A request stops after `max_new_tokens` or after
+        emitting a stop token (kept in the output, as HF does with EOS). At temperature > 0, request i samples
+        with its own torch.Generator seeded `seed + i` (the distribution is the target's; the random stream is
+        not the engine's position-keyed one). Uses `cache` if given (its slots are freed afterwards), else a
+        temporary one.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: need at least one prompt, and every prompt needs at least one token")
+        _check_sampling(temperature, top_k, top_p)
+        if cache is None:
+            cache = self.new_kv_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+        generators = None
+        if temperature > 0:
+            base = int(torch.randint(0, 2**62, ())) if seed is None else seed
+            generators = [torch.Generator(self.device).manual_seed(base + i) for i in range(len(prompts))]
+        stop = set(int(t) for t in stop_token_ids)
+        slots: list[int] = []
+        try:
+            for _ in prompts:
+                slots.append(cache.allocate())
+            outputs: list[list[int]] = [[] for _ in prompts]
+            chunks: list[tuple[int, Sequence[int] | torch.Tensor]] = list(zip(slots, prompts, strict=True))
+            active = list(range(len(prompts)))
+            while active:
+                batch = self.prepare(cache, chunks)
+                logits = self.forward(
+                    cache, batch, logits_rows=batch.last_rows(), feature_rows=_NO_ROWS
+                ).logits
+                gens = None if generators is None else [generators[i] for i in active]
+                next_tokens = sample_tokens(logits, temperature, top_k, top_p, gens).tolist()
+                still_active = []
+                for request, token in zip(active, next_tokens, strict=True):
+                    outputs[request].append(token)
+                    if len(outputs[request]) < max_new_tokens and token not in stop:
+                        still_active.append(request)
+                active = still_active
+                chunks = [(slots[i], [outputs[i][-1]]) for i in active]
+            return outputs
+        finally:
+            for slot in slots:
+                cache.free(slot)
+
+    def _check_cache(self, cache: SlotKVCache) -> None:
+        expected = (self.num_layers, self.num_kv_heads, self.head_dim)
+        actual = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
+        if actual != expected:
+            raise ValueError(
+                f"TargetModel: cache shaped (layers, kv_heads, head_dim)={actual}, the model needs {expected}"
+            )
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
+
+
+def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generators: Sequence[torch.Generator] | None = None,
+) -> torch.Tensor:
+    """Next token per row of fp32 logits [R, V] -> int64 [R]: argmax at temperature 0, else a sample from
+    softmax(logits / T) restricted to the top_k tokens, then to the smallest set reaching top_p (HF order)."""
+    _check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    if generators is None or len(generators) != logits.shape[0]:
+        raise ValueError("sample_tokens: temperature > 0 needs one torch.Generator per row")
+    scores = logits / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
+        drop_sorted = (cumulative - sorted_scores.softmax(dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)])
