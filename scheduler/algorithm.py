@@ -103,8 +103,7 @@ class GreedyPath:
 
 
 def validate_confidences(confidences: np.ndarray) -> np.ndarray:
-    """Returns `confidences` as a 2-D real array or raises ValueError (NaN, inf, outside [0, 1], wrong shape).
-    """
+    """`confidences` as a 2-D real array, or ValueError (NaN, inf, outside [0, 1], bad shape)."""
     conf = np.asarray(confidences)
     if conf.ndim != 2:
         raise ValueError(f"confidences must have shape [R, gamma], got shape {conf.shape}")
@@ -122,8 +121,7 @@ def validate_confidences(confidences: np.ndarray) -> np.ndarray:
 
 
 class _Workspace:
-    """Preallocated buffers for one thread, grown to the largest R * gamma seen (no allocation when steady).
-    """
+    """Per-thread preallocated buffers, grown to the largest R * gamma seen (no steady-state allocation)."""
 
     def __init__(self) -> None:
         self.capacity = 0
@@ -221,8 +219,7 @@ def _early_stop(theta: np.ndarray, ws: _Workspace) -> int:
 
 
 def _lengths_of_prefix(order: np.ndarray, count: int, num_requests: int, ws: _Workspace) -> np.ndarray:
-    """l_r = number of request r's items among the first `count` of the walk (a valid prefix, see module doc).
-    """
+    """l_r = number of request r's items in the first `count` of the walk (a valid prefix: module doc)."""
     requests = ws.requests[:count]
     np.remainder(order[:count].view(np.uint64), np.uint64(num_requests), out=requests)
     return np.bincount(requests.view(np.int64), minlength=num_requests)

@@ -86,8 +86,7 @@ class AsyncCapacityScheduler:
 
     @property
     def next_capacity(self) -> int | None:
-        """The capacity the next round will use (None while warming up): lets the verifier pre-size its step.
-        """
+        """The capacity the next round will use (None while warming up), to pre-size the step."""
         return self._plans[0] if len(self._plans) == self.lag else None
 
     def step(self, confidences: np.ndarray) -> np.ndarray:

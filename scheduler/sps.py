@@ -106,8 +106,7 @@ class SPSTable:
         return f"SPSTable(model={self.model!r}, device={self.device!r}, dtype={self.dtype!r}, {{{points}}})"
 
     def steps_per_second(self, batch_tokens: int | np.ndarray) -> np.ndarray:
-        """SPS at any B >= 1 (vectorised): interpolated in the grid, clamped below, constant tokens/s above.
-        """
+        """SPS at any B >= 1 (vectorised): interpolated, clamped below, constant tokens/s above."""
         b = np.asarray(batch_tokens, dtype=np.float64)
         if np.any(~np.isfinite(b)) or np.any(b < 1):
             raise ValueError("batch tokens must be finite and >= 1")
@@ -203,8 +202,7 @@ class SPSTable:
 
 
 def wall_clock_timer(thunk: Callable[[], object]) -> float:
-    """Seconds `thunk()` took by `time.perf_counter` (right for CPU steps and for GPU steps that synchronise).
-    """
+    """Seconds `thunk()` took by `time.perf_counter` (right for CPU steps and synchronising GPU steps)."""
     start = time.perf_counter()
     thunk()
     return time.perf_counter() - start

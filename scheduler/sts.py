@@ -57,8 +57,7 @@ class CalibrationTraces:
     def from_arrays(
         cls, logits: np.ndarray, accepted: np.ndarray, verified: np.ndarray | None = None
     ) -> CalibrationTraces:
-        """Validates and copies. `verified` defaults to gamma (every position scored, as in offline traces).
-        """
+        """Validates and copies. `verified` defaults to gamma (every position scored, as offline)."""
         z = np.array(logits, dtype=np.float64)
         if z.ndim != 2:
             raise ValueError(f"logits must have shape [N, gamma], got {z.shape}")
@@ -201,10 +200,12 @@ def fit_sts(
         if rows.any():
             z, base, y = traces.logits[rows, k], prefix[rows], survived[rows, k]
             chunk = max(1, _GRID_CHUNK_ELEMENTS // z.size)
-            ece = np.concatenate([
-                _ece_rows(base[None, :] * _sigmoid(z[None, :] / grid[i : i + chunk, None]), y, num_bins)
-                for i in range(0, grid.size, chunk)
-            ])
+            ece = np.concatenate(
+                [
+                    _ece_rows(base[None, :] * _sigmoid(z[None, :] / grid[i : i + chunk, None]), y, num_bins)
+                    for i in range(0, grid.size, chunk)
+                ]
+            )
             temperatures[k] = grid[preference[np.argmin(ece[preference])]]
         prefix = prefix * _sigmoid(traces.logits[:, k] / temperatures[k])
     return STSCalibration(temperatures)
@@ -244,10 +245,12 @@ def prefix_ece(
     """(per-position ECE [gamma] (NaN where unobserved), pooled ECE over all observed prefix products)."""
     survived, observed = traces.labels()
     products = prefix_products(traces, calibration)
-    per_position = np.array([
-        expected_calibration_error(products[observed[:, k], k], survived[observed[:, k], k], num_bins)
-        for k in range(traces.gamma)
-    ])
+    per_position = np.array(
+        [
+            expected_calibration_error(products[observed[:, k], k], survived[observed[:, k], k], num_bins)
+            for k in range(traces.gamma)
+        ]
+    )
     return per_position, expected_calibration_error(products[observed], survived[observed], num_bins)
 
 
