@@ -398,3 +398,36 @@ class OnlineSTS:
             self._calibration = calibration
             self.refits += 1
         return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m scheduler.sts TRACES.npz --out sts.json [--plot reliability.png]`: fit, report, save.
+
+    TRACES.npz holds `logits` [N, gamma], `accepted` [N] and optionally `verified` [N] (default: gamma).
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m scheduler.sts", description=main.__doc__)
+    parser.add_argument("traces", type=Path, help="held-out traces (.npz with logits, accepted[, verified])")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="where to write the fitted temperatures (JSON)"
+    )
+    parser.add_argument("--plot", type=Path, help="also write a reliability diagram (PNG)")
+    parser.add_argument("--bins", type=int, default=15)
+    args = parser.parse_args(argv)
+    with np.load(args.traces) as data:
+        missing = {"logits", "accepted"} - set(data.files)
+        if missing:
+            parser.error(f"{args.traces} lacks {sorted(missing)}")
+        verified = data["verified"] if "verified" in data.files else None
+        traces = CalibrationTraces.from_arrays(data["logits"], data["accepted"], verified)
+    calibration = fit_sts(traces, num_bins=args.bins)
+    calibration.save(args.out)
+    print(calibration_report(traces, calibration, args.bins).format())
+    print("temperatures:", " ".join(f"{t:.3f}" for t in calibration.temperatures))
+    if args.plot:
+        print("reliability diagram:", reliability_diagram(traces, calibration, args.plot, args.bins))
+
+
+if __name__ == "__main__":
+    main()

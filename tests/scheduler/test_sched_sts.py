@@ -18,6 +18,7 @@ from scheduler.sts import (
     prefix_ece,
     reliability_diagram,
 )
+from scheduler.sts import main as sts_main
 
 GAMMA = 6
 TRUE_TEMPERATURES = np.array([0.5, 0.7, 1.0, 1.4, 2.0, 2.5])
@@ -224,3 +225,17 @@ def test_online_bad_arguments() -> None:
         OnlineSTS(3, initial=STSCalibration.identity(4))
     with pytest.raises(ValueError, match="gamma"):
         OnlineSTS(3).record(np.zeros((1, 4)), [0], [0])
+
+
+def test_command_line_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logits, accepted, _ = synthetic_traces(2000, seed=9)
+    np.savez(tmp_path / "traces.npz", logits=logits, accepted=accepted)
+    sts_main(
+        [str(tmp_path / "traces.npz"), "--out", str(tmp_path / "sts.json"), "--plot", str(tmp_path / "r.png")]
+    )
+    assert STSCalibration.load(tmp_path / "sts.json").gamma == GAMMA
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    assert "ECE STS" in capsys.readouterr().out
+    np.savez(tmp_path / "bad.npz", logits=logits)
+    with pytest.raises(SystemExit):
+        sts_main([str(tmp_path / "bad.npz"), "--out", str(tmp_path / "x.json")])
