@@ -78,7 +78,8 @@ class DraftCost:
     def __post_init__(self) -> None:
         for name in ("fixed_s", "per_request_s", "per_token_s"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (ok and math.isfinite(value) and value >= 0):
                 raise ValueError(f"DraftCost.{name} must be a finite number >= 0, got {value!r}")
 
     def seconds(self, num_requests: int, batch_tokens: np.ndarray) -> np.ndarray:
@@ -90,9 +91,10 @@ class DraftCost:
 class GreedyPath:
     """The full walk of Algorithm 1 (for inspection, tests and the asynchronous planner; not the hot path).
 
-    `requests[n]`, `positions[n]` (1-based) and `survival[n]` describe the n-th admitted candidate in walk
-    order; `theta[n]` is the objective after admitting the first n candidates (theta[0]: anchors only). `stop`
-    is the early-stop prefix length n* that Algorithm 1 admits.
+    `requests[n]`, `positions[n]` (1-based) and `survival[n]` describe the n-th candidate (survival > 0) in
+    walk order; `theta[n]` is the objective after admitting the first n candidates (theta[0]: anchors only).
+    `stop` is the early-stop prefix length n* that Algorithm 1 admits; the walk goes on past it only for
+    inspection.
     """
 
     requests: np.ndarray

@@ -62,18 +62,19 @@ class SPSTable:
         device: str = "",
         dtype: str = "",
     ) -> None:
-        sizes = np.asarray(batch_sizes)
-        rates = np.asarray(steps_per_s, dtype=np.float64)
+        try:
+            sizes = np.asarray(batch_sizes, dtype=np.float64)
+            rates = np.asarray(steps_per_s, dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"SPS table needs numbers ({error})") from None
         if sizes.ndim != 1 or rates.ndim != 1 or sizes.shape != rates.shape:
             raise ValueError(
                 f"SPS table needs two 1-D arrays of equal length, got shapes {sizes.shape} and {rates.shape}"
             )
         if sizes.size == 0:
             raise ValueError("SPS table is empty: profile at least one batch size")
-        if not np.issubdtype(sizes.dtype, np.integer):
-            if not np.all(np.isfinite(sizes)) or np.any(sizes != np.round(sizes)):
-                raise ValueError(f"SPS batch sizes must be integers, got {sizes.tolist()}")
-            sizes = sizes.astype(np.int64)
+        if not np.all(np.isfinite(sizes)) or np.any(sizes != np.round(sizes)):
+            raise ValueError(f"SPS batch sizes must be integers, got {sizes.tolist()}")
         sizes = sizes.astype(np.int64)
         if np.any(sizes < 1):
             raise ValueError(f"SPS batch sizes must be >= 1, got {sizes.tolist()}")
@@ -121,10 +122,10 @@ class SPSTable:
     def _grow(self, max_batch_tokens: int) -> None:
         size = 1 << max(10, int(max_batch_tokens).bit_length())
         dense = self.steps_per_second(np.arange(size, dtype=np.float64).clip(min=1))
-        # Float rounding in interp/extrapolation must not break the exact monotonicity the early stop relies
-        # on.
-        self._dense = np.minimum.accumulate(dense)
-        self._dense_step_time = 1.0 / self._dense
+        # Float rounding in interpolation must not break the exact monotonicity the early stop relies on.
+        dense = np.minimum.accumulate(dense)
+        self._dense_step_time = 1.0 / dense
+        self._dense = dense
 
     def dense(self, max_batch_tokens: int) -> np.ndarray:
         """`d[B] = SPS(B)` for all integers 0 <= B <= max_batch_tokens (or more): exactly non-increasing."""
@@ -134,7 +135,7 @@ class SPSTable:
 
     def dense_step_time(self, max_batch_tokens: int) -> np.ndarray:
         """`t[B] = 1 / SPS(B)` seconds per verify step, same indexing and growth as `dense`."""
-        if max_batch_tokens >= self._dense.size:
+        if max_batch_tokens >= self._dense_step_time.size:
             self._grow(max_batch_tokens)
         return self._dense_step_time
 

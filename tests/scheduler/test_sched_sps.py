@@ -64,6 +64,8 @@ def test_non_monotone_table_is_fixed_by_running_minimum_with_a_warning() -> None
         ([1.5], [1.0], "integers"),
         ([1, 2], [1.0, float("nan")], "finite"),
         ([1, 2], [1.0, 0.0], "> 0"),
+        (["a"], [1.0], "numbers"),
+        ([1], [None], "finite"),
     ],
 )
 def test_bad_tables_raise(sizes: list, rates: list, match: str) -> None:
