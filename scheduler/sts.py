@@ -85,12 +85,13 @@ class CalibrationTraces:
 
 
 def _as_counts(values: np.ndarray, n: int, name: str) -> np.ndarray:
-    counts = np.asarray(values)
+    try:
+        counts = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must hold integers") from None
     if counts.shape != (n,):
         raise ValueError(f"{name} must have shape [{n}], got {counts.shape}")
-    if counts.size and (
-        not np.issubdtype(counts.dtype, np.integer) and not np.all(counts == np.round(counts))
-    ):
+    if not np.all(np.isfinite(counts)) or np.any(counts != np.round(counts)):
         raise ValueError(f"{name} must hold integers")
     counts = counts.astype(np.int64)
     if np.any(counts < 0):
@@ -108,6 +109,8 @@ def expected_calibration_error(predicted: np.ndarray, outcomes: np.ndarray, num_
         raise ValueError(f"num_bins must be >= 1, got {num_bins}")
     if p.size == 0:
         return float("nan")
+    if not (p.min() >= 0 and p.max() <= 1):
+        raise ValueError("predicted probabilities must be finite and in [0, 1]")
     return float(_ece_rows(p[None, :], y, num_bins)[0])
 
 

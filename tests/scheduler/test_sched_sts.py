@@ -114,6 +114,8 @@ def test_expected_calibration_error_by_hand() -> None:
         expected_calibration_error(np.zeros(3), np.zeros(2))
     with pytest.raises(ValueError):
         expected_calibration_error(np.zeros(3), np.zeros(3), num_bins=0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        expected_calibration_error(np.array([0.5, 1.5]), np.zeros(2))
 
 
 def test_save_load_and_bad_files(tmp_path: Path) -> None:
@@ -143,8 +145,9 @@ def test_bad_traces_and_logits_raise() -> None:
         CalibrationTraces.from_arrays(np.zeros((1, 3)), [0], [4])
     with pytest.raises(ValueError, match=">= 0"):
         CalibrationTraces.from_arrays(np.zeros((1, 3)), [-1])
-    with pytest.raises(ValueError, match="integers"):
-        CalibrationTraces.from_arrays(np.zeros((1, 3)), [0.5])
+    for bad in ([0.5], [np.nan], ["x"]):
+        with pytest.raises(ValueError, match="integers"):
+            CalibrationTraces.from_arrays(np.zeros((1, 3)), bad)
     with pytest.raises(ValueError, match="shape"):
         CalibrationTraces.from_arrays(np.zeros((2, 3)), [0])
     with pytest.raises(ValueError, match="gamma"):
