@@ -1,0 +1,279 @@
+"""Algorithm 1 of DSpark: causal greedy prefix admission with the early stop, vectorised.
+
+Every round the scheduler gets, for the R active requests of one verifier replica, the confidences c[r, j] (j
+= 1..gamma) of their freshly drafted blocks and returns l_r, how many draft tokens each request verifies.
+
+The walk, as in the paper:
+  a[r, j] = prod_{i<=j} c[r, i]    (prefix survival probability, non-increasing in j)
+  sort all (r, j) with a[r, j] > 0 by a, descending
+  start: l = 0, B = R, tau = R, Theta_0 = objective(tau, B)
+  n-th item (r, j): l_r = j, B += 1, tau += a[r, j], Theta_n = objective(tau, B)
+  continue while Theta_n > Theta_{n-1}, else stop (the early stop)
+  objective = tau * SPS(B), or with the draft-cost term tau / (T_draft(R, B) + 1 / SPS(B))
+
+Vectorised form: one sort, cumulative sums of tau along the sorted order, Theta for every prefix in one array
+expression, and the early stop = the FIRST n where Theta stops improving (never a global argmax, see below).
+The admitted set is the first n* items of the sorted order; l_r counts the admitted items of request r.
+
+Tie-break (value-independent): survival descending, then position ascending, then request index ascending. The
+sort key packs the float64 survival bits (highest ~50 bits) with the index j * R + r, so one unsigned-integer
+sort does all three; survivals closer than ~2^-(52 - log2(R * gamma)) relative to each other count as ties.
+
+Why the sorted order admits prefixes: a[r, j + 1] = a[r, j] * c[r, j + 1] <= a[r, j], and at equal survival
+the smaller position sorts first, so (r, j) precedes (r, j + 1) in the walk. Any prefix of the walk therefore
+contains (r, j) only if it contains (r, 1..j-1): l_r = number of admitted items of r is a valid prefix length.
+
+Why the early stop keeps sampling lossless (and a global argmax does not): the confidence head reads the
+sampled token x[r, j-1], so a[r, j] is a function of x[r, 1..j-1], and a[r, j+1] is a function of x[r, j].
+Admitting x[r, j] must not depend on x[r, j] itself, otherwise the verifier sees x[r, j] only for favourable
+values of x[r, j] and the output distribution is biased (the paper's Appendix A;
+tests/scheduler/test_sched_appendix_a.py). With the early stop, "x[r, j] is admitted" means "Theta improved at
+every step of the walk up to and including (r, j)". Those Theta values depend only on the items that precede
+(r, j) in the walk and on (r, j) itself. Items of request r that precede it are (r, 1..j-1): functions of x[r,
+1..j-2]. Items of other requests do not depend on x[r, j] (each request's draft is sampled independently).
+Items (r, j' > j), the only ones that see x[r, j], always come after (r, j) and so cannot influence its
+admission. Hence {l_r >= j} is decided by quantities fixed before x[r, j] is known: a predictable stopping
+rule, under which per-token rejection sampling stays exact. A global argmax over all prefixes would also look
+at Theta after (r, j + 1), which reads x[r, j]: that is the retrospective search the paper rules out.
+
+The draft-cost term keeps this property because the round time T_draft(R, B) + 1 / SPS(B) depends on the walk
+only through the number of admitted items (B = R + n): Theta_n is still a function of the first n items of the
+walk.
+
+Zero survival is never admitted. Survivals below 2^-960 are treated as zero: added to tau >= 1 they round to
+nothing, so Theta could not improve there (SPS is non-increasing in B and the draft cost non-decreasing) and
+the walk would stop at them anyway; flushing them makes zeros sort strictly last. Empty batches (R = 0) return
+an empty length array; gamma = 0 returns zeros.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.sps import SPSTable
+
+_TINY = 2.0**-960
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """Draft time per round: T_draft(R, B) = fixed_s + per_request_s * R + per_token_s * B.
+
+    The objective becomes expected accepted tokens per second of the WHOLE round, tau / (T_draft + 1/SPS(B)),
+    as in adaptive speculation schemes (vLLM's included) that charge the drafter's time against the speed-up.
+    R is fixed within a round, so `fixed_s + per_request_s * R` only shifts the round time (it makes verifying
+    more tokens relatively cheaper); `per_token_s` charges drafter work that grows with the verified batch
+    (e.g. ingesting the context features of verified positions next round). All terms are >= 0 so the round
+    time never decreases with B.
+    """
+
+    fixed_s: float = 0.0
+    per_request_s: float = 0.0
+    per_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_s", "per_request_s", "per_token_s"):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (ok and math.isfinite(value) and value >= 0):
+                raise ValueError(f"DraftCost.{name} must be a finite number >= 0, got {value!r}")
+
+    def seconds(self, num_requests: int, batch_tokens: np.ndarray) -> np.ndarray:
+        """Draft time for each candidate batch size (vectorised over B)."""
+        return self.fixed_s + self.per_request_s * num_requests + self.per_token_s * np.asarray(batch_tokens)
+
+
+@dataclass(frozen=True)
+class GreedyPath:
+    """The full walk of Algorithm 1 (for inspection, tests and the asynchronous planner; not the hot path).
+
+    `requests[n]`, `positions[n]` (1-based) and `survival[n]` describe the n-th candidate (survival > 0) in
+    walk order; `theta[n]` is the objective after admitting the first n candidates (theta[0]: anchors only).
+    `stop` is the early-stop prefix length n* that Algorithm 1 admits; the walk goes on past it only for
+    inspection.
+    """
+
+    requests: np.ndarray
+    positions: np.ndarray
+    survival: np.ndarray
+    theta: np.ndarray
+    stop: int
+
+
+def validate_confidences(confidences: np.ndarray) -> np.ndarray:
+    """`confidences` as a 2-D real array, or ValueError (NaN, inf, outside [0, 1], bad shape)."""
+    conf = np.asarray(confidences)
+    if conf.ndim != 2:
+        raise ValueError(f"confidences must have shape [R, gamma], got shape {conf.shape}")
+    if conf.dtype == np.bool_ or not (
+        np.issubdtype(conf.dtype, np.floating) or np.issubdtype(conf.dtype, np.integer)
+    ):
+        raise ValueError(f"confidences must be real numbers, got dtype {conf.dtype}")
+    if conf.size and not (conf.min() >= 0 and conf.max() <= 1):  # NaN fails both comparisons
+        bad = np.argwhere(~((conf >= 0) & (conf <= 1)))[0]
+        raise ValueError(
+            f"confidences must be finite and in [0, 1]; got {conf[tuple(bad)]!r} at request {bad[0]}, "
+            f"position {bad[1] + 1}"
+        )
+    return conf
+
+
+class _Workspace:
+    """Per-thread preallocated buffers, grown to the largest R * gamma seen (no steady-state allocation)."""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self._grow(4096)
+
+    def _grow(self, n: int) -> None:
+        self.capacity = max(n, 2 * self.capacity)
+        cap = self.capacity
+        self.survival = np.empty(cap, dtype=np.float64)
+        self.keys = np.empty(cap, dtype=np.uint64)
+        self.index = np.arange(cap, dtype=np.uint64)
+        self.order = np.empty(cap, dtype=np.uint64)
+        self.theta = np.empty(cap + 1, dtype=np.float64)
+        self.round_time = np.empty(cap + 1, dtype=np.float64)
+        self.improving = np.empty(cap, dtype=np.bool_)
+        self.requests = np.empty(cap, dtype=np.uint64)
+
+    def ensure(self, n: int) -> None:
+        if n > self.capacity:
+            self._grow(n)
+
+
+_local = threading.local()
+
+
+def _workspace() -> _Workspace:
+    workspace = getattr(_local, "workspace", None)
+    if workspace is None:
+        workspace = _local.workspace = _Workspace()
+    return workspace
+
+
+def _sorted_walk(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, np.ndarray, int]:
+    """Survival probabilities (flat, index j * R + r) and the walk order over the n_pos positive ones."""
+    num_requests, gamma = conf.shape
+    n = num_requests * gamma
+    ws.ensure(n)
+    survival = ws.survival[:n]
+    grid = survival.reshape(gamma, num_requests)
+    np.copyto(grid, conf.T)
+    np.multiply.accumulate(grid, axis=0, out=grid)
+    np.copyto(survival, 0.0, where=survival < _TINY)
+    n_pos = int(np.count_nonzero(survival))
+    # Key = high bits of ~float_bits(a) (descending a) | flat index j * R + r (position asc, then request
+    # asc).
+    shift = np.uint64(max(1, (n - 1).bit_length()))
+    keys = ws.keys[:n]
+    np.invert(survival.view(np.uint64), out=keys)
+    np.right_shift(keys, shift, out=keys)
+    np.left_shift(keys, shift, out=keys)
+    np.bitwise_or(keys, ws.index[:n], out=keys)
+    keys.sort()
+    order = ws.order[:n_pos]
+    np.bitwise_and(keys[:n_pos], np.uint64((1 << int(shift)) - 1), out=order)
+    return survival, order.view(np.int64), n_pos
+
+
+def _theta_path(
+    survival: np.ndarray,
+    order: np.ndarray,
+    num_requests: int,
+    sps: SPSTable,
+    draft_cost: DraftCost | None,
+    ws: _Workspace,
+) -> np.ndarray:
+    """Theta_n for n = 0..n_pos along the walk (a view into the workspace)."""
+    n_pos = order.size
+    theta = ws.theta[: n_pos + 1]
+    theta[0] = num_requests
+    np.take(survival, order, out=theta[1:])
+    np.cumsum(theta, out=theta)  # tau_n = R + sum of the first n survivals
+    last_b = num_requests + n_pos
+    if draft_cost is None:
+        np.multiply(theta, sps.dense(last_b)[num_requests : last_b + 1], out=theta)
+    else:
+        round_time = ws.round_time[: n_pos + 1]
+        np.add(
+            sps.dense_step_time(last_b)[num_requests : last_b + 1],
+            draft_cost.seconds(num_requests, np.arange(num_requests, last_b + 1, dtype=np.float64)),
+            out=round_time,
+        )
+        np.divide(theta, round_time, out=theta)
+    return theta
+
+
+def _early_stop(theta: np.ndarray, ws: _Workspace) -> int:
+    """n* = the last n such that Theta strictly improved at every step 1..n (the causal early stop)."""
+    steps = theta.size - 1
+    if steps == 0:
+        return 0
+    improving = ws.improving[:steps]
+    np.greater(theta[1:], theta[:-1], out=improving)
+    first = int(improving.argmin())
+    return steps if improving[first] else first
+
+
+def _lengths_of_prefix(order: np.ndarray, count: int, num_requests: int, ws: _Workspace) -> np.ndarray:
+    """l_r = number of request r's items in the first `count` of the walk (a valid prefix: module doc)."""
+    requests = ws.requests[:count]
+    np.remainder(order[:count].view(np.uint64), np.uint64(num_requests), out=requests)
+    return np.bincount(requests.view(np.int64), minlength=num_requests)
+
+
+def _check_sps(sps: SPSTable) -> None:
+    if not isinstance(sps, SPSTable):
+        raise ValueError(f"sps must be an SPSTable, got {type(sps).__name__}")
+
+
+def schedule_lengths(
+    confidences: np.ndarray,
+    sps: SPSTable,
+    *,
+    draft_cost: DraftCost | None = None,
+) -> np.ndarray:
+    """Algorithm 1: verification lengths l_r (int64 [R], 0 <= l_r <= gamma) for confidences [R, gamma].
+
+    The verify batch then holds B = sum_r (1 + l_r) tokens. Raises ValueError on NaN / out-of-range
+    confidences or a non-SPSTable; R = 0 gives an empty array.
+    """
+    conf = validate_confidences(confidences)
+    _check_sps(sps)
+    num_requests, gamma = conf.shape
+    if num_requests == 0 or gamma == 0:
+        return np.zeros(num_requests, dtype=np.int64)
+    ws = _workspace()
+    survival, order, _ = _sorted_walk(conf, ws)
+    theta = _theta_path(survival, order, num_requests, sps, draft_cost, ws)
+    return _lengths_of_prefix(order, _early_stop(theta, ws), num_requests, ws)
+
+
+def greedy_path(
+    confidences: np.ndarray,
+    sps: SPSTable,
+    *,
+    draft_cost: DraftCost | None = None,
+) -> GreedyPath:
+    """The whole walk of Algorithm 1 with Theta for every prefix (copies; for analysis and tests)."""
+    conf = validate_confidences(confidences)
+    _check_sps(sps)
+    num_requests = conf.shape[0]
+    if num_requests == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return GreedyPath(empty, empty, np.zeros(0), np.zeros(1), 0)
+    ws = _workspace()
+    survival, order, _ = _sorted_walk(conf, ws)
+    theta = _theta_path(survival, order, num_requests, sps, draft_cost, ws)
+    return GreedyPath(
+        requests=order % num_requests,
+        positions=order // num_requests + 1,
+        survival=survival[order],
+        theta=theta.copy(),
+        stop=_early_stop(theta, ws),
+    )

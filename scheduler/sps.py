@@ -1,0 +1,278 @@
+"""The SPS table: target forward steps per second as a function of the verify batch size B (in tokens).
+
+Algorithm 1 prices every extra verified token through SPS(B), so the table must be (a) monotone, because the
+early stop treats "one more token never makes a step faster" as a fact, and (b) cheap to evaluate at every
+B = R .. R + R*gamma each round, which is why it exposes a dense per-integer view that the scheduler slices.
+
+Rules (documented behaviour, not accidents):
+- Monotone fix-up: measured steps/s are replaced by their running minimum over ascending B, so a noisy or
+  tile-quantised fast point at a larger B never makes the scheduler believe that adding tokens speeds the step
+  up. A table that needed fixing is accepted with a `SPSMonotonicityWarning`; the raw measurements are kept.
+- Between grid points: linear interpolation of steps/s.
+- Below the smallest grid point: clamped to its value (small batches are latency-bound, the step time is
+  flat).
+- Above the largest grid point: the token throughput B * SPS(B) is held at its last measured value, i.e.
+  SPS(B) = SPS(B_max) * B_max / B (the compute-bound regime, where step time grows linearly with tokens).
+- Persistence: JSON keyed by model, device and dtype; loading a table that was measured for something else
+  warns with `SPSTableMismatchWarning` (the numbers are still usable as a rough prior, but the user should
+  know).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+FORMAT = "dspark-sps/1"
+
+Timer = Callable[[Callable[[], object]], float]
+"""Runs a thunk once and returns the seconds it took (wall clock by default; CUDA events on GPUs)."""
+
+
+class SPSMonotonicityWarning(UserWarning):
+    """The measured steps/s rose with B somewhere and were replaced by their running minimum."""
+
+
+class SPSTableMismatchWarning(UserWarning):
+    """A loaded SPS table was measured for another model, device or dtype than the caller expects."""
+
+
+class SPSTable:
+    """Steps per second SPS(B) of the target's verify step at B batched tokens.
+
+    `steps_per_second(B)` evaluates anywhere (B >= 1); `dense(max_b)` returns an array `d` with `d[B] =
+    SPS(B)` for every integer 0 <= B <= max_b (d[0] repeats SPS(1); B = 0 never occurs), grown and cached on
+    demand so the scheduler's hot path is a slice, not an interpolation.
+    """
+
+    def __init__(
+        self,
+        batch_sizes: Sequence[int] | np.ndarray,
+        steps_per_s: Sequence[float] | np.ndarray,
+        *,
+        model: str = "",
+        device: str = "",
+        dtype: str = "",
+    ) -> None:
+        try:
+            sizes = np.asarray(batch_sizes, dtype=np.float64)
+            rates = np.asarray(steps_per_s, dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"SPS table needs numbers ({error})") from None
+        if sizes.ndim != 1 or rates.ndim != 1 or sizes.shape != rates.shape:
+            raise ValueError(
+                f"SPS table needs two 1-D arrays of equal length, got shapes {sizes.shape} and {rates.shape}"
+            )
+        if sizes.size == 0:
+            raise ValueError("SPS table is empty: profile at least one batch size")
+        if not np.all(np.isfinite(sizes)) or np.any(sizes != np.round(sizes)):
+            raise ValueError(f"SPS batch sizes must be integers, got {sizes.tolist()}")
+        sizes = sizes.astype(np.int64)
+        if np.any(sizes < 1):
+            raise ValueError(f"SPS batch sizes must be >= 1, got {sizes.tolist()}")
+        if not np.all(np.isfinite(rates)) or np.any(rates <= 0):
+            raise ValueError(f"SPS steps/s must be finite and > 0, got {rates.tolist()}")
+        order = np.argsort(sizes, kind="stable")
+        sizes, rates = sizes[order], rates[order]
+        if np.any(np.diff(sizes) == 0):
+            raise ValueError(f"SPS batch sizes must be unique, got {sizes.tolist()}")
+        fixed = np.minimum.accumulate(rates)
+        if np.any(fixed != rates):
+            bad = sizes[fixed != rates].tolist()
+            warnings.warn(
+                f"SPS table is not non-increasing in B (faster at B={bad} than at a smaller B); "
+                "replaced by the running minimum",
+                SPSMonotonicityWarning,
+                stacklevel=2,
+            )
+        self.batch_sizes: np.ndarray = sizes
+        self.measured_steps_per_s: np.ndarray = rates
+        self.steps_per_s: np.ndarray = fixed
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self._dense = np.empty(0, dtype=np.float64)
+        self._dense_step_time = np.empty(0, dtype=np.float64)
+
+    def __repr__(self) -> str:
+        points = ", ".join(f"{b}:{s:.4g}" for b, s in zip(self.batch_sizes, self.steps_per_s, strict=True))
+        return f"SPSTable(model={self.model!r}, device={self.device!r}, dtype={self.dtype!r}, {{{points}}})"
+
+    def steps_per_second(self, batch_tokens: int | np.ndarray) -> np.ndarray:
+        """SPS at any B >= 1 (vectorised): interpolated, clamped below, constant tokens/s above."""
+        b = np.asarray(batch_tokens, dtype=np.float64)
+        if np.any(~np.isfinite(b)) or np.any(b < 1):
+            raise ValueError("batch tokens must be finite and >= 1")
+        inside = np.interp(b, self.batch_sizes, self.steps_per_s)
+        b_max = float(self.batch_sizes[-1])
+        above = self.steps_per_s[-1] * b_max / np.maximum(b, b_max)
+        return np.where(b > b_max, above, inside)
+
+    def __call__(self, batch_tokens: int | np.ndarray) -> np.ndarray:
+        return self.steps_per_second(batch_tokens)
+
+    def _grow(self, max_batch_tokens: int) -> None:
+        size = 1 << max(10, int(max_batch_tokens).bit_length())
+        dense = self.steps_per_second(np.arange(size, dtype=np.float64).clip(min=1))
+        # Float rounding in interpolation must not break the exact monotonicity the early stop relies on.
+        dense = np.minimum.accumulate(dense)
+        self._dense_step_time = 1.0 / dense
+        self._dense = dense
+
+    def dense(self, max_batch_tokens: int) -> np.ndarray:
+        """`d[B] = SPS(B)` for all integers 0 <= B <= max_batch_tokens (or more): exactly non-increasing."""
+        if max_batch_tokens >= self._dense.size:
+            self._grow(max_batch_tokens)
+        return self._dense
+
+    def dense_step_time(self, max_batch_tokens: int) -> np.ndarray:
+        """`t[B] = 1 / SPS(B)` seconds per verify step, same indexing and growth as `dense`."""
+        if max_batch_tokens >= self._dense_step_time.size:
+            self._grow(max_batch_tokens)
+        return self._dense_step_time
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "model": self.model,
+            "device": self.device,
+            "dtype": self.dtype,
+            "batch_sizes": self.batch_sizes.tolist(),
+            "steps_per_s": self.measured_steps_per_s.tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SPSTable:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"not an SPS table (expected format {FORMAT!r})")
+        try:
+            return cls(
+                data["batch_sizes"],
+                data["steps_per_s"],
+                model=str(data.get("model", "")),
+                device=str(data.get("device", "")),
+                dtype=str(data.get("dtype", "")),
+            )
+        except KeyError as missing:
+            raise ValueError(f"SPS table JSON lacks {missing}") from None
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the raw measurements (the fix-up is re-applied on load, so nothing is lost)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        model: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+    ) -> SPSTable:
+        """Loads a table; warns when it was measured for another model/device/dtype than the ones given."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from None
+        table = cls.from_dict(data)
+        expected = {"model": model, "device": device, "dtype": dtype}
+        mismatches = [
+            f"{key} {getattr(table, key)!r} != {want!r}"
+            for key, want in expected.items()
+            if want is not None and getattr(table, key) != want
+        ]
+        if mismatches:
+            warnings.warn(
+                f"SPS table {path} was measured for another setup ({'; '.join(mismatches)}); "
+                "re-profile for accurate scheduling",
+                SPSTableMismatchWarning,
+                stacklevel=2,
+            )
+        return table
+
+
+def wall_clock_timer(thunk: Callable[[], object]) -> float:
+    """Seconds `thunk()` took by `time.perf_counter` (right for CPU steps and synchronising GPU steps)."""
+    start = time.perf_counter()
+    thunk()
+    return time.perf_counter() - start
+
+
+def cuda_event_timer(device: Any = None) -> Timer:
+    """A timer measuring GPU time with CUDA events (asynchronous launches are otherwise timed as ~0 s)."""
+    import torch
+
+    def timer(thunk: Callable[[], object]) -> float:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        stream = torch.cuda.current_stream(device)
+        start.record(stream)
+        thunk()
+        end.record(stream)
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+    return timer
+
+
+def default_batch_grid(max_batch_tokens: int, *, min_batch_tokens: int = 1) -> list[int]:
+    """Powers of two and their 1.5x midpoints in [min, max], plus max: dense where step time bends."""
+    if min_batch_tokens < 1 or max_batch_tokens < min_batch_tokens:
+        raise ValueError(
+            f"need 1 <= min_batch_tokens <= max_batch_tokens, got {min_batch_tokens}, {max_batch_tokens}"
+        )
+    grid = {min_batch_tokens, max_batch_tokens}
+    power = 1
+    while power <= max_batch_tokens:
+        for b in (power, power + power // 2):
+            if min_batch_tokens <= b <= max_batch_tokens:
+                grid.add(b)
+        power *= 2
+    return sorted(grid)
+
+
+def profile_sps(
+    run_step: Callable[[int], object],
+    batch_sizes: Sequence[int],
+    *,
+    model: str = "",
+    device: str = "",
+    dtype: str = "",
+    warmup: int = 3,
+    repeats: int = 15,
+    timer: Timer = wall_clock_timer,
+    progress: bool = True,
+) -> SPSTable:
+    """Measures SPS(B) = 1 / median step time of `run_step(B)` for each B, after `warmup` untimed calls.
+
+    Medians, not means: a GC pause or a co-tenant's burst should not move the table. Warm-up absorbs lazy
+    allocation, autotuning and CUDA-graph capture. On GPUs pass `timer=cuda_event_timer()` (or make `run_step`
+    synchronise and keep the wall clock).
+    """
+    sizes = [int(b) for b in batch_sizes]
+    if not sizes:
+        raise ValueError("profile_sps needs at least one batch size")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
+    rates = []
+    for b in tqdm(sizes, desc="SPS profile", unit="B", disable=not progress):
+        if b < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {b}")
+        for _ in range(warmup):
+            run_step(b)
+        median = statistics.median(timer(lambda b=b: run_step(b)) for _ in range(repeats))
+        if not median > 0:
+            raise ValueError(f"timer returned a non-positive median step time ({median}) at B={b}")
+        rates.append(1.0 / median)
+    return SPSTable(sizes, rates, model=model, device=device, dtype=dtype)
