@@ -37,8 +37,15 @@ def _add_version(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_version)
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    """``train-tokenizer``, ``demo-corpus``, ``train-target``: rebuild the shipped demo models."""
+    from verify_service.demo.cli import register
+
+    register(sub)
+
+
 #: Subcommand registrars; later modules add theirs here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
