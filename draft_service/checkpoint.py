@@ -1,13 +1,14 @@
 """Load and save DSpark draft checkpoints in DeepSpec's exact on-disk layout.
 
 A checkpoint is a folder with ``config.json`` (the target's HF config plus DSpark keys, see ``config.py``) and
-unprefixed weights (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ``markov_head.markov_w1.weight``, ...) in
-``model.safetensors`` or in shards listed by ``model.safetensors.index.json``, stored float32 or bfloat16. This is
-what DeepSpec's ``save_pretrained`` writes, and what our own training writes through :func:`save_draft_model`.
+unprefixed weights (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ``markov_head.markov_w1.weight``,
+...) in ``model.safetensors`` or in shards listed by ``model.safetensors.index.json``, stored float32 or
+bfloat16. This is what DeepSpec's ``save_pretrained`` writes, and what our own training writes through
+:func:`save_draft_model`.
 
-The drafter carries copies of the target's input embedding and LM head. They must equal the target's (the draft
-was trained with them frozen); a mismatch means a draft paired with the wrong target, which would not break
-correctness (verification is lossless) but would ruin acceptance, so we warn loudly instead of failing.
+The drafter carries copies of the target's input embedding and LM head. They must equal the target's (the
+draft was trained with them frozen); a mismatch means a draft paired with the wrong target, which would not
+break correctness (verification is lossless) but would ruin acceptance, so we warn loudly instead of failing.
 Every error is a :class:`CheckpointError` (a ValueError) naming the file and the key or tensor.
 """
 
@@ -65,7 +66,9 @@ def _tensor_files(folder: Path) -> tuple[dict[str, Path], Path]:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(str(index_path), "weight_map", f"unreadable shard index ({exc})") from exc
         if not isinstance(weight_map, Mapping):
-            raise CheckpointError(str(index_path), "weight_map", "expected an object {tensor name: shard file}")
+            raise CheckpointError(
+                str(index_path), "weight_map", "expected an object {tensor name: shard file}"
+            )
         files: dict[str, Path] = {}
         for name, shard in weight_map.items():
             shard_path = folder / str(shard)
@@ -73,10 +76,14 @@ def _tensor_files(folder: Path) -> tuple[dict[str, Path], Path]:
                 raise CheckpointError(str(index_path), name, f"shard file {shard_path} not found")
             files[name] = shard_path
         return files, index_path
-    raise CheckpointError(str(folder), WEIGHTS_NAME, f"no weights: neither {WEIGHTS_NAME} nor {INDEX_NAME} exists")
+    raise CheckpointError(
+        str(folder), WEIGHTS_NAME, f"no weights: neither {WEIGHTS_NAME} nor {INDEX_NAME} exists"
+    )
 
 
-def read_safetensors_folder(folder: str | Path, names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], Path]:
+def read_safetensors_folder(
+    folder: str | Path, names: list[str] | None = None
+) -> tuple[dict[str, torch.Tensor], Path]:
     """Read tensors (all, or only ``names``) from a single-file or sharded safetensors folder.
 
     Returns the tensors in their stored dtype and the path to name in errors.
@@ -92,10 +99,12 @@ def read_safetensors_folder(folder: str | Path, names: list[str] | None = None) 
     tensors: dict[str, torch.Tensor] = {}
     for path, file_names in by_file.items():
         with safe_open(str(path), framework="pt") as handle:
-            present = set(handle.keys())  # noqa: SIM118
+            present = set(handle.keys())
             for name in file_names:
                 if name not in present:
-                    raise CheckpointError(str(path), name, "missing tensor (listed in the index, absent in the shard)")
+                    raise CheckpointError(
+                        str(path), name, "missing tensor (listed in the index, absent in the shard)"
+                    )
                 tensors[name] = handle.get_tensor(name)
     return tensors, source
 
@@ -103,7 +112,8 @@ def read_safetensors_folder(folder: str | Path, names: list[str] | None = None) 
 def read_target_embeddings(target_dir: str | Path) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """(target config.json, input embedding [V, H], output embedding [V, H]) of an HF Qwen3 folder.
 
-    Reads only those two tensors. A tied target has no ``lm_head.weight``: its output projection is the embedding.
+    Reads only those two tensors. A tied target has no ``lm_head.weight``: its output projection is the
+    embedding.
     """
     target_dir = Path(target_dir)
     config_path = target_dir / CONFIG_NAME
@@ -120,24 +130,29 @@ def read_target_embeddings(target_dir: str | Path) -> tuple[dict[str, Any], torc
     return target_config, embed, embed if tied else tensors["lm_head.weight"]
 
 
-def check_target_compatibility(config: DraftConfig, target_config: Mapping[str, Any], *, draft_source: str,
-                               target_source: str) -> None:
+def check_target_compatibility(
+    config: DraftConfig, target_config: Mapping[str, Any], *, draft_source: str, target_source: str
+) -> None:
     """The draft must fit its target: same vocabulary and width, valid target layer ids."""
     for key in ("vocab_size", "hidden_size"):
         if key in target_config and target_config[key] != getattr(config, key):
             raise CheckpointError(
-                draft_source, key,
+                draft_source,
+                key,
                 f"draft has {getattr(config, key)} but the target ({target_source}) has {target_config[key]}",
             )
     target_layers = target_config.get("num_hidden_layers")
     if target_layers is not None:
         if target_layers != config.num_target_layers:
             raise CheckpointError(
-                draft_source, "num_target_layers",
-                f"draft was built for {config.num_target_layers} target layers, the target ({target_source}) has "
-                f"{target_layers}",
+                draft_source,
+                "num_target_layers",
+                f"draft was built for {config.num_target_layers} target layers, the target "
+                f"({target_source}) has {target_layers}",
             )
-        validate_target_layer_ids(list(config.target_layer_ids), int(target_layers), draft_source, "target_layer_ids")
+        validate_target_layer_ids(
+            list(config.target_layer_ids), int(target_layers), draft_source, "target_layer_ids"
+        )
 
 
 def _same_weights(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -150,16 +165,30 @@ def _same_weights(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.to(low), b.to(low))
 
 
-def check_embeddings(draft_embed: torch.Tensor, draft_lm_head: torch.Tensor, target_embed: torch.Tensor,
-                     target_lm_head: torch.Tensor, *, source: str) -> list[str]:
+def check_embeddings(
+    draft_embed: torch.Tensor,
+    draft_lm_head: torch.Tensor,
+    target_embed: torch.Tensor,
+    target_lm_head: torch.Tensor,
+    *,
+    source: str,
+) -> list[str]:
     """Warn (EmbeddingMismatchWarning) for each copy that differs from the target's; return the messages."""
     problems = []
-    for key, draft_w, target_w in (("embed_tokens.weight", draft_embed, target_embed),
-                                   ("lm_head.weight", draft_lm_head, target_lm_head)):
+    for key, draft_w, target_w in (
+        ("embed_tokens.weight", draft_embed, target_embed),
+        ("lm_head.weight", draft_lm_head, target_lm_head),
+    ):
         if not _same_weights(draft_w, target_w):
-            diff = (draft_w.float() - target_w.float()).abs().max().item() if draft_w.shape == target_w.shape else None
-            message = (f"{source}: '{key}' differs from the target's copy (max abs diff {diff}, shapes "
-                       f"{tuple(draft_w.shape)} vs {tuple(target_w.shape)}): is this draft trained for this target?")
+            diff = (
+                (draft_w.float() - target_w.float()).abs().max().item()
+                if draft_w.shape == target_w.shape
+                else None
+            )
+            message = (
+                f"{source}: '{key}' differs from the target's copy (max abs diff {diff}, shapes "
+                f"{tuple(draft_w.shape)} vs {tuple(target_w.shape)}): is this draft trained for this target?"
+            )
             problems.append(message)
             logger.warning(message)
             warnings.warn(message, EmbeddingMismatchWarning, stacklevel=3)
@@ -187,8 +216,12 @@ def load_draft_model(
     target_embed = target_lm_head = None
     if target_dir is not None:
         target_config, target_embed, target_lm_head = read_target_embeddings(target_dir)
-        check_target_compatibility(config, target_config, draft_source=str(config_path),
-                                   target_source=str(Path(target_dir) / CONFIG_NAME))
+        check_target_compatibility(
+            config,
+            target_config,
+            draft_source=str(config_path),
+            target_source=str(Path(target_dir) / CONFIG_NAME),
+        )
 
     with torch.device("meta"):
         model = DSparkDraftModel(config)
@@ -196,19 +229,28 @@ def load_draft_model(
     files, source = _tensor_files(draft_dir)
     for name in files:
         if name not in expected:
-            raise CheckpointError(str(files[name]), name, "unexpected tensor (not part of this config's model)")
+            raise CheckpointError(
+                str(files[name]), name, "unexpected tensor (not part of this config's model)"
+            )
     raw, _ = read_safetensors_folder(draft_dir, list(expected))
     for name, tensor in raw.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(
-                str(files[name]), name,
-                f"shape {tuple(tensor.shape)} does not match {tuple(expected[name].shape)} implied by {config_path}",
+                str(files[name]),
+                name,
+                f"shape {tuple(tensor.shape)} does not match {tuple(expected[name].shape)} implied by "
+                f"{config_path}",
             )
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise CheckpointError(str(files[name]), name, f"unsupported dtype {tensor.dtype}")
     if target_embed is not None and target_lm_head is not None:
-        check_embeddings(raw["embed_tokens.weight"], raw["lm_head.weight"], target_embed, target_lm_head,
-                         source=str(source))
+        check_embeddings(
+            raw["embed_tokens.weight"],
+            raw["lm_head.weight"],
+            target_embed,
+            target_lm_head,
+            source=str(source),
+        )
 
     state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in raw.items()}
     model.load_state_dict(state, strict=True, assign=True)
@@ -224,7 +266,8 @@ def save_draft_model(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int | None = None,
 ) -> Path:
-    """Write ``model`` in DeepSpec's layout: config.json + unprefixed safetensors (sharded above max_shard_bytes).
+    """Write ``model`` in DeepSpec's layout: config.json + unprefixed safetensors (sharded above
+    max_shard_bytes).
 
     Stale weight files in ``out_dir`` are removed first so a folder never holds two competing weight sets.
     """

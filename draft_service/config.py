@@ -27,7 +27,9 @@ class CheckpointError(ValueError):
         super().__init__(f"{source}: key '{key}': {message}")
 
 
-def _get(raw: Mapping[str, Any], key: str, source: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+def _get(
+    raw: Mapping[str, Any], key: str, source: str, kind: type | tuple[type, ...], default: Any = ...
+) -> Any:
     if key not in raw or raw[key] is None:
         if default is ...:
             raise CheckpointError(source, key, "missing")
@@ -60,9 +62,13 @@ def _rope_theta(raw: Mapping[str, Any], source: str) -> float:
     else:
         scaling = raw.get("rope_scaling")
         if scaling is not None:
-            rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else scaling
+            rope_type = (
+                scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else scaling
+            )
             if rope_type != "default":
-                raise CheckpointError(source, "rope_scaling", f"only default RoPE is supported, got {scaling!r}")
+                raise CheckpointError(
+                    source, "rope_scaling", f"only default RoPE is supported, got {scaling!r}"
+                )
         theta = raw.get("rope_theta", 10000.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise CheckpointError(source, "rope_theta", f"expected a positive number, got {theta!r}")
@@ -127,8 +133,12 @@ class DraftConfig:
         heads = _get(raw, "num_attention_heads", source, int)
         kv_heads = _get(raw, "num_key_value_heads", source, int, heads)
         head_dim = _get(raw, "head_dim", source, int, hidden // heads if heads > 0 else 0)
-        for key, value in (("hidden_size", hidden), ("num_attention_heads", heads),
-                           ("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
+        for key, value in (
+            ("hidden_size", hidden),
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv_heads),
+            ("head_dim", head_dim),
+        ):
             if value <= 0:
                 raise CheckpointError(source, key, f"must be positive, got {value}")
         if heads % kv_heads != 0:
@@ -146,13 +156,17 @@ class DraftConfig:
             raise CheckpointError(source, "num_hidden_layers", f"must be positive, got {num_draft_layers}")
         layer_types = raw.get("layer_types")
         if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise CheckpointError(source, "layer_types", f"only 'full_attention' is supported, got {layer_types}")
+            raise CheckpointError(
+                source, "layer_types", f"only 'full_attention' is supported, got {layer_types}"
+            )
         num_target_layers = _get(raw, "num_target_layers", source, int)
         if num_target_layers <= 0:
             raise CheckpointError(source, "num_target_layers", f"must be positive, got {num_target_layers}")
         layer_ids = _get(raw, "target_layer_ids", source, list)
         if not layer_ids or any(isinstance(i, bool) or not isinstance(i, int) for i in layer_ids):
-            raise CheckpointError(source, "target_layer_ids", f"expected a non-empty list of ints, got {layer_ids}")
+            raise CheckpointError(
+                source, "target_layer_ids", f"expected a non-empty list of ints, got {layer_ids}"
+            )
         validate_target_layer_ids(layer_ids, num_target_layers, source, "target_layer_ids")
 
         vocab = _get(raw, "vocab_size", source, int)
@@ -160,7 +174,9 @@ class DraftConfig:
             raise CheckpointError(source, "vocab_size", f"must be positive, got {vocab}")
         mask_token_id = _get(raw, "mask_token_id", source, int)
         if not 0 <= mask_token_id < vocab:
-            raise CheckpointError(source, "mask_token_id", f"{mask_token_id} is outside the vocabulary [0, {vocab})")
+            raise CheckpointError(
+                source, "mask_token_id", f"{mask_token_id} is outside the vocabulary [0, {vocab})"
+            )
         block_size = _get(raw, "block_size", source, int)
         if block_size <= 0:
             raise CheckpointError(source, "block_size", f"must be positive, got {block_size}")
@@ -173,7 +189,8 @@ class DraftConfig:
             markov_head_type = _get(raw, "markov_head_type", source, str).lower()
             if markov_head_type not in MARKOV_HEAD_TYPES:
                 raise CheckpointError(
-                    source, "markov_head_type",
+                    source,
+                    "markov_head_type",
                     f"unknown head type {raw['markov_head_type']!r}; expected one of {MARKOV_HEAD_TYPES}",
                 )
         enable_confidence = _get(raw, "enable_confidence_head", source, bool)
@@ -210,7 +227,8 @@ class DraftConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config.json content: the raw keys we were built from, with our parsed fields written over them.
 
-        A config built in code (no raw dict) gets the minimal DeepSpec key set, so DeepSpec can load what we save.
+        A config built in code (no raw dict) gets the minimal DeepSpec key set, so DeepSpec can load what we
+        save.
         """
         out = dict(self.raw)
         out.update(
@@ -253,16 +271,17 @@ class DraftConfig:
 def validate_target_layer_ids(layer_ids: list[int], num_target_layers: int, source: str, key: str) -> None:
     """DeepSpec's rule: ids in {-1} U [0, L-2], strictly increasing.
 
-    The last target layer is excluded because HF's ``output_hidden_states`` stores the final NORMED state there,
-    while the drafter was trained on raw decoder-layer outputs.
+    The last target layer is excluded because HF's ``output_hidden_states`` stores the final NORMED state
+    there, while the drafter was trained on raw decoder-layer outputs.
     """
     previous: int | None = None
     for layer_id in layer_ids:
         if not (layer_id == -1 or 0 <= layer_id <= num_target_layers - 2):
             raise CheckpointError(
-                source, key,
-                f"target layer id {layer_id} is out of range {{-1}} U [0, {num_target_layers - 2}] for a target "
-                f"with {num_target_layers} layers (-1 = embedding output; the last layer is not allowed)",
+                source,
+                key,
+                f"target layer id {layer_id} is out of range {{-1}} U [0, {num_target_layers - 2}] for a "
+                f"target with {num_target_layers} layers (-1 = embedding output; the last layer is excluded)",
             )
         if previous is not None and layer_id <= previous:
             raise CheckpointError(source, key, f"ids must be strictly increasing, got {layer_ids}")

@@ -1,14 +1,14 @@
 """Per-request draft context cache in slot form.
 
 A draft layer turns each projected context row into keys and values with its own k_proj / v_proj (+ k_norm and
-RoPE at the row's absolute position). Those K/V depend on nothing else (not on the block, not on later rows), so
-they are computed once when the row's context features arrive and kept here; a round only appends the rows of
-newly accepted tokens. This is DeepSpec's bookkeeping too: its DynamicCache gets context rows and block rows,
-then is cropped back to ``start`` after every block, which leaves exactly the context rows.
+RoPE at the row's absolute position). Those K/V depend on nothing else (not on the block, not on later rows),
+so they are computed once when the row's context features arrive and kept here; a round only appends the rows
+of newly accepted tokens. This is DeepSpec's bookkeeping too: its DynamicCache gets context rows and block
+rows, then is cropped back to ``start`` after every block, which leaves exactly the context rows.
 
 Layout (SHARED_DECISIONS): K and V are [num_layers, num_slots, max_seq_len, num_kv_heads, head_dim]; a request
-owns one slot for its lifetime and ``lengths[slot]`` valid rows (positions 0..length-1). Rollback is setting the
-length back. Static shapes keep CUDA graphs possible and avoid fragmentation bookkeeping.
+owns one slot for its lifetime and ``lengths[slot]`` valid rows (positions 0..length-1). Rollback is setting
+the length back. Static shapes keep CUDA graphs possible and avoid fragmentation bookkeeping.
 """
 
 from __future__ import annotations

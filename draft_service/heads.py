@@ -2,7 +2,8 @@
 
 The parallel backbone gives base logits U_k for every block position at once; these heads add a bias
 B_k(x_{k-1}, ...) that depends on the token sampled just before, so drafting stays a cheap left-to-right loop
-of small matmuls while every per-position distribution is still an exact softmax (what rejection sampling needs).
+of small matmuls while every per-position distribution is still an exact softmax (what rejection sampling
+needs).
 
 Module and parameter names match DeepSpec's checkpoints (``markov_head.markov_w1.weight``,
 ``markov_head.gate_proj.{weight,bias}``, ``markov_head.joint_proj.{weight,bias}``,
@@ -42,14 +43,16 @@ class MarkovHead(nn.Module):
         del batch, like
         return None
 
-    def latent(self, state: torch.Tensor | None, prev_ids: torch.Tensor, hidden: torch.Tensor
-               ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def latent(
+        self, state: torch.Tensor | None, prev_ids: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(new state, r-dim latent that W2 maps to the vocabulary bias)."""
         del hidden
         return state, self.prev_embedding(prev_ids)
 
-    def step(self, state: torch.Tensor | None, prev_ids: torch.Tensor, hidden: torch.Tensor
-             ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def step(
+        self, state: torch.Tensor | None, prev_ids: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         state, latent = self.latent(state, prev_ids, hidden)
         return state, self.markov_w2(latent)
 
@@ -76,8 +79,9 @@ class GatedMarkovHead(MarkovHead):
         super().__init__(vocab_size, markov_rank)
         self.gate_proj = nn.Linear(hidden_size + markov_rank, markov_rank)
 
-    def latent(self, state: torch.Tensor | None, prev_ids: torch.Tensor, hidden: torch.Tensor
-               ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def latent(
+        self, state: torch.Tensor | None, prev_ids: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         emb = self.prev_embedding(prev_ids)
         gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], dim=-1)))
         return state, gate * emb
@@ -99,12 +103,15 @@ class RNNHead(MarkovHead):
     def init_state(self, batch: int, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(batch, self.markov_rank, dtype=like.dtype, device=like.device)
 
-    def latent(self, state: torch.Tensor | None, prev_ids: torch.Tensor, hidden: torch.Tensor
-               ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def latent(
+        self, state: torch.Tensor | None, prev_ids: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         if state is None:
             raise ValueError("the RNN head needs its state: call init_state() at the anchor of every block")
         emb = self.prev_embedding(prev_ids)
-        gate_raw, candidate_raw, output_raw = self.joint_proj(torch.cat([state, emb, hidden], dim=-1)).chunk(3, -1)
+        gate_raw, candidate_raw, output_raw = self.joint_proj(torch.cat([state, emb, hidden], dim=-1)).chunk(
+            3, -1
+        )
         gate = torch.sigmoid(gate_raw)
         new_state = gate * state + (1.0 - gate) * torch.tanh(candidate_raw)
         return new_state, torch.tanh(output_raw)

@@ -3,14 +3,15 @@
 One block for a request whose anchor sits at absolute position ``start``:
 1. context rows (positions 0..start-1): ``ctx = hidden_norm(fc(concat of target features))``;
 2. block input ``embed([anchor, mask, ..., mask])`` at positions start..start+bs-1;
-3. every draft layer attends from the bs block queries over [its own K/V of ctx ; K/V of the block] with NO mask
-   (bidirectional inside the block, full view of the context): "KV injection";
+3. every draft layer attends from the bs block queries over [its own K/V of ctx ; K/V of the block] with NO
+   mask (bidirectional inside the block, full view of the context): "KV injection";
 4. final norm -> block hidden h_k; ``lm_head`` -> base logits U_k (row k predicts position start+k+1, so the
    anchor row is the first prediction).
 
-The names of modules and parameters are DeepSpec's (``fc``, ``hidden_norm``, ``layers.{i}.self_attn.q_proj``, ...),
-so its checkpoints load as plain state dicts. Context K/V of every layer are cached per request in a
-:class:`DraftContextCache`; ``draft_block`` drafts R requests with different context lengths in one batched pass.
+The names of modules and parameters are DeepSpec's (``fc``, ``hidden_norm``, ``layers.{i}.self_attn.q_proj``,
+...), so its checkpoints load as plain state dicts. Context K/V of every layer are cached per request in a
+:class:`DraftContextCache`; ``draft_block`` drafts R requests with different context lengths in one batched
+pass.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
-    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def key_value(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (k_norm, then RoPE) and values of rows x [..., S, H] -> two [..., S, KVH, D].
 
         Used for the projected context (cached) and for the block's own rows alike: DeepSpec applies the same
@@ -98,7 +101,7 @@ class DraftAttention(nn.Module):
         ctx_v: torch.Tensor,
         key_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x [R, bs, H] (normed block rows); ctx_k/v [R, T, KVH, D]; key_mask [R, T+bs] bool or None (all valid)."""
+        """x [R, bs, H] normed block rows; ctx_k/v [R, T, KVH, D]; key_mask [R, T+bs] (None: all valid)."""
         R, bs, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(R, bs, self.num_heads, self.head_dim)), cos, sin)
         k_blk, v_blk = self.key_value(x, cos, sin)
@@ -136,8 +139,15 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, key_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -172,14 +182,19 @@ class DSparkDraftModel(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    def new_context_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None
-                          ) -> DraftContextCache:
+    def new_context_cache(
+        self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None
+    ) -> DraftContextCache:
         """A slot cache shaped for this model, on its device."""
         c = self.config
         return DraftContextCache(
-            num_layers=c.num_draft_layers, num_slots=num_slots, max_seq_len=max_seq_len,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-            dtype=dtype or self.dtype, device=self.device,
+            num_layers=c.num_draft_layers,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            dtype=dtype or self.dtype,
+            device=self.device,
         )
 
     # ---- context ------------------------------------------------------------------------------------------
@@ -191,13 +206,15 @@ class DSparkDraftModel(nn.Module):
         """
         if features.shape[-1] != self.config.context_feature_size:
             raise ValueError(
-                f"context features have width {features.shape[-1]}, expected m*H = {self.config.context_feature_size}"
-                f" (target_layer_ids={list(self.config.target_layer_ids)}, hidden_size={self.config.hidden_size})"
+                f"context features have width {features.shape[-1]}, expected m*H = "
+                f"{self.config.context_feature_size} (target_layer_ids={list(self.config.target_layer_ids)}, "
+                f"hidden_size={self.config.hidden_size})"
             )
         return self.hidden_norm(self.fc(features.to(self.dtype)))
 
-    def context_key_values(self, projected: torch.Tensor, positions: torch.Tensor
-                           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_key_values(
+        self, projected: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per draft layer, K/V of projected context rows [..., S, H] at absolute positions [..., S]."""
         cos, sin = self.rotary(positions, self.dtype)
         return [layer.self_attn.key_value(projected, cos, sin) for layer in self.layers]
@@ -221,20 +238,25 @@ class DSparkDraftModel(nn.Module):
         cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).reshape(-1).cpu()
         cache.check_slots(slots_t)
         if cu.numel() != slots_t.numel() + 1 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(f"cu_seqlens must be non-decreasing offsets [R+1] starting at 0, got {cu.tolist()}")
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing offsets [R+1] starting at 0, got {cu.tolist()}"
+            )
         if rows.ndim != 2 or rows.shape[0] != int(cu[-1]):
             raise ValueError(f"context rows must be [N={int(cu[-1])}, width], got {tuple(rows.shape)}")
         counts = cu[1:] - cu[:-1]
         new_lengths = cache.lengths[slots_t] + counts
         if bool((new_lengths > cache.max_seq_len).any()):
             raise ValueError(
-                f"context cache overflow: lengths {new_lengths.tolist()} exceed max_seq_len {cache.max_seq_len}"
+                f"context cache overflow: lengths {new_lengths.tolist()} exceed max_seq_len "
+                f"{cache.max_seq_len}"
             )
         if rows.shape[0] == 0:
             return
         if projected:
             if rows.shape[-1] != self.config.hidden_size:
-                raise ValueError(f"projected context has width {rows.shape[-1]}, expected {self.config.hidden_size}")
+                raise ValueError(
+                    f"projected context has width {rows.shape[-1]}, expected {self.config.hidden_size}"
+                )
             ctx = rows.to(self.dtype)
         else:
             ctx = self.project_context(rows)
@@ -249,8 +271,9 @@ class DSparkDraftModel(nn.Module):
 
     # ---- backbone -----------------------------------------------------------------------------------------
 
-    def _block_inputs(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _block_inputs(
+        self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         R, bs = anchor_ids.shape[0], self.block_size
         block_ids = torch.full((R, bs), self.config.mask_token_id, dtype=torch.int64, device=self.device)
         block_ids[:, 0] = anchor_ids.to(self.device)
@@ -268,8 +291,8 @@ class DSparkDraftModel(nn.Module):
     ) -> torch.Tensor:
         """Backbone for R requests in one pass -> block hidden [R, bs, H] (after the final norm).
 
-        anchor_ids [R], anchor_positions [R]; each slot must hold exactly the context rows 0..anchor_position-1
-        (DeepSpec's invariant: the draft cache is cropped back to ``start`` every round).
+        anchor_ids [R], anchor_positions [R]; each slot must hold exactly the context rows
+        0..anchor_position-1 (DeepSpec's invariant: the draft cache is cropped back to ``start`` every round).
         """
         anchor_ids = torch.as_tensor(anchor_ids, dtype=torch.int64).reshape(-1)
         anchor_positions = torch.as_tensor(anchor_positions, dtype=torch.int64).reshape(-1)
@@ -293,16 +316,20 @@ class DSparkDraftModel(nn.Module):
         if bool((lengths != T).any()):
             dev = self.device
             ctx_valid = torch.arange(T, device=dev)[None, :] < lengths.to(dev)[:, None]
-            key_mask = torch.cat([ctx_valid, torch.ones(len(slots_t), self.block_size, dtype=torch.bool,
-                                                         device=dev)], dim=1)
+            key_mask = torch.cat(
+                [ctx_valid, torch.ones(len(slots_t), self.block_size, dtype=torch.bool, device=dev)], dim=1
+            )
         slot_idx = slots_t.to(cache.device)
         for layer_idx, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[layer_idx, slot_idx, :T], cache.v[layer_idx, slot_idx, :T], key_mask)
+            x = layer(
+                x, cos, sin, cache.k[layer_idx, slot_idx, :T], cache.v[layer_idx, slot_idx, :T], key_mask
+            )
         return self.norm(x)
 
     @torch.no_grad()
     def draft_block_uncached(self, context_features: torch.Tensor, anchor_id: int) -> torch.Tensor:
-        """One request recomputed from scratch: context features [start, m*H] of positions 0..start-1 -> [bs, H].
+        """One request recomputed from scratch: context features [start, m*H] of positions 0..start-1 -> [bs,
+        H].
 
         The plain, cache-free definition; the oracle for ``draft_block``.
         """
@@ -322,15 +349,18 @@ class DSparkDraftModel(nn.Module):
         """U_k = lm_head(h_k): [..., H] -> [..., V] (float32)."""
         return self.lm_head(block_hidden).float()
 
-    def markov_logits(self, base_logits: torch.Tensor, prev_ids: torch.Tensor, block_hidden: torch.Tensor
-                      ) -> torch.Tensor:
-        """Teacher-forced corrected logits U_k + B_k(prev_ids[:, k]) for a fixed previous-token path [R, bs]."""
+    def markov_logits(
+        self, base_logits: torch.Tensor, prev_ids: torch.Tensor, block_hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """Teacher-forced corrected logits U_k + B_k(prev_ids[:, k]) for a fixed previous-token path [R,
+        bs]."""
         if self.markov_head is None:
             return base_logits
         return base_logits + self.markov_head.block_bias(prev_ids.to(self.device), block_hidden).float()
 
     def confidence_logits(self, block_hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
-        """Raw confidence logits [...] for hidden [..., H] and the previous tokens [...] (None without a head)."""
+        """Raw confidence logits [...] for hidden [..., H] and the previous tokens [...] (None without a
+        head)."""
         if self.confidence_head is None:
             return None
         features = block_hidden

@@ -2,18 +2,19 @@
 
 After the parallel backbone gives block hidden states h_k and base logits U_k for k = 0..bs-1, drafting walks
 the block left to right: the Markov / gated / RNN head adds a bias B_k that depends on the token sampled just
-before (x_{-1} = the anchor), the token x_k is drawn from softmax((U_k + B_k) / T) (optionally truncated to its
-top-k and renormalised), and the confidence head scores the same path. Only this loop is sequential, and it is a
-few small matmuls per position.
+before (x_{-1} = the anchor), the token x_k is drawn from softmax((U_k + B_k) / T) (optionally truncated to
+its top-k and renormalised), and the confidence head scores the same path. Only this loop is sequential, and
+it is a few small matmuls per position.
 
-Losslessness needs the verifier to see EXACTLY the distribution each draft token was drawn from; it is returned
-here, dense [R, bs, V] or sparse (top-K ids + renormalised probs) when the drafter truncates (cheap on the wire).
+Losslessness needs the verifier to see EXACTLY the distribution each draft token was drawn from; it is
+returned here, dense [R, bs, V] or sparse (top-K ids + renormalised probs) when the drafter truncates (cheap
+on the wire).
 
-Randomness comes in as explicit uniforms [R, bs] (one per drafted position, inverse-CDF sampling), so the engine
-can feed numbers that are a pure function of (request seed, absolute position, stream) from ``kernels/rng.py``
-and get the same draft whatever the batch. A ``torch.Generator`` is accepted for tests and single-process use.
-Inverse-CDF order: the sparse distribution is walked in descending-probability order (``topk`` order), the dense
-one in vocabulary order.
+Randomness comes in as explicit uniforms [R, bs] (one per drafted position, inverse-CDF sampling), so the
+engine can feed numbers that are a pure function of (request seed, absolute position, stream) from
+``kernels/rng.py`` and get the same draft whatever the batch. A ``torch.Generator`` is accepted for tests and
+single-process use. Inverse-CDF order: the sparse distribution is walked in descending-probability order
+(``topk`` order), the dense one in vocabulary order.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ GREEDY_TEMPERATURE = 1e-5  # below this a request is greedy (DeepSpec's threshol
 class DraftSample:
     """One drafted block for R requests.
 
-    tokens [R, bs] int64: x_1..x_bs (row k is the token at position start+k+1).
-    token_probs [R, bs] float32: q_k(x_k) under the distribution it was drawn from (1.0 for greedy rows).
-    confidence_logits [R, bs] float32 or None: raw logits of c_k along the sampled path (prev = anchor, x_1, ...).
-    probs [R, bs, V] float32 or None: the dense draft distribution (when ``draft_top_k == 0``).
-    topk_ids / topk_probs [R, bs, K] or None: the sparse draft distribution (when ``draft_top_k = K > 0``);
-        ids are distinct per row, entries beyond a request's own top_k carry probability 0.
-    logits [R, bs, V] float32 or None: corrected logits U_k + B_k before temperature (``return_logits=True``).
-    Greedy rows (temperature 0) carry the one-hot distribution of their argmax.
+    tokens [R, bs] int64: x_1..x_bs (row k is the token at position start+k+1). token_probs [R, bs] float32:
+    q_k(x_k) under the distribution it was drawn from (1.0 for greedy rows). confidence_logits [R, bs] float32
+    or None: raw logits of c_k along the sampled path (prev = anchor, x_1, ...). probs [R, bs, V] float32 or
+    None: the dense draft distribution (when ``draft_top_k == 0``). topk_ids / topk_probs [R, bs, K] or None:
+    the sparse draft distribution (when ``draft_top_k = K > 0``); ids are distinct per row, entries beyond a
+    request's own top_k carry probability 0. logits [R, bs, V] float32 or None: corrected logits U_k + B_k
+    before temperature (``return_logits=True``). Greedy rows (temperature 0) carry the one-hot distribution of
+    their argmax.
     """
 
     tokens: torch.Tensor
@@ -57,12 +58,15 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
-    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(
+        uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total))
+    )
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _per_request(value: float | torch.Tensor | None, R: int, dtype: torch.dtype, name: str, default: float
-                 ) -> torch.Tensor:
+def _per_request(
+    value: float | torch.Tensor | None, R: int, dtype: torch.dtype, name: str, default: float
+) -> torch.Tensor:
     if value is None:
         return torch.full((R,), default, dtype=dtype)
     tensor = torch.as_tensor(value, dtype=dtype).reshape(-1).cpu()
@@ -89,8 +93,8 @@ def sample_block(
 ) -> DraftSample:
     """Sample x_1..x_bs for R requests: block_hidden [R, bs, H], anchor_ids [R].
 
-    temperature: scalar or [R] (0 = greedy argmax). top_k: scalar or [R], the request's own truncation (0 = off).
-    draft_top_k: the drafter's truncation K (0 = dense output); the effective k of a request is
+    temperature: scalar or [R] (0 = greedy argmax). top_k: scalar or [R], the request's own truncation (0 =
+    off). draft_top_k: the drafter's truncation K (0 = dense output); the effective k of a request is
     min(top_k, K) over the ones that are set. uniforms [R, bs] in [0, 1) or a generator (needed only if some
     request samples). base_logits [R, bs, V] may be passed when already computed.
     """

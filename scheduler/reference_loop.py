@@ -3,9 +3,10 @@
 Batch 1, fixed block, temperature 0, optional static confidence threshold, stop token ids, max_new_tokens:
 exactly DeepSpec's evaluator loop (``generate_decoding_sample`` + ``verify_draft_tokens`` with the DSpark
 ``_propose`` / ``_update``), restated plainly. The target is a plain transformers ``Qwen3ForCausalLM`` with a
-``DynamicCache`` and ``output_hidden_states``; the drafter is our :class:`DSparkDraftModel` with its slot context
-cache, appended every round with the target features of [anchor, accepted drafts] (DeepSpec's draft cache cropped
-back to ``start``). Every round is recorded so the engine can be compared round by round, not just on tokens.
+``DynamicCache`` and ``output_hidden_states``; the drafter is our :class:`DSparkDraftModel` with its slot
+context cache, appended every round with the target features of [anchor, accepted drafts] (DeepSpec's draft
+cache cropped back to ``start``). Every round is recorded so the engine can be compared round by round, not
+just on tokens.
 
 Also here: the temperature > 0 verification math of one block (acceptance probabilities and residual
 distributions) in its plainest form, the oracle for batched rejection sampling.
@@ -36,7 +37,9 @@ class RoundRecord:
     new_context_len: int  # rows appended this round (= start - draft_cache_len_before)
     anchor_token: int
     proposed_tokens: list[int]  # drafts sent for verification (after confidence truncation)
-    confidence_logits: list[float] | None  # raw logits of the proposed tokens; None if no head or empty proposal
+    confidence_logits: (
+        list[float] | None
+    )  # raw logits of the proposed tokens; None if no head or empty proposal
     accepted_draft_tokens: int
     effective_proposal_length: int
     next_token: int  # correction or bonus token (the target's argmax after the accepted prefix)
@@ -58,19 +61,23 @@ class SpecDecodeResult:
         return len(self.rounds)
 
 
-def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Qwen3ForCausalLM:
+def load_target(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Qwen3ForCausalLM:
     """A local HF Qwen3 folder as a plain transformers model (SDPA attention, eval mode)."""
     model = Qwen3ForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
 
 
 def context_features(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:
-    """HF hidden_states -> context features [B, S, m*H]: id -1 = embedding output, id l = hidden_states[l+1]."""
+    """HF hidden_states -> context features [B, S, m*H]: id -1 = embedding output, id l =
+    hidden_states[l+1]."""
     return torch.cat([hidden_states[0 if i == -1 else i + 1] for i in target_layer_ids], dim=-1)
 
 
-def _cache_kwargs(model: Qwen3ForCausalLM, cache: DynamicCache) -> dict[str, object]:
-    """transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass the cache under the name it takes."""
+def cache_kwargs(model: Qwen3ForCausalLM, cache: DynamicCache) -> dict[str, object]:
+    """transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass the cache under the name it
+    takes."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return {name: cache, "use_cache": True}
 
@@ -99,9 +106,14 @@ def _check_prompt(prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
 
 
 @torch.no_grad()
-def target_greedy(target: Qwen3ForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int,
-                  stop_token_ids: Sequence[int] | None = None) -> list[int]:
-    """Plain greedy decoding of the target, token by token with a KV cache: what speculation must reproduce."""
+def target_greedy(
+    target: Qwen3ForCausalLM,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] | None = None,
+) -> list[int]:
+    """Plain greedy decoding of the target, token by token with a KV cache: what speculation must
+    reproduce."""
     prompt = _check_prompt(prompt_ids, max_new_tokens)
     device = target.device
     cache = DynamicCache()
@@ -110,7 +122,7 @@ def target_greedy(target: Qwen3ForCausalLM, prompt_ids: Sequence[int], max_new_t
     position = 0
     while len(new) < max_new_tokens:
         positions = torch.arange(position, position + ids.shape[1], device=device)[None]
-        logits = target(input_ids=ids, position_ids=positions, **_cache_kwargs(target, cache)).logits
+        logits = target(input_ids=ids, position_ids=positions, **cache_kwargs(target, cache)).logits
         position += ids.shape[1]
         token = int(logits[0, -1].argmax())
         new.append(token)
@@ -132,9 +144,9 @@ def speculative_generate(
 ) -> SpecDecodeResult:
     """Greedy DSpark speculative decoding of one prompt (DeepSpec's evaluator semantics at temperature 0).
 
-    Each round drafts a full block; with a threshold t > 0 (and a confidence head) the proposal is cut at the first
-    k with sigmoid(c_k) < t, possibly to nothing. The target verifies [anchor, proposal]; the longest prefix equal
-    to its argmax is accepted, and its argmax after that prefix is the correction/bonus token.
+    Each round drafts a full block; with a threshold t > 0 (and a confidence head) the proposal is cut at the
+    first k with sigmoid(c_k) < t, possibly to nothing. The target verifies [anchor, proposal]; the longest
+    prefix equal to its argmax is accepted, and its argmax after that prefix is the correction/bonus token.
     """
     prompt = _check_prompt(prompt_ids, max_new_tokens)
     if not 0.0 <= confidence_threshold <= 1.0:
@@ -150,7 +162,9 @@ def speculative_generate(
     prefill = target(
         input_ids=torch.tensor([prompt], device=device),
         position_ids=torch.arange(num_prompt, device=device)[None],
-        output_hidden_states=True, logits_to_keep=1, **_cache_kwargs(target, target_cache),
+        output_hidden_states=True,
+        logits_to_keep=1,
+        **cache_kwargs(target, target_cache),
     )
     output = [*prompt, int(prefill.logits[0, -1].argmax())]
     if output[-1] in stops:
@@ -178,7 +192,8 @@ def speculative_generate(
         verify = target(
             input_ids=torch.tensor([[anchor, *proposed]], device=device),
             position_ids=torch.arange(start, start + proposal_len + 1, device=device)[None],
-            output_hidden_states=True, **_cache_kwargs(target, target_cache),
+            output_hidden_states=True,
+            **cache_kwargs(target, target_cache),
         )
         target_argmax = verify.logits[0].argmax(dim=-1).tolist()
         accepted = 0
@@ -190,13 +205,24 @@ def speculative_generate(
             accepted = effective_len = stop_hits[0] + 1
             terminated = True
         next_token = target_argmax[accepted]
-        result.rounds.append(RoundRecord(
-            start=start, draft_cache_len_before=cache_len_before, new_context_len=start - cache_len_before,
-            anchor_token=anchor, proposed_tokens=proposed,
-            confidence_logits=conf[:proposal_len].tolist() if conf is not None and proposal_len > 0 else None,
-            accepted_draft_tokens=accepted, effective_proposal_length=effective_len, next_token=next_token,
-            terminated_by_stop_token=terminated, block_hidden=block_hidden[0], block_confidence_logits=conf,
-        ))
+        result.rounds.append(
+            RoundRecord(
+                start=start,
+                draft_cache_len_before=cache_len_before,
+                new_context_len=start - cache_len_before,
+                anchor_token=anchor,
+                proposed_tokens=proposed,
+                confidence_logits=conf[:proposal_len].tolist()
+                if conf is not None and proposal_len > 0
+                else None,
+                accepted_draft_tokens=accepted,
+                effective_proposal_length=effective_len,
+                next_token=next_token,
+                terminated_by_stop_token=terminated,
+                block_hidden=block_hidden[0],
+                block_confidence_logits=conf,
+            )
+        )
         result.proposal_lengths.append(effective_len)
         result.accepted_draft_lengths.append(accepted)
         output.extend(proposed[:accepted])
@@ -210,16 +236,18 @@ def speculative_generate(
         start += accepted + 1
         _crop(target_cache, start)
         pending = context_features(verify.hidden_states, draft.config.target_layer_ids)[0, : accepted + 1]
-        if stops.intersection(output[-(accepted + 1):]):
+        if stops.intersection(output[-(accepted + 1) :]):
             break
 
-    result.new_tokens = _trim_after_stop(output[num_prompt: min(start + 1, max_length)], list(stops))
+    result.new_tokens = _trim_after_stop(output[num_prompt : min(start + 1, max_length)], list(stops))
     return result
 
 
-def acceptance_probabilities(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor
-                             ) -> torch.Tensor:
-    """min(1, p_t[k, x_k] / max(p_d[k, x_k], 1e-8)) for target_probs [.., L(+1), V], draft_probs [.., L, V]."""
+def acceptance_probabilities(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor
+) -> torch.Tensor:
+    """min(1, p_t[k, x_k] / max(p_d[k, x_k], 1e-8)) for target_probs [.., L(+1), V], draft_probs [.., L,
+    V]."""
     length = draft_tokens.shape[-1]
     p_t = target_probs[..., :length, :].gather(-1, draft_tokens[..., None]).squeeze(-1)
     p_d = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).clamp_min(PROB_FLOOR)
