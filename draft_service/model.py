@@ -326,22 +326,42 @@ class DSparkDraftModel(nn.Module):
             )
         return self.norm(x)
 
+    def forward_blocks(
+        self,
+        context_features: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        context_lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Cache-free, differentiable backbone: context features [R, T, m*H] (request r uses its first
+        ``context_lengths[r]`` rows, default all T, at positions 0..len-1) and anchors [R] -> [R, bs, H].
+
+        Anchor r sits at position ``context_lengths[r]``. The plain definition of the model: the oracle for
+        ``draft_block`` and a training forward (one row per sampled anchor, its context prefix padded).
+        """
+        R, T, _ = context_features.shape
+        lengths = torch.full((R,), T) if context_lengths is None else torch.as_tensor(context_lengths).cpu()
+        if lengths.numel() != R or bool((lengths < 1).any()) or bool((lengths > T).any()):
+            raise ValueError(f"context_lengths must be [R={R}] values in [1, {T}], got {lengths.tolist()}")
+        anchor_ids = torch.as_tensor(anchor_ids, dtype=torch.int64).reshape(-1)
+        self._check_token_ids(anchor_ids, "anchor_ids")
+        ctx = self.project_context(context_features)
+        kv = self.context_key_values(ctx, torch.arange(T, device=self.device).expand(R, T))
+        x, cos, sin = self._block_inputs(anchor_ids, lengths)
+        key_mask = None
+        if bool((lengths != T).any()):
+            ctx_valid = torch.arange(T, device=self.device)[None, :] < lengths.to(self.device)[:, None]
+            block_valid = torch.ones(R, self.block_size, dtype=torch.bool, device=self.device)
+            key_mask = torch.cat([ctx_valid, block_valid], dim=1)
+        for layer, (k, v) in zip(self.layers, kv, strict=True):
+            x = layer(x, cos, sin, k, v, key_mask)
+        return self.norm(x)
+
     @torch.no_grad()
     def draft_block_uncached(self, context_features: torch.Tensor, anchor_id: int) -> torch.Tensor:
-        """One request recomputed from scratch: context features [start, m*H] of positions 0..start-1 -> [bs,
-        H].
-
-        The plain, cache-free definition; the oracle for ``draft_block``.
-        """
-        start = context_features.shape[0]
-        if start == 0:
+        """One request from scratch: context features [start, m*H] (positions 0..start-1) -> [bs, H]."""
+        if context_features.shape[0] == 0:
             raise ValueError("drafting needs at least one context row (the prompt is never empty)")
-        ctx = self.project_context(context_features)
-        kv = self.context_key_values(ctx, torch.arange(start, device=self.device))
-        x, cos, sin = self._block_inputs(torch.tensor([anchor_id]), torch.tensor([start]))
-        for layer, (k, v) in zip(self.layers, kv, strict=True):
-            x = layer(x, cos, sin, k[None], v[None], None)
-        return self.norm(x)[0]
+        return self.forward_blocks(context_features[None], torch.tensor([anchor_id]))[0]
 
     # ---- heads --------------------------------------------------------------------------------------------
 

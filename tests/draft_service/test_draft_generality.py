@@ -9,6 +9,8 @@ the sampling path, greedy speculative decoding == target greedy decoding, and sa
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -125,6 +127,12 @@ def test_cache_equals_recompute_including_rollback(pair):
         length += chunk
         hidden = draft.draft_block(torch.tensor([ids[length]]), torch.tensor([length]), [slot], cache)
         close(hidden[0], draft.draft_block_uncached(features[:length], ids[length]))
+    # the verifier may ship projected context instead of raw features (1/m of the bytes): same cache content
+    other = cache.allocate()
+    projected = draft.project_context(features[:length])
+    draft.append_context(cache, [other], projected, [0, length], projected=True)
+    close(cache.k[:, other, :length], cache.k[:, slot, :length])
+    close(cache.v[:, other, :length], cache.v[:, slot, :length])
     cache.crop(slot, 6)  # rollback, then re-append different rows at positions 6.. (they must overwrite)
     draft.append_context(cache, [slot], features[8:12], [0, 4])
     expected = draft.draft_block_uncached(torch.cat([features[:6], features[8:12]]), ids[3])
@@ -145,6 +153,16 @@ def test_batched_ragged_pass_equals_single_requests(pair):
     hidden = draft.draft_block(anchors, torch.tensor(lengths), slots, cache)
     for r, ((ids, f), n) in enumerate(zip(rows, lengths, strict=True)):
         close(hidden[r], draft.draft_block_uncached(f[:n], ids[n]))
+    # the cache-free batched forward (padding + mask) agrees, and it is differentiable (training forward)
+    padded = torch.zeros(3, max(lengths), draft.config.context_feature_size)
+    for r, ((_, f), n) in enumerate(zip(rows, lengths, strict=True)):
+        padded[r, :n] = f[:n]
+    with torch.enable_grad():
+        training_copy = copy.deepcopy(draft).requires_grad_(True)
+        recomputed = training_copy.forward_blocks(padded, anchors, torch.tensor(lengths))
+        recomputed.square().sum().backward()
+    close(recomputed.detach(), hidden)
+    assert training_copy.fc.weight.grad is not None and training_copy.fc.weight.grad.abs().sum() > 0
     # a sub-batch in another order gives the same rows
     close(
         draft.draft_block(

@@ -214,3 +214,25 @@ def test_bad_backbone_input(draft):
         cache.crop(slot, 5)
     cache.release(slot)
     assert cache.allocate() == slot and cache.length(slot) == 0
+
+
+def test_bf16_model_and_cache_run(draft, block):
+    """The GPU configuration (bf16 weights and cache) runs the same path; numbers agree to bf16 precision."""
+    bf16 = load_draft_model(FIXTURE / "draft", dtype=torch.bfloat16)
+    features = torch.randn(12, draft.config.context_feature_size, generator=torch.Generator().manual_seed(3))
+    cache = bf16.new_context_cache(num_slots=1, max_seq_len=16)
+    slot = cache.allocate()
+    bf16.append_context(cache, [slot], features, [0, 12])
+    hidden = bf16.draft_block(torch.tensor([235]), torch.tensor([12]), [slot], cache)
+    assert hidden.dtype == cache.k.dtype == torch.bfloat16
+    torch.testing.assert_close(hidden.float(), block[0], rtol=0.05, atol=0.05)
+    sample = sample_block(
+        bf16,
+        hidden,
+        torch.tensor([235]),
+        temperature=1.0,
+        draft_top_k=8,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert sample.topk_probs.dtype == torch.float32 and sample.confidence_logits.dtype == torch.float32
+    torch.testing.assert_close(sample.topk_probs.sum(-1), torch.ones(1, draft.block_size))
