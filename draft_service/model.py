@@ -293,6 +293,8 @@ class DSparkDraftModel(nn.Module):
 
         anchor_ids [R], anchor_positions [R]; each slot must hold exactly the context rows
         0..anchor_position-1 (DeepSpec's invariant: the draft cache is cropped back to ``start`` every round).
+        Ragged lengths are padded to the longest and masked; each layer gathers its slots' K/V (a copy: fine
+        for short contexts; a varlen attention kernel reading the slots in place is the GPU upgrade).
         """
         anchor_ids = torch.as_tensor(anchor_ids, dtype=torch.int64).reshape(-1)
         anchor_positions = torch.as_tensor(anchor_positions, dtype=torch.int64).reshape(-1)

@@ -163,9 +163,9 @@ def sample_block(
             if bool((k_eff > 0).any()):
                 kmax = int(k_eff.max())
                 top_idx = logits.topk(kmax, dim=-1).indices
-                keep = (torch.arange(kmax, device=dev)[None, :] < k_eff[:, None]) | (k_eff[:, None] == 0)
+                keep = torch.arange(kmax, device=dev)[None, :] < k_eff[:, None]
                 mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top_idx, keep)
-                mask |= (k_eff == 0)[:, None]
+                mask |= (k_eff == 0)[:, None]  # untruncated requests keep the whole vocabulary
                 scaled = scaled.masked_fill(~mask, float("-inf"))
             p = torch.softmax(scaled, dim=-1)
             p = torch.where(greedy[:, None], torch.nn.functional.one_hot(greedy_tok, V).to(p.dtype), p)
