@@ -1,0 +1,397 @@
+"""The DSpark draft model for Qwen3-family targets: parallel backbone with context-feature KV injection.
+
+One block for a request whose anchor sits at absolute position ``start``:
+1. context rows (positions 0..start-1): ``ctx = hidden_norm(fc(concat of target features))``;
+2. block input ``embed([anchor, mask, ..., mask])`` at positions start..start+bs-1;
+3. every draft layer attends from the bs block queries over [its own K/V of ctx ; K/V of the block] with NO
+   mask (bidirectional inside the block, full view of the context): "KV injection";
+4. final norm -> block hidden h_k; ``lm_head`` -> base logits U_k (row k predicts position start+k+1, so the
+   anchor row is the first prediction).
+
+The names of modules and parameters are DeepSpec's (``fc``, ``hidden_norm``, ``layers.{i}.self_attn.q_proj``,
+...), so its checkpoints load as plain state dicts. Context K/V of every layer are cached per request in a
+:class:`DraftContextCache`; ``draft_block`` drafts R requests with different context lengths in one batched
+pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draft_service.config import DraftConfig
+from draft_service.context_cache import DraftContextCache
+from draft_service.heads import ConfidenceHead, MarkovHead, build_markov_head
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm, computed in float32 and cast back (the same op order as HF, for fixture parity)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """HF 'rotate-half' RoPE with ``inv_freq[i] = theta^(-2i/head_dim)`` at arbitrary absolute positions."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] -> (cos, sin) [..., head_dim]."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., S, heads, D] with cos/sin [..., S, D]."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        H, D = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = D
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+
+    def key_value(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, then RoPE) and values of rows x [..., S, H] -> two [..., S, KVH, D].
+
+        Used for the projected context (cached) and for the block's own rows alike: DeepSpec applies the same
+        k_proj / v_proj / k_norm to both.
+        """
+        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(shape)), cos, sin)
+        return k, self.v_proj(x).view(shape)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [R, bs, H] normed block rows; ctx_k/v [R, T, KVH, D]; key_mask [R, T+bs] (None: all valid)."""
+        R, bs, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(R, bs, self.num_heads, self.head_dim)), cos, sin)
+        k_blk, v_blk = self.key_value(x, cos, sin)
+        k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=1).transpose(1, 2)
+        v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=1).transpose(1, 2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=False, scale=self.head_dim**-0.5
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(R, bs, self.num_heads * self.head_dim))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer; input_layernorm applies to block rows only, never to the injected context."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(config)
+        self.mlp = DraftMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        key_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, key_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkDraftModel(nn.Module):
+    """DSpark drafter: backbone + Markov/gated/RNN head + confidence head, in DeepSpec's parameter layout."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.fc = nn.Linear(config.context_feature_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList([DraftLayer(config) for _ in range(config.num_draft_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.markov_head: MarkovHead | None = build_markov_head(config)
+        self.confidence_head: ConfidenceHead | None = (
+            ConfidenceHead(config.confidence_input_size) if config.enable_confidence_head else None
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def new_context_cache(
+        self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None
+    ) -> DraftContextCache:
+        """A slot cache shaped for this model, on its device."""
+        c = self.config
+        return DraftContextCache(
+            num_layers=c.num_draft_layers,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            dtype=dtype or self.dtype,
+            device=self.device,
+        )
+
+    # ---- context ------------------------------------------------------------------------------------------
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Context features [..., m*H] -> projected context [..., H] = hidden_norm(fc(features)).
+
+        Exposed separately because the verifier may apply it before shipping (1/m of the bytes on the wire).
+        """
+        if features.shape[-1] != self.config.context_feature_size:
+            raise ValueError(
+                f"context features have width {features.shape[-1]}, expected m*H = "
+                f"{self.config.context_feature_size} (target_layer_ids={list(self.config.target_layer_ids)}, "
+                f"hidden_size={self.config.hidden_size})"
+            )
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    def context_key_values(
+        self, projected: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft layer, K/V of projected context rows [..., S, H] at absolute positions [..., S]."""
+        cos, sin = self.rotary(positions, self.dtype)
+        return [layer.self_attn.key_value(projected, cos, sin) for layer in self.layers]
+
+    @torch.no_grad()
+    def append_context(
+        self,
+        cache: DraftContextCache,
+        slots: Sequence[int] | torch.Tensor,
+        rows: torch.Tensor,
+        cu_seqlens: Sequence[int] | torch.Tensor,
+        *,
+        projected: bool = False,
+    ) -> None:
+        """Append context rows of R requests (ragged, flattened) to their slots.
+
+        rows: [N, m*H] context features, or [N, H] already-projected context with ``projected=True``;
+        cu_seqlens [R+1]: request r owns rows cu[r]:cu[r+1], placed at positions length(slot_r) onward.
+        """
+        slots_t = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
+        cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).reshape(-1).cpu()
+        cache.check_slots(slots_t)
+        if cu.numel() != slots_t.numel() + 1 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing offsets [R+1] starting at 0, got {cu.tolist()}"
+            )
+        if rows.ndim != 2 or rows.shape[0] != int(cu[-1]):
+            raise ValueError(f"context rows must be [N={int(cu[-1])}, width], got {tuple(rows.shape)}")
+        counts = cu[1:] - cu[:-1]
+        new_lengths = cache.lengths[slots_t] + counts
+        if bool((new_lengths > cache.max_seq_len).any()):
+            raise ValueError(
+                f"context cache overflow: lengths {new_lengths.tolist()} exceed max_seq_len "
+                f"{cache.max_seq_len}"
+            )
+        if rows.shape[0] == 0:
+            return
+        if projected:
+            if rows.shape[-1] != self.config.hidden_size:
+                raise ValueError(
+                    f"projected context has width {rows.shape[-1]}, expected {self.config.hidden_size}"
+                )
+            ctx = rows.to(self.dtype)
+        else:
+            ctx = self.project_context(rows)
+        row_req = torch.repeat_interleave(torch.arange(slots_t.numel()), counts)
+        positions = cache.lengths[slots_t][row_req] + (torch.arange(rows.shape[0]) - cu[:-1][row_req])
+        dev = cache.device
+        slot_rows, pos_rows = slots_t[row_req].to(dev), positions.to(dev)
+        for layer_idx, (k, v) in enumerate(self.context_key_values(ctx.to(dev), positions.to(dev))):
+            cache.k[layer_idx, slot_rows, pos_rows] = k.to(cache.k.dtype)
+            cache.v[layer_idx, slot_rows, pos_rows] = v.to(cache.v.dtype)
+        cache.lengths[slots_t] = new_lengths
+
+    # ---- backbone -----------------------------------------------------------------------------------------
+
+    def _block_inputs(
+        self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        R, bs = anchor_ids.shape[0], self.block_size
+        block_ids = torch.full((R, bs), self.config.mask_token_id, dtype=torch.int64, device=self.device)
+        block_ids[:, 0] = anchor_ids.to(self.device)
+        positions = anchor_positions.to(self.device)[:, None] + torch.arange(bs, device=self.device)
+        cos, sin = self.rotary(positions, self.dtype)
+        return self.embed_tokens(block_ids), cos, sin
+
+    @torch.no_grad()
+    def draft_block(
+        self,
+        anchor_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        slots: Sequence[int] | torch.Tensor,
+        cache: DraftContextCache,
+    ) -> torch.Tensor:
+        """Backbone for R requests in one pass -> block hidden [R, bs, H] (after the final norm).
+
+        anchor_ids [R], anchor_positions [R]; each slot must hold exactly the context rows
+        0..anchor_position-1 (DeepSpec's invariant: the draft cache is cropped back to ``start`` every round).
+        Ragged lengths are padded to the longest and masked; each layer gathers its slots' K/V (a copy: fine
+        for short contexts; a varlen attention kernel reading the slots in place is the GPU upgrade).
+        """
+        anchor_ids = torch.as_tensor(anchor_ids, dtype=torch.int64).reshape(-1)
+        anchor_positions = torch.as_tensor(anchor_positions, dtype=torch.int64).reshape(-1)
+        slots_t = torch.as_tensor(slots, dtype=torch.int64).reshape(-1).cpu()
+        if not anchor_ids.numel() == anchor_positions.numel() == slots_t.numel() > 0:
+            raise ValueError(
+                f"anchor_ids, anchor_positions and slots must be non-empty and equally long, got "
+                f"{anchor_ids.numel()}, {anchor_positions.numel()}, {slots_t.numel()}"
+            )
+        self._check_token_ids(anchor_ids, "anchor_ids")
+        cache.check_slots(slots_t)
+        lengths = cache.lengths[slots_t]
+        if not torch.equal(lengths, anchor_positions.cpu()):
+            raise ValueError(
+                f"context cache lengths {lengths.tolist()} must equal anchor positions "
+                f"{anchor_positions.tolist()}: append the context rows 0..start-1 before drafting"
+            )
+        x, cos, sin = self._block_inputs(anchor_ids, anchor_positions)
+        T = int(lengths.max())
+        key_mask = None
+        if bool((lengths != T).any()):
+            dev = self.device
+            ctx_valid = torch.arange(T, device=dev)[None, :] < lengths.to(dev)[:, None]
+            key_mask = torch.cat(
+                [ctx_valid, torch.ones(len(slots_t), self.block_size, dtype=torch.bool, device=dev)], dim=1
+            )
+        slot_idx = slots_t.to(cache.device)
+        for layer_idx, layer in enumerate(self.layers):
+            x = layer(
+                x, cos, sin, cache.k[layer_idx, slot_idx, :T], cache.v[layer_idx, slot_idx, :T], key_mask
+            )
+        return self.norm(x)
+
+    def forward_blocks(
+        self,
+        context_features: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        context_lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Cache-free, differentiable backbone: context features [R, T, m*H] (request r uses its first
+        ``context_lengths[r]`` rows, default all T, at positions 0..len-1) and anchors [R] -> [R, bs, H].
+
+        Anchor r sits at position ``context_lengths[r]``. The plain definition of the model: the oracle for
+        ``draft_block`` and a training forward (one row per sampled anchor, its context prefix padded).
+        """
+        R, T, _ = context_features.shape
+        lengths = torch.full((R,), T) if context_lengths is None else torch.as_tensor(context_lengths).cpu()
+        if lengths.numel() != R or bool((lengths < 1).any()) or bool((lengths > T).any()):
+            raise ValueError(f"context_lengths must be [R={R}] values in [1, {T}], got {lengths.tolist()}")
+        anchor_ids = torch.as_tensor(anchor_ids, dtype=torch.int64).reshape(-1)
+        self._check_token_ids(anchor_ids, "anchor_ids")
+        ctx = self.project_context(context_features)
+        kv = self.context_key_values(ctx, torch.arange(T, device=self.device).expand(R, T))
+        x, cos, sin = self._block_inputs(anchor_ids, lengths)
+        key_mask = None
+        if bool((lengths != T).any()):
+            ctx_valid = torch.arange(T, device=self.device)[None, :] < lengths.to(self.device)[:, None]
+            block_valid = torch.ones(R, self.block_size, dtype=torch.bool, device=self.device)
+            key_mask = torch.cat([ctx_valid, block_valid], dim=1)
+        for layer, (k, v) in zip(self.layers, kv, strict=True):
+            x = layer(x, cos, sin, k, v, key_mask)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def draft_block_uncached(self, context_features: torch.Tensor, anchor_id: int) -> torch.Tensor:
+        """One request from scratch: context features [start, m*H] (positions 0..start-1) -> [bs, H]."""
+        if context_features.shape[0] == 0:
+            raise ValueError("drafting needs at least one context row (the prompt is never empty)")
+        return self.forward_blocks(context_features[None], torch.tensor([anchor_id]))[0]
+
+    # ---- heads --------------------------------------------------------------------------------------------
+
+    def base_logits(self, block_hidden: torch.Tensor) -> torch.Tensor:
+        """U_k = lm_head(h_k): [..., H] -> [..., V] (float32)."""
+        return self.lm_head(block_hidden).float()
+
+    def markov_logits(
+        self, base_logits: torch.Tensor, prev_ids: torch.Tensor, block_hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """Teacher-forced corrected logits U_k + B_k(prev_ids[:, k]) for a fixed previous-token path [R,
+        bs]."""
+        if self.markov_head is None:
+            return base_logits
+        return base_logits + self.markov_head.block_bias(prev_ids.to(self.device), block_hidden).float()
+
+    def confidence_logits(self, block_hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
+        """Raw confidence logits [...] for hidden [..., H] and the previous tokens [...] (None without a
+        head)."""
+        if self.confidence_head is None:
+            return None
+        features = block_hidden
+        if self.config.confidence_head_with_markov:
+            assert self.markov_head is not None
+            emb = self.markov_head.prev_embedding(prev_ids.to(self.device)).to(block_hidden.dtype)
+            features = torch.cat([block_hidden, emb], dim=-1)
+        return self.confidence_head(features)
+
+    def _check_token_ids(self, ids: torch.Tensor, name: str) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"{name} outside the vocabulary [0, {self.config.vocab_size}): {ids.tolist()}")

@@ -1,0 +1,192 @@
+"""The sequential stage of DSpark drafting, torch path, batched over R requests.
+
+After the parallel backbone gives block hidden states h_k and base logits U_k for k = 0..bs-1, drafting walks
+the block left to right: the Markov / gated / RNN head adds a bias B_k that depends on the token sampled just
+before (x_{-1} = the anchor), the token x_k is drawn from softmax((U_k + B_k) / T) (optionally truncated to
+its top-k and renormalised), and the confidence head scores the same path. Only this loop is sequential, and
+it is a few small matmuls per position.
+
+Losslessness needs the verifier to see EXACTLY the distribution each draft token was drawn from; it is
+returned here, dense [R, bs, V] or sparse (top-K ids + renormalised probs) when the drafter truncates (cheap
+on the wire).
+
+Randomness comes in as explicit uniforms [R, bs] (one per drafted position, inverse-CDF sampling), so the
+engine can feed numbers that are a pure function of (request seed, absolute position, stream) from
+``kernels/rng.py`` and get the same draft whatever the batch. A ``torch.Generator`` is accepted for tests and
+single-process use. Inverse-CDF order: the sparse distribution is walked in descending-probability order
+(``topk`` order), the dense one in vocabulary order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draft_service.model import DSparkDraftModel
+
+GREEDY_TEMPERATURE = 1e-5  # below this a request is greedy (DeepSpec's threshold in logits_to_probs)
+
+
+@dataclass
+class DraftSample:
+    """One drafted block for R requests.
+
+    tokens [R, bs] int64: x_1..x_bs (row k is the token at position start+k+1). token_probs [R, bs] float32:
+    q_k(x_k) under the distribution it was drawn from (1.0 for greedy rows). confidence_logits [R, bs] float32
+    or None: raw logits of c_k along the sampled path (prev = anchor, x_1, ...). probs [R, bs, V] float32 or
+    None: the dense draft distribution (when ``draft_top_k == 0``). topk_ids / topk_probs [R, bs, K] or None:
+    the sparse draft distribution (when ``draft_top_k = K > 0``); ids are distinct per row, entries beyond a
+    request's own top_k carry probability 0. logits [R, bs, V] float32 or None: corrected logits U_k + B_k
+    before temperature (``return_logits=True``). Greedy rows (temperature 0) carry the one-hot distribution of
+    their argmax.
+    """
+
+    tokens: torch.Tensor
+    token_probs: torch.Tensor
+    confidence_logits: torch.Tensor | None
+    probs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_probs: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index j with cdf[j-1] <= u * total < cdf[j] for rows probs [R, n] and uniforms [R] in [0, 1).
+
+    Never returns a zero-probability entry: the target is clamped strictly below the total mass.
+    """
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(
+        uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total))
+    )
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _per_request(
+    value: float | torch.Tensor | None, R: int, dtype: torch.dtype, name: str, default: float
+) -> torch.Tensor:
+    if value is None:
+        return torch.full((R,), default, dtype=dtype)
+    tensor = torch.as_tensor(value, dtype=dtype).reshape(-1).cpu()
+    if tensor.numel() == 1:
+        tensor = tensor.expand(R).clone()
+    if tensor.numel() != R:
+        raise ValueError(f"{name} must be a scalar or have one entry per request ({R}), got {tensor.numel()}")
+    return tensor
+
+
+@torch.no_grad()
+def sample_block(
+    model: DSparkDraftModel,
+    block_hidden: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 0.0,
+    top_k: int | torch.Tensor | None = None,
+    draft_top_k: int = 0,
+    uniforms: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    base_logits: torch.Tensor | None = None,
+    return_logits: bool = False,
+) -> DraftSample:
+    """Sample x_1..x_bs for R requests: block_hidden [R, bs, H], anchor_ids [R].
+
+    temperature: scalar or [R] (0 = greedy argmax). top_k: scalar or [R], the request's own truncation (0 =
+    off). draft_top_k: the drafter's truncation K (0 = dense output); the effective k of a request is
+    min(top_k, K) over the ones that are set. uniforms [R, bs] in [0, 1) or a generator (needed only if some
+    request samples). base_logits [R, bs, V] may be passed when already computed.
+    """
+    R, bs, _ = block_hidden.shape
+    V = model.config.vocab_size
+    dev = block_hidden.device
+    anchor_ids = torch.as_tensor(anchor_ids, dtype=torch.int64).reshape(-1).to(dev)
+    if anchor_ids.numel() != R:
+        raise ValueError(f"anchor_ids must have {R} entries, got {anchor_ids.numel()}")
+    temps = _per_request(temperature, R, torch.float32, "temperature", 0.0)
+    if bool((temps < 0).any()) or not bool(torch.isfinite(temps).all()):
+        raise ValueError(f"temperature must be finite and >= 0, got {temps.tolist()}")
+    k_req = _per_request(top_k, R, torch.int64, "top_k", 0)
+    if bool((k_req < 0).any()):
+        raise ValueError(f"top_k must be >= 0, got {k_req.tolist()}")
+    if draft_top_k < 0:
+        raise ValueError(f"draft_top_k must be >= 0, got {draft_top_k}")
+    K = min(draft_top_k, V)
+    greedy = (temps < GREEDY_TEMPERATURE).to(dev)
+    any_sampled = not bool(greedy.all())
+    if any_sampled:
+        if uniforms is None:
+            uniforms = torch.rand(R, bs, generator=generator)
+        if tuple(uniforms.shape) != (R, bs):
+            raise ValueError(f"uniforms must be [{R}, {bs}], got {tuple(uniforms.shape)}")
+        if bool((uniforms < 0).any()) or bool((uniforms >= 1).any()):
+            raise ValueError("uniforms must lie in [0, 1)")
+        uniforms = uniforms.to(dev, torch.float32)
+    safe_t = torch.where(greedy, torch.ones_like(temps.to(dev)), temps.to(dev))[:, None]
+    # Effective truncation per request; 0 = keep everything that the output form allows.
+    k_eff = k_req.clone()
+    if K > 0:
+        k_eff = torch.where(k_eff > 0, k_eff.clamp(max=K), torch.full_like(k_eff, K))
+    k_eff = k_eff.clamp(max=V).to(dev)
+
+    if base_logits is None:
+        base_logits = model.base_logits(block_hidden)
+    head = model.markov_head
+    state = head.init_state(R, block_hidden) if head is not None else None
+    prev = anchor_ids
+    tokens, token_probs, confs, dists, ids_out, logits_out = [], [], [], [], [], []
+    rows = torch.arange(R, device=dev)
+    for k in range(bs):
+        h_k = block_hidden[:, k]
+        logits = base_logits[:, k].float()
+        if head is not None:
+            state, bias = head.step(state, prev, h_k)
+            logits = logits + bias.float()
+        conf = model.confidence_logits(h_k, prev)
+        if conf is not None:
+            confs.append(conf)
+        greedy_tok = logits.argmax(dim=-1)
+        if K > 0:
+            vals, ids = logits.topk(K, dim=-1)
+            keep = torch.arange(K, device=dev)[None, :] < k_eff[:, None]
+            p = torch.softmax((vals / safe_t).masked_fill(~keep, float("-inf")), dim=-1)
+            hit = ids == greedy_tok[:, None]
+            missing = ~hit.any(dim=-1)  # more than K exact ties at the top: put the argmax in the last entry
+            ids[missing, -1] = greedy_tok[missing]
+            hit[missing, -1] = True
+            p = torch.where(greedy[:, None], hit.to(p.dtype), p)
+            greedy_j = hit.int().argmax(dim=-1)
+            ids_out.append(ids)
+        else:
+            scaled = logits / safe_t
+            if bool((k_eff > 0).any()):
+                kmax = int(k_eff.max())
+                top_idx = logits.topk(kmax, dim=-1).indices
+                keep = torch.arange(kmax, device=dev)[None, :] < k_eff[:, None]
+                mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top_idx, keep)
+                mask |= (k_eff == 0)[:, None]  # untruncated requests keep the whole vocabulary
+                scaled = scaled.masked_fill(~mask, float("-inf"))
+            p = torch.softmax(scaled, dim=-1)
+            p = torch.where(greedy[:, None], torch.nn.functional.one_hot(greedy_tok, V).to(p.dtype), p)
+            greedy_j = greedy_tok
+            ids = None
+        j = torch.where(greedy, greedy_j, inverse_cdf(p, uniforms[:, k])) if any_sampled else greedy_j
+        tok = ids[rows, j] if ids is not None else j
+        tokens.append(tok)
+        token_probs.append(p[rows, j])
+        dists.append(p)
+        if return_logits:
+            logits_out.append(logits)
+        prev = tok
+
+    dist = torch.stack(dists, dim=1)
+    return DraftSample(
+        tokens=torch.stack(tokens, dim=1),
+        token_probs=torch.stack(token_probs, dim=1),
+        confidence_logits=torch.stack(confs, dim=1) if confs else None,
+        probs=dist if K == 0 else None,
+        topk_ids=torch.stack(ids_out, dim=1) if K > 0 else None,
+        topk_probs=dist if K > 0 else None,
+        logits=torch.stack(logits_out, dim=1) if return_logits else None,
+    )
