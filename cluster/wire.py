@@ -59,11 +59,12 @@ _ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v
 _NUMPY_TO_WIRE: dict[np.dtype, str] = {np.dtype(k): k for k in WIRE_DTYPES if k != "bfloat16"}
 _TENSOR_KEYS = frozenset(("dtype", "shape", "data"))
 
-# torch warns (once per process) that a tensor made from an immutable ``bytes`` is not writable; that is the
-# documented zero-copy contract of this module, so the warning is silenced for calls made from here only.
-warnings.filterwarnings(
-    "ignore", message="The given buffer is not writable", category=UserWarning, module=__name__
-)
+# torch warns once per process that a tensor made from an immutable ``bytes`` is not writable. That is the
+# documented zero-copy contract of this module, so the one warning is spent here, silently, at import time
+# (a warnings filter would not do: test runners reset filters; per-call catch_warnings is not thread-safe).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(bytes(8), dtype=torch.uint8)
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("cluster.wire assumes a little-endian host (tensor bytes travel little-endian)")
@@ -142,6 +143,8 @@ def _default(obj: Any) -> Any:
         return _array_to_map(obj)
     if isinstance(obj, np.generic):
         return obj.item()
+    if isinstance(obj, int):  # msgpack hands over the ints it cannot represent
+        raise WireError(f"cannot encode the int {obj}: msgpack ints are limited to [-2**63, 2**64 - 1]")
     raise WireError(f"cannot encode a value of type {type(obj).__name__}")
 
 
@@ -237,7 +240,7 @@ def decode(data: bytes | bytearray | memoryview, *, limits: WireLimits = DEFAULT
             max_bin_len=n,
             max_array_len=min(limits.max_array_len, n),
             max_map_len=min(limits.max_map_len, n // 2),
-            max_ext_len=n,
+            max_ext_len=0,  # also refuses msgpack timestamps, which bypass ext_hook
         )
     except WireError:
         raise
@@ -247,4 +250,6 @@ def decode(data: bytes | bytearray | memoryview, *, limits: WireLimits = DEFAULT
         raise WireError("invalid message: nested too deeply") from exc
     except (ValueError, TypeError, OverflowError) as exc:
         detail = str(exc) or f"malformed msgpack ({type(exc).__name__})"
+        if "max_ext_len" in detail:  # how msgpack words the refusal of any extension type (max_ext_len=0)
+            detail = "msgpack extension types are not accepted"
         raise WireError(f"invalid message: {detail}") from exc
