@@ -325,6 +325,8 @@ class RpcServer:
             result = self._health_fn()
             if inspect.isawaitable(result):
                 result = await asyncio.wait_for(result, self._health_timeout_s)
+            if not isinstance(result, HealthStatus):
+                raise TypeError(f"the health callback returned {type(result).__name__}, not HealthStatus")
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             return {"status": NOT_SERVING, "payload": {"reason": "health check timed out"}}
         except Exception as exc:

@@ -24,6 +24,8 @@ shared ``bytes`` singletons (``b""``, one-byte strings) out of tensor storage.
 from __future__ import annotations
 
 import math
+import secrets
+import struct
 import sys
 import warnings
 from collections.abc import Callable
@@ -57,6 +59,8 @@ _TORCH_TO_WIRE: dict[torch.dtype, str] = {v: k for k, v in WIRE_DTYPES.items()}
 _ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in WIRE_DTYPES.items()}
 # numpy has no bfloat16; every other wire dtype has a numpy twin with the same name.
 _NUMPY_TO_WIRE: dict[np.dtype, str] = {np.dtype(k): k for k in WIRE_DTYPES if k != "bfloat16"}
+# The numpy dtype a wire dtype is read through (bfloat16 through its raw bits).
+_NUMPY_TWIN: dict[str, np.dtype] = {k: np.dtype(np.int16 if k == "bfloat16" else k) for k in WIRE_DTYPES}
 _TENSOR_KEYS = frozenset(("dtype", "shape", "data"))
 
 # torch warns once per process that a tensor made from an immutable ``bytes`` is not writable. That is the
@@ -112,40 +116,81 @@ DEFAULT_LIMITS = WireLimits()
 # Encoding
 
 
-def _tensor_to_map(t: torch.Tensor) -> dict[str, Any]:
+def _tensor_array(t: torch.Tensor) -> tuple[str, np.ndarray]:
     name = _TORCH_TO_WIRE.get(t.dtype)
     if name is None:
         raise WireError(f"cannot encode a tensor of dtype {t.dtype}; allowed: {sorted(WIRE_DTYPES)}")
-    t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    # Reinterpreting the contiguous storage as bytes handles bf16 (no numpy twin) and avoids a copy here:
-    # msgpack copies the memoryview straight into its output buffer.
-    raw = t.reshape(-1).view(torch.uint8).numpy()
-    return {"dtype": name, "shape": list(t.shape), "data": memoryview(raw)}
+    if not t.is_contiguous():
+        t = t.contiguous()
+    t = t.detach()
+    # bfloat16 has no numpy twin: it travels as its raw 16-bit patterns.
+    return name, (t.view(torch.int16) if name == "bfloat16" else t).numpy()
 
 
-def _array_to_map(a: np.ndarray) -> dict[str, Any]:
+def _numpy_array(a: np.ndarray) -> tuple[str, np.ndarray]:
     dtype = a.dtype.newbyteorder("=") if a.dtype.byteorder == ">" else a.dtype
     name = _NUMPY_TO_WIRE.get(dtype)
     if name is None:
         raise WireError(f"cannot encode a numpy array of dtype {a.dtype}; allowed: {sorted(_NUMPY_TO_WIRE)}")
-    a = np.ascontiguousarray(a, dtype=dtype)
-    return {"dtype": name, "shape": list(a.shape), "data": memoryview(a.reshape(-1).view(np.uint8))}
+    return name, np.ascontiguousarray(a, dtype=dtype)
 
 
-def _default(obj: Any) -> Any:
-    """msgpack's hook for the types it does not know: tensors, arrays, numpy scalars; anything else fails."""
-    if isinstance(obj, torch.Tensor):
-        return _tensor_to_map(obj)
-    if isinstance(obj, np.ndarray):
-        return _array_to_map(obj)
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, int):  # msgpack hands over the ints it cannot represent
-        raise WireError(f"cannot encode the int {obj}: msgpack ints are limited to [-2**63, 2**64 - 1]")
-    raise WireError(f"cannot encode a value of type {type(obj).__name__}")
+class _Packer:
+    """One encode call: msgpack's ``default`` hook plus the large buffers it set aside.
+
+    Small arrays are copied out as bytes (fewest calls: what costs for the many small tensors of a round).
+    Large ones (at least :data:`ZERO_COPY_MIN_BYTES`) are not fed to msgpack, whose growing output buffer
+    copies them several times (most of the time of a 16 MiB message): each becomes a placeholder, an
+    extension value holding a random 16-byte nonce drawn for this call, and :meth:`splice` then writes a
+    standard msgpack ``bin`` header + the buffer in its place with a single copy. The receiver sees plain
+    msgpack; the nonce is unguessable, so data cannot forge a placeholder.
+    """
+
+    def __init__(self) -> None:
+        self.large: list[memoryview] = []
+        self._placeholder: msgpack.ExtType | None = None
+
+    def default(self, obj: Any) -> Any:
+        """msgpack's hook for the types it does not know: tensors, arrays, numpy scalars; others fail."""
+        if isinstance(obj, torch.Tensor):
+            name, a = _tensor_array(obj)
+        elif isinstance(obj, np.ndarray):
+            name, a = _numpy_array(obj)
+        elif isinstance(obj, np.generic):
+            return obj.item()
+        elif isinstance(obj, int):  # msgpack hands over the ints it cannot represent
+            raise WireError(f"cannot encode the int {obj}: msgpack ints are limited to [-2**63, 2**64 - 1]")
+        else:
+            raise WireError(f"cannot encode a value of type {type(obj).__name__}")
+        if a.nbytes < ZERO_COPY_MIN_BYTES:
+            return {"dtype": name, "shape": a.shape, "data": a.tobytes()}
+        if self._placeholder is None:
+            self._placeholder = msgpack.ExtType(_SPLICE_EXT, secrets.token_bytes(16))
+        self.large.append(a.reshape(-1).view(np.uint8).data)
+        return {"dtype": name, "shape": a.shape, "data": self._placeholder}
+
+    def splice(self, packed: bytes, limit: int) -> bytes:
+        """Replace the placeholders, in order, by ``bin 32`` headers and their buffers."""
+        if self._placeholder is None:
+            return packed
+        marker = bytes([0xD8, _SPLICE_EXT]) + self._placeholder.data  # msgpack fixext 16
+        size = len(packed) + sum(5 + len(b) - len(marker) for b in self.large)
+        if size > limit:
+            raise WireError(f"message of {size} bytes exceeds the limit of {limit} bytes")
+        pieces: list[bytes | memoryview] = []
+        view, pos = memoryview(packed), 0
+        for buffer in self.large:
+            at = packed.index(marker, pos)
+            pieces += (view[pos:at], struct.pack(">BI", 0xC6, len(buffer)), buffer)
+            pos = at + len(marker)
+        pieces.append(view[pos:])
+        return b"".join(pieces)
+
+
+# Extension code of the placeholders that never leave encode() (any ext received is refused).
+_SPLICE_EXT = 0x5A
 
 
 def encode(obj: Any, *, limits: WireLimits = DEFAULT_LIMITS) -> bytes:
@@ -154,12 +199,15 @@ def encode(obj: Any, *, limits: WireLimits = DEFAULT_LIMITS) -> bytes:
     Raises :class:`WireError` for an unsupported type or dtype, or when the result exceeds
     ``limits.max_message_bytes`` (checked here so a sender learns it before the receiver rejects it).
     """
+    packer = _Packer()
     try:
-        data = msgpack.packb(obj, default=_default, use_bin_type=True, datetime=False)
+        data = msgpack.packb(obj, default=packer.default, use_bin_type=True, datetime=False)
     except WireError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
         raise WireError(f"cannot encode message: {exc}") from exc
+    if packer.large:
+        return packer.splice(data, limits.max_message_bytes)
     if len(data) > limits.max_message_bytes:
         raise WireError(f"message of {len(data)} bytes exceeds the limit of {limits.max_message_bytes} bytes")
     return data
@@ -190,12 +238,14 @@ def _map_to_tensor(m: dict[str, Any], max_rank: int) -> torch.Tensor:
     dtype = WIRE_DTYPES[name]
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    buffer: bytes | bytearray = data if len(data) >= ZERO_COPY_MIN_BYTES else bytearray(data)
-    tensor = torch.frombuffer(buffer, dtype=dtype).reshape(shape)
     # A bool byte other than 0/1 is undefined behaviour in torch; refuse it instead of computing garbage.
     if dtype is torch.bool and int(np.frombuffer(data, dtype=np.uint8).max()) > 1:
         raise WireError("bool tensor data must contain only 0 and 1 bytes")
-    return tensor
+    if len(data) >= ZERO_COPY_MIN_BYTES:
+        return torch.frombuffer(data, dtype=dtype).view(shape)
+    # Small: a private writable copy through numpy, the cheapest path for the many small tensors of a round.
+    tensor = torch.from_numpy(np.frombuffer(data, dtype=_NUMPY_TWIN[name]).reshape(shape).copy())
+    return tensor.view(torch.bfloat16) if name == "bfloat16" else tensor
 
 
 def _object_hook(max_rank: int) -> Callable[[dict[str, Any]], Any]:

@@ -90,6 +90,38 @@ def test_decoded_tensor_is_usable_small_and_large(numel: int) -> None:
     assert torch.equal(out, t + 1)
 
 
+def test_large_tensors_are_spliced_into_standard_msgpack() -> None:
+    big = torch.randn(ZERO_COPY_MIN_BYTES // 4 + 3)
+    big_bf16 = torch.randn(300, 300).bfloat16()
+    big_np = np.arange(ZERO_COPY_MIN_BYTES, dtype=np.uint8)
+    message = {
+        "a": [big, 1, {"b": big_bf16}],
+        "small": torch.arange(3),
+        "again": big,
+        "np": big_np,
+        "tail": "x",
+    }
+
+    def raw(name: str, t: torch.Tensor) -> dict[str, object]:
+        data = (t.view(torch.int16) if name == "bfloat16" else t).numpy().tobytes()
+        return {"dtype": name, "shape": list(t.shape), "data": data}
+
+    reference = {
+        "a": [raw("float32", big), 1, {"b": raw("bfloat16", big_bf16)}],
+        "small": raw("int64", torch.arange(3)),
+        "again": raw("float32", big),
+        "np": {"dtype": "uint8", "shape": [ZERO_COPY_MIN_BYTES], "data": big_np.tobytes()},
+        "tail": "x",
+    }
+    packed = encode(message)
+    assert packed == msgpack.packb(reference)  # byte-identical to plain msgpack: nothing special to read
+    out = decode(packed)
+    assert _same(out["a"][0], big) and _same(out["a"][2]["b"], big_bf16) and _same(out["again"], big)
+    with pytest.raises(WireError, match="exceeds the limit"):
+        encode(message, limits=WireLimits(max_message_bytes=len(packed) - 1))
+    assert len(encode(message, limits=WireLimits(max_message_bytes=len(packed)))) == len(packed)
+
+
 def test_gpu_style_inputs_are_detached_before_sending() -> None:
     t = torch.ones(3, requires_grad=True) * 2
     assert torch.equal(decode(encode(t)), torch.full((3,), 2.0))
