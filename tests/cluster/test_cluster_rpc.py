@@ -336,6 +336,8 @@ def test_health_detects_failing_wedged_and_draining_services() -> None:
         assert c.health() == {"status": "NOT_SERVING", "payload": {"reason": "health check timed out"}}
     with ServerThread([service], health=failing) as server, SyncRpcClient(server.address) as c:
         assert c.health()["payload"]["reason"] == "RuntimeError: engine lost its device"
+    with ServerThread([service], health=lambda: {"load": 1}) as server, SyncRpcClient(server.address) as c:
+        assert "returned dict, not HealthStatus" in c.health()["payload"]["reason"]
     with ServerThread([service], health=overloaded) as server, SyncRpcClient(server.address) as c:
         assert c.health() == {"status": "NOT_SERVING", "payload": {"queue": 99}}
         server.server.set_serving(False)
