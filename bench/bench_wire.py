@@ -11,7 +11,7 @@ Two workloads, both over a real grpc.aio server in a child process and the grpc.
 Each row also reports the in-process codec time (encode + decode, and schema validation for the control
 message) so transport and serialisation costs can be told apart.
 
-    python bench/bench_wire.py                          # full run (~1 min on a 2-core VM)
+    python bench/bench_wire.py                          # full run (~15 s on a 2-core VM)
     python bench/bench_wire.py --small                  # quick check
     python bench/bench_wire.py --device cuda:0 --server-device cuda:1 --out wire.json --plot wire.png
 """
@@ -285,7 +285,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.loglog(sizes, [r["p50_ms"] for r in tensor_rows], "o-", label="round trip p50")
     ax.loglog(sizes, [r["p99_ms"] for r in tensor_rows], "s--", label="round trip p99")
-    ax.loglog(sizes, [r["codec_ms"] for r in tensor_rows], "^:", label="codec only (in-process)")
+    ax.loglog(sizes, [r["codec_ms"] for r in tensor_rows], "^:", label="codec: encode + decode, in-process")
     for r in rows:
         if r["case"].startswith("round"):
             ax.plot(r["request_bytes"], r["p50_ms"], "*", markersize=12, label=f"{r['case']} p50")

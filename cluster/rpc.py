@@ -176,6 +176,8 @@ class RpcServer:
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {port}")
+        if not health_timeout_s > 0:
+            raise ValueError(f"health_timeout_s must be > 0, got {health_timeout_s}")
         names = [s.name for s in services]
         if len(set(names)) != len(names) or HEALTH_SERVICE in names:
             raise ValueError(f"service names must be unique and not {HEALTH_SERVICE!r}: {names}")
@@ -209,6 +211,8 @@ class RpcServer:
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port."""
+        if self._server is not None:
+            raise RuntimeError("the server is already started")
         server = grpc.aio.server(
             options=[*_grpc_options(self.limits), ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=self._max_concurrent_rpcs,
