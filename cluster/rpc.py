@@ -1,0 +1,569 @@
+"""gRPC servers and clients of the data plane, built from plain async Python handlers and msgpack payloads.
+
+A service is a name and a dict ``method name -> (handler, request schema)``. A handler is an ``async def``
+taking the validated request dict and returning a msgpack-able response (a unary call), or an ``async def``
+generator yielding responses (a server stream, e.g. tokens). No ``.proto`` files: methods are registered with
+``grpc.method_handlers_generic_handler`` and carry raw bytes that :mod:`cluster.wire` encodes and decodes.
+
+The codec runs inside the method wrapper rather than as grpc's (de)serializer because grpc reports a failing
+deserializer as ``UNKNOWN``; decoding here lets every failure map to the status a caller can act on:
+
+=======================================  ======================
+what happened                            status
+=======================================  ======================
+missing or wrong ``authorization``       ``UNAUTHENTICATED``
+undecodable or schema-invalid request    ``INVALID_ARGUMENT``
+handler raised ``ValueError``            ``INVALID_ARGUMENT``
+handler raised :class:`NotFoundError`    ``NOT_FOUND``
+handler raised anything else             ``INTERNAL``
+request over ``max_message_bytes``       ``RESOURCE_EXHAUSTED`` (grpc refuses it before reading it all)
+call ran past its deadline               ``DEADLINE_EXCEEDED`` (the handler task is cancelled)
+=======================================  ======================
+
+The message is always in the status details, and the server keeps serving. Every server also answers
+``dspark.Health/Check`` with its serving status and a payload the service fills (e.g. its load).
+
+Security defaults (issue 10): servers bind 127.0.0.1 unless told otherwise (pass the cluster-internal address,
+or ``0.0.0.0`` explicitly); message size is bounded on both ends; an optional shared-secret token travels as
+``authorization: Bearer <token>`` metadata and is compared in constant time. The channel itself is plaintext:
+the token keeps strangers on the cluster network out, it does not hide traffic. Clients put a deadline on
+every call and never retry on their own (a retried round could be applied twice; the caller decides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import math
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import grpc
+
+from cluster.messages import Message, Opt, Str, Type, validate
+from cluster.wire import DEFAULT_LIMITS, WireError, WireLimits, decode, encode
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+#: Deadline of a call that does not set its own: generous for a round, short enough to notice a wedged peer.
+DEFAULT_TIMEOUT_S = 10.0
+HEALTH_SERVICE = "dspark.Health"
+HEALTH_METHOD = "Check"
+SERVING, NOT_SERVING = "SERVING", "NOT_SERVING"
+# Status details travel in HTTP/2 trailers, whose size is bounded: long messages are cut.
+_MAX_DETAILS_CHARS = 1000
+
+HEALTH_REQUEST = Message("HealthCheckRequest", {"service": Opt(Str(max_len=256))})
+
+UnaryHandler = Callable[[dict[str, Any]], Awaitable[Any]]
+StreamHandler = Callable[[dict[str, Any]], AsyncIterator[Any]]
+Handler = UnaryHandler | StreamHandler
+
+
+class NotFoundError(LookupError):
+    """A request names something this replica does not hold (an unknown or finished request id): NOT_FOUND."""
+
+
+@dataclass(frozen=True)
+class Service:
+    """A named group of methods: ``methods[name] = (handler, request schema)``.
+
+    An ``async def`` handler is a unary method; an ``async def`` generator is a server-streaming method.
+    """
+
+    name: str
+    methods: Mapping[str, tuple[Handler, Type]]
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ValueError(f"service name must be non-empty and contain no '/': {self.name!r}")
+        if not self.methods:
+            raise ValueError(f"service {self.name} has no methods")
+        for method, spec in self.methods.items():
+            if not method or "/" in method:
+                raise ValueError(f"method name must be non-empty and contain no '/': {method!r}")
+            if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], Type)):
+                raise TypeError(f"{self.name}/{method}: expected (handler, request schema)")
+            handler = spec[0]
+            if not (inspect.iscoroutinefunction(handler) or inspect.isasyncgenfunction(handler)):
+                raise TypeError(f"{self.name}/{method}: the handler must be an async def or async generator")
+
+
+@dataclass(frozen=True)
+class HealthStatus:
+    """What a service reports on ``Health/Check``: whether it takes work, and what a router wants to see."""
+
+    serving: bool = True
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+HealthFn = Callable[[], HealthStatus | Awaitable[HealthStatus]]
+
+
+def _method_path(service: str, method: str) -> str:
+    return f"/{service}/{method}"
+
+
+def _join_host_port(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):  # bare IPv6 literal
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def _grpc_options(limits: WireLimits) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+    ]
+
+
+def _bearer(token: str | None) -> str | None:
+    if token is None:
+        return None
+    if not isinstance(token, str) or not token or not token.isascii() or not token.isprintable():
+        raise ValueError("the gRPC token must be a non-empty printable ASCII string")
+    return f"Bearer {token}"
+
+
+def _status_for(exc: Exception, where: str) -> tuple[grpc.StatusCode, str]:
+    """Map a handler's exception to a status: bad input and unknown ids are the caller's, the rest ours."""
+    if isinstance(exc, NotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc) or "not found"
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc) or type(exc).__name__
+    log.exception("%s failed", where)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return grpc.StatusCode.INTERNAL, f"upstream call failed: {exc.code().name}: {exc.details()}"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    await context.abort(code, message[:_MAX_DETAILS_CHARS])
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Server
+
+
+class RpcServer:
+    """A grpc.aio server for ``services`` and ``dspark.Health/Check``; create and start it in an event loop.
+
+    ``port=0`` picks a free port (read it from :attr:`port` after :meth:`start`). Port reuse is off so that a
+    second server on a taken port fails instead of silently sharing it. ``max_concurrent_rpcs`` (None = no
+    bound) makes an overloaded replica answer RESOURCE_EXHAUSTED instead of queueing without end.
+    ``health`` is called on each health check (sync or async); it gets ``health_timeout_s`` to answer, after
+    which the server reports NOT_SERVING (an engine too busy or wedged to answer should not get new work).
+    """
+
+    def __init__(
+        self,
+        services: Sequence[Service],
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = 0,
+        token: str | None = None,
+        limits: WireLimits = DEFAULT_LIMITS,
+        health: HealthFn | None = None,
+        health_timeout_s: float = 2.0,
+        max_concurrent_rpcs: int | None = None,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {port}")
+        if not health_timeout_s > 0:
+            raise ValueError(f"health_timeout_s must be > 0, got {health_timeout_s}")
+        names = [s.name for s in services]
+        if len(set(names)) != len(names) or HEALTH_SERVICE in names:
+            raise ValueError(f"service names must be unique and not {HEALTH_SERVICE!r}: {names}")
+        self.host = host
+        self.limits = limits
+        self._requested_port = port
+        self._auth = None if token is None else _bearer(token).encode()
+        self._health_fn = health
+        self._health_timeout_s = health_timeout_s
+        self._max_concurrent_rpcs = max_concurrent_rpcs
+        self._serving = True
+        health_service = Service(HEALTH_SERVICE, {HEALTH_METHOD: (self._health_check, HEALTH_REQUEST)})
+        self._services = [*services, health_service]
+        self._server: grpc.aio.Server | None = None
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the server is not started")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as bound (for a wildcard host, clients use a concrete address of this machine)."""
+        return _join_host_port(self.host, self.port)
+
+    def set_serving(self, serving: bool) -> None:
+        """Report (NOT_)SERVING on health checks, e.g. while draining before shutdown."""
+        self._serving = serving
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port."""
+        if self._server is not None:
+            raise RuntimeError("the server is already started")
+        server = grpc.aio.server(
+            options=[*_grpc_options(self.limits), ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=self._max_concurrent_rpcs,
+        )
+        server.add_generic_rpc_handlers([self._generic_handler(s) for s in self._services])
+        address = _join_host_port(self.host, self._requested_port)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind the gRPC server to {address}: {exc}") from exc
+        if port == 0:
+            raise OSError(f"cannot bind the gRPC server to {address}")
+        await server.start()
+        self._server, self._port = server, port
+        log.info("gRPC server for %s listening on %s", [s.name for s in self._services], self.address)
+        return port
+
+    async def stop(self, grace_s: float | None = 1.0) -> None:
+        """Stop taking calls; in-flight calls get ``grace_s`` seconds to finish, then they are cancelled."""
+        self._serving = False
+        if self._server is not None:
+            await self._server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is None:
+            raise RuntimeError("the server is not started")
+        await self._server.wait_for_termination()
+
+    async def __aenter__(self) -> RpcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop(grace_s=None)
+
+    # -- method plumbing -----------------------------------------------------------------------------------
+
+    def _generic_handler(self, service: Service) -> grpc.GenericRpcHandler:
+        handlers = {}
+        for method, (handler, schema) in service.methods.items():
+            where = f"{service.name}/{method}"
+            if inspect.isasyncgenfunction(handler):
+                behavior = self._stream_behavior(where, handler, schema)
+                handlers[method] = grpc.unary_stream_rpc_method_handler(behavior)
+            else:
+                behavior = self._unary_behavior(where, handler, schema)
+                handlers[method] = grpc.unary_unary_rpc_method_handler(behavior)
+        return grpc.method_handlers_generic_handler(service.name, handlers)
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self._auth is None:
+            return
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                if hmac.compare_digest(value.encode(), self._auth):
+                    return
+                break
+        await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid authorization token")
+
+    async def _parse(self, raw: bytes, schema: Type, context: grpc.aio.ServicerContext) -> Any:
+        await self._authorize(context)  # before decoding: no work for unauthenticated bytes
+        try:
+            return validate(schema, decode(raw, limits=self.limits))
+        except WireError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _encode(self, value: Any, where: str, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            return encode(value, limits=self.limits)
+        except WireError as exc:
+            log.error("%s returned a value that cannot be sent: %s", where, exc)
+            await _abort(context, grpc.StatusCode.INTERNAL, f"cannot encode the response: {exc}")
+
+    def _unary_behavior(
+        self, where: str, handler: UnaryHandler, schema: Type
+    ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+        async def behavior(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            request = await self._parse(raw, schema, context)
+            try:
+                response = await handler(request)
+            except Exception as exc:
+                await _abort(context, *_status_for(exc, where))
+            return await self._encode(response, where, context)
+
+        return behavior
+
+    def _stream_behavior(
+        self, where: str, handler: StreamHandler, schema: Type
+    ) -> Callable[[bytes, grpc.aio.ServicerContext], AsyncIterator[bytes]]:
+        async def behavior(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            request = await self._parse(raw, schema, context)
+            items = handler(request)
+            try:
+                while True:
+                    try:
+                        item = await anext(items)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as exc:
+                        await _abort(context, *_status_for(exc, where))
+                    yield await self._encode(item, where, context)
+            finally:
+                # On cancellation (client gone, deadline) this runs the handler's finally blocks.
+                await items.aclose()
+
+        return behavior
+
+    async def _health_check(self, request: dict[str, Any]) -> dict[str, Any]:
+        if not self._serving:
+            return {"status": NOT_SERVING, "payload": {"reason": "draining"}}
+        if self._health_fn is None:
+            return {"status": SERVING, "payload": {}}
+        try:
+            result = self._health_fn()
+            if inspect.isawaitable(result):
+                result = await asyncio.wait_for(result, self._health_timeout_s)
+            if not isinstance(result, HealthStatus):
+                raise TypeError(f"the health callback returned {type(result).__name__}, not HealthStatus")
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            return {"status": NOT_SERVING, "payload": {"reason": "health check timed out"}}
+        except Exception as exc:
+            log.exception("health check failed")
+            return {"status": NOT_SERVING, "payload": {"reason": f"{type(exc).__name__}: {exc}"}}
+        return {"status": SERVING if result.serving else NOT_SERVING, "payload": result.payload}
+
+
+async def start_server(services: Sequence[Service], **options: Any) -> RpcServer:
+    """Create and start an :class:`RpcServer` (keyword options as in its constructor)."""
+    server = RpcServer(services, **options)
+    await server.start()
+    return server
+
+
+class ServerThread:
+    """An :class:`RpcServer` on its own event loop in a daemon thread, for tests, scripts and sync programs.
+
+    Handlers run on that loop; :meth:`run` executes a coroutine there (e.g. to inspect service state).
+    """
+
+    def __init__(self, services: Sequence[Service], **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rpc-server", daemon=True)
+        self._thread.start()
+        try:
+            self.server: RpcServer = self.run(start_server(services, **options))
+        except BaseException:
+            self._shutdown_loop()
+            raise
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def run(self, coro: Awaitable[Any], timeout_s: float | None = 30.0) -> Any:
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        return future.result(timeout_s)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self.run(self.server.stop(grace_s))
+        finally:
+            self._shutdown_loop()
+
+    def _shutdown_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> ServerThread:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Clients
+
+
+class _ClientBase:
+    """What the async and sync clients share: deadline policy, metadata, codec and size limits."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        limits: WireLimits = DEFAULT_LIMITS,
+    ) -> None:
+        self.target = target
+        self.limits = limits
+        self.timeout_s = self._check_timeout(timeout_s)
+        bearer = _bearer(token)
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", bearer),) if bearer else ()
+        # No transparent or configured retries: a retried round could be applied twice; callers decide.
+        self._options = [*_grpc_options(limits), ("grpc.enable_retries", 0)]
+
+    @staticmethod
+    def _check_timeout(timeout_s: float) -> float:
+        if not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError(f"every call needs a deadline: timeout_s must be > 0, got {timeout_s!r}")
+        return float(timeout_s)
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else self._check_timeout(timeout_s)
+
+    def _decode(self, raw: bytes, schema: Type | None) -> Any:
+        value = decode(raw, limits=self.limits)
+        return value if schema is None else validate(schema, value)
+
+
+class RpcClient(_ClientBase):
+    """grpc.aio client: create it inside the event loop that uses it; close it with ``await close()``.
+
+    Requests are encoded here (an oversized or unencodable request raises :class:`WireError` before sending);
+    responses are decoded with the same limits and, when ``response_schema`` is given, validated. grpc
+    failures surface as ``grpc.aio.AioRpcError`` (``.code()``, ``.details()``).
+    """
+
+    def __init__(self, target: str, **options: Any) -> None:
+        super().__init__(target, **options)
+        self._channel = grpc.aio.insecure_channel(target, options=self._options)
+        self._unary_calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+        self._stream_calls: dict[str, grpc.aio.UnaryStreamMultiCallable] = {}
+
+    def unary(
+        self, service: str, method: str, response_schema: Type | None = None
+    ) -> Callable[..., Awaitable[Any]]:
+        """A stub for one unary method: ``await stub(request, timeout_s=None)``."""
+
+        async def stub(request: Any, *, timeout_s: float | None = None) -> Any:
+            return await self.call(
+                service, method, request, timeout_s=timeout_s, response_schema=response_schema
+            )
+
+        return stub
+
+    async def call(
+        self,
+        service: str,
+        method: str,
+        request: Any,
+        *,
+        timeout_s: float | None = None,
+        response_schema: Type | None = None,
+    ) -> Any:
+        path = _method_path(service, method)
+        callable_ = self._unary_calls.get(path)
+        if callable_ is None:
+            callable_ = self._unary_calls.setdefault(path, self._channel.unary_unary(path))
+        payload = encode(request, limits=self.limits)
+        raw = await callable_(payload, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        return self._decode(raw, response_schema)
+
+    async def stream(
+        self,
+        service: str,
+        method: str,
+        request: Any,
+        *,
+        timeout_s: float | None = None,
+        response_schema: Type | None = None,
+    ) -> AsyncIterator[Any]:
+        """Iterate a server stream; the deadline covers the whole stream; leaving the loop cancels it."""
+        path = _method_path(service, method)
+        callable_ = self._stream_calls.get(path)
+        if callable_ is None:
+            callable_ = self._stream_calls.setdefault(path, self._channel.unary_stream(path))
+        payload = encode(request, limits=self.limits)
+        call = callable_(payload, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        try:
+            async for raw in call:
+                yield self._decode(raw, response_schema)
+        finally:
+            call.cancel()
+
+    async def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``{"status": "SERVING" | "NOT_SERVING", "payload": {...}}`` of the server."""
+        return await self.call(HEALTH_SERVICE, HEALTH_METHOD, {}, timeout_s=timeout_s)
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until the channel connects (e.g. to a server process just started); TimeoutError otherwise."""
+        await asyncio.wait_for(self._channel.channel_ready(), self._timeout(timeout_s))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> RpcClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class SyncRpcClient(_ClientBase):
+    """Blocking twin of :class:`RpcClient` for tests and scripts; grpc failures raise ``grpc.RpcError``."""
+
+    def __init__(self, target: str, **options: Any) -> None:
+        super().__init__(target, **options)
+        self._channel = grpc.insecure_channel(target, options=self._options)
+
+    def call(
+        self,
+        service: str,
+        method: str,
+        request: Any,
+        *,
+        timeout_s: float | None = None,
+        response_schema: Type | None = None,
+    ) -> Any:
+        payload = encode(request, limits=self.limits)
+        callable_ = self._channel.unary_unary(_method_path(service, method))
+        raw = callable_(payload, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        return self._decode(raw, response_schema)
+
+    def stream(
+        self,
+        service: str,
+        method: str,
+        request: Any,
+        *,
+        timeout_s: float | None = None,
+        response_schema: Type | None = None,
+    ) -> Iterator[Any]:
+        payload = encode(request, limits=self.limits)
+        callable_ = self._channel.unary_stream(_method_path(service, method))
+        call = callable_(payload, timeout=self._timeout(timeout_s), metadata=self._metadata)
+        try:
+            for raw in call:
+                yield self._decode(raw, response_schema)
+        finally:
+            call.cancel()
+
+    def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call(HEALTH_SERVICE, HEALTH_METHOD, {}, timeout_s=timeout_s)
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        grpc.channel_ready_future(self._channel).result(timeout=self._timeout(timeout_s))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SyncRpcClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
