@@ -46,8 +46,19 @@ def rejection_sample(
 ) -> RejectionOutput:
     """Verify a ragged batch of drafts (see :mod:`kernels.rejection`): Triton on CUDA, torch elsewhere."""
     impl = rejection_sample_triton if target_logits.is_cuda else rejection_sample_reference
-    return impl(target_logits, draft_token_ids, draft_probs, cu_draft_lens, temperature, top_k, top_p, seeds,
-                positions, draft_prob_ids=draft_prob_ids, validate=validate)
+    return impl(
+        target_logits,
+        draft_token_ids,
+        draft_probs,
+        cu_draft_lens,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+        positions,
+        draft_prob_ids=draft_prob_ids,
+        validate=validate,
+    )
 
 
 def markov_sample(
@@ -62,7 +73,17 @@ def markov_sample(
     return_logits: bool = False,
     validate: bool = True,
 ) -> MarkovSample:
-    """Draft gamma tokens with the Markov head (see :mod:`kernels.markov`): Triton on CUDA, torch elsewhere."""
+    """Draft gamma tokens with the Markov head (:mod:`kernels.markov`): Triton on CUDA, torch elsewhere."""
     impl = markov_sample_triton if base_logits.is_cuda else markov_sample_reference
-    return impl(base_logits, anchor_ids, w1, w2, temperature, seeds, positions, top_k=top_k,
-                return_logits=return_logits, validate=validate)
+    return impl(
+        base_logits,
+        anchor_ids,
+        w1,
+        w2,
+        temperature,
+        seeds,
+        positions,
+        top_k=top_k,
+        return_logits=return_logits,
+        validate=validate,
+    )

@@ -1,4 +1,4 @@
-"""Markov-head sampling (DSpark's vanilla sequential head): the contract, validation and the torch reference loop.
+"""Markov-head sampling (DSpark's vanilla sequential head): contract, validation and the torch reference loop.
 
 For each request the head turns the backbone's base logits U_1..U_gamma into draft tokens one at a time:
 
@@ -68,29 +68,45 @@ def validate_markov_inputs(
     top_k: int,
 ) -> None:
     """Raise ValueError with a clear message on any malformed input."""
-    require(isinstance(base_logits, torch.Tensor) and base_logits.dim() == 3,
-            "base_logits must be a 3-D tensor [R, gamma, V]")
-    require(base_logits.dtype in _FLOAT_DTYPES,
-            f"base_logits must be float32, bfloat16 or float16, got {base_logits.dtype}")
+    require(
+        isinstance(base_logits, torch.Tensor) and base_logits.dim() == 3,
+        "base_logits must be a 3-D tensor [R, gamma, V]",
+    )
+    require(
+        base_logits.dtype in _FLOAT_DTYPES,
+        f"base_logits must be float32, bfloat16 or float16, got {base_logits.dtype}",
+    )
     device = base_logits.device
     num_req, gamma, vocab = base_logits.shape
-    require(gamma > 0 and vocab > 0, f"base_logits must have gamma > 0 and V > 0, got {list(base_logits.shape)}")
+    require(
+        gamma > 0 and vocab > 0, f"base_logits must have gamma > 0 and V > 0, got {list(base_logits.shape)}"
+    )
     for name, weight in (("w1", w1), ("w2", w2)):
-        require(isinstance(weight, torch.Tensor) and weight.dim() == 2,
-                f"{name} must be a 2-D tensor [V, r] (W2 stored as nn.Linear(r -> V).weight)")
+        require(
+            isinstance(weight, torch.Tensor) and weight.dim() == 2,
+            f"{name} must be a 2-D tensor [V, r] (W2 stored as nn.Linear(r -> V).weight)",
+        )
         require(weight.shape[0] == vocab, f"{name} has {weight.shape[0]} rows, the vocabulary is {vocab}")
-        require(weight.dtype in _FLOAT_DTYPES, f"{name} must be float32, bfloat16 or float16, got {weight.dtype}")
+        require(
+            weight.dtype in _FLOAT_DTYPES, f"{name} must be float32, bfloat16 or float16, got {weight.dtype}"
+        )
         require(weight.device == device, f"{name} is on {weight.device}, base_logits on {device}")
-    require(w1.shape == w2.shape and w1.shape[1] > 0, f"w1 {list(w1.shape)} and w2 {list(w2.shape)} must both "
-            f"be [V, r] with r > 0")
+    require(
+        w1.shape == w2.shape and w1.shape[1] > 0,
+        f"w1 {list(w1.shape)} and w2 {list(w2.shape)} must both be [V, r] with r > 0",
+    )
     require(w1.dtype == w2.dtype, f"w1 ({w1.dtype}) and w2 ({w2.dtype}) must share a dtype")
-    require(check_request_params(temperature, seeds, positions, device) == num_req,
-            f"temperature, seeds and positions must have R = {num_req} entries (rows of base_logits)")
+    require(
+        check_request_params(temperature, seeds, positions, device) == num_req,
+        f"temperature, seeds and positions must have R = {num_req} entries (rows of base_logits)",
+    )
     check_vector("anchor_ids", anchor_ids, num_req, True, device)
     require(bool(((anchor_ids >= 0) & (anchor_ids < vocab)).all()), f"anchor_ids must be in [0, {vocab})")
     require(isinstance(top_k, int) and not isinstance(top_k, bool), "top_k must be an int")
-    require(0 <= top_k <= min(vocab, MAX_SPARSE_K),
-            f"top_k must be in [0, {min(vocab, MAX_SPARSE_K)}] (0 = full vocabulary), got {top_k}")
+    require(
+        0 <= top_k <= min(vocab, MAX_SPARSE_K),
+        f"top_k must be in [0, {min(vocab, MAX_SPARSE_K)}] (0 = full vocabulary), got {top_k}",
+    )
 
 
 def confidence_inputs(w1: torch.Tensor, anchor_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -129,7 +145,9 @@ def markov_sample_reference(
     token_probs = torch.empty((num_req, gamma), dtype=torch.float32, device=device)
     sparse_ids = torch.empty((num_req, gamma, top_k), dtype=torch.int64, device=device) if top_k else None
     sparse_probs = torch.empty((num_req, gamma, top_k), dtype=torch.float32, device=device) if top_k else None
-    logits = torch.empty((num_req, gamma, vocab), dtype=torch.float32, device=device) if return_logits else None
+    logits = (
+        torch.empty((num_req, gamma, vocab), dtype=torch.float32, device=device) if return_logits else None
+    )
     one = torch.ones(num_req, dtype=torch.float32, device=device)
 
     previous = anchor_ids.to(torch.int64)
@@ -160,6 +178,11 @@ def markov_sample_reference(
         tokens[:, k] = token
         token_probs[:, k] = prob
         previous = token
-    return MarkovSample(tokens=tokens, token_probs=token_probs,
-                        confidence_inputs=confidence_inputs(w1, anchor_ids, tokens),
-                        sparse_ids=sparse_ids, sparse_probs=sparse_probs, logits=logits)
+    return MarkovSample(
+        tokens=tokens,
+        token_probs=token_probs,
+        confidence_inputs=confidence_inputs(w1, anchor_ids, tokens),
+        sparse_ids=sparse_ids,
+        sparse_probs=sparse_probs,
+        logits=logits,
+    )

@@ -34,11 +34,36 @@ _INT64_MAX = tl.constexpr(2**63 - 1)
 
 
 @triton.jit
-def _markov_step_kernel(base_ptr, stride_br, stride_bk, step, prev_ptr, stride_prev, w1_ptr, w2_ptr,
-                        temperature_ptr, seeds_ptr, positions_ptr, logits_ptr, stride_lr, stride_lk,
-                        part_f_ptr, part_i_ptr, cand_ptr, R, V, RANK, num_chunks, K,
-                        BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                        TOPK: tl.constexpr, STORE_LOGITS: tl.constexpr, NATIVE_DOT: tl.constexpr):
+def _markov_step_kernel(
+    base_ptr,
+    stride_br,
+    stride_bk,
+    step,
+    prev_ptr,
+    stride_prev,
+    w1_ptr,
+    w2_ptr,
+    temperature_ptr,
+    seeds_ptr,
+    positions_ptr,
+    logits_ptr,
+    stride_lr,
+    stride_lk,
+    part_f_ptr,
+    part_i_ptr,
+    cand_ptr,
+    R,
+    V,
+    RANK,
+    num_chunks,
+    K,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TOPK: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     chunk = tl.program_id(1)
     vocab = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -51,27 +76,42 @@ def _markov_step_kernel(base_ptr, stride_br, stride_bk, step, prev_ptr, stride_p
     for d0 in range(0, RANK, BLOCK_D):
         dims = d0 + tl.arange(0, BLOCK_D)
         dim_mask = dims < RANK
-        a = tl.load(w1_ptr + previous[:, None] * RANK + dims[None, :],
-                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
-        b = tl.load(w2_ptr + vocab[:, None].to(tl.int64) * RANK + dims[None, :],
-                    mask=vocab_mask[:, None] & dim_mask[None, :], other=0.0)
+        a = tl.load(
+            w1_ptr + previous[:, None] * RANK + dims[None, :],
+            mask=row_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w2_ptr + vocab[:, None].to(tl.int64) * RANK + dims[None, :],
+            mask=vocab_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
         if NATIVE_DOT:
             acc = tl.dot(a, tl.trans(b), acc)
         else:
             acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-    base = tl.load(base_ptr + rows[:, None].to(tl.int64) * stride_br + step * stride_bk + vocab[None, :],
-                   mask=tile_mask, other=0.0).to(tl.float32)
+    base = tl.load(
+        base_ptr + rows[:, None].to(tl.int64) * stride_br + step * stride_bk + vocab[None, :],
+        mask=tile_mask,
+        other=0.0,
+    ).to(tl.float32)
     z = base + acc
     if STORE_LOGITS:
-        tl.store(logits_ptr + rows[:, None].to(tl.int64) * stride_lr + step * stride_lk + vocab[None, :], z,
-                 mask=tile_mask)
+        tl.store(
+            logits_ptr + rows[:, None].to(tl.int64) * stride_lr + step * stride_lk + vocab[None, :],
+            z,
+            mask=tile_mask,
+        )
 
     if TOPK == 0:
         temp = tl.load(temperature_ptr + rows, mask=row_mask, other=1.0)
         greedy = temp == 0.0
         scaled = tl_canonical(z / tl.where(greedy, 1.0, temp)[:, None])
-        key = tl_row_key(tl.load(seeds_ptr + rows, mask=row_mask, other=0),
-                         tl.load(positions_ptr + rows, mask=row_mask, other=0) + 1 + step, _DRAFT)
+        key = tl_row_key(
+            tl.load(seeds_ptr + rows, mask=row_mask, other=0),
+            tl.load(positions_ptr + rows, mask=row_mask, other=0) + 1 + step,
+            _DRAFT,
+        )
         noise = tl.log(-tl.log(tl_uniform(key[:, None], vocab[None, :])))
         race = tl.where(tile_mask, tl.where(greedy[:, None], z, scaled - noise), float("-inf"))
         best = tl.max(race, 1)
@@ -99,9 +139,24 @@ def _markov_step_kernel(base_ptr, stride_br, stride_bk, step, prev_ptr, stride_p
 
 
 @triton.jit
-def _markov_combine_kernel(part_f_ptr, part_i_ptr, cand_ptr, step, temperature_ptr, seeds_ptr, positions_ptr,
-                           tokens_ptr, probs_ptr, sparse_ids_ptr, sparse_probs_ptr, gamma, num_chunks, K,
-                           TOPK: tl.constexpr, BLOCK_C: tl.constexpr):
+def _markov_combine_kernel(
+    part_f_ptr,
+    part_i_ptr,
+    cand_ptr,
+    step,
+    temperature_ptr,
+    seeds_ptr,
+    positions_ptr,
+    tokens_ptr,
+    probs_ptr,
+    sparse_ids_ptr,
+    sparse_probs_ptr,
+    gamma,
+    num_chunks,
+    K,
+    TOPK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
     greedy = temp == 0.0
@@ -120,10 +175,18 @@ def _markov_combine_kernel(part_f_ptr, part_i_ptr, cand_ptr, step, temperature_p
             chunk_best = tl.max(keys, 0)
             pick = chunks == c0 + tl.argmax(keys, 0)
             better = chunk_best > best
-            token = tl.where(better, tl.sum(tl.where(pick, tl.load(part_i_ptr + r * num_chunks + chunks,
-                                                                   mask=mask, other=0), 0), 0), token)
-            winner_scaled = tl.where(better, tl.sum(tl.where(pick, tl.load(part_f_ptr + part + 1, mask=mask,
-                                                                           other=0.0), 0.0), 0), winner_scaled)
+            token = tl.where(
+                better,
+                tl.sum(
+                    tl.where(pick, tl.load(part_i_ptr + r * num_chunks + chunks, mask=mask, other=0), 0), 0
+                ),
+                token,
+            )
+            winner_scaled = tl.where(
+                better,
+                tl.sum(tl.where(pick, tl.load(part_f_ptr + part + 1, mask=mask, other=0.0), 0.0), 0),
+                winner_scaled,
+            )
             best = tl.where(better, chunk_best, best)
             tile_max = tl.load(part_f_ptr + part + 2, mask=mask, other=float("-inf"))
             tile_sum = tl.load(part_f_ptr + part + 3, mask=mask, other=0.0)
@@ -200,10 +263,13 @@ def markov_sample_triton(
     token_probs = torch.empty((num_req, gamma), dtype=torch.float32, device=device)
     sparse_ids = torch.empty((num_req, gamma, top_k), dtype=torch.int64, device=device) if top_k else None
     sparse_probs = torch.empty((num_req, gamma, top_k), dtype=torch.float32, device=device) if top_k else None
-    logits = torch.empty((num_req, gamma, vocab), dtype=torch.float32, device=device) if return_logits else None
+    logits = (
+        torch.empty((num_req, gamma, vocab), dtype=torch.float32, device=device) if return_logits else None
+    )
     if num_req == 0:
-        return MarkovSample(tokens, token_probs, confidence_inputs(w1, anchor_ids, tokens), sparse_ids,
-                            sparse_probs, logits)
+        return MarkovSample(
+            tokens, token_probs, confidence_inputs(w1, anchor_ids, tokens), sparse_ids, sparse_probs, logits
+        )
 
     base = base_logits if base_logits.stride(-1) == 1 else base_logits.contiguous()
     w1c, w2c = w1.contiguous(), w2.contiguous()
@@ -225,19 +291,60 @@ def markov_sample_triton(
     for step in range(gamma):
         previous = anchors if step == 0 else tokens[:, step - 1]
         _markov_step_kernel[grid](
-            base, base.stride(0), base.stride(1), step, previous, previous.stride(0), w1c, w2c,
-            temps, seeds64, positions64, logits_arg,
-            logits.stride(0) if logits is not None else 0, logits.stride(1) if logits is not None else 0,
-            part_f, part_i, cands, num_req, vocab, rank, num_chunks, top_k,
-            BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_D=block_d, TOPK=topk_slots,
-            STORE_LOGITS=logits is not None, NATIVE_DOT=native, num_warps=4,
+            base,
+            base.stride(0),
+            base.stride(1),
+            step,
+            previous,
+            previous.stride(0),
+            w1c,
+            w2c,
+            temps,
+            seeds64,
+            positions64,
+            logits_arg,
+            logits.stride(0) if logits is not None else 0,
+            logits.stride(1) if logits is not None else 0,
+            part_f,
+            part_i,
+            cands,
+            num_req,
+            vocab,
+            rank,
+            num_chunks,
+            top_k,
+            BLOCK_R=block_r,
+            BLOCK_V=block_v,
+            BLOCK_D=block_d,
+            TOPK=topk_slots,
+            STORE_LOGITS=logits is not None,
+            NATIVE_DOT=native,
+            num_warps=4,
         )
         _markov_combine_kernel[(num_req,)](
-            part_f, part_i, cands, step, temps, seeds64, positions64, tokens, token_probs,
-            sparse_ids if sparse_ids is not None else tokens, sparse_probs if sparse_probs is not None else part_f,
-            gamma, num_chunks, top_k, TOPK=topk_slots,
-            BLOCK_C=1024, num_warps=4,
+            part_f,
+            part_i,
+            cands,
+            step,
+            temps,
+            seeds64,
+            positions64,
+            tokens,
+            token_probs,
+            sparse_ids if sparse_ids is not None else tokens,
+            sparse_probs if sparse_probs is not None else part_f,
+            gamma,
+            num_chunks,
+            top_k,
+            TOPK=topk_slots,
+            BLOCK_C=1024,
+            num_warps=4,
         )
-    return MarkovSample(tokens=tokens, token_probs=token_probs,
-                        confidence_inputs=confidence_inputs(w1, anchors, tokens),
-                        sparse_ids=sparse_ids, sparse_probs=sparse_probs, logits=logits)
+    return MarkovSample(
+        tokens=tokens,
+        token_probs=token_probs,
+        confidence_inputs=confidence_inputs(w1, anchors, tokens),
+        sparse_ids=sparse_ids,
+        sparse_probs=sparse_probs,
+        logits=logits,
+    )

@@ -2,14 +2,14 @@
 
 The math (speculative sampling, Leviathan et al. / Chen et al.): request r proposes l_r draft tokens
 x_1..x_l drawn from draft distributions p_d,k. The target scored [anchor, x_1..x_l], giving l_r + 1 target
-distributions p_t,0..p_t,l. Left to right, x_k is accepted with probability min(1, p_t(x_k) / p_d(x_k)); at the
-first rejection one token is drawn from the residual norm(max(0, p_t - p_d)) and the rest is dropped; if all
-are accepted one bonus token is drawn from p_t,l. The emitted tokens are then distributed exactly as the
+distributions p_t,0..p_t,l. Left to right, x_k is accepted with probability min(1, p_t(x_k) / p_d(x_k));
+at the first rejection one token is drawn from the residual norm(max(0, p_t - p_d)) and the rest is dropped;
+if all are accepted one bonus token is drawn from p_t,l. The emitted tokens are then distributed exactly as the
 target's own samples. At temperature 0 (greedy) this becomes: accept while x_k == argmax p_t,k, then emit the
 target argmax.
 
 Layout (ragged, no padding to gamma): ``draft_token_ids [N]`` holds every request's drafts back to back,
-``cu_draft_lens [R+1]`` their offsets (request r owns drafts cu[r]..cu[r+1]-1, l_r = cu[r+1] - cu[r] may be 0).
+``cu_draft_lens [R+1]`` their offsets (request r owns drafts cu[r]..cu[r+1]-1; l_r = cu[r+1] - cu[r] >= 0).
 ``target_logits [N + R, V]`` holds request r's l_r + 1 rows at rows cu[r] + r .. cu[r+1] + r: row k scores the
 token after [anchor, x_1..x_k], i.e. it is the target distribution for x_{k+1}, and the last row is the bonus
 row. This is exactly the verify pass output for the flattened batch [anchor_r, x_r,1..x_r,l] over all r.
@@ -31,8 +31,9 @@ Integer thresholds (top-k) are identical in both implementations; the top-p boun
 the two implementations could disagree only when a prefix mass lies within float rounding (~1e-6) of p.
 
 Random numbers come from :mod:`kernels.rng` at the absolute position of the token being decided
-(``positions[r] + 1 + k`` for row k, ``positions[r]`` being the anchor's position): the accept test of x_k uses
-stream STREAM_ACCEPT, index 0; the residual or bonus draw uses STREAM_TARGET_SAMPLE with the vocabulary index.
+(``positions[r] + 1 + k`` for row k, ``positions[r]`` being the anchor's position): the accept test of x_k
+uses stream STREAM_ACCEPT, index 0; the residual or bonus draw uses STREAM_TARGET_SAMPLE with the vocabulary
+index.
 
 Categorical draws use the exponential race: token = argmax_v w_v / E_v with E_v = -log u_v, u_v uniform.
 Since P(argmax = v) = w_v / sum w for independent Exp(1) variables E_v, this samples norm(w) without a
@@ -59,8 +60,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.float_keys import canonical
 from kernels.checks import check_request_params, check_vector, require
+from kernels.float_keys import canonical
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, uniform
 
 PROB_SUM_TOLERANCE = 1e-3
@@ -106,70 +107,106 @@ def validate_rejection_inputs(
     Value checks read the (small) control tensors and the draft probabilities of sampled requests; the target
     logits are only checked for shape and dtype, never read.
     """
-    require(isinstance(target_logits, torch.Tensor) and target_logits.dim() == 2,
-             "target_logits must be a 2-D tensor [N + R, V]")
-    require(target_logits.dtype in _LOGIT_DTYPES,
-             f"target_logits must be float32, bfloat16 or float16, got {target_logits.dtype}")
+    require(
+        isinstance(target_logits, torch.Tensor) and target_logits.dim() == 2,
+        "target_logits must be a 2-D tensor [N + R, V]",
+    )
+    require(
+        target_logits.dtype in _LOGIT_DTYPES,
+        f"target_logits must be float32, bfloat16 or float16, got {target_logits.dtype}",
+    )
     device = target_logits.device
     rows, vocab = target_logits.shape
     require(vocab > 0, "target_logits has an empty vocabulary dimension")
-    require(isinstance(draft_token_ids, torch.Tensor) and draft_token_ids.dim() == 1,
-             "draft_token_ids must be a 1-D tensor [N]")
+    require(
+        isinstance(draft_token_ids, torch.Tensor) and draft_token_ids.dim() == 1,
+        "draft_token_ids must be a 1-D tensor [N]",
+    )
     num_draft = draft_token_ids.shape[0]
     check_vector("draft_token_ids", draft_token_ids, num_draft, True, device)
     num_req = check_request_params(temperature, seeds, positions, device)
     check_vector("cu_draft_lens", cu_draft_lens, num_req + 1, True, device)
     check_vector("top_k", top_k, num_req, True, device)
     check_vector("top_p", top_p, num_req, False, device)
-    require(rows == num_draft + num_req, f"target_logits must have N + R = {num_draft} + {num_req} = "
-             f"{num_draft + num_req} rows (one per draft token plus one bonus row per request), got {rows}")
+    require(
+        rows == num_draft + num_req,
+        f"target_logits must have N + R = {num_draft} + {num_req} = "
+        f"{num_draft + num_req} rows (one per draft token plus one bonus row per request), got {rows}",
+    )
 
     cu = cu_draft_lens.to(torch.int64)
     require(int(cu[0]) == 0, f"cu_draft_lens[0] must be 0, got {int(cu[0])}")
     require(bool((cu[1:] >= cu[:-1]).all()), "cu_draft_lens must be non-decreasing (monotone offsets)")
-    require(int(cu[-1]) == num_draft, f"cu_draft_lens[-1] must equal the number of draft tokens {num_draft}, "
-             f"got {int(cu[-1])}")
+    require(
+        int(cu[-1]) == num_draft,
+        f"cu_draft_lens[-1] must equal the number of draft tokens {num_draft}, got {int(cu[-1])}",
+    )
     require(bool(((top_p > 0) & (top_p <= 1)).all()), "top_p must be in (0, 1] (1 means off)")
     require(bool((top_k >= 0).all()), "top_k must be >= 0 (0 means off)")
     if num_draft > 0:
-        require(bool(((draft_token_ids >= 0) & (draft_token_ids < vocab)).all()),
-                 f"draft_token_ids must be in [0, {vocab})")
+        require(
+            bool(((draft_token_ids >= 0) & (draft_token_ids < vocab)).all()),
+            f"draft_token_ids must be in [0, {vocab})",
+        )
 
     sampled = temperature > 0
     lens = cu[1:] - cu[:-1]
     draft_sampled = torch.repeat_interleave(sampled, lens, output_size=num_draft)
     if draft_probs is None:
         require(draft_prob_ids is None, "draft_prob_ids given without draft_probs")
-        require(num_draft == 0 or not bool(draft_sampled.any()),
-                 "draft_probs is required when a request with temperature > 0 has draft tokens")
+        require(
+            num_draft == 0 or not bool(draft_sampled.any()),
+            "draft_probs is required when a request with temperature > 0 has draft tokens",
+        )
         return
-    require(isinstance(draft_probs, torch.Tensor) and draft_probs.dim() == 2,
-             "draft_probs must be a 2-D tensor ([N, V] dense or [N, K] sparse)")
-    require(draft_probs.dtype == torch.float32, f"draft_probs must be float32 (the exact distribution the "
-             f"drafts were sampled from), got {draft_probs.dtype}")
-    require(draft_probs.device == device, f"draft_probs is on {draft_probs.device}, target_logits on {device}")
-    require(draft_probs.shape[0] == num_draft, f"draft_probs must have {num_draft} rows (one per draft "
-             f"token), got {draft_probs.shape[0]}")
+    require(
+        isinstance(draft_probs, torch.Tensor) and draft_probs.dim() == 2,
+        "draft_probs must be a 2-D tensor ([N, V] dense or [N, K] sparse)",
+    )
+    require(
+        draft_probs.dtype == torch.float32,
+        f"draft_probs must be float32 (the exact distribution the "
+        f"drafts were sampled from), got {draft_probs.dtype}",
+    )
+    require(
+        draft_probs.device == device, f"draft_probs is on {draft_probs.device}, target_logits on {device}"
+    )
+    require(
+        draft_probs.shape[0] == num_draft,
+        f"draft_probs must have {num_draft} rows (one per draft token), got {draft_probs.shape[0]}",
+    )
     if draft_prob_ids is None:
-        require(draft_probs.shape[1] == vocab, f"dense draft_probs must have shape [{num_draft}, {vocab}], got "
-                 f"{list(draft_probs.shape)} (pass draft_prob_ids for a sparse distribution)")
+        require(
+            draft_probs.shape[1] == vocab,
+            f"dense draft_probs must have shape [{num_draft}, {vocab}], got "
+            f"{list(draft_probs.shape)} (pass draft_prob_ids for a sparse distribution)",
+        )
     else:
-        require(isinstance(draft_prob_ids, torch.Tensor) and draft_prob_ids.shape == draft_probs.shape,
-                 f"draft_prob_ids must have the shape of draft_probs {list(draft_probs.shape)}")
-        require(not draft_prob_ids.dtype.is_floating_point and draft_prob_ids.dtype != torch.bool,
-                 f"draft_prob_ids must be an integer tensor, got {draft_prob_ids.dtype}")
+        require(
+            isinstance(draft_prob_ids, torch.Tensor) and draft_prob_ids.shape == draft_probs.shape,
+            f"draft_prob_ids must have the shape of draft_probs {list(draft_probs.shape)}",
+        )
+        require(
+            not draft_prob_ids.dtype.is_floating_point and draft_prob_ids.dtype != torch.bool,
+            f"draft_prob_ids must be an integer tensor, got {draft_prob_ids.dtype}",
+        )
         require(draft_prob_ids.device == device, "draft_prob_ids must be on the device of target_logits")
         require(draft_probs.shape[1] > 0, "sparse draft distributions need K >= 1 entries per row")
         if num_draft > 0:
-            require(bool(((draft_prob_ids >= 0) & (draft_prob_ids < vocab)).all()),
-                     f"draft_prob_ids must be in [0, {vocab})")
+            require(
+                bool(((draft_prob_ids >= 0) & (draft_prob_ids < vocab)).all()),
+                f"draft_prob_ids must be in [0, {vocab})",
+            )
     checked = draft_probs[draft_sampled]
     if checked.numel() > 0:
         require(bool(torch.isfinite(checked).all()), "draft_probs contains NaN or inf")
         require(bool((checked >= 0).all()), "draft_probs must be non-negative")
         worst = float((checked.sum(dim=1, dtype=torch.float64) - 1.0).abs().max())
-        require(worst <= PROB_SUM_TOLERANCE, f"draft_probs rows must sum to 1 (tolerance "
-                 f"{PROB_SUM_TOLERANCE}); worst row is off by {worst:.3g}")
+        require(
+            worst <= PROB_SUM_TOLERANCE,
+            f"draft_probs rows must sum to 1 (tolerance "
+            f"{PROB_SUM_TOLERANCE}); worst row is off by {worst:.3g}",
+        )
 
 
 def _row_layout(cu: torch.Tensor, num_req: int, num_draft: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,10 +234,14 @@ def filter_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     weights = torch.where(sorted_z >= tau_k[:, None], torch.exp(sorted_z - sorted_z[:, :1]), 0.0)
     total = weights.sum(dim=-1)
     reached = weights.cumsum(dim=-1) >= top_p[need][:, None].to(torch.float32) * total[:, None]
-    first = torch.where(reached.any(dim=-1), reached.to(torch.int8).argmax(dim=-1),
-                        torch.full_like(total, vocab - 1, dtype=torch.int64))
-    tau_p = torch.where(use_p[need], sorted_z.gather(1, first[:, None]).squeeze(1),
-                        torch.full_like(kth, float("-inf")))
+    first = torch.where(
+        reached.any(dim=-1),
+        reached.to(torch.int8).argmax(dim=-1),
+        torch.full_like(total, vocab - 1, dtype=torch.int64),
+    )
+    tau_p = torch.where(
+        use_p[need], sorted_z.gather(1, first[:, None]).squeeze(1), torch.full_like(kth, float("-inf"))
+    )
     tau[need] = torch.maximum(tau_k, tau_p)
     return tau
 
@@ -236,8 +277,18 @@ def rejection_sample_reference(
     syncs) for callers whose inputs were produced by trusted code.
     """
     if validate:
-        validate_rejection_inputs(target_logits, draft_token_ids, draft_probs, cu_draft_lens, temperature,
-                                  top_k, top_p, seeds, positions, draft_prob_ids)
+        validate_rejection_inputs(
+            target_logits,
+            draft_token_ids,
+            draft_probs,
+            cu_draft_lens,
+            temperature,
+            top_k,
+            top_p,
+            seeds,
+            positions,
+            draft_prob_ids,
+        )
     device = target_logits.device
     num_req = temperature.shape[0]
     num_draft = draft_token_ids.shape[0]
@@ -281,8 +332,9 @@ def rejection_sample_reference(
             pd_s = pd_s.scatter_add(1, draft_prob_ids[draft_row].to(torch.int64), draft_probs[draft_row])
     residual = torch.where(bonus[:, None], pt_s, (pt_s - pd_s).clamp(min=0.0))
     index = torch.arange(vocab, device=device)
-    race = -torch.log(uniform(seeds[:, None], (positions + 1 + num_accepted)[:, None], STREAM_TARGET_SAMPLE,
-                              index[None, :]))
+    race = -torch.log(
+        uniform(seeds[:, None], (positions + 1 + num_accepted)[:, None], STREAM_TARGET_SAMPLE, index[None, :])
+    )
     key_res = residual / race
     sampled_res = key_res.argmax(dim=-1)
     sampled_fb = (pt_s / race).argmax(dim=-1)

@@ -57,8 +57,18 @@ def _mass_at_least(row_ptr, V, temp, z_max, lo, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _search_threshold(row_ptr, V, temp, z_max, lo, hi, target,
-                      USE_MASS: tl.constexpr, BLOCK_S: tl.constexpr, NCAND: tl.constexpr):
+def _search_threshold(
+    row_ptr,
+    V,
+    temp,
+    z_max,
+    lo,
+    hi,
+    target,
+    USE_MASS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    NCAND: tl.constexpr,
+):
     """Largest int32 key t in [lo, hi] with f(t) >= target, f(t) = count or mass of {key(z) >= t}.
 
     Requires f(lo) >= target (not re-checked) and f non-increasing; NCAND candidates per pass over the row.
@@ -72,10 +82,7 @@ def _search_threshold(row_ptr, V, temp, z_max, lo, hi, target,
             idx = start + tl.arange(0, BLOCK_S)
             mask = idx < V
             z = _load_z(row_ptr, idx, mask, temp)
-            if USE_MASS:
-                w = tl.where(mask, tl.exp(z - z_max), 0.0)
-            else:
-                w = tl.where(mask, 1.0, 0.0)
+            w = tl.where(mask, tl.exp(z - z_max) if USE_MASS else 1.0, 0.0)
             hit = tl_ordered_key(z)[:, None] >= cand[None, :]
             acc += tl.sum(tl.where(hit, w[:, None], 0.0), axis=0)
         ok = acc >= target
@@ -86,9 +93,22 @@ def _search_threshold(row_ptr, V, temp, z_max, lo, hi, target,
 
 
 @triton.jit
-def _row_stats_kernel(logits_ptr, stride_row, row_req_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
-                      argmax_ptr, zmax_ptr, norm_ptr, tau_ptr, V,
-                      BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, NCAND: tl.constexpr):
+def _row_stats_kernel(
+    logits_ptr,
+    stride_row,
+    row_req_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    argmax_ptr,
+    zmax_ptr,
+    norm_ptr,
+    tau_ptr,
+    V,
+    BLOCK_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    NCAND: tl.constexpr,
+):
     row = tl.program_id(0)
     req = tl.load(row_req_ptr + row)
     temp = tl.load(temperature_ptr + req)
@@ -125,8 +145,9 @@ def _row_stats_kernel(logits_ptr, stride_row, row_req_ptr, temperature_ptr, top_
         lo = tl_ordered_key(z_min)
         hi = tl_ordered_key(z_max)
         if use_k:
-            lo = _search_threshold(row_ptr, V, temp, z_max, lo, hi, top_k.to(tl.float32),
-                                   False, BLOCK_S, NCAND)
+            lo = _search_threshold(
+                row_ptr, V, temp, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND
+            )
         if use_p:
             kept_mass = _mass_at_least(row_ptr, V, temp, z_max, lo, BLOCK_S)
             lo = _search_threshold(row_ptr, V, temp, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND)
@@ -140,12 +161,33 @@ def _row_stats_kernel(logits_ptr, stride_row, row_req_ptr, temperature_ptr, top_
 
 
 @triton.jit
-def _accept_race_kernel(logits_ptr, stride_row, draft_ids_ptr, probs_ptr, stride_probs, prob_ids_ptr,
-                        cu_ptr, temperature_ptr, seeds_ptr, positions_ptr,
-                        argmax_ptr, zmax_ptr, norm_ptr, tau_ptr,
-                        out_ptr, num_acc_ptr, part_key_ptr, part_idx_ptr,
-                        V, K, split_size, num_splits,
-                        PROBS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+def _accept_race_kernel(
+    logits_ptr,
+    stride_row,
+    draft_ids_ptr,
+    probs_ptr,
+    stride_probs,
+    prob_ids_ptr,
+    cu_ptr,
+    temperature_ptr,
+    seeds_ptr,
+    positions_ptr,
+    argmax_ptr,
+    zmax_ptr,
+    norm_ptr,
+    tau_ptr,
+    out_ptr,
+    num_acc_ptr,
+    part_key_ptr,
+    part_idx_ptr,
+    V,
+    K,
+    split_size,
+    num_splits,
+    PROBS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     r = tl.program_id(0)
     split = tl.program_id(1)
     temp = tl.load(temperature_ptr + r)
@@ -169,8 +211,11 @@ def _accept_race_kernel(logits_ptr, stride_row, draft_ids_ptr, probs_ptr, stride
             accepted = x == tl.load(argmax_ptr + row)
         else:
             z = tl_canonical(tl.load(logits_ptr + row * stride_row + x).to(tl.float32) / temp)
-            p_t = tl.where(z >= tl.load(tau_ptr + row),
-                           tl.exp(z - tl.load(zmax_ptr + row)) / tl.load(norm_ptr + row), 0.0)
+            p_t = tl.where(
+                z >= tl.load(tau_ptr + row),
+                tl.exp(z - tl.load(zmax_ptr + row)) / tl.load(norm_ptr + row),
+                0.0,
+            )
             if PROBS == 1:
                 p_d = tl.load(probs_ptr + j * stride_probs + x)
             elif PROBS == 2:
@@ -214,8 +259,9 @@ def _accept_race_kernel(logits_ptr, stride_row, draft_ids_ptr, probs_ptr, stride
             z = _load_z(row_ptr, idx, mask, temp)
             p_t = tl.where(z >= tau, tl.exp(z - z_max) / norm, 0.0)
             if PROBS == 1:
-                p_d = tl.load(probs_ptr + draft_row * stride_probs + idx, mask=idx < tl.where(bonus, 0, hi_v),
-                              other=0.0)
+                p_d = tl.load(
+                    probs_ptr + draft_row * stride_probs + idx, mask=idx < tl.where(bonus, 0, hi_v), other=0.0
+                )
             elif PROBS == 2:
                 p_d = tl.sum(tl.where(idx[:, None] == ids[None, :], probs[None, :], 0.0), axis=1)
             else:
@@ -242,8 +288,16 @@ def _accept_race_kernel(logits_ptr, stride_row, draft_ids_ptr, probs_ptr, stride
 
 
 @triton.jit
-def _finalize_kernel(part_key_ptr, part_idx_ptr, cu_ptr, temperature_ptr, num_acc_ptr, out_ptr, num_splits,
-                     BLOCK_SPLITS: tl.constexpr):
+def _finalize_kernel(
+    part_key_ptr,
+    part_idx_ptr,
+    cu_ptr,
+    temperature_ptr,
+    num_acc_ptr,
+    out_ptr,
+    num_splits,
+    BLOCK_SPLITS: tl.constexpr,
+):
     r = tl.program_id(0)
     if tl.load(temperature_ptr + r) != 0.0:
         offs = tl.arange(0, BLOCK_SPLITS)
@@ -280,8 +334,18 @@ def rejection_sample_triton(
 ) -> RejectionOutput:
     """Triton rejection sampler; same signature, semantics and random numbers as the torch reference."""
     if validate:
-        validate_rejection_inputs(target_logits, draft_token_ids, draft_probs, cu_draft_lens, temperature,
-                                  top_k, top_p, seeds, positions, draft_prob_ids)
+        validate_rejection_inputs(
+            target_logits,
+            draft_token_ids,
+            draft_probs,
+            cu_draft_lens,
+            temperature,
+            top_k,
+            top_p,
+            seeds,
+            positions,
+            draft_prob_ids,
+        )
     device = target_logits.device
     num_req = temperature.shape[0]
     num_draft = draft_token_ids.shape[0]
@@ -302,17 +366,33 @@ def rejection_sample_triton(
     elif draft_prob_ids is None:
         mode, probs, prob_ids, width = PROBS_DENSE, draft_probs.contiguous(), ids, vocab
     else:
-        mode, probs, prob_ids, width = (PROBS_SPARSE, draft_probs.contiguous(),
-                                        draft_prob_ids.to(torch.int64).contiguous(), draft_probs.shape[1])
+        mode, probs, prob_ids, width = (
+            PROBS_SPARSE,
+            draft_probs.contiguous(),
+            draft_prob_ids.to(torch.int64).contiguous(),
+            draft_probs.shape[1],
+        )
 
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
     z_max = torch.empty(rows, dtype=torch.float32, device=device)
     norm = torch.empty(rows, dtype=torch.float32, device=device)
     tau = torch.empty(rows, dtype=torch.float32, device=device)
     _row_stats_kernel[(rows,)](
-        logits, logits.stride(0), row_req, temps, top_k.to(torch.int64).contiguous(),
-        top_p.to(torch.float32).contiguous(), argmax, z_max, norm, tau, vocab,
-        BLOCK_V=_block(4096, vocab), BLOCK_S=_block(512, vocab), NCAND=_NCAND, num_warps=8,
+        logits,
+        logits.stride(0),
+        row_req,
+        temps,
+        top_k.to(torch.int64).contiguous(),
+        top_p.to(torch.float32).contiguous(),
+        argmax,
+        z_max,
+        norm,
+        tau,
+        vocab,
+        BLOCK_V=_block(4096, vocab),
+        BLOCK_S=_block(512, vocab),
+        NCAND=_NCAND,
+        num_warps=8,
     )
 
     block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
@@ -322,14 +402,42 @@ def rejection_sample_triton(
     part_key = torch.empty((num_req, num_splits, 2), dtype=torch.float32, device=device)
     part_idx = torch.empty((num_req, num_splits, 2), dtype=torch.int32, device=device)
     _accept_race_kernel[(num_req, num_splits)](
-        logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps,
-        seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(),
-        argmax, z_max, norm, tau, out, num_acc, part_key, part_idx,
-        vocab, width, split_size, num_splits,
-        PROBS=mode, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=8,
+        logits,
+        logits.stride(0),
+        ids,
+        probs,
+        width,
+        prob_ids,
+        cu,
+        temps,
+        seeds.to(torch.int64).contiguous(),
+        positions.to(torch.int64).contiguous(),
+        argmax,
+        z_max,
+        norm,
+        tau,
+        out,
+        num_acc,
+        part_key,
+        part_idx,
+        vocab,
+        width,
+        split_size,
+        num_splits,
+        PROBS=mode,
+        BLOCK_V=block_v,
+        BLOCK_K=block_k,
+        num_warps=8,
     )
     _finalize_kernel[(num_req,)](
-        part_key, part_idx, cu, temps, num_acc, out, num_splits,
-        BLOCK_SPLITS=_block(1 << 20, num_splits), num_warps=1,
+        part_key,
+        part_idx,
+        cu,
+        temps,
+        num_acc,
+        out,
+        num_splits,
+        BLOCK_SPLITS=_block(1 << 20, num_splits),
+        num_warps=1,
     )
     return RejectionOutput(num_accepted=num_acc, output_tokens=out)
