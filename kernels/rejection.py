@@ -5,8 +5,8 @@ x_1..x_l drawn from draft distributions p_d,k. The target scored [anchor, x_1..x
 distributions p_t,0..p_t,l. Left to right, x_k is accepted with probability min(1, p_t(x_k) / p_d(x_k));
 at the first rejection one token is drawn from the residual norm(max(0, p_t - p_d)) and the rest is dropped;
 if all are accepted one bonus token is drawn from p_t,l. The emitted tokens are then distributed exactly as
-the target's own samples. At temperature 0 (greedy) this becomes: accept while x_k == argmax p_t,k, then emit the
-target argmax.
+the target's own samples. At temperature 0 (greedy) this becomes: accept while x_k == argmax p_t,k, then emit
+the target argmax.
 
 Layout (ragged, no padding to gamma): ``draft_token_ids [N]`` holds every request's drafts back to back,
 ``cu_draft_lens [R+1]`` their offsets (request r owns drafts cu[r]..cu[r+1]-1; l_r = cu[r+1] - cu[r] >= 0).
