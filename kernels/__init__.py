@@ -1,7 +1,89 @@
 """Triton kernels with pure-torch references of the same signature.
 
 Rejection sampling over ragged draft blocks (full or sparse draft distributions, per-request temperature,
-top-k and top-p, greedy and sampled requests mixed) and fused Markov-head sampling. Every kernel has a torch
-reference used on machines without Triton support and as the oracle in tests; on CPU the Triton versions run
-through ``TRITON_INTERPRET=1``.
+top-k and top-p, greedy and sampled requests mixed) and fused Markov-head sampling, both drawing their random
+numbers from one counter-based RNG (:mod:`kernels.rng`) so that a request's output depends only on its seed
+and positions. Every kernel has a torch reference used on machines without Triton support and as the oracle
+in tests; on CPU the Triton versions run through ``TRITON_INTERPRET=1``.
+
+``rejection_sample`` and ``markov_sample`` pick the Triton kernel for CUDA tensors and the torch reference
+otherwise (the interpreter is for tests, far too slow to serve with).
 """
+
+from __future__ import annotations
+
+import torch
+
+from kernels.markov import MarkovSample, markov_sample_reference
+from kernels.markov_triton import markov_sample_triton
+from kernels.rejection import RejectionOutput, rejection_sample_reference
+from kernels.rejection_triton import rejection_sample_triton
+
+__all__ = [
+    "MarkovSample",
+    "RejectionOutput",
+    "markov_sample",
+    "markov_sample_reference",
+    "markov_sample_triton",
+    "rejection_sample",
+    "rejection_sample_reference",
+    "rejection_sample_triton",
+]
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    cu_draft_lens: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    draft_prob_ids: torch.Tensor | None = None,
+    validate: bool = True,
+) -> RejectionOutput:
+    """Verify a ragged batch of drafts (see :mod:`kernels.rejection`): Triton on CUDA, torch elsewhere."""
+    impl = rejection_sample_triton if target_logits.is_cuda else rejection_sample_reference
+    return impl(
+        target_logits,
+        draft_token_ids,
+        draft_probs,
+        cu_draft_lens,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+        positions,
+        draft_prob_ids=draft_prob_ids,
+        validate=validate,
+    )
+
+
+def markov_sample(
+    base_logits: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    top_k: int = 0,
+    return_logits: bool = False,
+    validate: bool = True,
+) -> MarkovSample:
+    """Draft gamma tokens with the Markov head (:mod:`kernels.markov`): Triton on CUDA, torch elsewhere."""
+    impl = markov_sample_triton if base_logits.is_cuda else markov_sample_reference
+    return impl(
+        base_logits,
+        anchor_ids,
+        w1,
+        w2,
+        temperature,
+        seeds,
+        positions,
+        top_k=top_k,
+        return_logits=return_logits,
+        validate=validate,
+    )

@@ -1,0 +1,350 @@
+"""Triton Markov-head sampling: the contract of :mod:`kernels.markov`, with z_k never written to memory.
+
+Each of the gamma steps is two launches, because step k + 1 needs every request's token x_k, which is a
+reduction over the whole vocabulary (a grid-wide dependency; a persistent kernel with a software grid barrier
+would deadlock the sequential interpreter and is fragile on GPUs):
+1. ``_markov_step_kernel``, programs (block of requests, block of vocabulary): computes the tile
+   z = U_k + W1[x_{k-1}] @ W2^T with ``tl.dot`` (the W2 tile is shared by BLOCK_R requests, and consecutive
+   programs share it through L2, so W2 is read from memory about once per step), then, in registers, the
+   tile's race winner and log-sum-exp partials (full vocabulary) or its top-K candidates packed as int64
+   (truncated mode).
+2. ``_markov_combine_kernel``, one program per request: merges the partials into x_k, p_d(x_k) and, in
+   truncated mode, the sparse distribution; x_k is written where step k + 1 reads its previous token.
+
+Storage-dtype weights (bf16/fp16) go to ``tl.dot`` as they are on GPUs: their products are exact in the fp32
+accumulator, which matches the reference's float32 matmul up to summation order. float32 weights and the
+CPU interpreter use an fp32 dot with IEEE precision (no TF32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.float_keys import tl_canonical, tl_pack_value_id, tl_unpack_value_id
+from kernels.markov import MarkovSample, confidence_inputs, validate_markov_inputs
+from kernels.rng import STREAM_DRAFT_SAMPLE, tl_row_key, tl_uniform
+
+_DRAFT = tl.constexpr(STREAM_DRAFT_SAMPLE)
+_INT64_MIN = tl.constexpr(-(2**63))
+_INT64_MAX = tl.constexpr(2**63 - 1)
+
+
+@triton.jit
+def _markov_step_kernel(
+    base_ptr,
+    stride_br,
+    stride_bk,
+    step,
+    prev_ptr,
+    stride_prev,
+    w1_ptr,
+    w2_ptr,
+    temperature_ptr,
+    seeds_ptr,
+    positions_ptr,
+    logits_ptr,
+    stride_lr,
+    stride_lk,
+    part_f_ptr,
+    part_i_ptr,
+    cand_ptr,
+    R,
+    V,
+    RANK,
+    num_chunks,
+    K,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TOPK: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    chunk = tl.program_id(1)
+    vocab = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask = rows < R
+    vocab_mask = vocab < V
+    tile_mask = row_mask[:, None] & vocab_mask[None, :]
+    previous = tl.load(prev_ptr + rows * stride_prev, mask=row_mask, other=0)
+
+    acc = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
+    for d0 in range(0, RANK, BLOCK_D):
+        dims = d0 + tl.arange(0, BLOCK_D)
+        dim_mask = dims < RANK
+        a = tl.load(
+            w1_ptr + previous[:, None] * RANK + dims[None, :],
+            mask=row_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w2_ptr + vocab[:, None].to(tl.int64) * RANK + dims[None, :],
+            mask=vocab_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        if NATIVE_DOT:
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    base = tl.load(
+        base_ptr + rows[:, None].to(tl.int64) * stride_br + step * stride_bk + vocab[None, :],
+        mask=tile_mask,
+        other=0.0,
+    ).to(tl.float32)
+    z = base + acc
+    if STORE_LOGITS:
+        tl.store(
+            logits_ptr + rows[:, None].to(tl.int64) * stride_lr + step * stride_lk + vocab[None, :],
+            z,
+            mask=tile_mask,
+        )
+
+    if TOPK == 0:
+        temp = tl.load(temperature_ptr + rows, mask=row_mask, other=1.0)
+        greedy = temp == 0.0
+        scaled = tl_canonical(z / tl.where(greedy, 1.0, temp)[:, None])
+        key = tl_row_key(
+            tl.load(seeds_ptr + rows, mask=row_mask, other=0),
+            tl.load(positions_ptr + rows, mask=row_mask, other=0) + 1 + step,
+            _DRAFT,
+        )
+        noise = tl.log(-tl.log(tl_uniform(key[:, None], vocab[None, :])))
+        race = tl.where(tile_mask, tl.where(greedy[:, None], z, scaled - noise), float("-inf"))
+        best = tl.max(race, 1)
+        winner = tl.argmax(race, 1)
+        cols = tl.arange(0, BLOCK_V)
+        winner_scaled = tl.sum(tl.where(cols[None, :] == winner[:, None], scaled, 0.0), 1)
+        scaled = tl.where(tile_mask, scaled, float("-inf"))
+        tile_max = tl.max(scaled, 1)
+        safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+        tile_sum = tl.sum(tl.exp(scaled - safe_max[:, None]), 1)
+        part = (rows * num_chunks + chunk) * 4
+        tl.store(part_f_ptr + part, best, mask=row_mask)
+        tl.store(part_f_ptr + part + 1, winner_scaled, mask=row_mask)
+        tl.store(part_f_ptr + part + 2, tile_max, mask=row_mask)
+        tl.store(part_f_ptr + part + 3, tile_sum, mask=row_mask)
+        tl.store(part_i_ptr + rows * num_chunks + chunk, chunk * BLOCK_V + winner, mask=row_mask)
+    else:
+        # top-K of the tile by repeated max extraction (packed keys are distinct, so each round removes one)
+        packed = tl.where(tile_mask, tl_pack_value_id(tl_canonical(z), vocab[None, :]), _INT64_MIN)
+        cand_row = cand_ptr + (rows.to(tl.int64) * num_chunks + chunk) * K
+        for slot in range(0, K):
+            top = tl.max(packed, 1)
+            tl.store(cand_row + slot, top, mask=row_mask)
+            packed = tl.where(packed == top[:, None], _INT64_MIN, packed)
+
+
+@triton.jit
+def _markov_combine_kernel(
+    part_f_ptr,
+    part_i_ptr,
+    cand_ptr,
+    step,
+    temperature_ptr,
+    seeds_ptr,
+    positions_ptr,
+    tokens_ptr,
+    probs_ptr,
+    sparse_ids_ptr,
+    sparse_probs_ptr,
+    gamma,
+    num_chunks,
+    K,
+    TOPK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    r = tl.program_id(0)
+    temp = tl.load(temperature_ptr + r)
+    greedy = temp == 0.0
+    out = r * gamma + step
+    if TOPK == 0:
+        best = tl.full((), float("-inf"), tl.float32)
+        token = tl.full((), 0, tl.int32)
+        winner_scaled = tl.full((), 0.0, tl.float32)
+        run_max = tl.full((), float("-inf"), tl.float32)
+        run_sum = tl.full((), 0.0, tl.float32)
+        for c0 in range(0, num_chunks, BLOCK_C):
+            chunks = c0 + tl.arange(0, BLOCK_C)
+            mask = chunks < num_chunks
+            part = (r * num_chunks + chunks) * 4
+            keys = tl.load(part_f_ptr + part, mask=mask, other=float("-inf"))
+            chunk_best = tl.max(keys, 0)
+            pick = chunks == c0 + tl.argmax(keys, 0)
+            better = chunk_best > best
+            token = tl.where(
+                better,
+                tl.sum(
+                    tl.where(pick, tl.load(part_i_ptr + r * num_chunks + chunks, mask=mask, other=0), 0), 0
+                ),
+                token,
+            )
+            winner_scaled = tl.where(
+                better,
+                tl.sum(tl.where(pick, tl.load(part_f_ptr + part + 1, mask=mask, other=0.0), 0.0), 0),
+                winner_scaled,
+            )
+            best = tl.where(better, chunk_best, best)
+            tile_max = tl.load(part_f_ptr + part + 2, mask=mask, other=float("-inf"))
+            tile_sum = tl.load(part_f_ptr + part + 3, mask=mask, other=0.0)
+            new_max = tl.maximum(run_max, tl.max(tile_max, 0))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tile_sum * tl.exp(tile_max - safe_max), 0)
+            run_max = new_max
+        prob = tl.where(greedy, 1.0, tl.exp(winner_scaled - (run_max + tl.log(run_sum))))
+        tl.store(tokens_ptr + out, token.to(tl.int64))
+        tl.store(probs_ptr + out, prob)
+    else:
+        # merge the per-tile candidates into the K best: only candidates above the current K-th best enter
+        slots = tl.arange(0, TOPK)
+        live = slots < K
+        kept = tl.where(live, _INT64_MIN, _INT64_MAX)
+        total = num_chunks * K
+        for c0 in range(0, total, BLOCK_C):
+            offs = c0 + tl.arange(0, BLOCK_C)
+            cands = tl.load(cand_ptr + r.to(tl.int64) * total + offs, mask=offs < total, other=_INT64_MIN)
+            cands = tl.where(cands > tl.min(kept, 0), cands, _INT64_MIN)
+            for _ in range(0, tl.minimum(tl.sum((cands > _INT64_MIN).to(tl.int32), 0), K)):
+                top = tl.max(cands, 0)
+                weakest = tl.min(kept, 0)
+                kept = tl.where((slots == tl.argmin(kept, 0)) & (top > weakest), top, kept)
+                cands = tl.where(cands == top, _INT64_MIN, cands)
+        ordered = tl.full([TOPK], _INT64_MIN, tl.int64)
+        kept = tl.where(live, kept, _INT64_MIN)
+        for slot in range(0, K):
+            top = tl.max(kept, 0)
+            ordered = tl.where(slots == slot, top, ordered)
+            kept = tl.where(kept == top, _INT64_MIN, kept)
+        values, ids = tl_unpack_value_id(ordered)
+        scaled = tl.where(live, tl_canonical(values / tl.where(greedy, 1.0, temp)), float("-inf"))
+        top_max = tl.max(scaled, 0)
+        log_norm = top_max + tl.log(tl.sum(tl.exp(scaled - top_max), 0))
+        probs = tl.exp(scaled - log_norm)
+        key = tl_row_key(tl.load(seeds_ptr + r), tl.load(positions_ptr + r) + 1 + step, _DRAFT)
+        noise = tl.log(-tl.log(tl_uniform(key, ids)))
+        race = tl.where(live, scaled - noise, float("-inf"))
+        winner = tl.where(greedy, 0, tl.argmax(race, 0))
+        pick = slots == winner
+        token = tl.sum(tl.where(pick, ids, 0), 0)
+        prob = tl.where(greedy, 1.0, tl.sum(tl.where(pick, probs, 0.0), 0))
+        sparse = tl.where(greedy, tl.where(slots == 0, 1.0, 0.0), probs)
+        tl.store(tokens_ptr + out, token.to(tl.int64))
+        tl.store(probs_ptr + out, prob)
+        tl.store(sparse_ids_ptr + out * K + slots, ids.to(tl.int64), mask=live)
+        tl.store(sparse_probs_ptr + out * K + slots, sparse, mask=live)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def markov_sample_triton(
+    base_logits: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    top_k: int = 0,
+    return_logits: bool = False,
+    validate: bool = True,
+) -> MarkovSample:
+    """Triton Markov-head sampling; same signature, semantics and random numbers as the torch reference."""
+    if validate:
+        validate_markov_inputs(base_logits, anchor_ids, w1, w2, temperature, seeds, positions, top_k)
+    num_req, gamma, vocab = base_logits.shape
+    rank = w1.shape[1]
+    device = base_logits.device
+    tokens = torch.empty((num_req, gamma), dtype=torch.int64, device=device)
+    token_probs = torch.empty((num_req, gamma), dtype=torch.float32, device=device)
+    sparse_ids = torch.empty((num_req, gamma, top_k), dtype=torch.int64, device=device) if top_k else None
+    sparse_probs = torch.empty((num_req, gamma, top_k), dtype=torch.float32, device=device) if top_k else None
+    logits = (
+        torch.empty((num_req, gamma, vocab), dtype=torch.float32, device=device) if return_logits else None
+    )
+    if num_req == 0:
+        return MarkovSample(
+            tokens, token_probs, confidence_inputs(w1, anchor_ids, tokens), sparse_ids, sparse_probs, logits
+        )
+
+    base = base_logits if base_logits.stride(-1) == 1 else base_logits.contiguous()
+    w1c, w2c = w1.contiguous(), w2.contiguous()
+    temps = temperature.to(torch.float32).contiguous()
+    seeds64 = seeds.to(torch.int64).contiguous()
+    positions64 = positions.to(torch.int64).contiguous()
+    anchors = anchor_ids.to(torch.int64).contiguous()
+    topk_slots = triton.next_power_of_2(top_k) if top_k else 0
+    block_r = max(16, min(32 if not top_k else 16, triton.next_power_of_2(num_req)))
+    block_v = max(16, min(256 if top_k else 128, triton.next_power_of_2(vocab)), topk_slots)
+    block_d = max(16, min(64, triton.next_power_of_2(rank)))
+    num_chunks = triton.cdiv(vocab, block_v)
+    native = w1.dtype != torch.float32 and not _interpreting()
+    part_f = torch.empty((num_req, num_chunks, 4), dtype=torch.float32, device=device)
+    part_i = torch.empty((num_req, num_chunks), dtype=torch.int32, device=device)
+    cands = torch.empty((num_req, num_chunks, max(top_k, 1)), dtype=torch.int64, device=device)
+    logits_arg = logits if logits is not None else part_f
+    grid = (triton.cdiv(num_req, block_r), num_chunks)
+    for step in range(gamma):
+        previous = anchors if step == 0 else tokens[:, step - 1]
+        _markov_step_kernel[grid](
+            base,
+            base.stride(0),
+            base.stride(1),
+            step,
+            previous,
+            previous.stride(0),
+            w1c,
+            w2c,
+            temps,
+            seeds64,
+            positions64,
+            logits_arg,
+            logits.stride(0) if logits is not None else 0,
+            logits.stride(1) if logits is not None else 0,
+            part_f,
+            part_i,
+            cands,
+            num_req,
+            vocab,
+            rank,
+            num_chunks,
+            top_k,
+            BLOCK_R=block_r,
+            BLOCK_V=block_v,
+            BLOCK_D=block_d,
+            TOPK=topk_slots,
+            STORE_LOGITS=logits is not None,
+            NATIVE_DOT=native,
+            num_warps=4,
+        )
+        _markov_combine_kernel[(num_req,)](
+            part_f,
+            part_i,
+            cands,
+            step,
+            temps,
+            seeds64,
+            positions64,
+            tokens,
+            token_probs,
+            sparse_ids if sparse_ids is not None else tokens,
+            sparse_probs if sparse_probs is not None else part_f,
+            gamma,
+            num_chunks,
+            top_k,
+            TOPK=topk_slots,
+            BLOCK_C=1024,
+            num_warps=4,
+        )
+    return MarkovSample(
+        tokens=tokens,
+        token_probs=token_probs,
+        confidence_inputs=confidence_inputs(w1, anchors, tokens),
+        sparse_ids=sparse_ids,
+        sparse_probs=sparse_probs,
+        logits=logits,
+    )
