@@ -1,0 +1,202 @@
+"""The draft engine: one DSpark drafter, many requests, one batched backbone pass per round.
+
+Per request it keeps a slot in the drafter's context cache (the K/V of the projected target context features of
+every committed token), so each round only appends the features of newly committed tokens. ``propose`` then runs
+the parallel backbone for all requests at once on ``[anchor, mask, ..., mask]`` and walks the sequential head
+(Markov / gated / RNN) left to right, sampling every draft from a top-K truncated distribution that is returned
+sparse: exactly the distribution the verifier's rejection test needs, at a few kilobytes per round.
+
+Randomness is a pure function of (request seed, absolute position) through :mod:`kernels.rng`, so a seeded request
+drafts the same tokens whatever else shares the batch, on any replica. The engine knows nothing of Ray or gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from cluster.sampling import SamplingParams
+from draft_service.model import DSparkDraftModel
+from draft_service.sequential_head import sample_block
+from kernels.rng import STREAM_DRAFT_SAMPLE, uniform
+
+
+class UnknownDraftRequestError(KeyError):
+    """The request id is not (or no longer) held by this drafter."""
+
+
+class ConfidenceCalibration(Protocol):
+    """Maps raw confidence logits [R, gamma] to calibrated per-position confidences (e.g. STS)."""
+
+    def calibrate(self, logits: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class ContextItem:
+    """Context features of positions ``start .. start + n - 1`` of one request (rows [n, m*H])."""
+
+    req_id: str
+    start: int
+    features: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DraftItem:
+    """Draft a block after ``anchor`` sitting at absolute position ``position`` (= committed context length)."""
+
+    req_id: str
+    anchor: int
+    position: int
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One round's drafts for R requests (rows in the order of the ``propose`` call).
+
+    tokens [R, gamma] int64; confidences [R, gamma] float64 in [0, 1] (calibrated c_k, the scheduler's input) or
+    None when the drafter has no confidence head; confidence_logits raw [R, gamma] (for online calibration);
+    topk_ids / topk_probs [R, gamma, K]: the sparse draft distribution each token was sampled from.
+    """
+
+    req_ids: list[str]
+    tokens: torch.Tensor
+    confidences: np.ndarray | None
+    confidence_logits: np.ndarray | None
+    topk_ids: torch.Tensor
+    topk_probs: torch.Tensor
+
+
+@dataclass
+class _Entry:
+    slot: int
+    params: SamplingParams
+    seed: int
+
+
+class DraftEngine:
+    """Holds the drafter and the context cache of every request assigned to this replica."""
+
+    def __init__(
+        self,
+        model: DSparkDraftModel,
+        max_requests: int,
+        max_seq_len: int,
+        draft_top_k: int = 16,
+        calibration: ConfidenceCalibration | None = None,
+    ) -> None:
+        if draft_top_k < 1:
+            raise ValueError("DraftEngine: draft_top_k must be >= 1 (the draft distribution is shipped sparse)")
+        self.model = model
+        self.cache = model.new_context_cache(max_requests, max_seq_len)
+        self.draft_top_k = min(draft_top_k, model.config.vocab_size)
+        self.calibration = calibration
+        self._requests: dict[str, _Entry] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.model.block_size
+
+    @property
+    def has_confidence_head(self) -> bool:
+        return self.model.confidence_head is not None
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.cache.num_slots - len(self._requests)
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def add_request(self, req_id: str, params: SamplingParams) -> None:
+        """Reserve a context slot. ``params`` must carry the same seed the verifier uses for this request."""
+        if req_id in self._requests:
+            raise ValueError(f"request {req_id!r} is already held by this drafter")
+        slot = self.cache.allocate()
+        self._requests[req_id] = _Entry(slot, params, params.seed or 0)
+
+    def release(self, req_id: str) -> None:
+        """Free the request's context slot (idempotent)."""
+        entry = self._requests.pop(req_id, None)
+        if entry is not None:
+            self.cache.release(entry.slot)
+
+    def context_length(self, req_id: str) -> int:
+        return self.cache.length(self._get(req_id).slot)
+
+    def _get(self, req_id: str) -> _Entry:
+        try:
+            return self._requests[req_id]
+        except KeyError:
+            raise UnknownDraftRequestError(f"request {req_id!r} is not held by this drafter") from None
+
+    @torch.no_grad()
+    def append_context(self, items: Sequence[ContextItem]) -> None:
+        """Append committed context features. Replays are safe: rows already held from ``start`` on are replaced
+        (the cache is cropped back to ``start`` first), and a gap (``start`` past the held length) is an error."""
+        if not items:
+            return
+        entries = [self._get(item.req_id) for item in items]
+        for item, entry in zip(items, entries, strict=True):
+            held = self.cache.length(entry.slot)
+            if item.start > held:
+                raise ValueError(
+                    f"request {item.req_id!r}: context rows from {held} to {item.start} are missing"
+                )
+            if item.features.ndim != 2 or item.features.shape[1] != self.model.config.context_feature_size:
+                raise ValueError(
+                    f"request {item.req_id!r}: context features must be [n, {self.model.config.context_feature_size}]"
+                    f", got {tuple(item.features.shape)}"
+                )
+        for item, entry in zip(items, entries, strict=True):
+            self.cache.crop(entry.slot, item.start)
+        counts = [int(item.features.shape[0]) for item in items]
+        cu = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        rows = torch.cat([item.features.to(self.model.device) for item in items])
+        self.model.append_context(self.cache, [e.slot for e in entries], rows, cu)
+
+    @torch.no_grad()
+    def propose(self, items: Sequence[DraftItem]) -> Proposal:
+        """Draft one block for every item in one batched backbone pass plus the sequential head."""
+        if not items:
+            raise ValueError("propose needs at least one request")
+        entries = [self._get(item.req_id) for item in items]
+        device = self.model.device
+        anchors = torch.tensor([item.anchor for item in items], dtype=torch.int64, device=device)
+        positions = torch.tensor([item.position for item in items], dtype=torch.int64)
+        hidden = self.model.draft_block(anchors, positions, [e.slot for e in entries], self.cache)
+        bs = self.block_size
+        seeds = torch.tensor([e.seed for e in entries], dtype=torch.int64)
+        # The k-th draft decides the token at absolute position anchor_position + 1 + k.
+        token_positions = positions[:, None] + 1 + torch.arange(bs)[None, :]
+        uniforms = uniform(seeds[:, None], token_positions, STREAM_DRAFT_SAMPLE, torch.zeros(1, dtype=torch.int64))
+        uniforms = torch.clamp(uniforms, max=1.0 - 2.0**-24)
+        sample = sample_block(
+            self.model,
+            hidden,
+            anchors,
+            temperature=torch.tensor([e.params.temperature for e in entries], dtype=torch.float32),
+            top_k=torch.tensor([e.params.top_k for e in entries], dtype=torch.int64),
+            draft_top_k=self.draft_top_k,
+            uniforms=uniforms,
+        )
+        conf_logits = None if sample.confidence_logits is None else sample.confidence_logits.double().cpu().numpy()
+        confidences = None
+        if conf_logits is not None:
+            confidences = (
+                self.calibration.calibrate(conf_logits)
+                if self.calibration is not None
+                else 1.0 / (1.0 + np.exp(-conf_logits))
+            )
+        assert sample.topk_ids is not None and sample.topk_probs is not None  # draft_top_k >= 1
+        return Proposal(
+            req_ids=[item.req_id for item in items],
+            tokens=sample.tokens,
+            confidences=confidences,
+            confidence_logits=conf_logits,
+            topk_ids=sample.topk_ids,
+            topk_probs=sample.topk_probs,
+        )

@@ -1,0 +1,334 @@
+"""The in-process speculative decoding engine: continuous batching over a draft engine and a verify engine.
+
+Every call to :meth:`SpeculativeEngine.step` is one round:
+
+1. admit waiting requests while both engines have free slots (they are prefilled in this round's target pass);
+2. the drafter proposes a block for every running request (one batched pass + the sequential head);
+3. the verification policy (Algorithm 1 by default) picks how many drafts each request verifies;
+4. ONE target pass verifies all running requests and prefills the new ones; rejection sampling keeps a prefix;
+5. committed context features go to the drafter, new tokens are checked against stop conditions and returned.
+
+Lossless by construction: drafts are only ever proposals; what a request emits is decided by rejection sampling
+against the target, the policy is causal (see :mod:`scheduler.policy`), and caps on the number of drafts only
+depend on counts. The engine knows nothing of Ray or gRPC; the serving layer drives the same round with remote
+engines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from cluster.sampling import SamplingParams
+from draft_service.engine import ContextItem, DraftEngine, DraftItem
+from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
+from scheduler.policy import VerifyPolicy
+from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
+from verify_service.engine import PrefillItem, VerifyEngine, VerifyItem
+
+
+class RequestRejectedError(ValueError):
+    """A request can never be served as given (e.g. longer than the context limit); nothing was queued."""
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced in one step (a delta), and whether it is finished."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    metrics: RequestMetrics | None = None  # set once finished
+
+
+@dataclass
+class _Request:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    detok: IncrementalDetokenizer | None
+    stops: StopStringMatcher | None
+    output: list[int] = field(default_factory=list)
+    anchor: int = -1
+    position: int = 0  # absolute position of the anchor = committed context length
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+@dataclass
+class FinishedRequest:
+    """Final result of :meth:`SpeculativeEngine.generate`."""
+
+    req_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    metrics: RequestMetrics
+
+
+class SpeculativeEngine:
+    """Continuous-batching speculative decoding in one process."""
+
+    def __init__(
+        self,
+        verify: VerifyEngine,
+        draft: DraftEngine | None,
+        policy: VerifyPolicy,
+        *,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        eos_token_ids: Iterable[int] = (),
+        max_running: int | None = None,
+    ) -> None:
+        if policy.uses_drafter and draft is None:
+            raise ValueError(f"policy {policy.name!r} needs a drafter")
+        if policy.name.startswith("dspark") and draft is not None and not draft.has_confidence_head:
+            raise ValueError(f"policy {policy.name!r} needs a drafter with a confidence head")
+        self.verify = verify
+        self.draft = draft if policy.uses_drafter else None
+        self.policy = policy
+        self.decode = decode
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_running = max_running
+        self.block_size = draft.block_size if draft is not None else 0
+        self.metrics = EngineMetrics(max(self.block_size, 1))
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    # ----------------------------------------------------------------------------------------------- requests
+    def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
+        """Queue a request; it joins at the next round with free capacity. Raises RequestRejectedError on bad input."""
+        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
+        if req_id in self._running or any(r.req_id == req_id for r in self._waiting):
+            raise RequestRejectedError(f"request id {req_id!r} is already in use")
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise RequestRejectedError("the prompt is empty")
+        vocab = self.verify.target.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejectedError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        # Room for prompt + at least one new token + one verified block (the anchor and up to gamma drafts).
+        limit = self.verify.max_seq_len - self.block_size - 1
+        if len(prompt) >= limit:
+            raise RequestRejectedError(
+                f"the prompt has {len(prompt)} tokens; this deployment accepts at most {limit - 1}"
+            )
+        params = params.with_seed()
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        if params.stop and self.decode is None:
+            raise RequestRejectedError("stop strings need a tokenizer; none is configured")
+        req = _Request(
+            req_id=req_id,
+            prompt=prompt,
+            params=params,
+            stop_ids=stop_ids,
+            detok=IncrementalDetokenizer(self.decode) if self.decode is not None else None,
+            stops=StopStringMatcher(params.stop) if params.stop else None,
+        )
+        req.metrics.arrival_time = time.perf_counter()
+        self._waiting.append(req)
+        return req_id
+
+    def abort(self, req_id: str) -> bool:
+        """Stop a request now and free its memory on both engines. Returns whether it was known."""
+        for req in self._waiting:
+            if req.req_id == req_id:
+                self._waiting.remove(req)
+                return True
+        req = self._running.pop(req_id, None)
+        if req is None:
+            return False
+        self._free(req_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def snapshot(self) -> MetricsSnapshot:
+        return self.metrics.snapshot(running=len(self._running), waiting=len(self._waiting))
+
+    def _free(self, req_id: str) -> None:
+        self.verify.release(req_id)
+        if self.draft is not None:
+            self.draft.release(req_id)
+
+    # --------------------------------------------------------------------------------------------- the round
+    def step(self) -> list[RequestOutput]:
+        """Run one round; returns the deltas of every request that emitted tokens or finished."""
+        admitted = self._admit()
+        running = list(self._running.values())
+        verified = [r for r in running if r.req_id not in {a.req_id for a in admitted}]
+
+        t0 = time.perf_counter()
+        proposal = None
+        if self.draft is not None and verified:
+            proposal = self.draft.propose([DraftItem(r.req_id, r.anchor, r.position) for r in verified])
+        t1 = time.perf_counter()
+        lengths = self._lengths(verified, proposal)
+        t2 = time.perf_counter()
+
+        prefills = [PrefillItem(r.req_id, r.prompt, r.params) for r in admitted]
+        verifies = []
+        for i, r in enumerate(verified):
+            n = int(lengths[i])
+            if n and proposal is not None:
+                verifies.append(
+                    VerifyItem(
+                        r.req_id,
+                        r.anchor,
+                        proposal.tokens[i, :n].tolist(),
+                        None if r.params.greedy else proposal.topk_ids[i, :n],
+                        None if r.params.greedy else proposal.topk_probs[i, :n],
+                    )
+                )
+            else:
+                verifies.append(VerifyItem(r.req_id, r.anchor, []))
+        results = self.verify.step(prefills, verifies)
+        t3 = time.perf_counter()
+
+        if self.draft is not None:
+            contexts = [ContextItem(r.req_id, r.feature_start, r.features) for r in results if r.features is not None]
+            self.draft.append_context(contexts)
+        outputs = [
+            self._commit(self._running[res.req_id], res.tokens, res.num_drafts, res.num_accepted, i < len(prefills))
+            for i, res in enumerate(results)
+        ]
+        num_out = sum(len(o.new_token_ids) for o in outputs)
+        verified_counts = np.array([res.num_drafts for res in results[len(prefills):]], dtype=np.int64)
+        accepted_counts = np.array([res.num_accepted for res in results[len(prefills):]], dtype=np.int64)
+        if verified_counts.size:
+            self.metrics.record_round(verified_counts, accepted_counts, t1 - t0, t2 - t1, t3 - t2, num_out)
+        return outputs
+
+    def _admit(self) -> list[_Request]:
+        admitted: list[_Request] = []
+        free = self.verify.num_free_slots
+        if self.draft is not None:
+            free = min(free, self.draft.num_free_slots)
+        if self.max_running is not None:
+            free = min(free, self.max_running - len(self._running))
+        while self._waiting and len(admitted) < free:
+            req = self._waiting.popleft()
+            if self.draft is not None:
+                self.draft.add_request(req.req_id, req.params)
+            self._running[req.req_id] = req
+            admitted.append(req)
+        return admitted
+
+    def _lengths(self, verified: list[_Request], proposal: object) -> np.ndarray:
+        if not verified or self.draft is None:
+            return np.zeros(len(verified), dtype=np.int64)
+        # Caps that only depend on counts: never verify past max_tokens or past the KV slot.
+        caps = np.array(
+            [
+                min(
+                    r.params.max_tokens - len(r.output) - 1,
+                    self.verify.max_seq_len - r.position - 1,
+                    self.block_size,
+                )
+                for r in verified
+            ],
+            dtype=np.int64,
+        ).clip(min=0)
+        confidences = proposal.confidences  # type: ignore[attr-defined]
+        if confidences is None:
+            confidences = np.ones((len(verified), self.block_size))
+        return self.policy.lengths(np.asarray(confidences, dtype=np.float64), caps)
+
+    def _commit(
+        self, req: _Request, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool
+    ) -> RequestOutput:
+        """Append a step's tokens to the request, apply stop conditions, finish and free it if done."""
+        # The anchor's position is the committed context length: the prompt after a prefill, then +1 per
+        # verified anchor and per accepted draft.
+        req.position = len(req.prompt) if prefill else req.position + 1 + num_accepted
+        if tokens:
+            req.anchor = tokens[-1]
+        finish: FinishReason | None = None
+        room = req.params.max_tokens - len(req.output)
+        new = list(tokens[:room])
+        if len(tokens) >= room:
+            finish = FinishReason.LENGTH
+        cut = first_stop_token(new, req.stop_ids)
+        if cut >= 0:
+            new = new[: cut + 1]
+            finish = FinishReason.STOP
+        if prefill:
+            req.metrics.first_token_time = time.perf_counter()
+        else:
+            req.metrics.verified.append(num_drafts)
+            req.metrics.accepted.append(num_accepted)
+        req.output.extend(new)
+        text = ""
+        if req.detok is not None:
+            visible = new[:-1] if finish is FinishReason.STOP and cut >= 0 else new
+            text = req.detok.push(visible)
+            if finish is not None:
+                text += req.detok.flush()
+            if req.stops is not None:
+                text, hit = req.stops.feed(text)
+                if hit:
+                    finish = FinishReason.STOP
+                elif finish is not None:
+                    text += req.stops.flush()
+        req.metrics.num_output_tokens = len(req.output)
+        if finish is not None:
+            req.metrics.finish_time = time.perf_counter()
+            self._running.pop(req.req_id, None)
+            self._free(req.req_id)
+        return RequestOutput(
+            req.req_id,
+            new,
+            text,
+            finish is not None,
+            finish,
+            len(req.prompt),
+            len(req.output),
+            req.metrics if finish is not None else None,
+        )
+
+    # ------------------------------------------------------------------------------------------ convenience
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[FinishedRequest]:
+        """Run prompts to completion (batch API for tests, evaluation and benchmarks)."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        done: dict[str, FinishedRequest] = {}
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                tokens[out.req_id].extend(out.new_token_ids)
+                texts[out.req_id].append(out.new_text)
+                if out.finished:
+                    assert out.finish_reason is not None and out.metrics is not None
+                    done[out.req_id] = FinishedRequest(
+                        out.req_id, tokens[out.req_id], "".join(texts[out.req_id]), out.finish_reason, out.metrics
+                    )
+        return [done[i] for i in ids]

@@ -1,0 +1,310 @@
+"""The verify engine: one target model, many requests, one ragged forward pass per step.
+
+Each step takes two kinds of work and runs them in ONE target pass:
+
+* prefill items: a new (or re-homed) request's tokens; the pass fills its KV slot, returns the context features of
+  every token (the drafter's context), and samples the first new token, which becomes the request's anchor;
+* verify items: a running request's ``[anchor, x_1..x_l]`` (``l`` chosen by the scheduler, 0 allowed); rejection
+  sampling accepts a prefix of the drafts and emits one correction or bonus token; the KV entries of rejected
+  drafts are rolled back and the context features of the committed tokens (anchor + accepted drafts) returned.
+
+Why slots (see :mod:`verify_service.kv_cache`): every request owns a pre-allocated slot, so admission is a free-slot
+check, rollback is a length update and shapes stay static for CUDA graphs. The engine knows nothing of Ray, gRPC or
+the scheduler; it validates its inputs and raises ``ValueError`` subclasses before touching any cache, so a bad
+item never corrupts the running requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cluster.sampling import SamplingParams
+from kernels.rejection import RejectionOutput, rejection_sample_reference
+from verify_service.kv_cache import KVCapacityError, NoFreeSlotError
+from verify_service.target import TargetModel
+
+
+class UnknownRequestError(KeyError):
+    """The request id is not (or no longer) held by this engine: finished, aborted or never added."""
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    """Tokens to load into a fresh slot. ``anchor`` set = re-prefill after a failover: the anchor is already
+    known (the last token the client saw), so nothing is sampled and the request resumes where it was."""
+
+    req_id: str
+    token_ids: Sequence[int]
+    params: SamplingParams
+    anchor: int | None = None
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    """A running request's anchor and the drafts the scheduler admitted, with the exact draft distribution
+    (sparse: ``draft_prob_ids``/``draft_probs`` of shape [l, K]) those drafts were sampled from. Greedy requests
+    may leave the distribution out."""
+
+    req_id: str
+    anchor: int
+    draft_tokens: Sequence[int]
+    draft_prob_ids: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one request got from a step.
+
+    ``tokens``: newly emitted tokens (accepted drafts, then the correction/bonus token; after a prefill, the first
+    token; empty for a re-prefill). ``features``: context features of positions ``feature_start ..`` that the
+    drafter must append (prompt tokens after a prefill; anchor + accepted drafts after a verify).
+    """
+
+    req_id: str
+    num_drafts: int
+    num_accepted: int
+    tokens: list[int]
+    feature_start: int
+    features: torch.Tensor | None
+
+
+@dataclass
+class _Slot:
+    slot: int
+    params: SamplingParams
+    seed: int
+
+
+class VerifyEngine:
+    """Holds the target and the KV cache of every running request on this replica."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        max_requests: int,
+        max_seq_len: int,
+        use_triton: bool | None = None,
+    ) -> None:
+        if max_requests < 1 or max_seq_len < 2:
+            raise ValueError("VerifyEngine: max_requests must be >= 1 and max_seq_len >= 2")
+        if max_seq_len > target.max_context_len:
+            raise ValueError(
+                f"VerifyEngine: max_seq_len {max_seq_len} exceeds the target's context limit {target.max_context_len}"
+            )
+        self.target = target
+        self.cache = target.new_kv_cache(max_requests, max_seq_len)
+        self.max_seq_len = max_seq_len
+        self._requests: dict[str, _Slot] = {}
+        if use_triton is None:
+            use_triton = target.device.type == "cuda"
+        self._sampler = _triton_sampler() if use_triton else rejection_sample_reference
+
+    # ----------------------------------------------------------------------------------------- bookkeeping
+    @property
+    def num_free_slots(self) -> int:
+        return self.cache.num_free_slots
+
+    @property
+    def running(self) -> list[str]:
+        return list(self._requests)
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def context_length(self, req_id: str) -> int:
+        """Tokens held in the request's KV slot (the anchor's position)."""
+        return self.cache.length(self._get(req_id).slot)
+
+    def release(self, req_id: str) -> None:
+        """Free the request's slot at once (finish, abort, disconnect). Unknown ids are ignored: release is
+        idempotent so that an abort racing a natural finish is harmless."""
+        entry = self._requests.pop(req_id, None)
+        if entry is not None:
+            self.cache.free(entry.slot)
+
+    def _get(self, req_id: str) -> _Slot:
+        try:
+            return self._requests[req_id]
+        except KeyError:
+            raise UnknownRequestError(f"request {req_id!r} is not running on this verifier") from None
+
+    # ------------------------------------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()) -> list[StepResult]:
+        """Run prefills and verifications in one target pass; results follow the order prefills, then verifies."""
+        if not prefills and not verifies:
+            return []
+        self._validate(prefills, verifies)
+        new_slots = self._allocate(prefills)
+        try:
+            return self._run(prefills, verifies)
+        except Exception:
+            for req_id in new_slots:
+                self.release(req_id)
+            raise
+
+    def _validate(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> None:
+        seen: set[str] = set()
+        vocab = self.target.vocab_size
+        for item in [*prefills, *verifies]:
+            if item.req_id in seen:
+                raise ValueError(f"request {item.req_id!r} appears twice in one step")
+            seen.add(item.req_id)
+        for p in prefills:
+            if p.req_id in self._requests:
+                raise ValueError(f"request {p.req_id!r} is already running on this verifier")
+            if len(p.token_ids) == 0:
+                raise ValueError(f"request {p.req_id!r}: empty prompt")
+            _check_ids(p.req_id, p.token_ids, vocab)
+            extra = 0 if p.anchor is None else 1
+            if len(p.token_ids) + extra + 1 > self.max_seq_len:
+                raise KVCapacityError(
+                    f"request {p.req_id!r}: {len(p.token_ids)} prompt tokens exceed the context limit "
+                    f"{self.max_seq_len - 1}"
+                )
+            if p.anchor is not None:
+                _check_ids(p.req_id, [p.anchor], vocab)
+        for v in verifies:
+            entry = self._get(v.req_id)
+            _check_ids(v.req_id, [v.anchor, *v.draft_tokens], vocab)
+            self.cache.check_extend(entry.slot, len(v.draft_tokens) + 1)
+            if not entry.params.greedy and len(v.draft_tokens):
+                if v.draft_prob_ids is None or v.draft_probs is None:
+                    raise ValueError(f"request {v.req_id!r}: sampled drafts need their draft distribution")
+                expected = (len(v.draft_tokens),)
+                if v.draft_prob_ids.shape[:1] != expected or v.draft_probs.shape != v.draft_prob_ids.shape:
+                    raise ValueError(
+                        f"request {v.req_id!r}: draft distribution shape {tuple(v.draft_probs.shape)} / "
+                        f"{tuple(v.draft_prob_ids.shape)} does not match {len(v.draft_tokens)} drafts"
+                    )
+        if len(prefills) > self.cache.num_free_slots:
+            raise NoFreeSlotError(
+                f"{len(prefills)} new requests but only {self.cache.num_free_slots} free KV slots"
+            )
+
+    def _allocate(self, prefills: Sequence[PrefillItem]) -> list[str]:
+        for p in prefills:
+            params = p.params.with_seed()
+            self._requests[p.req_id] = _Slot(self.cache.allocate(), params, params.seed or 0)
+        return [p.req_id for p in prefills]
+
+    def _run(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> list[StepResult]:
+        device = self.target.device
+        chunks: list[tuple[int, Sequence[int]]] = []
+        starts: list[int] = []
+        for p in prefills:
+            entry = self._requests[p.req_id]
+            chunks.append((entry.slot, list(p.token_ids)))
+            starts.append(0)
+        for v in verifies:
+            entry = self._requests[v.req_id]
+            chunks.append((entry.slot, [v.anchor, *v.draft_tokens]))
+            starts.append(self.cache.length(entry.slot))
+        batch = self.target.prepare(self.cache, chunks)
+        cu = batch.cu_seqlens.tolist()
+        # Rows scored by the sampler: the last prompt row of a (sampling) prefill, every row of a verify chunk.
+        sample_rows: list[int] = []
+        sampled_prefills = [p for p in prefills if p.anchor is None]
+        for i, p in enumerate(prefills):
+            if p.anchor is None:
+                sample_rows.append(cu[i + 1] - 1)
+        for j in range(len(verifies)):
+            i = len(prefills) + j
+            sample_rows.extend(range(cu[i], cu[i + 1]))
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=device)
+        out = self.target.forward(self.cache, batch, logits_rows=rows)
+        sampled = self._sample(out.logits, sampled_prefills, verifies, starts[len(prefills) :])
+        results: list[StepResult] = []
+        per_request = iter(sampled)
+        for i, p in enumerate(prefills):
+            features = None if out.features is None else out.features[cu[i] : cu[i + 1]]
+            tokens = [] if p.anchor is not None else next(per_request)
+            results.append(StepResult(p.req_id, 0, 0, tokens, 0, features))
+        for j, v in enumerate(verifies):
+            i = len(prefills) + j
+            tokens = next(per_request)
+            accepted = len(tokens) - 1
+            start = starts[i]
+            self.cache.truncate(self._requests[v.req_id].slot, start + 1 + accepted)
+            features = None if out.features is None else out.features[cu[i] : cu[i] + 1 + accepted]
+            results.append(StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, features))
+        return results
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        prefills: Sequence[PrefillItem],
+        verifies: Sequence[VerifyItem],
+        verify_starts: Sequence[int],
+    ) -> list[list[int]]:
+        """Rejection-sample every request's rows (a prefill is a request with 0 drafts: a plain target draw)."""
+        device = logits.device
+        entries = [self._requests[p.req_id] for p in prefills] + [self._requests[v.req_id] for v in verifies]
+        lens = [0] * len(prefills) + [len(v.draft_tokens) for v in verifies]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64, device=device)
+        drafts = [int(t) for v in verifies for t in v.draft_tokens]
+        draft_ids = torch.tensor(drafts, dtype=torch.int64, device=device)
+        positions = [len(p.token_ids) - 1 for p in prefills] + list(verify_starts)
+        prob_ids, probs = self._sparse_draft_distribution(verifies, device)
+        out: RejectionOutput = self._sampler(
+            logits,
+            draft_ids,
+            probs,
+            cu,
+            torch.tensor([e.params.temperature for e in entries], dtype=torch.float32, device=device),
+            torch.tensor([e.params.top_k for e in entries], dtype=torch.int64, device=device),
+            torch.tensor([e.params.top_p for e in entries], dtype=torch.float32, device=device),
+            torch.tensor([e.seed for e in entries], dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            draft_prob_ids=prob_ids,
+        )
+        return out.per_request(cu)
+
+    def _sparse_draft_distribution(
+        self, verifies: Sequence[VerifyItem], device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Stack the sparse draft distributions of all drafts into [N, K] (K = the widest one).
+
+        Narrower rows are padded with probability-0 entries (harmless: duplicate ids add up). Greedy requests
+        carry no distribution; they get a one-hot row on their draft, which the sampler ignores for them.
+        """
+        sampled = [v for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
+        if not sampled:
+            return None, None
+        width = max(int(v.draft_probs.shape[1]) for v in sampled)
+        id_rows: list[torch.Tensor] = []
+        prob_rows: list[torch.Tensor] = []
+        for v in verifies:
+            n = len(v.draft_tokens)
+            if n == 0:
+                continue
+            if v.draft_probs is None or self._requests[v.req_id].params.greedy:
+                ids = torch.tensor([int(t) for t in v.draft_tokens], dtype=torch.int64)[:, None].expand(n, width)
+                probs = torch.zeros(n, width, dtype=torch.float32)
+                probs[:, 0] = 1.0
+            else:
+                ids, probs = v.draft_prob_ids.to(torch.int64).cpu(), v.draft_probs.to(torch.float32).cpu()
+                pad = width - ids.shape[1]
+                if pad:
+                    ids = torch.cat([ids, ids[:, :1].expand(n, pad)], dim=1)
+                    probs = torch.cat([probs, torch.zeros(n, pad)], dim=1)
+            id_rows.append(ids)
+            prob_rows.append(probs)
+        return torch.cat(id_rows).to(device), torch.cat(prob_rows).to(device)
+
+
+def _check_ids(req_id: str, ids: Sequence[int], vocab: int) -> None:
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= int(t) < vocab:
+            raise ValueError(f"request {req_id!r}: token id {t!r} is outside the vocabulary [0, {vocab})")
+
+
+def _triton_sampler():
+    from kernels.rejection_triton import rejection_sample_triton
+
+    return rejection_sample_triton
