@@ -120,7 +120,7 @@ class SpeculativeEngine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise RequestRejectedError("the prompt is empty")
-        vocab = self.verify.target.vocab_size
+        vocab = self.verify.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestRejectedError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")

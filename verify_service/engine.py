@@ -106,6 +106,14 @@ class VerifyEngine:
 
     # ----------------------------------------------------------------------------------------- bookkeeping
     @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.target.eos_token_ids
+
+    @property
     def num_free_slots(self) -> int:
         return self.cache.num_free_slots
 

@@ -1,0 +1,242 @@
+"""Remote engines for the round driver: the verify and draft engine interfaces over gRPC.
+
+:class:`SpeculativeEngine` drives whatever offers the engine methods it calls, so the same round logic runs in one
+process (tests, single-GPU benchmarks) and across replicas. ``RemoteVerifier`` speaks to one verifier replica;
+``DrafterPool`` spreads requests over drafter replicas (sticky: a request keeps its drafter until it ends) and
+fans each round's ``Propose`` out to all of them in parallel. Context features go from the verifier straight to
+the owning drafter (the ``routes`` of a ``Step``), so only control data passes through this process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from cluster.rpc import SyncRpcClient
+from draft_service.engine import ContextItem, DraftItem, Proposal
+from verify_service.engine import PrefillItem, StepResult, VerifyItem
+
+DRAFTER = "dspark.Drafter"
+VERIFIER = "dspark.Verifier"
+
+
+class RemoteVerifier:
+    """The VerifyEngine interface of one verifier replica."""
+
+    def __init__(
+        self,
+        address: str,
+        route_of: Callable[[str], str | None],
+        *,
+        token: str | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.address = address
+        self._client = SyncRpcClient(address, token=token, timeout_s=timeout_s)
+        info = self._client.call(VERIFIER, "Info", {})
+        self.vocab_size: int = info["vocab_size"]
+        self.max_seq_len: int = info["max_seq_len"]
+        self.capacity: int = info["max_requests"]
+        self.eos_token_ids: tuple[int, ...] = tuple(info["eos_token_ids"])
+        self._route_of = route_of
+        self._held: set[str] = set()
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.capacity - len(self._held)
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._held
+
+    def release(self, req_id: str) -> None:
+        if req_id in self._held:
+            self._held.discard(req_id)
+            self._client.call(VERIFIER, "Release", {"req_ids": [req_id]})
+
+    def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()) -> list[StepResult]:
+        routes: dict[str, list[str]] = {}
+        for item in [*prefills, *verifies]:
+            address = self._route_of(item.req_id)
+            if address is not None:
+                routes.setdefault(address, []).append(item.req_id)
+        draft_tokens = [int(t) for v in verifies for t in v.draft_tokens]
+        prob_ids, probs = _stack_distributions(verifies)
+        message: dict[str, Any] = {
+            "prefill_req_ids": [p.req_id for p in prefills],
+            "prefill_params": [p.params.to_dict() for p in prefills],
+            "prefill_counts": [len(p.token_ids) for p in prefills],
+            "prefill_tokens": torch.tensor([int(t) for p in prefills for t in p.token_ids], dtype=torch.int64),
+            "prefill_anchors": [-1 if p.anchor is None else p.anchor for p in prefills],
+            "verify_req_ids": [v.req_id for v in verifies],
+            "verify_anchors": [int(v.anchor) for v in verifies],
+            "verify_counts": [len(v.draft_tokens) for v in verifies],
+            "verify_tokens": torch.tensor(draft_tokens, dtype=torch.int64),
+            "draft_prob_ids": prob_ids,
+            "draft_probs": probs,
+            "routes": routes,
+        }
+        for p in prefills:
+            self._held.add(p.req_id)
+        try:
+            reply = self._client.call(VERIFIER, "Step", message)
+        except Exception:
+            for p in prefills:
+                self._held.discard(p.req_id)
+            raise
+        return _step_results(reply)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _stack_distributions(verifies: Sequence[VerifyItem]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Flat [N, K] draft distribution rows for every draft token (one-hot rows for greedy requests)."""
+    with_dist = [v for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
+    if not with_dist:
+        return None, None
+    width = max(int(v.draft_probs.shape[1]) for v in with_dist)  # type: ignore[union-attr]
+    id_rows, prob_rows = [], []
+    for v in verifies:
+        n = len(v.draft_tokens)
+        if not n:
+            continue
+        if v.draft_probs is None or v.draft_prob_ids is None:
+            ids = torch.tensor([int(t) for t in v.draft_tokens], dtype=torch.int64)[:, None].expand(n, width)
+            p = torch.zeros(n, width)
+            p[:, 0] = 1.0
+        else:
+            ids, p = v.draft_prob_ids.to(torch.int64).cpu(), v.draft_probs.to(torch.float32).cpu()
+            if ids.shape[1] < width:
+                pad = width - ids.shape[1]
+                ids = torch.cat([ids, ids[:, :1].expand(n, pad)], dim=1)
+                p = torch.cat([p, torch.zeros(n, pad)], dim=1)
+        id_rows.append(ids)
+        prob_rows.append(p)
+    return torch.cat(id_rows), torch.cat(prob_rows)
+
+
+def _step_results(reply: dict[str, Any]) -> list[StepResult]:
+    inline: dict[str, torch.Tensor] = {}
+    if reply["features"] is not None:
+        start = 0
+        for req_id, n in zip(reply["inline_req_ids"], reply["inline_counts"], strict=True):
+            inline[req_id] = reply["features"][start : start + n]
+            start += n
+    results, offset = [], 0
+    for req_id, drafts, accepted, n, feature_start in zip(
+        reply["req_ids"], reply["num_drafts"], reply["num_accepted"], reply["token_counts"], reply["feature_starts"],
+        strict=True,
+    ):
+        tokens = reply["tokens"][offset : offset + n]
+        offset += n
+        results.append(StepResult(req_id, drafts, accepted, tokens, feature_start, inline.get(req_id)))
+    return results
+
+
+class DrafterPool:
+    """The DraftEngine interface over one or more drafter replicas."""
+
+    def __init__(self, addresses: Sequence[str], *, token: str | None = None, timeout_s: float = 60.0) -> None:
+        if not addresses:
+            raise ValueError("DrafterPool needs at least one drafter address")
+        self._clients = {a: SyncRpcClient(a, token=token, timeout_s=timeout_s) for a in addresses}
+        infos = {a: c.call(DRAFTER, "Info", {}) for a, c in self._clients.items()}
+        first = next(iter(infos.values()))
+        for address, info in infos.items():
+            if info["block_size"] != first["block_size"] or info["vocab_size"] != first["vocab_size"]:
+                raise ValueError(f"drafter {address} differs from the others (block size / vocabulary)")
+        self.block_size: int = first["block_size"]
+        self.has_confidence_head: bool = first["has_confidence_head"]
+        self._capacity = {a: info["max_requests"] for a, info in infos.items()}
+        self._owner: dict[str, str] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)), thread_name_prefix="drafters")
+
+    def _load(self, address: str) -> int:
+        return sum(1 for a in self._owner.values() if a == address)
+
+    @property
+    def num_free_slots(self) -> int:
+        return sum(cap - self._load(a) for a, cap in self._capacity.items())
+
+    def route_of(self, req_id: str) -> str | None:
+        return self._owner.get(req_id)
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._owner
+
+    def add_request(self, req_id: str, params: Any) -> None:
+        address = max(self._capacity, key=lambda a: self._capacity[a] - self._load(a))
+        if self._capacity[address] - self._load(address) <= 0:
+            raise ValueError("no drafter has a free context slot")
+        self._clients[address].call(DRAFTER, "AddRequests", {"req_ids": [req_id], "params": [params.to_dict()]})
+        self._owner[req_id] = address
+
+    def release(self, req_id: str) -> None:
+        address = self._owner.pop(req_id, None)
+        if address is not None:
+            self._clients[address].call(DRAFTER, "Release", {"req_ids": [req_id]})
+
+    def append_context(self, items: Sequence[ContextItem]) -> None:
+        """Only for features the verifier returned inline (no direct route): forwarded to the owners."""
+        groups: dict[str, list[ContextItem]] = {}
+        for item in items:
+            groups.setdefault(self._owner[item.req_id], []).append(item)
+        for address, group in groups.items():
+            self._clients[address].call(
+                DRAFTER,
+                "AppendContext",
+                {
+                    "req_ids": [i.req_id for i in group],
+                    "starts": [i.start for i in group],
+                    "counts": [int(i.features.shape[0]) for i in group],
+                    "features": torch.cat([i.features for i in group]),
+                },
+            )
+
+    def propose(self, items: Sequence[DraftItem]) -> Proposal:
+        groups: dict[str, list[int]] = {}
+        for index, item in enumerate(items):
+            groups.setdefault(self._owner[item.req_id], []).append(index)
+
+        def call(address: str, indices: list[int]) -> dict[str, Any]:
+            return self._clients[address].call(
+                DRAFTER,
+                "Propose",
+                {
+                    "req_ids": [items[i].req_id for i in indices],
+                    "anchors": [int(items[i].anchor) for i in indices],
+                    "positions": [int(items[i].position) for i in indices],
+                },
+            )
+
+        futures = {a: self._pool.submit(call, a, idx) for a, idx in groups.items()}
+        replies = {a: f.result() for a, f in futures.items()}
+        order = np.concatenate([np.asarray(idx) for idx in groups.values()])
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+
+        def gather(key: str) -> torch.Tensor | None:
+            parts = [replies[a][key] for a in groups]
+            if any(p is None for p in parts):
+                return None
+            return torch.cat(parts)[torch.from_numpy(inverse)]
+
+        confidences = gather("confidences")
+        logits = gather("confidence_logits")
+        return Proposal(
+            req_ids=[item.req_id for item in items],
+            tokens=gather("tokens"),  # type: ignore[arg-type]
+            confidences=None if confidences is None else confidences.numpy(),
+            confidence_logits=None if logits is None else logits.numpy(),
+            topk_ids=gather("topk_ids").to(torch.int64),  # type: ignore[union-attr]
+            topk_probs=gather("topk_probs"),  # type: ignore[arg-type]
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for client in self._clients.values():
+            client.close()

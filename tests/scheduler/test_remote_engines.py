@@ -1,0 +1,77 @@
+"""The round driver over real gRPC servers: drafter and verifier services on loopback, features pushed directly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from model_factory import PairSpec, write_pair
+
+from cluster.rpc import ServerThread, SyncRpcClient
+from cluster.sampling import SamplingParams
+from draft_service.checkpoint import load_draft_model
+from draft_service.engine import DraftEngine
+from draft_service.rpc_service import DrafterService
+from scheduler.engine import SpeculativeEngine
+from scheduler.policy import make_policy
+from scheduler.remote import DrafterPool, RemoteVerifier
+from scheduler.sps import SPSTable
+from verify_service.engine import VerifyEngine
+from verify_service.rpc_service import VerifierService
+from verify_service.target import TargetModel
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_pair(tmp_path_factory.mktemp("rpc"), PairSpec(vocab=128, block_size=5, seed=5))
+
+
+@pytest.fixture
+def services(pair: tuple[Path, Path]):
+    target_dir, draft_dir = pair
+    drafters = []
+    for _ in range(2):
+        model = load_draft_model(draft_dir, target_dir=target_dir)
+        drafters.append(DrafterService(DraftEngine(model, max_requests=4, max_seq_len=96)))
+    target = TargetModel.from_pretrained(target_dir, feature_layer_ids=model.config.target_layer_ids)
+    verifier = VerifierService(VerifyEngine(target, max_requests=8, max_seq_len=96))
+    servers = [ServerThread([d.service()]) for d in drafters] + [ServerThread([verifier.service()])]
+    yield servers, drafters, verifier, target
+    for server in servers:
+        server.stop()
+
+
+def test_remote_round_driver_matches_target_greedy(services) -> None:
+    servers, drafters, verifier, target = services
+    pool = DrafterPool([s.address for s in servers[:2]])
+    remote = RemoteVerifier(servers[2].address, pool.route_of)
+    sps = SPSTable([1, 16, 64], [1000, 900, 500])
+    engine = SpeculativeEngine(remote, pool, make_policy("dspark", sps, pool.block_size))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [16, 17]]
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    assert [r.token_ids for r in results] == target.generate(prompts, max_new_tokens=16)
+    # Both drafters got work, and everything was freed on every replica.
+    assert all(d.engine.num_free_slots == 4 for d in drafters)
+    assert verifier.engine.num_free_slots == 8
+    assert engine.snapshot().num_accepted_tokens > 0
+    pool.close()
+    remote.close()
+
+
+def test_bad_messages_get_invalid_argument_and_not_found(services) -> None:
+    servers, _, _, _ = services
+    drafter = SyncRpcClient(servers[0].address)
+    with pytest.raises(grpc.RpcError) as err:
+        drafter.call("dspark.Drafter", "Propose", {"req_ids": ["nope"], "anchors": [1], "positions": [3]})
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        drafter.call("dspark.Drafter", "AddRequests", {"req_ids": ["a"], "params": [{"temperature": -1}]})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+    ver = SyncRpcClient(servers[2].address)
+    with pytest.raises(grpc.RpcError) as err:
+        ver.call("dspark.Verifier", "Step", {"prefill_req_ids": 5})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Still serving, no state was touched.
+    assert ver.call("dspark.Verifier", "Info", {})["free_slots"] == 8
+    assert drafter.call("dspark.Drafter", "Info", {})["free_slots"] == 4

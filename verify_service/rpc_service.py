@@ -1,0 +1,162 @@
+"""The verifier's gRPC service: a thin adapter from msgpack messages to :class:`VerifyEngine` steps.
+
+One ``Step`` message per round carries every prefill and verification of this replica as flat tensors. After the
+target pass the service pushes each request's committed context features straight to the drafter replica that owns
+it (``routes``: drafter address -> request ids), and only the small control data (tokens, counts) goes back to the
+scheduler: the bulky features never pass through the central process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from cluster.engine_rpc import COUNTS, REQ_IDS, TOKENS, EngineThread, split_rows
+from cluster.messages import AnyValue, Int, List, Map, Message, Opt, Str, Tensor
+from cluster.rpc import HealthStatus, RpcClient, Service
+from cluster.sampling import SamplingParams
+from verify_service.engine import PrefillItem, StepResult, VerifyEngine, VerifyItem
+
+SERVICE = "dspark.Verifier"
+INT_DTYPES = ("int64", "int32")
+
+INFO = Message("VerifierInfo", {})
+STEP = Message(
+    "Step",
+    {
+        "prefill_req_ids": REQ_IDS,
+        "prefill_params": List(AnyValue(), max_len=4096),
+        "prefill_counts": COUNTS,
+        "prefill_tokens": Tensor(INT_DTYPES, rank=1),
+        "prefill_anchors": List(Int(min=-1), max_len=4096),
+        "verify_req_ids": REQ_IDS,
+        "verify_anchors": TOKENS,
+        "verify_counts": COUNTS,
+        "verify_tokens": Tensor(INT_DTYPES, rank=1),
+        "draft_prob_ids": Opt(Tensor(INT_DTYPES, rank=2)),
+        "draft_probs": Opt(Tensor(("float32",), rank=2)),
+        "routes": Opt(Map(List(Str(min_len=1, max_len=128), max_len=4096), max_len=1024), default={}),
+    },
+)
+RELEASE = Message("Release", {"req_ids": REQ_IDS})
+
+
+class VerifierService:
+    """Owns a VerifyEngine and exposes it as ``dspark.Verifier``."""
+
+    def __init__(self, engine: VerifyEngine, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self.engine = engine
+        self._thread = EngineThread("verifier")
+        self._token = token
+        self._timeout_s = timeout_s
+        self._drafters: dict[str, RpcClient] = {}
+
+    def info(self) -> dict[str, Any]:
+        target = self.engine.target
+        return {
+            "vocab_size": target.vocab_size,
+            "max_seq_len": self.engine.max_seq_len,
+            "max_requests": self.engine.cache.num_slots,
+            "free_slots": self.engine.num_free_slots,
+            "feature_dim": target.feature_dim,
+            "eos_token_ids": list(target.eos_token_ids),
+        }
+
+    def health(self) -> HealthStatus:
+        return HealthStatus(True, {"free_slots": self.engine.num_free_slots})
+
+    def service(self) -> Service:
+        return Service(
+            SERVICE,
+            {"Info": (self._info, INFO), "Step": (self._step, STEP), "Release": (self._release, RELEASE)},
+        )
+
+    async def _info(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self.info()
+
+    async def _step(self, request: dict[str, Any]) -> dict[str, Any]:
+        prefills, verifies = _parse_step(request)
+        results: list[StepResult] = await self._thread.run(self.engine.step, prefills, verifies)
+        routed = {req_id: address for address, ids in request["routes"].items() for req_id in ids}
+        await self._push_features(results, routed)
+        inline = [r for r in results if r.req_id not in routed and r.features is not None]
+        return {
+            "req_ids": [r.req_id for r in results],
+            "num_drafts": [r.num_drafts for r in results],
+            "num_accepted": [r.num_accepted for r in results],
+            "token_counts": [len(r.tokens) for r in results],
+            "tokens": [t for r in results for t in r.tokens],
+            "feature_starts": [r.feature_start for r in results],
+            "inline_req_ids": [r.req_id for r in inline],
+            "inline_counts": [int(r.features.shape[0]) for r in inline],  # type: ignore[union-attr]
+            "features": torch.cat([r.features for r in inline]).cpu() if inline else None,  # type: ignore[misc]
+        }
+
+    async def _push_features(self, results: list[StepResult], routed: dict[str, str]) -> None:
+        by_address: dict[str, list[StepResult]] = {}
+        for r in results:
+            if r.req_id in routed and r.features is not None:
+                by_address.setdefault(routed[r.req_id], []).append(r)
+        calls = []
+        for address, group in by_address.items():
+            client = self._drafters.get(address)
+            if client is None:
+                client = self._drafters[address] = RpcClient(address, token=self._token, timeout_s=self._timeout_s)
+            message = {
+                "req_ids": [r.req_id for r in group],
+                "starts": [r.feature_start for r in group],
+                "counts": [int(r.features.shape[0]) for r in group],  # type: ignore[union-attr]
+                "features": torch.cat([r.features for r in group]).cpu(),  # type: ignore[misc]
+            }
+            calls.append(client.call("dspark.Drafter", "AppendContext", message))
+        await asyncio.gather(*calls)
+
+    async def _release(self, request: dict[str, Any]) -> dict[str, Any]:
+        def release() -> None:
+            for req_id in request["req_ids"]:
+                self.engine.release(req_id)
+
+        await self._thread.run(release)
+        return {}
+
+    async def close(self) -> None:
+        for client in self._drafters.values():
+            await client.close()
+        self._thread.shutdown()
+
+
+def _parse_step(request: dict[str, Any]) -> tuple[list[PrefillItem], list[VerifyItem]]:
+    n_pre = len(request["prefill_req_ids"])
+    if not len(request["prefill_params"]) == len(request["prefill_counts"]) == len(request["prefill_anchors"]) == n_pre:
+        raise ValueError("Step: prefill fields must all have one entry per prefill request")
+    tokens = request["prefill_tokens"].tolist()
+    prefills = []
+    for req_id, params, anchor, (a, b) in zip(
+        request["prefill_req_ids"],
+        request["prefill_params"],
+        request["prefill_anchors"],
+        split_rows(request["prefill_counts"], len(tokens), "Step prefill"),
+        strict=True,
+    ):
+        if not isinstance(params, dict):
+            raise ValueError("Step: prefill_params entries must be maps")
+        anchor_or_none = None if anchor < 0 else anchor
+        prefills.append(PrefillItem(req_id, tokens[a:b], SamplingParams.from_dict(params), anchor_or_none))
+    n_ver = len(request["verify_req_ids"])
+    if not len(request["verify_anchors"]) == len(request["verify_counts"]) == n_ver:
+        raise ValueError("Step: verify fields must all have one entry per verify request")
+    drafts = request["verify_tokens"].tolist()
+    ranges = split_rows(request["verify_counts"], len(drafts), "Step verify")
+    prob_ids, probs = request["draft_prob_ids"], request["draft_probs"]
+    if (prob_ids is None) != (probs is None):
+        raise ValueError("Step: draft_prob_ids and draft_probs come together")
+    if prob_ids is not None and (prob_ids.shape != probs.shape or prob_ids.shape[0] != len(drafts)):
+        raise ValueError("Step: the draft distribution needs one [K] row per draft token in both tensors")
+    verifies = []
+    for req_id, anchor, (a, b) in zip(request["verify_req_ids"], request["verify_anchors"], ranges, strict=True):
+        dist_ids = None if prob_ids is None or a == b else prob_ids[a:b]
+        dist = None if probs is None or a == b else probs[a:b]
+        verifies.append(VerifyItem(req_id, anchor, drafts[a:b], dist_ids, dist))
+    return prefills, verifies
