@@ -233,9 +233,14 @@ class SpeculativeEngine:
         if self.max_running is not None:
             free = min(free, self.max_running - len(self._running))
         while self._waiting and len(admitted) < free:
-            req = self._waiting.popleft()
+            req = self._waiting[0]
             if self.draft is not None:
-                self.draft.add_request(req.req_id, req.params)
+                try:
+                    self.draft.add_request(req.req_id, req.params)
+                except ValueError:
+                    # A drafter shared with other verifier groups filled up meanwhile: retry next round.
+                    break
+            self._waiting.popleft()
             self._running[req.req_id] = req
             admitted.append(req)
         return admitted

@@ -9,6 +9,7 @@ the owning drafter (the ``routes`` of a ``Step``), so only control data passes t
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -143,17 +144,31 @@ class DrafterPool:
     def __init__(self, addresses: Sequence[str], *, token: str | None = None, timeout_s: float = 60.0) -> None:
         if not addresses:
             raise ValueError("DrafterPool needs at least one drafter address")
-        self._clients = {a: SyncRpcClient(a, token=token, timeout_s=timeout_s) for a in addresses}
-        infos = {a: c.call(DRAFTER, "Info", {}) for a, c in self._clients.items()}
-        first = next(iter(infos.values()))
-        for address, info in infos.items():
-            if info["block_size"] != first["block_size"] or info["vocab_size"] != first["vocab_size"]:
-                raise ValueError(f"drafter {address} differs from the others (block size / vocabulary)")
+        self._token = token
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()  # several verifier groups share one pool
+        self._clients: dict[str, SyncRpcClient] = {}
+        self._capacity: dict[str, int] = {}
+        self._owner: dict[str, str] = {}
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="drafters")
+        first = self.add_drafter(addresses[0])
         self.block_size: int = first["block_size"]
         self.has_confidence_head: bool = first["has_confidence_head"]
-        self._capacity = {a: info["max_requests"] for a, info in infos.items()}
-        self._owner: dict[str, str] = {}
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)), thread_name_prefix="drafters")
+        self._vocab_size: int = first["vocab_size"]
+        for address in addresses[1:]:
+            self.add_drafter(address)
+
+    def add_drafter(self, address: str) -> dict[str, Any]:
+        """Connect a drafter replica (e.g. one the autoscaler just started); it takes new requests at once."""
+        client = SyncRpcClient(address, token=self._token, timeout_s=self._timeout_s)
+        info = client.call(DRAFTER, "Info", {})
+        if self._capacity and (info["block_size"] != self.block_size or info["vocab_size"] != self._vocab_size):
+            client.close()
+            raise ValueError(f"drafter {address} differs from the others (block size / vocabulary)")
+        with self._lock:
+            self._clients[address] = client
+            self._capacity[address] = info["max_requests"]
+        return info
 
     def _load(self, address: str) -> int:
         return sum(1 for a in self._owner.values() if a == address)
@@ -169,14 +184,21 @@ class DrafterPool:
         return req_id in self._owner
 
     def add_request(self, req_id: str, params: Any) -> None:
-        address = max(self._capacity, key=lambda a: self._capacity[a] - self._load(a))
-        if self._capacity[address] - self._load(address) <= 0:
-            raise ValueError("no drafter has a free context slot")
-        self._clients[address].call(DRAFTER, "AddRequests", {"req_ids": [req_id], "params": [params.to_dict()]})
-        self._owner[req_id] = address
+        with self._lock:
+            address = max(self._capacity, key=lambda a: self._capacity[a] - self._load(a))
+            if self._capacity[address] - self._load(address) <= 0:
+                raise ValueError("no drafter has a free context slot")
+            self._owner[req_id] = address
+        try:
+            self._clients[address].call(DRAFTER, "AddRequests", {"req_ids": [req_id], "params": [params.to_dict()]})
+        except Exception:
+            with self._lock:
+                self._owner.pop(req_id, None)
+            raise
 
     def release(self, req_id: str) -> None:
-        address = self._owner.pop(req_id, None)
+        with self._lock:
+            address = self._owner.pop(req_id, None)
         if address is not None:
             self._clients[address].call(DRAFTER, "Release", {"req_ids": [req_id]})
 

@@ -1,0 +1,100 @@
+"""The serving configuration: one model of what a deployment is, read from the Serve config's ``args``.
+
+The same YAML file describes a deployment everywhere: ``dspark serve --config FILE`` reads it, ``serve deploy FILE``
+runs it on an existing Ray cluster, and the KubeRay manifest embeds it as ``serveConfigV2``. This module owns the
+``args`` part (models, pools, engine limits, scheduler policy, ports, security); Ray Serve owns the rest (per
+deployment ``num_replicas`` / ``autoscaling_config`` / ``ray_actor_options`` overrides).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
+DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "dspark"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """Local model folders; nothing is ever downloaded."""
+
+    target: str = str(DEMO_TARGET)
+    draft: str | None = str(DEMO_DRAFT)
+    tokenizer: str | None = None  # default: the target folder
+    sts: str | None = None  # STS calibration JSON; default: <draft>/sts.json when present
+    sps: str | None = None  # SPS table JSON; default: profiled at startup
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.target
+
+
+class PoolConfig(_Strict):
+    """Where a deployment's replicas go: a Ray custom resource names the pool."""
+
+    resource: str
+    resource_per_replica: float = Field(0.01, gt=0)
+    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0)
+
+    def actor_options(self) -> dict[str, Any]:
+        return {
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.num_gpus,
+            "resources": {self.resource: self.resource_per_replica},
+        }
+
+
+class EngineConfig(_Strict):
+    """Per-replica limits (KV slots, context) and the drafter's sparse distribution width."""
+
+    max_requests: int = Field(64, ge=1, le=4096)
+    max_seq_len: int = Field(1024, ge=16)
+    draft_top_k: int = Field(16, ge=1, le=1024)
+
+
+class SchedulerConfig(_Strict):
+    policy: str = "dspark"
+    max_running_per_verifier: int | None = Field(None, ge=1)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value in ("autoregressive", "full", "dspark", "dspark-async") or value.startswith("fixed-"):
+            return value
+        raise ValueError("policy must be autoregressive, fixed-N, full, dspark or dspark-async")
+
+
+class NetworkConfig(_Strict):
+    """The data plane binds to ``grpc_host`` (default: this node's Ray address, never 0.0.0.0 unless asked)."""
+
+    grpc_host: str | None = None
+    grpc_token: str | None = None
+    grpc_timeout_s: float = Field(60.0, gt=0)
+    api_key: str | None = None
+
+
+class AppConfig(_Strict):
+    """Everything ``cluster.app.build_app`` needs; the ``args`` of the Serve application."""
+
+    model_name: str = "dspark-demo"
+    models: ModelConfig = ModelConfig()
+    draft_pool: PoolConfig = PoolConfig(resource="draft_pool")
+    verify_pool: PoolConfig = PoolConfig(resource="verify_pool")
+    engine: EngineConfig = EngineConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    network: NetworkConfig = NetworkConfig()
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
+        """Validate the Serve ``args`` map (errors name the offending field)."""
+        return cls.model_validate(args or {})

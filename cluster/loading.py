@@ -1,0 +1,75 @@
+"""Builds engines from an :class:`AppConfig`: the one place that turns folders on disk into running objects.
+
+Used by every way of running (in-process, standalone gRPC servers, Ray Serve replicas), so a deployment behaves the
+same whichever way it is started.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from cluster.config import AppConfig
+from draft_service.checkpoint import load_draft_model
+from draft_service.engine import DraftEngine
+from scheduler.sps import SPSTable
+from scheduler.sts import STSCalibration
+from verify_service.engine import VerifyEngine
+from verify_service.profiling import profile_target_sps
+from verify_service.target import TargetModel
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def draft_layer_ids(config: AppConfig) -> tuple[int, ...]:
+    """The target layers whose hidden states the drafter consumes (none when serving without a drafter)."""
+    if config.models.draft is None or config.scheduler.policy == "autoregressive":
+        return ()
+    from draft_service.config import DraftConfig
+
+    return tuple(DraftConfig.from_json(Path(config.models.draft) / "config.json").target_layer_ids)
+
+
+def build_verify_engine(config: AppConfig) -> VerifyEngine:
+    target = TargetModel.from_pretrained(
+        config.models.target,
+        feature_layer_ids=draft_layer_ids(config),
+        dtype=_DTYPES[config.models.dtype],
+        device=config.models.device,
+    )
+    return VerifyEngine(target, config.engine.max_requests, config.engine.max_seq_len)
+
+
+def build_draft_engine(config: AppConfig) -> DraftEngine:
+    if config.models.draft is None:
+        raise ValueError("this deployment has no drafter (models.draft is null)")
+    model = load_draft_model(
+        config.models.draft,
+        target_dir=config.models.target,
+        dtype=_DTYPES[config.models.dtype],
+        device=config.models.device,
+    )
+    sts_path = Path(config.models.sts) if config.models.sts else Path(config.models.draft) / "sts.json"
+    calibration = STSCalibration.load(sts_path) if sts_path.exists() else None
+    if calibration is None:
+        logger.warning("no STS calibration at %s: confidences are raw sigmoid outputs", sts_path)
+    return DraftEngine(
+        model,
+        config.engine.max_requests,
+        config.engine.max_seq_len,
+        draft_top_k=config.engine.draft_top_k,
+        calibration=calibration,
+    )
+
+
+def load_or_profile_sps(config: AppConfig, verify: VerifyEngine, block_size: int) -> SPSTable:
+    """The SPS table for this verifier: from the configured file, else profiled now (seconds on CPU)."""
+    if config.models.sps:
+        return SPSTable.load(config.models.sps)
+    logger.info("profiling SPS(B) of the target (no models.sps configured)")
+    max_tokens = config.engine.max_requests * (block_size + 1)
+    return profile_target_sps(verify.target, chunk=block_size + 1, max_batch_tokens=max_tokens, progress=False)
