@@ -44,8 +44,27 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
+def _add_drafter_training(sub: argparse._SubParsersAction) -> None:
+    """``gen-responses``, ``train-drafter``, ``calibrate-drafter``: rebuild the shipped demo drafters."""
+    from draft_service.training.cli import register
+
+    register(sub)
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    """``eval``: offline accepted length, acceptance, threshold sweep and calibration of drafters."""
+    from scheduler.eval_report import register
+
+    register(sub)
+
+
 #: Subcommand registrars; later modules add theirs here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version, _add_demo]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_version,
+    _add_demo,
+    _add_drafter_training,
+    _add_eval,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
