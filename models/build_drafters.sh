@@ -13,13 +13,14 @@
 # docs/eval), and packs them for the trip back, every file < 16 MiB:
 #   $OUT/draft_dspark.tar, $OUT/draft_dspark_rnn.tar, $OUT/draft_dflash.tar   (tar -xf X.tar -C models/demo)
 #   $OUT/eval.tar                                                              (tar -xf eval.tar -C docs)
-#   $OUT/responses_meta.json, $OUT/logs.tar (training and evaluation logs)
+#   $OUT/responses_meta.json, $OUT/logs.tar (training and evaluation logs), $OUT/bench_gen_responses.json
 # The drafters are packed as soon as training ends, so they come back even if the evaluation runs out of time.
 # The evaluation table is printed last.
 #
 # Settings through the environment: DEVICE (cuda), TRAIN_MINUTES (4.5), TRAIN_THREADS (4 CPU threads per
 # training process), PYTHON (python), TARGET, DATA, RESPONSES, DRAFTERS_DIR, EVAL_DIR,
-# GEN_ARGS / TRAIN_ARGS / EVAL_ARGS (extra flags), TINY=1 (a seconds-long CPU smoke of the same steps).
+# GEN_ARGS / TRAIN_ARGS / EVAL_ARGS (extra flags), BENCH_GEN (1: time the two decoding engines first, ~10 s),
+# TINY=1 (a CPU smoke of the same steps, about 2 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,6 +52,11 @@ for file in humaneval mbpp; do
 done
 
 LOGS=$(mktemp -d /tmp/dspark-build-logs.XXXXXX)
+if [ "${BENCH_GEN:-1}" = 1 ]; then
+  phase "bench: gen-responses decoding (transformers dynamic cache) vs TargetModel.generate"
+  timeout 120 env PYTHONPATH=. $PY bench/bench_gen_responses.py --target "$TARGET" --device "$DEVICE" \
+    ${TINY:+--small} --out "$OUT/bench_gen_responses.json" 2>&1 | grep -v '%|' || echo "(bench failed; continuing)"
+fi
 phase "gen-responses"
 rm -rf "$RESPONSES"
 $PY -m cluster.cli gen-responses --target "$TARGET" --data "$DATA" --out "$RESPONSES" --device "$DEVICE" \
