@@ -270,8 +270,7 @@ class OfflineSpeculativeDecoder:
                 else [[0.0] * gamma] * len(active)
             )
             accepted_list, next_list = num_accepted.tolist(), next_token.tolist()
-            still, ctx_rows = [], []
-            features = out.features.view(len(active), gamma + 1, -1)
+            still, keep = [], []
             for j, i in enumerate(active):
                 a = accepted_list[j]
                 trace_logits.append(conf[j])
@@ -285,16 +284,20 @@ class OfflineSpeculativeDecoder:
                 outputs[i].extend(new)
                 start[i] += a + 1
                 anchor[i] = new[-1]
-                if stop_at is None and len(outputs[i]) < max_new_tokens:
+                keep.append(stop_at is None and len(outputs[i]) < max_new_tokens)
+                if keep[-1]:
                     still.append(i)
-                    ctx_rows.append(features[j, : a + 1])
                 else:
                     del outputs[i][max_new_tokens:]
                     kv.free(kv_slots[i])
                     ctx_cache.release(ctx_slots[i])
             if still:
-                counts = [rows.shape[0] for rows in ctx_rows]
-                cu = np.concatenate([[0], np.cumsum(counts)])
-                draft.append_context(ctx_cache, [ctx_slots[i] for i in still], torch.cat(ctx_rows), cu)
+                # context rows of the continuing requests: their anchor and accepted drafts, in request order
+                kept = torch.tensor(keep)
+                rows_taken = torch.tensor(accepted_list) + 1
+                rows = (torch.arange(gamma + 1)[None, :] < rows_taken[:, None]) & kept[:, None]
+                features = out.features.view(len(active), gamma + 1, -1)[rows.to(out.features.device)]
+                cu = np.concatenate([[0], np.cumsum(rows_taken[kept].numpy())])
+                draft.append_context(ctx_cache, [ctx_slots[i] for i in still], features, cu)
             active = still
         return trace_logits, trace_accepted, trace_request, outputs

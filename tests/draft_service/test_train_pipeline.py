@@ -137,6 +137,7 @@ def test_eval_command_reports_every_drafter(built: dict[str, Path], tmp_path: Pa
     for png in ("tau.png", "acceptance_by_position.png", "threshold_sweep.png", "reliability_dspark.png"):
         assert (out / png).stat().st_size > 0
     assert "dspark / dflash" in (out / "results.md").read_text()
+    assert results["command"].startswith(f"dspark eval --target {built['target']} --drafters dspark=")
 
 
 def test_bad_inputs_are_clear_errors(
