@@ -44,6 +44,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
+#: Subcommand registrars; later modules add theirs here.
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version, _add_demo]
+
+
 def _add_drafter_training(sub: argparse._SubParsersAction) -> None:
     """``gen-responses``, ``train-drafter``, ``calibrate-drafter``: rebuild the shipped demo drafters."""
     from draft_service.training.cli import register
@@ -58,13 +62,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
-#: Subcommand registrars; later modules add theirs here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_version,
-    _add_demo,
-    _add_drafter_training,
-    _add_eval,
-]
+COMMANDS += [_add_drafter_training, _add_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:
