@@ -48,6 +48,23 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version, _add_demo]
 
 
+def _add_drafter_training(sub: argparse._SubParsersAction) -> None:
+    """``gen-responses``, ``train-drafter``, ``calibrate-drafter``: rebuild the shipped demo drafters."""
+    from draft_service.training.cli import register
+
+    register(sub)
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    """``eval``: offline accepted length, acceptance, threshold sweep and calibration of drafters."""
+    from scheduler.eval_report import register
+
+    register(sub)
+
+
+COMMANDS += [_add_drafter_training, _add_eval]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every registered subcommand."""
     parser = argparse.ArgumentParser(
