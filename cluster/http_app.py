@@ -29,6 +29,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -550,7 +551,7 @@ def build_app(
 
         try:
             prompt_ids = await service.tokenize(render)
-        except Exception as error:  # jinja raises its own error types for templates that reject the input
+        except (TemplateError, ValueError, TypeError) as error:  # templates may raise on messages they reject
             raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
         if not prompt_ids:
             raise APIError(400, "the messages render to an empty prompt", param="messages")

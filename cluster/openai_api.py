@@ -12,13 +12,25 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from cluster.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 #: OpenAI's documented default for the legacy completions endpoint.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
+
+def _text_only(value: str) -> str:
+    """JSON escapes can smuggle lone surrogates (\\ud800) into a str; they are not text, no tokenizer takes them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("invalid Unicode (a lone surrogate escape is not text)") from None
+    return value
+
+
+#: A str that is real text (constrained strs are checked by pydantic itself, plain ones are not).
+Text = Annotated[str, AfterValidator(_text_only)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 
@@ -73,7 +85,7 @@ class StreamOptions(_Lenient):
 class _SamplingRequest(_Lenient):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = Field(None, description="served model id (see /v1/models); omitted = the served model")
+    model: Text | None = Field(None, description="served model id (see /v1/models); omitted = the served model")
     max_tokens: int | None = Field(None, ge=1, description="completion token budget")
     temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus mass; default 1 (off)")
@@ -90,7 +102,7 @@ class _SamplingRequest(_Lenient):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="only empty is supported")
-    user: str | None = None
+    user: Text | None = None
     return_token_ids: bool = Field(False, description="vLLM extension: also return prompt and output token ids")
 
 
@@ -104,18 +116,18 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = Field(False, description="only false is supported")
     logprobs: int | None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
-    suffix: str | None = Field(None, description="not supported")
+    suffix: Text | None = Field(None, description="not supported")
 
 
 class TextContentPart(_Lenient):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:

@@ -231,7 +231,7 @@ def test_stream_disconnect_aborts_and_frees_slots(server: Server) -> None:
     # Leaving both blocks closed the connection mid-stream.
     assert server.wait_idle() == (MAX_REQUESTS, MAX_REQUESTS, False)
     assert _aborted(server) == before + 1
-    # Generation stopped early: far fewer than 200 tokens were produced for it.
+    # The server keeps serving.
     resp = server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
     assert resp.choices[0].finish_reason in ("stop", "length")
 
@@ -257,7 +257,7 @@ def test_metrics_have_spec_decode_counters(server: Server) -> None:
     drafts = value("vllm:spec_decode_num_drafts")
     draft_tokens = value("vllm:spec_decode_num_draft_tokens")
     accepted = value("vllm:spec_decode_num_accepted_tokens")
-    assert drafts > 0 and draft_tokens >= drafts * 0 and draft_tokens > 0
+    assert drafts > 0 and draft_tokens > 0
     assert 0 <= accepted <= draft_tokens
     per_pos = {s.labels["position"]: s.value for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"]}
     assert sorted(per_pos) == ["0", "1", "2", "3"] and sum(per_pos.values()) == accepted
