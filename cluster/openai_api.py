@@ -14,7 +14,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from cluster.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from cluster.sampling import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SamplingParams,
+)
 
 #: OpenAI's documented default for the legacy completions endpoint.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -87,8 +94,10 @@ class _SamplingRequest(_Lenient):
 
     model: Text | None = Field(None, description="served model id (see /v1/models); omitted = the served model")
     max_tokens: int | None = Field(None, ge=1, description="completion token budget")
-    temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 = greedy; default 1")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus mass; default 1 (off)")
+    temperature: float | None = Field(
+        None, ge=0.0, le=100.0, description=f"0 = greedy, else >= {MIN_TEMPERATURE}; default 1"
+    )
+    top_p: float | None = Field(None, ge=MIN_TOP_P, le=1.0, description="nucleus mass; default 1 (off)")
     top_k: int | None = Field(None, ge=-1, description="vLLM extension: keep the k most likely; 0 or -1 = off")
     seed: int | None = Field(None, ge=0, le=(1 << 63) - 1, description="makes sampled output reproducible")
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None

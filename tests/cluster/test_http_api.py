@@ -198,6 +198,24 @@ def test_eight_concurrent_requests(server: Server) -> None:
     assert server.wait_idle() == (MAX_REQUESTS, MAX_REQUESTS, False)
 
 
+def test_bad_requests_do_not_disturb_a_running_stream(server: Server) -> None:
+    """Rejections happen at the edge, never inside a round shared with other requests."""
+    prompt_ids = server.encode(PROMPTS[5])
+    want = server.greedy([prompt_ids], [60])[0]
+    stream = server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[5], max_tokens=60, temperature=0, stream=True, extra_body={"return_token_ids": True}
+    )
+    tokens: list[int] = []
+    bad = [{"top_p": 1e-45, "temperature": 1.0}, {"temperature": 1e-7}, {"prompt": [4095, 4096]}, {"max_tokens": 10**6}]
+    for i, chunk in enumerate(stream):
+        if chunk.choices:
+            tokens += _extra(chunk.choices[0], "token_ids")
+        if i < len(bad):
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 4, **bad[i]}
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 400
+    assert tokens == want
+
+
 def test_stop_string_cuts_the_text(server: Server) -> None:
     prompt_ids = server.encode(PROMPTS[0])
     full = server.text(server.greedy([prompt_ids], [40])[0])

@@ -102,6 +102,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("temperature-huge", "/v1/completions", _c(temperature=1e9), 400, "temperature"),
     ("top-p-zero", "/v1/completions", _c(top_p=0), 400, "top_p"),
     ("top-p-above-one", "/v1/completions", _c(top_p=1.5), 400, "top_p"),
+    ("top-p-denormal", "/v1/completions", _c(top_p=5e-324, temperature=1.0), 400, "top_p"),
+    ("temperature-below-kernel-minimum", "/v1/completions", _c(temperature=1e-9), 400, "temperature"),
     ("top-k-negative", "/v1/completions", _c(top_k=-5), 400, "top_k"),
     ("max-tokens-zero", "/v1/completions", _c(max_tokens=0), 400, "max_tokens"),
     ("max-tokens-negative", "/v1/completions", _c(max_tokens=-1), 400, "max_tokens"),
