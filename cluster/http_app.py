@@ -396,8 +396,8 @@ class _Service:
             params = sampling_params(body, max_tokens)
         except SamplingError as error:
             raise APIError(400, str(error), param=str(error).split(":", 1)[0]) from None
-        run = _Run(self.backend, f"{prefix}-{uuid.uuid4().hex}", None)  # type: ignore[arg-type]
-        run.stream = self.backend.generate(run.req_id, prompt_ids, params)
+        req_id = f"{prefix}-{uuid.uuid4().hex}"
+        run = _Run(self.backend, req_id, self.backend.generate(req_id, prompt_ids, params))
         try:
             first = await _until_disconnect(request, run.next())
         except ValueError as error:
