@@ -44,27 +44,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    if not args.no_ray:
-        print("dspark serve: the Ray deployment is not in this build yet; run `dspark serve --no-ray`", file=sys.stderr)
-        return 2
-    from cluster.serve_local import run_local
-
-    return run_local(args)
-
-
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    """``serve``: the OpenAI-compatible server (``--no-ray``: everything in this process)."""
-    from cluster.serve_local import add_local_arguments
-
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (--no-ray: in-process engine)")
-    p.add_argument("--no-ray", action="store_true", help="run target, drafter and scheduler in this process")
-    add_local_arguments(p)
-    p.set_defaults(handler=_cmd_serve)
-
-
 #: Subcommand registrars; later modules add theirs here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version, _add_demo, _add_serve]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +70,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     return handler(args)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    """``serve``: the OpenAI-compatible server (``--no-ray``: everything in this process)."""
+    from cluster.serve_local import register
+
+    register(sub)
+
+
+COMMANDS += [_add_serve]
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,21 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
         help="require this bearer key on /v1/* (default: $DSPARK_API_KEY; none = open)",
     )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``dspark serve`` (its Ray mode is not in this build yet: ``--no-ray`` runs everything here)."""
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (--no-ray: in-process engine)")
+    p.add_argument("--no-ray", action="store_true", help="run target, drafter and scheduler in this process")
+    add_local_arguments(p)
+    p.set_defaults(handler=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if not args.no_ray:
+        print("dspark serve: the Ray deployment is not in this build yet; run `dspark serve --no-ray`", file=sys.stderr)
+        return 2
+    return run_local(args)
 
 
 def load_local_backend(
