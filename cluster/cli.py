@@ -89,5 +89,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return handler(args)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    """``serve``: the OpenAI-compatible server (``--no-ray``: everything in this process)."""
+    from cluster.serve_local import register
+
+    register(sub)
+
+
+COMMANDS += [_add_serve]
+
+
 if __name__ == "__main__":
     sys.exit(main())

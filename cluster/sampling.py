@@ -16,6 +16,9 @@ from typing import Any
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+#: The sampling kernels reject anything else in a batch, failing the whole round: the edge must be as strict.
+MIN_TEMPERATURE = 1e-5  # kernels/checks.py: temperature is 0 (greedy) or >= this
+MIN_TOP_P = 2.0**-126  # smallest normal float32: smaller values become 0 (or denormal) on the device
 
 
 class SamplingError(ValueError):
@@ -38,8 +41,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, low=0.0, high=100.0)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise SamplingError(f"temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
         _check_int("top_k", self.top_k, low=0, high=1 << 31)
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        if self.top_p < MIN_TOP_P:
+            raise SamplingError(f"top_p: must be in [{MIN_TOP_P:.3g}, 1.0], got {self.top_p}")
         _check_int("max_tokens", self.max_tokens, low=1, high=1 << 31)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=(1 << 63) - 1)

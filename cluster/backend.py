@@ -1,0 +1,302 @@
+"""What the HTTP front end needs from whatever generates tokens, and the in-process implementation of it.
+
+The OpenAI-compatible app (:mod:`cluster.http_app`) talks to a :class:`GenerateBackend` only, so the same app
+serves the in-process engine (:class:`LocalBackend`, ``dspark serve --no-ray``) and the disaggregated Ray/gRPC
+scheduler. A backend streams :class:`GenerateDelta` objects per request: token ids and text that are final
+(detokenisation and stop strings are the backend's job, because a stop condition decides when the request ends
+and frees its caches), plus the counts the API reports as usage.
+
+:class:`LocalBackend` drives a single-threaded :class:`~scheduler.engine.SpeculativeEngine` from ONE background
+thread. The asyncio side never touches the engine: it queues commands (submit, abort, inspect) that the loop
+thread runs between rounds, and the loop thread hands deltas back with ``loop.call_soon_threadsafe``. One thread
+keeps the engine's batching intact (every running request joins every round) and the event loop free to serve
+HTTP while a round computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar, runtime_checkable
+
+from cluster.sampling import SamplingParams
+from scheduler.engine import RequestOutput, SpeculativeEngine
+from scheduler.metrics import MetricsSnapshot
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The backend cannot serve now (shut down, engine thread dead or wedged); HTTP 503, retryable."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine raised while running a round; the requests in it were aborted (HTTP 500, not the client's
+    fault)."""
+
+
+@dataclass(frozen=True)
+class GenerateDelta:
+    """What one request produced since its previous delta.
+
+    ``token_ids`` and ``text`` are final (a stop string never appears in ``text``; the stop token, when one ends
+    the request, is the last id of ``token_ids`` but adds no text). ``finish_reason`` is ``"stop"`` or
+    ``"length"`` on the last delta and None before it. The counts are running totals for usage reporting.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> GenerateDelta:
+        return cls(
+            token_ids=tuple(out.new_token_ids),
+            text=out.new_text,
+            finished=out.finished,
+            finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_output_tokens=out.num_output_tokens,
+        )
+
+
+@runtime_checkable
+class GenerateBackend(Protocol):
+    """The contract between the HTTP layer and a token generator.
+
+    - ``generate`` returns an async iterator of deltas ending with one whose ``finished`` is true. A request that
+      can never be served (prompt too long for this deployment, token id outside the vocabulary, duplicate id)
+      raises a ``ValueError`` from the FIRST ``__anext__``, before any token: the HTTP layer turns it into a 400.
+      Other exceptions mean the backend failed (HTTP 500/503).
+    - ``abort`` stops a request and frees its caches; it is idempotent, unknown ids are ignored, and it returns
+      once the backend has let go of the request. The HTTP layer calls it whenever it stops reading a stream
+      before its final delta (client disconnect, error), shielded from cancellation.
+    - ``metrics`` returns the aggregate speculative-decoding counters (cumulative since start).
+    - ``health`` returns when the backend can serve and raises :class:`BackendUnavailableError` otherwise.
+    - ``model_name`` is the id served under ``/v1/models``; ``max_context`` bounds prompt + completion tokens.
+    """
+
+    model_name: str
+    max_context: int
+
+    def generate(
+        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerateDelta]: ...
+
+    async def abort(self, req_id: str) -> None: ...
+
+    async def metrics(self) -> MetricsSnapshot: ...
+
+    async def health(self) -> None: ...
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """Reject a request whose prompt plus completion budget exceeds the context (vLLM's wording)."""
+    if num_prompt_tokens + max_tokens > max_context:
+        raise ValueError(
+            f"This model's maximum context length is {max_context} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+            "completion). Please reduce the length of the prompt or the completion."
+        )
+
+
+@dataclass
+class _Stream:
+    """Where one request's deltas go: an asyncio queue owned by the event loop that submitted it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[GenerateDelta | BaseException]
+
+    def put(self, item: GenerateDelta | BaseException) -> bool:
+        """Hand an item to the request's event loop; False when that loop is gone (server shut down)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
+
+
+class LocalBackend:
+    """A :class:`GenerateBackend` over an in-process :class:`SpeculativeEngine` and its round-loop thread.
+
+    Requests may come from any thread and any event loop. The engine is only ever touched by the loop thread,
+    which sleeps on a condition variable while there is neither a command nor an unfinished request.
+    """
+
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        model_name: str,
+        *,
+        max_context: int | None = None,
+        wedge_timeout_s: float = 120.0,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_context = max_context if max_context is not None else engine.verify.max_seq_len
+        if not 1 < self.max_context <= engine.verify.max_seq_len:
+            raise ValueError(
+                f"max_context must be in [2, {engine.verify.max_seq_len}] (the verifier's slot length), "
+                f"got {self.max_context}"
+            )
+        self.wedge_timeout_s = wedge_timeout_s
+        self._cond = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._closing = False
+        self._streams: dict[str, _Stream] = {}  # loop thread only
+        self._snapshot = engine.snapshot()
+        self._step_started: float | None = None
+        self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------ GenerateBackend
+    async def generate(
+        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerateDelta]:
+        check_context(len(prompt_ids), params.max_tokens, self.max_context)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        prompt = [int(t) for t in prompt_ids]
+        self._enqueue(lambda: self._submit(req_id, prompt, params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the loop thread already dropped the request
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # Closed early (disconnect, cancellation): free the caches without waiting for the caller's abort.
+                self._try_enqueue(lambda: self._abort(req_id))
+
+    async def abort(self, req_id: str) -> None:
+        await asyncio.wrap_future(self.call(lambda _engine: self._abort(req_id)))
+
+    async def metrics(self) -> MetricsSnapshot:
+        return self._snapshot
+
+    async def health(self) -> None:
+        if not self._thread.is_alive() or self._closing:
+            raise BackendUnavailableError("the engine loop is not running")
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.wedge_timeout_s:
+            raise BackendUnavailableError(
+                f"the engine has been inside one round for more than {self.wedge_timeout_s:.0f} s"
+            )
+
+    # ------------------------------------------------------------------------------------------ extras
+    def call(self, fn: Callable[[SpeculativeEngine], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` on the loop thread between rounds (the only safe way to look inside the engine)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as error:  # handed to the caller, never swallowed
+                    future.set_exception(error)
+
+        self._enqueue(command)
+        return future
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the loop thread; requests still running fail with BackendUnavailableError."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> LocalBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------- loop thread
+    def _enqueue(self, command: Callable[[], None]) -> None:
+        if not self._try_enqueue(command):
+            raise BackendUnavailableError("the backend is shut down")
+
+    def _try_enqueue(self, command: Callable[[], None]) -> bool:
+        with self._cond:
+            if self._closing:
+                return False
+            self._commands.append(command)
+            self._cond.notify()
+            return True
+
+    def _submit(self, req_id: str, prompt: list[int], params: SamplingParams, stream: _Stream) -> None:
+        try:
+            self.engine.add_request(prompt, params, req_id)
+        except ValueError as error:
+            stream.put(error)
+            return
+        self._streams[req_id] = stream
+
+    def _abort(self, req_id: str) -> None:
+        self._streams.pop(req_id, None)
+        self.engine.abort(req_id)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and not self._commands and not self.engine.has_unfinished():
+                    self._cond.wait()
+                if self._closing:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                command()
+            if self.engine.has_unfinished():
+                self._step()
+            self._snapshot = self.engine.snapshot()
+        with self._cond:
+            commands = list(self._commands)
+            self._commands.clear()
+        for command in commands:  # resolves pending `call` futures and registers late submits ...
+            command()
+        # ... so that every request still known fails here instead of waiting forever.
+        self._fail_all(BackendUnavailableError("the backend was shut down while the request was running"))
+
+    def _step(self) -> None:
+        self._step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            # An engine bug must not kill the loop (every later request would hang): fail the requests of
+            # this round loudly and keep serving new ones.
+            logger.exception("engine round failed; aborting %d request(s)", len(self._streams))
+            self._fail_all(EngineFailedError(f"the engine failed while running this request: {error}"))
+            return
+        finally:
+            self._step_started = None
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.req_id]
+            if not stream.put(GenerateDelta.from_output(out)) and not out.finished:
+                self._abort(out.req_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for req_id, stream in list(self._streams.items()):
+            self.engine.abort(req_id)
+            stream.put(error)
+        self._streams.clear()

@@ -1,0 +1,210 @@
+"""``dspark serve --no-ray``: the whole system in one process (target, drafter, scheduler policy, HTTP API).
+
+What the GPU benchmarks run on machines without Ray, and the quickest way to try the demo: the engines and the
+round loop of :class:`~scheduler.engine.SpeculativeEngine` behind :class:`~cluster.backend.LocalBackend`, served
+by the same OpenAI-compatible app as the Ray deployment. Heavy imports (torch, transformers, uvicorn) happen in
+the functions so that ``dspark --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.backend import LocalBackend
+    from scheduler.sps import SPSTable
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = ROOT / "models" / "demo" / "target"
+DEFAULT_DRAFT = ROOT / "models" / "demo" / "dspark"
+DEFAULT_MODEL_NAME = "dspark-demo"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_sps_table() -> SPSTable:
+    """A conservative stand-in for a measured SPS table, used when none is given.
+
+    It assumes a verify step costs the same up to 8 batched tokens and grows linearly beyond (compute-bound),
+    so under load Algorithm 1 only verifies drafts it is confident about. Real deployments should profile their
+    own table: on a launch-bound GPU the flat region is far longer and more drafts pay off.
+    """
+    from scheduler.sps import SPSTable
+
+    return SPSTable([1, 8], [1.0, 1.0], model="built-in conservative default")
+
+
+def add_local_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the in-process server (also used by ``dspark serve`` when it grows a Ray mode)."""
+    parser.add_argument("--target", type=Path, default=DEFAULT_TARGET, help="target model folder (HF Qwen3)")
+    parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT, help="DSpark drafter folder (DeepSpec layout)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: the target's)")
+    parser.add_argument(
+        "--policy",
+        default="dspark",
+        help="verification policy: dspark, dspark-async, fixed-N, full, autoregressive (no drafter)",
+    )
+    parser.add_argument("--sps", type=Path, default=None, help="SPS table JSON (default: a built-in conservative one)")
+    parser.add_argument("--max-requests", type=int, default=16, help="KV / context slots (concurrent requests)")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="slot length = max prompt + completion tokens (default: the target's context, at most 2048)",
+    )
+    parser.add_argument("--draft-top-k", type=int, default=16, help="draft distribution support sent to the verifier")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id of the API (default: dspark-demo for the demo target, else the target folder's name)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bind address")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("DSPARK_API_KEY"),
+        help="require this bearer key on /v1/* (default: $DSPARK_API_KEY; none = open)",
+    )
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``dspark serve`` (its Ray mode is not in this build yet: ``--no-ray`` runs everything here)."""
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (--no-ray: in-process engine)")
+    p.add_argument("--no-ray", action="store_true", help="run target, drafter and scheduler in this process")
+    add_local_arguments(p)
+    p.set_defaults(handler=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if not args.no_ray:
+        print("dspark serve: the Ray deployment is not in this build yet; run `dspark serve --no-ray`", file=sys.stderr)
+        return 2
+    return run_local(args)
+
+
+def load_local_backend(
+    target: Path,
+    draft: Path | None,
+    *,
+    policy: str = "dspark",
+    sps: SPSTable | None = None,
+    max_requests: int = 16,
+    max_seq_len: int | None = None,
+    draft_top_k: int = 16,
+    device: str = "cpu",
+    dtype: str = "float32",
+    model_name: str = DEFAULT_MODEL_NAME,
+    tokenizer: Any = None,
+) -> LocalBackend:
+    """Load the models, build the engines and start a :class:`LocalBackend` (its loop thread runs from here).
+
+    ``tokenizer`` is used for detokenisation and stop strings inside the engine; pass a tokenizer object that
+    no other thread uses (the HTTP app tokenises on its own instance).
+    """
+    import torch
+
+    from cluster.backend import LocalBackend
+    from draft_service.checkpoint import load_draft_model
+    from draft_service.engine import DraftEngine
+    from scheduler.engine import SpeculativeEngine
+    from scheduler.policy import make_policy
+    from verify_service.engine import VerifyEngine
+    from verify_service.target import TargetModel
+
+    torch_dtype = getattr(torch, dtype)
+    draft_model = None
+    probe = make_policy(policy, sps or default_sps_table(), 1)
+    if probe.uses_drafter:
+        if draft is None or not draft.is_dir():
+            raise ValueError(
+                f"drafter folder {draft} not found: pass --draft DIR, or serve without speculation with "
+                "--policy autoregressive"
+            )
+        draft_model = load_draft_model(draft, target_dir=target, dtype=torch_dtype, device=device)
+    feature_ids = draft_model.config.target_layer_ids if draft_model is not None else ()
+    target_model = TargetModel.from_pretrained(target, feature_ids, dtype=torch_dtype, device=device)
+    if max_seq_len is None:
+        max_seq_len = min(target_model.max_context_len, 2048)
+    verify = VerifyEngine(target_model, max_requests=max_requests, max_seq_len=max_seq_len)
+    drafter = None
+    block_size = 1
+    if draft_model is not None:
+        drafter = DraftEngine(draft_model, max_requests=max_requests, max_seq_len=max_seq_len, draft_top_k=draft_top_k)
+        block_size = drafter.block_size
+    if sps is None and policy.startswith("dspark"):
+        logger.warning(
+            "no --sps table given: policy %s uses the built-in conservative default (flat to 8 tokens, then "
+            "linear); profile this machine's table for accurate scheduling",
+            policy,
+        )
+    engine = SpeculativeEngine(
+        verify,
+        drafter,
+        make_policy(policy, sps or default_sps_table(), block_size),
+        decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None,
+        eos_token_ids=target_model.eos_token_ids,
+    )
+    return LocalBackend(engine, model_name)
+
+
+def run_local(args: argparse.Namespace) -> int:
+    """Entry point of ``dspark serve --no-ray``: load everything, serve until interrupted."""
+    import torch
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from cluster.http_app import build_app
+    from scheduler.sps import SPSTable
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    tokenizer_dir = args.tokenizer or args.target
+    model_name = args.served_model_name or (
+        DEFAULT_MODEL_NAME if Path(args.target).resolve() == DEFAULT_TARGET else Path(args.target).name
+    )
+    try:
+        sps = SPSTable.load(args.sps) if args.sps is not None else None
+        backend = load_local_backend(
+            args.target,
+            args.draft,
+            policy=args.policy,
+            sps=sps,
+            max_requests=args.max_requests,
+            max_seq_len=args.max_seq_len,
+            draft_top_k=args.draft_top_k,
+            device=device,
+            dtype=dtype,
+            model_name=model_name,
+            tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
+        )
+    except (OSError, ValueError) as error:
+        logger.error("cannot start: %s", error)
+        return 2
+    app = build_app(backend, AutoTokenizer.from_pretrained(tokenizer_dir), api_key=args.api_key)
+    logger.info(
+        "serving %s (policy %s, %d slots x %d tokens, %s %s) on http://%s:%d%s",
+        model_name,
+        args.policy,
+        args.max_requests,
+        backend.max_context,
+        device,
+        dtype,
+        args.host,
+        args.port,
+        " with an API key" if args.api_key else "",
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        backend.close()
+    return 0
