@@ -16,6 +16,7 @@ base rules). What is specific to the drafter:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -215,11 +216,7 @@ def inflate_pair(
         torch.cuda.synchronize(device)
     info: dict[str, Any] = {"target": describe(target), "build_s": time.perf_counter() - started}
     if draft is not None:
-        params = list(draft.state_dict().values())
-        info["draft"] = {
-            "parameters": sum(p.numel() for p in params),
-            "bytes": sum(p.numel() * p.element_size() for p in params),
-        }
+        info["draft"] = describe(draft)
     if out_dir is not None:
         saved = time.perf_counter()
         save_target(target, Path(out_dir) / "target", tokenizer_from=target_dir)
@@ -236,26 +233,33 @@ def compare_drafts(
     pair: InflatedPair,
     token_ids: torch.Tensor,
 ) -> dict[str, float]:
-    """Block logits of the small and the inflated drafter on the same context (features from each one's own
-    target, plain HF forwards): max |diff| of real-vocabulary base logits and of confidence logits."""
-    assert pair.draft is not None
-    ids = small_draft.config.target_layer_ids
+    """One block after ``token_ids`` [B, T] (context = the first T-1 tokens, anchor = the last), drafted by the
+    small drafter on the small target's features and by the inflated drafter on the inflated target's (plain HF
+    forwards): max |diff| of the real-vocabulary base logits and of the confidence logits."""
+    if pair.draft is None:
+        raise ValueError("compare_drafts: the pair has no drafter")
+    block_size = small_draft.block_size
+    if token_ids.shape[1] < block_size + 1:
+        raise ValueError(f"compare_drafts: need at least {block_size + 1} tokens, got {token_ids.shape[1]}")
+    layer_ids = small_draft.config.target_layer_ids
+    vocab = small_draft.config.vocab_size
     device = pair.draft.device
-    anchor = token_ids[:, -1]
+    prev = token_ids[:, :block_size].clone()  # any real previous-token path will do for the heads
+    prev[:, 0] = token_ids[:, -1]
 
     def run(hf: Qwen3ForCausalLM, draft: DSparkDraftModel) -> tuple[torch.Tensor, torch.Tensor | None]:
-        states = hf(token_ids[:, :-1].to(draft.device), output_hidden_states=True).hidden_states
-        features = torch.cat([states[i + 1] for i in ids], dim=-1)
-        hidden = draft.forward_blocks(features.to(draft.dtype), anchor.to(draft.device))
-        prev = torch.cat([anchor[:, None], token_ids[:, -hidden.shape[1] + 1 :]], dim=1).to(draft.device)
-        logits = draft.base_logits(hidden)[..., : small_draft.config.vocab_size]
-        return logits.float().cpu(), None if draft.confidence_head is None else draft.confidence_logits(hidden, prev)
+        states = hf(token_ids[:, :-1].to(device), output_hidden_states=True).hidden_states
+        features = torch.cat([states[i + 1] for i in layer_ids], dim=-1)
+        hidden = draft.forward_blocks(features.to(draft.dtype), token_ids[:, -1].to(device))
+        logits = draft.base_logits(hidden)[..., :vocab].float().cpu()
+        confidence = draft.confidence_logits(hidden, prev.to(device))
+        return logits, None if confidence is None else confidence.float().cpu()
 
-    small_logits, small_conf = run(small_target.to(device), small_draft.to(device))
+    small_logits, small_conf = run(
+        copy.deepcopy(small_target).to(device, torch.float32), copy.deepcopy(small_draft).to(device, torch.float32)
+    )
     big_logits, big_conf = run(pair.target, pair.draft)
-    small_target.to("cpu")
-    small_draft.to("cpu")
     out = {"draft_max_abs_logit_diff": float((big_logits - small_logits).abs().max())}
     if small_conf is not None and big_conf is not None:
-        out["draft_max_abs_confidence_diff"] = float((big_conf.float().cpu() - small_conf.float().cpu()).abs().max())
+        out["draft_max_abs_confidence_diff"] = float((big_conf - small_conf).abs().max())
     return out

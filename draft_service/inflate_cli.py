@@ -17,6 +17,9 @@ def _cmd_inflate(args: argparse.Namespace) -> int:
     from verify_service.inflate import compare_logits, load_small_target
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.check_tokens < 16:
+        print(f"error: --check-tokens must be >= 16, got {args.check_tokens}", file=sys.stderr)
+        return 2
     try:
         pair = inflate_pair(
             args.target,
@@ -35,10 +38,15 @@ def _cmd_inflate(args: argparse.Namespace) -> int:
     target = info["target"]
     print(
         f"target {args.shape}: {target['parameters'] / 1e9:.3f}B parameters, {target['bytes'] / 2**30:.2f} GiB "
-        f"{args.dtype} on {device}, real vocabulary {target['real_vocab_size']} of {target['shape']['vocab_size']}"
+        f"{args.dtype} on {device}, {100 * target['zero_fraction']:.1f}% exact zeros, real vocabulary "
+        f"{target['real_vocab_size']} of {target['shape']['vocab_size']}"
     )
     if "draft" in info:
-        print(f"draft: {info['draft']['parameters'] / 1e9:.3f}B parameters, {info['draft']['bytes'] / 2**30:.2f} GiB")
+        draft = info["draft"]
+        print(
+            f"draft: {draft['parameters'] / 1e9:.3f}B parameters, {draft['bytes'] / 2**30:.2f} GiB, "
+            f"{100 * draft['zero_fraction']:.1f}% exact zeros"
+        )
     saved = f", saved to {args.out} in {info['save_s']:.1f} s" if args.out else ""
     print(f"built in {info['build_s']:.1f} s{saved}")
     if args.check:

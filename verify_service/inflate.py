@@ -578,12 +578,19 @@ def compare_logits(small: Qwen3ForCausalLM, big: Qwen3ForCausalLM, token_ids: to
     }
 
 
-def describe(model: Qwen3ForCausalLM) -> dict[str, Any]:
-    """Sizes for reports: parameters, bytes, shape."""
-    params = {id(p): p for p in model.parameters()}.values()
-    return {
-        "parameters": sum(p.numel() for p in params),
+def describe(model: torch.nn.Module) -> dict[str, Any]:
+    """Sizes for reports: parameters, bytes, the fraction of weights that are exactly zero, shape (HF models)."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    total = sum(p.numel() for p in params)
+    info: dict[str, Any] = {
+        "parameters": total,
         "bytes": sum(p.numel() * p.element_size() for p in params),
+        "zero_fraction": sum(int((p == 0).sum()) for p in params) / total,
+    }
+    if not isinstance(model, Qwen3ForCausalLM):
+        return info
+    return {
+        **info,
         "shape": asdict(Qwen3Shape.of(model.config)),
         "real_vocab_size": real_vocab_size(model.config),
     }

@@ -8,6 +8,9 @@ mistake in the eps bookkeeping is far above fp32 noise (a control test proves it
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -256,3 +259,40 @@ def test_demo_target_into_a_4b_like_shape() -> None:
     bf16 = compare_logits(small, inflate_target(small, shape, dtype=torch.bfloat16), ids)
     print(f"demo bf16: {bf16}")
     assert bf16["max_abs_logit_diff"] < 3 * bf16["noise_max_abs_logit_diff"]
+
+
+TRITON_MASKED_LOGITS = """
+import torch
+from kernels.rejection import rejection_sample_reference
+from kernels.rejection_triton import rejection_sample_triton
+torch.manual_seed(0)
+V, real, R = 4200, 96, 4  # several whole vocabulary chunks of the kernel are -inf
+lens = torch.tensor([3, 0, 2, 4])
+cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+N = int(cu[-1])
+logits = torch.randn(N + R, V) * 3
+logits[:, real:] = float("-inf")
+drafts = torch.randint(0, real, (N,))
+ids = torch.stack([torch.randperm(real)[:8] for _ in range(N)])
+ids[:, 0] = drafts
+probs = torch.softmax(torch.randn(N, 8), -1)
+temps = torch.tensor([1.0, 0.7, 1.0, 0.0])
+for top_k, top_p in [(0, 1.0), (200, 0.9)]:
+    args = (logits, drafts, probs, cu, temps, torch.full((R,), top_k), torch.full((R,), top_p), torch.arange(R),
+            torch.tensor([5, 9, 13, 2]))
+    a = rejection_sample_reference(*args, draft_prob_ids=ids)
+    b = rejection_sample_triton(*args, draft_prob_ids=ids)
+    assert torch.equal(a.output_tokens, b.output_tokens) and torch.equal(a.num_accepted, b.num_accepted)
+    assert int(b.output_tokens.max()) < real, b.output_tokens
+"""
+
+
+def test_gpu_rejection_kernel_handles_masked_vocabulary() -> None:
+    """The verifier samples with the Triton kernel on a GPU: -inf logits of padded ids (whole chunks of them) give
+    the reference's tokens and never a padded id (run through TRITON_INTERPRET=1, in a fresh process because the
+    variable must be set before triton is imported)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", TRITON_MASKED_LOGITS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
