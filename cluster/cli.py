@@ -44,8 +44,15 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
+def _add_inflate(sub: argparse._SubParsersAction) -> None:
+    """``inflate``: embed the demo pair into a real Qwen3 shape (cost-realistic benchmarks)."""
+    from draft_service.inflate_cli import register
+
+    register(sub)
+
+
 #: Subcommand registrars; later modules add theirs here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version, _add_demo]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version, _add_demo, _add_inflate]
 
 
 def _add_drafter_training(sub: argparse._SubParsersAction) -> None:

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draft_service.config import CheckpointError, DraftConfig, validate_target_layer_ids
+from draft_service.config import REAL_VOCAB_KEY, CheckpointError, DraftConfig, validate_target_layer_ids
 from draft_service.model import DSparkDraftModel, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def read_target_embeddings(target_dir: str | Path) -> tuple[dict[str, Any], torc
 def check_target_compatibility(
     config: DraftConfig, target_config: Mapping[str, Any], *, draft_source: str, target_source: str
 ) -> None:
-    """The draft must fit its target: same vocabulary and width, valid target layer ids."""
+    """The draft must fit its target: same vocabulary (and real vocabulary) and width, valid target layer ids."""
     for key in ("vocab_size", "hidden_size"):
         if key in target_config and target_config[key] != getattr(config, key):
             raise CheckpointError(
@@ -141,6 +141,14 @@ def check_target_compatibility(
                 key,
                 f"draft has {getattr(config, key)} but the target ({target_source}) has {target_config[key]}",
             )
+    target_real = target_config.get(REAL_VOCAB_KEY, target_config.get("vocab_size"))
+    draft_real = config.real_vocab_size or config.vocab_size
+    if target_real is not None and target_real != draft_real:
+        raise CheckpointError(
+            draft_source,
+            REAL_VOCAB_KEY,
+            f"draft's real vocabulary is {draft_real} ids but the target's ({target_source}) is {target_real}",
+        )
     target_layers = target_config.get("num_hidden_layers")
     if target_layers is not None:
         if target_layers != config.num_target_layers:

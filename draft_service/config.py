@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+REAL_VOCAB_KEY = "dspark_real_vocab_size"
 
 
 class CheckpointError(ValueError):
@@ -98,6 +99,9 @@ class DraftConfig:
     enable_confidence_head: bool
     confidence_head_with_markov: bool
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # ``dspark_real_vocab_size`` of an inflated pair (verify_service/inflate.py): ids from here on are padding whose
+    # logits are masked to -inf; None = every id is real.
+    real_vocab_size: int | None = None
 
     @property
     def num_context_layers(self) -> int:
@@ -201,6 +205,14 @@ class DraftConfig:
                 raise CheckpointError(
                     source, "confidence_head_with_markov", "true needs a Markov head (markov_rank > 0)"
                 )
+        real_vocab = _get(raw, REAL_VOCAB_KEY, source, int, None)
+        if real_vocab is not None:
+            if not 0 < real_vocab <= vocab:
+                raise CheckpointError(source, REAL_VOCAB_KEY, f"must be in [1, vocab_size={vocab}], got {real_vocab}")
+            if mask_token_id >= real_vocab:
+                raise CheckpointError(
+                    source, "mask_token_id", f"{mask_token_id} is a padded id (real vocabulary: [0, {real_vocab}))"
+                )
         eps = _get(raw, "rms_norm_eps", source, (int, float))
         return cls(
             vocab_size=vocab,
@@ -222,6 +234,7 @@ class DraftConfig:
             enable_confidence_head=enable_confidence,
             confidence_head_with_markov=with_markov,
             raw=raw,
+            real_vocab_size=real_vocab,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -265,6 +278,9 @@ class DraftConfig:
         out.pop("confidence_head_with_markov", None)
         if self.enable_confidence_head:
             out["confidence_head_with_markov"] = self.confidence_head_with_markov
+        out.pop(REAL_VOCAB_KEY, None)
+        if self.real_vocab_size is not None:
+            out[REAL_VOCAB_KEY] = self.real_vocab_size
         return out
 
 

@@ -368,8 +368,13 @@ class DSparkDraftModel(nn.Module):
     # ---- heads --------------------------------------------------------------------------------------------
 
     def base_logits(self, block_hidden: torch.Tensor) -> torch.Tensor:
-        """U_k = lm_head(h_k): [..., H] -> [..., V] (float32)."""
-        return self.lm_head(block_hidden).float()
+        """U_k = lm_head(h_k): [..., H] -> [..., V] (float32); -inf past ``config.real_vocab_size`` (padding of an
+        inflated pair), so no head, sampler or verifier ever gives a padded id probability."""
+        logits = self.lm_head(block_hidden).float()
+        real = self.config.real_vocab_size
+        if real is not None and real < logits.shape[-1]:
+            logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= real, float("-inf"))
+        return logits
 
     def markov_logits(
         self, base_logits: torch.Tensor, prev_ids: torch.Tensor, block_hidden: torch.Tensor

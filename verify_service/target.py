@@ -15,9 +15,10 @@ ids are concatenated on the last axis in the order given: [rows, m * H].
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen3ForCausalLM
@@ -26,12 +27,28 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from verify_service.attention import CachedAttentionMetadata, store_kv, varlen_cached_attention
 from verify_service.kv_cache import RaggedBatch, SlotKVCache
 
+REAL_VOCAB_KEY = "dspark_real_vocab_size"
+"""config.json key of a model with a padded vocabulary (verify_service/inflate.py): ids at or past it are padding."""
+
+
+def real_vocab_size(config: Any) -> int:
+    """The ids a model may read or emit: ``dspark_real_vocab_size`` when set, else ``vocab_size``."""
+    get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    vocab = int(get("vocab_size"))
+    real = get(REAL_VOCAB_KEY, None)
+    if real is None:
+        return vocab
+    if isinstance(real, bool) or not isinstance(real, int) or not 0 < real <= vocab:
+        raise ValueError(f"{REAL_VOCAB_KEY} must be an int in [1, vocab_size={vocab}], got {real!r}")
+    return real
+
 
 @dataclass(frozen=True)
 class TargetOutput:
     """What one forward pass returns for the rows the caller selected."""
 
-    logits: torch.Tensor  # [rows, V] float32 (row i predicts the token after row i's position)
+    # [rows, V] float32: row i predicts the token after row i's position; -inf past the real vocabulary.
+    logits: torch.Tensor
     features: torch.Tensor | None  # [rows, m * H] in the model dtype; None when no feature layers are set
 
 
@@ -58,7 +75,10 @@ class TargetModel:
         self.feature_layer_ids = ids
         self.num_layers = num_layers
         self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
+        # An inflated model (verify_service/inflate.py) has a padded vocabulary: ids from `dspark_real_vocab_size`
+        # on are never read (prepare refuses them) and never emitted (their logits are -inf).
+        self.logits_width = config.vocab_size
+        self.vocab_size = real_vocab_size(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         if self.num_heads % self.num_kv_heads:
@@ -203,6 +223,8 @@ class TargetModel:
         if self.num_layers - 1 in self.feature_layer_ids:
             collected[self.num_layers - 1] = hf.norm(x[feature_rows])
         logits = self.hf_model.lm_head(hf.norm(x[logits_rows])).float()
+        if self.vocab_size < self.logits_width:
+            logits[:, self.vocab_size :] = float("-inf")
         for slot, length in zip(batch.slot_list, batch.seqlens, strict=True):
             cache.advance(slot, length)
         features = None
