@@ -60,6 +60,16 @@ class DraftContextCache:
                 return slot
         raise ValueError(f"DraftContextCache: all {self.num_slots} slots are in use")
 
+    def reserve_last(self) -> int:
+        """Take the highest slot out of circulation for good (the CUDA-graph runner's dummy slot: padding
+        requests of a bucketed batch read its context, which stays empty). Returns it."""
+        slot = self.num_slots - 1
+        if self._in_use[slot]:
+            raise ValueError(f"DraftContextCache: slot {slot} is in use and cannot be reserved")
+        self._in_use[slot] = True
+        self.lengths[slot] = 0
+        return slot
+
     def release(self, slot: int) -> None:
         self._check_slot(slot)
         self._in_use[slot] = False

@@ -429,11 +429,13 @@ class DSparkDraftModel(nn.Module):
         cache: DraftContextCache,
         slots: torch.Tensor,
         context_lens: torch.Tensor,
+        backend: str | None = None,
     ) -> torch.Tensor:
         """Backbone layers over block inputs x [R, bs, H] (from ``_block_inputs``) with the context read in
         place from ``cache`` (slots / context_lens: device tensors [R]) -> [R, bs, H]. Unchecked and free of
-        host syncs: ``draft_block`` validates first, the CUDA-graph runner captures this."""
-        backend = self.attention_backend
+        host syncs: ``draft_block`` validates first, the CUDA-graph runner captures this. ``backend``:
+        'triton' or 'reference' (default: the model's)."""
+        backend = backend or self.attention_backend
         if backend == "torch":
             raise ValueError("backbone_slots needs a kernel attention backend ('triton' or 'reference')")
         for layer_idx, layer in enumerate(self.layers):

@@ -104,6 +104,18 @@ class SlotKVCache:
         self._lengths[slot] = 0
         return slot
 
+    def reserve_last(self) -> int:
+        """Take the highest slot out of circulation for good and return it: the CUDA-graph runner's dummy
+        slot, where padding rows of a bucketed batch write their K/V. No request is ever given it."""
+        slot = self.num_slots - 1
+        if self._allocated[slot]:
+            raise ValueError(f"SlotKVCache: slot {slot} is in use and cannot be reserved")
+        self._free.remove(slot)
+        heapq.heapify(self._free)
+        self._allocated[slot] = True
+        self._lengths[slot] = 0
+        return slot
+
     def free(self, slot: int) -> None:
         """Give a finished or aborted request's slot back; its K/V are simply forgotten (length 0)."""
         self._check_allocated(slot)
