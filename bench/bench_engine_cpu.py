@@ -56,7 +56,12 @@ def profile_verify_sps(target: TargetModel, context: int, max_tokens: int):
         target.forward(cache, target.prepare(cache, [(slot, [1] * batch_tokens)]))
         cache.truncate(slot, context)
 
-    return profile_sps(run_step, list(range(1, max_tokens + 1)), model="demo target", device="cpu", warmup=2, repeats=9)
+    with warnings.catch_warnings():
+        # Timing noise can make a larger B look faster; the table replaces it by the running minimum.
+        warnings.simplefilter("ignore", SPSMonotonicityWarning)
+        return profile_sps(
+            run_step, list(range(1, max_tokens + 1)), model="demo target", device="cpu", warmup=2, repeats=9
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
