@@ -164,23 +164,50 @@ class DraftEngine:
         if not items:
             return
         entries = [self._get(item.req_id) for item in items]
+        held_lengths = self.cache.lengths_np
+        width = self.model.config.context_feature_size
         for item, entry in zip(items, entries, strict=True):
-            held = self.cache.length(entry.slot)
+            held = int(held_lengths[entry.slot])
             if item.start > held:
                 raise ValueError(
                     f"request {item.req_id!r}: context rows from {held} to {item.start} are missing"
                 )
-            if item.features.ndim != 2 or item.features.shape[1] != self.model.config.context_feature_size:
+            if item.features.ndim != 2 or item.features.shape[1] != width:
                 raise ValueError(
-                    f"request {item.req_id!r}: context features must be [n, {self.model.config.context_feature_size}]"
-                    f", got {tuple(item.features.shape)}"
+                    f"request {item.req_id!r}: context features must be [n, {width}], got {tuple(item.features.shape)}"
                 )
+        if self.graphs is not None and self._append_bucketed(items, entries):
+            return
         for item, entry in zip(items, entries, strict=True):
             self.cache.crop(entry.slot, item.start)
         counts = [int(item.features.shape[0]) for item in items]
         cu = np.concatenate([[0], np.cumsum(counts)]).tolist()
         rows = torch.cat([item.features.to(self.model.device) for item in items])
         self.model.append_context(self.cache, [e.slot for e in entries], rows, cu)
+
+    def _append_bucketed(self, items: Sequence[ContextItem], entries: Sequence[_Entry]) -> bool:
+        """Append through the graph runner when the rows fit its buckets (the per-round appends; prefills do
+        not). Checks everything before writing. Returns whether it did."""
+        assert self.graphs is not None
+        counts = np.fromiter((item.features.shape[0] for item in items), dtype=np.int64, count=len(items))
+        total = int(counts.sum())
+        if not 0 < total <= self.graphs.max_append_rows:
+            return False
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        if len(set(slots.tolist())) != len(slots):
+            raise ValueError(f"duplicate requests in one context append: {[item.req_id for item in items]}")
+        starts = np.fromiter((item.start for item in items), dtype=np.int64, count=len(items))
+        ends = starts + counts
+        if bool((ends > self.cache.max_seq_len).any()):
+            raise ValueError(
+                f"context cache overflow: lengths {ends.tolist()} exceed max_seq_len {self.cache.max_seq_len}"
+            )
+        first_row = np.cumsum(counts) - counts
+        positions = np.repeat(starts - first_row, counts) + np.arange(total)
+        rows = torch.cat([item.features for item in items]).to(self.model.device)
+        self.graphs.append(np.repeat(slots, counts), positions, rows)
+        self.cache.lengths_np[slots] = ends
+        return True
 
     @torch.no_grad()
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
@@ -216,9 +243,12 @@ class DraftEngine:
     def _propose_bucketed(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
         """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
         assert self.graphs is not None
-        self.model._check_token_ids(torch.tensor([item.anchor for item in items], dtype=torch.int64), "anchor_ids")
+        anchors = [item.anchor for item in items]
+        vocab = self.model.config.vocab_size
+        if min(anchors) < 0 or max(anchors) >= vocab:
+            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {anchors}")
         slots = [e.slot for e in entries]
-        lengths = self.cache.lengths[slots].tolist()
+        lengths = self.cache.lengths_np[slots].tolist()
         positions = [item.position for item in items]
         if lengths != positions:
             raise ValueError(
@@ -226,7 +256,7 @@ class DraftEngine:
                 f"rows 0..start-1 before drafting"
             )
         out = self.graphs.run(
-            [item.anchor for item in items],
+            anchors,
             positions,
             slots,
             [e.params.temperature for e in entries],

@@ -1,4 +1,6 @@
-"""The bucketed draft step: backbone + sequential head + sampling for R requests, replayable as one CUDA graph.
+"""The bucketed draft steps, each replayable as one CUDA graph: proposing blocks, and appending context rows.
+
+Proposing: backbone + sequential head + sampling for R requests.
 
 For a bucket of B requests the step reads its inputs from static device buffers (anchor, anchor position =
 context length, slot, temperature, effective top-k, seed per request; requests r >= R pad the bucket with the
@@ -8,6 +10,11 @@ attention kernel, the position-keyed uniforms of :mod:`kernels.rng` and ``sample
 drafted tokens and the raw confidence logits come back in one [B, 2 * bs] float64 tensor (token ids and
 float32 logits are exact in float64), copied to the host once; the sparse draft distributions stay on the
 device for the verifier.
+
+Appending: the context rows a verify step committed (at most block_size + 1 per request and round) are
+projected (``fc`` + ``hidden_norm``) and turned into every draft layer's K/V, written at (slot, position). The
+rows are padded to the bucket's B * (block_size + 1); padding rows write to position 0 of the dummy slot,
+whose context length stays 0, so nothing reads them. Longer appends (prefills) run eagerly.
 """
 
 from __future__ import annotations
@@ -77,12 +84,24 @@ class DraftGraphRunner:
         self.host["temperature"] = self._host_temp.numpy()
         self.dev = {name: self._dev_int[i * top : (i + 1) * top] for i, name in enumerate(self._int_fields)}
         self.dev["temperature"] = self._dev_temp
+        # Context append: rows [top * W, F] in the model dtype, and (slot, position) per row.
+        self.append_width = model.block_size + 1
+        rows = top * self.append_width
+        self.context_rows = torch.zeros(
+            (rows, model.config.context_feature_size), dtype=model.dtype, device=self.device
+        )
+        self._host_where = pinned_empty((2 * rows,), torch.int64, self.device)
+        self._dev_where = torch.zeros_like(self._host_where, device=self.device)
         self._fill_padding(top)
+        self._fill_append_padding(rows)
         self._upload()
+        self._dev_where.copy_(self._host_where, non_blocking=True)
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         self.steps: dict[int, GraphStep] = {}
+        self.append_steps: dict[int, GraphStep] = {}
         for size in reversed(self.sizes):
             self.steps[size] = GraphStep(partial(self._step, size), mode, pool)
+            self.append_steps[size] = GraphStep(partial(self._append_step, size), mode, pool)
 
     @property
     def max_requests(self) -> int:
@@ -90,7 +109,33 @@ class DraftGraphRunner:
 
     @property
     def step_time_s(self) -> float:
-        return sum(step.time_s for step in self.steps.values())
+        """Accumulated time inside the steps (device time of the graph replays) while ``timed`` was set."""
+        return sum(step.time_s for step in [*self.steps.values(), *self.append_steps.values()])
+
+    @property
+    def max_append_rows(self) -> int:
+        return self.sizes[-1] * self.append_width
+
+    def append(self, slots: np.ndarray, positions: np.ndarray, rows: torch.Tensor) -> None:
+        """Write the K/V of context rows [n, F] (n <= max_append_rows) at (slots[i], positions[i]); the caller
+        validated them and updates the host-side lengths."""
+        num = rows.shape[0]
+        size = next(s for s in self.sizes if s * self.append_width >= num)
+        padded = size * self.append_width
+        self._fill_append_padding(padded)
+        where = self._host_where.numpy()
+        half = self.max_append_rows
+        where[:num] = slots
+        where[half : half + num] = positions
+        self._dev_where.copy_(self._host_where, non_blocking=True)
+        self.context_rows[:num].copy_(rows)
+        self.append_steps[size](self.timed)  # its device time is settled after the next propose's wait
+
+    def _fill_append_padding(self, rows: int) -> None:
+        where = self._host_where.numpy()
+        half = where.shape[0] // 2
+        where[:rows] = self.dummy_slot
+        where[half : half + rows] = 0
 
     def run(
         self,
@@ -123,7 +168,8 @@ class DraftGraphRunner:
         # Start the device-side copies of the distributions before waiting on the host copy.
         ids, probs = topk_ids[:num].clone(), topk_probs[:num].clone()
         result = packed[:num].cpu()  # the one device -> host copy (and wait) of the step
-        step.settle_timing()
+        for done in (step, *self.append_steps.values()):
+            done.settle_timing()
         bs = self.model.block_size
         tokens = result[:, :bs].to(torch.int64)
         conf = result[:, bs:].numpy() if self.has_confidence else None
@@ -141,6 +187,19 @@ class DraftGraphRunner:
     def _upload(self) -> None:
         self._dev_int.copy_(self._host_int, non_blocking=True)
         self._dev_temp.copy_(self._host_temp, non_blocking=True)
+
+    @torch.no_grad()
+    def _append_step(self, size: int) -> tuple[()]:
+        rows = size * self.append_width
+        half = self.max_append_rows
+        slots = self._dev_where[:rows]
+        positions = self._dev_where[half : half + rows]
+        model, cache = self.model, self.cache
+        context = model.project_context(self.context_rows[:rows])
+        for layer_idx, (k, v) in enumerate(model.context_key_values(context, positions)):
+            cache.k[layer_idx, slots, positions] = k.to(cache.k.dtype)
+            cache.v[layer_idx, slots, positions] = v.to(cache.v.dtype)
+        return ()
 
     @torch.no_grad()
     def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -298,16 +298,15 @@ class VerifyEngine:
                 for v, e in zip(verifies, entries, strict=True)
             ],
         )
-        results = []
-        for j, v in enumerate(verifies):
-            accepted = out.num_accepted[j]
-            self.cache.advance(slots[j], 1 + accepted)
-            features = None
-            if out.features is not None:
-                offset = out.feature_offsets[j]
-                features = out.features[offset : offset + 1 + accepted]
-            results.append(StepResult(v.req_id, len(v.draft_tokens), accepted, out.tokens[j], starts[j], features))
-        return results
+        committed = [1 + a for a in out.num_accepted]
+        self.cache.advance_many(slots, committed)
+        features = [None] * len(verifies) if out.features is None else out.features.split(committed)
+        return [
+            StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, rows)
+            for v, accepted, tokens, start, rows in zip(
+                verifies, out.num_accepted, out.tokens, starts, features, strict=True
+            )
+        ]
 
     def _sample(
         self,

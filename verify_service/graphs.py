@@ -36,15 +36,13 @@ Sampler = Callable[..., RejectionOutput]
 class BucketedVerifyOutput:
     """Results of one bucketed step, per request in call order.
 
-    ``features``: committed rows of every request back to back (request r owns rows
-    ``feature_offsets[r] .. feature_offsets[r] + num_accepted[r]``), a fresh tensor; None without feature
-    layers.
+    ``features``: the committed rows (anchor + accepted drafts, 1 + num_accepted[r] each) of every request
+    back to back, a fresh tensor; None without feature layers.
     """
 
     num_accepted: list[int]
     tokens: list[list[int]]
     features: torch.Tensor | None
-    feature_offsets: list[int]
 
 
 class VerifyGraphRunner:
@@ -144,10 +142,11 @@ class VerifyGraphRunner:
         host, width, gamma = self.host, self.width, self.gamma
         host["slots"][:num] = slots
         host["context_lens"][:num] = context_lens
-        host["temperature"][:num] = [p[0] for p in params]
-        host["top_k"][:num] = [p[1] for p in params]
-        host["top_p"][:num] = [p[2] for p in params]
-        host["seeds"][:num] = [p[3] for p in params]
+        temperature, top_k, top_p, seeds = zip(*params, strict=True)
+        host["temperature"][:num] = temperature
+        host["top_k"][:num] = top_k
+        host["top_p"][:num] = top_p
+        host["seeds"][:num] = seeds
         ids = host["ids"]
         dist_ids: list[torch.Tensor] = []
         dist_probs: list[torch.Tensor] = []
@@ -174,9 +173,8 @@ class VerifyGraphRunner:
         step.settle_timing()
         accepted = result[:, 0].tolist()
         tokens = [row[1 : 2 + a].tolist() for row, a in zip(result, accepted, strict=True)]
-        offsets = np.concatenate([[0], np.cumsum(np.asarray(accepted) + 1)])
-        kept = None if features is None else features[: int(offsets[-1])].clone()
-        return BucketedVerifyOutput(accepted, tokens, kept, offsets[:-1].tolist())
+        kept = None if features is None else features[: num + sum(accepted)].clone()
+        return BucketedVerifyOutput(accepted, tokens, kept)
 
     def _fill_padding(self, size: int) -> None:
         """Every request of the bucket padding: one anchor row in the dummy slot, greedy, no drafts."""

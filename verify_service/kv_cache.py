@@ -166,6 +166,24 @@ class SlotKVCache:
         self.check_extend(slot, num_tokens)
         self._lengths[slot] += num_tokens
 
+    def advance_many(self, slots: Sequence[int], counts: Sequence[int]) -> None:
+        """`advance` for several distinct allocated slots at once: one vectorized capacity check, then all
+        lengths move (nothing moves if any slot would overflow)."""
+        index = np.asarray(slots, dtype=np.int64)
+        steps = np.asarray(counts, dtype=np.int64)
+        if index.size and (
+            index.min() < 0 or index.max() >= self.num_slots or not bool(self._allocated[index].all())
+        ):
+            raise ValueError(f"SlotKVCache: slots {index.tolist()} are not all allocated")
+        if bool((steps < 0).any()):
+            raise ValueError(f"SlotKVCache: advance by negative counts {steps.tolist()}")
+        new = self._lengths[index] + steps
+        if bool((new > self.max_seq_len).any()):
+            raise SlotOverflowError(
+                f"SlotKVCache: lengths {new.tolist()} would exceed max_seq_len={self.max_seq_len}"
+            )
+        self._lengths[index] = new
+
     def _check_allocated(self, slot: int) -> None:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
             raise ValueError(f"SlotKVCache: slot {slot!r} is not in [0, {self.num_slots})")

@@ -4,6 +4,9 @@ equal a naive float64 loop, for verify chunks, long prefill chunks, drafter bloc
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from kernels.slot_attention import slot_attention_reference
 from kernels.slot_attention_triton import slot_attention_triton
 
 IMPLS = [slot_attention_reference, slot_attention_triton]
+ROOT = Path(__file__).resolve().parents[2]
 D = 8
 
 
@@ -77,8 +81,18 @@ def test_block_mode_drafter_layout(impl, causal: bool) -> None:
     k_block = torch.randn(3 * bs, 2, D, generator=gen)
     v_block = torch.randn(3 * bs, 2, D, generator=gen)
     out = impl(
-        q, k_cache, v_cache, slots, ctx, starts, lens, 0.3,
-        max_query_len=bs, k_block=k_block, v_block=v_block, causal=causal,
+        q,
+        k_cache,
+        v_cache,
+        slots,
+        ctx,
+        starts,
+        lens,
+        0.3,
+        max_query_len=bs,
+        k_block=k_block,
+        v_block=v_block,
+        causal=causal,
     )
     expected = naive(q, k_cache, v_cache, layout, 0.3, k_block, v_block, causal)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
@@ -125,3 +139,40 @@ def test_bad_input_is_a_clear_value_error(impl) -> None:
         impl(q[:, :3], k_cache, v_cache, slots, ctx, starts, lens, 1.0, max_query_len=2)
     with pytest.raises(ValueError, match="given together"):
         impl(q, k_cache, v_cache, slots, ctx, starts, lens, 1.0, max_query_len=2, k_block=q[:, :2])
+
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.slot_attention_triton import _slot_attention_kernel
+
+pointers = ("q_ptr", "kc_ptr", "vc_ptr", "kb_ptr", "vb_ptr", "o_ptr")
+ints = ("stride_qn", "stride_qh", "stride_cs", "stride_ct", "stride_ch", "stride_bn", "stride_bh",
+        "stride_on", "stride_oh", "D")
+controls = ("slots_ptr", "ctx_ptr", "qstart_ptr", "qlen_ptr")
+for dtype, has_block in (("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)):
+    signature = {name: "*" + dtype for name in pointers} | {name: "i32" for name in ints}
+    signature |= {name: "*i64" for name in controls} | {"scale": "fp32"}
+    constants = dict(G=2, BLOCK_M=32, BLOCK_N=64, BLOCK_D=64, HAS_BLOCK=has_block, CAUSAL_CACHE=not has_block,
+                     CAUSAL_BLOCK=False, IEEE=dtype == "fp32")
+    signature |= {name: "constexpr" for name in constants}
+    source = ASTSource(fn=_slot_attention_kernel, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"], (dtype, has_block)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_hopper_without_a_gpu() -> None:
+    """Triton lowers the kernel to a cubin for sm_90 (H100 / H200) on this CPU machine: GPU-only compile
+    errors (dot shapes, dtypes, constexpr branches) surface here, not first on the lent GPU."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine the kernel runs for real in the GPU tests")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
