@@ -12,11 +12,12 @@ from draft_service.checkpoint import load_draft_model
 from draft_service.model import DSparkDraftModel
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "deepspec_tiny_a"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
 def draft() -> DSparkDraftModel:
-    return load_draft_model(FIXTURE / "draft")
+    return load_draft_model(FIXTURE / "draft", device=DEVICE)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -25,11 +26,12 @@ def test_kernel_backends_match_torch_path(draft: DSparkDraftModel, backend: str)
     lengths = [9, 1, 23]
     cache = draft.new_context_cache(4, 32)
     slots = [cache.allocate() for _ in lengths]
-    features = [torch.randn(n, draft.config.context_feature_size, generator=gen) for n in lengths]
+    features = [torch.randn(n, draft.config.context_feature_size, generator=gen).to(DEVICE) for n in lengths]
     for slot, rows in zip(slots, features, strict=True):
         draft.append_context(cache, [slot], rows, [0, rows.shape[0]])
     anchors = torch.tensor([5, 77, 300])
     positions = torch.tensor(lengths)
+    draft.attention_backend = "torch"
     want = draft.draft_block(anchors, positions, slots, cache)
     draft.attention_backend = backend
     try:

@@ -1,5 +1,6 @@
-"""Slot attention: the Triton kernel (through TRITON_INTERPRET=1 on CPU) equals its torch reference, and both
-equal a naive float64 loop, for verify chunks, long prefill chunks, drafter blocks, GQA and padded layouts."""
+"""Slot attention: the Triton kernel (on CUDA, or through TRITON_INTERPRET=1 on CPU) equals its torch reference,
+and both equal a naive float64 loop, for verify chunks, long prefill chunks, drafter blocks, GQA and padded
+layouts."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ from kernels.slot_attention_triton import slot_attention_triton
 
 IMPLS = [slot_attention_reference, slot_attention_triton]
 ROOT = Path(__file__).resolve().parents[2]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D = 8
 
 
 def naive(q, k_cache, v_cache, layout, scale, k_block=None, v_block=None, causal=True) -> torch.Tensor:
     """Query by query in float64. layout: (slot, context_len, query_start, query_len) per request."""
+    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
+    k_block = None if k_block is None else k_block.cpu()
+    v_block = None if v_block is None else v_block.cpu()
     group = q.shape[1] // k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for slot, ctx, start, n in layout:
@@ -48,8 +53,8 @@ def make(layout, num_rows, num_heads, num_kv_heads, num_slots=6, max_len=160, se
         k_cache[slot, : ctx + n] = torch.randn(ctx + n, num_kv_heads, D, generator=gen)
         v_cache[slot, : ctx + n] = torch.randn(ctx + n, num_kv_heads, D, generator=gen)
     q = torch.randn(num_rows, num_heads, D, generator=gen)
-    control = [torch.tensor([entry[i] for entry in layout], dtype=torch.int64) for i in range(4)]
-    return q, k_cache, v_cache, control
+    control = [torch.tensor([entry[i] for entry in layout], dtype=torch.int64, device=DEVICE) for i in range(4)]
+    return q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), control
 
 
 def test_conftest_selected_the_interpreter() -> None:
@@ -66,7 +71,7 @@ def test_causal_cache_mode_mixed_chunks(impl, num_heads: int, num_kv_heads: int)
     q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 53, num_heads, num_kv_heads)
     out = impl(q, k_cache, v_cache, slots, ctx, starts, lens, D**-0.5, max_query_len=40)
     assert out.shape == q.shape and out.dtype == q.dtype
-    torch.testing.assert_close(out.double(), naive(q, k_cache, v_cache, layout, D**-0.5), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.double().cpu(), naive(q, k_cache, v_cache, layout, D**-0.5), atol=2e-5, rtol=2e-5)
     assert bool((out[45:48] == 0).all()), "rows of no request stay zero"
 
 
@@ -78,8 +83,8 @@ def test_block_mode_drafter_layout(impl, causal: bool) -> None:
     layout = [(2, 13, 0, bs), (0, 0, bs, bs), (4, 90, 2 * bs, bs)]
     q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 3 * bs, 4, 2, seed=1)
     gen = torch.Generator().manual_seed(7)
-    k_block = torch.randn(3 * bs, 2, D, generator=gen)
-    v_block = torch.randn(3 * bs, 2, D, generator=gen)
+    k_block = torch.randn(3 * bs, 2, D, generator=gen).to(DEVICE)
+    v_block = torch.randn(3 * bs, 2, D, generator=gen).to(DEVICE)
     out = impl(
         q,
         k_cache,
@@ -95,7 +100,7 @@ def test_block_mode_drafter_layout(impl, causal: bool) -> None:
         causal=causal,
     )
     expected = naive(q, k_cache, v_cache, layout, 0.3, k_block, v_block, causal)
-    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=["reference", "triton"])
@@ -105,8 +110,8 @@ def test_padded_bucket_layout(impl) -> None:
     layout = [(1, 7, 0, 3), (0, 30, width, 1), (3, 0, 2 * width, 4), (5, 2, 3 * width, 0)]
     q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 4 * width, 4, 1, seed=2)
     out = impl(q, k_cache, v_cache, slots, ctx, starts, lens, D**-0.5, max_query_len=width)
-    torch.testing.assert_close(out.double(), naive(q, k_cache, v_cache, layout, D**-0.5), atol=2e-5, rtol=2e-5)
-    real = torch.zeros(4 * width, dtype=torch.bool)
+    torch.testing.assert_close(out.double().cpu(), naive(q, k_cache, v_cache, layout, D**-0.5), atol=2e-5, rtol=2e-5)
+    real = torch.zeros(4 * width, dtype=torch.bool, device=DEVICE)
     for _, _, start, n in layout:
         real[start : start + n] = True
     assert bool((out[~real] == 0).all()), "padding rows and empty requests stay zero"
@@ -120,7 +125,7 @@ def test_triton_equals_reference_on_a_float16_cache() -> None:
     got = slot_attention_triton(*args, max_query_len=5)
     want = slot_attention_reference(*args, max_query_len=5)
     assert got.dtype == torch.float16
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=["reference", "triton"])

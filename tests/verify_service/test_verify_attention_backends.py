@@ -1,6 +1,6 @@
-"""The target with the slot attention kernel (Triton through TRITON_INTERPRET=1 on CPU, and its torch reference)
-gives the results of the torch attention path: same logits and features for a mixed prefill + verify batch, same
-greedy decoding."""
+"""The target with the slot attention kernel (Triton on CUDA or through TRITON_INTERPRET=1 on CPU, and its torch
+reference) gives the results of the torch attention path: same logits and features for a mixed prefill + verify
+batch, same greedy decoding."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from model_factory import PairSpec, write_target
 
 from verify_service.target import TargetModel
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
     spec = PairSpec(vocab=96, hidden=32, target_layers=2, heads=4, kv_heads=2, head_dim=8, seed=4)
-    return TargetModel.from_pretrained(write_target(tmp_path_factory.mktemp("t"), spec), feature_layer_ids=(-1, 1))
+    folder = write_target(tmp_path_factory.mktemp("t"), spec)
+    return TargetModel.from_pretrained(folder, feature_layer_ids=(-1, 1), device=DEVICE)
 
 
 def _mixed_batch_outputs(target: TargetModel, backend: str):
@@ -50,6 +53,6 @@ def test_greedy_decoding_is_the_same_with_the_triton_kernel(target: TargetModel)
 
 
 def test_default_backend_and_bad_name(target: TargetModel) -> None:
-    assert target.attention_backend == "torch"  # CPU
+    assert target.attention_backend == ("triton" if DEVICE == "cuda" else "torch")
     with pytest.raises(ValueError, match="unknown attention backend"):
         target.attention_backend = "flash"
