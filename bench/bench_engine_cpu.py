@@ -30,11 +30,12 @@ import torch
 from tqdm import tqdm
 
 from bench.engine_setup import (
-    DEMO_DRAFTER,
     DEMO_TARGET,
     ROOT,
     build_engine,
     chat_prompts,
+    demo_drafter,
+    load_calibration,
     load_pair,
     tokenizer_for,
     write_random_drafter,
@@ -83,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory()
     drafter_dir, random_drafter = args.drafter, False
     if drafter_dir is None:
-        if (DEMO_DRAFTER / "config.json").is_file():
-            drafter_dir = DEMO_DRAFTER
-        else:
+        drafter_dir = demo_drafter()
+        if drafter_dir is None:
             drafter_dir = write_random_drafter(args.target, Path(tmp.name) / "drafter")
             random_drafter = True
     note = " (RANDOM weights: no trained drafter yet, so drafts are rejected)" if random_drafter else ""
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             sps=sps,
             max_requests=1,
             max_seq_len=max_seq_len,
+            calibration=load_calibration(drafter_dir),
         )
         for policy in args.policies
     }

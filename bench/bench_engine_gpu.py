@@ -34,10 +34,11 @@ import torch
 from tqdm import tqdm
 
 from bench.engine_setup import (
-    DEMO_DRAFTER,
     DEMO_TARGET,
     build_engine,
     code_prompts,
+    demo_drafter,
+    load_calibration,
     load_pair,
     synthetic_sps,
     tokenizer_for,
@@ -175,9 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     random_drafter = False
     tmp = tempfile.TemporaryDirectory()
     if drafter_dir is None:
-        if (DEMO_DRAFTER / "config.json").is_file():
-            drafter_dir = DEMO_DRAFTER
-        else:
+        drafter_dir = demo_drafter()
+        if drafter_dir is None:
             drafter_dir = write_random_drafter(args.target, Path(tmp.name) / "drafter")
             random_drafter = True
     print(f"drafter: {drafter_dir}{' (random weights: round costs only)' if random_drafter else ''}")
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             drafter,
             policy="dspark",
             sps=synthetic_sps(),
+            calibration=load_calibration(drafter_dir),
             max_requests=min(max_requests, 16 if not args.small else 4),
             max_seq_len=max_seq_len,
             graphs=mode,

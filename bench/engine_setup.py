@@ -26,13 +26,20 @@ from draft_service.model import DSparkDraftModel
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.sps import SPSTable
+from scheduler.sts import STSCalibration
 from verify_service.engine import VerifyEngine
 from verify_service.target import TargetModel
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = ROOT / "models" / "demo" / "target"
-DEMO_DRAFTER = ROOT / "models" / "demo" / "dspark"
+# The trained demo drafter (issue 7: models/demo/draft_dspark); the first of these that holds a checkpoint.
+DEMO_DRAFTERS = (ROOT / "models" / "demo" / "draft_dspark", ROOT / "models" / "demo" / "dspark")
 DEMO_BLOCK_SIZE = 7  # the block the demo drafters are trained with (issue 7)
+
+
+def demo_drafter() -> Path | None:
+    """The trained demo drafter folder, if one is present."""
+    return next((d for d in DEMO_DRAFTERS if (d / "config.json").is_file()), None)
 
 
 def write_random_drafter(
@@ -103,6 +110,7 @@ def build_engine(
     graphs: str = "off",
     buckets: Sequence[int] = DEFAULT_BUCKETS,
     draft_top_k: int = 16,
+    calibration: STSCalibration | None = None,
 ) -> SpeculativeEngine:
     """One verify engine + one draft engine (None for plain autoregressive decoding) + the round driver."""
     block = drafter.block_size if drafter is not None else None
@@ -118,9 +126,21 @@ def build_engine(
     draft = None
     if drafter is not None:
         draft = DraftEngine(
-            drafter, max_requests, max_seq_len, draft_top_k=draft_top_k, graphs=graphs, graph_buckets=buckets
+            drafter,
+            max_requests,
+            max_seq_len,
+            draft_top_k=draft_top_k,
+            calibration=calibration,
+            graphs=graphs,
+            graph_buckets=buckets,
         )
     return SpeculativeEngine(verify, draft, make_policy(policy, sps, block or 1), eos_token_ids=target.eos_token_ids)
+
+
+def load_calibration(drafter_dir: Path) -> STSCalibration | None:
+    """The drafter's STS calibration (``sts.json`` beside the checkpoint), if it has one."""
+    path = drafter_dir / "sts.json"
+    return STSCalibration.load(path) if path.is_file() else None
 
 
 def tokenizer_for(target_dir: Path) -> PreTrainedTokenizerBase:
@@ -156,7 +176,7 @@ def code_prompts(tokenizer: PreTrainedTokenizerBase, count: int, num_tokens: int
     import textwrap
 
     text = "".join(inspect.getsource(m) for m in (collections, dataclasses, json_module, textwrap, inspect))
-    ids = tokenizer(text)["input_ids"]
+    ids = tokenizer(text, verbose=False)["input_ids"]  # longer than the context on purpose: cut below
     rng = random.Random(seed)
     starts = [rng.randrange(0, len(ids) - num_tokens) for _ in range(count)]
     return [[int(t) for t in ids[s : s + num_tokens]] for s in starts]
