@@ -114,3 +114,19 @@ class GraphStep(Generic[T]):
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host staging memory: page-locked when the engine runs on CUDA (async copies, no hidden sync)."""
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+class StagingFence:
+    """Host staging buffers are read by asynchronous host-to-device copies: before the host writes them again,
+    it waits for the last copy that read them (usually long done: a result copy has synced since)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def copies_issued(self) -> None:
+        if self._event is not None:
+            self._event.record()
+
+    def wait_before_write(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()

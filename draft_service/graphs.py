@@ -26,7 +26,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, GraphStep, bucket_sizes, pick_bucket, pinned_empty
+from cluster.graphs import DEFAULT_BUCKETS, GraphStep, StagingFence, bucket_sizes, pick_bucket, pinned_empty
 from draft_service.context_cache import DraftContextCache
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import GREEDY_TEMPERATURE, sample_block_prepared
@@ -78,6 +78,8 @@ class DraftGraphRunner:
         self._host_temp = pinned_empty((top,), torch.float32, self.device)
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
         self._dev_temp = torch.zeros_like(self._host_temp, device=self.device)
+        self._fence = StagingFence(self.device)
+        self._where_fence = StagingFence(self.device)
         self.host = {
             name: self._host_int.numpy()[i * top : (i + 1) * top] for i, name in enumerate(self._int_fields)
         }
@@ -122,12 +124,14 @@ class DraftGraphRunner:
         num = rows.shape[0]
         size = next(s for s in self.sizes if s * self.append_width >= num)
         padded = size * self.append_width
+        self._where_fence.wait_before_write()
         self._fill_append_padding(padded)
         where = self._host_where.numpy()
         half = self.max_append_rows
         where[:num] = slots
         where[half : half + num] = positions
         self._dev_where.copy_(self._host_where, non_blocking=True)
+        self._where_fence.copies_issued()
         self.context_rows[:num].copy_(rows)
         self.append_steps[size](self.timed)  # its device time is settled after the next propose's wait
 
@@ -152,6 +156,7 @@ class DraftGraphRunner:
         size = pick_bucket(num, self.sizes)
         if size is None:
             raise ValueError(f"{num} requests exceed the largest bucket {self.sizes[-1]}")
+        self._fence.wait_before_write()
         self._fill_padding(size)
         host = self.host
         host["anchors"][:num] = anchors
@@ -187,6 +192,7 @@ class DraftGraphRunner:
     def _upload(self) -> None:
         self._dev_int.copy_(self._host_int, non_blocking=True)
         self._dev_temp.copy_(self._host_temp, non_blocking=True)
+        self._fence.copies_issued()
 
     @torch.no_grad()
     def _append_step(self, size: int) -> tuple[()]:

@@ -23,7 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, GraphStep, bucket_sizes, pick_bucket, pinned_empty
+from cluster.graphs import DEFAULT_BUCKETS, GraphStep, StagingFence, bucket_sizes, pick_bucket, pinned_empty
 from kernels.rejection import RejectionOutput
 from verify_service.attention import CachedAttentionMetadata
 from verify_service.kv_cache import SlotKVCache
@@ -93,6 +93,7 @@ class VerifyGraphRunner:
         self._host_float = pinned_empty((sum(self._float_fields.values()),), torch.float32, self.device)
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
         self._dev_float = torch.zeros_like(self._host_float, device=self.device)
+        self._fence = StagingFence(self.device)
         self.host = _split(self._host_int.numpy(), self._int_fields) | _split(
             self._host_float.numpy(), self._float_fields
         )
@@ -138,6 +139,7 @@ class VerifyGraphRunner:
         size = pick_bucket(num, self.sizes)
         if size is None:
             raise ValueError(f"{num} requests exceed the largest bucket {self.sizes[-1]}")
+        self._fence.wait_before_write()
         self._fill_padding(size)
         host, width, gamma = self.host, self.width, self.gamma
         host["slots"][:num] = slots
@@ -191,6 +193,7 @@ class VerifyGraphRunner:
     def _upload(self) -> None:
         self._dev_int.copy_(self._host_int, non_blocking=True)
         self._dev_float.copy_(self._host_float, non_blocking=True)
+        self._fence.copies_issued()
 
     # ------------------------------------------------------------------------------------------ the step
     @torch.no_grad()
