@@ -35,8 +35,10 @@ class DraftContextCache:
         shape = (num_layers, num_slots, max_seq_len, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # Host-side lengths: bookkeeping and validation never need a device sync.
+        # Host-side lengths: bookkeeping and validation never need a device sync. `lengths_np` is a numpy view
+        # of the same memory: per-slot reads and writes through it cost nanoseconds, not a torch op each.
         self.lengths = torch.zeros(num_slots, dtype=torch.int64)
+        self.lengths_np = self.lengths.numpy()
         self._in_use = [False] * num_slots
 
     @property
@@ -56,25 +58,35 @@ class DraftContextCache:
         for slot, used in enumerate(self._in_use):
             if not used:
                 self._in_use[slot] = True
-                self.lengths[slot] = 0
+                self.lengths_np[slot] = 0
                 return slot
         raise ValueError(f"DraftContextCache: all {self.num_slots} slots are in use")
+
+    def reserve_last(self) -> int:
+        """Take the highest slot out of circulation for good (the CUDA-graph runner's dummy slot: padding
+        requests of a bucketed batch read its context, which stays empty). Returns it."""
+        slot = self.num_slots - 1
+        if self._in_use[slot]:
+            raise ValueError(f"DraftContextCache: slot {slot} is in use and cannot be reserved")
+        self._in_use[slot] = True
+        self.lengths_np[slot] = 0
+        return slot
 
     def release(self, slot: int) -> None:
         self._check_slot(slot)
         self._in_use[slot] = False
-        self.lengths[slot] = 0
+        self.lengths_np[slot] = 0
 
     def length(self, slot: int) -> int:
         self._check_slot(slot)
-        return int(self.lengths[slot])
+        return int(self.lengths_np[slot])
 
     def crop(self, slot: int, length: int) -> None:
         """Roll back to ``length`` rows; stale rows past it are never read and get overwritten."""
         self._check_slot(slot)
-        if not 0 <= length <= int(self.lengths[slot]):
-            raise ValueError(f"crop: length {length} outside [0, {int(self.lengths[slot])}] for slot {slot}")
-        self.lengths[slot] = length
+        if not 0 <= length <= int(self.lengths_np[slot]):
+            raise ValueError(f"crop: length {length} outside [0, {int(self.lengths_np[slot])}] for slot {slot}")
+        self.lengths_np[slot] = length
 
     def check_slots(self, slots: torch.Tensor) -> None:
         """Slots must be allocated and distinct (two rows writing one slot would corrupt it)."""

@@ -19,7 +19,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from cluster.graphs import DEFAULT_BUCKETS, check_graph_mode
 from cluster.sampling import SamplingParams
+from draft_service.graphs import UNIFORM_MAX, DraftGraphRunner
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import sample_block
 from kernels.rng import STREAM_DRAFT_SAMPLE, uniform
@@ -57,9 +59,10 @@ class DraftItem:
 class Proposal:
     """One round's drafts for R requests (rows in the order of the ``propose`` call).
 
-    tokens [R, gamma] int64; confidences [R, gamma] float64 in [0, 1] (calibrated c_k, the scheduler's input) or
-    None when the drafter has no confidence head; confidence_logits raw [R, gamma] (for online calibration);
-    topk_ids / topk_probs [R, gamma, K]: the sparse draft distribution each token was sampled from.
+    tokens [R, gamma] int64 on the host; confidences [R, gamma] float64 in [0, 1] (calibrated c_k, the
+    scheduler's input) or None when the drafter has no confidence head; confidence_logits raw [R, gamma] (for
+    online calibration); topk_ids / topk_probs [R, gamma, K] on the drafter's device: the sparse draft
+    distribution each token was sampled from.
     """
 
     req_ids: list[str]
@@ -78,7 +81,12 @@ class _Entry:
 
 
 class DraftEngine:
-    """Holds the drafter and the context cache of every request assigned to this replica."""
+    """Holds the drafter and the context cache of every request assigned to this replica.
+
+    ``graphs``: how ``propose`` runs (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the bucketed
+    CUDA-graph layout run eagerly; any device) or ``capture`` (one CUDA graph per bucket, replayed). The
+    bucketed modes reserve one extra context slot (empty) for the padding requests.
+    """
 
     def __init__(
         self,
@@ -87,14 +95,30 @@ class DraftEngine:
         max_seq_len: int,
         draft_top_k: int = 16,
         calibration: ConfidenceCalibration | None = None,
+        *,
+        graphs: str = "off",
+        graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
     ) -> None:
         if draft_top_k < 1:
             raise ValueError("DraftEngine: draft_top_k must be >= 1 (the draft distribution is shipped sparse)")
+        check_graph_mode(graphs, model.device)
         self.model = model
-        self.cache = model.new_context_cache(max_requests, max_seq_len)
+        self.max_requests = max_requests
+        self.cache = model.new_context_cache(max_requests + (graphs != "off"), max_seq_len)
         self.draft_top_k = min(draft_top_k, model.config.vocab_size)
         self.calibration = calibration
         self._requests: dict[str, _Entry] = {}
+        self.graphs: DraftGraphRunner | None = None
+        if graphs != "off":
+            self.graphs = DraftGraphRunner(
+                model,
+                self.cache,
+                dummy_slot=self.cache.reserve_last(),
+                draft_top_k=self.draft_top_k,
+                max_requests=max_requests,
+                mode=graphs,
+                buckets=graph_buckets,
+            )
 
     @property
     def block_size(self) -> int:
@@ -106,7 +130,7 @@ class DraftEngine:
 
     @property
     def num_free_slots(self) -> int:
-        return self.cache.num_slots - len(self._requests)
+        return self.max_requests - len(self._requests)
 
     def has(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -140,17 +164,20 @@ class DraftEngine:
         if not items:
             return
         entries = [self._get(item.req_id) for item in items]
+        held_lengths = self.cache.lengths_np
+        width = self.model.config.context_feature_size
         for item, entry in zip(items, entries, strict=True):
-            held = self.cache.length(entry.slot)
+            held = int(held_lengths[entry.slot])
             if item.start > held:
                 raise ValueError(
                     f"request {item.req_id!r}: context rows from {held} to {item.start} are missing"
                 )
-            if item.features.ndim != 2 or item.features.shape[1] != self.model.config.context_feature_size:
+            if item.features.ndim != 2 or item.features.shape[1] != width:
                 raise ValueError(
-                    f"request {item.req_id!r}: context features must be [n, {self.model.config.context_feature_size}]"
-                    f", got {tuple(item.features.shape)}"
+                    f"request {item.req_id!r}: context features must be [n, {width}], got {tuple(item.features.shape)}"
                 )
+        if self.graphs is not None and self._append_bucketed(items, entries):
+            return
         for item, entry in zip(items, entries, strict=True):
             self.cache.crop(entry.slot, item.start)
         counts = [int(item.features.shape[0]) for item in items]
@@ -158,12 +185,38 @@ class DraftEngine:
         rows = torch.cat([item.features.to(self.model.device) for item in items])
         self.model.append_context(self.cache, [e.slot for e in entries], rows, cu)
 
+    def _append_bucketed(self, items: Sequence[ContextItem], entries: Sequence[_Entry]) -> bool:
+        """Append through the graph runner when the rows fit its buckets (the per-round appends; prefills do
+        not). Checks everything before writing. Returns whether it did."""
+        assert self.graphs is not None
+        counts = np.fromiter((item.features.shape[0] for item in items), dtype=np.int64, count=len(items))
+        total = int(counts.sum())
+        if not 0 < total <= self.graphs.max_append_rows:
+            return False
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
+        if len(set(slots.tolist())) != len(slots):
+            raise ValueError(f"duplicate requests in one context append: {[item.req_id for item in items]}")
+        starts = np.fromiter((item.start for item in items), dtype=np.int64, count=len(items))
+        ends = starts + counts
+        if bool((ends > self.cache.max_seq_len).any()):
+            raise ValueError(
+                f"context cache overflow: lengths {ends.tolist()} exceed max_seq_len {self.cache.max_seq_len}"
+            )
+        first_row = np.cumsum(counts) - counts
+        positions = np.repeat(starts - first_row, counts) + np.arange(total)
+        rows = torch.cat([item.features for item in items]).to(self.model.device)
+        self.graphs.append(np.repeat(slots, counts), positions, rows)
+        self.cache.lengths_np[slots] = ends
+        return True
+
     @torch.no_grad()
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
         """Draft one block for every item in one batched backbone pass plus the sequential head."""
         if not items:
             raise ValueError("propose needs at least one request")
         entries = [self._get(item.req_id) for item in items]
+        if self.graphs is not None and len(items) <= self.graphs.max_requests:
+            return self._propose_bucketed(items, entries)
         device = self.model.device
         anchors = torch.tensor([item.anchor for item in items], dtype=torch.int64, device=device)
         positions = torch.tensor([item.position for item in items], dtype=torch.int64)
@@ -173,7 +226,7 @@ class DraftEngine:
         # The k-th draft decides the token at absolute position anchor_position + 1 + k.
         token_positions = positions[:, None] + 1 + torch.arange(bs)[None, :]
         uniforms = uniform(seeds[:, None], token_positions, STREAM_DRAFT_SAMPLE, torch.zeros(1, dtype=torch.int64))
-        uniforms = torch.clamp(uniforms, max=1.0 - 2.0**-24)
+        uniforms = torch.clamp(uniforms, max=UNIFORM_MAX)
         sample = sample_block(
             self.model,
             hidden,
@@ -184,6 +237,42 @@ class DraftEngine:
             uniforms=uniforms,
         )
         conf_logits = None if sample.confidence_logits is None else sample.confidence_logits.double().cpu().numpy()
+        assert sample.topk_ids is not None and sample.topk_probs is not None  # draft_top_k >= 1
+        return self._proposal(items, sample.tokens.cpu(), conf_logits, sample.topk_ids, sample.topk_probs)
+
+    def _propose_bucketed(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
+        """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
+        assert self.graphs is not None
+        anchors = [item.anchor for item in items]
+        vocab = self.model.config.vocab_size
+        if min(anchors) < 0 or max(anchors) >= vocab:
+            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {anchors}")
+        slots = [e.slot for e in entries]
+        lengths = self.cache.lengths_np[slots].tolist()
+        positions = [item.position for item in items]
+        if lengths != positions:
+            raise ValueError(
+                f"context cache lengths {lengths} must equal anchor positions {positions}: append the context "
+                f"rows 0..start-1 before drafting"
+            )
+        out = self.graphs.run(
+            anchors,
+            positions,
+            slots,
+            [e.params.temperature for e in entries],
+            [e.params.top_k for e in entries],
+            [e.seed for e in entries],
+        )
+        return self._proposal(items, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
+
+    def _proposal(
+        self,
+        items: Sequence[DraftItem],
+        tokens: torch.Tensor,
+        conf_logits: np.ndarray | None,
+        topk_ids: torch.Tensor,
+        topk_probs: torch.Tensor,
+    ) -> Proposal:
         confidences = None
         if conf_logits is not None:
             confidences = (
@@ -191,12 +280,11 @@ class DraftEngine:
                 if self.calibration is not None
                 else 1.0 / (1.0 + np.exp(-conf_logits))
             )
-        assert sample.topk_ids is not None and sample.topk_probs is not None  # draft_top_k >= 1
         return Proposal(
             req_ids=[item.req_id for item in items],
-            tokens=sample.tokens,
+            tokens=tokens,
             confidences=confidences,
             confidence_logits=conf_logits,
-            topk_ids=sample.topk_ids,
-            topk_probs=sample.topk_probs,
+            topk_ids=topk_ids,
+            topk_probs=topk_probs,
         )

@@ -25,6 +25,9 @@ from torch import nn
 from draft_service.config import DraftConfig
 from draft_service.context_cache import DraftContextCache
 from draft_service.heads import ConfidenceHead, MarkovHead, build_markov_head
+from kernels.slot_attention import slot_attention_reference
+
+ATTENTION_BACKENDS = ("torch", "triton", "reference")
 
 
 class RMSNorm(nn.Module):
@@ -92,6 +95,14 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(shape)), cos, sin)
         return k, self.v_proj(x).view(shape)
 
+    def _block_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        R, bs, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(R, bs, self.num_heads, self.head_dim)), cos, sin)
+        k_blk, v_blk = self.key_value(x, cos, sin)
+        return q, k_blk, v_blk
+
     def forward(
         self,
         x: torch.Tensor,
@@ -103,8 +114,7 @@ class DraftAttention(nn.Module):
     ) -> torch.Tensor:
         """x [R, bs, H] normed block rows; ctx_k/v [R, T, KVH, D]; key_mask [R, T+bs] (None: all valid)."""
         R, bs, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(R, bs, self.num_heads, self.head_dim)), cos, sin)
-        k_blk, v_blk = self.key_value(x, cos, sin)
+        q, k_blk, v_blk = self._block_qkv(x, cos, sin)
         k = torch.cat([ctx_k.to(k_blk.dtype), k_blk], dim=1).transpose(1, 2)
         v = torch.cat([ctx_v.to(v_blk.dtype), v_blk], dim=1).transpose(1, 2)
         groups = self.num_heads // self.num_kv_heads
@@ -116,6 +126,52 @@ class DraftAttention(nn.Module):
             q.transpose(1, 2), k, v, attn_mask=mask, is_causal=False, scale=self.head_dim**-0.5
         )
         return self.o_proj(out.transpose(1, 2).reshape(R, bs, self.num_heads * self.head_dim))
+
+    def forward_slots(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        context_lens: torch.Tensor,
+        backend: str,
+    ) -> torch.Tensor:
+        """The same attention reading the context K/V in place from one layer's slot cache [S, T, KVH, D]
+        (the slot attention kernel's block mode: context rows 0..context_lens[r]-1, then the whole block,
+        no mask). No gather, no host sync: what the CUDA-graph draft step captures."""
+        R, bs, _ = x.shape
+        q, k_blk, v_blk = self._block_qkv(x, cos, sin)
+        dtype = k_cache.dtype
+        impl = _slot_attention_impl(backend)
+        out = impl(
+            q.reshape(R * bs, self.num_heads, self.head_dim).to(dtype),
+            k_cache,
+            v_cache,
+            slots,
+            context_lens,
+            torch.arange(R, device=x.device) * bs,
+            torch.full((R,), bs, dtype=torch.int64, device=x.device),
+            self.head_dim**-0.5,
+            max_query_len=bs,
+            k_block=k_blk.reshape(R * bs, self.num_kv_heads, self.head_dim).to(dtype),
+            v_block=v_blk.reshape(R * bs, self.num_kv_heads, self.head_dim).to(dtype),
+            causal=False,
+            validate=False,
+        )
+        return self.o_proj(out.to(x.dtype).reshape(R, bs, self.num_heads * self.head_dim))
+
+
+def _slot_attention_impl(backend: str):
+    """'triton' (CUDA) or 'reference' (its torch twin, for CPU tests of the same layout)."""
+    if backend == "triton":
+        from kernels.slot_attention_triton import slot_attention_triton
+
+        return slot_attention_triton
+    if backend == "reference":
+        return slot_attention_reference
+    raise ValueError(f"slot attention backend must be 'triton' or 'reference', got {backend!r}")
 
 
 class DraftMLP(nn.Module):
@@ -151,6 +207,23 @@ class DraftLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, key_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_slots(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        context_lens: torch.Tensor,
+        backend: str,
+    ) -> torch.Tensor:
+        attn = self.self_attn.forward_slots(
+            self.input_layernorm(x), cos, sin, k_cache, v_cache, slots, context_lens, backend
+        )
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DSparkDraftModel(nn.Module):
     """DSpark drafter: backbone + Markov/gated/RNN head + confidence head, in DeepSpec's parameter layout."""
@@ -169,6 +242,22 @@ class DSparkDraftModel(nn.Module):
         self.confidence_head: ConfidenceHead | None = (
             ConfidenceHead(config.confidence_input_size) if config.enable_confidence_head else None
         )
+        self._attention_backend: str | None = None
+
+    @property
+    def attention_backend(self) -> str:
+        """How ``draft_block`` attends over the context cache: 'triton' (the slot attention kernel, reading
+        the cache in place) on CUDA, 'torch' (gather + scaled_dot_product_attention) elsewhere, unless set;
+        'reference' is the kernel's torch twin (the kernel's layout on CPU)."""
+        if self._attention_backend is not None:
+            return self._attention_backend
+        return "triton" if self.device.type == "cuda" else "torch"
+
+    @attention_backend.setter
+    def attention_backend(self, backend: str | None) -> None:
+        if backend is not None and backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTENTION_BACKENDS}")
+        self._attention_backend = backend
 
     @property
     def block_size(self) -> int:
@@ -293,8 +382,9 @@ class DSparkDraftModel(nn.Module):
 
         anchor_ids [R], anchor_positions [R]; each slot must hold exactly the context rows
         0..anchor_position-1 (DeepSpec's invariant: the draft cache is cropped back to ``start`` every round).
-        Ragged lengths are padded to the longest and masked; each layer gathers its slots' K/V (a copy: fine
-        for short contexts; a varlen attention kernel reading the slots in place is the GPU upgrade).
+        With the 'torch' backend ragged lengths are padded to the longest and masked and each layer gathers
+        its slots' K/V (a copy: fine for short contexts on CPU); the kernel backends read the slots in place
+        (:meth:`backbone_slots`).
         """
         anchor_ids = torch.as_tensor(anchor_ids, dtype=torch.int64).reshape(-1)
         anchor_positions = torch.as_tensor(anchor_positions, dtype=torch.int64).reshape(-1)
@@ -313,6 +403,9 @@ class DSparkDraftModel(nn.Module):
                 f"{anchor_positions.tolist()}: append the context rows 0..start-1 before drafting"
             )
         x, cos, sin = self._block_inputs(anchor_ids, anchor_positions)
+        if self.attention_backend != "torch":
+            dev = self.device
+            return self.backbone_slots(x, cos, sin, cache, slots_t.to(dev), lengths.to(dev))
         T = int(lengths.max())
         key_mask = None
         if bool((lengths != T).any()):
@@ -325,6 +418,29 @@ class DSparkDraftModel(nn.Module):
         for layer_idx, layer in enumerate(self.layers):
             x = layer(
                 x, cos, sin, cache.k[layer_idx, slot_idx, :T], cache.v[layer_idx, slot_idx, :T], key_mask
+            )
+        return self.norm(x)
+
+    def backbone_slots(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: DraftContextCache,
+        slots: torch.Tensor,
+        context_lens: torch.Tensor,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """Backbone layers over block inputs x [R, bs, H] (from ``_block_inputs``) with the context read in
+        place from ``cache`` (slots / context_lens: device tensors [R]) -> [R, bs, H]. Unchecked and free of
+        host syncs: ``draft_block`` validates first, the CUDA-graph runner captures this. ``backend``:
+        'triton' or 'reference' (default: the model's)."""
+        backend = backend or self.attention_backend
+        if backend == "torch":
+            raise ValueError("backbone_slots needs a kernel attention backend ('triton' or 'reference')")
+        for layer_idx, layer in enumerate(self.layers):
+            x = layer.forward_slots(
+                x, cos, sin, cache.k[layer_idx], cache.v[layer_idx], slots, context_lens, backend
             )
         return self.norm(x)
 

@@ -129,7 +129,45 @@ def sample_block(
     if K > 0:
         k_eff = torch.where(k_eff > 0, k_eff.clamp(max=K), torch.full_like(k_eff, K))
     k_eff = k_eff.clamp(max=V).to(dev)
+    return sample_block_prepared(
+        model,
+        block_hidden,
+        anchor_ids,
+        greedy=greedy,
+        safe_t=safe_t,
+        k_eff=k_eff,
+        draft_top_k=K,
+        uniforms=uniforms if any_sampled else None,
+        base_logits=base_logits,
+        return_logits=return_logits,
+    )
 
+
+def sample_block_prepared(
+    model: DSparkDraftModel,
+    block_hidden: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    *,
+    greedy: torch.Tensor,
+    safe_t: torch.Tensor,
+    k_eff: torch.Tensor,
+    draft_top_k: int,
+    uniforms: torch.Tensor | None,
+    base_logits: torch.Tensor | None = None,
+    return_logits: bool = False,
+) -> DraftSample:
+    """The sampling loop of :func:`sample_block` on prepared device tensors, without any checks.
+
+    greedy [R] bool; safe_t [R, 1] (temperature, 1 for greedy rows); k_eff [R] effective truncation;
+    draft_top_k K (already clamped to V); uniforms [R, bs] float32, or None when every request is greedy.
+    With K > 0 nothing here reads a device value on the host, so the CUDA-graph draft step captures it
+    (passing uniforms always: greedy rows ignore them).
+    """
+    R, bs, _ = block_hidden.shape
+    V = model.config.vocab_size
+    dev = block_hidden.device
+    K = draft_top_k
+    any_sampled = uniforms is not None
     if base_logits is None:
         base_logits = model.base_logits(block_hidden)
     head = model.markov_head
@@ -152,9 +190,11 @@ def sample_block(
             keep = torch.arange(K, device=dev)[None, :] < k_eff[:, None]
             p = torch.softmax((vals / safe_t).masked_fill(~keep, float("-inf")), dim=-1)
             hit = ids == greedy_tok[:, None]
-            missing = ~hit.any(dim=-1)  # more than K exact ties at the top: put the argmax in the last entry
-            ids[missing, -1] = greedy_tok[missing]
-            hit[missing, -1] = True
+            # More than K exact ties at the top: put the argmax in the last entry (torch.where, not a boolean
+            # index: no host sync).
+            missing_last = ~hit.any(dim=-1, keepdim=True) & (torch.arange(K, device=dev) == K - 1)[None, :]
+            ids = torch.where(missing_last, greedy_tok[:, None], ids)
+            hit = hit | missing_last
             p = torch.where(greedy[:, None], hit.to(p.dtype), p)
             greedy_j = hit.int().argmax(dim=-1)
             ids_out.append(ids)

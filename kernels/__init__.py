@@ -1,13 +1,14 @@
 """Triton kernels with pure-torch references of the same signature.
 
 Rejection sampling over ragged draft blocks (full or sparse draft distributions, per-request temperature,
-top-k and top-p, greedy and sampled requests mixed) and fused Markov-head sampling, both drawing their random
-numbers from one counter-based RNG (:mod:`kernels.rng`) so that a request's output depends only on its seed
-and positions. Every kernel has a torch reference used on machines without Triton support and as the oracle
-in tests; on CPU the Triton versions run through ``TRITON_INTERPRET=1``.
+top-k and top-p, greedy and sampled requests mixed), varlen attention over slot KV caches (the target's
+verify and prefill chunks, the drafter's block over its context) and fused Markov-head sampling; the samplers
+draw their random numbers from one counter-based RNG (:mod:`kernels.rng`) so that a request's output depends
+only on its seed and positions. Every kernel has a torch reference used on machines without Triton support and
+as the oracle in tests; on CPU the Triton versions run through ``TRITON_INTERPRET=1``.
 
-``rejection_sample`` and ``markov_sample`` pick the Triton kernel for CUDA tensors and the torch reference
-otherwise (the interpreter is for tests, far too slow to serve with).
+``rejection_sample``, ``slot_attention`` and ``markov_sample`` pick the Triton kernel for CUDA tensors and the
+torch reference otherwise (the interpreter is for tests, far too slow to serve with).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from kernels.markov import MarkovSample, markov_sample_reference
 from kernels.markov_triton import markov_sample_triton
 from kernels.rejection import RejectionOutput, rejection_sample_reference
 from kernels.rejection_triton import rejection_sample_triton
+from kernels.slot_attention import slot_attention_reference
+from kernels.slot_attention_triton import slot_attention_triton
 
 __all__ = [
     "MarkovSample",
@@ -28,6 +31,9 @@ __all__ = [
     "rejection_sample",
     "rejection_sample_reference",
     "rejection_sample_triton",
+    "slot_attention",
+    "slot_attention_reference",
+    "slot_attention_triton",
 ]
 
 
@@ -85,5 +91,40 @@ def markov_sample(
         positions,
         top_k=top_k,
         return_logits=return_logits,
+        validate=validate,
+    )
+
+
+def slot_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    k_block: torch.Tensor | None = None,
+    v_block: torch.Tensor | None = None,
+    causal: bool = True,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Varlen attention over slot caches (see :mod:`kernels.slot_attention`): Triton on CUDA, torch elsewhere."""
+    impl = slot_attention_triton if q.is_cuda else slot_attention_reference
+    return impl(
+        q,
+        k_cache,
+        v_cache,
+        slots,
+        context_lens,
+        query_starts,
+        query_lens,
+        scale,
+        max_query_len=max_query_len,
+        k_block=k_block,
+        v_block=v_block,
+        causal=causal,
         validate=validate,
     )

@@ -2,8 +2,15 @@
 
 Everything a layer's attention needs besides q and the cache is computed once per forward pass in
 `CachedAttentionMetadata` and shared by all layers. `varlen_cached_attention` is the single function a GPU
-kernel (flash-attention with a cache batch index, or the Triton kernel of `kernels/`) replaces; its signature
-is the contract: q [N, Hq, D], one layer's k_cache / v_cache [S, T, Hkv, D], metadata, scale -> [N, Hq, D].
+kernel replaces; its signature is the contract: q [N, Hq, D], one layer's k_cache / v_cache [S, T, Hkv, D],
+metadata, scale -> [N, Hq, D]. Backends:
+
+* ``torch`` (the default on CPU): the padded / per-chunk scaled_dot_product_attention path described below;
+* ``triton`` (the default on CUDA): :func:`kernels.slot_attention_triton.slot_attention_triton`, reading the
+  slots in place with lengths from device tensors; its launch shape depends only on the number of requests
+  and the longest chunk, so a verify step can be captured in a CUDA graph;
+* ``reference``: that kernel's torch reference (same layout, no host sync), which lets the CUDA-graph batch
+  layout (`CachedAttentionMetadata.bucketed`) run and be tested on CPU.
 
 How the torch path batches: short chunks (verify chunks, decode steps: at most `PAD_LIMIT` tokens) are padded
 to [R, max_q] queries and [R, max_k] keys gathered from their slots and run in ONE
@@ -18,11 +25,16 @@ kv head are stacked along the query axis, so each kv head is read once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from kernels.slot_attention import slot_attention_reference
 from verify_service.kv_cache import RaggedBatch
+
+AttentionBackend = Literal["torch", "triton", "reference"]
+ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "triton", "reference")
 
 PAD_LIMIT = 32
 """Chunks up to this many tokens are attended together in the padded call; longer ones each on their own."""
@@ -53,19 +65,45 @@ class SoloChunk:
 
 @dataclass(frozen=True)
 class CachedAttentionMetadata:
-    """Per-forward indexing shared by every layer (built once from a RaggedBatch)."""
+    """Per-forward indexing shared by every layer (built once from a RaggedBatch, or from bucket buffers)."""
 
     token_slots: torch.Tensor  # [N] int64: slot of each token, where its K/V are written
     positions: torch.Tensor  # [N] int64: absolute position of each token
     slots: torch.Tensor  # [R] int64
-    cu_seqlens: torch.Tensor  # [R+1] int64
     query_groups: int  # G = query heads per kv head
-    padded: PaddedGroup | None
-    solo: tuple[SoloChunk, ...]
+    padded: PaddedGroup | None  # torch backend only
+    solo: tuple[SoloChunk, ...]  # torch backend only
+    backend: str = "torch"
+    # Kernel backends: request r's queries are rows query_starts[r] .. + query_lens[r], at positions
+    # context_lens[r] onward; max_query_len bounds query_lens (the launch shape).
+    context_lens: torch.Tensor | None = None
+    query_starts: torch.Tensor | None = None
+    query_lens: torch.Tensor | None = None
+    max_query_len: int = 0
 
     @classmethod
-    def from_batch(cls, batch: RaggedBatch, query_groups: int) -> CachedAttentionMetadata:
+    def from_batch(
+        cls, batch: RaggedBatch, query_groups: int, backend: str = "torch"
+    ) -> CachedAttentionMetadata:
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTENTION_BACKENDS}")
         device = batch.input_ids.device
+        seqlens = torch.tensor(batch.seqlens, dtype=torch.int64, device=device)
+        token_slots = torch.repeat_interleave(batch.slots, seqlens, output_size=batch.num_tokens)
+        if backend != "torch":
+            return cls(
+                token_slots=token_slots,
+                positions=batch.positions,
+                slots=batch.slots,
+                query_groups=query_groups,
+                padded=None,
+                solo=(),
+                backend=backend,
+                context_lens=torch.tensor(batch.starts, dtype=torch.int64, device=device),
+                query_starts=batch.cu_seqlens[:-1],
+                query_lens=seqlens,
+                max_query_len=batch.max_seqlen_q,
+            )
         short = [r for r, n in enumerate(batch.seqlens) if n <= PAD_LIMIT]
         solo = tuple(
             SoloChunk(
@@ -79,15 +117,52 @@ class CachedAttentionMetadata:
             for r, (start, n) in enumerate(zip(batch.starts, batch.seqlens, strict=True))
             if n > PAD_LIMIT
         )
-        seqlens = torch.tensor(batch.seqlens, dtype=torch.int64, device=device)
         return cls(
-            token_slots=torch.repeat_interleave(batch.slots, seqlens),
+            token_slots=token_slots,
             positions=batch.positions,
             slots=batch.slots,
-            cu_seqlens=batch.cu_seqlens,
             query_groups=query_groups,
             padded=_padded_group(batch, short, query_groups) if short else None,
             solo=solo,
+        )
+
+    @classmethod
+    def bucketed(
+        cls,
+        slots: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_lens: torch.Tensor,
+        width: int,
+        dummy_slot: int,
+        query_groups: int,
+        backend: str,
+    ) -> CachedAttentionMetadata:
+        """The CUDA-graph layout: request r owns rows r*width .. r*width + width - 1, of which the first
+        query_lens[r] are real. Built from device tensors only (no host sync, static shapes).
+
+        Padding rows must still write their K/V somewhere: they go to ``dummy_slot`` (a slot no request owns)
+        at positions 0..width-1, never past a real request's chunk, so a request near the end of its slot is
+        never overwritten and nothing is written out of bounds.
+        """
+        if backend == "torch":
+            raise ValueError("the bucketed layout needs a kernel backend ('triton' or 'reference')")
+        num_req = slots.shape[0]
+        offsets = torch.arange(width, dtype=torch.int64, device=slots.device)
+        real = offsets[None, :] < query_lens[:, None]
+        positions = torch.where(real, context_lens[:, None] + offsets[None, :], offsets[None, :])
+        token_slots = torch.where(real, slots[:, None], torch.full_like(slots, dummy_slot)[:, None])
+        return cls(
+            token_slots=token_slots.reshape(-1),
+            positions=positions.reshape(-1),
+            slots=slots,
+            query_groups=query_groups,
+            padded=None,
+            solo=(),
+            backend=backend,
+            context_lens=context_lens,
+            query_starts=torch.arange(num_req, dtype=torch.int64, device=slots.device) * width,
+            query_lens=query_lens,
+            max_query_len=width,
         )
 
 
@@ -172,6 +247,22 @@ def varlen_cached_attention(
             f"varlen_cached_attention: {num_heads} query heads over {k_cache.shape[2]} kv heads, but the "
             f"metadata was built for {meta.query_groups} query heads per kv head"
         )
+    if meta.backend != "torch":
+        assert meta.context_lens is not None and meta.query_starts is not None and meta.query_lens is not None
+        impl = _triton_slot_attention() if meta.backend == "triton" else slot_attention_reference
+        return impl(
+            q,
+            k_cache,
+            v_cache,
+            meta.slots,
+            meta.context_lens,
+            meta.query_starts,
+            meta.query_lens,
+            scale,
+            max_query_len=meta.max_query_len,
+            causal=True,
+            validate=False,
+        )
     out = torch.empty_like(q)
     group = meta.padded
     if group is not None:
@@ -189,3 +280,10 @@ def varlen_cached_attention(
         v = v_cache[chunk.slot, :num_keys][None]
         out[rows] = _grouped_attention(q[rows][None], k, v, chunk.mask, scale)[0]
     return out
+
+
+def _triton_slot_attention():
+    """Imported on first use: the Triton module is only needed where the triton backend is chosen."""
+    from kernels.slot_attention_triton import slot_attention_triton
+
+    return slot_attention_triton

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cluster.graphs import DEFAULT_BUCKETS, check_graph_mode
 from cluster.sampling import SamplingParams
 from kernels.rejection import RejectionOutput, rejection_sample_reference
+from verify_service.graphs import VerifyGraphRunner
 from verify_service.kv_cache import KVCapacityError, NoFreeSlotError
 from verify_service.target import TargetModel
 
@@ -81,7 +83,13 @@ class _Slot:
 
 
 class VerifyEngine:
-    """Holds the target and the KV cache of every running request on this replica."""
+    """Holds the target and the KV cache of every running request on this replica.
+
+    ``graphs``: how verify-only steps run (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the bucketed
+    CUDA-graph layout run eagerly; any device) or ``capture`` (one CUDA graph per bucket, replayed). Steps with
+    prefills always run eagerly. The bucketed modes need ``max_drafts`` (the drafter's block size gamma) and
+    ``draft_top_k`` (the widest sparse draft distribution) and reserve one extra KV slot as the padding slot.
+    """
 
     def __init__(
         self,
@@ -89,6 +97,11 @@ class VerifyEngine:
         max_requests: int,
         max_seq_len: int,
         use_triton: bool | None = None,
+        *,
+        graphs: str = "off",
+        max_drafts: int | None = None,
+        draft_top_k: int = 16,
+        graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
     ) -> None:
         if max_requests < 1 or max_seq_len < 2:
             raise ValueError("VerifyEngine: max_requests must be >= 1 and max_seq_len >= 2")
@@ -96,13 +109,29 @@ class VerifyEngine:
             raise ValueError(
                 f"VerifyEngine: max_seq_len {max_seq_len} exceeds the target's context limit {target.max_context_len}"
             )
+        check_graph_mode(graphs, target.device)
         self.target = target
-        self.cache = target.new_kv_cache(max_requests, max_seq_len)
+        self.cache = target.new_kv_cache(max_requests + (graphs != "off"), max_seq_len)
         self.max_seq_len = max_seq_len
         self._requests: dict[str, _Slot] = {}
         if use_triton is None:
             use_triton = target.device.type == "cuda"
         self._sampler = _triton_sampler() if use_triton else rejection_sample_reference
+        self.graphs: VerifyGraphRunner | None = None
+        if graphs != "off":
+            if max_drafts is None or max_drafts < 1:
+                raise ValueError(f"VerifyEngine: graphs={graphs!r} needs max_drafts >= 1 (the block size)")
+            self.graphs = VerifyGraphRunner(
+                target,
+                self.cache,
+                dummy_slot=self.cache.reserve_last(),
+                max_drafts=max_drafts,
+                draft_top_k=draft_top_k,
+                max_requests=max_requests,
+                mode=graphs,
+                sampler=self._sampler,
+                buckets=graph_buckets,
+            )
 
     # ----------------------------------------------------------------------------------------- bookkeeping
     @property
@@ -148,6 +177,8 @@ class VerifyEngine:
         if not prefills and not verifies:
             return []
         self._validate(prefills, verifies)
+        if not prefills and self._bucketed(verifies):
+            return self._run_bucketed(verifies)
         new_slots = self._allocate(prefills)
         try:
             return self._run(prefills, verifies)
@@ -243,6 +274,40 @@ class VerifyEngine:
             results.append(StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, features))
         return results
 
+    def _bucketed(self, verifies: Sequence[VerifyItem]) -> bool:
+        if self.graphs is None:
+            return False
+        widths = [int(v.draft_probs.shape[1]) for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
+        return self.graphs.fits(
+            len(verifies), 1 + max(len(v.draft_tokens) for v in verifies), max(widths, default=0)
+        )
+
+    def _run_bucketed(self, verifies: Sequence[VerifyItem]) -> list[StepResult]:
+        """A verify-only step through the graph runner (same results as ``_run``, bucketed layout)."""
+        assert self.graphs is not None
+        entries = [self._requests[v.req_id] for v in verifies]
+        slots = [e.slot for e in entries]
+        starts = self.cache.lengths(slots).tolist()
+        out = self.graphs.run(
+            slots,
+            starts,
+            [[v.anchor, *v.draft_tokens] for v in verifies],
+            [(e.params.temperature, e.params.top_k, e.params.top_p, e.seed) for e in entries],
+            [
+                None if e.params.greedy or v.draft_probs is None else (v.draft_prob_ids, v.draft_probs)
+                for v, e in zip(verifies, entries, strict=True)
+            ],
+        )
+        committed = [1 + a for a in out.num_accepted]
+        self.cache.advance_many(slots, committed)
+        features = [None] * len(verifies) if out.features is None else out.features.split(committed)
+        return [
+            StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, rows)
+            for v, accepted, tokens, start, rows in zip(
+                verifies, out.num_accepted, out.tokens, starts, features, strict=True
+            )
+        ]
+
     def _sample(
         self,
         logits: torch.Tensor,
@@ -292,18 +357,22 @@ class VerifyEngine:
             if n == 0:
                 continue
             if v.draft_probs is None or self._requests[v.req_id].params.greedy:
-                ids = torch.tensor([int(t) for t in v.draft_tokens], dtype=torch.int64)[:, None].expand(n, width)
-                probs = torch.zeros(n, width, dtype=torch.float32)
+                ids = torch.tensor([int(t) for t in v.draft_tokens], dtype=torch.int64, device=device)
+                ids = ids[:, None].expand(n, width)
+                probs = torch.zeros(n, width, dtype=torch.float32, device=device)
                 probs[:, 0] = 1.0
             else:
-                ids, probs = v.draft_prob_ids.to(torch.int64).cpu(), v.draft_probs.to(torch.float32).cpu()
+                assert v.draft_prob_ids is not None
+                # Stays on the device: a per-request host round trip would be a sync per request on CUDA.
+                ids = v.draft_prob_ids.to(device, torch.int64)
+                probs = v.draft_probs.to(device, torch.float32)
                 pad = width - ids.shape[1]
                 if pad:
                     ids = torch.cat([ids, ids[:, :1].expand(n, pad)], dim=1)
-                    probs = torch.cat([probs, torch.zeros(n, pad)], dim=1)
+                    probs = torch.cat([probs, probs.new_zeros((n, pad))], dim=1)
             id_rows.append(ids)
             prob_rows.append(probs)
-        return torch.cat(id_rows).to(device), torch.cat(prob_rows).to(device)
+        return torch.cat(id_rows), torch.cat(prob_rows)
 
 
 def _check_ids(req_id: str, ids: Sequence[int], vocab: int) -> None:

@@ -104,6 +104,18 @@ class SlotKVCache:
         self._lengths[slot] = 0
         return slot
 
+    def reserve_last(self) -> int:
+        """Take the highest slot out of circulation for good and return it: the CUDA-graph runner's dummy
+        slot, where padding rows of a bucketed batch write their K/V. No request is ever given it."""
+        slot = self.num_slots - 1
+        if self._allocated[slot]:
+            raise ValueError(f"SlotKVCache: slot {slot} is in use and cannot be reserved")
+        self._free.remove(slot)
+        heapq.heapify(self._free)
+        self._allocated[slot] = True
+        self._lengths[slot] = 0
+        return slot
+
     def free(self, slot: int) -> None:
         """Give a finished or aborted request's slot back; its K/V are simply forgotten (length 0)."""
         self._check_allocated(slot)
@@ -153,6 +165,24 @@ class SlotKVCache:
             raise ValueError(f"SlotKVCache: advance by a negative count {num_tokens}")
         self.check_extend(slot, num_tokens)
         self._lengths[slot] += num_tokens
+
+    def advance_many(self, slots: Sequence[int], counts: Sequence[int]) -> None:
+        """`advance` for several distinct allocated slots at once: one vectorized capacity check, then all
+        lengths move (nothing moves if any slot would overflow)."""
+        index = np.asarray(slots, dtype=np.int64)
+        steps = np.asarray(counts, dtype=np.int64)
+        if index.size and (
+            index.min() < 0 or index.max() >= self.num_slots or not bool(self._allocated[index].all())
+        ):
+            raise ValueError(f"SlotKVCache: slots {index.tolist()} are not all allocated")
+        if bool((steps < 0).any()):
+            raise ValueError(f"SlotKVCache: advance by negative counts {steps.tolist()}")
+        new = self._lengths[index] + steps
+        if bool((new > self.max_seq_len).any()):
+            raise SlotOverflowError(
+                f"SlotKVCache: lengths {new.tolist()} would exceed max_seq_len={self.max_seq_len}"
+            )
+        self._lengths[index] = new
 
     def _check_allocated(self, slot: int) -> None:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:

@@ -24,7 +24,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-from verify_service.attention import CachedAttentionMetadata, store_kv, varlen_cached_attention
+from verify_service.attention import ATTENTION_BACKENDS, CachedAttentionMetadata, store_kv, varlen_cached_attention
 from verify_service.kv_cache import RaggedBatch, SlotKVCache
 
 REAL_VOCAB_KEY = "dspark_real_vocab_size"
@@ -87,6 +87,25 @@ class TargetModel:
                 f"{self.num_kv_heads} kv heads"
             )
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self._attention_backend: str | None = None
+
+    @property
+    def attention_backend(self) -> str:
+        """'triton' on CUDA, 'torch' elsewhere, unless set (see :mod:`verify_service.attention`)."""
+        if self._attention_backend is not None:
+            return self._attention_backend
+        return "triton" if self.device.type == "cuda" else "torch"
+
+    @attention_backend.setter
+    def attention_backend(self, backend: str | None) -> None:
+        if backend is not None and backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTENTION_BACKENDS}")
+        self._attention_backend = backend
+
+    @property
+    def query_groups(self) -> int:
+        """Query heads per kv head (GQA group size)."""
+        return self.num_heads // self.num_kv_heads
 
     @classmethod
     def from_pretrained(
@@ -194,15 +213,33 @@ class TargetModel:
                     f"TargetModel.forward: batch expects slot {slot} at length {start}, the cache holds "
                     f"{cache.length(slot)} (prepare the batch again)"
                 )
-        all_rows = torch.arange(batch.num_tokens, device=batch.input_ids.device)
+        meta = CachedAttentionMetadata.from_batch(batch, self.query_groups, self.attention_backend)
+        out = self.run_layers(cache, batch.input_ids, meta, logits_rows=logits_rows, feature_rows=feature_rows)
+        for slot, length in zip(batch.slot_list, batch.seqlens, strict=True):
+            cache.advance(slot, length)
+        return out
+
+    @torch.no_grad()
+    def run_layers(
+        self,
+        cache: SlotKVCache,
+        input_ids: torch.Tensor,
+        meta: CachedAttentionMetadata,
+        *,
+        logits_rows: torch.Tensor | None = None,
+        feature_rows: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """The model itself over flattened tokens [N] laid out as ``meta`` says: writes their K/V into the
+        cache, never touches the host-side lengths and never syncs with the device (with a kernel backend),
+        so the CUDA-graph runner captures exactly this. ``forward`` is the checked, bookkeeping wrapper."""
+        all_rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         logits_rows = all_rows if logits_rows is None else logits_rows.to(all_rows.device)
         feature_rows = all_rows if feature_rows is None else feature_rows.to(all_rows.device)
 
         hf = self.hf_model.model
-        meta = CachedAttentionMetadata.from_batch(batch, self.num_heads // self.num_kv_heads)
-        num_tokens = batch.num_tokens
-        x = hf.embed_tokens(batch.input_ids)
-        cos, sin = hf.rotary_emb(x, batch.positions[None])
+        num_tokens = input_ids.shape[0]
+        x = hf.embed_tokens(input_ids)
+        cos, sin = hf.rotary_emb(x, meta.positions[None])
         cos, sin = cos[0], sin[0]  # [N, D]
         collected: dict[int, torch.Tensor] = {}
         if -1 in self.feature_layer_ids:
@@ -225,8 +262,6 @@ class TargetModel:
         logits = self.hf_model.lm_head(hf.norm(x[logits_rows])).float()
         if self.vocab_size < self.logits_width:
             logits[:, self.vocab_size :] = float("-inf")
-        for slot, length in zip(batch.slot_list, batch.seqlens, strict=True):
-            cache.advance(slot, length)
         features = None
         if self.feature_layer_ids:
             features = torch.cat([collected[i] for i in self.feature_layer_ids], dim=-1)

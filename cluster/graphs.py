@@ -1,0 +1,132 @@
+"""CUDA-graph plumbing shared by the draft and verify engines: batch-size buckets and captured steps.
+
+A round's GPU work is hundreds of small kernel launches (a few layers of a small model, the sequential head,
+rejection sampling); on a fast GPU launching them costs more than running them. Both engines therefore run
+their steady-state step on static buffers laid out for a bucketed number of requests (the next bucket up, the
+rest padded with a dummy request that owns a reserved slot) and replay that step as one CUDA graph.
+
+Modes (per engine): ``off`` is the plain eager path; ``static`` runs the bucketed step eagerly (no capture),
+which exercises the padding logic anywhere, CPU included, and is what the exactness tests compare; ``capture``
+records the bucketed step once per bucket and replays it (CUDA only).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+import torch
+
+GRAPH_MODES = ("off", "static", "capture")
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+
+T = TypeVar("T")
+
+
+def check_graph_mode(mode: str, device: torch.device) -> str:
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"unknown graph mode {mode!r}; use one of {GRAPH_MODES}")
+    if mode == "capture" and device.type != "cuda":
+        raise ValueError(f"graph mode 'capture' needs a CUDA device, the model is on {device}")
+    return mode
+
+
+def bucket_sizes(max_requests: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """The bucket sizes used for an engine holding up to ``max_requests``: the given sizes below it, and
+    ``max_requests`` itself as the top bucket (so every admissible batch has a bucket)."""
+    if max_requests < 1:
+        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+    sizes = sorted({int(b) for b in buckets if 1 <= int(b) < max_requests} | {max_requests})
+    return tuple(sizes)
+
+
+def pick_bucket(num_requests: int, sizes: Sequence[int]) -> int | None:
+    """Smallest bucket holding ``num_requests`` (sizes ascending); None if none does."""
+    if num_requests < 1:
+        raise ValueError(f"a bucketed step needs at least one request, got {num_requests}")
+    for size in sizes:
+        if size >= num_requests:
+            return size
+    return None
+
+
+class GraphStep(Generic[T]):
+    """``fn`` (a function of static buffers only, returning tensors) run directly or replayed as a CUDA graph.
+
+    Capture warms ``fn`` up on a side stream first (Triton compiles, cuBLAS picks its kernels, the caching
+    allocator settles), then records it into ``pool`` so that all buckets share one memory pool. The returned
+    tensors are the graph's static outputs: each call overwrites them, so callers copy what they keep.
+    ``fn`` must only write memory that no live request owns (warm-up and capture run it for real).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[], T],
+        mode: str,
+        pool: object | None = None,
+        warmup: int = 2,
+    ) -> None:
+        self.fn = fn
+        self.mode = mode
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: T | None = None
+        self.time_s = 0.0  # time inside the step (device time of the replays when captured), when timed
+        self._pending: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        if mode == "capture":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = fn()
+            torch.cuda.synchronize()
+
+    def __call__(self, timed: bool = False) -> T:
+        if self.graph is None:
+            if not timed:
+                return self.fn()
+            start = time.perf_counter()
+            out = self.fn()
+            self.time_s += time.perf_counter() - start
+            return out
+        if timed:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            self.graph.replay()
+            end.record()
+            self._pending = (begin, end)
+        else:
+            self.graph.replay()
+        assert self.outputs is not None
+        return self.outputs
+
+    def settle_timing(self) -> None:
+        """Add the last timed replay's device time (call after the host has waited for its results)."""
+        if self._pending is not None:
+            self.time_s += self._pending[0].elapsed_time(self._pending[1]) / 1000.0
+            self._pending = None
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host staging memory: page-locked when the engine runs on CUDA (async copies, no hidden sync)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+class StagingFence:
+    """Host staging buffers are read by asynchronous host-to-device copies: before the host writes them again,
+    it waits for the last copy that read them (usually long done: a result copy has synced since)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+
+    def copies_issued(self) -> None:
+        if self._event is not None:
+            self._event.record()
+
+    def wait_before_write(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()

@@ -1,0 +1,239 @@
+"""The bucketed draft steps, each replayable as one CUDA graph: proposing blocks, and appending context rows.
+
+Proposing: backbone + sequential head + sampling for R requests.
+
+For a bucket of B requests the step reads its inputs from static device buffers (anchor, anchor position =
+context length, slot, temperature, effective top-k, seed per request; requests r >= R pad the bucket with the
+anchor 0 over the reserved dummy slot, whose context is empty) and runs exactly what the eager
+:meth:`DraftEngine.propose` runs: ``draft_block``'s layers with the context read in place by the slot
+attention kernel, the position-keyed uniforms of :mod:`kernels.rng` and ``sample_block_prepared``. The
+drafted tokens and the raw confidence logits come back in one [B, 2 * bs] float64 tensor (token ids and
+float32 logits are exact in float64), copied to the host once; the sparse draft distributions stay on the
+device for the verifier.
+
+Appending: the context rows a verify step committed (at most block_size + 1 per request and round) are
+projected (``fc`` + ``hidden_norm``) and turned into every draft layer's K/V, written at (slot, position). The
+rows are padded to the bucket's B * (block_size + 1); padding rows write to position 0 of the dummy slot,
+whose context length stays 0, so nothing reads them. Longer appends (prefills) run eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+
+from cluster.graphs import DEFAULT_BUCKETS, GraphStep, StagingFence, bucket_sizes, pick_bucket, pinned_empty
+from draft_service.context_cache import DraftContextCache
+from draft_service.model import DSparkDraftModel
+from draft_service.sequential_head import GREEDY_TEMPERATURE, sample_block_prepared
+from kernels.rng import STREAM_DRAFT_SAMPLE, uniform
+
+UNIFORM_MAX = 1.0 - 2.0**-24
+"""Largest uniform fed to inverse-CDF sampling (the engine clamps the rng's output the same way)."""
+
+
+@dataclass(frozen=True)
+class BucketedDraft:
+    """One bucketed step's drafts for R requests: tokens / confidence logits on the host, the sparse draft
+    distribution [R, bs, K] on the device (fresh tensors)."""
+
+    tokens: torch.Tensor
+    confidence_logits: np.ndarray | None
+    topk_ids: torch.Tensor
+    topk_probs: torch.Tensor
+
+
+class DraftGraphRunner:
+    """Static buffers and one (captured) draft step per bucket size for a DraftEngine."""
+
+    def __init__(
+        self,
+        model: DSparkDraftModel,
+        cache: DraftContextCache,
+        *,
+        dummy_slot: int,
+        draft_top_k: int,
+        max_requests: int,
+        mode: str,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+    ) -> None:
+        if not 1 <= draft_top_k <= model.config.vocab_size:
+            raise ValueError("DraftGraphRunner: draft_top_k must be in [1, vocab] (sparse proposals)")
+        self.model = model
+        self.cache = cache
+        self.dummy_slot = dummy_slot
+        self.draft_top_k = draft_top_k
+        self.sizes = bucket_sizes(max_requests, buckets)
+        self.device = model.device
+        self.backend = "triton" if self.device.type == "cuda" else "reference"
+        self.has_confidence = model.confidence_head is not None
+        self.timed = False
+        top = self.sizes[-1]
+        self._int_fields = {"anchors": top, "positions": top, "slots": top, "k_eff": top, "seeds": top}
+        self._host_int = pinned_empty((len(self._int_fields) * top,), torch.int64, self.device)
+        self._host_temp = pinned_empty((top,), torch.float32, self.device)
+        self._dev_int = torch.zeros_like(self._host_int, device=self.device)
+        self._dev_temp = torch.zeros_like(self._host_temp, device=self.device)
+        self._fence = StagingFence(self.device)
+        self._where_fence = StagingFence(self.device)
+        self.host = {
+            name: self._host_int.numpy()[i * top : (i + 1) * top] for i, name in enumerate(self._int_fields)
+        }
+        self.host["temperature"] = self._host_temp.numpy()
+        self.dev = {name: self._dev_int[i * top : (i + 1) * top] for i, name in enumerate(self._int_fields)}
+        self.dev["temperature"] = self._dev_temp
+        # Context append: rows [top * W, F] in the model dtype, and (slot, position) per row.
+        self.append_width = model.block_size + 1
+        rows = top * self.append_width
+        self.context_rows = torch.zeros(
+            (rows, model.config.context_feature_size), dtype=model.dtype, device=self.device
+        )
+        self._host_where = pinned_empty((2 * rows,), torch.int64, self.device)
+        self._dev_where = torch.zeros_like(self._host_where, device=self.device)
+        self._fill_padding(top)
+        self._fill_append_padding(rows)
+        self._upload()
+        self._dev_where.copy_(self._host_where, non_blocking=True)
+        pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
+        self.steps: dict[int, GraphStep] = {}
+        self.append_steps: dict[int, GraphStep] = {}
+        for size in reversed(self.sizes):
+            self.steps[size] = GraphStep(partial(self._step, size), mode, pool)
+            self.append_steps[size] = GraphStep(partial(self._append_step, size), mode, pool)
+
+    @property
+    def max_requests(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def step_time_s(self) -> float:
+        """Accumulated time inside the steps (device time of the graph replays) while ``timed`` was set."""
+        return sum(step.time_s for step in [*self.steps.values(), *self.append_steps.values()])
+
+    @property
+    def max_append_rows(self) -> int:
+        return self.sizes[-1] * self.append_width
+
+    def append(self, slots: np.ndarray, positions: np.ndarray, rows: torch.Tensor) -> None:
+        """Write the K/V of context rows [n, F] (n <= max_append_rows) at (slots[i], positions[i]); the caller
+        validated them and updates the host-side lengths."""
+        num = rows.shape[0]
+        size = next(s for s in self.sizes if s * self.append_width >= num)
+        padded = size * self.append_width
+        self._where_fence.wait_before_write()
+        self._fill_append_padding(padded)
+        where = self._host_where.numpy()
+        half = self.max_append_rows
+        where[:num] = slots
+        where[half : half + num] = positions
+        self._dev_where.copy_(self._host_where, non_blocking=True)
+        self._where_fence.copies_issued()
+        self.context_rows[:num].copy_(rows)
+        self.append_steps[size](self.timed)  # its device time is settled after the next propose's wait
+
+    def _fill_append_padding(self, rows: int) -> None:
+        where = self._host_where.numpy()
+        half = where.shape[0] // 2
+        where[:rows] = self.dummy_slot
+        where[half : half + rows] = 0
+
+    def run(
+        self,
+        anchors: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        temperatures: Sequence[float],
+        top_ks: Sequence[int],
+        seeds: Sequence[int],
+    ) -> BucketedDraft:
+        """Draft for R requests (validated by the caller: anchors in the vocabulary, each slot holding exactly
+        ``positions[r]`` context rows)."""
+        num = len(anchors)
+        size = pick_bucket(num, self.sizes)
+        if size is None:
+            raise ValueError(f"{num} requests exceed the largest bucket {self.sizes[-1]}")
+        self._fence.wait_before_write()
+        self._fill_padding(size)
+        host = self.host
+        host["anchors"][:num] = anchors
+        host["positions"][:num] = positions
+        host["slots"][:num] = slots
+        host["temperature"][:num] = temperatures
+        host["seeds"][:num] = seeds
+        vocab = self.model.config.vocab_size
+        host["k_eff"][:num] = [min(k, self.draft_top_k) if k > 0 else self.draft_top_k for k in top_ks]
+        np.minimum(host["k_eff"][:num], vocab, out=host["k_eff"][:num])
+        self._upload()
+        step = self.steps[size]
+        packed, topk_ids, topk_probs = step(self.timed)
+        # Start the device-side copies of the distributions before waiting on the host copy.
+        ids, probs = topk_ids[:num].clone(), topk_probs[:num].clone()
+        result = packed[:num].cpu()  # the one device -> host copy (and wait) of the step
+        for done in (step, *self.append_steps.values()):
+            done.settle_timing()
+        bs = self.model.block_size
+        tokens = result[:, :bs].to(torch.int64)
+        conf = result[:, bs:].numpy() if self.has_confidence else None
+        return BucketedDraft(tokens=tokens, confidence_logits=conf, topk_ids=ids, topk_probs=probs)
+
+    def _fill_padding(self, size: int) -> None:
+        host = self.host
+        host["anchors"][:size] = 0
+        host["positions"][:size] = 0
+        host["slots"][:size] = self.dummy_slot
+        host["k_eff"][:size] = self.draft_top_k
+        host["seeds"][:size] = 0
+        host["temperature"][:size] = 0.0
+
+    def _upload(self) -> None:
+        self._dev_int.copy_(self._host_int, non_blocking=True)
+        self._dev_temp.copy_(self._host_temp, non_blocking=True)
+        self._fence.copies_issued()
+
+    @torch.no_grad()
+    def _append_step(self, size: int) -> tuple[()]:
+        rows = size * self.append_width
+        half = self.max_append_rows
+        slots = self._dev_where[:rows]
+        positions = self._dev_where[half : half + rows]
+        model, cache = self.model, self.cache
+        context = model.project_context(self.context_rows[:rows])
+        for layer_idx, (k, v) in enumerate(model.context_key_values(context, positions)):
+            cache.k[layer_idx, slots, positions] = k.to(cache.k.dtype)
+            cache.v[layer_idx, slots, positions] = v.to(cache.v.dtype)
+        return ()
+
+    @torch.no_grad()
+    def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dev, model = self.dev, self.model
+        anchors = dev["anchors"][:size]
+        positions = dev["positions"][:size]
+        x, cos, sin = model._block_inputs(anchors, positions)
+        hidden = model.backbone_slots(x, cos, sin, self.cache, dev["slots"][:size], positions, self.backend)
+        temps = dev["temperature"][:size]
+        greedy = temps < GREEDY_TEMPERATURE
+        safe_t = torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+        bs = model.block_size
+        token_positions = positions[:, None] + 1 + torch.arange(bs, device=self.device)[None, :]
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        uniforms = uniform(dev["seeds"][:size, None], token_positions, STREAM_DRAFT_SAMPLE, zero)
+        sample = sample_block_prepared(
+            model,
+            hidden,
+            anchors,
+            greedy=greedy,
+            safe_t=safe_t,
+            k_eff=dev["k_eff"][:size],
+            draft_top_k=self.draft_top_k,
+            uniforms=torch.clamp(uniforms, max=UNIFORM_MAX),
+        )
+        conf = sample.confidence_logits
+        if conf is None:
+            conf = torch.zeros((size, bs), dtype=torch.float32, device=self.device)
+        packed = torch.cat([sample.tokens.double(), conf.double()], dim=1)
+        assert sample.topk_ids is not None and sample.topk_probs is not None
+        return packed, sample.topk_ids, sample.topk_probs

@@ -1,0 +1,285 @@
+"""The CUDA-graph path of the engines: bucketing, the padded (bucketed) verify and draft steps, exactness.
+
+On CPU the bucketed steps run in mode ``static`` (the exact code a CUDA graph records, run eagerly, with the
+slot attention's torch reference), so the padding / dummy-slot / sampler-layout logic is tested here; the GPU
+test at the end captures real CUDA graphs and runs through the device tool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from model_factory import PairSpec, write_pair
+
+from cluster.graphs import bucket_sizes, check_graph_mode, pick_bucket
+from cluster.sampling import SamplingParams
+from draft_service.checkpoint import load_draft_model
+from draft_service.engine import ContextItem, DraftEngine, DraftItem
+from scheduler.engine import SpeculativeEngine
+from scheduler.policy import make_policy
+from scheduler.sps import SPSTable
+from verify_service.engine import PrefillItem, VerifyEngine, VerifyItem
+from verify_service.target import TargetModel
+
+BUCKETS = (1, 2, 4, 8)
+
+
+def _sps() -> SPSTable:
+    return SPSTable([1, 8, 16, 32, 64, 128, 256], [1000, 990, 960, 900, 700, 450, 250])
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[TargetModel, object]:
+    spec = PairSpec(vocab=128, hidden=32, block_size=5, markov_rank=8, target_layer_ids=(-1, 1, 2), seed=5)
+    target_dir, draft_dir = write_pair(tmp_path_factory.mktemp("graphs"), spec)
+    drafter = load_draft_model(draft_dir, target_dir=target_dir)
+    target = TargetModel.from_pretrained(target_dir, feature_layer_ids=drafter.config.target_layer_ids)
+    return target, drafter
+
+
+def test_bucket_sizes_and_pick() -> None:
+    assert bucket_sizes(12, BUCKETS) == (1, 2, 4, 8, 12)
+    assert bucket_sizes(8, BUCKETS) == (1, 2, 4, 8)
+    assert bucket_sizes(3, (1, 2, 4, 8, 16)) == (1, 2, 3)
+    sizes = bucket_sizes(128)
+    assert sizes == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert [pick_bucket(n, sizes) for n in (1, 2, 3, 5, 32, 33, 128)] == [1, 2, 4, 8, 32, 64, 128]
+    assert pick_bucket(129, sizes) is None
+    with pytest.raises(ValueError, match="at least one request"):
+        pick_bucket(0, sizes)
+    with pytest.raises(ValueError, match="max_requests"):
+        bucket_sizes(0)
+
+
+def test_graph_modes_are_checked(pair) -> None:
+    target, drafter = pair
+    with pytest.raises(ValueError, match="unknown graph mode"):
+        check_graph_mode("eager", torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        VerifyEngine(target, 2, 32, graphs="capture", max_drafts=5)
+    with pytest.raises(ValueError, match="needs max_drafts"):
+        VerifyEngine(target, 2, 32, graphs="static")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        DraftEngine(drafter, 2, 32, graphs="capture")
+
+
+def test_dummy_slots_are_reserved_not_counted(pair) -> None:
+    target, drafter = pair
+    verify = VerifyEngine(target, 3, 32, graphs="static", max_drafts=5, graph_buckets=BUCKETS)
+    draft = DraftEngine(drafter, 3, 32, graphs="static", graph_buckets=BUCKETS)
+    assert verify.cache.num_slots == 4 and verify.num_free_slots == 3
+    assert draft.cache.num_slots == 4 and draft.num_free_slots == 3
+    verify.step([PrefillItem(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0)) for i in range(3)])
+    for i in range(3):
+        draft.add_request(f"r{i}", SamplingParams(temperature=0.0))
+    assert verify.num_free_slots == 0 and draft.num_free_slots == 0
+    used = {verify._requests[f"r{i}"].slot for i in range(3)}
+    assert verify.graphs is not None and verify.graphs.dummy_slot not in used
+    with pytest.raises(ValueError):
+        draft.add_request("r3", SamplingParams(temperature=0.0))
+
+
+def _prefilled(target: TargetModel, mode: str, prompts: list[list[int]], params: list[SamplingParams], seq: int):
+    engine = VerifyEngine(target, 8, seq, graphs=mode, max_drafts=5, draft_top_k=4, graph_buckets=BUCKETS)
+    results = engine.step([PrefillItem(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
+    return engine, [r.tokens[0] for r in results]
+
+
+def test_bucketed_verify_step_equals_eager(pair) -> None:
+    """Mixed draft counts (0..gamma), greedy and sampled requests with narrower sparse distributions, and a
+    request whose chunk ends exactly at the end of its KV slot: same tokens, KV and features as eager."""
+    target, _ = pair
+    seq = 40
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 127, size=n).tolist() for n in (3, 9, 1, seq - 6, 15)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=11),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=12),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, seed=13),
+    ]
+    eager, anchors = _prefilled(target, "off", prompts, params, seq)
+    static, anchors_static = _prefilled(target, "static", prompts, params, seq)
+    assert anchors == anchors_static
+    gen = torch.Generator().manual_seed(0)
+    items = []
+    for i, n in enumerate([5, 3, 0, 5, 2]):  # request 3: prompt seq-6 + anchor + 5 drafts = seq exactly
+        drafts = rng.integers(0, 127, size=n).tolist()
+        ids = probs = None
+        if not params[i].greedy and n:
+            width = 3  # narrower than the runner's draft_top_k = 4: padded with probability-0 entries
+            ids = torch.stack([torch.randperm(128, generator=gen)[:width] for _ in range(n)])
+            ids[:, 0] = torch.tensor(drafts)
+            probs = torch.softmax(torch.randn(n, width, generator=gen), dim=-1)
+        items.append(VerifyItem(f"r{i}", anchors[i], drafts, ids, probs))
+    order = [3, 0, 4, 1, 2]  # not the prefill order: the bucket rows follow the call
+    got_eager = eager.step([], [items[j] for j in order])
+    got_static = static.step([], [items[j] for j in order])
+    for a, b in zip(got_eager, got_static, strict=True):
+        assert (a.req_id, a.tokens, a.num_accepted, a.feature_start) == (
+            b.req_id,
+            b.tokens,
+            b.num_accepted,
+            b.feature_start,
+        )
+        torch.testing.assert_close(a.features, b.features, atol=1e-5, rtol=1e-5)
+        slot_a, slot_b = eager._requests[a.req_id].slot, static._requests[b.req_id].slot
+        length = eager.cache.length(slot_a)
+        assert static.cache.length(slot_b) == length
+        torch.testing.assert_close(
+            eager.cache.k[:, slot_a, :length], static.cache.k[:, slot_b, :length], atol=1e-5, rtol=1e-5
+        )
+    assert static.cache.length(static._requests["r3"].slot) <= seq
+
+
+def test_bucketed_propose_equals_eager(pair) -> None:
+    _, drafter = pair
+    engines = {
+        mode: DraftEngine(drafter, 6, 48, draft_top_k=6, graphs=mode, graph_buckets=BUCKETS)
+        for mode in ("off", "static")
+    }
+    gen = torch.Generator().manual_seed(2)
+    lengths = [7, 1, 12, 4, 9]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=0.5, top_k=3, seed=4),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, seed=5),
+    ]
+    features = [torch.randn(n, drafter.config.context_feature_size, generator=gen) for n in lengths]
+    proposals = {}
+    for mode, engine in engines.items():
+        for i, sp in enumerate(params):
+            engine.add_request(f"r{i}", sp)
+        engine.append_context([ContextItem(f"r{i}", 0, f) for i, f in enumerate(features)])
+        items = [DraftItem(f"r{i}", 10 + i, n) for i, n in enumerate(lengths)]
+        proposals[mode] = engine.propose(items[::-1])
+    # The context append took the bucketed path (33 rows <= 6 * (block + 1)) and wrote the same K/V.
+    assert sum(lengths) <= engines["static"].graphs.max_append_rows
+    for i, n in enumerate(lengths):
+        slot_off, slot_static = engines["off"]._requests[f"r{i}"].slot, engines["static"]._requests[f"r{i}"].slot
+        assert engines["static"].context_length(f"r{i}") == n
+        torch.testing.assert_close(
+            engines["static"].cache.k[:, slot_static, :n], engines["off"].cache.k[:, slot_off, :n], atol=1e-5, rtol=1e-5
+        )
+    off, static = proposals["off"], proposals["static"]
+    assert static.tokens.device.type == "cpu" and off.tokens.device.type == "cpu"
+    assert torch.equal(off.tokens, static.tokens)
+    assert torch.equal(off.topk_ids, static.topk_ids)
+    torch.testing.assert_close(off.topk_probs, static.topk_probs, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(off.confidences, static.confidences, atol=1e-5)
+    assert static.topk_probs.shape == (5, drafter.block_size, 6)
+
+
+def _generate(target, drafter, mode: str, temperature: float) -> list[list[int]]:
+    verify = VerifyEngine(target, 12, 96, graphs=mode, max_drafts=drafter.block_size, graph_buckets=BUCKETS)
+    draft = DraftEngine(drafter, 12, 96, graphs=mode, graph_buckets=BUCKETS)
+    engine = SpeculativeEngine(verify, draft, make_policy("dspark", _sps(), drafter.block_size))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 127, size=int(rng.integers(1, 30))).tolist() for _ in range(20)]
+    max_tokens = [int(rng.integers(1, 30)) for _ in range(20)]
+    outputs: dict[str, list[int]] = {}
+    order = []
+    pending = list(range(20))
+    while pending or engine.has_unfinished():
+        for _ in range(min(3, len(pending))):  # requests join at different rounds
+            i = pending.pop(0)
+            sp = SamplingParams(temperature=temperature, max_tokens=max_tokens[i], seed=i, top_k=0 if i % 2 else 20)
+            rid = engine.add_request(prompts[i], sp)
+            order.append(rid)
+            outputs[rid] = []
+        for out in engine.step():
+            outputs[out.req_id].extend(out.new_token_ids)
+    if temperature == 0.0:
+        expected = target.generate(prompts, max_new_tokens=max(max_tokens))
+        assert [outputs[r] for r in order] == [e[:m] for e, m in zip(expected, max_tokens, strict=True)]
+    assert verify.num_free_slots == 12 and draft.num_free_slots == 12
+    return [outputs[r] for r in order]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_with_bucketed_steps_equals_eager(pair, temperature: float) -> None:
+    """Continuous batching (20 requests joining over rounds, 12 running at most, buckets 1..12): the same
+    outputs with and without the bucketed steps, greedy (== target greedy) and sampled (same random numbers)."""
+    target, drafter = pair
+    assert _generate(target, drafter, "static", temperature) == _generate(target, drafter, "off", temperature)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_cuda_graphs_equal_eager(tmp_path: Path, dtype: torch.dtype) -> None:
+    """On CUDA: captured graphs == eager (Triton attention, Triton sampler) == target greedy; sampled
+    requests give the same tokens from the captured graphs as from the same bucketed step run eagerly."""
+    spec = PairSpec(vocab=128, hidden=32, block_size=5, markov_rank=8, target_layer_ids=(-1, 1, 2), seed=5)
+    target_dir, draft_dir = write_pair(tmp_path, spec)
+    drafter = load_draft_model(draft_dir, target_dir=target_dir, dtype=dtype, device="cuda")
+    target = TargetModel.from_pretrained(
+        target_dir, feature_layer_ids=drafter.config.target_layer_ids, dtype=dtype, device="cuda"
+    )
+    assert target.attention_backend == "triton" and drafter.attention_backend == "triton"
+    greedy = {mode: _generate(target, drafter, mode, 0.0) for mode in ("off", "static", "capture")}
+    assert greedy["capture"] == greedy["off"] == greedy["static"]
+    assert _generate(target, drafter, "capture", 1.0) == _generate(target, drafter, "static", 1.0)
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """Make every way of reading a tensor's value on the host raise (what a CUDA graph cannot contain)."""
+    names = ["item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"]
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def refuse(name: str):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"host read inside a bucketed step: Tensor.{name}")
+
+        return method
+
+    for name in names:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA, capturing the graphs refuses host reads itself")
+def test_bucketed_steps_read_nothing_on_the_host(pair) -> None:
+    """The bodies that get captured (verify step with the Triton slot attention and Triton rejection sampler,
+    draft step, context append; Triton through the interpreter here) never read a tensor value on the host,
+    for greedy and sampled requests with top-k / top-p, while the engine runs real rounds."""
+    target, drafter = pair
+    verify = VerifyEngine(
+        target, 4, 64, use_triton=True, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS
+    )
+    draft = DraftEngine(drafter, 4, 64, graphs="static", graph_buckets=BUCKETS)
+    verify.graphs.backend = draft.graphs.backend = "triton"
+    guarded = 0
+    for step in [*verify.graphs.steps.values(), *draft.graphs.steps.values(), *draft.graphs.append_steps.values()]:
+        body = step.fn
+
+        def checked(body=body):
+            nonlocal guarded
+            guarded += 1
+            with _no_host_reads():
+                return body()
+
+        step.fn = checked
+    engine = SpeculativeEngine(verify, draft, make_policy("full", None, drafter.block_size))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=1.0, top_k=7, max_tokens=12, seed=1),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=2),
+    ]
+    ids = [engine.add_request([3 + i, 9, 27, 81 % 128], sp) for i, sp in enumerate(params)]
+    for _ in range(3):
+        engine.step()
+    assert guarded >= 6, "the bucketed steps ran"
+    for rid in ids:
+        engine.abort(rid)
