@@ -106,7 +106,7 @@ def _markov_step_kernel(
     if TOPK == 0:
         temp = tl.load(temperature_ptr + rows, mask=row_mask, other=1.0)
         greedy = temp == 0.0
-        scaled = tl_canonical(z / tl.where(greedy, 1.0, temp)[:, None])
+        scaled = tl_canonical(tl.math.div_rn(z, tl.where(greedy, 1.0, temp)[:, None]))
         key = tl_row_key(
             tl.load(seeds_ptr + rows, mask=row_mask, other=0),
             tl.load(positions_ptr + rows, mask=row_mask, other=0) + 1 + step,
@@ -219,7 +219,9 @@ def _markov_combine_kernel(
             ordered = tl.where(slots == slot, top, ordered)
             kept = tl.where(kept == top, _INT64_MIN, kept)
         values, ids = tl_unpack_value_id(ordered)
-        scaled = tl.where(live, tl_canonical(values / tl.where(greedy, 1.0, temp)), float("-inf"))
+        scaled = tl.where(
+            live, tl_canonical(tl.math.div_rn(values, tl.where(greedy, 1.0, temp))), float("-inf")
+        )
         top_max = tl.max(scaled, 0)
         log_norm = top_max + tl.log(tl.sum(tl.exp(scaled - top_max), 0))
         probs = tl.exp(scaled - log_norm)

@@ -12,36 +12,35 @@ Three launches, so that the big logits tensor is read once in full plus one row 
 Top-k / top-p thresholds are found exactly without sorting: the keep threshold is the largest order key t
 (see :mod:`kernels.float_keys`) with count(z >= t) >= k, respectively mass(z >= t) >= p * mass(top-k set).
 Both functions are monotone in t, so a 16-ary search over the int32 key range (<= 8 passes over the row,
-16 candidate thresholds counted per pass) lands on the exact data value, ties included. Rows without
+16 candidate thresholds counted per pass; 256-ary under the interpreter) lands on the exact data value, ties
+included. Rows without
 top-k / top-p skip this entirely.
 
 Kernels load in the storage dtype and upcast to float32 before any arithmetic, mask every load, and use a
-single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU.
+single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU. The
+float canonicalisation and order keys of :mod:`kernels.float_keys` are written out inside the vocabulary
+loops: under the interpreter every device-function call costs about a millisecond.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.float_keys import tl_canonical, tl_key_to_float, tl_ordered_key
+from kernels.float_keys import tl_key_to_float, tl_ordered_key
 from kernels.rejection import RejectionOutput, _row_layout, validate_rejection_inputs
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, tl_row_key, tl_uniform
 
 _ACCEPT = tl.constexpr(STREAM_ACCEPT)
 _TARGET = tl.constexpr(STREAM_TARGET_SAMPLE)
-_NCAND = 16
+_NCAND_GPU = 16  # candidate thresholds per search pass: a [BLOCK_S, 16] tile stays in registers
+_NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass costs interpreter overhead
 _SPLIT_SIZE = 16384
 
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2
-
-
-@triton.jit
-def _load_z(row_ptr, idx, mask, temp):
-    """z = logits / T in float32 (canonical zeros); masked lanes are -inf."""
-    x = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32)
-    return tl_canonical(x / temp)
 
 
 @triton.jit
@@ -51,8 +50,11 @@ def _mass_at_least(row_ptr, V, temp, z_max, lo, BLOCK_S: tl.constexpr):
     for start in range(0, V, BLOCK_S):
         idx = start + tl.arange(0, BLOCK_S)
         mask = idx < V
-        z = _load_z(row_ptr, idx, mask, temp)
-        acc += tl.where(mask & (tl_ordered_key(z) >= lo), tl.exp(z - z_max), 0.0)
+        z = tl.math.div_rn(tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32), temp)
+        z = tl.where(z == 0.0, 0.0, z)
+        bits = z.to(tl.int32, bitcast=True)
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        acc += tl.where(mask & (key >= lo), tl.exp(z - z_max), 0.0)
     return tl.sum(acc, 0)
 
 
@@ -81,9 +83,12 @@ def _search_threshold(
         for start in range(0, V, BLOCK_S):
             idx = start + tl.arange(0, BLOCK_S)
             mask = idx < V
-            z = _load_z(row_ptr, idx, mask, temp)
+            z = tl.math.div_rn(tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32), temp)
+            z = tl.where(z == 0.0, 0.0, z)
+            bits = z.to(tl.int32, bitcast=True)
+            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
             w = tl.where(mask, tl.exp(z - z_max) if USE_MASS else 1.0, 0.0)
-            hit = tl_ordered_key(z)[:, None] >= cand[None, :]
+            hit = key[:, None] >= cand[None, :]
             acc += tl.sum(tl.where(hit, w[:, None], 0.0), axis=0)
         ok = acc >= target
         new_lo = tl.max(tl.where(ok, cand, lo), 0)
@@ -115,34 +120,32 @@ def _row_stats_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK_V)
     if temp == 0.0:
-        best = tl.full((), float("-inf"), tl.float32)
-        best_idx = tl.full((), 0, tl.int32)
+        # argmax as one max-reduction over (value key, 2**31 - 1 - index) packed in int64: ties -> lower index
+        best = tl.full((), -9223372036854775808, tl.int64)
         for start in range(0, V, BLOCK_V):
             idx = start + offs
             x = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            chunk_max = tl.max(x, 0)
-            better = chunk_max > best
-            best_idx = tl.where(better, start + tl.argmax(x, 0), best_idx)
-            best = tl.where(better, chunk_max, best)
-        tl.store(argmax_ptr + row, best_idx)
+            bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            best = tl.maximum(best, tl.max((key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64), 0))
+        tl.store(argmax_ptr + row, 0x7FFFFFFF - (best & 0x7FFFFFFF).to(tl.int32))
     else:
         z_max = tl.full((), float("-inf"), tl.float32)
-        z_min = tl.full((), float("inf"), tl.float32)
         total = tl.full((), 0.0, tl.float32)
         for start in range(0, V, BLOCK_V):
             idx = start + offs
             mask = idx < V
-            z = _load_z(row_ptr, idx, mask, temp)
+            z = tl.math.div_rn(tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32), temp)
+            z = tl.where(z == 0.0, 0.0, z)
             new_max = tl.maximum(z_max, tl.max(z, 0))
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
             total = total * tl.exp(z_max - safe_max) + tl.sum(tl.exp(z - safe_max), 0)
-            z_min = tl.minimum(z_min, tl.min(tl.where(mask, z, float("inf")), 0))
             z_max = new_max
         top_k = tl.load(top_k_ptr + req)
         top_p = tl.load(top_p_ptr + req)
         use_k = (top_k > 0) & (top_k < V)
         use_p = top_p < 1.0
-        lo = tl_ordered_key(z_min)
+        lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
         hi = tl_ordered_key(z_max)
         if use_k:
             lo = _search_threshold(
@@ -178,8 +181,7 @@ def _accept_race_kernel(
     tau_ptr,
     out_ptr,
     num_acc_ptr,
-    part_key_ptr,
-    part_idx_ptr,
+    part_ptr,
     V,
     K,
     split_size,
@@ -210,10 +212,11 @@ def _accept_race_kernel(
         if greedy:
             accepted = x == tl.load(argmax_ptr + row)
         else:
-            z = tl_canonical(tl.load(logits_ptr + row * stride_row + x).to(tl.float32) / temp)
+            z = tl.math.div_rn(tl.load(logits_ptr + row * stride_row + x).to(tl.float32), temp)
+            z = tl.where(z == 0.0, 0.0, z)
             p_t = tl.where(
                 z >= tl.load(tau_ptr + row),
-                tl.exp(z - tl.load(zmax_ptr + row)) / tl.load(norm_ptr + row),
+                tl.math.div_rn(tl.exp(z - tl.load(zmax_ptr + row)), tl.load(norm_ptr + row)),
                 0.0,
             )
             if PROBS == 1:
@@ -247,17 +250,17 @@ def _accept_race_kernel(
         if PROBS == 2:
             ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=offs_k < k_live, other=-1)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=offs_k < k_live, other=0.0)
-        best_res = tl.full((), float("-inf"), tl.float32)
-        best_fb = tl.full((), float("-inf"), tl.float32)
-        idx_res = tl.full((), 0, tl.int32)
-        idx_fb = tl.full((), 0, tl.int32)
+        # race winners packed as (order key of w / E, 2**31 - 1 - index): one max-reduction, ties -> lower id
+        best_res = tl.full((), -9223372036854775808, tl.int64)
+        best_fb = tl.full((), -9223372036854775808, tl.int64)
         lo_v = split * split_size
         hi_v = tl.minimum(lo_v + split_size, V)
         for start in range(lo_v, hi_v, BLOCK_V):
             idx = start + tl.arange(0, BLOCK_V)
             mask = idx < hi_v
-            z = _load_z(row_ptr, idx, mask, temp)
-            p_t = tl.where(z >= tau, tl.exp(z - z_max) / norm, 0.0)
+            z = tl.math.div_rn(tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32), temp)
+            z = tl.where(z == 0.0, 0.0, z)
+            p_t = tl.where(z >= tau, tl.math.div_rn(tl.exp(z - z_max), norm), 0.0)
             if PROBS == 1:
                 p_d = tl.load(
                     probs_ptr + draft_row * stride_probs + idx, mask=idx < tl.where(bonus, 0, hi_v), other=0.0
@@ -268,29 +271,22 @@ def _accept_race_kernel(
                 p_d = tl.zeros([BLOCK_V], tl.float32)
             residual = tl.where(bonus, p_t, tl.maximum(p_t - p_d, 0.0))
             race = -tl.log(tl_uniform(key, idx))
-            key_res = tl.where(mask, residual / race, float("-inf"))
-            key_fb = tl.where(mask, p_t / race, float("-inf"))
-            chunk_res = tl.max(key_res, 0)
-            chunk_fb = tl.max(key_fb, 0)
-            better_res = chunk_res > best_res
-            better_fb = chunk_fb > best_fb
-            idx_res = tl.where(better_res, start + tl.argmax(key_res, 0), idx_res)
-            idx_fb = tl.where(better_fb, start + tl.argmax(key_fb, 0), idx_fb)
-            best_res = tl.where(better_res, chunk_res, best_res)
-            best_fb = tl.where(better_fb, chunk_fb, best_fb)
-        part = (r * num_splits + split) * 2
-        tl.store(part_key_ptr + part, best_res)
-        tl.store(part_key_ptr + part + 1, best_fb)
-        tl.store(part_idx_ptr + part, idx_res)
-        tl.store(part_idx_ptr + part + 1, idx_fb)
+            low = (0x7FFFFFFF - idx).to(tl.int64)
+            key_res = (
+                tl.math.div_rn(residual, race).to(tl.int32, bitcast=True).to(tl.int64)
+            )  # >= +0.0: bits are the key
+            key_fb = tl.math.div_rn(p_t, race).to(tl.int32, bitcast=True).to(tl.int64)
+            best_res = tl.maximum(best_res, tl.max(tl.where(mask, (key_res << 32) | low, best_res), 0))
+            best_fb = tl.maximum(best_fb, tl.max(tl.where(mask, (key_fb << 32) | low, best_fb), 0))
+        tl.store(part_ptr + (r * num_splits + split) * 2, best_res)
+        tl.store(part_ptr + (r * num_splits + split) * 2 + 1, best_fb)
     if split == 0:
         tl.store(num_acc_ptr + r, n_acc.to(tl.int64))
 
 
 @triton.jit
 def _finalize_kernel(
-    part_key_ptr,
-    part_idx_ptr,
+    part_ptr,
     cu_ptr,
     temperature_ptr,
     num_acc_ptr,
@@ -303,15 +299,17 @@ def _finalize_kernel(
         offs = tl.arange(0, BLOCK_SPLITS)
         mask = offs < num_splits
         part = (r * num_splits + offs) * 2
-        key_res = tl.load(part_key_ptr + part, mask=mask, other=float("-inf"))
-        key_fb = tl.load(part_key_ptr + part + 1, mask=mask, other=float("-inf"))
-        idx_res = tl.load(part_idx_ptr + part, mask=mask, other=0)
-        idx_fb = tl.load(part_idx_ptr + part + 1, mask=mask, other=0)
-        win_res = tl.sum(tl.where(offs == tl.argmax(key_res, 0), idx_res, 0), 0)
-        win_fb = tl.sum(tl.where(offs == tl.argmax(key_fb, 0), idx_fb, 0), 0)
-        token = tl.where(tl.max(key_res, 0) > 0.0, win_res, win_fb)
+        best_res = tl.max(tl.load(part_ptr + part, mask=mask, other=-9223372036854775808), 0)
+        best_fb = tl.max(tl.load(part_ptr + part + 1, mask=mask, other=-9223372036854775808), 0)
+        # an all-zero residual (key +0.0, bits 0) falls back to the p_t race
+        best = tl.where((best_res >> 32) > 0, best_res, best_fb)
+        token = 0x7FFFFFFF - (best & 0x7FFFFFFF)
         sample_row = tl.load(cu_ptr + r) + r + tl.load(num_acc_ptr + r)
         tl.store(out_ptr + sample_row, token.to(tl.int64))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _block(limit: int, size: int) -> int:
@@ -391,7 +389,7 @@ def rejection_sample_triton(
         vocab,
         BLOCK_V=_block(4096, vocab),
         BLOCK_S=_block(512, vocab),
-        NCAND=_NCAND,
+        NCAND=_NCAND_INTERPRETER if _interpreting() else _NCAND_GPU,
         num_warps=8,
     )
 
@@ -399,8 +397,7 @@ def rejection_sample_triton(
     block_v = _block(2048 if mode != PROBS_SPARSE else max(16, 8192 // block_k), vocab)
     split_size = triton.cdiv(min(_SPLIT_SIZE, vocab), block_v) * block_v
     num_splits = triton.cdiv(vocab, split_size)
-    part_key = torch.empty((num_req, num_splits, 2), dtype=torch.float32, device=device)
-    part_idx = torch.empty((num_req, num_splits, 2), dtype=torch.int32, device=device)
+    partials = torch.empty((num_req, num_splits, 2), dtype=torch.int64, device=device)
     _accept_race_kernel[(num_req, num_splits)](
         logits,
         logits.stride(0),
@@ -418,8 +415,7 @@ def rejection_sample_triton(
         tau,
         out,
         num_acc,
-        part_key,
-        part_idx,
+        partials,
         vocab,
         width,
         split_size,
@@ -430,8 +426,7 @@ def rejection_sample_triton(
         num_warps=8,
     )
     _finalize_kernel[(num_req,)](
-        part_key,
-        part_idx,
+        partials,
         cu,
         temps,
         num_acc,

@@ -7,8 +7,24 @@ from pathlib import Path
 
 import pytest
 
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# Without CUDA the Triton kernels (kernels/) run through Triton's CPU interpreter. The variable must be set
+# before triton is imported, because kernels are decorated at import time; conftest runs before test modules.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+# DSPARK_SHARED_DIR overrides the location, e.g. for a git worktree whose parent folder has no shared/.
+SHARED = Path(os.environ.get("DSPARK_SHARED_DIR", ROOT.parent / "shared"))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
