@@ -18,13 +18,12 @@ CPU interpreter use an fp32 dot with IEEE precision (no TF32).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.float_keys import tl_canonical, tl_pack_value_id, tl_unpack_value_id
+from kernels.launch import interpreting, launch_options
 from kernels.markov import MarkovSample, confidence_inputs, validate_markov_inputs
 from kernels.rng import STREAM_DRAFT_SAMPLE, tl_row_key, tl_uniform
 
@@ -239,10 +238,6 @@ def _markov_combine_kernel(
         tl.store(sparse_probs_ptr + out * K + slots, sparse, mask=live)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def markov_sample_triton(
     base_logits: torch.Tensor,
     anchor_ids: torch.Tensor,
@@ -284,7 +279,7 @@ def markov_sample_triton(
     block_v = max(16, min(256 if top_k else 128, triton.next_power_of_2(vocab)), topk_slots)
     block_d = max(16, min(64, triton.next_power_of_2(rank)))
     num_chunks = triton.cdiv(vocab, block_v)
-    native = w1.dtype != torch.float32 and not _interpreting()
+    native = w1.dtype != torch.float32 and not interpreting()
     part_f = torch.empty((num_req, num_chunks, 4), dtype=torch.float32, device=device)
     part_i = torch.empty((num_req, num_chunks), dtype=torch.int32, device=device)
     cands = torch.empty((num_req, num_chunks, max(top_k, 1)), dtype=torch.int64, device=device)
@@ -321,7 +316,8 @@ def markov_sample_triton(
             TOPK=topk_slots,
             STORE_LOGITS=logits is not None,
             NATIVE_DOT=native,
-            num_warps=4,
+            num_warps=8,
+            **launch_options(),
         )
         _markov_combine_kernel[(num_req,)](
             part_f,
@@ -341,6 +337,7 @@ def markov_sample_triton(
             TOPK=topk_slots,
             BLOCK_C=1024,
             num_warps=4,
+            **launch_options(),
         )
     return MarkovSample(
         tokens=tokens,

@@ -1,13 +1,16 @@
 """Triton rejection sampler: the contract of :mod:`kernels.rejection`, reading the target logits ~once.
 
-Three launches, so that the big logits tensor is read once in full plus one row per sampled request:
+Four launches, so that the big logits tensor is read once in full plus one row per sampled request:
 1. ``_row_stats_kernel``, one program per target row: greedy rows get their argmax; sampled rows get
    max z, the normaliser of the kept set and the keep threshold tau (top-k / top-p) in one streaming pass
    over the vocabulary (plus search passes only for rows that use top-k or top-p, see below).
-2. ``_accept_race_kernel``, programs (request, vocabulary split): each replays the request's short accept
-   chain from scalars (p_t and p_d at the draft tokens, one uniform each), finds the first rejection and runs
-   the exponential race on its split of the residual (or bonus) row; split 0 also writes the accepted drafts.
-3. ``_finalize_kernel``, one program per request: combines the per-split race winners.
+2. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
+   draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
+   greedy requests the final argmax token.
+3. ``_race_kernel``, programs (sampled request, vocabulary split): the exponential race on its split of the
+   residual (or bonus) row, as norm * max(0, p_t - p_d) * (1 / E_v): the same argmax as the normalised
+   residual with one division per token; sparse draft entries are scattered into the chunk they fall in.
+4. ``_finalize_kernel``, one program per request: combines the per-split race winners.
 
 Top-k / top-p thresholds are found exactly without sorting: the keep threshold is the largest order key t
 (see :mod:`kernels.float_keys`) with count(z >= t) >= k, respectively mass(z >= t) >= p * mass(top-k set).
@@ -24,13 +27,12 @@ loops: under the interpreter every device-function call costs about a millisecon
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.float_keys import tl_key_to_float, tl_ordered_key
+from kernels.launch import interpreting, launch_options
 from kernels.rejection import RejectionOutput, _row_layout, validate_rejection_inputs
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, tl_row_key, tl_uniform
 
@@ -164,7 +166,7 @@ def _row_stats_kernel(
 
 
 @triton.jit
-def _accept_race_kernel(
+def _accept_chain_kernel(
     logits_ptr,
     stride_row,
     draft_ids_ptr,
@@ -181,17 +183,12 @@ def _accept_race_kernel(
     tau_ptr,
     out_ptr,
     num_acc_ptr,
-    part_ptr,
-    V,
     K,
-    split_size,
-    num_splits,
     PROBS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """Per request: accept drafts left to right until the first rejection; greedy requests finish here."""
     r = tl.program_id(0)
-    split = tl.program_id(1)
     temp = tl.load(temperature_ptr + r)
     d0 = tl.load(cu_ptr + r)
     num_draft = (tl.load(cu_ptr + r + 1) - d0).to(tl.int32)
@@ -200,9 +197,7 @@ def _accept_race_kernel(
     position = tl.load(positions_ptr + r)
     greedy = temp == 0.0
     offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
     zero = tl.full((), 0, tl.int32)
-
     n_acc = tl.full((), 0, tl.int32)
     alive = tl.full((), 1, tl.int32)
     for k in range(0, num_draft):
@@ -222,8 +217,8 @@ def _accept_race_kernel(
             if PROBS == 1:
                 p_d = tl.load(probs_ptr + j * stride_probs + x)
             elif PROBS == 2:
-                ids = tl.load(prob_ids_ptr + j * stride_probs + offs_k, mask=mask_k, other=-1)
-                probs = tl.load(probs_ptr + j * stride_probs + offs_k, mask=mask_k, other=0.0)
+                ids = tl.load(prob_ids_ptr + j * stride_probs + offs_k, mask=offs_k < K, other=-1)
+                probs = tl.load(probs_ptr + j * stride_probs + offs_k, mask=offs_k < K, other=0.0)
                 p_d = tl.sum(tl.where(ids == x, probs, 0.0), 0)
             else:
                 p_d = tl.full((), 0.0, tl.float32)
@@ -231,26 +226,60 @@ def _accept_race_kernel(
             accepted = u * p_d < p_t
         alive = alive & accepted.to(tl.int32)
         n_acc += alive
-        if (split == 0) & (alive == 1):
+        if alive == 1:
             tl.store(out_ptr + row, x)
-
-    sample_row = row0 + n_acc
+    tl.store(num_acc_ptr + r, n_acc.to(tl.int64))
     if greedy:
-        if split == 0:
-            tl.store(out_ptr + sample_row, tl.load(argmax_ptr + sample_row).to(tl.int64))
-    else:
-        bonus = n_acc == num_draft
-        k_live = tl.where(bonus, 0, K)  # the bonus row has no draft distribution: load nothing
+        tl.store(out_ptr + row0 + n_acc, tl.load(argmax_ptr + row0 + n_acc).to(tl.int64))
+
+
+@triton.jit
+def _race_kernel(
+    logits_ptr,
+    stride_row,
+    probs_ptr,
+    stride_probs,
+    prob_ids_ptr,
+    cu_ptr,
+    temperature_ptr,
+    seeds_ptr,
+    positions_ptr,
+    zmax_ptr,
+    norm_ptr,
+    tau_ptr,
+    num_acc_ptr,
+    part_ptr,
+    V,
+    K,
+    split_size,
+    num_splits,
+    PROBS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Exponential race on one vocabulary split of a sampled request's residual (or bonus) row."""
+    r = tl.program_id(0)
+    split = tl.program_id(1)
+    temp = tl.load(temperature_ptr + r)
+    if temp != 0.0:
+        d0 = tl.load(cu_ptr + r)
+        num_draft = (tl.load(cu_ptr + r + 1) - d0).to(tl.int32)
+        n_acc = tl.load(num_acc_ptr + r).to(tl.int32)
+        sample_row = d0 + r + n_acc
         draft_row = d0 + n_acc
+        bonus = n_acc == num_draft
         z_max = tl.load(zmax_ptr + sample_row)
         norm = tl.load(norm_ptr + sample_row)
         tau = tl.load(tau_ptr + sample_row)
-        key = tl_row_key(seed, position + 1 + n_acc, _TARGET)
+        key = tl_row_key(tl.load(seeds_ptr + r), tl.load(positions_ptr + r) + 1 + n_acc, _TARGET)
         row_ptr = logits_ptr + sample_row * stride_row
         if PROBS == 2:
+            # the bonus row has no draft distribution: load no sparse entries for it
+            k_live = tl.where(bonus, 0, K)
+            offs_k = tl.arange(0, BLOCK_K)
             ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=offs_k < k_live, other=-1)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=offs_k < k_live, other=0.0)
-        # race winners packed as (order key of w / E, 2**31 - 1 - index): one max-reduction, ties -> lower id
+        # winners packed as (order key of the race key, 2**31 - 1 - index): one max-reduction, ties: lower id
         best_res = tl.full((), -9223372036854775808, tl.int64)
         best_fb = tl.full((), -9223372036854775808, tl.int64)
         lo_v = split * split_size
@@ -260,56 +289,47 @@ def _accept_race_kernel(
             mask = idx < hi_v
             z = tl.math.div_rn(tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32), temp)
             z = tl.where(z == 0.0, 0.0, z)
-            p_t = tl.where(z >= tau, tl.math.div_rn(tl.exp(z - z_max), norm), 0.0)
+            weight = tl.where(z >= tau, tl.exp(z - z_max), 0.0)  # = norm * p_t
             if PROBS == 1:
-                p_d = tl.load(
-                    probs_ptr + draft_row * stride_probs + idx, mask=idx < tl.where(bonus, 0, hi_v), other=0.0
-                )
+                limit = tl.where(bonus, 0, hi_v)
+                p_d = tl.load(probs_ptr + draft_row * stride_probs + idx, mask=idx < limit, other=0.0)
             elif PROBS == 2:
-                p_d = tl.sum(tl.where(idx[:, None] == ids[None, :], probs[None, :], 0.0), axis=1)
+                # scatter the few sparse entries that fall into this chunk (usually none)
+                here = (ids >= start) & (ids < start + BLOCK_V)
+                p_d = tl.zeros([BLOCK_V], tl.float32)
+                previous = tl.zeros((), tl.int64) + (start - 1)
+                for _ in range(0, tl.sum(here.to(tl.int32), 0)):
+                    current = tl.min(tl.where(here & (ids > previous), ids, 2147483647), 0)
+                    p_d = tl.where(idx == current, tl.sum(tl.where(ids == current, probs, 0.0), 0), p_d)
+                    previous = current
             else:
                 p_d = tl.zeros([BLOCK_V], tl.float32)
-            residual = tl.where(bonus, p_t, tl.maximum(p_t - p_d, 0.0))
-            race = -tl.log(tl_uniform(key, idx))
+            residual = tl.where(bonus, weight, tl.maximum(weight - norm * p_d, 0.0))
+            inv_race = tl.math.div_rn(1.0, -tl.log(tl_uniform(key, idx)))
             low = (0x7FFFFFFF - idx).to(tl.int64)
-            key_res = (
-                tl.math.div_rn(residual, race).to(tl.int32, bitcast=True).to(tl.int64)
-            )  # >= +0.0: bits are the key
-            key_fb = tl.math.div_rn(p_t, race).to(tl.int32, bitcast=True).to(tl.int64)
+            # keys are >= +0.0, whose float bits already order like the floats
+            key_res = (residual * inv_race).to(tl.int32, bitcast=True).to(tl.int64)
+            key_fb = (weight * inv_race).to(tl.int32, bitcast=True).to(tl.int64)
             best_res = tl.maximum(best_res, tl.max(tl.where(mask, (key_res << 32) | low, best_res), 0))
             best_fb = tl.maximum(best_fb, tl.max(tl.where(mask, (key_fb << 32) | low, best_fb), 0))
         tl.store(part_ptr + (r * num_splits + split) * 2, best_res)
         tl.store(part_ptr + (r * num_splits + split) * 2 + 1, best_fb)
-    if split == 0:
-        tl.store(num_acc_ptr + r, n_acc.to(tl.int64))
 
 
 @triton.jit
 def _finalize_kernel(
-    part_ptr,
-    cu_ptr,
-    temperature_ptr,
-    num_acc_ptr,
-    out_ptr,
-    num_splits,
-    BLOCK_SPLITS: tl.constexpr,
+    part_ptr, cu_ptr, temperature_ptr, num_acc_ptr, out_ptr, num_splits, BLOCK_SPLITS: tl.constexpr
 ):
+    """Per sampled request: the race winner over all splits (an all-zero residual falls back to p_t)."""
     r = tl.program_id(0)
     if tl.load(temperature_ptr + r) != 0.0:
         offs = tl.arange(0, BLOCK_SPLITS)
-        mask = offs < num_splits
         part = (r * num_splits + offs) * 2
-        best_res = tl.max(tl.load(part_ptr + part, mask=mask, other=-9223372036854775808), 0)
-        best_fb = tl.max(tl.load(part_ptr + part + 1, mask=mask, other=-9223372036854775808), 0)
-        # an all-zero residual (key +0.0, bits 0) falls back to the p_t race
-        best = tl.where((best_res >> 32) > 0, best_res, best_fb)
-        token = 0x7FFFFFFF - (best & 0x7FFFFFFF)
+        best_res = tl.max(tl.load(part_ptr + part, mask=offs < num_splits, other=-9223372036854775808), 0)
+        best_fb = tl.max(tl.load(part_ptr + part + 1, mask=offs < num_splits, other=-9223372036854775808), 0)
+        best = tl.where((best_res >> 32) > 0, best_res, best_fb)  # key bits > 0 <=> residual key > +0.0
         sample_row = tl.load(cu_ptr + r) + r + tl.load(num_acc_ptr + r)
-        tl.store(out_ptr + sample_row, token.to(tl.int64))
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        tl.store(out_ptr + sample_row, 0x7FFFFFFF - (best & 0x7FFFFFFF))
 
 
 def _block(limit: int, size: int) -> int:
@@ -371,68 +391,35 @@ def rejection_sample_triton(
             draft_probs.shape[1],
         )
 
+    seeds64 = seeds.to(torch.int64).contiguous()
+    positions64 = positions.to(torch.int64).contiguous()
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
     z_max = torch.empty(rows, dtype=torch.float32, device=device)
     norm = torch.empty(rows, dtype=torch.float32, device=device)
     tau = torch.empty(rows, dtype=torch.float32, device=device)
+    options = launch_options()
     _row_stats_kernel[(rows,)](
-        logits,
-        logits.stride(0),
-        row_req,
-        temps,
-        top_k.to(torch.int64).contiguous(),
-        top_p.to(torch.float32).contiguous(),
-        argmax,
-        z_max,
-        norm,
-        tau,
-        vocab,
-        BLOCK_V=_block(4096, vocab),
-        BLOCK_S=_block(512, vocab),
-        NCAND=_NCAND_INTERPRETER if _interpreting() else _NCAND_GPU,
-        num_warps=8,
-    )
-
+        logits, logits.stride(0), row_req, temps, top_k.to(torch.int64).contiguous(),
+        top_p.to(torch.float32).contiguous(), argmax, z_max, norm, tau, vocab,
+        BLOCK_V=_block(4096, vocab), BLOCK_S=_block(512, vocab),
+        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=8, **options,
+    )  # fmt: skip
     block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
-    block_v = _block(2048 if mode != PROBS_SPARSE else max(16, 8192 // block_k), vocab)
+    _accept_chain_kernel[(num_req,)](
+        logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, seeds64, positions64,
+        argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
+    )  # fmt: skip
+    block_v = _block(2048, vocab)
     split_size = triton.cdiv(min(_SPLIT_SIZE, vocab), block_v) * block_v
     num_splits = triton.cdiv(vocab, split_size)
     partials = torch.empty((num_req, num_splits, 2), dtype=torch.int64, device=device)
-    _accept_race_kernel[(num_req, num_splits)](
-        logits,
-        logits.stride(0),
-        ids,
-        probs,
-        width,
-        prob_ids,
-        cu,
-        temps,
-        seeds.to(torch.int64).contiguous(),
-        positions.to(torch.int64).contiguous(),
-        argmax,
-        z_max,
-        norm,
-        tau,
-        out,
-        num_acc,
-        partials,
-        vocab,
-        width,
-        split_size,
-        num_splits,
-        PROBS=mode,
-        BLOCK_V=block_v,
-        BLOCK_K=block_k,
-        num_warps=8,
-    )
+    _race_kernel[(num_req, num_splits)](
+        logits, logits.stride(0), probs, width, prob_ids, cu, temps, seeds64, positions64, z_max, norm, tau,
+        num_acc, partials, vocab, width, split_size, num_splits,
+        PROBS=mode, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=8, **options,
+    )  # fmt: skip
     _finalize_kernel[(num_req,)](
-        partials,
-        cu,
-        temps,
-        num_acc,
-        out,
-        num_splits,
-        BLOCK_SPLITS=_block(1 << 20, num_splits),
-        num_warps=1,
-    )
+        partials, cu, temps, num_acc, out, num_splits,
+        BLOCK_SPLITS=_block(1 << 20, num_splits), num_warps=1, **options,
+    )  # fmt: skip
     return RejectionOutput(num_accepted=num_acc, output_tokens=out)
