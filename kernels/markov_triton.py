@@ -28,6 +28,9 @@ from kernels.markov import MarkovSample, confidence_inputs, validate_markov_inpu
 from kernels.rng import STREAM_DRAFT_SAMPLE, tl_row_key, tl_uniform
 
 _DRAFT = tl.constexpr(STREAM_DRAFT_SAMPLE)
+TUNING = {"block_r": 32, "block_v": 128, "topk_block_r": 16, "topk_block_v": 256, "warps": 8}
+"""Step-kernel tile sizes (one fixed configuration; 8 warps keep the [32, 128] tile free of register spills
+on sm_90); bench/bench_kernels.py --sweep measures others."""
 _INT64_MIN = tl.constexpr(-(2**63))
 _INT64_MAX = tl.constexpr(2**63 - 1)
 
@@ -275,8 +278,9 @@ def markov_sample_triton(
     positions64 = positions.to(torch.int64).contiguous()
     anchors = anchor_ids.to(torch.int64).contiguous()
     topk_slots = triton.next_power_of_2(top_k) if top_k else 0
-    block_r = max(16, min(32 if not top_k else 16, triton.next_power_of_2(num_req)))
-    block_v = max(16, min(256 if top_k else 128, triton.next_power_of_2(vocab)), topk_slots)
+    mode = "topk_" if top_k else ""
+    block_r = max(16, min(TUNING[mode + "block_r"], triton.next_power_of_2(num_req)))
+    block_v = max(16, min(TUNING[mode + "block_v"], triton.next_power_of_2(vocab)))
     block_d = max(16, min(64, triton.next_power_of_2(rank)))
     num_chunks = triton.cdiv(vocab, block_v)
     native = w1.dtype != torch.float32 and not interpreting()
@@ -316,7 +320,7 @@ def markov_sample_triton(
             TOPK=topk_slots,
             STORE_LOGITS=logits is not None,
             NATIVE_DOT=native,
-            num_warps=8,
+            num_warps=TUNING["warps"],
             **launch_options(),
         )
         _markov_combine_kernel[(num_req,)](

@@ -40,7 +40,8 @@ _ACCEPT = tl.constexpr(STREAM_ACCEPT)
 _TARGET = tl.constexpr(STREAM_TARGET_SAMPLE)
 _NCAND_GPU = 16  # candidate thresholds per search pass: a [BLOCK_S, 16] tile stays in registers
 _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass costs interpreter overhead
-_SPLIT_SIZE = 16384
+TUNING = {"row_block_v": 4096, "row_warps": 8, "race_block_v": 2048, "race_warps": 8, "split_size": 16384}
+"""Launch sizes (one fixed configuration, no autotuning); bench/bench_kernels.py --sweep measures others."""
 
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2
 
@@ -401,22 +402,22 @@ def rejection_sample_triton(
     _row_stats_kernel[(rows,)](
         logits, logits.stride(0), row_req, temps, top_k.to(torch.int64).contiguous(),
         top_p.to(torch.float32).contiguous(), argmax, z_max, norm, tau, vocab,
-        BLOCK_V=_block(4096, vocab), BLOCK_S=_block(512, vocab),
-        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=8, **options,
+        BLOCK_V=_block(TUNING["row_block_v"], vocab), BLOCK_S=_block(512, vocab),
+        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=TUNING["row_warps"], **options,
     )  # fmt: skip
     block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
     _accept_chain_kernel[(num_req,)](
         logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, seeds64, positions64,
         argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
-    block_v = _block(2048, vocab)
-    split_size = triton.cdiv(min(_SPLIT_SIZE, vocab), block_v) * block_v
+    block_v = _block(TUNING["race_block_v"], vocab)
+    split_size = triton.cdiv(min(TUNING["split_size"], vocab), block_v) * block_v
     num_splits = triton.cdiv(vocab, split_size)
     partials = torch.empty((num_req, num_splits, 2), dtype=torch.int64, device=device)
     _race_kernel[(num_req, num_splits)](
         logits, logits.stride(0), probs, width, prob_ids, cu, temps, seeds64, positions64, z_max, norm, tau,
         num_acc, partials, vocab, width, split_size, num_splits,
-        PROBS=mode, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=8, **options,
+        PROBS=mode, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=TUNING["race_warps"], **options,
     )  # fmt: skip
     _finalize_kernel[(num_req,)](
         partials, cu, temps, num_acc, out, num_splits,
