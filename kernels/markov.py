@@ -29,12 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.checks import check_request_params, check_vector, require
+from kernels.checks import MAX_SPARSE_K, check_request_params, check_vector, require
 from kernels.float_keys import canonical, pack_value_id, unpack_value_id
 from kernels.rng import STREAM_DRAFT_SAMPLE, uniform
-
-MAX_SPARSE_K = 1024
-"""Largest truncation K (the sparse distribution travels on the wire; the kernel keeps K candidates)."""
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.checks import check_request_params, check_vector, require
+from kernels.checks import MAX_SPARSE_K, check_request_params, check_vector, require
 from kernels.float_keys import canonical
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, uniform
 
@@ -193,7 +193,11 @@ def validate_rejection_inputs(
             f"draft_prob_ids must be an integer tensor, got {draft_prob_ids.dtype}",
         )
         require(draft_prob_ids.device == device, "draft_prob_ids must be on the device of target_logits")
-        require(draft_probs.shape[1] > 0, "sparse draft distributions need K >= 1 entries per row")
+        require(
+            0 < draft_probs.shape[1] <= MAX_SPARSE_K,
+            f"sparse draft distributions need 1 <= K <= {MAX_SPARSE_K} entries per row, "
+            f"got {draft_probs.shape[1]}",
+        )
         if num_draft > 0:
             require(
                 bool(((draft_prob_ids >= 0) & (draft_prob_ids < vocab)).all()),
@@ -307,6 +311,7 @@ def rejection_sample_reference(
     lens = cu[1:] - cu[:-1]
     row_req, draft_req = _row_layout(cu, num_req, num_draft)
     row_start = cu[:-1] + torch.arange(num_req, device=device)
+    temperature = temperature.to(torch.float32)
     greedy = temperature == 0
     seeds = seeds.to(torch.int64)
     positions = positions.to(torch.int64)

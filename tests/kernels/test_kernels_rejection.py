@@ -320,6 +320,14 @@ def _bad_inputs() -> list[tuple[str, dict, str]]:
             dict(draft_probs=sparse.draft_probs, draft_prob_ids=sparse.draft_prob_ids[:, :2]),
             "shape of draft_probs",
         ),
+        (
+            "sparse too wide",
+            dict(
+                draft_probs=torch.full((3, 1025), 1 / 1025, device=DEVICE),
+                draft_prob_ids=torch.zeros((3, 1025), dtype=torch.int64, device=DEVICE),
+            ),
+            "1 <= K <= 1024",
+        ),
     ]
 
 
