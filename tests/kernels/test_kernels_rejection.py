@@ -341,3 +341,33 @@ def test_bad_input_raises_value_error_with_a_clear_message(impl: str, case: str)
     base = make_batch(lens=[2, 1], vocab=20, temperature=[1.0, 0.0], seed=1)
     with pytest.raises(ValueError, match=re.escape(fragment)):
         replace(base, **overrides).run(IMPLS[impl])
+
+
+def test_minus_infinity_logits_are_never_emitted() -> None:
+    """Masked vocabulary entries (-inf logits, e.g. padding) get probability 0 in every setting."""
+    batch = make_batch(**MIXED, vocab=64, sparse_k=5, seed=13)
+    masked = torch.zeros(64, dtype=torch.bool)
+    masked[1::3] = True  # ids 1 mod 3; a masked id + 1 is in range and unmasked
+    logits = batch.target_logits.clone()
+    logits[:, masked.to(DEVICE)] = float("-inf")
+    batch.target_logits = logits
+    drafts = batch.draft_token_ids.clone()
+    drafts[masked.to(DEVICE)[drafts]] += 1  # drafts proposing a masked token would be rejected anyway
+    batch.draft_token_ids = drafts
+    batch.draft_prob_ids = torch.where(masked.to(DEVICE)[batch.draft_prob_ids], batch.draft_prob_ids + 1,
+                                       batch.draft_prob_ids)  # fmt: skip
+    batch.draft_prob_ids[:, 0] = drafts
+    ref, tri = batch.run(rejection_sample_reference), batch.run(rejection_sample_triton)
+    _assert_same(ref, tri)
+    emitted = ref.output_tokens[ref.output_tokens >= 0].cpu()
+    assert not bool(masked[emitted].any())
+
+
+@pytest.mark.parametrize("impl", IMPLS.keys())
+def test_an_empty_batch_returns_empty_outputs(impl: str) -> None:
+    empty_i = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    out = IMPLS[impl](
+        torch.zeros(0, 10, device=DEVICE), empty_i, None, torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        torch.zeros(0, device=DEVICE), empty_i, torch.zeros(0, device=DEVICE), empty_i, empty_i,
+    )  # fmt: skip
+    assert out.num_accepted.shape == (0,) and out.output_tokens.shape == (0,)
