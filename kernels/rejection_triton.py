@@ -16,8 +16,7 @@ Top-k / top-p thresholds are found exactly without sorting: the keep threshold i
 (see :mod:`kernels.float_keys`) with count(z >= t) >= k, respectively mass(z >= t) >= p * mass(top-k set).
 Both functions are monotone in t, so a 16-ary search over the int32 key range (<= 8 passes over the row,
 16 candidate thresholds counted per pass; 256-ary under the interpreter) lands on the exact data value, ties
-included. Rows without
-top-k / top-p skip this entirely.
+included. Rows without top-k / top-p skip this entirely.
 
 Kernels load in the storage dtype and upcast to float32 before any arithmetic, mask every load, and use a
 single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU. The
@@ -43,7 +42,9 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 TUNING = {"row_block_v": 4096, "row_warps": 8, "race_block_v": 2048, "race_warps": 8, "split_size": 16384}
 """Launch sizes (one fixed configuration, no autotuning); bench/bench_kernels.py --sweep measures others."""
 
-PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2
+PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
+_DENSE = tl.constexpr(PROBS_DENSE)
+_SPARSE = tl.constexpr(PROBS_SPARSE)
 
 
 @triton.jit
@@ -215,9 +216,9 @@ def _accept_chain_kernel(
                 tl.math.div_rn(tl.exp(z - tl.load(zmax_ptr + row)), tl.load(norm_ptr + row)),
                 0.0,
             )
-            if PROBS == 1:
+            if PROBS == _DENSE:
                 p_d = tl.load(probs_ptr + j * stride_probs + x)
-            elif PROBS == 2:
+            elif PROBS == _SPARSE:
                 ids = tl.load(prob_ids_ptr + j * stride_probs + offs_k, mask=offs_k < K, other=-1)
                 probs = tl.load(probs_ptr + j * stride_probs + offs_k, mask=offs_k < K, other=0.0)
                 p_d = tl.sum(tl.where(ids == x, probs, 0.0), 0)
@@ -274,7 +275,7 @@ def _race_kernel(
         tau = tl.load(tau_ptr + sample_row)
         key = tl_row_key(tl.load(seeds_ptr + r), tl.load(positions_ptr + r) + 1 + n_acc, _TARGET)
         row_ptr = logits_ptr + sample_row * stride_row
-        if PROBS == 2:
+        if PROBS == _SPARSE:
             # the bonus row has no draft distribution: load no sparse entries for it
             k_live = tl.where(bonus, 0, K)
             offs_k = tl.arange(0, BLOCK_K)
@@ -291,10 +292,10 @@ def _race_kernel(
             z = tl.math.div_rn(tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32), temp)
             z = tl.where(z == 0.0, 0.0, z)
             weight = tl.where(z >= tau, tl.exp(z - z_max), 0.0)  # = norm * p_t
-            if PROBS == 1:
+            if PROBS == _DENSE:
                 limit = tl.where(bonus, 0, hi_v)
                 p_d = tl.load(probs_ptr + draft_row * stride_probs + idx, mask=idx < limit, other=0.0)
-            elif PROBS == 2:
+            elif PROBS == _SPARSE:
                 # scatter the few sparse entries that fall into this chunk (usually none)
                 here = (ids >= start) & (ids < start + BLOCK_V)
                 p_d = tl.zeros([BLOCK_V], tl.float32)
