@@ -9,6 +9,12 @@ as the oracle in tests; on CPU the Triton versions run through ``TRITON_INTERPRE
 
 ``rejection_sample``, ``slot_attention`` and ``markov_sample`` pick the Triton kernel for CUDA tensors and the
 torch reference otherwise (the interpreter is for tests, far too slow to serve with).
+
+Modules: ``rng`` (counter-based uniforms), ``float_keys`` (exact order keys of floats), ``checks`` (input
+validation shared by the samplers), ``rejection`` / ``rejection_triton`` (verification), ``markov`` /
+``markov_triton`` (drafting), ``slot_attention`` / ``slot_attention_triton`` (attention over slot caches),
+``launch`` (launch options), ``compile_check`` (``python -m kernels.compile_check``: compiles every kernel for a GPU
+architecture on a machine without a GPU).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ import torch
 
 from kernels.rng import MAX_POSITION
 
+MAX_SPARSE_K = 1024
+"""Widest sparse draft distribution (ids, probs) per position: kernels hold one such row in registers."""
+
 MIN_TEMPERATURE = 1e-5
 """Smallest positive temperature; below it logits / T overflows float32 for ordinary logits (0 = greedy)."""
 

@@ -67,12 +67,15 @@ def tl_key_to_float(key):
 @triton.jit
 def tl_pack_value_id(z, ids):
     """int64 (key << 32) | (2**31 - 1 - id): sorted descending = value descending, then id ascending."""
-    return (tl_ordered_key(z).to(tl.int64) << 32) | (0x7FFFFFFF - ids).to(tl.int64)
+    bits = z.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (key.to(tl.int64) << 32) | (0x7FFFFFFF - ids).to(tl.int64)
 
 
 @triton.jit
 def tl_unpack_value_id(packed):
     """(float32 values, int32 ids) of :func:`tl_pack_value_id` output."""
-    values = tl_key_to_float((packed >> 32).to(tl.int32))
+    key = (packed >> 32).to(tl.int32)
+    values = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
     ids = 0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)
     return values, ids

@@ -29,12 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.checks import check_request_params, check_vector, require
+from kernels.checks import MAX_SPARSE_K, check_request_params, check_vector, require
 from kernels.float_keys import canonical, pack_value_id, unpack_value_id
 from kernels.rng import STREAM_DRAFT_SAMPLE, uniform
-
-MAX_SPARSE_K = 1024
-"""Largest truncation K (the sparse distribution travels on the wire; the kernel keeps K candidates)."""
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -96,10 +93,8 @@ def validate_markov_inputs(
         f"w1 {list(w1.shape)} and w2 {list(w2.shape)} must both be [V, r] with r > 0",
     )
     require(w1.dtype == w2.dtype, f"w1 ({w1.dtype}) and w2 ({w2.dtype}) must share a dtype")
-    require(
-        check_request_params(temperature, seeds, positions, device) == num_req,
-        f"temperature, seeds and positions must have R = {num_req} entries (rows of base_logits)",
-    )
+    check_vector("temperature", temperature, num_req, False, device)
+    check_request_params(temperature, seeds, positions, device)
     check_vector("anchor_ids", anchor_ids, num_req, True, device)
     require(bool(((anchor_ids >= 0) & (anchor_ids < vocab)).all()), f"anchor_ids must be in [0, {vocab})")
     require(isinstance(top_k, int) and not isinstance(top_k, bool), "top_k must be an int")

@@ -18,17 +18,19 @@ CPU interpreter use an fp32 dot with IEEE precision (no TF32).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.float_keys import tl_canonical, tl_pack_value_id, tl_unpack_value_id
+from kernels.launch import interpreting, launch_options
 from kernels.markov import MarkovSample, confidence_inputs, validate_markov_inputs
 from kernels.rng import STREAM_DRAFT_SAMPLE, tl_row_key, tl_uniform
 
 _DRAFT = tl.constexpr(STREAM_DRAFT_SAMPLE)
+TUNING = {"block_r": 32, "block_v": 128, "topk_block_r": 16, "topk_block_v": 256, "warps": 8}
+"""Step-kernel tile sizes (one fixed configuration; 8 warps keep the [32, 128] tile free of register spills
+on sm_90); bench/bench_kernels.py --sweep measures others."""
 _INT64_MIN = tl.constexpr(-(2**63))
 _INT64_MAX = tl.constexpr(2**63 - 1)
 
@@ -106,7 +108,7 @@ def _markov_step_kernel(
     if TOPK == 0:
         temp = tl.load(temperature_ptr + rows, mask=row_mask, other=1.0)
         greedy = temp == 0.0
-        scaled = tl_canonical(z / tl.where(greedy, 1.0, temp)[:, None])
+        scaled = tl_canonical(tl.math.div_rn(z, tl.where(greedy, 1.0, temp)[:, None]))
         key = tl_row_key(
             tl.load(seeds_ptr + rows, mask=row_mask, other=0),
             tl.load(positions_ptr + rows, mask=row_mask, other=0) + 1 + step,
@@ -219,7 +221,9 @@ def _markov_combine_kernel(
             ordered = tl.where(slots == slot, top, ordered)
             kept = tl.where(kept == top, _INT64_MIN, kept)
         values, ids = tl_unpack_value_id(ordered)
-        scaled = tl.where(live, tl_canonical(values / tl.where(greedy, 1.0, temp)), float("-inf"))
+        scaled = tl.where(
+            live, tl_canonical(tl.math.div_rn(values, tl.where(greedy, 1.0, temp))), float("-inf")
+        )
         top_max = tl.max(scaled, 0)
         log_norm = top_max + tl.log(tl.sum(tl.exp(scaled - top_max), 0))
         probs = tl.exp(scaled - log_norm)
@@ -235,10 +239,6 @@ def _markov_combine_kernel(
         tl.store(probs_ptr + out, prob)
         tl.store(sparse_ids_ptr + out * K + slots, ids.to(tl.int64), mask=live)
         tl.store(sparse_probs_ptr + out * K + slots, sparse, mask=live)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def markov_sample_triton(
@@ -278,11 +278,12 @@ def markov_sample_triton(
     positions64 = positions.to(torch.int64).contiguous()
     anchors = anchor_ids.to(torch.int64).contiguous()
     topk_slots = triton.next_power_of_2(top_k) if top_k else 0
-    block_r = max(16, min(32 if not top_k else 16, triton.next_power_of_2(num_req)))
-    block_v = max(16, min(256 if top_k else 128, triton.next_power_of_2(vocab)), topk_slots)
+    mode = "topk_" if top_k else ""
+    block_r = max(16, min(TUNING[mode + "block_r"], triton.next_power_of_2(num_req)))
+    block_v = max(16, min(TUNING[mode + "block_v"], triton.next_power_of_2(vocab)))
     block_d = max(16, min(64, triton.next_power_of_2(rank)))
     num_chunks = triton.cdiv(vocab, block_v)
-    native = w1.dtype != torch.float32 and not _interpreting()
+    native = w1.dtype != torch.float32 and not interpreting()
     part_f = torch.empty((num_req, num_chunks, 4), dtype=torch.float32, device=device)
     part_i = torch.empty((num_req, num_chunks), dtype=torch.int32, device=device)
     cands = torch.empty((num_req, num_chunks, max(top_k, 1)), dtype=torch.int64, device=device)
@@ -319,7 +320,8 @@ def markov_sample_triton(
             TOPK=topk_slots,
             STORE_LOGITS=logits is not None,
             NATIVE_DOT=native,
-            num_warps=4,
+            num_warps=TUNING["warps"],
+            **launch_options(),
         )
         _markov_combine_kernel[(num_req,)](
             part_f,
@@ -339,6 +341,7 @@ def markov_sample_triton(
             TOPK=topk_slots,
             BLOCK_C=1024,
             num_warps=4,
+            **launch_options(),
         )
     return MarkovSample(
         tokens=tokens,

@@ -37,8 +37,10 @@ index.
 
 Categorical draws use the exponential race: token = argmax_v w_v / E_v with E_v = -log u_v, u_v uniform.
 Since P(argmax = v) = w_v / sum w for independent Exp(1) variables E_v, this samples norm(w) without a
-normalisation pass and works on the unnormalised residual w = max(0, p_t - p_d) directly; it is also a
-single max-reduction, so a vocabulary split over many programs combines exactly. Ties (probability ~0) go to
+normalisation pass and works on the unnormalised residual directly; it is also a single max-reduction, so a
+vocabulary split over many programs combines exactly. Both implementations evaluate the key as
+``w_v * (1 / E_v)`` with w = max(0, e - Z * p_d) (bonus row: w = e), where e_v = exp(z_v - max z) on kept
+tokens and Z = sum e, i.e. w = Z * max(0, p_t - p_d): one division per token. Ties (probability ~0) go to
 the smaller token id. If the residual is all zero (a rejection that has probability 0 in exact arithmetic but
 can occur by float rounding when p_d == p_t), the draw falls back to p_t with the same uniforms.
 
@@ -60,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.checks import check_request_params, check_vector, require
+from kernels.checks import MAX_SPARSE_K, check_request_params, check_vector, require
 from kernels.float_keys import canonical
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, uniform
 
@@ -191,7 +193,11 @@ def validate_rejection_inputs(
             f"draft_prob_ids must be an integer tensor, got {draft_prob_ids.dtype}",
         )
         require(draft_prob_ids.device == device, "draft_prob_ids must be on the device of target_logits")
-        require(draft_probs.shape[1] > 0, "sparse draft distributions need K >= 1 entries per row")
+        require(
+            0 < draft_probs.shape[1] <= MAX_SPARSE_K,
+            f"sparse draft distributions need 1 <= K <= {MAX_SPARSE_K} entries per row, "
+            f"got {draft_probs.shape[1]}",
+        )
         if num_draft > 0:
             require(
                 bool(((draft_prob_ids >= 0) & (draft_prob_ids < vocab)).all()),
@@ -246,15 +252,23 @@ def filter_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return tau
 
 
-def target_probs(
+def target_weights(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Filtered target distribution p_t [rows, V] float32 of sampled rows (per-row T > 0, top-k, top-p)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalised filtered weights exp(z - max z) on kept tokens [rows, V] and their sums [rows, 1]."""
     z = canonical(logits.to(torch.float32) / temperature[:, None].to(torch.float32))
     tau = filter_thresholds(z, top_k, top_p)
     z_max = z.max(dim=-1, keepdim=True).values
     weights = torch.where(z >= tau[:, None], torch.exp(z - z_max), 0.0)
-    return weights / weights.sum(dim=-1, keepdim=True)
+    return weights, weights.sum(dim=-1, keepdim=True)
+
+
+def target_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Filtered target distribution p_t [rows, V] float32 of sampled rows (per-row T > 0, top-k, top-p)."""
+    weights, norm = target_weights(logits, temperature, top_k, top_p)
+    return weights / norm
 
 
 def rejection_sample_reference(
@@ -297,13 +311,17 @@ def rejection_sample_reference(
     lens = cu[1:] - cu[:-1]
     row_req, draft_req = _row_layout(cu, num_req, num_draft)
     row_start = cu[:-1] + torch.arange(num_req, device=device)
+    temperature = temperature.to(torch.float32)
     greedy = temperature == 0
     seeds = seeds.to(torch.int64)
     positions = positions.to(torch.int64)
 
     argmax = target_logits.argmax(dim=-1)
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    p_t = target_probs(target_logits, safe_t[row_req], top_k[row_req].to(torch.int64), top_p[row_req])
+    weights, norm = target_weights(
+        target_logits, safe_t[row_req], top_k[row_req].to(torch.int64), top_p[row_req]
+    )
+    p_t = weights / norm
 
     x = draft_token_ids.to(torch.int64)
     k_draft = torch.arange(num_draft, device=device) - cu[draft_req]
@@ -322,22 +340,23 @@ def rejection_sample_reference(
 
     sample_row = row_start + num_accepted
     bonus = num_accepted == lens
-    pt_s = p_t[sample_row]
-    pd_s = torch.zeros_like(pt_s)
+    weight_s, norm_s = weights[sample_row], norm[sample_row]
+    pd_s = torch.zeros_like(weight_s)
     draft_row = torch.where(bonus, 0, cu[:-1] + num_accepted).clamp(max=max(num_draft - 1, 0))
     if draft_probs is not None and num_draft > 0:
         if draft_prob_ids is None:
             pd_s = draft_probs[draft_row]
         else:
             pd_s = pd_s.scatter_add(1, draft_prob_ids[draft_row].to(torch.int64), draft_probs[draft_row])
-    residual = torch.where(bonus[:, None], pt_s, (pt_s - pd_s).clamp(min=0.0))
+    # race on norm * max(0, p_t - p_d) (bonus: norm * p_t), times 1 / E_v: one division per token
+    residual = torch.where(bonus[:, None], weight_s, (weight_s - norm_s * pd_s).clamp(min=0.0))
     index = torch.arange(vocab, device=device)
-    race = -torch.log(
-        uniform(seeds[:, None], (positions + 1 + num_accepted)[:, None], STREAM_TARGET_SAMPLE, index[None, :])
-    )
-    key_res = residual / race
+    position_s = (positions + 1 + num_accepted)[:, None]
+    race = -torch.log(uniform(seeds[:, None], position_s, STREAM_TARGET_SAMPLE, index[None, :]))
+    inv_race = 1.0 / race
+    key_res = residual * inv_race
     sampled_res = key_res.argmax(dim=-1)
-    sampled_fb = (pt_s / race).argmax(dim=-1)
+    sampled_fb = (weight_s * inv_race).argmax(dim=-1)
     sampled = torch.where(key_res.max(dim=-1).values > 0, sampled_res, sampled_fb)
     final = torch.where(greedy, argmax[sample_row], sampled)
 

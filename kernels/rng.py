@@ -85,12 +85,27 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: to
 
 
 # ----------------------------------------------------------------------------------------------- Triton side
-# The same functions for Triton kernels, in uint32. Import these names into a kernel module's globals.
+# The same functions for Triton kernels, in uint32 (wrapping multiplication, logical shifts). The lowbias32
+# rounds are written out instead of calling a helper: under TRITON_INTERPRET every device-function call
+# re-patches triton.language (~1 ms), which would dominate the CPU tests.
 
 
 @triton.jit
-def tl_mix32(x):
-    """lowbias32 on a uint32 tensor (wrapping multiplication, logical shifts)."""
+def tl_row_key(seed, position, stream: tl.constexpr):
+    """uint32 key of (seed, position, stream id); ``seed``/``position`` int64 (scalars or tensors)."""
+    x = seed.to(tl.uint32) ^ 0x9E3779B9
+    for word in tl.static_range(3):
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        x = x ^ (x >> 16)
+        if word == 0:
+            x = x ^ (seed >> 32).to(tl.uint32)
+        elif word == 1:
+            x = x ^ position.to(tl.uint32)
+        else:
+            x = x ^ stream
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
@@ -99,19 +114,18 @@ def tl_mix32(x):
 
 
 @triton.jit
-def tl_row_key(seed, position, stream: tl.constexpr):
-    """uint32 key of (seed: int64 scalar, position: int64 scalar, stream id)."""
-    key = tl_mix32(seed.to(tl.uint32) ^ 0x9E3779B9)
-    key = tl_mix32(key ^ (seed >> 32).to(tl.uint32))
-    key = tl_mix32(key ^ position.to(tl.uint32))
-    return tl_mix32(key ^ stream)
-
-
-@triton.jit
 def tl_uniform(key, index):
     """Float32 uniforms in (0, 1) for integer ``index`` (any shape) under row ``key`` (uint32)."""
-    bits = tl_mix32(tl_mix32(key ^ index.to(tl.uint32)) ^ 0x85EBCA6B)
-    return ((bits >> 8) | 1).to(tl.float32) * (1.0 / 16777216.0)
+    x = key ^ index.to(tl.uint32)
+    for rnd in tl.static_range(2):
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        x = x ^ (x >> 16)
+        if rnd == 0:
+            x = x ^ 0x85EBCA6B
+    return ((x >> 8) | 1).to(tl.float32) * (1.0 / 16777216.0)
 
 
 MAX_POSITION = _MAX_POSITION

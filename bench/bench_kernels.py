@@ -1,0 +1,284 @@
+"""Sampling kernels, Triton vs torch reference: the rejection sampler and the Markov-head sampler.
+
+Rejection sampler (issue 4): R requests x gamma draft tokens over a vocabulary V, target logits in bf16
+(R * (gamma + 1) rows), timed in four settings: sampled T = 1 with sparse top-K draft distributions (the
+product's path), sampled T = 1 with dense float32 draft distributions, greedy, and sampled with temperature
+0.8 + top-k 50 + top-p 0.9 (the exact top-k / top-p threshold searches). Reported: median time over repeats
+(CUDA events), speed-up over the reference, and the achieved bandwidth = bytes of target logits / time,
+compared with the device's copy bandwidth measured here ((read + write bytes) / time of a device copy of the
+same size as the logits). Markov-head sampler: R requests, gamma steps, rank r, vocabulary V, bf16 weights
+and base logits; full vocabulary T = 1, greedy, and sparse top-K, against the reference loop.
+
+Both implementations run with ``validate=False`` on identical inputs (the input checks read the control
+tensors and cost a host sync; their time is reported separately), and the script reports how many requests
+got identical outputs from the two (on GPUs the kernel's exp/log differ from torch's in the last bits, so a
+near-tie may rarely go the other way). ``--sweep`` also times other launch sizes of the kernels (about two
+more minutes, mostly compilation).
+
+GPU (one command, about a minute on an H200; writes docs/benchmarks/kernels.json):
+    python bench/bench_kernels.py [--sweep]
+CPU smoke run (Triton through the interpreter, tiny shapes):
+    python bench/bench_kernels.py --small --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout: use this checkout's kernels
+    sys.path.insert(0, str(ROOT))
+
+FULL = dict(requests=256, gamma=8, vocab=151936, sparse_k=64, markov_requests=128, markov_gamma=7, rank=256)
+SMALL = dict(requests=4, gamma=3, vocab=256, sparse_k=8, markov_requests=4, markov_gamma=2, rank=16)
+REJECTION_SETTINGS = {
+    "sampled T=1, sparse drafts": (1.0, 0, 1.0, "sparse"),
+    "sampled T=1, dense drafts": (1.0, 0, 1.0, "dense"),
+    "greedy": (0.0, 0, 1.0, "none"),
+    "sampled T=0.8 top-k 50 top-p 0.9, sparse": (0.8, 50, 0.9, "sparse"),
+}
+REJECTION_ARGS = ("target_logits", "draft_token_ids", "draft_probs", "cu_draft_lens", "temperature", "top_k",
+                  "top_p", "seeds", "positions")  # fmt: skip
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+    """Median time of ``fn`` in milliseconds (CUDA events on GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(num_bytes: int, device: torch.device, repeats: int) -> float:
+    """Device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = timed(partial(dst.copy_, src), device, repeats)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def rejection_inputs(shape: dict, device: torch.device, setting: tuple, seed: int) -> dict[str, Any]:
+    """A batch of R requests with gamma drafts each, drawn from their draft distributions (on the device)."""
+    temperature, top_k, top_p, draft = setting
+    gen = torch.Generator(device=device).manual_seed(seed)
+    num_req, gamma, vocab, k = shape["requests"], shape["gamma"], shape["vocab"], shape["sparse_k"]
+    num_draft = num_req * gamma
+    new = dict(device=device)
+    logits = (torch.randn(num_draft + num_req, vocab, generator=gen, **new) * 3).to(torch.bfloat16)
+    inputs: dict[str, Any] = dict(
+        target_logits=logits,
+        cu_draft_lens=torch.arange(num_req + 1, **new) * gamma,
+        temperature=torch.full((num_req,), temperature, **new),
+        top_k=torch.full((num_req,), top_k, dtype=torch.int64, **new),
+        top_p=torch.full((num_req,), top_p, **new),
+        seeds=torch.randint(0, 2**62, (num_req,), generator=gen, **new),
+        positions=torch.randint(0, 8192, (num_req,), generator=gen, **new),
+        draft_probs=None,
+        draft_prob_ids=None,
+    )
+    rows = torch.arange(num_draft, **new) + torch.arange(num_draft, **new) // gamma
+    # a drafter close to the target: slightly perturbed target logits
+    draft_logits = logits[rows].float() + torch.randn(num_draft, vocab, generator=gen, **new)
+    if draft == "sparse":
+        top = draft_logits.topk(k, dim=-1)
+        probs = torch.softmax(top.values, dim=-1)
+        pick = torch.multinomial(probs, 1, generator=gen)
+        inputs.update(
+            draft_probs=probs, draft_prob_ids=top.indices, draft_token_ids=top.indices.gather(1, pick)[:, 0]
+        )
+    elif draft == "dense":
+        probs = torch.softmax(draft_logits, dim=-1)
+        inputs.update(draft_probs=probs, draft_token_ids=torch.multinomial(probs, 1, generator=gen)[:, 0])
+    else:
+        inputs.update(draft_token_ids=logits[rows].argmax(dim=-1))
+    return inputs
+
+
+def bench_rejection(shape: dict, device: torch.device, repeats: int, copy_gbps: float) -> list[dict]:
+    from kernels.rejection import rejection_sample_reference, validate_rejection_inputs
+    from kernels.rejection_triton import rejection_sample_triton
+
+    results = []
+    for i, (name, setting) in enumerate(tqdm(REJECTION_SETTINGS.items(), desc="rejection sampler")):
+        inputs = rejection_inputs(shape, device, setting, seed=i)
+        args = [inputs[k] for k in REJECTION_ARGS]
+        ids = inputs["draft_prob_ids"]
+        tri = timed(
+            partial(rejection_sample_triton, *args, draft_prob_ids=ids, validate=False), device, repeats
+        )
+        ref = timed(partial(rejection_sample_reference, *args, draft_prob_ids=ids, validate=False), device,
+                    max(1, repeats // 4))  # fmt: skip
+        check = timed(partial(validate_rejection_inputs, *args, ids), device, max(1, repeats // 4))
+        cu = inputs["cu_draft_lens"]
+        a = rejection_sample_triton(*args, draft_prob_ids=ids).per_request(cu)
+        b = rejection_sample_reference(*args, draft_prob_ids=ids).per_request(cu)
+        same = sum(x == y for x, y in zip(a, b, strict=True))
+        logit_bytes = inputs["target_logits"].numel() * inputs["target_logits"].element_size()
+        gbps = logit_bytes / (tri * 1e-3) / 1e9
+        results.append({
+            "kernel": "rejection", "setting": name, "triton_ms": tri, "reference_ms": ref,
+            "speedup": ref / tri, "logit_bytes": logit_bytes, "achieved_gbps": gbps,
+            "fraction_of_copy_bandwidth": gbps / copy_gbps,
+            "validation_ms": check, "identical_requests": f"{same}/{len(a)}",
+            "mean_emitted_tokens": sum(len(t) for t in a) / len(a),
+        })  # fmt: skip
+    return results
+
+
+def markov_args(shape: dict, device: torch.device, temperature: float) -> list:
+    gen = torch.Generator(device=device).manual_seed(1)
+    num_req, gamma, vocab, rank = (
+        shape["markov_requests"],
+        shape["markov_gamma"],
+        shape["vocab"],
+        shape["rank"],
+    )
+    new = dict(device=device, generator=gen)
+    return [
+        (torch.randn(num_req, gamma, vocab, **new) * 3).to(torch.bfloat16),
+        torch.randint(0, vocab, (num_req,), **new),
+        (torch.randn(vocab, rank, **new) * 0.1).to(torch.bfloat16),
+        (torch.randn(vocab, rank, **new) * 0.1).to(torch.bfloat16),
+        torch.full((num_req,), temperature, device=device),
+        torch.randint(0, 2**62, (num_req,), **new),
+        torch.randint(0, 8192, (num_req,), **new),
+    ]
+
+
+def bench_markov(shape: dict, device: torch.device, repeats: int) -> list[dict]:
+    from kernels.markov import markov_sample_reference
+    from kernels.markov_triton import markov_sample_triton
+
+    k = shape["sparse_k"]
+    settings = {
+        "sampled T=1, full vocabulary": (1.0, 0),
+        "greedy": (0.0, 0),
+        f"sampled T=1, sparse top-{k}": (1.0, k),
+    }
+    results = []
+    for name, (temperature, top_k) in tqdm(settings.items(), desc="markov sampler"):
+        args = markov_args(shape, device, temperature)
+        tri = timed(partial(markov_sample_triton, *args, top_k=top_k, validate=False), device, repeats)
+        ref = timed(partial(markov_sample_reference, *args, top_k=top_k, validate=False), device,
+                    max(1, repeats // 4))  # fmt: skip
+        a, b = markov_sample_triton(*args, top_k=top_k), markov_sample_reference(*args, top_k=top_k)
+        same = int((a.tokens == b.tokens).all(dim=1).sum())
+        results.append({
+            "kernel": "markov", "setting": name, "triton_ms": tri, "reference_ms": ref, "speedup": ref / tri,
+            "identical_requests": f"{same}/{len(a.tokens)}",
+        })  # fmt: skip
+    return results
+
+
+def sweep(shape: dict, device: torch.device, repeats: int) -> list[dict]:
+    """Triton time of the main settings under other launch sizes (the defaults are kernels' TUNING dicts)."""
+    from kernels import markov_triton, rejection_triton
+
+    rows = []
+    inputs = rejection_inputs(shape, device, REJECTION_SETTINGS["sampled T=1, sparse drafts"], seed=0)
+    args = [inputs[k] for k in REJECTION_ARGS]
+    call = partial(rejection_triton.rejection_sample_triton, *args, draft_prob_ids=inputs["draft_prob_ids"],
+                   validate=False)  # fmt: skip
+    default = dict(rejection_triton.TUNING)
+    # the row-statistics kernel and the race kernel are swept one at a time, the other at its default
+    variants = [
+        dict(row_block_v=b, row_warps=w) for b, w in itertools.product((2048, 4096, 8192), (4, 8, 16))
+    ]
+    variants += [dict(race_block_v=b, race_warps=w) for b, w in itertools.product((1024, 2048, 4096), (4, 8))]
+    for variant in tqdm(variants, desc="sweep rejection"):
+        rejection_triton.TUNING.update({**default, **variant})
+        rows.append(
+            {"kernel": "rejection", **rejection_triton.TUNING, "triton_ms": timed(call, device, repeats)}
+        )
+    rejection_triton.TUNING.update(default)
+
+    args = markov_args(shape, device, 1.0)
+    default = dict(markov_triton.TUNING)
+    for block_r, block_v, warps in tqdm(list(itertools.product((16, 32), (64, 128, 256), (4, 8))),
+                                        desc="sweep markov"):  # fmt: skip
+        markov_triton.TUNING.update(block_r=block_r, block_v=block_v, warps=warps)
+        call = partial(markov_triton.markov_sample_triton, *args, validate=False)
+        rows.append({"kernel": "markov", **markov_triton.TUNING, "triton_ms": timed(call, device, repeats)})
+    markov_triton.TUNING.update(default)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20 GPU, 1 CPU)")
+    parser.add_argument("--sweep", action="store_true", help="also time other kernel launch sizes")
+    parser.add_argument("--out", default=None, help="JSON output (default docs/benchmarks/kernels.json; "
+                        "none for --small)")  # fmt: skip
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        # must happen before the kernels (and with them triton) are imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton
+
+    shape = SMALL if args.small else FULL
+    repeats = args.repeats or (20 if device.type == "cuda" else 1)
+    logit_bytes = shape["requests"] * (shape["gamma"] + 1) * shape["vocab"] * 2
+    copy_gbps = copy_bandwidth(logit_bytes, device, repeats)
+    results = bench_rejection(shape, device, repeats, copy_gbps) + bench_markov(shape, device, repeats)
+    sweep_rows = sweep(shape, device, max(1, repeats // 2)) if args.sweep else []
+
+    device_name = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    )
+    report = {
+        "device": device_name, "torch": torch.__version__, "triton": triton.__version__, "shape": shape,
+        "repeats": repeats, "copy_bandwidth_gbps": copy_gbps, "results": results, "sweep": sweep_rows,
+    }  # fmt: skip
+    out = args.out or (None if args.small else "docs/benchmarks/kernels.json")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    for kernel in ("rejection", "markov"):
+        best = sorted((r for r in sweep_rows if r["kernel"] == kernel), key=lambda r: r["triton_ms"])[:3]
+        for r in best:
+            print(f"sweep {kernel}: {r}")
+    print(f"\ndevice: {device_name}  shape: {shape}  copy bandwidth: {copy_gbps:.1f} GB/s (read+write)")
+    print(f"{'kernel':10} {'setting':42} {'triton ms':>10} {'ref ms':>9} {'speedup':>8} {'GB/s':>7} "
+          f"{'% copy':>7} {'identical':>10}")  # fmt: skip
+    for r in results:
+        gbps = f"{r['achieved_gbps']:.0f}" if "achieved_gbps" in r else "-"
+        frac = f"{100 * r['fraction_of_copy_bandwidth']:.0f}%" if "fraction_of_copy_bandwidth" in r else "-"
+        print(f"{r['kernel']:10} {r['setting']:42} {r['triton_ms']:10.3f} {r['reference_ms']:9.2f} "
+              f"{r['speedup']:7.1f}x {gbps:>7} {frac:>7} {r['identical_requests']:>10}")  # fmt: skip
+    if out:
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
