@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 setup: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/dspark --help  # becomes `dspark serve` once serving lands
+	$(BIN)/dspark serve
 
 # pytest exits 5 when it collected nothing: treated as a failure, like any other non-zero code.
 test: $(STAMP)

@@ -51,10 +51,6 @@ def _add_inflate(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
-#: Subcommand registrars; later modules add theirs here.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_version, _add_demo, _add_inflate]
-
-
 def _add_drafter_training(sub: argparse._SubParsersAction) -> None:
     """``gen-responses``, ``train-drafter``, ``calibrate-drafter``: rebuild the shipped demo drafters."""
     from draft_service.training.cli import register
@@ -69,7 +65,22 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
-COMMANDS += [_add_drafter_training, _add_eval]
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    """``serve``: the OpenAI-compatible server on Ray Serve (``--no-ray``: everything in this process)."""
+    from cluster.serve_local import register
+
+    register(sub)
+
+
+#: Subcommand registrars, in the order ``dspark --help`` lists them.
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_version,
+    _add_serve,
+    _add_eval,
+    _add_demo,
+    _add_drafter_training,
+    _add_inflate,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,14 +107,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return handler(args)
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    """``serve``: the OpenAI-compatible server (``--no-ray``: everything in this process)."""
-    from cluster.serve_local import register
-
-    register(sub)
-
-
-COMMANDS += [_add_serve]
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
-DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "dspark"
+DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "draft_dspark"
 
 
 class _Strict(BaseModel):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = ROOT / "models" / "demo" / "target"
-DEFAULT_DRAFT = ROOT / "models" / "demo" / "dspark"
+DEFAULT_DRAFT = ROOT / "models" / "demo" / "draft_dspark"
 DEFAULT_MODEL_NAME = "dspark-demo"
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -77,18 +76,14 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``dspark serve`` (its Ray mode is not in this build yet: ``--no-ray`` runs everything here)."""
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (--no-ray: in-process engine)")
+    """Add ``dspark serve``: Ray Serve deployment by default, everything in this process with ``--no-ray``."""
+    from cluster.serve_cmd import add_ray_arguments, run_serve
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (demo pair on CPU by default)")
     p.add_argument("--no-ray", action="store_true", help="run target, drafter and scheduler in this process")
     add_local_arguments(p)
-    p.set_defaults(handler=_cmd_serve)
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    if not args.no_ray:
-        print("dspark serve: the Ray deployment is not in this build yet; run `dspark serve --no-ray`", file=sys.stderr)
-        return 2
-    return run_local(args)
+    add_ray_arguments(p)
+    p.set_defaults(handler=run_serve)
 
 
 def load_local_backend(
@@ -138,7 +133,12 @@ def load_local_backend(
     drafter = None
     block_size = 1
     if draft_model is not None:
-        drafter = DraftEngine(draft_model, max_requests=max_requests, max_seq_len=max_seq_len, draft_top_k=draft_top_k)
+        from scheduler.sts import STSCalibration
+
+        sts_path = Path(draft) / "sts.json"  # type: ignore[arg-type]
+        calibration = STSCalibration.load(sts_path) if sts_path.exists() else None
+        drafter = DraftEngine(draft_model, max_requests=max_requests, max_seq_len=max_seq_len,
+                              draft_top_k=draft_top_k, calibration=calibration)
         block_size = drafter.block_size
     if sps is None and policy.startswith("dspark"):
         logger.warning(

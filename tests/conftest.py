@@ -21,6 +21,11 @@ def _interpret_triton_without_cuda() -> None:
 
 _interpret_triton_without_cuda()
 
+# Local Ray test clusters live on loopback only: token auth off, and Ray must not swap 127.0.0.1 for the
+# machine's routable address when a driver connects (both are read when ray is first imported).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 ROOT = Path(__file__).resolve().parents[1]
 # DSPARK_SHARED_DIR overrides the location, e.g. for a git worktree whose parent folder has no shared/.
 SHARED = Path(os.environ.get("DSPARK_SHARED_DIR", ROOT.parent / "shared"))

@@ -62,8 +62,8 @@ def test_serve_no_ray_process_answers_openai_requests() -> None:
 
 
 def test_serve_refuses_clearly(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
-    assert main(["serve"]) == 2
-    assert "--no-ray" in capsys.readouterr().err
+    assert main(["serve", "--no-ray", "--config", "deploy/serve_config.yaml"]) == 2
+    assert "--config describes a Ray deployment" in capsys.readouterr().err
     assert main(["serve", "--no-ray", "--draft", "/nonexistent/drafter"]) == 2
     assert "drafter folder /nonexistent/drafter not found" in caplog.text
     assert main(["serve", "--no-ray", "--policy", "fixed-0"]) == 2

@@ -1,0 +1,262 @@
+"""The scheduler hub: request lifecycle across replicas, one round loop per verifier replica.
+
+Drafter and verifier replicas register here with their gRPC addresses. Each verifier replica gets its own round
+driver (a :class:`SpeculativeEngine` over a :class:`RemoteVerifier`, with the shared :class:`DrafterPool`) running
+on its own loop thread, so one central process works per verifier step over all of that replica's requests: one
+``Step`` message in, one out, plus one ``Propose`` per drafter replica. New requests go to the verifier group with
+the fewest requests and stay there (sticky KV cache). The hub knows nothing of Ray; the Serve deployment in
+:mod:`cluster.app` and the standalone ``dspark scheduler`` process are thin shells around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.backend import BackendUnavailableError, GenerateDelta, LocalBackend
+from cluster.messages import AnyValue, Int, List, Message, Str
+from cluster.rpc import Service
+from cluster.sampling import SamplingParams
+from scheduler.engine import SpeculativeEngine
+from scheduler.metrics import MetricsSnapshot
+from scheduler.policy import make_policy
+from scheduler.remote import DrafterPool, RemoteVerifier
+from scheduler.sps import SPSTable
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "dspark.Scheduler"
+GENERATE = Message(
+    "Generate",
+    {"req_id": Str(min_len=1, max_len=128), "prompt_ids": List(Int(min=0), max_len=1 << 20), "params": AnyValue()},
+)
+ABORT = Message("Abort", {"req_id": Str(min_len=1, max_len=128)})
+EMPTY = Message("Empty", {})
+
+
+@dataclass
+class _Group:
+    address: str
+    backend: LocalBackend
+    verifier: RemoteVerifier
+    active: set[str] = field(default_factory=set)
+
+
+class SchedulerHub:
+    """Routes requests to per-verifier round loops; a :class:`GenerateBackend` for the HTTP layer."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        policy: str,
+        decode: Callable[[Sequence[int]], str] | None,
+        eos_token_ids: Sequence[int] = (),
+        token: str | None = None,
+        timeout_s: float = 60.0,
+        max_context: int | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.policy = policy
+        self.decode = decode
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.token = token
+        self.timeout_s = timeout_s
+        self._max_context = max_context
+        self._lock = threading.Lock()
+        self._drafters: dict[str, str] = {}  # replica id -> address
+        self._pool: DrafterPool | None = None
+        self._groups: dict[str, _Group] = {}  # verifier replica id -> group
+        self._owner: dict[str, str] = {}  # req id -> verifier replica id
+
+    # ---------------------------------------------------------------------------------------- registration
+    def register_drafter(self, replica_id: str, address: str) -> None:
+        """Idempotent; a new drafter joins the pool shared by every verifier group at once."""
+        with self._lock:
+            if self._drafters.get(replica_id) == address:
+                return
+            self._drafters[replica_id] = address
+            if self._pool is None:
+                self._pool = DrafterPool([address], token=self.token, timeout_s=self.timeout_s)
+            else:
+                self._pool.add_drafter(address)
+            logger.info("drafter %s registered at %s", replica_id, address)
+
+    def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any]) -> None:
+        """Idempotent; starts the round loop of a new verifier replica."""
+        with self._lock:
+            group = self._groups.get(replica_id)
+            if group is not None and group.address == address:
+                return
+            if self.policy != "autoregressive" and self._pool is None:
+                raise BackendUnavailableError("no drafter registered yet; register drafters first")
+            pool = self._pool if self.policy != "autoregressive" else None
+            route_of = pool.route_of if pool is not None else (lambda _req_id: None)
+            verifier = RemoteVerifier(address, route_of, token=self.token, timeout_s=self.timeout_s)
+            block_size = pool.block_size if pool is not None else 0
+            engine = SpeculativeEngine(
+                verifier,
+                pool,  # type: ignore[arg-type]
+                make_policy(self.policy, SPSTable.from_dict(sps), block_size),
+                decode=self.decode,
+                eos_token_ids=self.eos_token_ids or verifier.eos_token_ids,
+            )
+            backend = LocalBackend(engine, self.model_name, max_context=self._max_context)
+            self._groups[replica_id] = _Group(address, backend, verifier)
+            logger.info("verifier %s registered at %s", replica_id, address)
+
+    @property
+    def num_verifiers(self) -> int:
+        return len(self._groups)
+
+    @property
+    def num_drafters(self) -> int:
+        return len(self._drafters)
+
+    # ------------------------------------------------------------------------------------ GenerateBackend
+    @property
+    def max_context(self) -> int:
+        groups = list(self._groups.values())
+        if not groups:
+            return self._max_context or 0
+        return min(g.backend.max_context for g in groups)
+
+    def _pick_group(self) -> tuple[str, _Group]:
+        with self._lock:
+            if not self._groups:
+                raise BackendUnavailableError("no verifier replica is registered yet")
+            replica_id = min(self._groups, key=lambda r: len(self._groups[r].active))
+            return replica_id, self._groups[replica_id]
+
+    async def generate(
+        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerateDelta]:
+        replica_id, group = self._pick_group()
+        group.active.add(req_id)
+        self._owner[req_id] = replica_id
+        try:
+            async for delta in group.backend.generate(req_id, prompt_ids, params):
+                yield delta
+        finally:
+            group.active.discard(req_id)
+            self._owner.pop(req_id, None)
+
+    async def abort(self, req_id: str) -> None:
+        replica_id = self._owner.get(req_id)
+        if replica_id is not None and replica_id in self._groups:
+            await self._groups[replica_id].backend.abort(req_id)
+
+    async def metrics(self) -> MetricsSnapshot:
+        snapshots = [await g.backend.metrics() for g in self._groups.values()]
+        return merge_snapshots(snapshots)
+
+    async def health(self) -> None:
+        if not self._groups:
+            raise BackendUnavailableError("no verifier replica is registered yet")
+        for group in self._groups.values():
+            await group.backend.health()
+
+    def close(self) -> None:
+        for group in self._groups.values():
+            group.backend.close()
+            group.verifier.close()
+        if self._pool is not None:
+            self._pool.close()
+
+    # ----------------------------------------------------------------------------------------------- gRPC
+    def service(self) -> Service:
+        """``dspark.Scheduler``: what the HTTP ingress replicas call."""
+
+        async def generate(request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+            if not isinstance(request["params"], dict):
+                raise ValueError("params: expected a map")
+            params = SamplingParams.from_dict(request["params"])
+            async for delta in self.generate(request["req_id"], request["prompt_ids"], params):
+                yield {
+                    "token_ids": list(delta.token_ids),
+                    "text": delta.text,
+                    "finished": delta.finished,
+                    "finish_reason": delta.finish_reason,
+                    "num_prompt_tokens": delta.num_prompt_tokens,
+                    "num_output_tokens": delta.num_output_tokens,
+                }
+
+        async def abort(request: dict[str, Any]) -> dict[str, Any]:
+            await self.abort(request["req_id"])
+            return {}
+
+        async def metrics(request: dict[str, Any]) -> dict[str, Any]:
+            return snapshot_to_dict(await self.metrics())
+
+        async def info(request: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "model_name": self.model_name,
+                "max_context": self.max_context,
+                "verifiers": self.num_verifiers,
+                "drafters": self.num_drafters,
+            }
+
+        return Service(
+            SERVICE,
+            {
+                "Generate": (generate, GENERATE),
+                "Abort": (abort, ABORT),
+                "Metrics": (metrics, EMPTY),
+                "Info": (info, EMPTY),
+            },
+        )
+
+
+def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
+    """Sum counters over verifier groups (times add up; the recent round time is the slowest group's)."""
+    if not snapshots:
+        return MetricsSnapshot(0, 0, 0, 0, 0, (), (), (), 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0)
+    width = max(len(s.accepted_per_position) for s in snapshots)
+
+    def vec(name: str) -> tuple[int, ...]:
+        out = [0] * width
+        for s in snapshots:
+            for i, v in enumerate(getattr(s, name)):
+                out[i] += v
+        return tuple(out)
+
+    rounds = sum(s.rounds for s in snapshots)
+    return MetricsSnapshot(
+        rounds=rounds,
+        num_drafts=sum(s.num_drafts for s in snapshots),
+        num_draft_tokens=sum(s.num_draft_tokens for s in snapshots),
+        num_accepted_tokens=sum(s.num_accepted_tokens for s in snapshots),
+        num_output_tokens=sum(s.num_output_tokens for s in snapshots),
+        accepted_per_position=vec("accepted_per_position"),
+        verified_per_position=vec("verified_per_position"),
+        reached_per_position=vec("reached_per_position"),
+        draft_time_s=sum(s.draft_time_s for s in snapshots),
+        schedule_time_s=sum(s.schedule_time_s for s in snapshots),
+        verify_time_s=sum(s.verify_time_s for s in snapshots),
+        verify_tokens_per_round=(
+            sum(s.verify_tokens_per_round * s.rounds for s in snapshots) / rounds if rounds else 0.0
+        ),
+        running=sum(s.running for s in snapshots),
+        waiting=sum(s.waiting for s in snapshots),
+        recent_round_s=max(s.recent_round_s for s in snapshots),
+    )
+
+
+def snapshot_to_dict(snapshot: MetricsSnapshot) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    out = asdict(snapshot)
+    for key, value in out.items():
+        if isinstance(value, tuple):
+            out[key] = list(value)
+    return out
+
+
+def snapshot_from_dict(data: dict[str, Any]) -> MetricsSnapshot:
+    fields = dict(data)
+    for key in ("accepted_per_position", "verified_per_position", "reached_per_position"):
+        fields[key] = tuple(fields[key])
+    return MetricsSnapshot(**fields)
