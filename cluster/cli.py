@@ -72,10 +72,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
+def _add_standalone(sub: argparse._SubParsersAction) -> None:
+    """``draft-server``, ``verify-server``, ``scheduler``: the services as plain processes, without Ray."""
+    from cluster.standalone import register
+
+    register(sub)
+
+
 #: Subcommand registrars, in the order ``dspark --help`` lists them.
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_version,
     _add_serve,
+    _add_standalone,
     _add_eval,
     _add_demo,
     _add_drafter_training,

@@ -416,6 +416,9 @@ class _ClientBase:
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", bearer),) if bearer else ()
         # No transparent or configured retries: a retried round could be applied twice; callers decide.
         self._options = [*_grpc_options(limits), ("grpc.enable_retries", 0)]
+        # Payload bytes through this client (msgpack bodies, without HTTP/2 framing): bytes-per-round accounting.
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     @staticmethod
     def _check_timeout(timeout_s: float) -> float:
@@ -426,7 +429,13 @@ class _ClientBase:
     def _timeout(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else self._check_timeout(timeout_s)
 
+    def _encode(self, request: Any) -> bytes:
+        payload = encode(request, limits=self.limits)
+        self.bytes_sent += len(payload)
+        return payload
+
     def _decode(self, raw: bytes, schema: Type | None) -> Any:
+        self.bytes_received += len(raw)
         value = decode(raw, limits=self.limits)
         return value if schema is None else validate(schema, value)
 
@@ -470,7 +479,7 @@ class RpcClient(_ClientBase):
         callable_ = self._unary_calls.get(path)
         if callable_ is None:
             callable_ = self._unary_calls.setdefault(path, self._channel.unary_unary(path))
-        payload = encode(request, limits=self.limits)
+        payload = self._encode(request)
         raw = await callable_(payload, timeout=self._timeout(timeout_s), metadata=self._metadata)
         return self._decode(raw, response_schema)
 
@@ -488,7 +497,7 @@ class RpcClient(_ClientBase):
         callable_ = self._stream_calls.get(path)
         if callable_ is None:
             callable_ = self._stream_calls.setdefault(path, self._channel.unary_stream(path))
-        payload = encode(request, limits=self.limits)
+        payload = self._encode(request)
         call = callable_(payload, timeout=self._timeout(timeout_s), metadata=self._metadata)
         try:
             async for raw in call:
@@ -530,7 +539,7 @@ class SyncRpcClient(_ClientBase):
         timeout_s: float | None = None,
         response_schema: Type | None = None,
     ) -> Any:
-        payload = encode(request, limits=self.limits)
+        payload = self._encode(request)
         callable_ = self._channel.unary_unary(_method_path(service, method))
         raw = callable_(payload, timeout=self._timeout(timeout_s), metadata=self._metadata)
         return self._decode(raw, response_schema)
@@ -544,7 +553,7 @@ class SyncRpcClient(_ClientBase):
         timeout_s: float | None = None,
         response_schema: Type | None = None,
     ) -> Iterator[Any]:
-        payload = encode(request, limits=self.limits)
+        payload = self._encode(request)
         callable_ = self._channel.unary_stream(_method_path(service, method))
         call = callable_(payload, timeout=self._timeout(timeout_s), metadata=self._metadata)
         try:

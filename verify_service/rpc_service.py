@@ -46,8 +46,15 @@ RELEASE = Message("Release", {"req_ids": REQ_IDS})
 class VerifierService:
     """Owns a VerifyEngine and exposes it as ``dspark.Verifier``."""
 
-    def __init__(self, engine: VerifyEngine, token: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        engine: VerifyEngine,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        sps: dict[str, Any] | None = None,
+    ) -> None:
         self.engine = engine
+        self.sps = sps  # this replica's SPS table (SPSTable.to_dict()), for schedulers that discover it via Info
         self._thread = EngineThread("verifier")
         self._token = token
         self._timeout_s = timeout_s
@@ -62,6 +69,8 @@ class VerifierService:
             "free_slots": self.engine.num_free_slots,
             "feature_dim": target.feature_dim,
             "eos_token_ids": list(target.eos_token_ids),
+            "sps": self.sps,
+            "feature_bytes_sent": sum(c.bytes_sent for c in self._drafters.values()),
         }
 
     def health(self) -> HealthStatus:

@@ -1,0 +1,124 @@
+"""The services as standalone processes, without Ray: ``dspark draft-server``, ``verify-server``, ``scheduler``.
+
+The GPU benchmark machines have no Ray, and a two-GPU run pins one process per GPU; these commands run exactly the
+objects the Ray deployments wrap (:class:`DrafterService`, :class:`VerifierService`, :class:`SchedulerHub` plus the
+OpenAI HTTP app), wired by addresses given on the command line instead of heartbeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from cluster.config import AppConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    from cluster.serve_local import add_local_arguments
+
+    add_local_arguments(p)
+    p.add_argument("--grpc-host", default="127.0.0.1", help="gRPC bind address (default loopback)")
+    p.add_argument("--grpc-port", type=int, default=0, help="gRPC port (0 = any free port, printed at start)")
+    p.add_argument("--grpc-token", default=None, help="shared secret required on every gRPC call")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("draft-server", help="run a drafter gRPC server (no Ray)")
+    _add_common(p)
+    p.set_defaults(handler=run_draft_server)
+    p = sub.add_parser("verify-server", help="run a verifier gRPC server (no Ray); profiles its SPS table at start")
+    _add_common(p)
+    p.set_defaults(handler=run_verify_server)
+    p = sub.add_parser("scheduler", help="run the scheduler over given drafter / verifier servers, with the HTTP API")
+    _add_common(p)
+    p.add_argument("--drafter", action="append", default=[], help="drafter gRPC address (repeatable)")
+    p.add_argument("--verifier", action="append", default=[], required=True, help="verifier gRPC address (repeatable)")
+    p.set_defaults(handler=run_scheduler)
+
+
+def _config(args: argparse.Namespace) -> AppConfig:
+    from cluster.serve_cmd import app_args_from_flags
+
+    app_args = app_args_from_flags(args)
+    app_args["network"]["grpc_token"] = args.grpc_token
+    return AppConfig.from_args(app_args)
+
+
+async def _serve_forever(services: list[Any], args: argparse.Namespace, health: Any = None) -> None:
+    from cluster.rpc import RpcServer
+
+    server = RpcServer(services, host=args.grpc_host, port=args.grpc_port, token=args.grpc_token, health=health)
+    await server.start()
+    print(f"listening on {server.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(1.0)
+
+
+def run_draft_server(args: argparse.Namespace) -> int:
+    from cluster.loading import build_draft_engine
+    from draft_service.rpc_service import DrafterService
+
+    logging.basicConfig(level=args.log_level.upper())
+    service = DrafterService(build_draft_engine(_config(args)))
+    asyncio.run(_serve_forever([service.service()], args, service.health))
+    return 0
+
+
+def run_verify_server(args: argparse.Namespace) -> int:
+    from cluster.loading import build_verify_engine, load_or_profile_sps
+    from draft_service.config import DraftConfig
+    from verify_service.rpc_service import VerifierService
+
+    logging.basicConfig(level=args.log_level.upper())
+    config = _config(args)
+    engine = build_verify_engine(config)
+    block = 1
+    if config.models.draft is not None:
+        block = DraftConfig.from_json(f"{config.models.draft}/config.json").block_size
+    sps = load_or_profile_sps(config, engine, block).to_dict()
+    service = VerifierService(engine, token=args.grpc_token, timeout_s=config.network.grpc_timeout_s, sps=sps)
+    asyncio.run(_serve_forever([service.service()], args, service.health))
+    return 0
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from cluster.http_app import build_app
+    from cluster.rpc import SyncRpcClient
+    from scheduler.hub import SchedulerHub
+
+    logging.basicConfig(level=args.log_level.upper())
+    config = _config(args)
+    tokenizer = AutoTokenizer.from_pretrained(config.models.tokenizer_path, local_files_only=True)
+    engine_tokenizer = AutoTokenizer.from_pretrained(config.models.tokenizer_path, local_files_only=True)
+    hub = SchedulerHub(
+        model_name=config.model_name,
+        policy=config.scheduler.policy,
+        decode=lambda ids: engine_tokenizer.decode(ids, skip_special_tokens=True),
+        token=args.grpc_token,
+        timeout_s=config.network.grpc_timeout_s,
+    )
+    for i, address in enumerate(args.drafter):
+        hub.register_drafter(f"drafter-{i}", address)
+    for i, address in enumerate(args.verifier):
+        client = SyncRpcClient(address, token=args.grpc_token, timeout_s=30)
+        info = client.call("dspark.Verifier", "Info", {})
+        client.close()
+        hub.register_verifier(f"verifier-{i}", address, info["sps"])
+    app = build_app(hub, tokenizer, api_key=config.network.api_key)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        hub.close()
+    return 0
