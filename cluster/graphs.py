@@ -57,7 +57,10 @@ class GraphStep(Generic[T]):
     Capture warms ``fn`` up on a side stream first (Triton compiles, cuBLAS picks its kernels, the caching
     allocator settles), then records it into ``pool`` so that all buckets share one memory pool. The returned
     tensors are the graph's static outputs: each call overwrites them, so callers copy what they keep.
-    ``fn`` must only write memory that no live request owns (warm-up and capture run it for real).
+    ``fn`` must only write memory that no live request owns (warm-up and capture run it for real), and may only
+    launch device work on device memory: no host read of a device value, no host <-> device copy (``t[i] = x``
+    with a Python ``x`` is one on CUDA; ``t[i:].fill_(x)`` is not), no tensor from Python data, no op that syncs
+    to size its output, no torch RNG (tests/capture_guard.py checks the engines' steps for these on CPU).
     """
 
     def __init__(

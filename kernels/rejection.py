@@ -225,31 +225,31 @@ def _row_layout(cu: torch.Tensor, num_req: int, num_draft: int) -> tuple[torch.T
 
 
 def filter_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per-row keep threshold tau (tokens with z >= tau are kept; -inf = keep all), see the module doc."""
+    """Per-row keep threshold tau (tokens with z >= tau are kept; -inf = keep all), see the module doc.
+
+    Off the CPU nothing here reads a device value on the host (every row is sorted and the rows without
+    top-k / top-p are masked afterwards), so the reference sampler can be captured in a CUDA graph."""
     rows, vocab = z.shape
-    tau = torch.full((rows,), float("-inf"), dtype=torch.float32, device=z.device)
+    off = torch.full((rows,), float("-inf"), dtype=torch.float32, device=z.device)
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1
     need = use_k | use_p
-    if not bool(need.any()):
-        return tau
-    sorted_z = z[need].sort(dim=-1, descending=True).values
-    k = top_k[need].clamp(1, vocab) - 1
+    if z.device.type == "cpu" and not bool(need.any()):
+        return off  # reading the flag is free on the CPU: skip the sort when no row filters
+    sorted_z = z.sort(dim=-1, descending=True).values
+    k = top_k.to(torch.int64).clamp(1, vocab) - 1
     kth = sorted_z.gather(1, k[:, None]).squeeze(1)
-    tau_k = torch.where(use_k[need], kth, torch.full_like(kth, float("-inf")))
+    tau_k = torch.where(use_k, kth, off)
     weights = torch.where(sorted_z >= tau_k[:, None], torch.exp(sorted_z - sorted_z[:, :1]), 0.0)
     total = weights.sum(dim=-1)
-    reached = weights.cumsum(dim=-1) >= top_p[need][:, None].to(torch.float32) * total[:, None]
+    reached = weights.cumsum(dim=-1) >= top_p[:, None].to(torch.float32) * total[:, None]
     first = torch.where(
         reached.any(dim=-1),
         reached.to(torch.int8).argmax(dim=-1),
         torch.full_like(total, vocab - 1, dtype=torch.int64),
     )
-    tau_p = torch.where(
-        use_p[need], sorted_z.gather(1, first[:, None]).squeeze(1), torch.full_like(kth, float("-inf"))
-    )
-    tau[need] = torch.maximum(tau_k, tau_p)
-    return tau
+    tau_p = torch.where(use_p, sorted_z.gather(1, first[:, None]).squeeze(1), off)
+    return torch.where(need, torch.maximum(tau_k, tau_p), off)
 
 
 def target_weights(
@@ -360,8 +360,10 @@ def rejection_sample_reference(
     sampled = torch.where(key_res.max(dim=-1).values > 0, sampled_res, sampled_fb)
     final = torch.where(greedy, argmax[sample_row], sampled)
 
-    output = torch.full((num_draft + num_req,), -1, dtype=torch.int64, device=device)
+    # Rejected drafts go to a trash row past the end: a scatter of static shape, no boolean index (no sync).
+    rows = num_draft + num_req
+    output = torch.full((rows + 1,), -1, dtype=torch.int64, device=device)
     kept = k_draft < num_accepted[draft_req]
-    output[target_row[kept]] = x[kept]
+    output.index_copy_(0, torch.where(kept, target_row, rows), x)
     output[sample_row] = final
-    return RejectionOutput(num_accepted=num_accepted, output_tokens=output)
+    return RejectionOutput(num_accepted=num_accepted, output_tokens=output[:rows])

@@ -217,7 +217,8 @@ class VerifyGraphRunner:
         num_drafts = query_lens - 1
         cu = torch.zeros(size + 2, dtype=torch.int64, device=device)
         cu[1 : size + 1] = torch.cumsum(num_drafts, 0)
-        cu[size + 1] = size * gamma
+        # fill_, never cu[i] = x: on CUDA that writes a host scalar with a copy, which a graph capture refuses.
+        cu[size + 1 :].fill_(size * gamma)
         real = k[None, :] < query_lens[:, None]  # [B, W]
         num_rows = size * width + 1
         row_dest = torch.where(real, cu[:size, None] + requests[:, None] + k[None, :], num_rows)

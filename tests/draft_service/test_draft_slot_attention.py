@@ -44,7 +44,18 @@ def test_kernel_backends_match_torch_path(draft: DSparkDraftModel, backend: str)
 
 
 def test_backbone_slots_refuses_the_torch_backend(draft: DSparkDraftModel) -> None:
+    """Asked for explicitly, or as the model's backend (the default on CPU, but not on CUDA: set it), the
+    gather-based 'torch' backend is refused before anything is read."""
+    cache = draft.new_context_cache(2, 8)
+    x, cos, sin = draft._block_inputs(torch.tensor([5]), torch.tensor([0]))
+    slots = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="kernel attention backend"):
-        draft.backbone_slots(torch.zeros(1), torch.zeros(1), torch.zeros(1), None, torch.zeros(1), torch.zeros(1))
+        draft.backbone_slots(x, cos, sin, cache, slots, slots, backend="torch")
+    draft.attention_backend = "torch"
+    try:
+        with pytest.raises(ValueError, match="kernel attention backend"):
+            draft.backbone_slots(x, cos, sin, cache, slots, slots)
+    finally:
+        draft.attention_backend = None
     with pytest.raises(ValueError, match="unknown attention backend"):
         draft.attention_backend = "sdpa"
