@@ -264,14 +264,20 @@ class IngressReplica:
         return build_app(backend, tokenizer, api_key=self.config.network.api_key)
 
 
-def build_app(
-    args: dict[str, Any] | None = None, overrides: dict[str, dict[str, Any]] | None = None
-) -> serve.Application:
+def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve application builder (``import_path: cluster.app:build_app``); ``args`` is an :class:`AppConfig`.
 
-    ``overrides`` maps a deployment name to options (as under ``deployments:`` in a Serve config file) for
-    ``dspark serve --config``; ``serve deploy`` applies that section itself.
+    Serve (``serve deploy``, KubeRay's ``serveConfigV2``) calls it with the config file's ``args`` and applies the
+    file's ``deployments:`` section itself; it requires a builder of exactly one parameter.
     """
+    return assemble_app(args)
+
+
+def assemble_app(
+    args: dict[str, Any] | None = None, overrides: dict[str, dict[str, Any]] | None = None
+) -> serve.Application:
+    """The application for ``serve.run``: ``overrides`` maps a deployment name to options, as under
+    ``deployments:`` in a Serve config file (``dspark serve --config`` passes that section here)."""
     config = AppConfig.from_args(args)
     overrides = overrides or {}
     plain = config.model_dump()
