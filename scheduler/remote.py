@@ -219,8 +219,9 @@ class DrafterPool:
     def release(self, req_id: str) -> None:
         with self._lock:
             address = self._owner.pop(req_id, None)
-        if address is not None:
-            self._clients[address].call(DRAFTER, "Release", {"req_ids": [req_id]})
+            client = self._clients.get(address) if address is not None else None
+        if client is not None:  # None: its drafter was removed, and its caches with it
+            client.call(DRAFTER, "Release", {"req_ids": [req_id]})
 
     def append_context(self, items: Sequence[ContextItem]) -> None:
         """Only for features the verifier returned inline (no direct route): forwarded to the owners."""
