@@ -12,6 +12,12 @@ Four deployments, each a thin shell over Ray-free objects:
 
 Replicas announce their gRPC address to the scheduler and keep re-announcing it (a heartbeat), so a restarted
 scheduler relearns the topology within seconds and autoscaled replicas join without any restart.
+
+Autoscaling: drafter and verifier replicas report their engine load through ``record_autoscaling_stats`` for the
+policy in :mod:`cluster.autoscaling` (their work arrives over gRPC, invisible to Serve's own request counts). When
+Serve stops one of them (scaling down, rolling update) it leaves gracefully in ``__del__``: the scheduler stops
+giving it new requests, the replica keeps serving the ones it holds until they finish (bounded by
+``scheduler.drain_timeout_s``), then unregisters and stops its gRPC server.
 """
 
 from __future__ import annotations
@@ -19,18 +25,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any
 
 import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster.autoscaling import engine_load
 from cluster.config import AppConfig
 from cluster.rpc import ServerThread, SyncRpcClient
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
+DRAIN_POLL_S = 0.5
+#: Bound on one call to the scheduler while leaving: when the whole application is being deleted the scheduler
+#: may already be gone, and a replica must not wait its full shutdown budget for it.
+LEAVE_CALL_TIMEOUT_S = 10.0
+#: Serve's graceful-shutdown budget of a pool replica is the drain timeout plus this (model and server teardown).
+SHUTDOWN_MARGIN_S = 30.0
 
 
 def _grpc_host(config: AppConfig) -> str:
@@ -58,8 +72,33 @@ class _Heartbeat:
                 logger.info("registration with the scheduler failed (%s); retrying", exc)
             self._stop.wait(HEARTBEAT_S)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 35.0) -> None:
+        """Stop and wait for a registration in flight, so none can land after the replica unregistered."""
         self._stop.set()
+        self._thread.join(timeout_s)
+
+
+async def _leave(kind: str, replica_id: str, scheduler: DeploymentHandle, heartbeat: _Heartbeat,
+                 timeout_s: float) -> None:
+    """Graceful exit of a pool replica (``kind``: ``drafter`` or ``verifier``) while its gRPC server still runs.
+
+    The scheduler stops giving it new requests (``drain_*`` also reports how many it still holds); the replica
+    waits until they have finished, at most ``timeout_s``, then unregisters. Requests are not moved elsewhere, so
+    a request outliving the budget fails: size ``scheduler.drain_timeout_s`` for the longest completion.
+    """
+    await asyncio.to_thread(heartbeat.stop)
+    drain = getattr(scheduler, f"drain_{kind}")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (held := await asyncio.wait_for(drain.remote(replica_id), LEAVE_CALL_TIMEOUT_S)) > 0:
+            if time.monotonic() >= deadline:
+                logger.warning("%s %s leaves with %d requests still running (drain budget %.0f s)",
+                               kind, replica_id, held, timeout_s)
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        await asyncio.wait_for(getattr(scheduler, f"unregister_{kind}").remote(replica_id), LEAVE_CALL_TIMEOUT_S)
+    except Exception as exc:  # the scheduler is gone too (application deleted): nobody left to drain for
+        logger.warning("%s %s could not drain through the scheduler (%r)", kind, replica_id, exc)
 
 
 def _check_own_health(server: ServerThread, token: str | None) -> None:
@@ -79,16 +118,22 @@ class DrafterReplica:
         from cluster.loading import build_draft_engine
         from draft_service.rpc_service import DrafterService
 
-        self.config = AppConfig.from_args(args)
+        self.config = AppConfig.from_args(args).resolve_secrets()
         self.service = DrafterService(build_draft_engine(self.config))
         token = self.config.network.grpc_token
         self.server = ServerThread([self.service.service()], host=_grpc_host(self.config), token=token,
                                    health=self.service.health)
-        replica_id = _replica_id()
+        self._scheduler = scheduler
+        self._replica_id = replica_id = _replica_id()
         self._heartbeat = _Heartbeat(lambda: scheduler.register_drafter.remote(replica_id, self.server.address))
 
     def check_health(self) -> None:
         _check_own_health(self.server, self.config.network.grpc_token)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling hook: requests holding a context-cache slot here (see cluster.autoscaling)."""
+        engine = self.service.engine
+        return engine_load(engine.max_requests - engine.num_free_slots, engine.max_requests)
 
     def address(self) -> str:
         return self.server.address
@@ -96,9 +141,13 @@ class DrafterReplica:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def __del__(self) -> None:
-        self._heartbeat.stop()
-        self.server.stop()
+    async def __del__(self) -> None:
+        """Serve awaits this when it stops the replica: drain, then stop serving (see :func:`_leave`)."""
+        if hasattr(self, "_heartbeat"):  # absent when the constructor failed
+            await _leave("drafter", self._replica_id, self._scheduler, self._heartbeat,
+                         self.config.scheduler.drain_timeout_s)
+        if hasattr(self, "server"):
+            await asyncio.to_thread(self.server.stop)
 
 
 @serve.deployment(name="Verifier", max_ongoing_requests=8, health_check_period_s=10, health_check_timeout_s=30)
@@ -108,7 +157,7 @@ class VerifierReplica:
         from draft_service.config import DraftConfig
         from verify_service.rpc_service import VerifierService
 
-        self.config = AppConfig.from_args(args)
+        self.config = AppConfig.from_args(args).resolve_secrets()
         engine = build_verify_engine(self.config)
         block = 0
         if self.config.models.draft is not None:
@@ -118,11 +167,16 @@ class VerifierReplica:
         self.service = VerifierService(engine, token=token, timeout_s=self.config.network.grpc_timeout_s)
         self.server = ServerThread([self.service.service()], host=_grpc_host(self.config), token=token,
                                    health=self.service.health)
-        replica_id = _replica_id()
+        self._scheduler = scheduler
+        self._replica_id = replica_id = _replica_id()
         self._heartbeat = _Heartbeat(lambda: scheduler.register_verifier.remote(replica_id, self.server.address, sps))
 
     def check_health(self) -> None:
         _check_own_health(self.server, self.config.network.grpc_token)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling hook: requests holding a KV slot here (see cluster.autoscaling)."""
+        return engine_load(len(self.service.engine.running), self.config.engine.max_requests)
 
     def address(self) -> str:
         return self.server.address
@@ -130,9 +184,13 @@ class VerifierReplica:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def __del__(self) -> None:
-        self._heartbeat.stop()
-        self.server.stop()
+    async def __del__(self) -> None:
+        """Serve awaits this when it stops the replica: drain, then stop serving (see :func:`_leave`)."""
+        if hasattr(self, "_heartbeat"):  # absent when the constructor failed
+            await _leave("verifier", self._replica_id, self._scheduler, self._heartbeat,
+                         self.config.scheduler.drain_timeout_s)
+        if hasattr(self, "server"):
+            await asyncio.to_thread(self.server.stop)
 
 
 @serve.deployment(name="Scheduler", num_replicas=1, max_ongoing_requests=1000, health_check_period_s=10)
@@ -142,7 +200,7 @@ class SchedulerReplica:
 
         from scheduler.hub import SchedulerHub
 
-        self.config = AppConfig.from_args(args)
+        self.config = AppConfig.from_args(args).resolve_secrets()
         tokenizer = AutoTokenizer.from_pretrained(self.config.models.tokenizer_path, local_files_only=True)
         self.hub = SchedulerHub(
             model_name=self.config.model_name,
@@ -160,6 +218,18 @@ class SchedulerReplica:
     async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any]) -> None:
         await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
 
+    async def drain_drafter(self, replica_id: str) -> int:
+        return await asyncio.to_thread(self.hub.drain_drafter, replica_id)
+
+    async def unregister_drafter(self, replica_id: str) -> None:
+        await asyncio.to_thread(self.hub.unregister_drafter, replica_id)
+
+    async def drain_verifier(self, replica_id: str) -> int:
+        return await asyncio.to_thread(self.hub.drain_verifier, replica_id)
+
+    async def unregister_verifier(self, replica_id: str) -> None:
+        await asyncio.to_thread(self.hub.unregister_verifier, replica_id)
+
     def address(self) -> str:
         return self.server.address
 
@@ -173,7 +243,7 @@ class IngressReplica:
     def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle, *pools: DeploymentHandle) -> None:
         # The pool handles are unused here: binding them is what makes Serve deploy the drafter and verifier pools
         # as part of this application.
-        self.config = AppConfig.from_args(args)
+        self.config = AppConfig.from_args(args).resolve_secrets()
         self.scheduler = scheduler
         self.pools = pools
 
@@ -194,14 +264,20 @@ class IngressReplica:
         return build_app(backend, tokenizer, api_key=self.config.network.api_key)
 
 
-def build_app(
-    args: dict[str, Any] | None = None, overrides: dict[str, dict[str, Any]] | None = None
-) -> serve.Application:
+def build_app(args: dict[str, Any]) -> serve.Application:
     """Serve application builder (``import_path: cluster.app:build_app``); ``args`` is an :class:`AppConfig`.
 
-    ``overrides`` maps a deployment name to options (as under ``deployments:`` in a Serve config file) for
-    ``dspark serve --config``; ``serve deploy`` applies that section itself.
+    Serve (``serve deploy``, KubeRay's ``serveConfigV2``) calls it with the config file's ``args`` and applies the
+    file's ``deployments:`` section itself; it requires a builder of exactly one parameter.
     """
+    return assemble_app(args)
+
+
+def assemble_app(
+    args: dict[str, Any] | None = None, overrides: dict[str, dict[str, Any]] | None = None
+) -> serve.Application:
+    """The application for ``serve.run``: ``overrides`` maps a deployment name to options, as under
+    ``deployments:`` in a Serve config file (``dspark serve --config`` passes that section here)."""
     config = AppConfig.from_args(args)
     overrides = overrides or {}
     plain = config.model_dump()
@@ -209,10 +285,12 @@ def build_app(
     def options(deployment: Any, defaults: dict[str, Any]) -> Any:
         return deployment.options(**{**defaults, **overrides.get(deployment.name, {})})
 
+    # A pool replica's drain (see _leave) must fit in Serve's shutdown budget, or Serve kills it mid-drain.
+    shutdown = {"graceful_shutdown_timeout_s": config.scheduler.drain_timeout_s + SHUTDOWN_MARGIN_S}
     scheduler = options(SchedulerReplica, {}).bind(plain)
-    verifier = options(VerifierReplica, {"ray_actor_options": config.verify_pool.actor_options()})
+    verifier = options(VerifierReplica, {"ray_actor_options": config.verify_pool.actor_options(), **shutdown})
     pools: list[Any] = [verifier.bind(plain, scheduler)]
     if config.scheduler.policy != "autoregressive":
-        drafter = options(DrafterReplica, {"ray_actor_options": config.draft_pool.actor_options()})
+        drafter = options(DrafterReplica, {"ray_actor_options": config.draft_pool.actor_options(), **shutdown})
         pools.append(drafter.bind(plain, scheduler))
     return options(IngressReplica, {}).bind(plain, scheduler, *pools)

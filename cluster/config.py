@@ -8,10 +8,11 @@ deployment ``num_replicas`` / ``autoscaling_config`` / ``ray_actor_options`` ove
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
@@ -63,8 +64,13 @@ class EngineConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
+    """``drain_timeout_s``: how long a drafter or verifier replica that Serve stops (autoscaling down, rolling
+    update) keeps serving the requests it holds before it goes; keep the deployment's
+    ``graceful_shutdown_timeout_s`` above it (``build_app`` defaults it to this plus a margin)."""
+
     policy: str = "dspark"
     max_running_per_verifier: int | None = Field(None, ge=1)
+    drain_timeout_s: float = Field(120.0, gt=0)
 
     @field_validator("policy")
     @classmethod
@@ -74,13 +80,31 @@ class SchedulerConfig(_Strict):
         raise ValueError("policy must be autoregressive, fixed-N, full, dspark or dspark-async")
 
 
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
 class NetworkConfig(_Strict):
-    """The data plane binds to ``grpc_host`` (default: this node's Ray address, never 0.0.0.0 unless asked)."""
+    """The data plane binds to ``grpc_host`` (default: this node's Ray address, never 0.0.0.0 unless asked).
+
+    Secrets can be given inline (``grpc_token``, ``api_key``) or, better on a cluster, by the NAME of an
+    environment variable that every replica reads at start (``grpc_token_env``, ``api_key_env``), e.g. filled from
+    a Kubernetes Secret: the config file, the Serve controller's stored config and the KubeRay manifest then hold
+    no secret. :meth:`AppConfig.resolve_secrets` does the reading, in the replicas only.
+    """
 
     grpc_host: str | None = None
     grpc_token: str | None = None
+    grpc_token_env: str | None = Field(None, pattern=_ENV_NAME)
     grpc_timeout_s: float = Field(60.0, gt=0)
     api_key: str | None = None
+    api_key_env: str | None = Field(None, pattern=_ENV_NAME)
+
+    @model_validator(mode="after")
+    def _one_source_per_secret(self) -> NetworkConfig:
+        for name in ("grpc_token", "api_key"):
+            if getattr(self, name) is not None and getattr(self, f"{name}_env") is not None:
+                raise ValueError(f"set {name} or {name}_env, not both")
+        return self
 
 
 class AppConfig(_Strict):
@@ -98,3 +122,24 @@ class AppConfig(_Strict):
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
         """Validate the Serve ``args`` map (errors name the offending field)."""
         return cls.model_validate(args or {})
+
+    def resolve_secrets(self) -> AppConfig:
+        """A copy with ``grpc_token`` / ``api_key`` read from the environment variables named by ``*_env``.
+
+        Called where the secrets are used (each replica), never where the config is stored or forwarded, so the
+        secret values stay out of Serve's deployment arguments. A named variable that is unset or empty is an
+        error: serving without the expected token or key must not happen silently.
+        """
+        update: dict[str, Any] = {}
+        for name in ("grpc_token", "api_key"):
+            variable = getattr(self.network, f"{name}_env")
+            if variable is None:
+                continue
+            value = os.environ.get(variable)
+            if not value:
+                raise ValueError(f"network.{name}_env: environment variable {variable} is not set")
+            update[name] = value
+            update[f"{name}_env"] = None
+        if not update:
+            return self
+        return self.model_copy(update={"network": self.network.model_copy(update=update)})

@@ -91,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app
+    from cluster.app import assemble_app
 
     if args.address:
         ray.init(address=args.address)
@@ -107,7 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
             include_dashboard=False,
         )
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(app_args, overrides), name="dspark", route_prefix="/")
+    serve.run(assemble_app(app_args, overrides), name="dspark", route_prefix="/")
     logger.info("serving on http://%s:%d/v1 (Ctrl-C to stop)", args.host, args.port)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -6,6 +6,11 @@ on its own loop thread, so one central process works per verifier step over all 
 ``Step`` message in, one out, plus one ``Propose`` per drafter replica. New requests go to the verifier group with
 the fewest requests and stay there (sticky KV cache). The hub knows nothing of Ray; the Serve deployment in
 :mod:`cluster.app` and the standalone ``dspark scheduler`` process are thin shells around it.
+
+Replicas leave gracefully in two steps (autoscaling down, rolling updates): ``drain_*`` stops giving the replica
+new requests and reports how many of its requests are still running; once that reaches zero (or the replica's
+shutdown budget runs out), ``unregister_*`` forgets it. Requests are never moved between replicas: a draining
+replica keeps serving the requests it holds until they finish.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.backend import BackendUnavailableError, GenerateDelta, LocalBackend
@@ -43,6 +48,7 @@ class _Group:
     backend: LocalBackend
     verifier: RemoteVerifier
     active: set[str] = field(default_factory=set)
+    draining: bool = False  # takes no new requests; still serves the ones it holds
 
 
 class SchedulerHub:
@@ -71,12 +77,14 @@ class SchedulerHub:
         self._pool: DrafterPool | None = None
         self._groups: dict[str, _Group] = {}  # verifier replica id -> group
         self._owner: dict[str, str] = {}  # req id -> verifier replica id
+        self._retired: MetricsSnapshot | None = None  # counters of unregistered verifier groups
+        self._gone: set[str] = set()  # unregistered replica ids (Serve never reuses one): a late heartbeat is ignored
 
     # ---------------------------------------------------------------------------------------- registration
     def register_drafter(self, replica_id: str, address: str) -> None:
         """Idempotent; a new drafter joins the pool shared by every verifier group at once."""
         with self._lock:
-            if self._drafters.get(replica_id) == address:
+            if self._drafters.get(replica_id) == address or replica_id in self._gone:
                 return
             self._drafters[replica_id] = address
             if self._pool is None:
@@ -89,7 +97,7 @@ class SchedulerHub:
         """Idempotent; starts the round loop of a new verifier replica."""
         with self._lock:
             group = self._groups.get(replica_id)
-            if group is not None and group.address == address:
+            if (group is not None and group.address == address) or replica_id in self._gone:
                 return
             if self.policy != "autoregressive" and self._pool is None:
                 raise BackendUnavailableError("no drafter registered yet; register drafters first")
@@ -108,6 +116,64 @@ class SchedulerHub:
             self._groups[replica_id] = _Group(address, backend, verifier)
             logger.info("verifier %s registered at %s", replica_id, address)
 
+    def drain_verifier(self, replica_id: str) -> int:
+        """Stop routing new requests to this verifier; returns how many of its requests are still running.
+
+        Idempotent (a replica polls it while it waits); an unknown replica has nothing running. A later heartbeat
+        of the same replica does not undo it.
+        """
+        with self._lock:
+            group = self._groups.get(replica_id)
+            if group is None:
+                return 0
+            if not group.draining:
+                group.draining = True
+                logger.info("verifier %s draining (%d requests running)", replica_id, len(group.active))
+            return len(group.active)
+
+    def unregister_verifier(self, replica_id: str) -> None:
+        """Forget a verifier and stop its round loop; requests it still holds fail (drain first to avoid that)."""
+        with self._lock:
+            group = self._groups.pop(replica_id, None)
+            self._gone.add(replica_id)
+        if group is None:
+            return
+        if group.active:
+            logger.warning("verifier %s removed with %d requests running", replica_id, len(group.active))
+        try:  # keep its counters in the totals (a Prometheus counter must not go down)
+            final = group.backend.call(lambda engine: engine.snapshot()).result(self.timeout_s)
+            retired = replace(final, running=0, waiting=0, recent_round_s=0.0)
+            with self._lock:
+                self._retired = merge_snapshots([s for s in (self._retired, retired) if s is not None])
+        except Exception as exc:  # a wedged group loses its counters, nothing else
+            logger.warning("verifier %s: final metrics unavailable (%s)", replica_id, exc)
+        group.backend.close()
+        group.verifier.close()
+        logger.info("verifier %s unregistered", replica_id)
+
+    def drain_drafter(self, replica_id: str) -> int:
+        """Stop giving new requests to this drafter; returns how many requests it still drafts for."""
+        with self._lock:
+            address = self._drafters.get(replica_id)
+            if address is None or self._pool is None:
+                return 0
+            return self._pool.drain_drafter(address)
+
+    def unregister_drafter(self, replica_id: str) -> None:
+        """Forget a drafter; requests it still drafts for fail (drain first to avoid that)."""
+        with self._lock:
+            address = self._drafters.pop(replica_id, None)
+            self._gone.add(replica_id)
+            if address is None or self._pool is None:
+                return
+            self._pool.remove_drafter(address)
+        logger.info("drafter %s unregistered", replica_id)
+
+    def verifier_loads(self) -> dict[str, int]:
+        """Requests each registered verifier group holds (running or waiting for a slot), by replica id."""
+        with self._lock:
+            return {replica_id: len(group.active) for replica_id, group in self._groups.items()}
+
     @property
     def num_verifiers(self) -> int:
         return len(self._groups)
@@ -124,25 +190,34 @@ class SchedulerHub:
             return self._max_context or 0
         return min(g.backend.max_context for g in groups)
 
-    def _pick_group(self) -> tuple[str, _Group]:
+    def _admit(self, req_id: str) -> _Group:
+        """Assign a new request to the accepting verifier group with the fewest requests.
+
+        Under the lock, so a concurrent drain either sees the request (and waits for it) or excludes the group.
+        """
         with self._lock:
-            if not self._groups:
-                raise BackendUnavailableError("no verifier replica is registered yet")
-            replica_id = min(self._groups, key=lambda r: len(self._groups[r].active))
-            return replica_id, self._groups[replica_id]
+            accepting = {r: g for r, g in self._groups.items() if not g.draining}
+            if not accepting:
+                raise BackendUnavailableError(
+                    "no verifier replica is accepting requests (none registered yet, or all are draining)"
+                )
+            replica_id = min(accepting, key=lambda r: len(accepting[r].active))
+            group = accepting[replica_id]
+            group.active.add(req_id)
+            self._owner[req_id] = replica_id
+            return group
 
     async def generate(
         self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerateDelta]:
-        replica_id, group = self._pick_group()
-        group.active.add(req_id)
-        self._owner[req_id] = replica_id
+        group = self._admit(req_id)
         try:
             async for delta in group.backend.generate(req_id, prompt_ids, params):
                 yield delta
         finally:
-            group.active.discard(req_id)
-            self._owner.pop(req_id, None)
+            with self._lock:
+                group.active.discard(req_id)
+                self._owner.pop(req_id, None)
 
     async def abort(self, req_id: str) -> None:
         replica_id = self._owner.get(req_id)
@@ -150,17 +225,20 @@ class SchedulerHub:
             await self._groups[replica_id].backend.abort(req_id)
 
     async def metrics(self) -> MetricsSnapshot:
-        snapshots = [await g.backend.metrics() for g in self._groups.values()]
+        snapshots = [await g.backend.metrics() for g in list(self._groups.values())]
+        if self._retired is not None:
+            snapshots.append(self._retired)
         return merge_snapshots(snapshots)
 
     async def health(self) -> None:
-        if not self._groups:
+        groups = list(self._groups.values())
+        if not groups:
             raise BackendUnavailableError("no verifier replica is registered yet")
-        for group in self._groups.values():
+        for group in groups:
             await group.backend.health()
 
     def close(self) -> None:
-        for group in self._groups.values():
+        for group in list(self._groups.values()):
             group.backend.close()
             group.verifier.close()
         if self._pool is not None:

@@ -150,6 +150,7 @@ class DrafterPool:
         self._clients: dict[str, SyncRpcClient] = {}
         self._capacity: dict[str, int] = {}
         self._owner: dict[str, str] = {}
+        self._draining: set[str] = set()  # addresses that take no new requests
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="drafters")
         first = self.add_drafter(addresses[0])
         self.block_size: int = first["block_size"]
@@ -170,12 +171,28 @@ class DrafterPool:
             self._capacity[address] = info["max_requests"]
         return info
 
+    def drain_drafter(self, address: str) -> int:
+        """Give this drafter no new requests (it is going away); returns how many requests it still drafts for."""
+        with self._lock:
+            if address in self._capacity:
+                self._draining.add(address)
+            return self._load(address)
+
+    def remove_drafter(self, address: str) -> None:
+        """Disconnect a drafter replica; requests it still drafts for fail at their next round."""
+        with self._lock:
+            client = self._clients.pop(address, None)
+            self._capacity.pop(address, None)
+            self._draining.discard(address)
+        if client is not None:
+            client.close()
+
     def _load(self, address: str) -> int:
-        return sum(1 for a in self._owner.values() if a == address)
+        return sum(1 for a in list(self._owner.values()) if a == address)
 
     @property
     def num_free_slots(self) -> int:
-        return sum(cap - self._load(a) for a, cap in self._capacity.items())
+        return sum(cap - self._load(a) for a, cap in list(self._capacity.items()) if a not in self._draining)
 
     def route_of(self, req_id: str) -> str | None:
         return self._owner.get(req_id)
@@ -185,7 +202,10 @@ class DrafterPool:
 
     def add_request(self, req_id: str, params: Any) -> None:
         with self._lock:
-            address = max(self._capacity, key=lambda a: self._capacity[a] - self._load(a))
+            accepting = [a for a in self._capacity if a not in self._draining]
+            if not accepting:
+                raise ValueError("no drafter replica is accepting requests (all are draining)")
+            address = max(accepting, key=lambda a: self._capacity[a] - self._load(a))
             if self._capacity[address] - self._load(address) <= 0:
                 raise ValueError("no drafter has a free context slot")
             self._owner[req_id] = address
@@ -199,8 +219,9 @@ class DrafterPool:
     def release(self, req_id: str) -> None:
         with self._lock:
             address = self._owner.pop(req_id, None)
-        if address is not None:
-            self._clients[address].call(DRAFTER, "Release", {"req_ids": [req_id]})
+            client = self._clients.get(address) if address is not None else None
+        if client is not None:  # None: its drafter was removed, and its caches with it
+            client.call(DRAFTER, "Release", {"req_ids": [req_id]})
 
     def append_context(self, items: Sequence[ContextItem]) -> None:
         """Only for features the verifier returned inline (no direct route): forwarded to the owners."""

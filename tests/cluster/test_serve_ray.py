@@ -54,7 +54,7 @@ def served() -> Iterator[dict]:
     ray.init(address=cluster.address)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    from cluster.app import build_app
+    from cluster.app import assemble_app
 
     args = {
         "models": {"target": str(DEMO_TARGET), "draft": str(DEMO_DRAFT)},
@@ -64,7 +64,7 @@ def served() -> Iterator[dict]:
     }
     overrides = {"Ingress": {"ray_actor_options": {"num_cpus": 0.2}},
                  "Scheduler": {"ray_actor_options": {"num_cpus": 0.2}}}
-    serve.run(build_app(args, overrides), name="dspark", route_prefix="/")
+    serve.run(assemble_app(args, overrides), name="dspark", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     _wait(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 180, "the app to become healthy")
     yield {
