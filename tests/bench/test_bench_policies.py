@@ -95,6 +95,8 @@ def test_goals_compare_against_the_best_fixed_policy() -> None:
     floor = goals["verify_step_vs_memory_floor"]
     assert [r["requests"] for r in floor["rows"]] == [1, 8]  # only <= 32 requests count
     assert [r["met"] for r in floor["rows"]] == [True, False] and not floor["met"]
+    assert evaluate_goals(cells[:3], [], [1])["dspark_vs_best_fixed_aggregate"]["met"] is None  # no dspark cell
+    assert evaluate_goals([], [], [1])["per_user_speedup_at_1"]["met"] is None
 
 
 def test_agreement_compares_only_prompts_both_finished() -> None:
