@@ -7,7 +7,8 @@ qwen3-4b shape (function-preserving, see docs/COST_REALISTIC.md), so every step 
 1. copy bandwidth of the device (a device-to-device copy; bandwidth = bytes read + written per second);
 2. the SPS table of the inflated target (verify steps of B tokens = ceil(B / (block + 1)) requests over a
    context of typical length, CUDA-event timed), B up to 128 * (block + 1), saved with the results; the same
-   measurements give the verify step time against the memory-bandwidth floor (weights + KV bytes / bandwidth);
+   measurements give the verify step time against the memory-bandwidth floor (weights + KV bytes / bandwidth),
+   and after the sweep the same step for <= 32 requests is replayed as a CUDA graph (the GPU's own time);
 3. plain transformers ``generate`` of the inflated target at 1 request (greedy, tokens/s), the baseline;
 4. for every concurrency level and policy, closed-loop continuous batching: ``concurrency`` requests in flight,
    a new one (next prompt of the mix) as soon as one finishes; after a warm-up, a fixed time window is measured.
@@ -24,7 +25,8 @@ Decoding: temperature 0 by default (``--temperature``): greedy output must be id
 each cell also reports how many finished requests equal the autoregressive cell's output for the same prompt
 (bf16 batch-shape rounding can flip near-ties, so this is a sanity signal, not a test). EOS is ignored so every
 request produces its max_tokens (128 +- 32, fixed per prompt), which keeps the load identical across policies.
-Engines run eagerly (CUDA graphs off: the graph mode is broken on GPU at the time of writing).
+Engines run eagerly (CUDA graphs off): the graph-mode verify step pads every request to the full block, so it
+would cost the same whatever a policy verifies, and rounds with joining requests run eagerly anyway.
 
 Time: every cell gets --warmup-s + --measure-s, shrunk so that the sweep ends --time-limit-s after start;
 progress lines are flushed as it goes; the JSON is rewritten after every step, so a timeout still leaves results.
