@@ -9,8 +9,10 @@ the fewest requests and stay there (sticky KV cache). The hub knows nothing of R
 
 Replicas leave gracefully in two steps (autoscaling down, rolling updates): ``drain_*`` stops giving the replica
 new requests and reports how many of its requests are still running; once that reaches zero (or the replica's
-shutdown budget runs out), ``unregister_*`` forgets it. Requests are never moved between replicas: a draining
-replica keeps serving the requests it holds until they finish.
+shutdown budget runs out), ``unregister_*`` forgets it. A draining replica keeps serving the requests it holds
+until they finish. Replicas that DIE are another matter: :mod:`scheduler.failover` moves their requests to live
+replicas (re-prefilled from prompt + emitted tokens, nothing lost); a restarted hub releases what replicas still
+hold for its predecessor before using them.
 """
 
 from __future__ import annotations
