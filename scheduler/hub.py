@@ -170,7 +170,7 @@ class SchedulerHub:
             return self._pool.drain_drafter(address)
 
     def unregister_drafter(self, replica_id: str) -> None:
-        """Forget a drafter; requests it still drafts for fail (drain first to avoid that)."""
+        """Forget a drafter; requests it still drafts for are re-prefilled onto another drafter (failover)."""
         with self._lock:
             address = self._drafters.pop(replica_id, None)
             self._gone.add(replica_id)
