@@ -230,6 +230,13 @@ class SchedulerReplica:
     async def unregister_verifier(self, replica_id: str) -> None:
         await asyncio.to_thread(self.hub.unregister_verifier, replica_id)
 
+    def check_health(self) -> None:
+        """A round loop that died or hangs fails the check and Serve restarts the scheduler (clients get a
+        retryable 503; replicas re-register by heartbeat). No verifier registered yet is not a failure."""
+        from scheduler.failover import check_round_loops
+
+        check_round_loops(self.hub)
+
     def address(self) -> str:
         return self.server.address
 
@@ -253,10 +260,12 @@ class IngressReplica:
         from cluster.http_app import build_app
         from cluster.remote_backend import RemoteBackend
 
-        address = await self.scheduler.address.remote()
+        async def scheduler_address() -> str:  # asked again after the scheduler was restarted
+            return await self.scheduler.address.remote()
+
         tokenizer = AutoTokenizer.from_pretrained(self.config.models.tokenizer_path, local_files_only=True)
         backend = RemoteBackend(
-            address,
+            scheduler_address,
             model_name=self.config.model_name,
             max_context=self.config.engine.max_seq_len - 1,
             token=self.config.network.grpc_token,

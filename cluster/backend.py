@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar, runtime_checkable
 
 from cluster.sampling import SamplingParams
-from scheduler.engine import RequestOutput, SpeculativeEngine
+from scheduler.engine import DetachedRequest, RequestOutput, SpeculativeEngine
 from scheduler.metrics import MetricsSnapshot
 
 logger = logging.getLogger(__name__)
@@ -113,10 +113,16 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_context: int) -> 
 
 @dataclass
 class _Stream:
-    """Where one request's deltas go: an asyncio queue owned by the event loop that submitted it."""
+    """Where one request's deltas go: an asyncio queue owned by the event loop that submitted it.
+
+    ``owner`` is the backend running the request now (failover moves a request, with its stream, to another
+    backend); ``abandoned`` is set when the reader stops early, so a backend adopting the request drops it.
+    """
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[GenerateDelta | BaseException]
+    owner: LocalBackend
+    abandoned: bool = False
 
     def put(self, item: GenerateDelta | BaseException) -> bool:
         """Hand an item to the request's event loop; False when that loop is gone (server shut down)."""
@@ -125,6 +131,19 @@ class _Stream:
         except RuntimeError:
             return False
         return True
+
+
+@dataclass
+class Handoff:
+    """A request leaving one backend for another (failover): its engine state and its client's stream."""
+
+    request: DetachedRequest
+    stream: _Stream | None
+
+
+#: Called on the loop thread when a round raises; returns True when it took the requests over (through
+#: :meth:`LocalBackend.detach`), False to fail them as usual. See :mod:`scheduler.failover`.
+FailoverHook = Callable[["LocalBackend", Exception], bool]
 
 
 class LocalBackend:
@@ -141,8 +160,10 @@ class LocalBackend:
         *,
         max_context: int | None = None,
         wedge_timeout_s: float = 120.0,
+        failover: FailoverHook | None = None,
     ) -> None:
         self.engine = engine
+        self.failover = failover
         self.model_name = model_name
         self.max_context = max_context if max_context is not None else engine.verify.max_seq_len
         if not 1 < self.max_context <= engine.verify.max_seq_len:
@@ -165,7 +186,7 @@ class LocalBackend:
         self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerateDelta]:
         check_context(len(prompt_ids), params.max_tokens, self.max_context)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), self)
         prompt = [int(t) for t in prompt_ids]
         self._enqueue(lambda: self._submit(req_id, prompt, params, stream))
         finished = False
@@ -181,8 +202,11 @@ class LocalBackend:
                     return
         finally:
             if not finished:
-                # Closed early (disconnect, cancellation): free the caches without waiting for the caller's abort.
-                self._try_enqueue(lambda: self._abort(req_id))
+                # Closed early (disconnect, cancellation): free the caches without waiting for the caller's abort,
+                # on whichever backend runs the request now (flag first: see _adopt).
+                stream.abandoned = True
+                owner = stream.owner
+                owner._try_enqueue(lambda: owner._abort(req_id))
 
     async def abort(self, req_id: str) -> None:
         await asyncio.wrap_future(self.call(lambda _engine: self._abort(req_id)))
@@ -191,6 +215,10 @@ class LocalBackend:
         return self._snapshot
 
     async def health(self) -> None:
+        self.check_alive()
+
+    def check_alive(self) -> None:
+        """Raise :class:`BackendUnavailableError` when the loop thread is gone or stuck in one round (any thread)."""
         if not self._thread.is_alive() or self._closing:
             raise BackendUnavailableError("the engine loop is not running")
         started = self._step_started
@@ -213,6 +241,17 @@ class LocalBackend:
 
         self._enqueue(command)
         return future
+
+    def detach(self, req_ids: Sequence[str] | None = None) -> list[Handoff]:
+        """LOOP THREAD ONLY (a failover hook or a ``call``): take requests (default: all) out of this backend
+        with their streams, releasing nothing on the replicas."""
+        return [Handoff(req, self._streams.pop(req.req_id, None)) for req in self.engine.detach(req_ids)]
+
+    def adopt(self, handoffs: Sequence[Handoff]) -> None:
+        """Take over requests detached from another backend (or this one); thread-safe. Their next round
+        re-prefills them; they keep streaming to the same client."""
+        handoffs = list(handoffs)
+        self._enqueue(lambda: self._adopt(handoffs))
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the loop thread; requests still running fail with BackendUnavailableError."""
@@ -252,6 +291,23 @@ class LocalBackend:
         self._streams.pop(req_id, None)
         self.engine.abort(req_id)
 
+    def _adopt(self, handoffs: list[Handoff]) -> None:
+        for handoff in handoffs:
+            stream = handoff.stream
+            if stream is None:
+                continue
+            # Owner before the abandoned check, the reader sets them the other way round: a reader leaving
+            # concurrently either sees this backend as the owner (its abort lands here) or is seen here.
+            stream.owner = self
+            if stream.abandoned:
+                continue
+            try:
+                self.engine.adopt(handoff.request)
+            except ValueError as error:
+                stream.put(EngineFailedError(f"the request could not be moved to a healthy replica: {error}"))
+                continue
+            self._streams[handoff.request.req_id] = stream
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -262,7 +318,10 @@ class LocalBackend:
                 commands = list(self._commands)
                 self._commands.clear()
             for command in commands:
-                command()
+                try:
+                    command()
+                except Exception:  # e.g. an abort whose release hit a dead replica: the loop must survive
+                    logger.exception("engine loop command failed")
             if self.engine.has_unfinished():
                 self._step()
             self._snapshot = self.engine.snapshot()
@@ -279,6 +338,8 @@ class LocalBackend:
         try:
             outputs = self.engine.step()
         except Exception as error:
+            if self.failover is not None and self._failover(error):
+                return
             # An engine bug must not kill the loop (every later request would hang): fail the requests of
             # this round loudly and keep serving new ones.
             logger.exception("engine round failed; aborting %d request(s)", len(self._streams))
@@ -294,6 +355,14 @@ class LocalBackend:
                 del self._streams[out.req_id]
             if not stream.put(GenerateDelta.from_output(out)) and not out.finished:
                 self._abort(out.req_id)
+
+    def _failover(self, error: Exception) -> bool:
+        assert self.failover is not None
+        try:
+            return self.failover(self, error)
+        except Exception:
+            logger.exception("failover after a failed round failed itself")
+            return False
 
     def _fail_all(self, error: BaseException) -> None:
         for req_id, stream in list(self._streams.items()):

@@ -8,6 +8,7 @@ checks and to accept the next message.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -21,20 +22,49 @@ MAX_BATCH = 4096
 REQ_IDS = List(Str(min_len=1, max_len=128), max_len=MAX_BATCH)
 COUNTS = List(Int(min=0, max=1 << 20), max_len=MAX_BATCH)
 TOKENS = List(Int(min=0, max=(1 << 31) - 1), max_len=MAX_BATCH)
+#: An engine call running longer than this means a wedged engine (health reports NOT_SERVING, Serve restarts
+#: the replica). Far above any real step: a long prefill on a slow CPU takes seconds, not a minute.
+DEFAULT_WEDGE_TIMEOUT_S = 60.0
 
 
 class EngineThread:
-    """Runs engine calls one at a time on a private thread; maps unknown-request KeyErrors to NOT_FOUND."""
+    """Runs engine calls one at a time on a private thread; maps unknown-request KeyErrors to NOT_FOUND.
 
-    def __init__(self, name: str) -> None:
+    It also times the call in progress (:attr:`busy_s`): the gRPC event loop answers health checks while the
+    engine computes, so without this a replica whose engine thread hangs forever would still look healthy.
+    """
+
+    def __init__(self, name: str, wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S) -> None:
+        if not wedge_timeout_s > 0:
+            raise ValueError(f"wedge_timeout_s must be > 0, got {wedge_timeout_s}")
+        self.wedge_timeout_s = wedge_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._started: float | None = None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
+
+        def timed() -> T:
+            self._started = time.monotonic()
+            try:
+                return fn(*args)
+            finally:
+                self._started = None
+
         try:
-            return await loop.run_in_executor(self._executor, fn, *args)
+            return await loop.run_in_executor(self._executor, timed)
         except KeyError as exc:  # the engines raise KeyError subclasses for unknown request ids
             raise NotFoundError(str(exc.args[0]) if exc.args else str(exc)) from None
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the current engine call has been running (0 when idle)."""
+        started = self._started
+        return 0.0 if started is None else time.monotonic() - started
+
+    @property
+    def wedged(self) -> bool:
+        return self.busy_s > self.wedge_timeout_s
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

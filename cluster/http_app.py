@@ -667,7 +667,9 @@ async def _stream_events(
         logger.exception("stream %s failed", run.req_id)
         status = 503 if isinstance(error, BackendUnavailableError) else 500
         service.metrics.errors.labels(service.backend.model_name, str(status)).inc()
-        yield _sse(APIError(status, str(error)).body())
+        # Same body as the 503 answer before a stream starts: a client can tell a retryable failure.
+        kind = "service_unavailable" if status == 503 else None
+        yield _sse(APIError(status, str(error), code=status, type=kind).body())
     finally:
         if not run.finished:
             service.metrics.aborted.labels(service.backend.model_name).inc()

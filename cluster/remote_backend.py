@@ -1,9 +1,17 @@
-"""A :class:`GenerateBackend` that streams from the scheduler over gRPC (what the HTTP ingress replicas use)."""
+"""A :class:`GenerateBackend` that streams from the scheduler over gRPC (what the HTTP ingress replicas use).
+
+The scheduler is one replica that Serve restarts when it dies, on a new port (maybe a new node). Its requests die
+with it: a stream that breaks (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, INTERNAL, UNKNOWN) raises
+:class:`BackendUnavailableError`, which the HTTP layer answers with a retryable 503 (an error event when the
+stream had started). The next call asks ``resolve`` for the scheduler's address again, so clients that retry reach
+the restarted scheduler. Aborts are best effort: a dead scheduler has nothing left to abort.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -13,65 +21,124 @@ from cluster.sampling import SamplingParams
 from scheduler.hub import SERVICE, snapshot_from_dict
 from scheduler.metrics import MetricsSnapshot
 
+logger = logging.getLogger(__name__)
+
+#: Statuses that mean the scheduler is gone, restarting or unreachable (not the request's fault).
+UNAVAILABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+AddressResolver = Callable[[], Awaitable[str]]
+
 
 class RemoteBackend:
-    """Each request is one server stream of deltas; the first message or an INVALID_ARGUMENT arrives at once."""
+    """Each request is one server stream of deltas; the first message or an INVALID_ARGUMENT arrives at once.
+
+    ``address``: the scheduler's ``host:port``, or an async callable returning it (asked again after the
+    scheduler was unreachable). ``timeout_s`` is the deadline of one whole stream.
+    """
 
     def __init__(
         self,
-        address: str,
+        address: str | AddressResolver,
         *,
         model_name: str,
         max_context: int,
         token: str | None = None,
         timeout_s: float = 3600.0,
+        resolve_timeout_s: float = 10.0,
     ) -> None:
-        self.address = address
+        self._resolve = None if isinstance(address, str) else address
+        self.address: str | None = address if isinstance(address, str) else None
         self.model_name = model_name
         self.max_context = max_context
         self._token = token
         self._timeout_s = timeout_s
+        self._resolve_timeout_s = resolve_timeout_s
         self._clients: dict[asyncio.AbstractEventLoop, RpcClient] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
-    def _client(self) -> RpcClient:
+    async def _client(self) -> RpcClient:
         # grpc.aio channels belong to the event loop that created them.
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
+            if self._resolve is not None:
+                try:
+                    self.address = await asyncio.wait_for(self._resolve(), self._resolve_timeout_s)
+                except Exception as exc:
+                    raise BackendUnavailableError(f"the scheduler cannot be found: {exc}; retry") from None
+            assert self.address is not None
             client = self._clients[loop] = RpcClient(self.address, token=self._token, timeout_s=self._timeout_s)
         return client
+
+    def _unreachable(self, exc: grpc.aio.AioRpcError) -> BackendUnavailableError:
+        """Forget this loop's channel (the next call resolves the address again) and say so retryably."""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and self._resolve is not None:
+            # Every call on this channel fails alike; a fresh one goes to wherever the scheduler is now.
+            client = self._clients.pop(asyncio.get_running_loop(), None)
+            if client is not None:
+                task = asyncio.get_running_loop().create_task(client.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        return BackendUnavailableError(
+            f"the scheduler is unavailable ({exc.code().name}: {exc.details()}); the request can be retried"
+        )
 
     async def generate(
         self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerateDelta]:
         request = {"req_id": req_id, "prompt_ids": [int(t) for t in prompt_ids], "params": params.to_dict()}
-        try:
-            async for message in self._client().stream(SERVICE, "Generate", request):
-                yield GenerateDelta(
-                    token_ids=tuple(message["token_ids"]),
-                    text=message["text"],
-                    finished=message["finished"],
-                    finish_reason=message["finish_reason"],
-                    num_prompt_tokens=message["num_prompt_tokens"],
-                    num_output_tokens=message["num_output_tokens"],
-                )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(exc.details()) from None
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
-                raise BackendUnavailableError(exc.details() or str(exc.code())) from None
-            raise
+        # A scheduler that was restarted is only found again after a failed call: one retry, and only before
+        # any delta was received (nothing reached the client, and the failed attempt died with its scheduler).
+        for attempt in range(2 if self._resolve is not None else 1):
+            received = False
+            try:
+                async for message in (await self._client()).stream(SERVICE, "Generate", request):
+                    received = True
+                    yield GenerateDelta(
+                        token_ids=tuple(message["token_ids"]),
+                        text=message["text"],
+                        finished=message["finished"],
+                        finish_reason=message["finish_reason"],
+                        num_prompt_tokens=message["num_prompt_tokens"],
+                        num_output_tokens=message["num_output_tokens"],
+                    )
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(exc.details()) from None
+                if exc.code() not in UNAVAILABLE_CODES:
+                    raise
+                error = self._unreachable(exc)
+                if received or attempt == 1 or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise error from None
 
     async def abort(self, req_id: str) -> None:
-        await self._client().call(SERVICE, "Abort", {"req_id": req_id}, timeout_s=10.0)
+        try:
+            await (await self._client()).call(SERVICE, "Abort", {"req_id": req_id}, timeout_s=10.0)
+        except grpc.aio.AioRpcError as exc:
+            error = self._unreachable(exc)
+            logger.info("abort of %s not delivered (%s): the scheduler went with its requests", req_id, error)
+        except BackendUnavailableError as exc:
+            logger.info("abort of %s not delivered (%s): the scheduler went with its requests", req_id, exc)
 
     async def metrics(self) -> MetricsSnapshot:
-        return snapshot_from_dict(await self._client().call(SERVICE, "Metrics", {}, timeout_s=10.0))
+        try:
+            reply = await (await self._client()).call(SERVICE, "Metrics", {}, timeout_s=10.0)
+        except grpc.aio.AioRpcError as exc:
+            raise self._unreachable(exc) from None
+        return snapshot_from_dict(reply)
 
     async def health(self) -> None:
         try:
-            info = await self._client().call(SERVICE, "Info", {}, timeout_s=5.0)
+            info = await (await self._client()).call(SERVICE, "Info", {}, timeout_s=5.0)
         except grpc.aio.AioRpcError as exc:
-            raise BackendUnavailableError(f"scheduler unreachable: {exc.code()}") from None
+            raise self._unreachable(exc) from None
         if not info["verifiers"]:
             raise BackendUnavailableError("no verifier replica is registered yet")

@@ -96,6 +96,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.address:
         ray.init(address=args.address)
     else:
+        # Embedded mode: everything is on this machine, so the gRPC data plane stays on loopback unless the
+        # config says otherwise (Ray may register the node under a routable address).
+        network = app_args.setdefault("network", {})
+        if not network.get("grpc_host"):
+            network["grpc_host"] = "127.0.0.1"
         # An embedded single-node cluster on loopback; the node carries both pools.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(

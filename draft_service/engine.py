@@ -135,6 +135,10 @@ class DraftEngine:
     def has(self, req_id: str) -> bool:
         return req_id in self._requests
 
+    @property
+    def running(self) -> list[str]:
+        return list(self._requests)
+
     def add_request(self, req_id: str, params: SamplingParams) -> None:
         """Reserve a context slot. ``params`` must carry the same seed the verifier uses for this request."""
         if req_id in self._requests:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cluster.engine_rpc import COUNTS, REQ_IDS, TOKENS, EngineThread, split_rows
+from cluster.engine_rpc import COUNTS, DEFAULT_WEDGE_TIMEOUT_S, REQ_IDS, TOKENS, EngineThread, split_rows
 from cluster.messages import AnyValue, Int, List, Message, Tensor
 from cluster.rpc import HealthStatus, Service
 from cluster.sampling import SamplingParams
@@ -33,9 +33,9 @@ RELEASE = Message("Release", {"req_ids": REQ_IDS})
 class DrafterService:
     """Owns a DraftEngine and exposes it as ``dspark.Drafter``."""
 
-    def __init__(self, engine: DraftEngine) -> None:
+    def __init__(self, engine: DraftEngine, wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S) -> None:
         self.engine = engine
-        self._thread = EngineThread("drafter")
+        self._thread = EngineThread("drafter", wedge_timeout_s)
 
     def info(self) -> dict[str, Any]:
         config = self.engine.model.config
@@ -47,10 +47,15 @@ class DrafterService:
             "target_layer_ids": list(config.target_layer_ids),
             "max_requests": self.engine.cache.num_slots,
             "free_slots": self.engine.num_free_slots,
+            "running": self.engine.running,  # a restarted scheduler releases what nobody owns any more
         }
 
     def health(self) -> HealthStatus:
-        return HealthStatus(True, {"free_slots": self.engine.num_free_slots})
+        """NOT_SERVING when the engine thread is stuck inside one call (a wedged engine)."""
+        busy = self._thread.busy_s
+        return HealthStatus(
+            busy <= self._thread.wedge_timeout_s, {"free_slots": self.engine.num_free_slots, "busy_s": busy}
+        )
 
     def service(self) -> Service:
         return Service(

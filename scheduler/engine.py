@@ -17,6 +17,7 @@ engines.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +32,8 @@ from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
 from verify_service.engine import PrefillItem, VerifyEngine, VerifyItem
+
+logger = logging.getLogger(__name__)
 
 
 class RequestRejectedError(ValueError):
@@ -69,6 +72,19 @@ class _Request:
     anchor: int = -1
     position: int = 0  # absolute position of the anchor = committed context length
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    rehomed: int = 0  # times this request was moved to another replica after a failure
+
+    def prefill_item(self) -> PrefillItem:
+        """A fresh request samples its first token; one that already emitted tokens (moved here after a replica
+        failure) reloads prompt + output[:-1] with its last token as the anchor, so nothing is sampled twice."""
+        if not self.output:
+            return PrefillItem(self.req_id, self.prompt, self.params)
+        return PrefillItem(self.req_id, [*self.prompt, *self.output[:-1]], self.params, anchor=self.output[-1])
+
+
+#: A request taken out of one engine with everything it carries (output so far, detokenizer and stop-string
+#: state, metrics), to be adopted by another engine: see :meth:`SpeculativeEngine.detach`.
+DetachedRequest = _Request
 
 
 @dataclass
@@ -158,6 +174,32 @@ class SpeculativeEngine:
         self._free(req_id)
         return True
 
+    def detach(self, req_ids: Iterable[str] | None = None) -> list[DetachedRequest]:
+        """Take requests (default: all) out of this engine WITHOUT releasing their caches on the replicas.
+
+        For failover: the replica holding a request's cache may be gone, so the caller releases what is still
+        reachable. The state returned is exactly what the client has seen (a failed round commits nothing), so a
+        request adopted elsewhere continues without a duplicated or missing token.
+        """
+        wanted = None if req_ids is None else set(req_ids)
+        taken = [r for r in self._running.values() if wanted is None or r.req_id in wanted]
+        taken += [r for r in self._waiting if wanted is None or r.req_id in wanted]
+        for req in taken:
+            self._running.pop(req.req_id, None)
+        self._waiting = deque(r for r in self._waiting if wanted is not None and r.req_id not in wanted)
+        return taken
+
+    def adopt(self, req: DetachedRequest) -> None:
+        """Queue a detached request ahead of new ones; its next prefill reloads prompt + output (no sampling)."""
+        if req.req_id in self._running or any(r.req_id == req.req_id for r in self._waiting):
+            raise RequestRejectedError(f"request id {req.req_id!r} is already in use")
+        needed = len(req.prompt) + len(req.output) + 1  # the reloaded context, the anchor, one new token
+        if needed > self.verify.max_seq_len:
+            raise RequestRejectedError(
+                f"request {req.req_id!r} needs {needed} context positions; this verifier has {self.verify.max_seq_len}"
+            )
+        self._waiting.appendleft(req)
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
@@ -173,9 +215,15 @@ class SpeculativeEngine:
         return self.metrics.snapshot(running=len(self._running), waiting=len(self._waiting))
 
     def _free(self, req_id: str) -> None:
-        self.verify.release(req_id)
-        if self.draft is not None:
-            self.draft.release(req_id)
+        # A release that fails (the replica died) must not fail the round: the finished request's tokens are
+        # committed already, and the dead replica's cache went with it.
+        for engine in (self.verify, self.draft):
+            if engine is None:
+                continue
+            try:
+                engine.release(req_id)
+            except Exception as error:
+                logger.warning("releasing %s failed (%s); its replica's failover cleans up", req_id, error)
 
     # --------------------------------------------------------------------------------------------- the round
     def step(self) -> list[RequestOutput]:
@@ -193,7 +241,7 @@ class SpeculativeEngine:
         lengths = self._lengths(verified, proposal)
         t2 = time.perf_counter()
 
-        prefills = [PrefillItem(r.req_id, r.prompt, r.params) for r in admitted]
+        prefills = [r.prefill_item() for r in admitted]
         verifies = []
         # One conversion for the whole block (per-request tensor slicing costs microseconds each).
         draft_tokens = proposal.tokens.tolist() if proposal is not None else []
@@ -207,10 +255,11 @@ class SpeculativeEngine:
                         draft_tokens[i][:n],
                         None if r.params.greedy else proposal.topk_ids[i, :n],
                         None if r.params.greedy else proposal.topk_probs[i, :n],
+                        position=r.position,
                     )
                 )
             else:
-                verifies.append(VerifyItem(r.req_id, r.anchor, []))
+                verifies.append(VerifyItem(r.req_id, r.anchor, [], position=r.position))
         results = self.verify.step(prefills, verifies)
         t3 = time.perf_counter()
 
@@ -272,9 +321,13 @@ class SpeculativeEngine:
         self, req: _Request, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool
     ) -> RequestOutput:
         """Append a step's tokens to the request, apply stop conditions, finish and free it if done."""
-        # The anchor's position is the committed context length: the prompt after a prefill, then +1 per
-        # verified anchor and per accepted draft.
-        req.position = len(req.prompt) if prefill else req.position + 1 + num_accepted
+        # The anchor's position is the committed context length: the prompt after a prefill (plus the output
+        # but its last token after a re-prefill), then +1 per verified anchor and per accepted draft.
+        resumed = prefill and bool(req.output)
+        if prefill:
+            req.position = len(req.prompt) + max(len(req.output) - 1, 0)
+        else:
+            req.position += 1 + num_accepted
         if tokens:
             req.anchor = tokens[-1]
         finish: FinishReason | None = None
@@ -286,7 +339,7 @@ class SpeculativeEngine:
         if cut >= 0:
             new = new[: cut + 1]
             finish = FinishReason.STOP
-        if prefill:
+        if prefill and not resumed:
             req.metrics.first_token_time = time.perf_counter()
         else:
             req.metrics.verified.append(num_drafts)

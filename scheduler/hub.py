@@ -9,8 +9,10 @@ the fewest requests and stay there (sticky KV cache). The hub knows nothing of R
 
 Replicas leave gracefully in two steps (autoscaling down, rolling updates): ``drain_*`` stops giving the replica
 new requests and reports how many of its requests are still running; once that reaches zero (or the replica's
-shutdown budget runs out), ``unregister_*`` forgets it. Requests are never moved between replicas: a draining
-replica keeps serving the requests it holds until they finish.
+shutdown budget runs out), ``unregister_*`` forgets it. A draining replica keeps serving the requests it holds
+until they finish. Replicas that DIE are another matter: :mod:`scheduler.failover` moves their requests to live
+replicas (re-prefilled from prompt + emitted tokens, nothing lost); a restarted hub releases what replicas still
+hold for its predecessor before using them.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from cluster.backend import BackendUnavailableError, GenerateDelta, LocalBackend
 from cluster.messages import AnyValue, Int, List, Message, Str
 from cluster.rpc import Service
 from cluster.sampling import SamplingParams
-from scheduler.engine import SpeculativeEngine
+from scheduler.engine import RequestRejectedError, SpeculativeEngine
+from scheduler.failover import Failover, release_stale
 from scheduler.metrics import MetricsSnapshot
 from scheduler.policy import make_policy
-from scheduler.remote import DrafterPool, RemoteVerifier
+from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
 from scheduler.sps import SPSTable
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,7 @@ class SchedulerHub:
         self._owner: dict[str, str] = {}  # req id -> verifier replica id
         self._retired: MetricsSnapshot | None = None  # counters of unregistered verifier groups
         self._gone: set[str] = set()  # unregistered replica ids (Serve never reuses one): a late heartbeat is ignored
+        self.failover = Failover(self)
 
     # ---------------------------------------------------------------------------------------- registration
     def register_drafter(self, replica_id: str, address: str) -> None:
@@ -86,12 +90,14 @@ class SchedulerHub:
         with self._lock:
             if self._drafters.get(replica_id) == address or replica_id in self._gone:
                 return
+            release_stale(address, DRAFTER, self.token, self.timeout_s)
             self._drafters[replica_id] = address
             if self._pool is None:
                 self._pool = DrafterPool([address], token=self.token, timeout_s=self.timeout_s)
             else:
                 self._pool.add_drafter(address)
             logger.info("drafter %s registered at %s", replica_id, address)
+        self.failover.drafter_joined()
 
     def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any]) -> None:
         """Idempotent; starts the round loop of a new verifier replica."""
@@ -102,6 +108,7 @@ class SchedulerHub:
             if self.policy != "autoregressive" and self._pool is None:
                 raise BackendUnavailableError("no drafter registered yet; register drafters first")
             pool = self._pool if self.policy != "autoregressive" else None
+            release_stale(address, VERIFIER, self.token, self.timeout_s)
             route_of = pool.route_of if pool is not None else (lambda _req_id: None)
             verifier = RemoteVerifier(address, route_of, token=self.token, timeout_s=self.timeout_s)
             block_size = pool.block_size if pool is not None else 0
@@ -112,9 +119,12 @@ class SchedulerHub:
                 decode=self.decode,
                 eos_token_ids=self.eos_token_ids or verifier.eos_token_ids,
             )
-            backend = LocalBackend(engine, self.model_name, max_context=self._max_context)
+            backend = LocalBackend(
+                engine, self.model_name, max_context=self._max_context, failover=self.failover.hook(replica_id)
+            )
             self._groups[replica_id] = _Group(address, backend, verifier)
             logger.info("verifier %s registered at %s", replica_id, address)
+        self.failover.verifier_joined()
 
     def drain_verifier(self, replica_id: str) -> int:
         """Stop routing new requests to this verifier; returns how many of its requests are still running.
@@ -160,7 +170,7 @@ class SchedulerHub:
             return self._pool.drain_drafter(address)
 
     def unregister_drafter(self, replica_id: str) -> None:
-        """Forget a drafter; requests it still drafts for fail (drain first to avoid that)."""
+        """Forget a drafter; requests it still drafts for are re-prefilled onto another drafter (failover)."""
         with self._lock:
             address = self._drafters.pop(replica_id, None)
             self._gone.add(replica_id)
@@ -210,6 +220,8 @@ class SchedulerHub:
     async def generate(
         self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerateDelta]:
+        if req_id in self._owner:  # a replayed Generate must not take over the running request's routing
+            raise RequestRejectedError(f"request id {req_id!r} is already in use")
         group = self._admit(req_id)
         try:
             async for delta in group.backend.generate(req_id, prompt_ids, params):
@@ -217,7 +229,9 @@ class SchedulerHub:
         finally:
             with self._lock:
                 group.active.discard(req_id)
-                self._owner.pop(req_id, None)
+                current = self._groups.get(self._owner.pop(req_id, ""))  # failover may have moved it
+                if current is not None:
+                    current.active.discard(req_id)
 
     async def abort(self, req_id: str) -> None:
         replica_id = self._owner.get(req_id)

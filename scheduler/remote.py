@@ -25,6 +25,10 @@ DRAFTER = "dspark.Drafter"
 VERIFIER = "dspark.Verifier"
 
 
+class ReplicaLostError(ConnectionError):
+    """A request's replica was removed from the pool (it died) while a round still referred to it."""
+
+
 class RemoteVerifier:
     """The VerifyEngine interface of one verifier replica."""
 
@@ -58,6 +62,13 @@ class RemoteVerifier:
             self._held.discard(req_id)
             self._client.call(VERIFIER, "Release", {"req_ids": [req_id]})
 
+    def release_all(self, req_ids: Sequence[str]) -> None:
+        """Release on the replica whether or not this side thinks it holds them: after a failed round the
+        replica may hold slots that the failed call never confirmed (Release ignores unknown ids)."""
+        self._held.difference_update(req_ids)
+        if req_ids:
+            self._client.call(VERIFIER, "Release", {"req_ids": list(req_ids)})
+
     def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()) -> list[StepResult]:
         routes: dict[str, list[str]] = {}
         for item in [*prefills, *verifies]:
@@ -74,6 +85,7 @@ class RemoteVerifier:
             "prefill_anchors": [-1 if p.anchor is None else p.anchor for p in prefills],
             "verify_req_ids": [v.req_id for v in verifies],
             "verify_anchors": [int(v.anchor) for v in verifies],
+            "verify_positions": [-1 if v.position is None else int(v.position) for v in verifies],
             "verify_counts": [len(v.draft_tokens) for v in verifies],
             "verify_tokens": torch.tensor(draft_tokens, dtype=torch.int64),
             "draft_prob_ids": prob_ids,
@@ -139,7 +151,13 @@ def _step_results(reply: dict[str, Any]) -> list[StepResult]:
 
 
 class DrafterPool:
-    """The DraftEngine interface over one or more drafter replicas."""
+    """The DraftEngine interface over one or more drafter replicas.
+
+    Degraded mode: while the pool has no drafter at all (every replica died), new and re-homed requests join
+    *detached*: they get placeholder proposals with confidence 0 (so the scheduler verifies no drafts: plain
+    autoregressive decoding through the verifier, still exact) until :mod:`scheduler.failover` re-prefills them
+    onto a drafter that registers.
+    """
 
     def __init__(self, addresses: Sequence[str], *, token: str | None = None, timeout_s: float = 60.0) -> None:
         if not addresses:
@@ -151,6 +169,7 @@ class DrafterPool:
         self._capacity: dict[str, int] = {}
         self._owner: dict[str, str] = {}
         self._draining: set[str] = set()  # addresses that take no new requests
+        self._detached: set[str] = set()  # requests admitted while no drafter was there (degraded mode)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="drafters")
         first = self.add_drafter(addresses[0])
         self.block_size: int = first["block_size"]
@@ -163,7 +182,9 @@ class DrafterPool:
         """Connect a drafter replica (e.g. one the autoscaler just started); it takes new requests at once."""
         client = SyncRpcClient(address, token=self._token, timeout_s=self._timeout_s)
         info = client.call(DRAFTER, "Info", {})
-        if self._capacity and (info["block_size"] != self.block_size or info["vocab_size"] != self._vocab_size):
+        if hasattr(self, "block_size") and (
+            info["block_size"] != self.block_size or info["vocab_size"] != self._vocab_size
+        ):
             client.close()
             raise ValueError(f"drafter {address} differs from the others (block size / vocabulary)")
         with self._lock:
@@ -178,30 +199,59 @@ class DrafterPool:
                 self._draining.add(address)
             return self._load(address)
 
-    def remove_drafter(self, address: str) -> None:
-        """Disconnect a drafter replica; requests it still drafts for fail at their next round."""
+    def _address_of(self, req_id: str) -> str:
+        address = self._owner.get(req_id)
+        if address is None:
+            raise ReplicaLostError(f"request {req_id!r} lost its drafter")
+        return address
+
+    def _client(self, address: str) -> SyncRpcClient:
+        client = self._clients.get(address)
+        if client is None:
+            raise ReplicaLostError(f"drafter {address} left the pool")
+        return client
+
+    def remove_drafter(self, address: str) -> list[str]:
+        """Disconnect a drafter replica (drained, or dead); returns the requests it still held (they need a new
+        drafter: failover re-prefills them)."""
         with self._lock:
             client = self._clients.pop(address, None)
             self._capacity.pop(address, None)
             self._draining.discard(address)
+            lost = [r for r, a in self._owner.items() if a == address]
+            for req_id in lost:
+                del self._owner[req_id]
         if client is not None:
             client.close()
+        return lost
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._capacity)
+
+    def is_detached(self, req_id: str) -> bool:
+        return req_id in self._detached
 
     def _load(self, address: str) -> int:
         return sum(1 for a in list(self._owner.values()) if a == address)
 
     @property
     def num_free_slots(self) -> int:
+        if not self._capacity:
+            return 1 << 30  # degraded mode: the verifier's slots are the only bound
         return sum(cap - self._load(a) for a, cap in list(self._capacity.items()) if a not in self._draining)
 
     def route_of(self, req_id: str) -> str | None:
         return self._owner.get(req_id)
 
     def has(self, req_id: str) -> bool:
-        return req_id in self._owner
+        return req_id in self._owner or req_id in self._detached
 
     def add_request(self, req_id: str, params: Any) -> None:
         with self._lock:
+            if not self._capacity:
+                self._detached.add(req_id)
+                return
             accepting = [a for a in self._capacity if a not in self._draining]
             if not accepting:
                 raise ValueError("no drafter replica is accepting requests (all are draining)")
@@ -218,6 +268,7 @@ class DrafterPool:
 
     def release(self, req_id: str) -> None:
         with self._lock:
+            self._detached.discard(req_id)
             address = self._owner.pop(req_id, None)
             client = self._clients.get(address) if address is not None else None
         if client is not None:  # None: its drafter was removed, and its caches with it
@@ -227,9 +278,10 @@ class DrafterPool:
         """Only for features the verifier returned inline (no direct route): forwarded to the owners."""
         groups: dict[str, list[ContextItem]] = {}
         for item in items:
-            groups.setdefault(self._owner[item.req_id], []).append(item)
+            if item.req_id not in self._detached:
+                groups.setdefault(self._address_of(item.req_id), []).append(item)
         for address, group in groups.items():
-            self._clients[address].call(
+            self._client(address).call(
                 DRAFTER,
                 "AppendContext",
                 {
@@ -242,11 +294,15 @@ class DrafterPool:
 
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
         groups: dict[str, list[int]] = {}
+        detached: list[int] = []
         for index, item in enumerate(items):
-            groups.setdefault(self._owner[item.req_id], []).append(index)
+            if item.req_id in self._detached:
+                detached.append(index)
+            else:
+                groups.setdefault(self._address_of(item.req_id), []).append(index)
 
         def call(address: str, indices: list[int]) -> dict[str, Any]:
-            return self._clients[address].call(
+            return self._client(address).call(
                 DRAFTER,
                 "Propose",
                 {
@@ -258,6 +314,9 @@ class DrafterPool:
 
         futures = {a: self._pool.submit(call, a, idx) for a, idx in groups.items()}
         replies = {a: f.result() for a, f in futures.items()}
+        if detached:
+            groups[""] = detached
+            replies[""] = self._placeholder_reply(len(detached), next(iter(replies.values()), None))
         order = np.concatenate([np.asarray(idx) for idx in groups.values()])
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
@@ -278,6 +337,22 @@ class DrafterPool:
             topk_ids=gather("topk_ids").to(torch.int64),  # type: ignore[union-attr]
             topk_probs=gather("topk_probs"),  # type: ignore[arg-type]
         )
+
+    def _placeholder_reply(self, n: int, like: dict[str, Any] | None) -> dict[str, Any]:
+        """Proposals for detached requests: draft token 0 sampled from a one-hot distribution (so verifying it
+        would still be exact) with confidence 0, which makes the confidence scheduler verify none of them."""
+        gamma = self.block_size
+        width = 1 if like is None else int(like["topk_ids"].shape[-1])
+        probs = torch.zeros(n, gamma, width, dtype=torch.float32)
+        probs[..., 0] = 1.0
+        confidence = self.has_confidence_head if like is None else like["confidences"] is not None
+        return {
+            "tokens": torch.zeros(n, gamma, dtype=torch.int64),
+            "confidences": torch.zeros(n, gamma, dtype=torch.float64) if confidence else None,
+            "confidence_logits": torch.full((n, gamma), -30.0, dtype=torch.float64) if confidence else None,
+            "topk_ids": torch.zeros(n, gamma, width, dtype=torch.int32),
+            "topk_probs": probs,
+        }
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

@@ -49,13 +49,15 @@ class PrefillItem:
 class VerifyItem:
     """A running request's anchor and the drafts the scheduler admitted, with the exact draft distribution
     (sparse: ``draft_prob_ids``/``draft_probs`` of shape [l, K]) those drafts were sampled from. Greedy requests
-    may leave the distribution out."""
+    may leave the distribution out. ``position``, when given, is where the sender believes the anchor sits (the
+    committed context length): a stale or replayed round is refused instead of being applied twice."""
 
     req_id: str
     anchor: int
     draft_tokens: Sequence[int]
     draft_prob_ids: torch.Tensor | None = None
     draft_probs: torch.Tensor | None = None
+    position: int | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,11 @@ class VerifyEngine:
                 _check_ids(p.req_id, [p.anchor], vocab)
         for v in verifies:
             entry = self._get(v.req_id)
+            if v.position is not None and v.position != self.cache.length(entry.slot):
+                raise ValueError(
+                    f"request {v.req_id!r}: the round is for anchor position {v.position} but the request is at "
+                    f"{self.cache.length(entry.slot)} (a stale or replayed round)"
+                )
             _check_ids(v.req_id, [v.anchor, *v.draft_tokens], vocab)
             self.cache.check_extend(entry.slot, len(v.draft_tokens) + 1)
             if not entry.params.greedy and len(v.draft_tokens):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from cluster.engine_rpc import COUNTS, REQ_IDS, TOKENS, EngineThread, split_rows
+from cluster.engine_rpc import COUNTS, DEFAULT_WEDGE_TIMEOUT_S, REQ_IDS, TOKENS, EngineThread, split_rows
 from cluster.messages import AnyValue, Int, List, Map, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, RpcClient, Service
 from cluster.sampling import SamplingParams
@@ -33,6 +33,8 @@ STEP = Message(
         "prefill_anchors": List(Int(min=-1), max_len=4096),
         "verify_req_ids": REQ_IDS,
         "verify_anchors": TOKENS,
+        # Where the scheduler believes each anchor sits (-1: unchecked): a replayed round is INVALID_ARGUMENT.
+        "verify_positions": Opt(List(Int(min=-1, max=1 << 31), max_len=4096)),
         "verify_counts": COUNTS,
         "verify_tokens": Tensor(INT_DTYPES, rank=1),
         "draft_prob_ids": Opt(Tensor(INT_DTYPES, rank=2)),
@@ -52,10 +54,11 @@ class VerifierService:
         token: str | None = None,
         timeout_s: float = 30.0,
         sps: dict[str, Any] | None = None,
+        wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.sps = sps  # this replica's SPS table (SPSTable.to_dict()), for schedulers that discover it via Info
-        self._thread = EngineThread("verifier")
+        self._thread = EngineThread("verifier", wedge_timeout_s)
         self._token = token
         self._timeout_s = timeout_s
         self._drafters: dict[str, RpcClient] = {}
@@ -71,10 +74,15 @@ class VerifierService:
             "eos_token_ids": list(target.eos_token_ids),
             "sps": self.sps,
             "feature_bytes_sent": sum(c.bytes_sent for c in self._drafters.values()),
+            "running": self.engine.running,  # a restarted scheduler releases what nobody owns any more
         }
 
     def health(self) -> HealthStatus:
-        return HealthStatus(True, {"free_slots": self.engine.num_free_slots})
+        """NOT_SERVING when the engine thread is stuck inside one call (a wedged engine)."""
+        busy = self._thread.busy_s
+        return HealthStatus(
+            busy <= self._thread.wedge_timeout_s, {"free_slots": self.engine.num_free_slots, "busy_s": busy}
+        )
 
     def service(self) -> Service:
         return Service(
@@ -156,6 +164,11 @@ def _parse_step(request: dict[str, Any]) -> tuple[list[PrefillItem], list[Verify
     n_ver = len(request["verify_req_ids"])
     if not len(request["verify_anchors"]) == len(request["verify_counts"]) == n_ver:
         raise ValueError("Step: verify fields must all have one entry per verify request")
+    positions = request["verify_positions"]
+    if positions is None:
+        positions = [-1] * n_ver
+    if len(positions) != n_ver:
+        raise ValueError("Step: verify_positions needs one entry per verify request")
     drafts = request["verify_tokens"].tolist()
     ranges = split_rows(request["verify_counts"], len(drafts), "Step verify")
     prob_ids, probs = request["draft_prob_ids"], request["draft_probs"]
@@ -164,8 +177,10 @@ def _parse_step(request: dict[str, Any]) -> tuple[list[PrefillItem], list[Verify
     if prob_ids is not None and (prob_ids.shape != probs.shape or prob_ids.shape[0] != len(drafts)):
         raise ValueError("Step: the draft distribution needs one [K] row per draft token in both tensors")
     verifies = []
-    for req_id, anchor, (a, b) in zip(request["verify_req_ids"], request["verify_anchors"], ranges, strict=True):
+    for req_id, anchor, position, (a, b) in zip(
+        request["verify_req_ids"], request["verify_anchors"], positions, ranges, strict=True
+    ):
         dist_ids = None if prob_ids is None or a == b else prob_ids[a:b]
         dist = None if probs is None or a == b else probs[a:b]
-        verifies.append(VerifyItem(req_id, anchor, drafts[a:b], dist_ids, dist))
+        verifies.append(VerifyItem(req_id, anchor, drafts[a:b], dist_ids, dist, None if position < 0 else position))
     return prefills, verifies

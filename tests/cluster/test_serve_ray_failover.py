@@ -1,0 +1,143 @@
+"""A Verifier replica process is killed while requests stream over HTTP: every client still completes with the
+target's greedy output, with no error and no duplicated or missing text (real multi-node local Ray cluster).
+
+Two verifier replicas share the verify pool's node; ``ray.kill`` ends one replica actor (its process, its gRPC
+server and its KV caches) once every client has received text. The scheduler re-prefills the dead replica's
+requests on the other one from prompt + emitted tokens; Serve then starts a replacement, which re-registers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_TARGET = ROOT / "models" / "demo" / "target"
+DEMO_DRAFT = ROOT / "models" / "demo" / "draft_dspark"
+PROMPTS = ["def add(a, b):\n    return", "import os\n\ndef main():\n", "class Stack:\n", "for i in range(10):\n",
+           "x = [1, 2, 3]\n", "# compute the mean\n"]
+MAX_TOKENS = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception:  # the app may still be starting
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _topology() -> dict[str, int]:
+    from ray import serve
+
+    return serve.get_deployment_handle("Scheduler", app_name="dspark").topology.remote().result(timeout_s=10)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[str]:
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1", "object_store_memory": 128 * 2**20},
+    )
+    cluster.add_node(num_cpus=1, resources={"draft_pool": 1}, node_ip_address="127.0.0.1",
+                     object_store_memory=96 * 2**20)
+    cluster.add_node(num_cpus=2, resources={"verify_pool": 1}, node_ip_address="127.0.0.1",
+                     object_store_memory=96 * 2**20)
+    ray.init(address=cluster.address)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    from cluster.app import build_app
+
+    args = {
+        "models": {"target": str(DEMO_TARGET), "draft": str(DEMO_DRAFT)},
+        "engine": {"max_requests": 8, "max_seq_len": 256},
+        "draft_pool": {"resource": "draft_pool", "num_cpus": 0.5},
+        "verify_pool": {"resource": "verify_pool", "num_cpus": 0.5},
+        "network": {"grpc_timeout_s": 20},
+    }
+    overrides = {"Ingress": {"ray_actor_options": {"num_cpus": 0.2}},
+                 "Scheduler": {"ray_actor_options": {"num_cpus": 0.2}},
+                 "Verifier": {"num_replicas": 2}}
+    serve.run(build_app(args, overrides), name="dspark", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    _wait(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 180, "the app to become healthy")
+    _wait(lambda: _topology()["verifiers"] == 2, 120, "both verifiers to register")
+    yield base
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _verifier_actors() -> list[str]:
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve" and "#Verifier#" in a["name"])
+
+
+def test_killing_a_verifier_replica_mid_stream_loses_nothing(served: str) -> None:
+    import ray
+    from transformers import AutoTokenizer
+
+    from verify_service.target import TargetModel
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    target = TargetModel.from_pretrained(DEMO_TARGET)
+    expected = [
+        tokenizer.decode(ids, skip_special_tokens=True)
+        for ids in target.generate([tokenizer(p).input_ids for p in PROMPTS], max_new_tokens=MAX_TOKENS)
+    ]
+    received = [0] * len(PROMPTS)
+    lock = threading.Lock()
+
+    def client(i: int) -> tuple[str, list[dict]]:
+        body = {"model": "dspark-demo", "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"{served}/v1/completions", json=body, timeout=150) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[len("data: "):]))
+                    with lock:
+                        received[i] += 1
+        return "".join(c["text"] for e in events for c in e.get("choices", [])), events
+
+    victims = _verifier_actors()
+    assert len(victims) == 2
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(client, i) for i in range(len(PROMPTS))]
+        _wait(lambda: all(received), 120, "every client to receive text")
+        ray.kill(ray.get_actor(victims[0], namespace="serve"), no_restart=True)
+        results = [f.result(timeout=150) for f in futures]
+    for (text, events), want in zip(results, expected, strict=True):
+        assert not [e for e in events if "error" in e]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert text == want
+    # Serve replaces the dead replica and the replacement registers with the scheduler by heartbeat.
+    _wait(lambda: _topology()["verifiers"] == 2 and victims[0] not in _verifier_actors(), 120,
+          "a replacement verifier to register")
