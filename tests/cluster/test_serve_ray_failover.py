@@ -68,9 +68,20 @@ def served() -> Iterator[str]:
     cluster.add_node(num_cpus=2, resources={"verify_pool": 1}, node_ip_address="127.0.0.1",
                      object_store_memory=96 * 2**20)
     ray.init(address=cluster.address)
+    try:
+        yield from _deploy()
+    finally:  # also when the deployment fails: the next module starts its own cluster
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _deploy() -> Iterator[str]:
+    from ray import serve
+
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    from cluster.app import build_app
+    from cluster.app import assemble_app
 
     args = {
         "models": {"target": str(DEMO_TARGET), "draft": str(DEMO_DRAFT)},
@@ -82,14 +93,11 @@ def served() -> Iterator[str]:
     overrides = {"Ingress": {"ray_actor_options": {"num_cpus": 0.2}},
                  "Scheduler": {"ray_actor_options": {"num_cpus": 0.2}},
                  "Verifier": {"num_replicas": 2}}
-    serve.run(build_app(args, overrides), name="dspark", route_prefix="/")
+    serve.run(assemble_app(args, overrides), name="dspark", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     _wait(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 180, "the app to become healthy")
     _wait(lambda: _topology()["verifiers"] == 2, 120, "both verifiers to register")
     yield base
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
 
 
 def _verifier_actors() -> list[str]:
