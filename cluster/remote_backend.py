@@ -127,6 +127,13 @@ class RemoteBackend:
             logger.info("abort of %s not delivered (%s): the scheduler went with its requests", req_id, error)
         except BackendUnavailableError as exc:
             logger.info("abort of %s not delivered (%s): the scheduler went with its requests", req_id, exc)
+        except asyncio.CancelledError:
+            # grpc.aio cancels the calls of a channel whose peer went away with CancelledError; only a
+            # cancellation of this task itself (a client disconnect, shutdown) must propagate.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            logger.info("abort of %s not delivered: the scheduler's channel was closed", req_id)
 
     async def metrics(self) -> MetricsSnapshot:
         try:
