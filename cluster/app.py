@@ -153,18 +153,12 @@ class DrafterReplica:
 @serve.deployment(name="Verifier", max_ongoing_requests=8, health_check_period_s=10, health_check_timeout_s=30)
 class VerifierReplica:
     def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle) -> None:
-        from cluster.loading import build_verify_engine, load_or_profile_sps
-        from draft_service.config import DraftConfig
-        from verify_service.rpc_service import VerifierService
+        from cluster.loading import build_verifier_service
 
         self.config = AppConfig.from_args(args).resolve_secrets()
-        engine = build_verify_engine(self.config)
-        block = 0
-        if self.config.models.draft is not None:
-            block = DraftConfig.from_json(f"{self.config.models.draft}/config.json").block_size
-        sps = load_or_profile_sps(self.config, engine, max(block, 1)).to_dict()
+        self.service = build_verifier_service(self.config)
+        sps = self.service.sps
         token = self.config.network.grpc_token
-        self.service = VerifierService(engine, token=token, timeout_s=self.config.network.grpc_timeout_s)
         self.server = ServerThread([self.service.service()], host=_grpc_host(self.config), token=token,
                                    health=self.service.health)
         self._scheduler = scheduler

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from scheduler.sts import STSCalibration
 from verify_service.engine import VerifyEngine
 from verify_service.profiling import profile_target_sps
 from verify_service.target import TargetModel
+
+if TYPE_CHECKING:
+    from verify_service.rpc_service import VerifierService
 
 logger = logging.getLogger(__name__)
 
@@ -73,3 +77,22 @@ def load_or_profile_sps(config: AppConfig, verify: VerifyEngine, block_size: int
     logger.info("profiling SPS(B) of the target (no models.sps configured)")
     max_tokens = config.engine.max_requests * (block_size + 1)
     return profile_target_sps(verify.target, chunk=block_size + 1, max_batch_tokens=max_tokens, progress=False)
+
+
+def build_verifier_service(config: AppConfig) -> VerifierService:
+    """The verifier replica's service: target engine, its SPS table (from file or profiled now), gRPC adapter.
+
+    The same for a Ray Serve replica and a standalone ``dspark verify-server``; the table travels in the
+    service's ``Info`` so a scheduler learns it with the replica's address.
+    """
+    from draft_service.config import DraftConfig
+    from verify_service.rpc_service import VerifierService
+
+    engine = build_verify_engine(config)
+    block = 1
+    if config.models.draft is not None:
+        block = DraftConfig.from_json(Path(config.models.draft) / "config.json").block_size
+    sps = load_or_profile_sps(config, engine, block).to_dict()
+    return VerifierService(
+        engine, token=config.network.grpc_token, timeout_s=config.network.grpc_timeout_s, sps=sps
+    )

@@ -74,18 +74,10 @@ def run_draft_server(args: argparse.Namespace) -> int:
 
 
 def run_verify_server(args: argparse.Namespace) -> int:
-    from cluster.loading import build_verify_engine, load_or_profile_sps
-    from draft_service.config import DraftConfig
-    from verify_service.rpc_service import VerifierService
+    from cluster.loading import build_verifier_service
 
     logging.basicConfig(level=args.log_level.upper())
-    config = _config(args)
-    engine = build_verify_engine(config)
-    block = 1
-    if config.models.draft is not None:
-        block = DraftConfig.from_json(f"{config.models.draft}/config.json").block_size
-    sps = load_or_profile_sps(config, engine, block).to_dict()
-    service = VerifierService(engine, token=args.grpc_token, timeout_s=config.network.grpc_timeout_s, sps=sps)
+    service = build_verifier_service(_config(args))
     asyncio.run(_serve_forever([service.service()], args, service.health))
     return 0
 
