@@ -195,6 +195,23 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
 
 
+def load_summary(stats: Stats, elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
+    """The client-side results of a load run (machine, settings, counts, rates, latency percentiles)."""
+    return {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "elapsed_s": elapsed,
+        "completed": stats.completed,
+        "disconnected": stats.disconnected,
+        "errors": stats.errors,
+        "requests_per_s": stats.completed / elapsed,
+        "output_tokens_per_s": sum(stats.tokens) / elapsed,
+        "per_user_tokens_per_s": percentiles(stats.per_user_tps),
+        "ttft_s": percentiles(stats.ttft),
+        "latency_s": percentiles(stats.latency),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="server to load (default: start dspark serve --no-ray)")
@@ -243,17 +260,7 @@ def main() -> int:
 
     drafts = delta("vllm:spec_decode_num_drafts_total")
     result: dict[str, Any] = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "elapsed_s": elapsed,
-        "completed": stats.completed,
-        "disconnected": stats.disconnected,
-        "errors": stats.errors,
-        "requests_per_s": stats.completed / elapsed,
-        "output_tokens_per_s": sum(stats.tokens) / elapsed,
-        "per_user_tokens_per_s": percentiles(stats.per_user_tps),
-        "ttft_s": percentiles(stats.ttft),
-        "latency_s": percentiles(stats.latency),
+        **load_summary(stats, elapsed, args),
         "server": {
             "rss_mib_before": rss_before,
             "rss_mib_after": rss_after,

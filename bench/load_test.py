@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import sys
 import time
@@ -35,7 +33,7 @@ from urllib.parse import urlparse
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_http import Stats, one_request, percentiles, run_load, scrape
+from bench_http import Stats, load_summary, one_request, run_load, scrape
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 TITLES = ("ray::ServeReplica:", "ray::ServeController", "ray::ProxyActor")
@@ -180,17 +178,7 @@ def main() -> int:
         memory.append({"pid": pid, "process": name, "rss_mib_before": before, "rss_mib_after": after,
                        "delta_mib": None if before is None or after is None else after - before})
     result: dict[str, Any] = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "elapsed_s": elapsed,
-        "completed": stats.completed,
-        "disconnected": stats.disconnected,
-        "errors": stats.errors,
-        "requests_per_s": stats.completed / elapsed,
-        "output_tokens_per_s": sum(stats.tokens) / elapsed,
-        "per_user_tokens_per_s": percentiles(stats.per_user_tps),
-        "ttft_s": percentiles(stats.ttft),
-        "latency_s": percentiles(stats.latency),
+        **load_summary(stats, elapsed, args),
         "running_after": after_metrics.get("vllm:num_requests_running"),
         "waiting_after": after_metrics.get("vllm:num_requests_waiting"),
         "aborted": after_metrics.get("dspark_requests_aborted_total", 0.0)
