@@ -108,6 +108,9 @@ class DraftEngine:
         self.draft_top_k = min(draft_top_k, model.config.vocab_size)
         self.calibration = calibration
         self._requests: dict[str, _Entry] = {}
+        # Per context slot, set when a request is added: the bucketed step gathers them with one index.
+        self._slot_temperature = np.zeros(self.cache.num_slots, dtype=np.float32)
+        self._slot_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # effective top-k, seed
         self.graphs: DraftGraphRunner | None = None
         if graphs != "off":
             self.graphs = DraftGraphRunner(
@@ -145,6 +148,10 @@ class DraftEngine:
             raise ValueError(f"request {req_id!r} is already held by this drafter")
         slot = self.cache.allocate()
         self._requests[req_id] = _Entry(slot, params, params.seed or 0)
+        self._slot_temperature[slot] = params.temperature
+        top_k = params.top_k
+        k_eff = min(top_k, self.draft_top_k) if top_k > 0 else self.draft_top_k
+        self._slot_int[slot] = (min(k_eff, self.model.config.vocab_size), params.seed or 0)
 
     def release(self, req_id: str) -> None:
         """Free the request's context slot (idempotent)."""
@@ -167,40 +174,41 @@ class DraftEngine:
         (the cache is cropped back to ``start`` first), and a gap (``start`` past the held length) is an error."""
         if not items:
             return
-        entries = [self._get(item.req_id) for item in items]
-        held_lengths = self.cache.lengths_np
+        entries = self._entries(items)
+        num = len(items)
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=num)
+        starts = np.fromiter((item.start for item in items), dtype=np.int64, count=num)
+        held = self.cache.lengths_np[slots]
         width = self.model.config.context_feature_size
-        for item, entry in zip(items, entries, strict=True):
-            held = int(held_lengths[entry.slot])
-            if item.start > held:
-                raise ValueError(
-                    f"request {item.req_id!r}: context rows from {held} to {item.start} are missing"
-                )
-            if item.features.ndim != 2 or item.features.shape[1] != width:
-                raise ValueError(
-                    f"request {item.req_id!r}: context features must be [n, {width}], got {tuple(item.features.shape)}"
-                )
-        if self.graphs is not None and self._append_bucketed(items, entries):
+        counts = np.fromiter((_rows(item, width) for item in items), dtype=np.int64, count=num)
+        if bool((counts < 0).any()) or bool((starts > held).any()):
+            for item, length, count in zip(items, held.tolist(), counts.tolist(), strict=True):
+                if item.start > length:
+                    raise ValueError(f"request {item.req_id!r}: context rows from {length} to {item.start} are missing")
+                if count < 0:
+                    raise ValueError(
+                        f"request {item.req_id!r}: context features must be [n, {width}], "
+                        f"got {tuple(item.features.shape)}"
+                    )
+        if self.graphs is not None and self._append_bucketed(items, slots, starts, counts):
             return
         for item, entry in zip(items, entries, strict=True):
             self.cache.crop(entry.slot, item.start)
-        counts = [int(item.features.shape[0]) for item in items]
         cu = np.concatenate([[0], np.cumsum(counts)]).tolist()
         rows = torch.cat([item.features.to(self.model.device) for item in items])
-        self.model.append_context(self.cache, [e.slot for e in entries], rows, cu)
+        self.model.append_context(self.cache, slots.tolist(), rows, cu)
 
-    def _append_bucketed(self, items: Sequence[ContextItem], entries: Sequence[_Entry]) -> bool:
+    def _append_bucketed(
+        self, items: Sequence[ContextItem], slots: np.ndarray, starts: np.ndarray, counts: np.ndarray
+    ) -> bool:
         """Append through the graph runner when the rows fit its buckets (the per-round appends; prefills do
         not). Checks everything before writing. Returns whether it did."""
         assert self.graphs is not None
-        counts = np.fromiter((item.features.shape[0] for item in items), dtype=np.int64, count=len(items))
         total = int(counts.sum())
         if not 0 < total <= self.graphs.max_append_rows:
             return False
-        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
-        if len(set(slots.tolist())) != len(slots):
+        if np.unique(slots).size != slots.size:
             raise ValueError(f"duplicate requests in one context append: {[item.req_id for item in items]}")
-        starts = np.fromiter((item.start for item in items), dtype=np.int64, count=len(items))
         ends = starts + counts
         if bool((ends > self.cache.max_seq_len).any()):
             raise ValueError(
@@ -208,17 +216,23 @@ class DraftEngine:
             )
         first_row = np.cumsum(counts) - counts
         positions = np.repeat(starts - first_row, counts) + np.arange(total)
-        rows = torch.cat([item.features for item in items]).to(self.model.device)
-        self.graphs.append(np.repeat(slots, counts), positions, rows)
+        self.graphs.append(np.repeat(slots, counts), positions, [item.features for item in items])
         self.cache.lengths_np[slots] = ends
         return True
+
+    def _entries(self, items: Sequence[ContextItem] | Sequence[DraftItem]) -> list[_Entry]:
+        requests = self._requests
+        try:
+            return [requests[item.req_id] for item in items]
+        except KeyError:
+            return [self._get(item.req_id) for item in items]  # raises UnknownDraftRequestError
 
     @torch.no_grad()
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
         """Draft one block for every item in one batched backbone pass plus the sequential head."""
         if not items:
             raise ValueError("propose needs at least one request")
-        entries = [self._get(item.req_id) for item in items]
+        entries = self._entries(items)
         if self.graphs is not None and len(items) <= self.graphs.max_requests:
             return self._propose_bucketed(items, entries)
         device = self.model.device
@@ -247,26 +261,20 @@ class DraftEngine:
     def _propose_bucketed(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
         """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
         assert self.graphs is not None
-        anchors = [item.anchor for item in items]
+        num = len(items)
+        anchors = np.fromiter((item.anchor for item in items), dtype=np.int64, count=num)
         vocab = self.model.config.vocab_size
-        if min(anchors) < 0 or max(anchors) >= vocab:
-            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {anchors}")
-        slots = [e.slot for e in entries]
-        lengths = self.cache.lengths_np[slots].tolist()
-        positions = [item.position for item in items]
-        if lengths != positions:
+        if int(anchors.min()) < 0 or int(anchors.max()) >= vocab:
+            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {anchors.tolist()}")
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=num)
+        lengths = self.cache.lengths_np[slots]
+        positions = np.fromiter((item.position for item in items), dtype=np.int64, count=num)
+        if not np.array_equal(lengths, positions):
             raise ValueError(
-                f"context cache lengths {lengths} must equal anchor positions {positions}: append the context "
-                f"rows 0..start-1 before drafting"
+                f"context cache lengths {lengths.tolist()} must equal anchor positions {positions.tolist()}: append "
+                f"the context rows 0..start-1 before drafting"
             )
-        out = self.graphs.run(
-            anchors,
-            positions,
-            slots,
-            [e.params.temperature for e in entries],
-            [e.params.top_k for e in entries],
-            [e.seed for e in entries],
-        )
+        out = self.graphs.run(anchors, positions, slots, self._slot_temperature[slots], self._slot_int[slots])
         return self._proposal(items, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
 
     def _proposal(
@@ -292,3 +300,9 @@ class DraftEngine:
             topk_ids=topk_ids,
             topk_probs=topk_probs,
         )
+
+
+def _rows(item: ContextItem, width: int) -> int:
+    """Number of context rows of an item, or -1 when its features are not [n, width]."""
+    features = item.features
+    return int(features.shape[0]) if features.ndim == 2 and features.shape[1] == width else -1

@@ -118,10 +118,10 @@ class DraftGraphRunner:
     def max_append_rows(self) -> int:
         return self.sizes[-1] * self.append_width
 
-    def append(self, slots: np.ndarray, positions: np.ndarray, rows: torch.Tensor) -> None:
-        """Write the K/V of context rows [n, F] (n <= max_append_rows) at (slots[i], positions[i]); the caller
-        validated them and updates the host-side lengths."""
-        num = rows.shape[0]
+    def append(self, slots: np.ndarray, positions: np.ndarray, features: Sequence[torch.Tensor]) -> None:
+        """Write the K/V of context rows (the concatenation of ``features``, [n, F] with n <= max_append_rows)
+        at (slots[i], positions[i]); the caller validated them and updates the host-side lengths."""
+        num = len(slots)
         size = next(s for s in self.sizes if s * self.append_width >= num)
         padded = size * self.append_width
         self._where_fence.wait_before_write()
@@ -132,7 +132,14 @@ class DraftGraphRunner:
         where[half : half + num] = positions
         self._dev_where.copy_(self._host_where, non_blocking=True)
         self._where_fence.copies_issued()
-        self.context_rows[:num].copy_(rows)
+        rows = self.context_rows[:num]
+        first = features[0]
+        try:
+            if first.device != rows.device or first.dtype != rows.dtype:
+                raise TypeError("the rows need a conversion")
+            torch.cat(features, out=rows)  # straight into the static buffer: one device copy
+        except (TypeError, RuntimeError):
+            rows.copy_(torch.cat([f.to(rows.device) for f in features]))
         self.append_steps[size](self.timed)  # its device time is settled after the next propose's wait
 
     def _fill_append_padding(self, rows: int) -> None:
@@ -143,15 +150,15 @@ class DraftGraphRunner:
 
     def run(
         self,
-        anchors: Sequence[int],
-        positions: Sequence[int],
-        slots: Sequence[int],
-        temperatures: Sequence[float],
-        top_ks: Sequence[int],
-        seeds: Sequence[int],
+        anchors: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        temperatures: np.ndarray,
+        k_eff_and_seeds: np.ndarray,
     ) -> BucketedDraft:
-        """Draft for R requests (validated by the caller: anchors in the vocabulary, each slot holding exactly
-        ``positions[r]`` context rows)."""
+        """Draft for R requests: anchor, anchor position and slot (int64 [R] each), temperature (float32 [R]),
+        effective top-k (in [1, draft_top_k]) and seed (int64 [R, 2]). Validated by the caller: anchors in the
+        vocabulary, each slot holding exactly ``positions[r]`` context rows."""
         num = len(anchors)
         size = pick_bucket(num, self.sizes)
         if size is None:
@@ -163,10 +170,8 @@ class DraftGraphRunner:
         host["positions"][:num] = positions
         host["slots"][:num] = slots
         host["temperature"][:num] = temperatures
-        host["seeds"][:num] = seeds
-        vocab = self.model.config.vocab_size
-        host["k_eff"][:num] = [min(k, self.draft_top_k) if k > 0 else self.draft_top_k for k in top_ks]
-        np.minimum(host["k_eff"][:num], vocab, out=host["k_eff"][:num])
+        host["k_eff"][:num] = k_eff_and_seeds[:, 0]
+        host["seeds"][:num] = k_eff_and_seeds[:, 1]
         self._upload()
         step = self.steps[size]
         packed, topk_ids, topk_probs = step(self.timed)

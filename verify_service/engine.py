@@ -82,6 +82,17 @@ class _Slot:
     slot: int
     params: SamplingParams
     seed: int
+    greedy: bool
+
+
+@dataclass(frozen=True)
+class _CheckedVerifies:
+    """What validating a step's verify items found out, reused by the run (no second lookup per request)."""
+
+    entries: list[_Slot]
+    slots: np.ndarray  # int64 [R]
+    lengths: np.ndarray  # int64 [R]: cached length = the anchor's position
+    num_drafts: np.ndarray  # int64 [R]
 
 
 class VerifyEngine:
@@ -116,6 +127,10 @@ class VerifyEngine:
         self.cache = target.new_kv_cache(max_requests + (graphs != "off"), max_seq_len)
         self.max_seq_len = max_seq_len
         self._requests: dict[str, _Slot] = {}
+        # Sampling parameters per KV slot, set at admission: the bucketed step gathers them with one index.
+        self._sampling_float = np.zeros((self.cache.num_slots, 2), dtype=np.float32)  # temperature, top_p
+        self._sampling_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # top_k, seed
+        self._sampling_float[:, 1] = 1.0
         if use_triton is None:
             use_triton = target.device.type == "cuda"
         self._sampler = _triton_sampler() if use_triton else rejection_sample_reference
@@ -178,9 +193,9 @@ class VerifyEngine:
         """Run prefills and verifications in one target pass; results follow the order prefills, then verifies."""
         if not prefills and not verifies:
             return []
-        self._validate(prefills, verifies)
-        if not prefills and self._bucketed(verifies):
-            return self._run_bucketed(verifies)
+        checked = self._validate(prefills, verifies)
+        if not prefills and self._bucketed(verifies, checked):
+            return self._run_bucketed(verifies, checked)
         new_slots = self._allocate(prefills)
         try:
             return self._run(prefills, verifies)
@@ -189,13 +204,16 @@ class VerifyEngine:
                 self.release(req_id)
             raise
 
-    def _validate(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> None:
-        seen: set[str] = set()
+    def _validate(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> _CheckedVerifies:
+        req_ids = [item.req_id for item in prefills]
+        req_ids += [item.req_id for item in verifies]
+        if len(set(req_ids)) != len(req_ids):
+            seen: set[str] = set()
+            for req_id in req_ids:
+                if req_id in seen:
+                    raise ValueError(f"request {req_id!r} appears twice in one step")
+                seen.add(req_id)
         vocab = self.target.vocab_size
-        for item in [*prefills, *verifies]:
-            if item.req_id in seen:
-                raise ValueError(f"request {item.req_id!r} appears twice in one step")
-            seen.add(item.req_id)
         for p in prefills:
             if p.req_id in self._requests:
                 raise ValueError(f"request {p.req_id!r} is already running on this verifier")
@@ -210,6 +228,57 @@ class VerifyEngine:
                 )
             if p.anchor is not None:
                 _check_ids(p.req_id, [p.anchor], vocab)
+        checked = self._check_verifies(verifies)
+        if len(prefills) > self.cache.num_free_slots:
+            raise NoFreeSlotError(
+                f"{len(prefills)} new requests but only {self.cache.num_free_slots} free KV slots"
+            )
+        return checked
+
+    def _check_verifies(self, verifies: Sequence[VerifyItem]) -> _CheckedVerifies:
+        """Every verify item checked at once (array checks); on any doubt the item-by-item check runs and raises
+        the first error exactly as it would alone."""
+        num = len(verifies)
+        requests = self._requests
+        try:
+            entries = [requests[v.req_id] for v in verifies]
+        except KeyError:
+            self._check_verifies_one_by_one(verifies)  # raises UnknownRequestError
+            raise
+        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=num)
+        lengths = self.cache.lengths(slots)
+        num_drafts = np.fromiter((len(v.draft_tokens) for v in verifies), dtype=np.int64, count=num)
+        checked = _CheckedVerifies(entries, slots, lengths, num_drafts)
+        if not self._verifies_look_valid(verifies, checked):
+            self._check_verifies_one_by_one(verifies)
+        return checked
+
+    def _verifies_look_valid(self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies) -> bool:
+        """The array form of :meth:`_check_verifies_one_by_one`: True only if that check would pass."""
+        if bool((checked.lengths + checked.num_drafts + 1 > self.cache.max_seq_len).any()):
+            return False
+        for v, e, length in zip(verifies, checked.entries, checked.lengths.tolist(), strict=True):
+            if v.position is not None and v.position != length:
+                return False
+            if not e.greedy and len(v.draft_tokens):
+                if v.draft_prob_ids is None or v.draft_probs is None:
+                    return False
+                shape = v.draft_prob_ids.shape
+                if shape[:1] != (len(v.draft_tokens),) or v.draft_probs.shape != shape:
+                    return False
+        tokens = [v.anchor for v in verifies]
+        for v in verifies:
+            tokens.extend(v.draft_tokens)
+        if not all(t is int or _is_int_type(t) for t in set(map(type, tokens))):
+            return False
+        try:
+            values = np.array(tokens)
+        except OverflowError:
+            return False
+        return values.dtype.kind in "iu" and int(values.min()) >= 0 and int(values.max()) < self.target.vocab_size
+
+    def _check_verifies_one_by_one(self, verifies: Sequence[VerifyItem]) -> None:
+        vocab = self.target.vocab_size
         for v in verifies:
             entry = self._get(v.req_id)
             if v.position is not None and v.position != self.cache.length(entry.slot):
@@ -228,15 +297,14 @@ class VerifyEngine:
                         f"request {v.req_id!r}: draft distribution shape {tuple(v.draft_probs.shape)} / "
                         f"{tuple(v.draft_prob_ids.shape)} does not match {len(v.draft_tokens)} drafts"
                     )
-        if len(prefills) > self.cache.num_free_slots:
-            raise NoFreeSlotError(
-                f"{len(prefills)} new requests but only {self.cache.num_free_slots} free KV slots"
-            )
 
     def _allocate(self, prefills: Sequence[PrefillItem]) -> list[str]:
         for p in prefills:
             params = p.params.with_seed()
-            self._requests[p.req_id] = _Slot(self.cache.allocate(), params, params.seed or 0)
+            slot = self.cache.allocate()
+            self._requests[p.req_id] = _Slot(slot, params, params.seed or 0, params.greedy)
+            self._sampling_float[slot] = (params.temperature, params.top_p)
+            self._sampling_int[slot] = (params.top_k, params.seed or 0)
         return [p.req_id for p in prefills]
 
     def _run(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> list[StepResult]:
@@ -281,37 +349,43 @@ class VerifyEngine:
             results.append(StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, features))
         return results
 
-    def _bucketed(self, verifies: Sequence[VerifyItem]) -> bool:
+    def _bucketed(self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies) -> bool:
         if self.graphs is None:
             return False
-        widths = [int(v.draft_probs.shape[1]) for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
-        return self.graphs.fits(
-            len(verifies), 1 + max(len(v.draft_tokens) for v in verifies), max(widths, default=0)
-        )
+        widths = [
+            int(v.draft_probs.shape[1])
+            for v in verifies
+            if v.draft_probs is not None and len(v.draft_tokens)
+        ]
+        return self.graphs.fits(len(verifies), 1 + int(checked.num_drafts.max()), max(widths, default=0))
 
-    def _run_bucketed(self, verifies: Sequence[VerifyItem]) -> list[StepResult]:
+    def _run_bucketed(self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies) -> list[StepResult]:
         """A verify-only step through the graph runner (same results as ``_run``, bucketed layout)."""
         assert self.graphs is not None
-        entries = [self._requests[v.req_id] for v in verifies]
-        slots = [e.slot for e in entries]
-        starts = self.cache.lengths(slots).tolist()
+        slots = checked.slots
+        sampled = [
+            (r, v.draft_prob_ids, v.draft_probs)
+            for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True))
+            if not e.greedy and v.draft_probs is not None and len(v.draft_tokens)
+        ]
         out = self.graphs.run(
             slots,
-            starts,
-            [[v.anchor, *v.draft_tokens] for v in verifies],
-            [(e.params.temperature, e.params.top_k, e.params.top_p, e.seed) for e in entries],
-            [
-                None if e.params.greedy or v.draft_probs is None else (v.draft_prob_ids, v.draft_probs)
-                for v, e in zip(verifies, entries, strict=True)
-            ],
+            checked.lengths,
+            [v.anchor for v in verifies],
+            [v.draft_tokens for v in verifies],
+            checked.num_drafts,
+            self._sampling_float[slots],
+            self._sampling_int[slots],
+            sampled,
         )
         committed = [1 + a for a in out.num_accepted]
         self.cache.advance_many(slots, committed)
         features = [None] * len(verifies) if out.features is None else out.features.split(committed)
         return [
-            StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, rows)
-            for v, accepted, tokens, start, rows in zip(
-                verifies, out.num_accepted, out.tokens, starts, features, strict=True
+            StepResult(v.req_id, n, accepted, tokens, start, rows)
+            for v, n, accepted, tokens, start, rows in zip(
+                verifies, checked.num_drafts.tolist(), out.num_accepted, out.tokens, checked.lengths.tolist(),
+                features, strict=True,
             )
         ]
 
@@ -380,6 +454,11 @@ class VerifyEngine:
             id_rows.append(ids)
             prob_rows.append(probs)
         return torch.cat(id_rows), torch.cat(prob_rows)
+
+
+def _is_int_type(kind: type) -> bool:
+    """What :func:`_check_ids` accepts as a token id: an int or numpy integer, never a bool."""
+    return issubclass(kind, int | np.integer) and not issubclass(kind, bool)
 
 
 def _check_ids(req_id: str, ids: Sequence[int], vocab: int) -> None:

@@ -16,6 +16,7 @@ rows (anchor + accepted drafts) are compacted on the device, request after reque
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -124,14 +125,18 @@ class VerifyGraphRunner:
 
     def run(
         self,
-        slots: Sequence[int],
-        context_lens: Sequence[int],
-        chunks: Sequence[Sequence[int]],
-        params: Sequence[tuple[float, int, float, int]],
-        dists: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+        slots: np.ndarray,
+        context_lens: np.ndarray,
+        anchors: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        num_drafts: np.ndarray,
+        sampling_float: np.ndarray,
+        sampling_int: np.ndarray,
+        dists: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
     ) -> BucketedVerifyOutput:
-        """Verify ``chunks[r]`` = [anchor, drafts...] of request r (slot, cached length, (temperature, top_k,
-        top_p, seed), sparse draft distribution (ids, probs) [l, <=K] or None for greedy requests).
+        """Verify [anchors[r], *drafts[r]] of request r: its slot, cached length and number of drafts (int64
+        [R] each), (temperature, top_p) float32 [R, 2] and (top_k, seed) int64 [R, 2], and the sparse draft
+        distributions (r, ids, probs) [l_r, <=K] of the requests that sample (greedy ones need none).
 
         The caller has validated everything (VerifyEngine._validate) and advances the slot lengths after.
         """
@@ -144,25 +149,29 @@ class VerifyGraphRunner:
         host, width, gamma = self.host, self.width, self.gamma
         host["slots"][:num] = slots
         host["context_lens"][:num] = context_lens
-        temperature, top_k, top_p, seeds = zip(*params, strict=True)
-        host["temperature"][:num] = temperature
-        host["top_k"][:num] = top_k
-        host["top_p"][:num] = top_p
-        host["seeds"][:num] = seeds
-        ids = host["ids"]
+        host["temperature"][:num] = sampling_float[:, 0]
+        host["top_p"][:num] = sampling_float[:, 1]
+        host["top_k"][:num] = sampling_int[:, 0]
+        host["seeds"][:num] = sampling_int[:, 1]
+        host["query_lens"][:num] = num_drafts + 1
+        ids = host["ids"][: num * width].reshape(num, width)
+        ids[:, 0] = anchors
+        total = int(num_drafts.sum())
+        if total == num * gamma:  # every request verifies its whole block
+            ids[:, 1:] = drafts
+        elif total:
+            flat = np.fromiter(itertools.chain.from_iterable(drafts), dtype=np.int64, count=total)
+            first = np.cumsum(num_drafts) - num_drafts
+            columns = np.arange(1, total + 1) - np.repeat(first, num_drafts)
+            ids[np.repeat(np.arange(num), num_drafts), columns] = flat
         dist_ids: list[torch.Tensor] = []
         dist_probs: list[torch.Tensor] = []
         dist_rows: list[int] = []
-        for r, chunk in enumerate(chunks):
-            n = len(chunk)
-            ids[r * width : r * width + n] = chunk
-            host["query_lens"][r] = n
-            dist = dists[r]
-            if dist is not None and n > 1:
-                wide_ids, wide_probs = _widen(dist[0], dist[1], self.draft_top_k)
-                dist_ids.append(wide_ids)
-                dist_probs.append(wide_probs)
-                dist_rows.extend(range(r * gamma, r * gamma + n - 1))
+        for r, prob_ids, probs in dists:
+            wide_ids, wide_probs = _widen(prob_ids, probs, self.draft_top_k)
+            dist_ids.append(wide_ids)
+            dist_probs.append(wide_probs)
+            dist_rows.extend(range(r * gamma, r * gamma + int(num_drafts[r])))
         host["dist_rows"][: len(dist_rows)] = dist_rows
         self._upload()
         if dist_rows:
@@ -174,7 +183,8 @@ class VerifyGraphRunner:
         result = packed[:num].cpu().numpy()  # the one device -> host copy (and wait) of the step
         step.settle_timing()
         accepted = result[:, 0].tolist()
-        tokens = [row[1 : 2 + a].tolist() for row, a in zip(result, accepted, strict=True)]
+        rows = result[:, 1:].tolist()
+        tokens = [row[: 1 + a] for row, a in zip(rows, accepted, strict=True)]
         kept = None if features is None else features[: num + sum(accepted)].clone()
         return BucketedVerifyOutput(accepted, tokens, kept)
 

@@ -133,9 +133,14 @@ class SlotKVCache:
 
     def lengths(self, slots: Sequence[int]) -> np.ndarray:
         """Lengths of several slots as an int64 array (a copy)."""
-        for slot in slots:
-            self._check_allocated(slot)
-        return self._lengths[np.asarray(slots, dtype=np.int64)].copy()
+        index = np.asarray(slots)
+        if index.dtype.kind not in "iu" or (
+            index.size
+            and (index.min() < 0 or index.max() >= self.num_slots or not bool(self._allocated[index].all()))
+        ):
+            for slot in slots:
+                self._check_allocated(slot)
+        return self._lengths[index.astype(np.int64, copy=False)]  # integer indexing copies
 
     def remaining(self, slot: int) -> int:
         """How many more tokens the slot can take before reaching max_seq_len."""
