@@ -326,7 +326,7 @@ class SpeculativeEngine:
             dtype=np.int64,
             count=len(verified),
         )
-        caps = np.clip(caps - 1, 0, self.block_size)
+        caps = np.maximum(np.minimum(caps - 1, self.block_size), 0)
         confidences = proposal.confidences  # type: ignore[attr-defined]
         if confidences is None:
             confidences = np.ones((len(verified), self.block_size))

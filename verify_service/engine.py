@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,12 +46,12 @@ class PrefillItem:
     anchor: int | None = None
 
 
-@dataclass(frozen=True)
-class VerifyItem:
+class VerifyItem(NamedTuple):
     """A running request's anchor and the drafts the scheduler admitted, with the exact draft distribution
     (sparse: ``draft_prob_ids``/``draft_probs`` of shape [l, K]) those drafts were sampled from. Greedy requests
     may leave the distribution out. ``position``, when given, is where the sender believes the anchor sits (the
-    committed context length): a stale or replayed round is refused instead of being applied twice."""
+    committed context length): a stale or replayed round is refused instead of being applied twice.
+    A NamedTuple like the other per-request items of a round (see ``draft_service.engine.ContextItem``)."""
 
     req_id: str
     anchor: int
@@ -60,8 +61,7 @@ class VerifyItem:
     position: int | None = None
 
 
-@dataclass(frozen=True)
-class StepResult:
+class StepResult(NamedTuple):
     """What one request got from a step.
 
     ``tokens``: newly emitted tokens (accepted drafts, then the correction/bonus token; after a prefill, the first
