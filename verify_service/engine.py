@@ -16,6 +16,8 @@ item never corrupts the running requests.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -93,6 +95,10 @@ class _CheckedVerifies:
     slots: np.ndarray  # int64 [R]
     lengths: np.ndarray  # int64 [R]: cached length = the anchor's position
     num_drafts: np.ndarray  # int64 [R]
+    tokens: np.ndarray  # int64: the R anchors, then every request's drafts back to back
+
+
+_SLOT = operator.attrgetter("slot")
 
 
 class VerifyEngine:
@@ -131,6 +137,7 @@ class VerifyEngine:
         self._sampling_float = np.zeros((self.cache.num_slots, 2), dtype=np.float32)  # temperature, top_p
         self._sampling_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # top_k, seed
         self._sampling_float[:, 1] = 1.0
+        self._slot_greedy = np.ones(self.cache.num_slots, dtype=bool)
         if use_triton is None:
             use_triton = target.device.type == "cuda"
         self._sampler = _triton_sampler() if use_triton else rejection_sample_reference
@@ -239,43 +246,65 @@ class VerifyEngine:
         """Every verify item checked at once (array checks); on any doubt the item-by-item check runs and raises
         the first error exactly as it would alone."""
         num = len(verifies)
+        if not num:
+            empty = np.zeros(0, dtype=np.int64)
+            return _CheckedVerifies([], empty, empty, empty, empty)
+        req_ids, anchors, drafts, _, _, positions = zip(*verifies, strict=True)  # NamedTuples: one transposition
         requests = self._requests
         try:
-            entries = [requests[v.req_id] for v in verifies]
+            entries = [requests[req_id] for req_id in req_ids]
         except KeyError:
             self._check_verifies_one_by_one(verifies)  # raises UnknownRequestError
             raise
-        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=num)
+        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
         lengths = self.cache.lengths(slots)
-        num_drafts = np.fromiter((len(v.draft_tokens) for v in verifies), dtype=np.int64, count=num)
-        checked = _CheckedVerifies(entries, slots, lengths, num_drafts)
-        if not self._verifies_look_valid(verifies, checked):
+        num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=num)
+        tokens = self._valid_tokens(verifies, anchors, drafts, positions, slots, lengths, num_drafts)
+        if tokens is None:
             self._check_verifies_one_by_one(verifies)
-        return checked
+            tokens = np.array([*anchors, *itertools.chain.from_iterable(drafts)], dtype=np.int64)
+        return _CheckedVerifies(entries, slots, lengths, num_drafts, tokens)
 
-    def _verifies_look_valid(self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies) -> bool:
-        """The array form of :meth:`_check_verifies_one_by_one`: True only if that check would pass."""
-        if bool((checked.lengths + checked.num_drafts + 1 > self.cache.max_seq_len).any()):
-            return False
-        for v, e, length in zip(verifies, checked.entries, checked.lengths.tolist(), strict=True):
-            if v.position is not None and v.position != length:
-                return False
-            if not e.greedy and len(v.draft_tokens):
+    def _valid_tokens(
+        self,
+        verifies: Sequence[VerifyItem],
+        anchors: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        positions: Sequence[int | None],
+        slots: np.ndarray,
+        lengths: np.ndarray,
+        num_drafts: np.ndarray,
+    ) -> np.ndarray | None:
+        """The array form of :meth:`_check_verifies_one_by_one`: the anchors then all drafts as one int64 array
+        when that check would pass, else None."""
+        if bool((lengths + num_drafts + 1 > self.cache.max_seq_len).any()):
+            return None
+        if None in positions:
+            if any(p is not None and p != length for p, length in zip(positions, lengths.tolist(), strict=True)):
+                return None
+        elif not np.array_equal(np.asarray(positions), lengths):
+            return None
+        if not bool(self._slot_greedy[slots].all()):
+            for v, greedy in zip(verifies, self._slot_greedy[slots].tolist(), strict=True):
+                if greedy or not len(v.draft_tokens):
+                    continue
                 if v.draft_prob_ids is None or v.draft_probs is None:
-                    return False
+                    return None
                 shape = v.draft_prob_ids.shape
                 if shape[:1] != (len(v.draft_tokens),) or v.draft_probs.shape != shape:
-                    return False
-        tokens = [v.anchor for v in verifies]
-        for v in verifies:
-            tokens.extend(v.draft_tokens)
-        if not all(t is int or _is_int_type(t) for t in set(map(type, tokens))):
-            return False
+                    return None
+        kinds = set(map(type, anchors))
+        kinds.update(map(type, itertools.chain.from_iterable(drafts)))
+        if not all(kind is int or _is_int_type(kind) for kind in kinds):
+            return None
+        count = len(anchors) + int(num_drafts.sum())
         try:
-            values = np.array(tokens)
+            tokens = np.fromiter(itertools.chain(anchors, *drafts), dtype=np.int64, count=count)
         except OverflowError:
-            return False
-        return values.dtype.kind in "iu" and int(values.min()) >= 0 and int(values.max()) < self.target.vocab_size
+            return None
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.target.vocab_size:
+            return None
+        return tokens
 
     def _check_verifies_one_by_one(self, verifies: Sequence[VerifyItem]) -> None:
         vocab = self.target.vocab_size
@@ -305,6 +334,7 @@ class VerifyEngine:
             self._requests[p.req_id] = _Slot(slot, params, params.seed or 0, params.greedy)
             self._sampling_float[slot] = (params.temperature, params.top_p)
             self._sampling_int[slot] = (params.top_k, params.seed or 0)
+            self._slot_greedy[slot] = params.greedy
         return [p.req_id for p in prefills]
 
     def _run(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> list[StepResult]:
@@ -363,16 +393,17 @@ class VerifyEngine:
         """A verify-only step through the graph runner (same results as ``_run``, bucketed layout)."""
         assert self.graphs is not None
         slots = checked.slots
-        sampled = [
-            (r, v.draft_prob_ids, v.draft_probs)
-            for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True))
-            if not e.greedy and v.draft_probs is not None and len(v.draft_tokens)
-        ]
+        sampled = []
+        if not bool(self._slot_greedy[slots].all()):
+            sampled = [
+                (r, v.draft_prob_ids, v.draft_probs)
+                for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True))
+                if not e.greedy and v.draft_probs is not None and len(v.draft_tokens)
+            ]
         out = self.graphs.run(
             slots,
             checked.lengths,
-            [v.anchor for v in verifies],
-            [v.draft_tokens for v in verifies],
+            checked.tokens,
             checked.num_drafts,
             self._sampling_float[slots],
             self._sampling_int[slots],
@@ -381,13 +412,17 @@ class VerifyEngine:
         committed = [1 + a for a in out.num_accepted]
         self.cache.advance_many(slots, committed)
         features = [None] * len(verifies) if out.features is None else out.features.split(committed)
-        return [
-            StepResult(v.req_id, n, accepted, tokens, start, rows)
-            for v, n, accepted, tokens, start, rows in zip(
-                verifies, checked.num_drafts.tolist(), out.num_accepted, out.tokens, checked.lengths.tolist(),
-                features, strict=True,
+        return list(
+            map(
+                StepResult,
+                [v.req_id for v in verifies],
+                checked.num_drafts.tolist(),
+                out.num_accepted,
+                out.tokens,
+                checked.lengths.tolist(),
+                features,
             )
-        ]
+        )
 
     def _sample(
         self,

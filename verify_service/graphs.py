@@ -16,7 +16,6 @@ rows (anchor + accepted drafts) are compacted on the device, request after reque
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -127,16 +126,16 @@ class VerifyGraphRunner:
         self,
         slots: np.ndarray,
         context_lens: np.ndarray,
-        anchors: Sequence[int],
-        drafts: Sequence[Sequence[int]],
+        tokens: np.ndarray,
         num_drafts: np.ndarray,
         sampling_float: np.ndarray,
         sampling_int: np.ndarray,
         dists: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
     ) -> BucketedVerifyOutput:
-        """Verify [anchors[r], *drafts[r]] of request r: its slot, cached length and number of drafts (int64
-        [R] each), (temperature, top_p) float32 [R, 2] and (top_k, seed) int64 [R, 2], and the sparse draft
-        distributions (r, ids, probs) [l_r, <=K] of the requests that sample (greedy ones need none).
+        """Verify request r's anchor ``tokens[r]`` and its ``num_drafts[r]`` drafts (``tokens[R:]`` holds every
+        request's drafts back to back) given its slot, cached length (int64 [R] each), (temperature, top_p)
+        float32 [R, 2] and (top_k, seed) int64 [R, 2], and the sparse draft distributions (r, ids, probs)
+        [l_r, <=K] of the requests that sample (greedy ones need none).
 
         The caller has validated everything (VerifyEngine._validate) and advances the slot lengths after.
         """
@@ -155,12 +154,12 @@ class VerifyGraphRunner:
         host["seeds"][:num] = sampling_int[:, 1]
         host["query_lens"][:num] = num_drafts + 1
         ids = host["ids"][: num * width].reshape(num, width)
-        ids[:, 0] = anchors
-        total = int(num_drafts.sum())
+        ids[:, 0] = tokens[:num]
+        flat = tokens[num:]
+        total = flat.size
         if total == num * gamma:  # every request verifies its whole block
-            ids[:, 1:] = drafts
+            ids[:, 1:] = flat.reshape(num, gamma)
         elif total:
-            flat = np.fromiter(itertools.chain.from_iterable(drafts), dtype=np.int64, count=total)
             first = np.cumsum(num_drafts) - num_drafts
             columns = np.arange(1, total + 1) - np.repeat(first, num_drafts)
             ids[np.repeat(np.arange(num), num_drafts), columns] = flat
