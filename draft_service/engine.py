@@ -12,6 +12,7 @@ drafts the same tokens whatever else shares the batch, on any replica. The engin
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -79,6 +80,9 @@ class _Entry:
     slot: int
     params: SamplingParams
     seed: int
+
+
+_SLOT = operator.attrgetter("slot")
 
 
 class DraftEngine:
@@ -175,13 +179,18 @@ class DraftEngine:
         (the cache is cropped back to ``start`` first), and a gap (``start`` past the held length) is an error."""
         if not items:
             return
-        entries = self._entries(items)
         num = len(items)
-        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=num)
-        starts = np.fromiter((item.start for item in items), dtype=np.int64, count=num)
+        req_ids, item_starts, features = zip(*items, strict=True)  # NamedTuples: one transposition
+        entries = self._entries(req_ids)
+        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
+        starts = np.fromiter(item_starts, dtype=np.int64, count=num)
         held = self.cache.lengths_np[slots]
         width = self.model.config.context_feature_size
-        counts = np.fromiter((_rows(item, width) for item in items), dtype=np.int64, count=num)
+        counts = np.fromiter(
+            (s[0] if len(s) == 2 and s[1] == width else -1 for s in [f.shape for f in features]),
+            dtype=np.int64,
+            count=num,
+        )
         if bool((counts < 0).any()) or bool((starts > held).any()):
             for item, length, count in zip(items, held.tolist(), counts.tolist(), strict=True):
                 if item.start > length:
@@ -221,21 +230,22 @@ class DraftEngine:
         self.cache.lengths_np[slots] = ends
         return True
 
-    def _entries(self, items: Sequence[ContextItem] | Sequence[DraftItem]) -> list[_Entry]:
+    def _entries(self, req_ids: Sequence[str]) -> list[_Entry]:
         requests = self._requests
         try:
-            return [requests[item.req_id] for item in items]
+            return [requests[req_id] for req_id in req_ids]
         except KeyError:
-            return [self._get(item.req_id) for item in items]  # raises UnknownDraftRequestError
+            return [self._get(req_id) for req_id in req_ids]  # raises UnknownDraftRequestError
 
     @torch.no_grad()
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
         """Draft one block for every item in one batched backbone pass plus the sequential head."""
         if not items:
             raise ValueError("propose needs at least one request")
-        entries = self._entries(items)
+        req_ids, item_anchors, item_positions = zip(*items, strict=True)  # NamedTuples: one transposition
+        entries = self._entries(req_ids)
         if self.graphs is not None and len(items) <= self.graphs.max_requests:
-            return self._propose_bucketed(items, entries)
+            return self._propose_bucketed(items, entries, item_anchors, item_positions)
         device = self.model.device
         anchors = torch.tensor([item.anchor for item in items], dtype=torch.int64, device=device)
         positions = torch.tensor([item.position for item in items], dtype=torch.int64)
@@ -259,17 +269,23 @@ class DraftEngine:
         assert sample.topk_ids is not None and sample.topk_probs is not None  # draft_top_k >= 1
         return self._proposal(items, sample.tokens.cpu(), conf_logits, sample.topk_ids, sample.topk_probs)
 
-    def _propose_bucketed(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
+    def _propose_bucketed(
+        self,
+        items: Sequence[DraftItem],
+        entries: Sequence[_Entry],
+        item_anchors: Sequence[int],
+        item_positions: Sequence[int],
+    ) -> Proposal:
         """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
         assert self.graphs is not None
         num = len(items)
-        anchors = np.fromiter((item.anchor for item in items), dtype=np.int64, count=num)
+        anchors = np.fromiter(item_anchors, dtype=np.int64, count=num)
         vocab = self.model.config.vocab_size
         if int(anchors.min()) < 0 or int(anchors.max()) >= vocab:
             raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {anchors.tolist()}")
-        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=num)
+        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
         lengths = self.cache.lengths_np[slots]
-        positions = np.fromiter((item.position for item in items), dtype=np.int64, count=num)
+        positions = np.fromiter(item_positions, dtype=np.int64, count=num)
         if not np.array_equal(lengths, positions):
             raise ValueError(
                 f"context cache lengths {lengths.tolist()} must equal anchor positions {positions.tolist()}: append "
@@ -302,8 +318,3 @@ class DraftEngine:
             topk_probs=topk_probs,
         )
 
-
-def _rows(item: ContextItem, width: int) -> int:
-    """Number of context rows of an item, or -1 when its features are not [n, width]."""
-    shape = item.features.shape
-    return shape[0] if len(shape) == 2 and shape[1] == width else -1

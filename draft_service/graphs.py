@@ -74,10 +74,12 @@ class DraftGraphRunner:
         self.timed = False
         top = self.sizes[-1]
         self._int_fields = {"anchors": top, "positions": top, "slots": top, "k_eff": top, "seeds": top}
-        self._host_int = pinned_empty((len(self._int_fields) * top,), torch.int64, self.device)
-        self._host_temp = pinned_empty((top,), torch.float32, self.device)
+        # One int64 staging buffer; its tail holds the float32 temperatures (a view): one copy uploads everything.
+        num_int = len(self._int_fields) * top
+        self._host_int = pinned_empty((num_int + (top + 1) // 2,), torch.int64, self.device)
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
-        self._dev_temp = torch.zeros_like(self._host_temp, device=self.device)
+        self._host_temp = self._host_int[num_int:].view(torch.float32)[:top]
+        self._dev_temp = self._dev_int[num_int:].view(torch.float32)[:top]
         self._fence = StagingFence(self.device)
         self._where_fence = StagingFence(self.device)
         self.host = {
@@ -195,8 +197,7 @@ class DraftGraphRunner:
         host["temperature"][:size] = 0.0
 
     def _upload(self) -> None:
-        self._dev_int.copy_(self._host_int, non_blocking=True)
-        self._dev_temp.copy_(self._host_temp, non_blocking=True)
+        self._dev_int.copy_(self._host_int, non_blocking=True)  # the temperatures too
         self._fence.copies_issued()
 
     @torch.no_grad()
