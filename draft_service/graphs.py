@@ -98,6 +98,9 @@ class DraftGraphRunner:
         self._dev_where = torch.zeros_like(self._host_where, device=self.device)
         self._fill_padding(top)
         self._fill_append_padding(rows)
+        # The staging buffers with every field at its padding value: one copy resets them before each step.
+        self._host_np, self._where_np = self._host_int.numpy(), self._host_where.numpy()
+        self._padding, self._where_padding = self._host_np.copy(), self._where_np.copy()
         self._upload()
         self._dev_where.copy_(self._host_where, non_blocking=True)
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
@@ -125,10 +128,9 @@ class DraftGraphRunner:
         at (slots[i], positions[i]); the caller validated them and updates the host-side lengths."""
         num = len(slots)
         size = next(s for s in self.sizes if s * self.append_width >= num)
-        padded = size * self.append_width
         self._where_fence.wait_before_write()
-        self._fill_append_padding(padded)
-        where = self._host_where.numpy()
+        where = self._where_np
+        np.copyto(where, self._where_padding)
         half = self.max_append_rows
         where[:num] = slots
         where[half : half + num] = positions
@@ -166,7 +168,7 @@ class DraftGraphRunner:
         if size is None:
             raise ValueError(f"{num} requests exceed the largest bucket {self.sizes[-1]}")
         self._fence.wait_before_write()
-        self._fill_padding(size)
+        np.copyto(self._host_np, self._padding)
         host = self.host
         host["anchors"][:num] = anchors
         host["positions"][:num] = positions

@@ -104,6 +104,9 @@ class VerifyGraphRunner:
         self.dist_probs = torch.zeros((top * gamma, draft_top_k), dtype=torch.float32, device=self.device)
         # Warm-up and capture run the step for real: with every request padding, it only writes the dummy slot.
         self._fill_padding(top)
+        # Every field of the staging buffer at its padding value: one copy resets it before each step.
+        self._host_np = self._host_int.numpy()
+        self._padding = self._host_np.copy()
         self._upload()
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         self.steps: dict[int, GraphStep] = {}
@@ -146,7 +149,7 @@ class VerifyGraphRunner:
         if size is None:
             raise ValueError(f"{num} requests exceed the largest bucket {self.sizes[-1]}")
         self._fence.wait_before_write()
-        self._fill_padding(size)
+        np.copyto(self._host_np, self._padding)
         host, width, gamma = self.host, self.width, self.gamma
         host["slots"][:num] = slots
         host["context_lens"][:num] = context_lens
