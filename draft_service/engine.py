@@ -49,6 +49,31 @@ class ContextItem(NamedTuple):
     features: torch.Tensor
 
 
+class ContextBatch(Sequence[ContextItem]):
+    """Context rows of several requests in one tensor (``counts[i]`` rows of request i, back to back), standing
+    for the list of :class:`ContextItem` it holds: a local drafter takes the tensor whole, anyone else indexes
+    or iterates it like that list (features as views)."""
+
+    def __init__(self, req_ids: list[str], starts: list[int], counts: list[int], features: torch.Tensor) -> None:
+        self.req_ids = req_ids
+        self.starts = starts
+        self.counts = counts
+        self.features = features
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return list(self)[index]
+        i = range(len(self))[index]
+        offset = sum(self.counts[:i])
+        return ContextItem(self.req_ids[i], self.starts[i], self.features[offset : offset + self.counts[i]])
+
+    def __iter__(self):
+        return map(ContextItem, self.req_ids, self.starts, self.features.split(self.counts))
+
+
 class DraftItem(NamedTuple):
     """Draft a block after ``anchor`` sitting at absolute position ``position`` (= committed context length)."""
 
@@ -180,17 +205,23 @@ class DraftEngine:
         if not items:
             return
         num = len(items)
-        req_ids, item_starts, features = zip(*items, strict=True)  # NamedTuples: one transposition
+        width = self.model.config.context_feature_size
+        if isinstance(items, ContextBatch) and items.features.ndim == 2 and items.features.shape[1] == width:
+            req_ids, item_starts, counts = items.req_ids, items.starts, np.array(items.counts, dtype=np.int64)
+            features = [items.features]
+            if int(counts.sum()) != items.features.shape[0] or bool((counts < 0).any()):
+                raise ValueError(f"context batch: counts {items.counts} do not cover {items.features.shape[0]} rows")
+        else:
+            req_ids, item_starts, features = zip(*items, strict=True)  # NamedTuples: one transposition
+            counts = np.fromiter(
+                (s[0] if len(s) == 2 and s[1] == width else -1 for s in [f.shape for f in features]),
+                dtype=np.int64,
+                count=num,
+            )
         entries = self._entries(req_ids)
         slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
         starts = np.fromiter(item_starts, dtype=np.int64, count=num)
         held = self.cache.lengths_np[slots]
-        width = self.model.config.context_feature_size
-        counts = np.fromiter(
-            (s[0] if len(s) == 2 and s[1] == width else -1 for s in [f.shape for f in features]),
-            dtype=np.int64,
-            count=num,
-        )
         if bool((counts < 0).any()) or bool((starts > held).any()):
             for item, length, count in zip(items, held.tolist(), counts.tolist(), strict=True):
                 if item.start > length:
@@ -200,16 +231,21 @@ class DraftEngine:
                         f"request {item.req_id!r}: context features must be [n, {width}], "
                         f"got {tuple(item.features.shape)}"
                     )
-        if self.graphs is not None and self._append_bucketed(items, slots, starts, counts):
+        if self.graphs is not None and self._append_bucketed(req_ids, slots, starts, counts, features):
             return
-        for item, entry in zip(items, entries, strict=True):
-            self.cache.crop(entry.slot, item.start)
+        for slot, start in zip(slots.tolist(), starts.tolist(), strict=True):
+            self.cache.crop(slot, start)
         cu = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        rows = torch.cat([item.features.to(self.model.device) for item in items])
+        rows = torch.cat([f.to(self.model.device) for f in features])
         self.model.append_context(self.cache, slots.tolist(), rows, cu)
 
     def _append_bucketed(
-        self, items: Sequence[ContextItem], slots: np.ndarray, starts: np.ndarray, counts: np.ndarray
+        self,
+        req_ids: Sequence[str],
+        slots: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        features: Sequence[torch.Tensor],
     ) -> bool:
         """Append through the graph runner when the rows fit its buckets (the per-round appends; prefills do
         not). Checks everything before writing. Returns whether it did."""
@@ -218,7 +254,7 @@ class DraftEngine:
         if not 0 < total <= self.graphs.max_append_rows:
             return False
         if len(set(slots.tolist())) != slots.size:
-            raise ValueError(f"duplicate requests in one context append: {[item.req_id for item in items]}")
+            raise ValueError(f"duplicate requests in one context append: {list(req_ids)}")
         ends = starts + counts
         if bool((ends > self.cache.max_seq_len).any()):
             raise ValueError(
@@ -226,7 +262,7 @@ class DraftEngine:
             )
         first_row = np.cumsum(counts) - counts
         positions = np.repeat(starts - first_row, counts) + np.arange(total)
-        self.graphs.append(np.repeat(slots, counts), positions, [item.features for item in items])
+        self.graphs.append(np.repeat(slots, counts), positions, features)
         self.cache.lengths_np[slots] = ends
         return True
 

@@ -27,11 +27,11 @@ from enum import Enum
 import numpy as np
 
 from cluster.sampling import SamplingParams
-from draft_service.engine import ContextItem, DraftEngine, DraftItem
+from draft_service.engine import ContextBatch, ContextItem, DraftEngine, DraftItem
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
-from verify_service.engine import PrefillItem, StepResult, VerifyEngine, VerifyItem
+from verify_service.engine import PrefillItem, StepResults, VerifyEngine, VerifyItem
 
 logger = logging.getLogger(__name__)
 
@@ -255,18 +255,39 @@ class SpeculativeEngine:
 
         if len(results) != len(admitted) + len(verified):
             raise RuntimeError(f"the verifier returned {len(results)} results for {len(running)} requests")
-        if self.draft is not None:
-            contexts = [ContextItem(r.req_id, r.feature_start, r.features) for r in results if r.features is not None]
-            self.draft.append_context(contexts)
-        commit = self._commit
-        outputs = [commit(req, res, True) for req, res in zip(admitted, results, strict=False)]
-        verified_results = results[len(admitted) :]
-        outputs += [commit(req, res, False) for req, res in zip(verified, verified_results, strict=True)]
-        if verified_results:
-            num_out = sum(len(o.new_token_ids) for o in outputs)
+        if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
+            if self.draft is not None and results.features is not None:
+                self.draft.append_context(
+                    ContextBatch(results.req_ids, results.feature_starts, results.feature_counts, results.features)
+                )
+            commit = self._commit
+            outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
+            verified_counts = np.array(results.num_drafts, dtype=np.int64)
+            accepted_counts = np.array(results.num_accepted, dtype=np.int64)
+        else:
+            if self.draft is not None:
+                contexts = [
+                    ContextItem(r.req_id, r.feature_start, r.features) for r in results if r.features is not None
+                ]
+                self.draft.append_context(contexts)
+            for req, res in zip([*admitted, *verified], results, strict=True):  # prefills first, then verifies
+                if res.req_id != req.req_id:
+                    raise RuntimeError(f"the verifier answered for {res.req_id!r} where {req.req_id!r} was expected")
+            commit = self._commit
+            outputs = [
+                commit(r, res.tokens, res.num_drafts, res.num_accepted, True)
+                for r, res in zip(admitted, results[: len(admitted)], strict=True)
+            ]
+            verified_results = results[len(admitted) :]
+            outputs += [
+                commit(r, res.tokens, res.num_drafts, res.num_accepted)
+                for r, res in zip(verified, verified_results, strict=True)
+            ]
             count = len(verified_results)
             verified_counts = np.fromiter((res.num_drafts for res in verified_results), np.int64, count)
             accepted_counts = np.fromiter((res.num_accepted for res in verified_results), np.int64, count)
+        if verified_counts.size:
+            num_out = sum(len(o.new_token_ids) for o in outputs)
             self.metrics.record_round(verified_counts, accepted_counts, t1 - t0, t2 - t1, t3 - t2, num_out)
         return outputs
 
@@ -278,26 +299,26 @@ class SpeculativeEngine:
         draft_tokens = proposal.tokens.tolist()  # type: ignore[attr-defined]
         block = self.block_size
         items = []
+        prob_ids = probs = None
         for i, (r, n, drafts) in enumerate(zip(verified, lengths.tolist(), draft_tokens, strict=True)):
             if n == 0:
                 items.append(VerifyItem(r.req_id, r.anchor, (), position=r.position))
             elif r.greedy:
                 items.append(VerifyItem(r.req_id, r.anchor, drafts if n == block else drafts[:n], position=r.position))
             else:
-                items.append(
-                    VerifyItem(
-                        r.req_id,
-                        r.anchor,
-                        drafts[:n],
-                        proposal.topk_ids[i, :n],  # type: ignore[attr-defined]
-                        proposal.topk_probs[i, :n],  # type: ignore[attr-defined]
-                        position=r.position,
-                    )
-                )
+                if prob_ids is None:  # one call makes every request's row view
+                    prob_ids = proposal.topk_ids.unbind(0)  # type: ignore[attr-defined]
+                    probs = proposal.topk_probs.unbind(0)  # type: ignore[attr-defined]
+                ids, p = prob_ids[i], probs[i]  # type: ignore[index]
+                if n < block:
+                    ids, p = ids[:n], p[:n]
+                items.append(VerifyItem(r.req_id, r.anchor, drafts[:n], ids, p, position=r.position))
         return items
 
     def _admit(self) -> list[_Request]:
         admitted: list[_Request] = []
+        if not self._waiting:
+            return admitted
         free = self.verify.num_free_slots
         if self.draft is not None:
             free = min(free, self.draft.num_free_slots)
@@ -332,18 +353,17 @@ class SpeculativeEngine:
             confidences = np.ones((len(verified), self.block_size))
         return self.policy.lengths(np.asarray(confidences, dtype=np.float64), caps)
 
-    def _commit(self, req: _Request, result: StepResult, prefill: bool) -> RequestOutput:
+    def _commit(
+        self, req: _Request, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool = False
+    ) -> RequestOutput:
         """Append a step's tokens to the request, apply stop conditions, finish and free it if done."""
-        if result.req_id != req.req_id:
-            raise RuntimeError(f"the verifier answered for {result.req_id!r} where {req.req_id!r} was expected")
-        tokens = result.tokens
         # The anchor's position is the committed context length: the prompt after a prefill (plus the output
         # but its last token after a re-prefill), then +1 per verified anchor and per accepted draft.
         resumed = prefill and bool(req.output)
         if prefill:
             req.position = len(req.prompt) + max(len(req.output) - 1, 0)
         else:
-            req.position += 1 + result.num_accepted
+            req.position += 1 + num_accepted
         if tokens:
             req.anchor = tokens[-1]
         finish: FinishReason | None = None
@@ -360,8 +380,8 @@ class SpeculativeEngine:
         if prefill and not resumed:
             metrics.first_token_time = time.perf_counter()
         else:
-            metrics.verified.append(result.num_drafts)
-            metrics.accepted.append(result.num_accepted)
+            metrics.verified.append(num_drafts)
+            metrics.accepted.append(num_accepted)
         req.output.extend(new)
         text = ""
         if req.detok is not None:

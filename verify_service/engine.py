@@ -79,6 +79,48 @@ class StepResult(NamedTuple):
     features: torch.Tensor | None
 
 
+class StepResults(Sequence[StepResult]):
+    """The results of one bucketed step in array form, standing for the list of :class:`StepResult` it
+    holds: indexing and iterating build those (features as views of one tensor), while the round driver reads
+    the columns and hands ``features`` on whole, without a view, an item or a copy per request."""
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        num_drafts: list[int],
+        num_accepted: list[int],
+        tokens: list[list[int]],
+        feature_starts: list[int],
+        features: torch.Tensor | None,
+    ) -> None:
+        self.req_ids = req_ids
+        self.num_drafts = num_drafts
+        self.num_accepted = num_accepted
+        self.tokens = tokens
+        self.feature_starts = feature_starts
+        self.features = features  # the committed rows of every request back to back (1 + num_accepted each)
+        self.feature_counts = [1 + a for a in num_accepted]
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return list(self)[index]
+        i = range(len(self))[index]
+        rows = None
+        if self.features is not None:
+            offset = sum(self.feature_counts[:i])
+            rows = self.features[offset : offset + self.feature_counts[i]]
+        return StepResult(
+            self.req_ids[i], self.num_drafts[i], self.num_accepted[i], self.tokens[i], self.feature_starts[i], rows
+        )
+
+    def __iter__(self):
+        rows = [None] * len(self) if self.features is None else self.features.split(self.feature_counts)
+        return map(StepResult, self.req_ids, self.num_drafts, self.num_accepted, self.tokens, self.feature_starts, rows)
+
+
 @dataclass
 class _Slot:
     slot: int
@@ -196,8 +238,11 @@ class VerifyEngine:
 
     # ------------------------------------------------------------------------------------------- the step
     @torch.no_grad()
-    def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()) -> list[StepResult]:
-        """Run prefills and verifications in one target pass; results follow the order prefills, then verifies."""
+    def step(
+        self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()
+    ) -> Sequence[StepResult]:
+        """Run prefills and verifications in one target pass; results follow the order prefills, then verifies
+        (a list, or :class:`StepResults` for a bucketed step)."""
         if not prefills and not verifies:
             return []
         checked = self._validate(prefills, verifies)
@@ -389,7 +434,7 @@ class VerifyEngine:
         ]
         return self.graphs.fits(len(verifies), 1 + int(checked.num_drafts.max()), max(widths, default=0))
 
-    def _run_bucketed(self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies) -> list[StepResult]:
+    def _run_bucketed(self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies) -> StepResults:
         """A verify-only step through the graph runner (same results as ``_run``, bucketed layout)."""
         assert self.graphs is not None
         slots = checked.slots
@@ -409,20 +454,16 @@ class VerifyEngine:
             self._sampling_int[slots],
             sampled,
         )
-        committed = [1 + a for a in out.num_accepted]
-        self.cache.advance_many(slots, committed)
-        features = [None] * len(verifies) if out.features is None else out.features.split(committed)
-        return list(
-            map(
-                StepResult,
-                [v.req_id for v in verifies],
-                checked.num_drafts.tolist(),
-                out.num_accepted,
-                out.tokens,
-                checked.lengths.tolist(),
-                features,
-            )
+        results = StepResults(
+            [v.req_id for v in verifies],
+            checked.num_drafts.tolist(),
+            out.num_accepted,
+            out.tokens,
+            checked.lengths.tolist(),
+            out.features,
         )
+        self.cache.advance_many(slots, results.feature_counts)
+        return results
 
     def _sample(
         self,
