@@ -315,19 +315,23 @@ class DraftEngine:
         """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
         assert self.graphs is not None
         num = len(items)
-        anchors = np.fromiter(item_anchors, dtype=np.int64, count=num)
         vocab = self.model.config.vocab_size
-        if int(anchors.min()) < 0 or int(anchors.max()) >= vocab:
-            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {anchors.tolist()}")
+        if min(item_anchors) < 0 or max(item_anchors) >= vocab:
+            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {list(item_anchors)}")
         slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
-        lengths = self.cache.lengths_np[slots]
-        positions = np.fromiter(item_positions, dtype=np.int64, count=num)
-        if not np.array_equal(lengths, positions):
+        lengths = self.cache.lengths_np[slots].tolist()
+        if lengths != list(item_positions):
             raise ValueError(
-                f"context cache lengths {lengths.tolist()} must equal anchor positions {positions.tolist()}: append "
+                f"context cache lengths {lengths} must equal anchor positions {list(item_positions)}: append "
                 f"the context rows 0..start-1 before drafting"
             )
-        out = self.graphs.run(anchors, positions, slots, self._slot_temperature[slots], self._slot_int[slots])
+        out = self.graphs.run(
+            np.fromiter(item_anchors, dtype=np.int64, count=num),
+            np.fromiter(item_positions, dtype=np.int64, count=num),
+            slots,
+            self._slot_temperature[slots],
+            self._slot_int[slots],
+        )
         return self._proposal(items, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
 
     def _proposal(

@@ -357,6 +357,24 @@ class SpeculativeEngine:
         self, req: _Request, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool = False
     ) -> RequestOutput:
         """Append a step's tokens to the request, apply stop conditions, finish and free it if done."""
+        output = req.output
+        if (
+            not prefill
+            and len(tokens) < req.max_tokens - len(output)
+            and req.detok is None
+            and (not req.stop_ids or req.stop_ids.isdisjoint(tokens))
+        ):
+            # The common case, kept cheap: a verify round that neither finishes the request nor has text to make.
+            req.position += 1 + num_accepted
+            if tokens:
+                req.anchor = tokens[-1]
+            metrics = req.metrics
+            metrics.verified.append(num_drafts)
+            metrics.accepted.append(num_accepted)
+            new = list(tokens)
+            output.extend(new)
+            metrics.num_output_tokens = len(output)
+            return RequestOutput(req.req_id, new, "", False, None, len(req.prompt), len(output))
         # The anchor's position is the committed context length: the prompt after a prefill (plus the output
         # but its last token after a re-prefill), then +1 per verified anchor and per accepted draft.
         resumed = prefill and bool(req.output)

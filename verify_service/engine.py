@@ -322,15 +322,17 @@ class VerifyEngine:
     ) -> np.ndarray | None:
         """The array form of :meth:`_check_verifies_one_by_one`: the anchors then all drafts as one int64 array
         when that check would pass, else None."""
-        if bool((lengths + num_drafts + 1 > self.cache.max_seq_len).any()):
+        if int((lengths + num_drafts).max()) >= self.cache.max_seq_len:  # the anchor needs a row too
             return None
+        held = tuple(lengths.tolist())
         if None in positions:
-            if any(p is not None and p != length for p, length in zip(positions, lengths.tolist(), strict=True)):
+            if any(p is not None and p != length for p, length in zip(positions, held, strict=True)):
                 return None
-        elif not np.array_equal(np.asarray(positions), lengths):
+        elif positions != held:
             return None
-        if not bool(self._slot_greedy[slots].all()):
-            for v, greedy in zip(verifies, self._slot_greedy[slots].tolist(), strict=True):
+        greedy_slots = self._slot_greedy[slots]
+        if not greedy_slots.all():
+            for v, greedy in zip(verifies, greedy_slots.tolist(), strict=True):
                 if greedy or not len(v.draft_tokens):
                     continue
                 if v.draft_prob_ids is None or v.draft_probs is None:
@@ -454,15 +456,13 @@ class VerifyEngine:
             self._sampling_int[slots],
             sampled,
         )
-        results = StepResults(
-            [v.req_id for v in verifies],
-            checked.num_drafts.tolist(),
-            out.num_accepted,
-            out.tokens,
-            checked.lengths.tolist(),
-            out.features,
-        )
-        self.cache.advance_many(slots, results.feature_counts)
+        num_drafts = checked.num_drafts.tolist()
+        req_ids = [v.req_id for v in verifies]
+        results = StepResults(req_ids, num_drafts, out.num_accepted, out.tokens, checked.lengths.tolist(), out.features)
+        if not all(0 <= a <= n for a, n in zip(out.num_accepted, num_drafts, strict=True)):
+            raise RuntimeError(f"the verify step accepted {out.num_accepted} of {num_drafts} drafts")
+        # The slots are this step's (allocated, distinct) and each had room for all its drafts (validated).
+        self.cache.set_lengths(slots, checked.lengths + np.array(results.feature_counts))
         return results
 
     def _sample(

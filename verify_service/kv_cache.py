@@ -189,6 +189,11 @@ class SlotKVCache:
             )
         self._lengths[index] = new
 
+    def set_lengths(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """Set the lengths of allocated slots, unchecked: for a caller that read them with :meth:`lengths` and
+        verified the room (a bucketed verify step commits its rows with it: no per-step re-validation)."""
+        self._lengths[slots] = lengths
+
     def _check_allocated(self, slot: int) -> None:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
             raise ValueError(f"SlotKVCache: slot {slot!r} is not in [0, {self.num_slots})")
