@@ -198,7 +198,6 @@ class DraftEngine:
         except KeyError:
             raise UnknownDraftRequestError(f"request {req_id!r} is not held by this drafter") from None
 
-    @torch.no_grad()
     def append_context(self, items: Sequence[ContextItem]) -> None:
         """Append committed context features. Replays are safe: rows already held from ``start`` on are replaced
         (the cache is cropped back to ``start`` first), and a gap (``start`` past the held length) is an error."""
@@ -233,6 +232,12 @@ class DraftEngine:
                     )
         if self.graphs is not None and self._append_bucketed(req_ids, slots, starts, counts, features):
             return
+        self._append_eager(slots, starts, counts, features)
+
+    @torch.no_grad()
+    def _append_eager(
+        self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray, features: Sequence[torch.Tensor]
+    ) -> None:
         for slot, start in zip(slots.tolist(), starts.tolist(), strict=True):
             self.cache.crop(slot, start)
         cu = np.concatenate([[0], np.cumsum(counts)]).tolist()
@@ -273,7 +278,6 @@ class DraftEngine:
         except KeyError:
             return [self._get(req_id) for req_id in req_ids]  # raises UnknownDraftRequestError
 
-    @torch.no_grad()
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
         """Draft one block for every item in one batched backbone pass plus the sequential head."""
         if not items:
@@ -281,7 +285,12 @@ class DraftEngine:
         req_ids, item_anchors, item_positions = zip(*items, strict=True)  # NamedTuples: one transposition
         entries = self._entries(req_ids)
         if self.graphs is not None and len(items) <= self.graphs.max_requests:
+            # No grad-mode switch here: the graph step runs under no_grad itself (see VerifyEngine.step).
             return self._propose_bucketed(items, entries, item_anchors, item_positions)
+        return self._propose_eager(items, entries)
+
+    @torch.no_grad()
+    def _propose_eager(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
         device = self.model.device
         anchors = torch.tensor([item.anchor for item in items], dtype=torch.int64, device=device)
         positions = torch.tensor([item.position for item in items], dtype=torch.int64)

@@ -138,6 +138,7 @@ class _CheckedVerifies:
     lengths: np.ndarray  # int64 [R]: cached length = the anchor's position
     num_drafts: np.ndarray  # int64 [R]
     tokens: np.ndarray  # int64: the R anchors, then every request's drafts back to back
+    any_distribution: bool  # whether some item carries a draft distribution
 
 
 _SLOT = operator.attrgetter("slot")
@@ -237,7 +238,8 @@ class VerifyEngine:
             raise UnknownRequestError(f"request {req_id!r} is not running on this verifier") from None
 
     # ------------------------------------------------------------------------------------------- the step
-    @torch.no_grad()
+    # No grad-mode switch around the bucketed path: the graph steps run under no_grad themselves and the host
+    # code around them only copies their outputs (a decorator costs microseconds every round).
     def step(
         self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()
     ) -> Sequence[StepResult]:
@@ -293,8 +295,8 @@ class VerifyEngine:
         num = len(verifies)
         if not num:
             empty = np.zeros(0, dtype=np.int64)
-            return _CheckedVerifies([], empty, empty, empty, empty)
-        req_ids, anchors, drafts, _, _, positions = zip(*verifies, strict=True)  # NamedTuples: one transposition
+            return _CheckedVerifies([], empty, empty, empty, empty, False)
+        req_ids, anchors, drafts, _, dists, positions = zip(*verifies, strict=True)  # NamedTuples: one transposition
         requests = self._requests
         try:
             entries = [requests[req_id] for req_id in req_ids]
@@ -308,7 +310,7 @@ class VerifyEngine:
         if tokens is None:
             self._check_verifies_one_by_one(verifies)
             tokens = np.array([*anchors, *itertools.chain.from_iterable(drafts)], dtype=np.int64)
-        return _CheckedVerifies(entries, slots, lengths, num_drafts, tokens)
+        return _CheckedVerifies(entries, slots, lengths, num_drafts, tokens, any(d is not None for d in dists))
 
     def _valid_tokens(
         self,
@@ -384,6 +386,7 @@ class VerifyEngine:
             self._slot_greedy[slot] = params.greedy
         return [p.req_id for p in prefills]
 
+    @torch.no_grad()
     def _run(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> list[StepResult]:
         device = self.target.device
         chunks: list[tuple[int, Sequence[int]]] = []
@@ -433,7 +436,7 @@ class VerifyEngine:
             int(v.draft_probs.shape[1])
             for v in verifies
             if v.draft_probs is not None and len(v.draft_tokens)
-        ]
+        ] if checked.any_distribution else []
         return self.graphs.fits(len(verifies), 1 + int(checked.num_drafts.max()), max(widths, default=0))
 
     def _run_bucketed(self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies) -> StepResults:

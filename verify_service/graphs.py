@@ -180,8 +180,9 @@ class VerifyGraphRunner:
         self._upload()
         if dist_rows:
             index = self.dev["dist_rows"][: len(dist_rows)]
-            self.dist_ids.index_copy_(0, index, torch.cat(dist_ids).to(self.device))
-            self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
+            with torch.no_grad():  # the caller's tensors may carry grad; the static buffers never do
+                self.dist_ids.index_copy_(0, index, torch.cat(dist_ids).to(self.device))
+                self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
         step = self.steps[size]
         packed, features = step(self.timed)
         result = packed[:num].cpu().numpy()  # the one device -> host copy (and wait) of the step
