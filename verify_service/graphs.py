@@ -78,7 +78,8 @@ class VerifyGraphRunner:
         self.timed = False
         top = self.sizes[-1]
         width, gamma = self.width, self.gamma
-        # One int64 and one float32 buffer, each filled from pinned host memory with a single copy.
+        # One int64 staging buffer whose tail holds the float32 fields (a float32 view of it): the host fills it
+        # and one copy moves all the inputs to the device.
         self._int_fields = {
             "ids": top * width,
             "slots": top,
@@ -89,10 +90,11 @@ class VerifyGraphRunner:
             "dist_rows": top * gamma,
         }
         self._float_fields = {"temperature": top, "top_p": top}
-        self._host_int = pinned_empty((sum(self._int_fields.values()),), torch.int64, self.device)
-        self._host_float = pinned_empty((sum(self._float_fields.values()),), torch.float32, self.device)
+        num_int, num_float = sum(self._int_fields.values()), sum(self._float_fields.values())
+        self._host_int = pinned_empty((num_int + (num_float + 1) // 2,), torch.int64, self.device)
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
-        self._dev_float = torch.zeros_like(self._host_float, device=self.device)
+        self._host_float = self._host_int[num_int:].view(torch.float32)[:num_float]
+        self._dev_float = self._dev_int[num_int:].view(torch.float32)[:num_float]
         self._fence = StagingFence(self.device)
         self.host = _split(self._host_int.numpy(), self._int_fields) | _split(
             self._host_float.numpy(), self._float_fields
@@ -102,6 +104,9 @@ class VerifyGraphRunner:
         self.dist_probs = torch.zeros((top * gamma, draft_top_k), dtype=torch.float32, device=self.device)
         # Warm-up and capture run the step for real: with every request padding, it only writes the dummy slot.
         self._fill_padding(top)
+        # Every field of the staging buffer at its padding value: one copy resets it before each step.
+        self._host_np = self._host_int.numpy()
+        self._padding = self._host_np.copy()
         self._upload()
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         self.steps: dict[int, GraphStep] = {}
@@ -124,14 +129,18 @@ class VerifyGraphRunner:
 
     def run(
         self,
-        slots: Sequence[int],
-        context_lens: Sequence[int],
-        chunks: Sequence[Sequence[int]],
-        params: Sequence[tuple[float, int, float, int]],
-        dists: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+        slots: np.ndarray,
+        context_lens: np.ndarray,
+        tokens: np.ndarray,
+        num_drafts: np.ndarray,
+        sampling_float: np.ndarray,
+        sampling_int: np.ndarray,
+        dists: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
     ) -> BucketedVerifyOutput:
-        """Verify ``chunks[r]`` = [anchor, drafts...] of request r (slot, cached length, (temperature, top_k,
-        top_p, seed), sparse draft distribution (ids, probs) [l, <=K] or None for greedy requests).
+        """Verify request r's anchor ``tokens[r]`` and its ``num_drafts[r]`` drafts (``tokens[R:]`` holds every
+        request's drafts back to back) given its slot, cached length (int64 [R] each), (temperature, top_p)
+        float32 [R, 2] and (top_k, seed) int64 [R, 2], and the sparse draft distributions (r, ids, probs)
+        [l_r, <=K] of the requests that sample (greedy ones need none).
 
         The caller has validated everything (VerifyEngine._validate) and advances the slot lengths after.
         """
@@ -140,41 +149,47 @@ class VerifyGraphRunner:
         if size is None:
             raise ValueError(f"{num} requests exceed the largest bucket {self.sizes[-1]}")
         self._fence.wait_before_write()
-        self._fill_padding(size)
+        np.copyto(self._host_np, self._padding)
         host, width, gamma = self.host, self.width, self.gamma
         host["slots"][:num] = slots
         host["context_lens"][:num] = context_lens
-        temperature, top_k, top_p, seeds = zip(*params, strict=True)
-        host["temperature"][:num] = temperature
-        host["top_k"][:num] = top_k
-        host["top_p"][:num] = top_p
-        host["seeds"][:num] = seeds
-        ids = host["ids"]
+        host["temperature"][:num] = sampling_float[:, 0]
+        host["top_p"][:num] = sampling_float[:, 1]
+        host["top_k"][:num] = sampling_int[:, 0]
+        host["seeds"][:num] = sampling_int[:, 1]
+        host["query_lens"][:num] = num_drafts + 1
+        ids = host["ids"][: num * width].reshape(num, width)
+        ids[:, 0] = tokens[:num]
+        flat = tokens[num:]
+        total = flat.size
+        if total == num * gamma:  # every request verifies its whole block
+            ids[:, 1:] = flat.reshape(num, gamma)
+        elif total:
+            first = np.cumsum(num_drafts) - num_drafts
+            columns = np.arange(1, total + 1) - np.repeat(first, num_drafts)
+            ids[np.repeat(np.arange(num), num_drafts), columns] = flat
         dist_ids: list[torch.Tensor] = []
         dist_probs: list[torch.Tensor] = []
         dist_rows: list[int] = []
-        for r, chunk in enumerate(chunks):
-            n = len(chunk)
-            ids[r * width : r * width + n] = chunk
-            host["query_lens"][r] = n
-            dist = dists[r]
-            if dist is not None and n > 1:
-                wide_ids, wide_probs = _widen(dist[0], dist[1], self.draft_top_k)
-                dist_ids.append(wide_ids)
-                dist_probs.append(wide_probs)
-                dist_rows.extend(range(r * gamma, r * gamma + n - 1))
+        for r, prob_ids, probs in dists:
+            wide_ids, wide_probs = _widen(prob_ids, probs, self.draft_top_k)
+            dist_ids.append(wide_ids)
+            dist_probs.append(wide_probs)
+            dist_rows.extend(range(r * gamma, r * gamma + int(num_drafts[r])))
         host["dist_rows"][: len(dist_rows)] = dist_rows
         self._upload()
         if dist_rows:
             index = self.dev["dist_rows"][: len(dist_rows)]
-            self.dist_ids.index_copy_(0, index, torch.cat(dist_ids).to(self.device))
-            self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
+            with torch.no_grad():  # the caller's tensors may carry grad; the static buffers never do
+                self.dist_ids.index_copy_(0, index, torch.cat(dist_ids).to(self.device))
+                self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
         step = self.steps[size]
         packed, features = step(self.timed)
         result = packed[:num].cpu().numpy()  # the one device -> host copy (and wait) of the step
         step.settle_timing()
         accepted = result[:, 0].tolist()
-        tokens = [row[1 : 2 + a].tolist() for row, a in zip(result, accepted, strict=True)]
+        rows = result[:, 1:].tolist()
+        tokens = [row[: 1 + a] for row, a in zip(rows, accepted, strict=True)]
         kept = None if features is None else features[: num + sum(accepted)].clone()
         return BucketedVerifyOutput(accepted, tokens, kept)
 
@@ -191,8 +206,7 @@ class VerifyGraphRunner:
         host["top_p"][:size] = 1.0
 
     def _upload(self) -> None:
-        self._dev_int.copy_(self._host_int, non_blocking=True)
-        self._dev_float.copy_(self._host_float, non_blocking=True)
+        self._dev_int.copy_(self._host_int, non_blocking=True)  # the float fields too
         self._fence.copies_issued()
 
     # ------------------------------------------------------------------------------------------ the step
