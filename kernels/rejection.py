@@ -19,7 +19,8 @@ entries are -1. A request with l_r = 0 just samples one token from the target, w
 token after prefill is drawn.
 
 Target distribution of a sampled row (temperature T > 0), the same in the reference and the kernel:
-  z = logits / T (float32, -0.0 canonicalised to +0.0);
+  z = logits * (1 / T) (float32: the reciprocal rounded once, then one rounded product per token, which
+  is cheaper than a division per token in the kernel; -0.0 canonicalised to +0.0);
   top-k (k > 0 and k < V): keep every token whose z is >= the k-th largest z counted with multiplicity, so
   tokens tied with the k-th value are all kept (possibly more than k tokens);
   top-p (p < 1), applied after top-k to the renormalised top-k distribution: keep every token whose z is >=
@@ -252,11 +253,16 @@ def filter_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.where(need, torch.maximum(tau_k, tau_p), off)
 
 
+def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """float32 1 / T (IEEE division; the Triton kernels compute the same value with ``div_rn``)."""
+    return 1.0 / temperature.to(torch.float32)
+
+
 def target_weights(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unnormalised filtered weights exp(z - max z) on kept tokens [rows, V] and their sums [rows, 1]."""
-    z = canonical(logits.to(torch.float32) / temperature[:, None].to(torch.float32))
+    z = canonical(logits.to(torch.float32) * inverse_temperature(temperature)[:, None])
     tau = filter_thresholds(z, top_k, top_p)
     z_max = z.max(dim=-1, keepdim=True).values
     weights = torch.where(z >= tau[:, None], torch.exp(z - z_max), 0.0)
