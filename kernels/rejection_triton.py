@@ -70,7 +70,7 @@ CANDIDATES = 2048
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
 _SPARSE = tl.constexpr(PROBS_SPARSE)
-STATE_DONE, STATE_CANDIDATES, STATE_SEARCH = 0, 1, 2  # per-row threshold state (kernel values)
+_DONE, _CANDIDATES, _SEARCH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # per-row threshold state
 
 
 @triton.jit
@@ -175,7 +175,7 @@ def _row_combine_kernel(
     part = row * num_splits + offs
     tops = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
     top = tl.max(tops, 0)
-    state = tl.full((), STATE_DONE, tl.int32)
+    state = tl.full((), _DONE, tl.int32)
     if temp == 0.0:
         args = tl.load(part_arg_ptr + part, mask=live, other=_BIG)
         tl.store(argmax_ptr + row, tl.min(tl.where(live & (tops == top), args, _BIG), 0))
@@ -198,7 +198,7 @@ def _row_combine_kernel(
             else:
                 mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(sketch - safe), 0.0), 0)
                 j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
-            state = tl.where(j < _BIG, STATE_CANDIDATES, STATE_SEARCH)
+            state = tl.where(j < _BIG, _CANDIDATES, _SEARCH)
             tl.store(bound_ptr + row, tl.sum(tl.where(pos == j, sketch, 0.0), 0))
     tl.store(state_ptr + row, state)
 
@@ -220,7 +220,7 @@ def _compact_kernel(
 ):
     """Per (filtered row, split): append every token with z >= L to the row's candidates (packed, any order)."""
     row = tl.program_id(0)
-    if tl.load(state_ptr + row) == STATE_CANDIDATES:
+    if tl.load(state_ptr + row) == _CANDIDATES:
         inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + tl.load(row_req_ptr + row)))
         bound = tl.load(bound_ptr + row)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -314,14 +314,14 @@ def _threshold_kernel(
     """Per filtered row: exact tau and normaliser of the kept set, from the sorted candidates or by search."""
     row = tl.program_id(0)
     state = tl.load(state_ptr + row)
-    if state != STATE_DONE:
+    if state != _DONE:
         req = tl.load(row_req_ptr + row)
         inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + req))
         z_max = tl.load(zmax_ptr + row)
         total_all = tl.load(norm_ptr + row)
         top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
         count = tl.load(count_ptr + row)
-        if (state == STATE_CANDIDATES) & (count <= CAP):
+        if (state == _CANDIDATES) & (count <= CAP):
             pos = tl.arange(0, CAP)
             valid = pos < count
             cands = tl.load(cand_ptr + row.to(tl.int64) * CAP + pos, mask=valid, other=_INT64_MIN)
@@ -338,15 +338,15 @@ def _threshold_kernel(
                 mass = tl.cumsum(weight, 0)
                 first = tl.min(tl.where(valid & (mass >= top_p * total), pos, _BIG), 0)
                 if first == _BIG:
-                    state = STATE_SEARCH  # the crossing lies below the candidates (float rounding): search
+                    state = _SEARCH  # the crossing lies below the candidates (float rounding): search
                 else:
                     tau = tl.maximum(tau, tl.sum(tl.where(pos == first, z, 0.0), 0))
-            if state == STATE_CANDIDATES:
+            if state == _CANDIDATES:
                 tl.store(tau_ptr + row, tau)
                 tl.store(norm_ptr + row, tl.sum(tl.where(z >= tau, tl.exp(z - z_max), 0.0), 0))
         else:
-            state = STATE_SEARCH
-        if state == STATE_SEARCH:
+            state = _SEARCH
+        if state == _SEARCH:
             row_ptr = logits_ptr + row.to(tl.int64) * stride_row
             lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
             hi = tl_ordered_key(z_max)
@@ -647,14 +647,15 @@ def rejection_sample_triton(
         BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups, num_warps=4, **options,
     )  # fmt: skip
     count = torch.zeros(rows, dtype=torch.int32, device=device)
-    cands = torch.empty((rows, CANDIDATES), dtype=torch.int64, device=device)
+    cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
+    cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
     _compact_kernel[(rows, num_splits)](
         logits, logits.stride(0), row_req, temps, bound, state, count, cands, vocab, split_size,
-        BLOCK_V=block_v, CAP=CANDIDATES, num_warps=TUNING["row_warps"], **options,
+        BLOCK_V=block_v, CAP=cap, num_warps=TUNING["row_warps"], **options,
     )  # fmt: skip
     _threshold_kernel[(rows,)](
         logits, logits.stride(0), row_req, temps, top_k64, top_p32, z_max, norm, tau, state, count, cands,
-        vocab, CAP=CANDIDATES, BLOCK_S=_block(512, vocab),
+        vocab, CAP=cap, BLOCK_S=_block(512, vocab),
         NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=8, **options,
     )  # fmt: skip
 
