@@ -222,19 +222,21 @@ def sweep(shape: dict, device: torch.device, repeats: int) -> list[dict]:
     rows = []
     default = dict(rejection_triton.TUNING)
     # the statistics kernel (timed on greedy and sampled rows) and the race kernel are swept one at a time
-    variants = [dict(row_block_v=b, row_warps=w, split_size=s)
-                for b, w, s in ((2048, 4, 16384), (4096, 4, 32768), (4096, 8, 16384), (4096, 8, 65536),
-                                (8192, 8, 32768), (8192, 16, 65536), (2048, 8, 8192))]  # fmt: skip
-    variants += [dict(race_block_v=b, race_warps=w) for b, w in ((1024, 4), (2048, 4), (4096, 8))]
+    variants = [dict(row_block_v=b, row_warps=w, row_splits=s)
+                for b, w, s in ((4096, 8, 4), (2048, 4, 4), (4096, 4, 4), (4096, 8, 2), (4096, 8, 3), (4096, 8, 6),
+                                (8192, 8, 3), (8192, 16, 2))]  # fmt: skip
+    variants += [dict(race_block_v=b, race_warps=w, race_splits=s)
+                 for b, w, s in ((2048, 8, 16), (1024, 4, 16), (2048, 4, 32), (2048, 8, 8), (4096, 8, 16))]  # fmt: skip
     for setting in ("sampled T=1, sparse drafts", "greedy"):
         inputs = rejection_inputs(shape, device, REJECTION_SETTINGS[setting], seed=0)
         args = [inputs[k] for k in REJECTION_ARGS]
         call = partial(rejection_triton.rejection_sample_triton, *args, draft_prob_ids=inputs["draft_prob_ids"],
                        validate=False)  # fmt: skip
-        for variant in tqdm(variants if setting != "greedy" else variants[:7], desc=f"sweep {setting}"):
+        for variant in tqdm(variants if setting != "greedy" else variants[:8], desc=f"sweep {setting}"):
             rejection_triton.TUNING.update({**default, **variant})
             rows.append({"kernel": "rejection", "setting": setting, **rejection_triton.TUNING,
-                         "triton_ms": timed(call, device, repeats)})  # fmt: skip
+                         "triton_ms": timed(call, device, repeats),
+                         "triton_graph_ms": graph_timed(call, device, repeats) if device.type == "cuda" else None})
         rejection_triton.TUNING.update(default)
 
     args = markov_args(shape, device, 1.0)
@@ -243,7 +245,8 @@ def sweep(shape: dict, device: torch.device, repeats: int) -> list[dict]:
         markov_triton.TUNING.update(topk_block_r=block_r, topk_block_v=block_v)
         call = partial(markov_triton.markov_sample_triton, *args, top_k=shape["sparse_k"], validate=False)
         rows.append({"kernel": "markov", "setting": "sparse", **markov_triton.TUNING,
-                     "triton_ms": timed(call, device, repeats)})  # fmt: skip
+                     "triton_ms": timed(call, device, repeats),
+                     "triton_graph_ms": graph_timed(call, device, repeats) if device.type == "cuda" else None})
     markov_triton.TUNING.update(default)
     return rows
 

@@ -47,7 +47,7 @@ _CONFIGS = [
     ("_threshold_kernel", dict(CAP=2048, BLOCK_S=512, NCAND=16), 8),
     *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_K=64), 1) for mode in (0, 1, 2)],
     *[("_race_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_K=64), 8) for mode in (0, 1, 2)],
-    ("_finalize_kernel", dict(BLOCK_SPLITS=16), 1),
+    *[("_finalize_kernel", dict(PROBS=mode, BLOCK_SPLITS=16, BLOCK_K=64), 1) for mode in (0, 1, 2)],
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=128, BLOCK_D=64, TOPK=0, STORE_LOGITS=False,
                                  NATIVE_DOT=True), 8),
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=128, BLOCK_D=64, TOPK=64, STORE_LOGITS=True,

@@ -58,10 +58,11 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 _BIG = tl.constexpr(2147483647)
 _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
-    "row_block_v": 4096, "row_warps": 8, "split_size": 32768,
-    "race_block_v": 2048, "race_warps": 8, "race_split_size": 16384,
+    "row_block_v": 4096, "row_warps": 8, "row_splits": 4, "race_block_v": 2048, "race_warps": 8, "race_splits": 16,
 }  # fmt: skip
-"""Launch sizes (one fixed configuration, no autotuning); bench/bench_kernels.py --sweep measures others."""
+"""Launch sizes (one fixed configuration, no autotuning): vocabulary block per loop step, warps, and the number
+of programs a row is split over (the statistics kernel runs every row, the race one row per request, so it
+splits finer); bench/bench_kernels.py --sweep measures others."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
@@ -107,7 +108,7 @@ def _row_stats_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK_V)
     lo_v = split * split_size
-    hi_v = tl.minimum(lo_v + split_size, V)
+    hi_v = tl.minimum(lo_v + split_size, V)  # splits are whole blocks: only the row's end needs a mask
     part = row * num_splits + split
     if temp == 0.0:
         # per lane: the first maximum (tokens arrive in increasing id order), reduced once at the end
@@ -115,7 +116,7 @@ def _row_stats_kernel(
         arg = tl.full([BLOCK_V], _BIG, tl.int32)
         for start in range(lo_v, hi_v, BLOCK_V):
             idx = start + offs
-            x = tl.load(row_ptr + idx, mask=idx < hi_v, other=float("-inf")).to(tl.float32)
+            x = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
             better = x > best
             best = tl.where(better, x, best)
             arg = tl.where(better, idx, arg)
@@ -125,19 +126,20 @@ def _row_stats_kernel(
         tl.store(part_arg_ptr + part, tl.where(first == _BIG, lo_v, first))  # an all -inf split: its first id
     else:
         inv_t = tl.math.div_rn(1.0, temp)
-        m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        # lanes start at -FLT_MAX, not -inf: exp(min - max) is then never exp(-inf + inf), with no extra test
+        m = tl.full([BLOCK_V], -3.4028234663852886e38, tl.float32)
         s = tl.zeros([BLOCK_V], tl.float32)
         for start in range(lo_v, hi_v, BLOCK_V):
             idx = start + offs
-            z = tl.load(row_ptr + idx, mask=idx < hi_v, other=float("-inf")).to(tl.float32) * inv_t
+            z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
             big = tl.maximum(m, z)
-            e = tl.where(big == float("-inf"), 0.0, tl.exp(tl.minimum(m, z) - big))
+            e = tl.exp(tl.minimum(m, z) - big)
             s = tl.where(z > m, s * e + 1.0, s + e)
             m = big
         top = tl.max(m, 0)
-        safe = tl.where(top == float("-inf"), 0.0, top)
-        tl.store(part_max_ptr + part, top)
-        tl.store(part_sum_ptr + part, tl.sum(s * tl.exp(m - safe), 0))
+        total = tl.sum(s * tl.exp(m - top), 0)
+        tl.store(part_max_ptr + part, tl.where(total > 0.0, top, float("-inf")))  # an all -inf split
+        tl.store(part_sum_ptr + part, total)
         _, _, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
         if use_k | use_p:
             groups = tl.max(tl.reshape(m, [NG, BLOCK_V // NG]), 1)
@@ -225,12 +227,11 @@ def _compact_kernel(
         bound = tl.load(bound_ptr + row)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         lo_v = tl.program_id(1) * split_size
-        hi_v = tl.minimum(lo_v + split_size, V)
         counter = count_ptr + row + tl.zeros([BLOCK_V], tl.int32)
-        for start in range(lo_v, hi_v, BLOCK_V):
+        for start in range(lo_v, tl.minimum(lo_v + split_size, V), BLOCK_V):
             idx = start + tl.arange(0, BLOCK_V)
-            z = tl.load(row_ptr + idx, mask=idx < hi_v, other=float("-inf")).to(tl.float32) * inv_t
-            hit = (idx < hi_v) & (z >= bound)
+            z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+            hit = (idx < V) & (z >= bound)
             slot = tl.atomic_add(counter, tl.full([BLOCK_V], 1, tl.int32), mask=hit, sem="relaxed")
             bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
             key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
@@ -480,22 +481,19 @@ def _race_kernel(
             offs_k = tl.arange(0, BLOCK_K)
             ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=offs_k < k_live, other=-1)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=offs_k < k_live, other=0.0)
-        # per lane: the first maximal key of the residual race and of the p_t race (fallback); keys >= 0
-        best_res = tl.full([BLOCK_V], -1.0, tl.float32)
-        best_fb = tl.full([BLOCK_V], -1.0, tl.float32)
+        # per lane: the first maximal key of the residual race and of the p_t race (fallback)
+        best_res = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_fb = tl.full([BLOCK_V], float("-inf"), tl.float32)
         arg_res = tl.full([BLOCK_V], _BIG, tl.int32)
         arg_fb = tl.full([BLOCK_V], _BIG, tl.int32)
-        lo_v = split * split_size
-        hi_v = tl.minimum(lo_v + split_size, V)
-        for start in range(lo_v, hi_v, BLOCK_V):
+        for start in range(split * split_size, tl.minimum(split * split_size + split_size, V), BLOCK_V):
             idx = start + tl.arange(0, BLOCK_V)
-            mask = idx < hi_v
+            mask = idx < V  # splits are whole blocks: only the row's end needs a mask
             z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-            z = tl.where(z == 0.0, 0.0, z)
-            weight = tl.where(z >= tau, tl.exp(z - z_max), 0.0)  # = norm * p_t
+            log_weight = tl.where(mask & (z >= tau), z - z_max, float("-inf"))  # log(norm * p_t)
             if PROBS == _DENSE:
-                limit = tl.where(bonus, 0, hi_v)
-                p_d = tl.load(probs_ptr + draft_row * stride_probs + idx, mask=idx < limit, other=0.0)
+                p_d = tl.load(probs_ptr + draft_row * stride_probs + idx, mask=mask & (n_acc < num_draft),
+                              other=0.0)  # fmt: skip
             elif PROBS == _SPARSE:
                 # scatter the few sparse entries that fall into this chunk (usually none or one)
                 here = (ids >= start) & (ids < start + BLOCK_V)
@@ -505,54 +503,88 @@ def _race_kernel(
                     current = tl.min(tl.where(here & (ids > previous), ids, 2147483647), 0)
                     p_d = tl.where(idx == current, tl.sum(tl.where(ids == current, probs, 0.0), 0), p_d)
                     previous = current
+            log_race = tl.log(-tl.log(tl_uniform(key, idx)))
+            key_fb = log_weight - log_race
+            if PROBS == 0:
+                key_res = key_fb
             else:
-                p_d = tl.zeros([BLOCK_V], tl.float32)
-            residual = tl.where(bonus, weight, tl.maximum(weight - norm * p_d, 0.0))
-            inv_race = tl.math.div_rn(1.0, -tl.log(tl_uniform(key, idx)))
-            key_res = tl.where(mask, residual * inv_race, -1.0)
-            key_fb = tl.where(mask, weight * inv_race, -1.0)
+                weight = tl.where(log_weight > float("-inf"), tl.exp(z - z_max), 0.0)
+                residual = tl.log(tl.maximum(weight - norm * p_d, 0.0))
+                key_res = tl.where(p_d > 0.0, residual - log_race, key_fb)
             better = key_res > best_res
             best_res = tl.where(better, key_res, best_res)
             arg_res = tl.where(better, idx, arg_res)
-            better = key_fb > best_fb
-            best_fb = tl.where(better, key_fb, best_fb)
-            arg_fb = tl.where(better, idx, arg_fb)
+            if PROBS == _DENSE:
+                better = key_fb > best_fb
+                best_fb = tl.where(better, key_fb, best_fb)
+                arg_fb = tl.where(better, idx, arg_fb)
         top_res = tl.max(best_res, 0)
-        top_fb = tl.max(best_fb, 0)
         part = (r * num_splits + split) * 2
         tl.store(part_key_ptr + part, top_res)
-        tl.store(part_key_ptr + part + 1, top_fb)
         tl.store(part_id_ptr + part, tl.min(tl.where(best_res == top_res, arg_res, _BIG), 0))
-        tl.store(part_id_ptr + part + 1, tl.min(tl.where(best_fb == top_fb, arg_fb, _BIG), 0))
+        if PROBS == _DENSE:
+            top_fb = tl.max(best_fb, 0)
+            tl.store(part_key_ptr + part + 1, top_fb)
+            tl.store(part_id_ptr + part + 1, tl.min(tl.where(best_fb == top_fb, arg_fb, _BIG), 0))
 
 
 @triton.jit
 def _finalize_kernel(
+    logits_ptr,
+    stride_row,
+    prob_ids_ptr,
+    stride_probs,
     part_key_ptr,
     part_id_ptr,
     cu_ptr,
     temperature_ptr,
+    seeds_ptr,
+    positions_ptr,
+    zmax_ptr,
+    tau_ptr,
     num_acc_ptr,
     out_ptr,
+    K,
     num_splits,
+    PROBS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """Per sampled request: the race winner over all splits (an all-zero residual falls back to p_t)."""
+    """Per sampled request: the race winner over all splits (an all-zero residual falls back to p_t).
+
+    The fallback race over p_t is only needed when every residual key is -inf. With sparse drafts that means
+    every kept token lies in the draft's support (outside it the residual is p_t itself), so the fallback
+    winner is the best p_t key among those <= K ids, computed here instead of in the vocabulary loop."""
     r = tl.program_id(0)
-    if tl.load(temperature_ptr + r) != 0.0:
+    temp = tl.load(temperature_ptr + r)
+    if temp != 0.0:
         offs = tl.arange(0, BLOCK_SPLITS)
         live = offs < num_splits
         part = (r * num_splits + offs) * 2
-        key_res = tl.load(part_key_ptr + part, mask=live, other=-1.0)
-        key_fb = tl.load(part_key_ptr + part + 1, mask=live, other=-1.0)
+        key_res = tl.load(part_key_ptr + part, mask=live, other=float("-inf"))
         top_res = tl.max(key_res, 0)
-        top_fb = tl.max(key_fb, 0)
-        ids_res = tl.load(part_id_ptr + part, mask=live, other=_BIG)
-        ids_fb = tl.load(part_id_ptr + part + 1, mask=live, other=_BIG)
-        id_res = tl.min(tl.where(key_res == top_res, ids_res, _BIG), 0)
-        id_fb = tl.min(tl.where(key_fb == top_fb, ids_fb, _BIG), 0)
-        sample_row = tl.load(cu_ptr + r) + r + tl.load(num_acc_ptr + r)
-        tl.store(out_ptr + sample_row, tl.where(top_res > 0.0, id_res, id_fb).to(tl.int64))
+        winner = tl.min(tl.where(live & (key_res == top_res), tl.load(part_id_ptr + part, mask=live, other=_BIG),
+                                 _BIG), 0)  # fmt: skip
+        d0 = tl.load(cu_ptr + r)
+        n_acc = tl.load(num_acc_ptr + r)
+        sample_row = d0 + r + n_acc
+        if top_res == float("-inf"):
+            if PROBS == _DENSE:
+                key_fb = tl.load(part_key_ptr + part + 1, mask=live, other=float("-inf"))
+                ids_fb = tl.load(part_id_ptr + part + 1, mask=live, other=_BIG)
+                winner = tl.min(tl.where(live & (key_fb == tl.max(key_fb, 0)), ids_fb, _BIG), 0)
+            elif PROBS == _SPARSE:
+                offs_k = tl.arange(0, BLOCK_K)
+                ids = tl.load(prob_ids_ptr + (d0 + n_acc) * stride_probs + offs_k, mask=offs_k < K, other=0)
+                z = tl.load(logits_ptr + sample_row * stride_row + ids, mask=offs_k < K, other=float("-inf"))
+                z = z.to(tl.float32) * tl.math.div_rn(1.0, temp)
+                position = tl.load(positions_ptr + r) + 1 + n_acc
+                log_race = tl.log(-tl.log(tl_uniform(tl_row_key(tl.load(seeds_ptr + r), position, _TARGET), ids)))
+                z_max = tl.load(zmax_ptr + sample_row)
+                keys = tl.where((offs_k < K) & (z >= tl.load(tau_ptr + sample_row)), z - z_max - log_race,
+                                float("-inf"))  # fmt: skip
+                winner = tl.min(tl.where(keys == tl.max(keys, 0), ids.to(tl.int32), _BIG), 0)
+        tl.store(out_ptr + sample_row, winner.to(tl.int64))
 
 
 def _block(limit: int, size: int) -> int:
@@ -560,9 +592,9 @@ def _block(limit: int, size: int) -> int:
     return max(16, min(limit, triton.next_power_of_2(max(size, 1))))
 
 
-def _splits(vocab: int, block_v: int, split_size: int) -> tuple[int, int]:
-    """(split size rounded to whole blocks, number of splits) of a vocabulary."""
-    size = triton.cdiv(min(split_size, vocab), block_v) * block_v
+def _splits(vocab: int, block_v: int, splits: int) -> tuple[int, int]:
+    """(split size in whole blocks, number of splits) for about ``splits`` equal splits of a vocabulary."""
+    size = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
     return size, triton.cdiv(vocab, size)
 
 
@@ -627,7 +659,7 @@ def rejection_sample_triton(
 
     # 1-4: per-row statistics and keep thresholds
     block_v = _block(TUNING["row_block_v"], vocab)
-    split_size, num_splits = _splits(vocab, block_v, TUNING["split_size"])
+    split_size, num_splits = _splits(vocab, block_v, TUNING["row_splits"])
     groups = min(SKETCH_GROUPS, block_v)
     f32 = dict(dtype=torch.float32, device=device)
     part_max = torch.empty((rows, num_splits), **f32)
@@ -668,7 +700,7 @@ def rejection_sample_triton(
 
     # 6-7: residual / bonus draws
     race_block = _block(TUNING["race_block_v"], vocab)
-    race_split, race_splits = _splits(vocab, race_block, TUNING["race_split_size"])
+    race_split, race_splits = _splits(vocab, race_block, TUNING["race_splits"])
     part_key = torch.empty((num_req, race_splits, 2), **f32)
     part_id = torch.empty((num_req, race_splits, 2), dtype=torch.int32, device=device)
     _race_kernel[(num_req, race_splits)](
@@ -677,7 +709,8 @@ def rejection_sample_triton(
         PROBS=mode, BLOCK_V=race_block, BLOCK_K=block_k, num_warps=TUNING["race_warps"], **options,
     )  # fmt: skip
     _finalize_kernel[(num_req,)](
-        part_key, part_id, cu, temps, num_acc, out, race_splits,
-        BLOCK_SPLITS=_block(1 << 20, race_splits), num_warps=1, **options,
+        logits, logits.stride(0), prob_ids, width, part_key, part_id, cu, temps, seeds64, positions64, z_max,
+        tau, num_acc, out, width, race_splits,
+        PROBS=mode, BLOCK_SPLITS=_block(1 << 20, race_splits), BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
     return RejectionOutput(num_accepted=num_acc, output_tokens=out)

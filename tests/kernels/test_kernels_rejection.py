@@ -383,9 +383,9 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
     from kernels import rejection_triton
 
     monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 128)
-    monkeypatch.setitem(rejection_triton.TUNING, "split_size", 256)
+    monkeypatch.setitem(rejection_triton.TUNING, "row_splits", 4)
     monkeypatch.setitem(rejection_triton.TUNING, "race_block_v", 128)
-    monkeypatch.setitem(rejection_triton.TUNING, "race_split_size", 384)
+    monkeypatch.setitem(rejection_triton.TUNING, "race_splits", 3)
     monkeypatch.setattr(rejection_triton, "SKETCH_GROUPS", 16)
     monkeypatch.setattr(rejection_triton, "CANDIDATES", 32)
     batch = make_batch(
