@@ -28,7 +28,7 @@ _REJECTION_COMMON = dict(logits_ptr="*bf16", stride_row="i64", cu_ptr="*i64", te
                          sketch_ptr="*fp32", split_size="i32", num_splits="i32", argmax_ptr="*i32",
                          bound_ptr="*fp32", state_ptr="*i32", count_ptr="*i32", cand_ptr="*i64",
                          draft_ids_ptr="*i64", out_ptr="*i64", part_key_ptr="*fp32",
-                         part_id_ptr="*i32")  # fmt: skip
+                         part_id_ptr="*i32", num_req="i32")  # fmt: skip
 _MARKOV_COMMON = dict(base_ptr="*bf16", stride_br="i64", stride_bk="i64", step="i32", prev_ptr="*i64",
                       stride_prev="i32", w1_ptr="*bf16", w2_ptr="*bf16", temperature_ptr="*fp32",
                       seeds_ptr="*i64", positions_ptr="*i64", logits_ptr="*fp32", z_ptr="*fp32",

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from kernels.float_keys import tl_key_to_float, tl_ordered_key
 from kernels.launch import interpreting, launch_options
-from kernels.rejection import RejectionOutput, _row_layout, validate_rejection_inputs
+from kernels.rejection import RejectionOutput, validate_rejection_inputs
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, tl_row_key, tl_uniform
 
 _ACCEPT = tl.constexpr(STREAM_ACCEPT)
@@ -83,9 +83,26 @@ def _filters(top_k_ptr, top_p_ptr, req, V):
 
 
 @triton.jit
+def _request_of_row(cu_ptr, row, num_req):
+    """The request owning target row ``row``: the largest r with cu[r] + r <= row (rows of r start there)."""
+    lo = tl.zeros((), tl.int32)
+    hi = num_req - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_ptr + mid) + mid <= row:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
 def _row_stats_kernel(
     logits_ptr,
     stride_row,
+    cu_ptr,
+    num_req,
+    out_ptr,
     row_req_ptr,
     temperature_ptr,
     top_k_ptr,
@@ -100,10 +117,15 @@ def _row_stats_kernel(
     BLOCK_V: tl.constexpr,
     NG: tl.constexpr,
 ):
-    """Per (row, split): argmax (greedy) or online (max z, sum exp(z - max)) and the sketch (filtered rows)."""
+    """Per (row, split): argmax (greedy) or online (max z, sum exp(z - max)) and the sketch (filtered rows).
+
+    Split 0 also records the row's request for the later kernels and initialises the row's output to -1."""
     row = tl.program_id(0)
     split = tl.program_id(1)
-    req = tl.load(row_req_ptr + row)
+    req = _request_of_row(cu_ptr, row, num_req)
+    if split == 0:
+        tl.store(row_req_ptr + row, req)
+        tl.store(out_ptr + row, tl.full((), -1, tl.int64))
     temp = tl.load(temperature_ptr + req)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offs = tl.arange(0, BLOCK_V)
@@ -162,6 +184,7 @@ def _row_combine_kernel(
     tau_ptr,
     bound_ptr,
     state_ptr,
+    count_ptr,
     V,
     num_splits,
     BLOCK_SPLITS: tl.constexpr,
@@ -203,6 +226,7 @@ def _row_combine_kernel(
             state = tl.where(j < _BIG, _CANDIDATES, _SEARCH)
             tl.store(bound_ptr + row, tl.sum(tl.where(pos == j, sketch, 0.0), 0))
     tl.store(state_ptr + row, state)
+    tl.store(count_ptr + row, 0)
 
 
 @triton.jit
@@ -492,8 +516,8 @@ def _race_kernel(
             z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
             log_weight = tl.where(mask & (z >= tau), z - z_max, float("-inf"))  # log(norm * p_t)
             if PROBS == _DENSE:
-                p_d = tl.load(probs_ptr + draft_row * stride_probs + idx, mask=mask & (n_acc < num_draft),
-                              other=0.0)  # fmt: skip
+                limit = tl.where(bonus, 0, V)
+                p_d = tl.load(probs_ptr + draft_row * stride_probs + idx, mask=idx < limit, other=0.0)
             elif PROBS == _SPARSE:
                 # scatter the few sparse entries that fall into this chunk (usually none or one)
                 here = (ids >= start) & (ids < start + BLOCK_V)
@@ -629,18 +653,19 @@ def rejection_sample_triton(
     num_req = temperature.shape[0]
     num_draft = draft_token_ids.shape[0]
     rows, vocab = target_logits.shape
-    num_acc = torch.zeros(num_req, dtype=torch.int64, device=device)
-    out = torch.full((rows,), -1, dtype=torch.int64, device=device)
     if num_req == 0:
-        return RejectionOutput(num_accepted=num_acc, output_tokens=out)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return RejectionOutput(num_accepted=empty, output_tokens=empty)
+    # every entry of these is written by the kernels: out by the statistics kernel (-1) and the accept chain
+    num_acc = torch.empty(num_req, dtype=torch.int64, device=device)
+    out = torch.empty(rows, dtype=torch.int64, device=device)
 
     logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
     cu = cu_draft_lens.to(torch.int64).contiguous()
     temps = temperature.to(torch.float32).contiguous()
     top_k64 = top_k.to(torch.int64).contiguous()
     top_p32 = top_p.to(torch.float32).contiguous()
-    row_req, _ = _row_layout(cu, num_req, num_draft)
-    row_req = row_req.to(torch.int32)
+    row_req = torch.empty(rows, dtype=torch.int32, device=device)
     ids = draft_token_ids.to(torch.int64).contiguous()
     if draft_probs is None or num_draft == 0:
         mode, probs, prob_ids, width = PROBS_NONE, temps, ids, 1
@@ -667,18 +692,19 @@ def rejection_sample_triton(
     part_arg = torch.empty((rows, num_splits), dtype=torch.int32, device=device)
     sketch = torch.empty((rows, num_splits, groups), **f32)
     _row_stats_kernel[(rows, num_splits)](
-        logits, logits.stride(0), row_req, temps, top_k64, top_p32, part_max, part_sum, part_arg, sketch,
+        logits, logits.stride(0), cu, num_req, out, row_req, temps, top_k64, top_p32, part_max, part_sum,
+        part_arg, sketch,
         vocab, split_size, num_splits, BLOCK_V=block_v, NG=groups, num_warps=TUNING["row_warps"], **options,
     )  # fmt: skip
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
     z_max, norm, tau, bound = (torch.empty(rows, **f32) for _ in range(4))
     state = torch.empty(rows, dtype=torch.int32, device=device)
+    count = torch.empty(rows, dtype=torch.int32, device=device)  # zeroed by the combine kernel
     _row_combine_kernel[(rows,)](
         part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau,
-        bound, state, vocab, num_splits, BLOCK_SPLITS=_block(1 << 20, num_splits),
+        bound, state, count, vocab, num_splits, BLOCK_SPLITS=_block(1 << 20, num_splits),
         BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups, num_warps=4, **options,
     )  # fmt: skip
-    count = torch.zeros(rows, dtype=torch.int32, device=device)
     cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
     _compact_kernel[(rows, num_splits)](
