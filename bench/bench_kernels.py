@@ -14,11 +14,12 @@ asks) and replayed from a CUDA graph (how the verify and draft engines run it; n
 Both implementations run with ``validate=False`` on identical inputs (the input checks read the control
 tensors and cost a host sync; their time is reported separately), and the script reports how many requests
 got identical outputs from the two (on GPUs the kernel's exp/log differ from torch's in the last bits, so a
-near-tie may rarely go the other way). ``--sweep`` also times other launch sizes of the kernels (about two
-more minutes, mostly compilation).
+near-tie may rarely go the other way). ``--sweep`` first times other launch sizes of the kernels (about a
+minute more, mostly compilation); ``--tune`` then runs the benchmark with the fastest ones (recorded under
+"tuning" in the JSON; the TUNING defaults in the kernel modules are set from such a run).
 
-GPU (one command, about a minute on an H200; writes docs/benchmarks/kernels.json):
-    python bench/bench_kernels.py [--sweep]
+GPU (one command, about a minute on an H200, two with the sweep; writes docs/benchmarks/kernels.json):
+    python bench/bench_kernels.py [--sweep [--tune]]
 CPU smoke run (Triton through the interpreter, tiny shapes):
     python bench/bench_kernels.py --small --device cpu
 """
@@ -56,7 +57,7 @@ REJECTION_ARGS = ("target_logits", "draft_token_ids", "draft_probs", "cu_draft_l
                   "top_p", "seeds", "positions")  # fmt: skip
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
     """Median time of ``fn`` in milliseconds (CUDA events on GPU, wall clock on CPU)."""
     for _ in range(warmup):
         fn()
@@ -215,39 +216,49 @@ def bench_markov(shape: dict, device: torch.device, repeats: int) -> list[dict]:
     return results
 
 
-def sweep(shape: dict, device: torch.device, repeats: int) -> list[dict]:
-    """Triton time of the main settings under other launch sizes (the defaults are kernels' TUNING dicts)."""
+def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool) -> list[dict]:
+    """Time other launch sizes of the kernels (CUDA-graph replays on GPUs, where launch overhead would hide them).
+
+    One group at a time, the others at their current values: the rejection statistics kernel (greedy plus
+    sampled sparse time), then the race kernel (sampled sparse), then the Markov truncated mode. With
+    ``keep_best`` each group keeps its fastest variant (the TUNING dicts are updated, so the main benchmark
+    that follows runs with them); otherwise the defaults are restored."""
     from kernels import markov_triton, rejection_triton
 
-    rows = []
-    default = dict(rejection_triton.TUNING)
-    # the statistics kernel (timed on greedy and sampled rows) and the race kernel are swept one at a time
-    variants = [dict(row_block_v=b, row_warps=w, row_splits=s)
-                for b, w, s in ((4096, 8, 4), (2048, 4, 4), (4096, 4, 4), (4096, 8, 2), (4096, 8, 3), (4096, 8, 6),
-                                (8192, 8, 3), (8192, 16, 2))]  # fmt: skip
-    variants += [dict(race_block_v=b, race_warps=w, race_splits=s)
-                 for b, w, s in ((2048, 8, 16), (1024, 4, 16), (2048, 4, 32), (2048, 8, 8), (4096, 8, 16))]  # fmt: skip
-    for setting in ("sampled T=1, sparse drafts", "greedy"):
+    measure = partial(graph_timed if device.type == "cuda" else timed, device=device, repeats=repeats)
+    rows: list[dict] = []
+
+    def choose(table: dict, kernel: str, variants: list[dict], calls: dict[str, Callable[[], object]]) -> None:
+        default, scores = dict(table), []
+        for variant in tqdm(variants, desc=f"sweep {kernel}"):
+            table.update({**default, **variant})
+            times = {setting: measure(call) for setting, call in calls.items()}
+            rows.append({"kernel": kernel, **table, "ms": times})
+            scores.append(sum(times.values()))
+        best = variants[scores.index(min(scores))]
+        table.update({**default, **best} if keep_best else default)
+
+    def rejection_call(setting: str) -> Callable[[], object]:
         inputs = rejection_inputs(shape, device, REJECTION_SETTINGS[setting], seed=0)
         args = [inputs[k] for k in REJECTION_ARGS]
-        call = partial(rejection_triton.rejection_sample_triton, *args, draft_prob_ids=inputs["draft_prob_ids"],
+        return partial(rejection_triton.rejection_sample_triton, *args, draft_prob_ids=inputs["draft_prob_ids"],
                        validate=False)  # fmt: skip
-        for variant in tqdm(variants if setting != "greedy" else variants[:8], desc=f"sweep {setting}"):
-            rejection_triton.TUNING.update({**default, **variant})
-            rows.append({"kernel": "rejection", "setting": setting, **rejection_triton.TUNING,
-                         "triton_ms": timed(call, device, repeats),
-                         "triton_graph_ms": graph_timed(call, device, repeats) if device.type == "cuda" else None})
-        rejection_triton.TUNING.update(default)
+
+    sparse, greedy = rejection_call("sampled T=1, sparse drafts"), rejection_call("greedy")
+    row_variants = [dict(row_block_v=b, row_warps=w, row_splits=n)
+                    for b, w, n in ((4096, 8, 4), (2048, 4, 4), (4096, 4, 4), (4096, 8, 2), (4096, 8, 3),
+                                    (4096, 8, 6), (8192, 8, 3), (8192, 16, 2))]  # fmt: skip
+    choose(rejection_triton.TUNING, "rejection statistics", row_variants, {"sparse": sparse, "greedy": greedy})
+    race_variants = [dict(race_block_v=b, race_warps=w, race_splits=n)
+                     for b, w, n in ((2048, 8, 16), (1024, 4, 16), (2048, 4, 32), (2048, 8, 8), (4096, 8, 16))]
+    choose(rejection_triton.TUNING, "rejection race", race_variants, {"sparse": sparse})
+    del sparse, greedy
 
     args = markov_args(shape, device, 1.0)
-    default = dict(markov_triton.TUNING)
-    for block_r, block_v in tqdm(((16, 128), (32, 256), (16, 256), (64, 128)), desc="sweep markov top-k"):
-        markov_triton.TUNING.update(topk_block_r=block_r, topk_block_v=block_v)
-        call = partial(markov_triton.markov_sample_triton, *args, top_k=shape["sparse_k"], validate=False)
-        rows.append({"kernel": "markov", "setting": "sparse", **markov_triton.TUNING,
-                     "triton_ms": timed(call, device, repeats),
-                     "triton_graph_ms": graph_timed(call, device, repeats) if device.type == "cuda" else None})
-    markov_triton.TUNING.update(default)
+    markov = partial(markov_triton.markov_sample_triton, *args, top_k=shape["sparse_k"], validate=False)
+    markov_variants = [dict(topk_block_r=r, topk_block_v=v) for r, v in ((32, 128), (16, 128), (32, 256), (16, 256),
+                                                                          (64, 128))]  # fmt: skip
+    choose(markov_triton.TUNING, "markov top-k", markov_variants, {"sparse": markov})
     return rows
 
 
@@ -258,7 +269,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20 GPU, 1 CPU)")
-    parser.add_argument("--sweep", action="store_true", help="also time other kernel launch sizes")
+    parser.add_argument("--sweep", action="store_true", help="also time other kernel launch sizes (first)")
+    parser.add_argument("--tune", action="store_true", help="with --sweep: run the benchmark with the fastest sizes")
     parser.add_argument("--out", default=None, help="JSON output (default docs/benchmarks/kernels.json; "
                         "none for --small)")  # fmt: skip
     args = parser.parse_args()
@@ -272,15 +284,19 @@ def main() -> None:
     repeats = args.repeats or (20 if device.type == "cuda" else 1)
     logit_bytes = shape["requests"] * (shape["gamma"] + 1) * shape["vocab"] * 2
     copy_gbps = copy_bandwidth(logit_bytes, device, repeats)
+    sweep_rows = sweep(shape, device, max(1, repeats // 2), args.tune) if args.sweep else []
+    from kernels import markov_triton, rejection_triton
+
+    tuning = {"rejection": dict(rejection_triton.TUNING), "markov": dict(markov_triton.TUNING)}
     results = bench_rejection(shape, device, repeats, copy_gbps) + bench_markov(shape, device, repeats)
-    sweep_rows = sweep(shape, device, max(1, repeats // 2)) if args.sweep else []
 
     device_name = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     )
     report = {
         "device": device_name, "torch": torch.__version__, "triton": triton.__version__, "shape": shape,
-        "repeats": repeats, "copy_bandwidth_gbps": copy_gbps, "results": results, "sweep": sweep_rows,
+        "repeats": repeats, "copy_bandwidth_gbps": copy_gbps, "tuning": tuning, "results": results,
+        "sweep": sweep_rows,
     }  # fmt: skip
     out = args.out or (None if args.small else "docs/benchmarks/kernels.json")
     if out:
@@ -288,6 +304,7 @@ def main() -> None:
         Path(out).write_text(json.dumps(report, indent=2) + "\n")
     for r in sweep_rows:
         print(f"sweep: {r}")
+    print(f"tuning: {tuning}")
     print(f"\ndevice: {device_name}  shape: {shape}  copy bandwidth: {copy_gbps:.1f} GB/s (read+write)")
     print(f"{'kernel':10} {'setting':42} {'triton ms':>10} {'graph ms':>9} {'ref ms':>9} {'speedup':>8} "
           f"{'GB/s':>7} {'% copy':>7} {'% graph':>7} {'identical':>10}")  # fmt: skip

@@ -44,7 +44,7 @@ _CONFIGS = [
     ("_row_stats_kernel", dict(BLOCK_V=4096, NG=128), 8),
     ("_row_combine_kernel", dict(BLOCK_SPLITS=16, BLOCK_SKETCH=1024, NG=128), 4),
     ("_compact_kernel", dict(BLOCK_V=4096, CAP=2048), 8),
-    ("_threshold_kernel", dict(CAP=2048, BLOCK_S=512, NCAND=16), 8),
+    ("_threshold_kernel", dict(CAP=2048, SMALL=256, BLOCK_S=512, NCAND=16), 8),
     *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_K=64), 1) for mode in (0, 1, 2)],
     *[("_race_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_K=64), 8) for mode in (0, 1, 2)],
     *[("_finalize_kernel", dict(PROBS=mode, BLOCK_SPLITS=16, BLOCK_K=64), 1) for mode in (0, 1, 2)],

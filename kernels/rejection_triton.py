@@ -11,7 +11,7 @@ read of the rows that use top-k / top-p. Launches:
    *sketch*: the maxima of NG disjoint groups of lanes, i.e. NG distinct entries of the split.
 2. ``_row_combine_kernel``, one program per row: combines the splits into argmax, or max z and the
    normaliser; for filtered rows it turns the sketch into a lower bound L on the keep threshold (below).
-3. ``_compact_kernel``, programs (row, split), filtered rows only: writes every token with z >= L (as packed
+3. ``_compact_kernel``, one program per row, filtered rows only: writes every token with z >= L (as packed
    (order key, id), see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP slots.
 4. ``_threshold_kernel``, one program per filtered row: sorts the candidates and finds tau exactly (top-k:
    the k-th value; top-p: the crossing of the cumulative mass in descending order), and the normaliser of
@@ -240,19 +240,19 @@ def _compact_kernel(
     count_ptr,
     cand_ptr,
     V,
-    split_size,
     BLOCK_V: tl.constexpr,
     CAP: tl.constexpr,
 ):
-    """Per (filtered row, split): append every token with z >= L to the row's candidates (packed, any order)."""
+    """Per filtered row: append every token with z >= L to the row's candidates (packed, any order).
+
+    One program per row: only filtered rows work here, and the others exit without a grid of splits."""
     row = tl.program_id(0)
     if tl.load(state_ptr + row) == _CANDIDATES:
         inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + tl.load(row_req_ptr + row)))
         bound = tl.load(bound_ptr + row)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        lo_v = tl.program_id(1) * split_size
         counter = count_ptr + row + tl.zeros([BLOCK_V], tl.int32)
-        for start in range(lo_v, tl.minimum(lo_v + split_size, V), BLOCK_V):
+        for start in range(0, V, BLOCK_V):
             idx = start + tl.arange(0, BLOCK_V)
             z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
             hit = (idx < V) & (z >= bound)
@@ -318,6 +318,33 @@ def _search_threshold(
 
 
 @triton.jit
+def _candidate_threshold(
+    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP: tl.constexpr, SIZE: tl.constexpr
+):
+    """(found, tau, norm of the kept set) from a row's count <= SIZE candidates, sorted descending.
+
+    Top-k: tau_k is the k-th candidate (fewer than k candidates only happens when fewer than k tokens are
+    finite, and then the k-th largest z is -inf). Top-p: the crossing of the running mass within the
+    candidates; not found when the mass of all candidates stays below p * total (float rounding)."""
+    pos = tl.arange(0, SIZE)
+    valid = pos < count
+    cands = tl.load(cand_ptr + row.to(tl.int64) * CAP + pos, mask=valid, other=_INT64_MIN)
+    cands = tl.sort(cands, descending=True)  # value descending, then id ascending; invalid last
+    key = (cands >> 32).to(tl.int32)
+    z = tl.where(valid, tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True), float("-inf"))
+    kth = tl.sum(tl.where(pos == top_k.to(tl.int32) - 1, z, 0.0), 0)
+    tau_k = tl.where(use_k & (top_k <= count), kth, float("-inf"))
+    weight = tl.where(z >= tau_k, tl.exp(z - z_max), 0.0)
+    total = tl.where(use_k, tl.sum(weight, 0), total_all)
+    mass = tl.cumsum(weight, 0)
+    first = tl.min(tl.where(valid & (mass >= top_p * total), pos, _BIG), 0)
+    tau_p = tl.where(use_p & (first < _BIG), tl.sum(tl.where(pos == first, z, 0.0), 0), float("-inf"))
+    tau = tl.maximum(tau_k, tau_p)
+    found = (first < _BIG) | (use_p == 0)
+    return found, tau, tl.sum(tl.where(z >= tau, tl.exp(z - z_max), 0.0), 0)
+
+
+@triton.jit
 def _threshold_kernel(
     logits_ptr,
     stride_row,
@@ -333,6 +360,7 @@ def _threshold_kernel(
     cand_ptr,
     V,
     CAP: tl.constexpr,
+    SMALL: tl.constexpr,
     BLOCK_S: tl.constexpr,
     NCAND: tl.constexpr,
 ):
@@ -347,28 +375,19 @@ def _threshold_kernel(
         top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
         count = tl.load(count_ptr + row)
         if (state == _CANDIDATES) & (count <= CAP):
-            pos = tl.arange(0, CAP)
-            valid = pos < count
-            cands = tl.load(cand_ptr + row.to(tl.int64) * CAP + pos, mask=valid, other=_INT64_MIN)
-            cands = tl.sort(cands, descending=True)  # value descending, then id ascending; invalid last
-            key = (cands >> 32).to(tl.int32)
-            z = tl.where(valid, tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True),
-                         float("-inf"))  # fmt: skip
-            tau = tl.full((), float("-inf"), tl.float32)
-            if use_k:
-                tau = tl.sum(tl.where(pos == top_k.to(tl.int32) - 1, z, 0.0), 0)  # count >= k by the bound
-            weight = tl.where(z >= tau, tl.exp(z - z_max), 0.0)
-            if use_p:
-                total = tl.where(use_k, tl.sum(weight, 0), total_all)
-                mass = tl.cumsum(weight, 0)
-                first = tl.min(tl.where(valid & (mass >= top_p * total), pos, _BIG), 0)
-                if first == _BIG:
-                    state = _SEARCH  # the crossing lies below the candidates (float rounding): search
-                else:
-                    tau = tl.maximum(tau, tl.sum(tl.where(pos == first, z, 0.0), 0))
-            if state == _CANDIDATES:
+            if count <= SMALL:  # the usual case: sort a short buffer
+                found, tau, norm = _candidate_threshold(
+                    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, SMALL
+                )
+            else:
+                found, tau, norm = _candidate_threshold(
+                    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, CAP
+                )
+            if found:
                 tl.store(tau_ptr + row, tau)
-                tl.store(norm_ptr + row, tl.sum(tl.where(z >= tau, tl.exp(z - z_max), 0.0), 0))
+                tl.store(norm_ptr + row, norm)
+            else:
+                state = _SEARCH  # the top-p crossing lies below the candidates (float rounding): search
         else:
             state = _SEARCH
         if state == _SEARCH:
@@ -707,13 +726,13 @@ def rejection_sample_triton(
     )  # fmt: skip
     cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
-    _compact_kernel[(rows, num_splits)](
-        logits, logits.stride(0), row_req, temps, bound, state, count, cands, vocab, split_size,
+    _compact_kernel[(rows,)](
+        logits, logits.stride(0), row_req, temps, bound, state, count, cands, vocab,
         BLOCK_V=block_v, CAP=cap, num_warps=TUNING["row_warps"], **options,
     )  # fmt: skip
     _threshold_kernel[(rows,)](
         logits, logits.stride(0), row_req, temps, top_k64, top_p32, z_max, norm, tau, state, count, cands,
-        vocab, CAP=cap, BLOCK_S=_block(512, vocab),
+        vocab, CAP=cap, SMALL=min(cap, 256), BLOCK_S=_block(512, vocab),
         NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=8, **options,
     )  # fmt: skip
 
