@@ -246,8 +246,8 @@ def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool) -> l
 
     sparse, greedy = rejection_call("sampled T=1, sparse drafts"), rejection_call("greedy")
     row_variants = [dict(row_block_v=b, row_warps=w, row_splits=n)
-                    for b, w, n in ((4096, 8, 4), (2048, 4, 4), (4096, 4, 4), (4096, 8, 2), (4096, 8, 3),
-                                    (4096, 8, 6), (8192, 8, 3), (8192, 16, 2))]  # fmt: skip
+                    for b, w, n in ((4096, 8, 4), (4096, 8, 3), (4096, 8, 2), (8192, 8, 2), (8192, 8, 3),
+                                    (2048, 4, 4), (4096, 4, 3), (8192, 16, 2))]  # fmt: skip
     choose(rejection_triton.TUNING, "rejection statistics", row_variants, {"sparse": sparse, "greedy": greedy})
     race_variants = [dict(race_block_v=b, race_warps=w, race_splits=n)
                      for b, w, n in ((2048, 8, 16), (1024, 4, 16), (2048, 4, 32), (2048, 8, 8), (4096, 8, 16))]

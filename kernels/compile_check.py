@@ -41,19 +41,19 @@ _SIGNATURES = {name: _REJECTION_COMMON for name in ("_row_stats_kernel", "_row_c
 _SIGNATURES.update({name: _MARKOV_COMMON for name in ("_markov_step_kernel", "_markov_combine_kernel")})
 # (kernel, constexprs, num_warps): the configurations the launchers use at production vocabulary sizes
 _CONFIGS = [
-    ("_row_stats_kernel", dict(BLOCK_V=4096, NG=128), 8),
-    ("_row_combine_kernel", dict(BLOCK_SPLITS=16, BLOCK_SKETCH=1024, NG=128), 4),
-    ("_compact_kernel", dict(BLOCK_V=4096, CAP=2048), 8),
+    ("_row_stats_kernel", dict(BLOCK_V=2048, NG=128), 4),
+    ("_row_combine_kernel", dict(BLOCK_SPLITS=16, BLOCK_SKETCH=512, NG=128), 4),
+    ("_compact_kernel", dict(BLOCK_V=2048, CAP=2048), 4),
     ("_threshold_kernel", dict(CAP=2048, SMALL=256, BLOCK_S=512, NCAND=16), 8),
     *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_K=64), 1) for mode in (0, 1, 2)],
-    *[("_race_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_K=64), 8) for mode in (0, 1, 2)],
+    *[("_race_kernel", dict(PROBS=mode, BLOCK_V=1024, BLOCK_K=64), 4) for mode in (0, 1, 2)],
     *[("_finalize_kernel", dict(PROBS=mode, BLOCK_SPLITS=16, BLOCK_K=64), 1) for mode in (0, 1, 2)],
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=128, BLOCK_D=64, TOPK=0, STORE_LOGITS=False,
                                  NATIVE_DOT=True), 8),
-    ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=128, BLOCK_D=64, TOPK=64, STORE_LOGITS=True,
+    ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=256, BLOCK_D=64, TOPK=64, STORE_LOGITS=True,
                                  NATIVE_DOT=True), 8),
     ("_markov_combine_kernel", dict(TOPK=0, BLOCK_C=1024, TILE_V=128, TILE_GROUP=16, CAPM=256), 4),
-    ("_markov_combine_kernel", dict(TOPK=64, BLOCK_C=2048, TILE_V=128, TILE_GROUP=16, CAPM=256), 4),
+    ("_markov_combine_kernel", dict(TOPK=64, BLOCK_C=1024, TILE_V=256, TILE_GROUP=16, CAPM=256), 4),
 ]  # fmt: skip
 
 

@@ -58,11 +58,11 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 _BIG = tl.constexpr(2147483647)
 _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
-    "row_block_v": 4096, "row_warps": 8, "row_splits": 4, "race_block_v": 2048, "race_warps": 8, "race_splits": 16,
+    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "race_block_v": 1024, "race_warps": 4, "race_splits": 16,
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): vocabulary block per loop step, warps, and the number
 of programs a row is split over (the statistics kernel runs every row, the race one row per request, so it
-splits finer); bench/bench_kernels.py --sweep measures others."""
+splits finer). Set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md)."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
