@@ -20,8 +20,18 @@ read of the rows that use top-k / top-p. Launches:
    draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
    greedy requests the final argmax token.
 6. ``_race_kernel``, programs (sampled request, vocabulary split): the exponential race on its split of the
-   residual (or bonus) row, as norm * max(0, p_t - p_d) * (1 / E_v), with per-lane winners.
-7. ``_finalize_kernel``, one program per request: combines the per-split race winners.
+   residual (or bonus) row with per-lane winners, keys log w_v - log E_v as defined in :mod:`kernels.rejection`
+   (w = norm * max(0, p_t - p_d); off the draft support log w_v = z_v - max z, so no exp and no division).
+7. ``_finalize_kernel``, one program per request: combines the per-split race winners; with sparse drafts it
+   also runs the fallback race (all-zero residual), which can only be won inside the draft's support.
+
+Why the race is exact: for independent E_v ~ Exp(1), P(argmax_v w_v / E_v = v) = w_v / sum_u w_u, and taking
+logs does not move the argmax, so the winner of log w_v - log E_v is a draw from norm(w) without knowing the
+normaliser; splits combine by a max. The reference evaluates the same keys from the same counter-based uniforms
+(only exp / log rounding can differ in the last bit between torch and the GPU). The residual is all zero only if
+every kept token v has p_t(v) <= p_d(v); with a sparse draft, a kept token outside the support has residual
+p_t(v) > 0, so then every kept token is in the support and the p_t race over the support ids has the winner of
+the p_t race over the whole vocabulary.
 
 Why the top-k / top-p bound is exact. The sketch values of a row are distinct entries of it (disjoint lane
 groups). If s_1 >= s_2 >= ... are the sorted sketch values, at least j entries are >= s_j, so the k-th
