@@ -85,7 +85,9 @@ class DraftEngine:
 
     ``graphs``: how ``propose`` runs (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the bucketed
     CUDA-graph layout run eagerly; any device) or ``capture`` (one CUDA graph per bucket, replayed). The
-    bucketed modes reserve one extra context slot (empty) for the padding requests.
+    bucketed modes reserve one extra context slot (empty) for the padding requests. ``projected_context``: the
+    kind of context rows the bucketed append expects, raw features [n, m*H] or rows the verifier already
+    projected [n, H] (:mod:`draft_service.projection`); the other kind is appended eagerly.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class DraftEngine:
         *,
         graphs: str = "off",
         graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+        projected_context: bool = False,
     ) -> None:
         if draft_top_k < 1:
             raise ValueError("DraftEngine: draft_top_k must be >= 1 (the draft distribution is shipped sparse)")
@@ -118,6 +121,7 @@ class DraftEngine:
                 max_requests=max_requests,
                 mode=graphs,
                 buckets=graph_buckets,
+                projected=projected_context,
             )
 
     @property
@@ -162,14 +166,16 @@ class DraftEngine:
             raise UnknownDraftRequestError(f"request {req_id!r} is not held by this drafter") from None
 
     @torch.no_grad()
-    def append_context(self, items: Sequence[ContextItem]) -> None:
-        """Append committed context features. Replays are safe: rows already held from ``start`` on are replaced
-        (the cache is cropped back to ``start`` first), and a gap (``start`` past the held length) is an error."""
+    def append_context(self, items: Sequence[ContextItem], projected: bool = False) -> None:
+        """Append committed context features (``projected``: rows [n, H] the verifier already projected, else raw
+        [n, m*H]). Replays are safe: rows already held from ``start`` on are replaced (the cache is cropped back
+        to ``start`` first), and a gap (``start`` past the held length) is an error."""
         if not items:
             return
         entries = [self._get(item.req_id) for item in items]
         held_lengths = self.cache.lengths_np
-        width = self.model.config.context_feature_size
+        config = self.model.config
+        width = config.hidden_size if projected else config.context_feature_size
         for item, entry in zip(items, entries, strict=True):
             held = int(held_lengths[entry.slot])
             if item.start > held:
@@ -180,14 +186,14 @@ class DraftEngine:
                 raise ValueError(
                     f"request {item.req_id!r}: context features must be [n, {width}], got {tuple(item.features.shape)}"
                 )
-        if self.graphs is not None and self._append_bucketed(items, entries):
+        if self.graphs is not None and self.graphs.projected == projected and self._append_bucketed(items, entries):
             return
         for item, entry in zip(items, entries, strict=True):
             self.cache.crop(entry.slot, item.start)
         counts = [int(item.features.shape[0]) for item in items]
         cu = np.concatenate([[0], np.cumsum(counts)]).tolist()
         rows = torch.cat([item.features.to(self.model.device) for item in items])
-        self.model.append_context(self.cache, [e.slot for e in entries], rows, cu)
+        self.model.append_context(self.cache, [e.slot for e in entries], rows, cu, projected=projected)
 
     def _append_bucketed(self, items: Sequence[ContextItem], entries: Sequence[_Entry]) -> bool:
         """Append through the graph runner when the rows fit its buckets (the per-round appends; prefills do

@@ -2,7 +2,9 @@
 
 Per-round messages are batched and flat (one tensor per field with a count per request), because a map per
 request costs milliseconds of Python work at a few hundred requests (docs/benchmarks/wire.md). Context features
-arrive directly from the verifier (``AppendContext``), not through the scheduler.
+arrive directly from the verifier (``AppendContext``), not through the scheduler: raw [n, m*H], or already projected
+[n, H] by a verifier holding this drafter's projection, in which case the message names the projection's
+fingerprint and rows projected by any other weights are refused (``INVALID_ARGUMENT``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from typing import Any
 import torch
 
 from cluster.engine_rpc import COUNTS, DEFAULT_WEDGE_TIMEOUT_S, REQ_IDS, TOKENS, EngineThread, split_rows
-from cluster.messages import AnyValue, Int, List, Message, Tensor
+from cluster.messages import AnyValue, Int, List, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, Service
 from cluster.sampling import SamplingParams
 from draft_service.engine import ContextItem, DraftEngine, DraftItem
+from draft_service.projection import model_fingerprint
 
 SERVICE = "dspark.Drafter"
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -24,7 +27,14 @@ INFO = Message("DrafterInfo", {})
 ADD = Message("AddRequests", {"req_ids": REQ_IDS, "params": List(AnyValue(), max_len=4096)})
 APPEND = Message(
     "AppendContext",
-    {"req_ids": REQ_IDS, "starts": COUNTS, "counts": COUNTS, "features": Tensor(FLOAT_DTYPES, rank=2)},
+    {
+        "req_ids": REQ_IDS,
+        "starts": COUNTS,
+        "counts": COUNTS,
+        "features": Tensor(FLOAT_DTYPES, rank=2),
+        # Absent: raw features. Else the fingerprint of the context projection the sender applied.
+        "projection": Opt(Str(min_len=1, max_len=64)),
+    },
 )
 PROPOSE = Message("Propose", {"req_ids": REQ_IDS, "anchors": TOKENS, "positions": List(Int(min=0), max_len=4096)})
 RELEASE = Message("Release", {"req_ids": REQ_IDS})
@@ -35,6 +45,7 @@ class DrafterService:
 
     def __init__(self, engine: DraftEngine, wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S) -> None:
         self.engine = engine
+        self.projection = model_fingerprint(engine.model)
         self._thread = EngineThread("drafter", wedge_timeout_s)
 
     def info(self) -> dict[str, Any]:
@@ -44,6 +55,8 @@ class DrafterService:
             "has_confidence_head": self.engine.has_confidence_head,
             "vocab_size": config.vocab_size,
             "context_feature_size": config.context_feature_size,
+            "hidden_size": config.hidden_size,
+            "context_projection": self.projection,
             "target_layer_ids": list(config.target_layer_ids),
             "max_requests": self.engine.cache.num_slots,
             "free_slots": self.engine.num_free_slots,
@@ -98,11 +111,17 @@ class DrafterService:
         ranges = split_rows(request["counts"], int(features.shape[0]), "AppendContext")
         if len(request["starts"]) != len(request["req_ids"]):
             raise ValueError("AppendContext: one start per request id is required")
+        projection = request["projection"]
+        if projection is not None and projection != self.projection:
+            raise ValueError(
+                f"AppendContext: features projected by context projection {projection}, but this drafter's is "
+                f"{self.projection}: the verifier loaded other drafter weights (or another dtype) than this drafter"
+            )
         items = [
             ContextItem(req_id, start, features[a:b])
             for req_id, start, (a, b) in zip(request["req_ids"], request["starts"], ranges, strict=True)
         ]
-        await self._thread.run(self.engine.append_context, items)
+        await self._thread.run(self.engine.append_context, items, projection is not None)
         return {}
 
     async def _propose(self, request: dict[str, Any]) -> dict[str, Any]:
