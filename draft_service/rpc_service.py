@@ -5,10 +5,18 @@ request costs milliseconds of Python work at a few hundred requests (docs/benchm
 arrive directly from the verifier (``AppendContext``), not through the scheduler: raw [n, m*H], or already projected
 [n, H] by a verifier holding this drafter's projection, in which case the message names the projection's
 fingerprint and rows projected by any other weights are refused (``INVALID_ARGUMENT``).
+
+The verifier answers the scheduler without waiting for its feature push, so the next round's ``Propose`` may
+overtake the ``AppendContext`` of the last one: ``Propose`` first waits (at most ``context_wait_s``) until every
+request holds its context rows up to its anchor position, and the engine's own check then names any rows still
+missing. For the same reason a push for a request the scheduler released meanwhile (it finished in that round) is
+skipped, not an error.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -38,15 +46,29 @@ APPEND = Message(
 )
 PROPOSE = Message("Propose", {"req_ids": REQ_IDS, "anchors": TOKENS, "positions": List(Int(min=0), max_len=4096)})
 RELEASE = Message("Release", {"req_ids": REQ_IDS})
+#: How long a Propose waits for context rows still in flight from the verifier. Far above a push's transit (ms;
+#: a long prefill's features take seconds at worst); only reached when a push was lost (its verifier died).
+DEFAULT_CONTEXT_WAIT_S = 10.0
+#: Released request ids remembered so that a late feature push for them is skipped (bounded memory).
+_RELEASED_MEMORY = 1 << 16
 
 
 class DrafterService:
     """Owns a DraftEngine and exposes it as ``dspark.Drafter``."""
 
-    def __init__(self, engine: DraftEngine, wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        engine: DraftEngine,
+        wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S,
+        context_wait_s: float = DEFAULT_CONTEXT_WAIT_S,
+    ) -> None:
         self.engine = engine
         self.projection = model_fingerprint(engine.model)
+        self.context_wait_s = context_wait_s
         self._thread = EngineThread("drafter", wedge_timeout_s)
+        self._context_arrived = asyncio.Condition()
+        self._released: OrderedDict[str, None] = OrderedDict()  # touched on the engine thread only
+        self._greedy: set[str] = set()  # requests whose drafts the verifier checks without their distribution
 
     def info(self) -> dict[str, Any]:
         config = self.engine.model.config
@@ -97,6 +119,9 @@ class DrafterService:
                     if self.engine.has(req_id):  # a replayed AddRequests is harmless
                         continue
                     self.engine.add_request(req_id, p)
+                    self._released.pop(req_id, None)
+                    if p.greedy:
+                        self._greedy.add(req_id)
                     added.append(req_id)
             except Exception:
                 for req_id in added:
@@ -121,8 +146,35 @@ class DrafterService:
             ContextItem(req_id, start, features[a:b])
             for req_id, start, (a, b) in zip(request["req_ids"], request["starts"], ranges, strict=True)
         ]
-        await self._thread.run(self.engine.append_context, items, projection is not None)
+
+        def append() -> None:
+            held = [i for i in items if i.req_id not in self._released or self.engine.has(i.req_id)]
+            self.engine.append_context(held, projection is not None)
+
+        try:
+            await self._thread.run(append)
+        finally:
+            async with self._context_arrived:
+                self._context_arrived.notify_all()
         return {}
+
+    async def _wait_for_context(self, items: list[DraftItem]) -> None:
+        """Until every held request has its context rows up to its anchor position, or ``context_wait_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.context_wait_s
+        async with self._context_arrived:
+            while self._context_missing(items):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return  # the engine refuses the round, naming the missing rows
+                try:
+                    await asyncio.wait_for(self._context_arrived.wait(), remaining)
+                except TimeoutError:
+                    return
+
+    def _context_missing(self, items: list[DraftItem]) -> bool:
+        engine = self.engine
+        return any(engine.has(i.req_id) and engine.context_length(i.req_id) < i.position for i in items)
 
     async def _propose(self, request: dict[str, Any]) -> dict[str, Any]:
         n = len(request["req_ids"])
@@ -130,20 +182,35 @@ class DrafterService:
             raise ValueError("Propose: req_ids, anchors and positions must have the same length")
         items = [DraftItem(r, a, p) for r, a, p in zip(request["req_ids"], request["anchors"], request["positions"],
                                                           strict=True)]
+        if self._context_missing(items):
+            await self._wait_for_context(items)
         proposal = await self._thread.run(self.engine.propose, items)
+        topk_ids, topk_probs = proposal.topk_ids, proposal.topk_probs
+        # Greedy requests are verified without their draft distribution: only the others' rows travel.
+        rows = None
+        if self._greedy:
+            rows = [i for i, req_id in enumerate(request["req_ids"]) if req_id not in self._greedy]
+            index = torch.tensor(rows, dtype=torch.int64, device=topk_ids.device)
+            topk_ids, topk_probs = topk_ids.index_select(0, index), topk_probs.index_select(0, index)
         return {
             "tokens": proposal.tokens.cpu(),
             "confidences": None if proposal.confidences is None else torch.from_numpy(proposal.confidences),
             "confidence_logits": (
                 None if proposal.confidence_logits is None else torch.from_numpy(proposal.confidence_logits)
             ),
-            "topk_ids": proposal.topk_ids.to(torch.int32).cpu(),
-            "topk_probs": proposal.topk_probs.to(torch.float32).cpu(),
+            "distribution_rows": rows,
+            "topk_ids": topk_ids.to(torch.int32).cpu(),
+            "topk_probs": topk_probs.to(torch.float32).cpu(),
         }
 
     async def _release(self, request: dict[str, Any]) -> dict[str, Any]:
         def release() -> None:
             for req_id in request["req_ids"]:
+                self._greedy.discard(req_id)
+                if self.engine.has(req_id):
+                    self._released[req_id] = None
+                    if len(self._released) > _RELEASED_MEMORY:
+                        self._released.popitem(last=False)
                 self.engine.release(req_id)
 
         await self._thread.run(release)

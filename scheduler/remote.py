@@ -342,20 +342,33 @@ class DrafterPool:
                 },
             )
 
-        futures = {a: self._pool.submit(call, a, idx) for a, idx in groups.items()}
-        replies = {a: f.result() for a, f in futures.items()}
+        if len(groups) == 1:  # one drafter: no hop through the thread pool
+            replies = {a: call(a, idx) for a, idx in groups.items()}
+        else:
+            futures = {a: self._pool.submit(call, a, idx) for a, idx in groups.items()}
+            replies = {a: f.result() for a, f in futures.items()}
         if detached:
             groups[""] = detached
             replies[""] = self._placeholder_reply(len(detached), next(iter(replies.values()), None))
         order = np.concatenate([np.asarray(idx) for idx in groups.values()])
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
+        inverse = torch.from_numpy(np.argsort(order))
 
         def gather(key: str) -> torch.Tensor | None:
             parts = [replies[a][key] for a in groups]
             if any(p is None for p in parts):
                 return None
-            return torch.cat(parts)[torch.from_numpy(inverse)]
+            return torch.cat(parts)[inverse]
+
+        def gather_distribution(key: str, dtype: torch.dtype) -> torch.Tensor:
+            """[R, gamma, K]; rows a drafter left out (greedy requests: never read) stay zero."""
+            width = max(int(replies[a][key].shape[-1]) for a in groups)
+            out = torch.zeros(len(items), self.block_size, width, dtype=dtype)
+            for a, idx in groups.items():
+                rows = replies[a].get("distribution_rows")
+                targets = idx if rows is None else [idx[r] for r in rows]
+                part = replies[a][key]
+                out[torch.tensor(targets, dtype=torch.int64), :, : part.shape[-1]] = part.to(dtype)
+            return out
 
         confidences = gather("confidences")
         logits = gather("confidence_logits")
@@ -364,8 +377,8 @@ class DrafterPool:
             tokens=gather("tokens"),  # type: ignore[arg-type]
             confidences=None if confidences is None else confidences.numpy(),
             confidence_logits=None if logits is None else logits.numpy(),
-            topk_ids=gather("topk_ids").to(torch.int64),  # type: ignore[union-attr]
-            topk_probs=gather("topk_probs"),  # type: ignore[arg-type]
+            topk_ids=gather_distribution("topk_ids", torch.int64),
+            topk_probs=gather_distribution("topk_probs", torch.float32),
         )
 
     def _placeholder_reply(self, n: int, like: dict[str, Any] | None) -> dict[str, Any]:

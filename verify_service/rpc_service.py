@@ -8,11 +8,17 @@ scheduler: the bulky features never pass through the central process. With the d
 (1/m of the bytes) stamped with the projection's fingerprint; ``feature_dtype`` is the dtype they travel in.
 Projecting, casting and copying to the host run on the engine thread, right after the step, so the event loop only
 sends.
+
+The reply to the scheduler does not wait for the pushes: the drafters append while the scheduler commits the round
+and sends the next ``Propose``, which each drafter holds until the request's rows are in (see
+:mod:`draft_service.rpc_service`). A push that fails is logged; its requests' next ``Propose`` then fails (their
+rows never arrive) and failover re-prefills them, the same path as a drafter lost mid-round.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import torch
@@ -23,6 +29,8 @@ from cluster.rpc import HealthStatus, RpcClient, Service
 from cluster.sampling import SamplingParams
 from draft_service.projection import ContextProjection
 from verify_service.engine import PrefillItem, StepResult, VerifyEngine, VerifyItem
+
+log = logging.getLogger(__name__)
 
 SERVICE = "dspark.Verifier"
 INT_DTYPES = ("int64", "int32")
@@ -78,6 +86,7 @@ class VerifierService:
         self._token = token
         self._timeout_s = timeout_s
         self._drafters: dict[str, RpcClient] = {}
+        self._pushes: set[asyncio.Task[None]] = set()  # feature pushes in flight (strong references)
 
     def info(self) -> dict[str, Any]:
         target = self.engine.target
@@ -115,7 +124,7 @@ class VerifierService:
         prefills, verifies = _parse_step(request)
         routed = {req_id: address for address, ids in request["routes"].items() for req_id in ids}
         results, pushes = await self._thread.run(self._step_and_pack, prefills, verifies, routed)
-        await self._push_features(pushes)
+        self._push_features(pushes)
         inline = [r for r in results if r.req_id not in routed and r.features is not None]
         return {
             "req_ids": [r.req_id for r in results],
@@ -156,14 +165,26 @@ class VerifierService:
                 messages[address]["projection"] = projection
         return results, messages
 
-    async def _push_features(self, messages: dict[str, dict[str, Any]]) -> None:
-        calls = []
+    def _push_features(self, messages: dict[str, dict[str, Any]]) -> None:
+        """Start one AppendContext per drafter; they complete after the Step reply has gone."""
         for address, message in messages.items():
             client = self._drafters.get(address)
             if client is None:
                 client = self._drafters[address] = RpcClient(address, token=self._token, timeout_s=self._timeout_s)
-            calls.append(client.call("dspark.Drafter", "AppendContext", message))
-        await asyncio.gather(*calls)
+            task = asyncio.ensure_future(self._push(client, address, message))
+            self._pushes.add(task)
+            task.add_done_callback(self._pushes.discard)
+
+    async def _push(self, client: RpcClient, address: str, message: dict[str, Any]) -> None:
+        try:
+            await client.call("dspark.Drafter", "AppendContext", message)
+        except Exception as exc:  # the drafter died or refused: its requests' next Propose fails, failover follows
+            log.warning("context feature push to drafter %s failed: %s", address, exc)
+
+    async def drain_pushes(self) -> None:
+        """Wait for the feature pushes in flight (before closing; tests that read drafter state)."""
+        while self._pushes:
+            await asyncio.gather(*list(self._pushes))
 
     async def _release(self, request: dict[str, Any]) -> dict[str, Any]:
         def release() -> None:
@@ -174,6 +195,7 @@ class VerifierService:
         return {}
 
     async def close(self) -> None:
+        await self.drain_pushes()
         for client in self._drafters.values():
             await client.close()
         self._thread.shutdown()

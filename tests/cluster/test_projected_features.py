@@ -8,6 +8,7 @@ the target's, and that rows projected by other weights are refused with INVALID_
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import grpc
@@ -184,3 +185,66 @@ def test_rows_projected_by_other_weights_are_refused(pair) -> None:
     finally:
         for server in servers:
             server.stop()
+
+
+def test_mixed_greedy_and_sampled_over_grpc_equal_in_process(pair) -> None:
+    """Only sampled requests' draft distributions travel; seeded sampling then gives the in-process tokens."""
+    target_dir, draft_dir = pair
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12) if i % 2 else SamplingParams(temperature=1.0, max_tokens=12,
+                                                                                  seed=40 + i)
+        for i in range(len(PROMPTS))
+    ]
+    local = SpeculativeEngine(
+        VerifyEngine(_target(pair), max_requests=8, max_seq_len=96),
+        DraftEngine(load_draft_model(draft_dir, target_dir=target_dir), max_requests=8, max_seq_len=96),
+        make_policy("dspark", SPS, 5),
+    )
+    expected = [r.token_ids for r in local.generate(PROMPTS, params)]
+    servers, _, _ = _deployment(pair, projection=True)
+    try:
+        pool = DrafterPool([s.address for s in servers[:2]])
+        remote = RemoteVerifier(servers[2].address, pool.route_of)
+        engine = SpeculativeEngine(remote, pool, make_policy("dspark", SPS, pool.block_size))
+        assert [r.token_ids for r in engine.generate(PROMPTS, params)] == expected
+        assert engine.snapshot().num_accepted_tokens == local.snapshot().num_accepted_tokens
+        pool.close()
+        remote.close()
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_propose_waits_for_context_still_in_flight(pair) -> None:
+    """The verifier does not wait for its feature push, so a Propose may arrive first: it waits for the rows (up to
+    context_wait_s), then fails with the engine's message; a push for a request released meanwhile is skipped."""
+    _, draft_dir = pair
+    engine = DraftEngine(load_draft_model(draft_dir), max_requests=4, max_seq_len=64)
+    service = DrafterService(engine, context_wait_s=0.5)
+    server = ServerThread([service.service()])
+    client = SyncRpcClient(server.address)
+    width = service.engine.model.config.context_feature_size
+    try:
+        client.call("dspark.Drafter", "AddRequests", {"req_ids": ["a", "b"], "params": [{"temperature": 0.0}] * 2})
+        append = {"req_ids": ["a"], "starts": [0], "counts": [3], "features": torch.randn(3, width)}
+        propose = {"req_ids": ["a"], "anchors": [1], "positions": [3]}
+        replies: list[object] = []
+        worker = threading.Thread(target=lambda: replies.append(client.call("dspark.Drafter", "Propose", propose)))
+        worker.start()
+        threading.Event().wait(0.1)
+        client.call("dspark.Drafter", "AppendContext", append)
+        worker.join(10)
+        assert len(replies) == 1 and replies[0]["tokens"].shape == (1, service.engine.block_size)
+        # Rows that never come: refused after the wait, naming the mismatch.
+        with pytest.raises(grpc.RpcError) as err:
+            client.call("dspark.Drafter", "Propose", {"req_ids": ["b"], "anchors": [1], "positions": [2]})
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "anchor positions" in err.value.details()
+        # A late push for a request released meanwhile is skipped; an id never held is still NOT_FOUND.
+        client.call("dspark.Drafter", "Release", {"req_ids": ["b"]})
+        client.call("dspark.Drafter", "AppendContext", {**append, "req_ids": ["b"]})
+        with pytest.raises(grpc.RpcError) as err:
+            client.call("dspark.Drafter", "AppendContext", {**append, "req_ids": ["never"]})
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        client.close()
+        server.stop()
