@@ -76,7 +76,7 @@ def _start_server(kind: str, drafter: Path, sps_path: Path, args: argparse.Names
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--draft", str(drafter),
            "--sps", str(sps_path), "--max-requests", str(args.concurrency), "--max-seq-len", "512", "--device", "cpu",
            "--dtype", "float32", "--log-level", "warning", "--context-projection", args.context_projection,
-           "--feature-dtype", args.feature_dtype]
+           "--feature-dtype", args.feature_dtype, *([] if args.draft_ahead else ["--no-draft-ahead"])]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -121,6 +121,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7, help="interleaved in-process / gRPC runs (medians)")
     parser.add_argument("--context-projection", choices=("verifier", "drafter"), default="verifier")
     parser.add_argument("--feature-dtype", choices=("model", "bfloat16", "float16"), default="model")
+    parser.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/grpc_overhead.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -186,6 +187,7 @@ def main() -> int:
         "repeats": args.repeats,
         "context_projection": args.context_projection,
         "feature_dtype": args.feature_dtype,
+        "draft_ahead": args.draft_ahead,
         "tokens": tokens,
         "load_average_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
         **{

@@ -62,13 +62,16 @@ class EngineConfig(_Strict):
     of the bytes, stamped with the projection's fingerprint, which the drafters check) or the ``drafter`` (raw
     features travel). ``feature_dtype``: the dtype features travel in; ``model`` (the models' dtype, exact: the
     drafter computes in it anyway) or a narrower one (``bfloat16`` for a float32 deployment halves the bytes
-    again but rounds the drafter's context, so drafts may differ: output stays lossless, acceptance may move)."""
+    again but rounds the drafter's context, so drafts may differ: output stays lossless, acceptance may move).
+    ``draft_ahead``: drafters draft a request's next block as soon as its context arrives (the verifier names the
+    next anchor), overlapping the scheduler's commit instead of waiting for its ``Propose``."""
 
     max_requests: int = Field(64, ge=1, le=4096)
     max_seq_len: int = Field(1024, ge=16)
     draft_top_k: int = Field(16, ge=1, le=1024)
     context_projection: Literal["verifier", "drafter"] = "verifier"
     feature_dtype: Literal["model", "bfloat16", "float16"] = "model"
+    draft_ahead: bool = True
 
 
 class SchedulerConfig(_Strict):

@@ -115,4 +115,5 @@ def build_verifier_service(config: AppConfig) -> VerifierService:
         sps=sps,
         projection=projection,
         feature_dtype=feature_dtype,
+        draft_ahead=config.engine.draft_ahead,
     )

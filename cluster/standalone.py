@@ -37,6 +37,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default="model",
         help="dtype context features travel in (model: exact; narrower ones may change drafts, never outputs)",
     )
+    p.add_argument(
+        "--no-draft-ahead",
+        dest="draft_ahead",
+        action="store_false",
+        help="drafters wait for the scheduler's Propose instead of drafting as soon as the context arrives",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +64,9 @@ def _config(args: argparse.Namespace) -> AppConfig:
 
     app_args = app_args_from_flags(args)
     app_args["network"]["grpc_token"] = args.grpc_token
-    app_args["engine"].update(context_projection=args.context_projection, feature_dtype=args.feature_dtype)
+    app_args["engine"].update(
+        context_projection=args.context_projection, feature_dtype=args.feature_dtype, draft_ahead=args.draft_ahead
+    )
     return AppConfig.from_args(app_args)
 
 

@@ -12,7 +12,8 @@ sends.
 The reply to the scheduler does not wait for the pushes: the drafters append while the scheduler commits the round
 and sends the next ``Propose``, which each drafter holds until the request's rows are in (see
 :mod:`draft_service.rpc_service`). A push that fails is logged; its requests' next ``Propose`` then fails (their
-rows never arrive) and failover re-prefills them, the same path as a drafter lost mid-round.
+rows never arrive) and failover re-prefills them, the same path as a drafter lost mid-round. Each push also names
+the requests' next anchors, so that the drafter drafts their next blocks at once (:mod:`draft_service.ahead`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class VerifierService:
         wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S,
         projection: ContextProjection | None = None,
         feature_dtype: torch.dtype | None = None,
+        draft_ahead: bool = True,
     ) -> None:
         if projection is not None:
             if projection.feature_size != engine.target.feature_dim:
@@ -81,6 +83,7 @@ class VerifierService:
         self.engine = engine
         self.projection = projection
         self.feature_dtype = feature_dtype  # None: as computed (the projection's or the target's dtype)
+        self.draft_ahead = draft_ahead  # pushes name each request's next anchor: the drafter drafts at once
         self.sps = sps  # this replica's SPS table (SPSTable.to_dict()), for schedulers that discover it via Info
         self._thread = EngineThread("verifier", wedge_timeout_s)
         self._token = token
@@ -163,6 +166,8 @@ class VerifierService:
             }
             if projection is not None:
                 messages[address]["projection"] = projection
+            if self.draft_ahead:
+                messages[address]["draft_anchors"] = [r.tokens[-1] if r.tokens else -1 for r in group]
         return results, messages
 
     def _push_features(self, messages: dict[str, dict[str, Any]]) -> None:
