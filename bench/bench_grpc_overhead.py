@@ -40,6 +40,7 @@ from cluster.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DrafterPool, RemoteVerifier
+from scheduler.sps import SPSTable
 from verify_service.profiling import profile_target_sps
 
 
@@ -122,6 +123,7 @@ def main() -> int:
     parser.add_argument("--context-projection", choices=("verifier", "drafter"), default="verifier")
     parser.add_argument("--feature-dtype", choices=("model", "bfloat16", "float16"), default="model")
     parser.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false")
+    parser.add_argument("--sps", type=Path, default=None, help="SPS table JSON (default: profiled now)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/grpc_overhead.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -131,7 +133,10 @@ def main() -> int:
     target, drafter = load_pair(DEMO_TARGET, drafter_dir, "cpu", torch.float32)
     tokenizer = tokenizer_for(DEMO_TARGET)
     prompts = code_prompts(tokenizer, args.concurrency, args.prompt_tokens)
-    sps = profile_target_sps(target, chunk=drafter.block_size + 1, max_batch_tokens=args.concurrency * 8)
+    if args.sps is not None:
+        sps = SPSTable.load(args.sps)
+    else:
+        sps = profile_target_sps(target, chunk=drafter.block_size + 1, max_batch_tokens=args.concurrency * 8)
 
     local = build_engine(target, drafter, policy="dspark", sps=sps, max_requests=args.concurrency, max_seq_len=512,
                          calibration=load_calibration(drafter_dir))
@@ -163,6 +168,7 @@ def main() -> int:
                         run["wire"] = {k: v - before[k] for k, v in wire.read().items()}
                     runs[name].append(run)
                 loads.append(os.getloadavg()[0])
+            drafter_info = SyncRpcClient(draft_addr, timeout_s=10).call("dspark.Drafter", "Info", {})
             pool.close()
             remote_verify.close()
         finally:
@@ -204,6 +210,8 @@ def main() -> int:
         "ratio_of_medians": _median(runs["grpc"], "ms_per_round") / _median(runs["in_process"], "ms_per_round"),
         "ratio_paired_median": statistics.median(ratios),
         "ratio_paired_runs": [round(r, 3) for r in ratios],
+        "proposals_drafted_ahead": drafter_info["proposals_ahead"],
+        "proposals": sum(r["rounds"] for r in runs["grpc"]),
         "wire_bytes": wire_bytes,
         "wire_bytes_per_token": total_wire / tokens,
         "identical_outputs": True,
