@@ -44,10 +44,23 @@ from scheduler.sps import SPSTable
 from verify_service.profiling import profile_target_sps
 
 
-def _run(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, desc: str) -> dict:
-    """One workload to completion: outputs, wall time, rounds and the round driver's phase times."""
+def _cpu_s(pids: list[int]) -> float:
+    """CPU time (user + system) of this process and of ``pids`` so far: what a round costs whatever the load."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _run(
+    engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, desc: str, pids: list[int] = ()
+) -> dict:
+    """One workload to completion: outputs, wall and CPU time, rounds and the round driver's phase times."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     before = engine.snapshot()
+    cpu = _cpu_s(list(pids))
     start = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts]
     outputs: dict[str, list[int]] = {i: [] for i in ids}
@@ -59,12 +72,14 @@ def _run(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, d
                 bar.update(len(out.new_token_ids))
             rounds += 1
     seconds = time.perf_counter() - start
+    cpu = _cpu_s(list(pids)) - cpu
     after = engine.snapshot()
     return {
         "outputs": [outputs[i] for i in ids],
         "seconds": seconds,
         "rounds": rounds,
         "ms_per_round": 1e3 * seconds / rounds,
+        "cpu_ms_per_round": 1e3 * cpu / rounds,
         # Per-round phase times of the round driver (admission/commit are the rest of the round).
         "draft_ms": 1e3 * (after.draft_time_s - before.draft_time_s) / rounds,
         "verify_ms": 1e3 * (after.verify_time_s - before.verify_time_s) / rounds,
@@ -163,7 +178,8 @@ def main() -> int:
                 for name in order:
                     engine = local if name == "in_process" else remote
                     before = wire.read()
-                    run = _run(engine, prompts, args.max_tokens, f"{name} {rep + 1}/{args.repeats}")
+                    pids = [draft_proc.pid, verify_proc.pid] if name == "grpc" else []
+                    run = _run(engine, prompts, args.max_tokens, f"{name} {rep + 1}/{args.repeats}", pids)
                     if name == "grpc":
                         run["wire"] = {k: v - before[k] for k, v in wire.read().items()}
                     runs[name].append(run)
@@ -202,6 +218,8 @@ def main() -> int:
                 "accepted_tokens": rs[0]["accepted"],
                 "ms_per_round_median": _median(rs, "ms_per_round"),
                 "ms_per_round_runs": [round(r["ms_per_round"], 2) for r in rs],
+                # CPU time of every process of the path (all three for gRPC), per round: load-independent cost.
+                "cpu_ms_per_round_median": _median(rs, "cpu_ms_per_round"),
                 "draft_ms_per_round_median": _median(rs, "draft_ms"),
                 "verify_ms_per_round_median": _median(rs, "verify_ms"),
             }
@@ -217,11 +235,11 @@ def main() -> int:
         "identical_outputs": True,
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'path':<12}{'rounds':>8}{'ms/round':>10}{'draft':>8}{'verify':>8}")
+    print(f"\n{'path':<12}{'rounds':>8}{'ms/round':>10}{'draft':>8}{'verify':>8}{'cpu ms/round':>14}")
     for name in ("in_process", "grpc"):
         r = result[name]
         print(f"{name:<12}{r['rounds']:>8}{r['ms_per_round_median']:>10.2f}{r['draft_ms_per_round_median']:>8.2f}"
-              f"{r['verify_ms_per_round_median']:>8.2f}")
+              f"{r['verify_ms_per_round_median']:>8.2f}{r['cpu_ms_per_round_median']:>14.2f}")
     print(f"gRPC / in-process per round: {result['ratio_paired_median']:.3f} paired median "
           f"({result['ratio_of_medians']:.3f} of medians; goal <= 1.15) over {args.repeats} repeats, load average "
           f"{result['load_average_1min']['median']:.1f}; {result['wire_bytes_per_token']:.0f} bytes on the wire per "

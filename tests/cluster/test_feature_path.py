@@ -1,9 +1,13 @@
-"""Verifier-side context projection and the feature dtype on the wire (issue 8).
+"""The verifier -> drafter feature path (issue 8): verifier-side projection, feature dtype, asynchronous push,
+drafting ahead.
 
-The verifier may apply the drafter's ``fc`` + ``hidden_norm`` before pushing context features (1/m of the bytes)
-and ship them in another dtype. These tests pin down that this changes nothing a drafter computes (projected and raw
-rows give bit-identical drafts, eager and bucketed), that greedy output over the real gRPC services still equals
-the target's, and that rows projected by other weights are refused with INVALID_ARGUMENT, at registration too.
+The verifier may apply the drafter's ``fc`` + ``hidden_norm`` before pushing context features (1/m of the bytes),
+ship them in another dtype, answer the scheduler before the push lands, and name the next anchors so the drafter
+drafts at once. These tests pin down that none of this changes what a drafter computes (projected and raw rows give
+bit-identical drafts, eager and bucketed; drafts made ahead equal fresh ones), that output over the real gRPC
+services still equals the target's greedy output (and the in-process engine's seeded sampling), that a Propose
+overtaking its context waits for it, and that rows projected by other weights are refused with INVALID_ARGUMENT, at
+registration too.
 """
 
 from __future__ import annotations
@@ -245,6 +249,37 @@ def test_propose_waits_for_context_still_in_flight(pair) -> None:
         with pytest.raises(grpc.RpcError) as err:
             client.call("dspark.Drafter", "AppendContext", {**append, "req_ids": ["never"]})
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_drafts_made_ahead_are_the_drafts_propose_would_make(pair) -> None:
+    _, draft_dir = pair
+    service = DrafterService(DraftEngine(load_draft_model(draft_dir), max_requests=4, max_seq_len=64))
+    server = ServerThread([service.service()])
+    client = SyncRpcClient(server.address)
+    width = service.engine.model.config.context_feature_size
+    try:
+        params = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}]
+        client.call("dspark.Drafter", "AddRequests", {"req_ids": ["a", "b"], "params": params})
+        client.call(
+            "dspark.Drafter",
+            "AppendContext",
+            {"req_ids": ["a", "b"], "starts": [0, 0], "counts": [3, 4], "features": torch.randn(7, width),
+             "draft_anchors": [5, 6]},
+        )
+        propose = {"req_ids": ["a", "b"], "anchors": [5, 6], "positions": [3, 4]}
+        reply = client.call("dspark.Drafter", "Propose", propose)
+        assert service.proposals_ahead == 1
+        fresh = service.engine.propose([DraftItem("a", 5, 3), DraftItem("b", 6, 4)])
+        assert torch.equal(reply["tokens"], fresh.tokens)
+        assert torch.equal(reply["confidences"], torch.from_numpy(fresh.confidences))
+        assert reply["distribution_rows"] == [1]  # the greedy request's distribution stays here
+        assert torch.equal(reply["topk_probs"], fresh.topk_probs[1:])
+        # Used once; another anchor (or a second Propose) drafts afresh.
+        client.call("dspark.Drafter", "Propose", {"req_ids": ["a"], "anchors": [5], "positions": [3]})
+        assert service.proposals_ahead == 1
     finally:
         client.close()
         server.stop()
