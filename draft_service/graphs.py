@@ -12,9 +12,10 @@ float32 logits are exact in float64), copied to the host once; the sparse draft 
 device for the verifier.
 
 Appending: the context rows a verify step committed (at most block_size + 1 per request and round) are
-projected (``fc`` + ``hidden_norm``) and turned into every draft layer's K/V, written at (slot, position). The
-rows are padded to the bucket's B * (block_size + 1); padding rows write to position 0 of the dummy slot,
-whose context length stays 0, so nothing reads them. Longer appends (prefills) run eagerly.
+projected (``fc`` + ``hidden_norm``, unless the runner takes rows the verifier already projected) and turned into
+every draft layer's K/V, written at (slot, position). The rows are padded to the bucket's B * (block_size + 1);
+padding rows write to position 0 of the dummy slot, whose context length stays 0, so nothing reads them. Longer
+appends (prefills) run eagerly.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class DraftGraphRunner:
         max_requests: int,
         mode: str,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
+        projected: bool = False,
     ) -> None:
         if not 1 <= draft_top_k <= model.config.vocab_size:
             raise ValueError("DraftGraphRunner: draft_top_k must be in [1, vocab] (sparse proposals)")
@@ -88,12 +90,13 @@ class DraftGraphRunner:
         self.host["temperature"] = self._host_temp.numpy()
         self.dev = {name: self._dev_int[i * top : (i + 1) * top] for i, name in enumerate(self._int_fields)}
         self.dev["temperature"] = self._dev_temp
-        # Context append: rows [top * W, F] in the model dtype, and (slot, position) per row.
+        # Context append: rows [top * W, F] (F = H when they arrive projected) in the model dtype, and (slot,
+        # position) per row.
         self.append_width = model.block_size + 1
+        self.projected = projected
         rows = top * self.append_width
-        self.context_rows = torch.zeros(
-            (rows, model.config.context_feature_size), dtype=model.dtype, device=self.device
-        )
+        width = model.config.hidden_size if projected else model.config.context_feature_size
+        self.context_rows = torch.zeros((rows, width), dtype=model.dtype, device=self.device)
         self._host_where = pinned_empty((2 * rows,), torch.int64, self.device)
         self._dev_where = torch.zeros_like(self._host_where, device=self.device)
         self._fill_padding(top)
@@ -209,7 +212,8 @@ class DraftGraphRunner:
         slots = self._dev_where[:rows]
         positions = self._dev_where[half : half + rows]
         model, cache = self.model, self.cache
-        context = model.project_context(self.context_rows[:rows])
+        rows_in = self.context_rows[:rows]
+        context = rows_in if self.projected else model.project_context(rows_in)
         for layer_idx, (k, v) in enumerate(model.context_key_values(context, positions)):
             cache.k[layer_idx, slots, positions] = k.to(cache.k.dtype)
             cache.v[layer_idx, slots, positions] = v.to(cache.v.dtype)
