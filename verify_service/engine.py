@@ -25,7 +25,7 @@ import torch
 from cluster.graphs import DEFAULT_BUCKETS, check_graph_mode
 from cluster.sampling import SamplingParams
 from kernels.rejection import RejectionOutput, rejection_sample_reference
-from verify_service.graphs import VerifyGraphRunner
+from verify_service.graphs import GraphItem, VerifyGraphRunner
 from verify_service.kv_cache import KVCapacityError, NoFreeSlotError
 from verify_service.target import TargetModel
 
@@ -87,10 +87,13 @@ class _Slot:
 class VerifyEngine:
     """Holds the target and the KV cache of every running request on this replica.
 
-    ``graphs``: how verify-only steps run (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the bucketed
-    CUDA-graph layout run eagerly; any device) or ``capture`` (one CUDA graph per bucket, replayed). Steps with
-    prefills always run eagerly. The bucketed modes need ``max_drafts`` (the drafter's block size gamma) and
-    ``draft_top_k`` (the widest sparse draft distribution) and reserve one extra KV slot as the padding slot.
+    ``graphs``: how steps run (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the token-bucketed CUDA-graph
+    layout of :mod:`verify_service.graphs` run eagerly; any device) or ``capture`` (one CUDA graph per bucket,
+    replayed). A step takes the graph path when it fits a bucket: every verify-only step of up to
+    ``max_requests`` requests, and steps with joining prompts whose tokens fit the room left by the verify chunks
+    plus ``graph_prefill_rows``; larger steps run eagerly. The bucketed modes need ``max_drafts`` (the drafter's block
+    size gamma) and ``draft_top_k`` (the widest sparse draft distribution) and reserve one extra KV slot as the
+    padding slot.
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class VerifyEngine:
         max_drafts: int | None = None,
         draft_top_k: int = 16,
         graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+        graph_prefill_rows: int = 0,
     ) -> None:
         if max_requests < 1 or max_seq_len < 2:
             raise ValueError("VerifyEngine: max_requests must be >= 1 and max_seq_len >= 2")
@@ -133,6 +137,7 @@ class VerifyEngine:
                 mode=graphs,
                 sampler=self._sampler,
                 buckets=graph_buckets,
+                prefill_rows=graph_prefill_rows,
             )
 
     # ----------------------------------------------------------------------------------------- bookkeeping
@@ -179,11 +184,10 @@ class VerifyEngine:
         if not prefills and not verifies:
             return []
         self._validate(prefills, verifies)
-        if not prefills and self._bucketed(verifies):
-            return self._run_bucketed(verifies)
+        bucketed = self._bucketed(prefills, verifies)
         new_slots = self._allocate(prefills)
         try:
-            return self._run(prefills, verifies)
+            return self._run_bucketed(prefills, verifies) if bucketed else self._run(prefills, verifies)
         except Exception:
             for req_id in new_slots:
                 self.release(req_id)
@@ -281,39 +285,42 @@ class VerifyEngine:
             results.append(StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, features))
         return results
 
-    def _bucketed(self, verifies: Sequence[VerifyItem]) -> bool:
+    def _bucketed(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> bool:
         if self.graphs is None:
             return False
         widths = [int(v.draft_probs.shape[1]) for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
-        return self.graphs.fits(
-            len(verifies), 1 + max(len(v.draft_tokens) for v in verifies), max(widths, default=0)
-        )
+        lengths = [(len(p.token_ids), True) for p in prefills] + [(1 + len(v.draft_tokens), False) for v in verifies]
+        return self.graphs.fits(lengths, max(widths, default=0))
 
-    def _run_bucketed(self, verifies: Sequence[VerifyItem]) -> list[StepResult]:
-        """A verify-only step through the graph runner (same results as ``_run``, bucketed layout)."""
+    def _run_bucketed(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> list[StepResult]:
+        """A step through the graph runner (same results as ``_run``, ragged token-bucketed layout); the
+        prefills' slots are allocated already."""
         assert self.graphs is not None
-        entries = [self._requests[v.req_id] for v in verifies]
+        entries = [self._requests[p.req_id] for p in prefills] + [self._requests[v.req_id] for v in verifies]
         slots = [e.slot for e in entries]
         starts = self.cache.lengths(slots).tolist()
-        out = self.graphs.run(
-            slots,
-            starts,
-            [[v.anchor, *v.draft_tokens] for v in verifies],
-            [(e.params.temperature, e.params.top_k, e.params.top_p, e.seed) for e in entries],
-            [
-                None if e.params.greedy or v.draft_probs is None else (v.draft_prob_ids, v.draft_probs)
-                for v, e in zip(verifies, entries, strict=True)
-            ],
-        )
-        committed = [1 + a for a in out.num_accepted]
+        items = [
+            GraphItem(e.slot, 0, list(p.token_ids), _params(e), prefill=True, sample=p.anchor is None)
+            for p, e in zip(prefills, entries, strict=False)
+        ]
+        for v, e, start in zip(verifies, entries[len(prefills) :], starts[len(prefills) :], strict=True):
+            dist = None if e.params.greedy or v.draft_probs is None else (v.draft_prob_ids, v.draft_probs)
+            items.append(GraphItem(e.slot, start, [v.anchor, *v.draft_tokens], _params(e), dist))
+        out = self.graphs.run(items)
+        committed = [len(p.token_ids) for p in prefills] + [1 + a for a in out.num_accepted[len(prefills) :]]
         self.cache.advance_many(slots, committed)
-        features = [None] * len(verifies) if out.features is None else out.features.split(committed)
-        return [
+        results = [
+            StepResult(p.req_id, 0, 0, tokens, 0, rows)
+            for p, tokens, rows in zip(prefills, out.tokens, out.features, strict=False)
+        ]
+        n = len(prefills)
+        results += [
             StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, rows)
             for v, accepted, tokens, start, rows in zip(
-                verifies, out.num_accepted, out.tokens, starts, features, strict=True
+                verifies, out.num_accepted[n:], out.tokens[n:], starts[n:], out.features[n:], strict=True
             )
         ]
+        return results
 
     def _sample(
         self,
@@ -380,6 +387,10 @@ class VerifyEngine:
             id_rows.append(ids)
             prob_rows.append(probs)
         return torch.cat(id_rows), torch.cat(prob_rows)
+
+
+def _params(entry: _Slot) -> tuple[float, int, float, int]:
+    return (entry.params.temperature, entry.params.top_k, entry.params.top_p, entry.seed)
 
 
 def _check_ids(req_id: str, ids: Sequence[int], vocab: int) -> None:
