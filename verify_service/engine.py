@@ -233,9 +233,7 @@ class VerifyEngine:
                         f"{tuple(v.draft_prob_ids.shape)} does not match {len(v.draft_tokens)} drafts"
                     )
         if len(prefills) > self.cache.num_free_slots:
-            raise NoFreeSlotError(
-                f"{len(prefills)} new requests but only {self.cache.num_free_slots} free KV slots"
-            )
+            raise NoFreeSlotError(f"{len(prefills)} new requests but only {self.cache.num_free_slots} free KV slots")
 
     def _allocate(self, prefills: Sequence[PrefillItem]) -> list[str]:
         for p in prefills:

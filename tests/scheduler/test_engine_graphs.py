@@ -286,7 +286,9 @@ def test_ragged_step_with_prefills_equals_eager(pair) -> None:
     gen = torch.Generator().manual_seed(4)
     results = {}
     for mode, engine in engines.items():
-        anchors = [r.tokens[0] for r in engine.step([PrefillItem(f"v{i}", p, params[i]) for i, p in enumerate(prompts)])]
+        anchors = [
+            r.tokens[0] for r in engine.step([PrefillItem(f"v{i}", p, params[i]) for i, p in enumerate(prompts)])
+        ]
         drafts = [[7, 8, 9], [10, 11, 12, 13, 14]]
         ids = torch.stack([torch.randperm(128, generator=torch.Generator().manual_seed(j))[:4] for j in range(5)])
         ids[:, 0] = torch.tensor(drafts[1])
@@ -313,8 +315,12 @@ def test_ragged_step_with_prefills_equals_eager(pair) -> None:
         slot_a, slot_b = off._requests[a.req_id].slot, static._requests[b.req_id].slot
         length = off.cache.length(slot_a)
         assert static.cache.length(slot_b) == length
-        torch.testing.assert_close(off.cache.k[:, slot_a, :length], static.cache.k[:, slot_b, :length], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(off.cache.v[:, slot_a, :length], static.cache.v[:, slot_b, :length], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            off.cache.k[:, slot_a, :length], static.cache.k[:, slot_b, :length], atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            off.cache.v[:, slot_a, :length], static.cache.v[:, slot_b, :length], atol=1e-5, rtol=1e-5
+        )
     assert results["static"][1].tokens == [] and results["static"][0].features.shape[0] == 17
 
 

@@ -166,7 +166,7 @@ def test_step_bodies_on_the_meta_device(tmp_path: Path, spec: PairSpec, real_voc
     host = [verify._host_int, verify._host_float, draft._host_int, draft._host_temp, draft._host_where]
     host.append(draft_cache.lengths)
     smallest, largest = min(verify.steps), max(verify.steps)
-    for (chunks, rows) in (smallest, largest):  # the bodies differ in shapes only (meta ops run in Python: slow)
+    for chunks, rows in (smallest, largest):  # the bodies differ in shapes only (meta ops run in Python: slow)
         packed, features = _guarded(verify.steps[(chunks, rows)].fn, "meta", host)
         assert packed.device.type == "meta" and packed.shape == (chunks, 1 + width)
         assert features is not None and features.shape == (rows, target.feature_dim)
