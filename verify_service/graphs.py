@@ -117,6 +117,7 @@ class VerifyGraphRunner:
         self.device = target.device
         self.backend = "triton" if self.device.type == "cuda" else "reference"
         self.timed = False
+        self.replays = 0  # steps run through the runner (for reports: how many rounds took the graph path)
         self.max_rows = max_requests * width + 1 + prefill_rows
         max_chunks = max_requests + 2 * -(-prefill_rows // width)
         self.chunk_sizes = bucket_sizes(max_chunks, buckets)
@@ -209,6 +210,7 @@ class VerifyGraphRunner:
             self.dist_ids.index_copy_(0, index, torch.cat(dist_ids).to(self.device))
             self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
         step = self.steps[key]
+        self.replays += 1
         packed, features = step(self.timed)
         result = packed[: len(chunks)].cpu().numpy()  # the one device -> host copy (and wait) of the step
         step.settle_timing()
