@@ -30,8 +30,17 @@ def _round(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, delta_ptr, w_ptr, h_ptr, stride_x, stride_d, stride_h, H, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    delta_ptr,
+    w_ptr,
+    h_ptr,
+    stride_x,
+    stride_d,
+    stride_h,
+    H,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -59,19 +68,44 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     has_delta = delta is not None
     d = delta if delta is not None else x
     _add_rms_norm_kernel[(num,)](
-        x, d, weight, h, x.stride(0), d.stride(0), h.stride(0), hidden, float(eps),
-        HAS_DELTA=has_delta, BLOCK=triton.next_power_of_2(hidden), num_warps=4,
+        x,
+        d,
+        weight,
+        h,
+        x.stride(0),
+        d.stride(0),
+        h.stride(0),
+        hidden,
+        float(eps),
+        HAS_DELTA=has_delta,
+        BLOCK=triton.next_power_of_2(hidden),
+        num_warps=4,
     )
     return h
 
 
 @triton.jit
 def _qk_norm_rope_store_kernel(
-    qkv_ptr, stride_qkv, w_ptr, cos_ptr, sin_ptr, stride_cs,
-    q_ptr, stride_qn, stride_qh,
-    kc_ptr, vc_ptr, stride_cs_slot, stride_ct, stride_ch,
-    slots_ptr, pos_ptr, eps,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    qkv_ptr,
+    stride_qkv,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    q_ptr,
+    stride_qn,
+    stride_qh,
+    kc_ptr,
+    vc_ptr,
+    stride_cs_slot,
+    stride_ct,
+    stride_ch,
+    slots_ptr,
+    pos_ptr,
+    eps,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -143,11 +177,27 @@ def qk_norm_rope_store(
         raise ValueError("qk_norm_rope_store: caches must share strides, last axes must be contiguous")
     cos, sin = cos.contiguous(), sin.contiguous()
     _qk_norm_rope_store_kernel[(num, num_heads + 2 * num_kv_heads)](
-        qkv, qkv.stride(0), qk_norm_weight.contiguous(), cos, sin, cos.stride(0),
-        q, q.stride(0), q.stride(1),
-        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        token_slots, positions, float(eps),
-        HQ=num_heads, HKV=num_kv_heads, D=head_dim, num_warps=1,
+        qkv,
+        qkv.stride(0),
+        qk_norm_weight.contiguous(),
+        cos,
+        sin,
+        cos.stride(0),
+        q,
+        q.stride(0),
+        q.stride(1),
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        token_slots,
+        positions,
+        float(eps),
+        HQ=num_heads,
+        HKV=num_kv_heads,
+        D=head_dim,
+        num_warps=1,
     )
     return q
 
