@@ -65,8 +65,9 @@ from bench.engine_setup import DEMO_TARGET, ROOT, chat_prompts, load_calibration
 from cluster.sampling import SamplingParams
 from draft_service.engine import DraftEngine
 from draft_service.inflate import inflate_pair
+from scheduler.algorithm import DraftCost
 from scheduler.engine import SpeculativeEngine
-from scheduler.policy import make_policy
+from scheduler.policy import DSparkAsync, DSparkScheduled, VerifyPolicy, make_policy
 from scheduler.sps import SPSMonotonicityWarning, SPSTable, default_batch_grid
 from scheduler.sts import STSCalibration
 from verify_service.attention import CachedAttentionMetadata
@@ -76,6 +77,7 @@ from verify_service.profiling import profile_graph_sps, profile_target_sps
 from verify_service.target import TargetModel
 
 POLICIES = ("autoregressive", "fixed-1", "full", "dspark", "dspark-async")
+OVERHEAD_SOURCE = "full"  # the cell whose per-round time outside the verify step feeds the scheduled policies
 FIXED_POLICIES = ("autoregressive", "fixed-1", "full")
 SCHEDULED_POLICIES = ("dspark", "dspark-async")
 DEMO_DRAFTER = ROOT / "models" / "demo" / "draft_dspark"
@@ -349,6 +351,15 @@ def hf_generate_baseline(target: TargetModel, prompt: list[int], max_new_tokens:
 
 
 # ------------------------------------------------------------------------------------------------- the cell
+def scheduled_policy(policy: str, sps: SPSTable, draft_cost: DraftCost) -> VerifyPolicy:
+    """dspark / dspark-async with the whole-round objective (the round time outside the verify step)."""
+    if policy == "dspark":
+        return DSparkScheduled(sps, draft_cost)
+    if policy == "dspark-async":
+        return DSparkAsync(sps, draft_cost=draft_cost)
+    raise ValueError(f"{policy!r} is not a scheduled policy")
+
+
 class SharedEngines:
     """One verify engine and one draft engine (KV and context caches sized for the largest level), shared by
     every cell: a cell is a fresh SpeculativeEngine (policy, metrics) over them, and leaves them empty."""
@@ -795,6 +806,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--prefill-rows", type=int, default=1024, help="graph-step room for joining prompts' tokens per round"
     )
+    parser.add_argument(
+        "--draft-cost",
+        default="measured",
+        choices=["measured", "none"],
+        help="scheduled policies: Algorithm 1 with the whole-round objective tau / (T_other + 1/SPS(B)), T_other "
+        f"= draft + schedule + host ms per round of the same level's {OVERHEAD_SOURCE!r} cell (measured), or "
+        "tau * SPS(B) (none)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of every cell (interleaved), for error bars")
     parser.add_argument("--bandwidth-mib", type=int, default=1024)
     parser.add_argument(
@@ -959,11 +978,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     report.save()
 
-    def engine_for(policy: str, concurrency: int) -> SpeculativeEngine:
+    def engine_for(policy: str, concurrency: int, draft_cost: DraftCost | None = None) -> SpeculativeEngine:
         return SpeculativeEngine(
             engines.verify,
             engines.draft,
-            make_policy(policy, sps, block),
+            scheduled_policy(policy, sps, draft_cost) if draft_cost is not None else make_policy(policy, sps, block),
             eos_token_ids=target.eos_token_ids,
             max_running=concurrency,
         )
@@ -995,6 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
     # Repeats interleaved per level (policy after policy, then again), so that drifts hit every policy alike.
     plan = [(c, k, p) for c in args.concurrency for k in range(args.repeats) for p in args.policies]
     reference: dict[int, dict[int, list[int]]] = {}
+    overheads: dict[tuple[int, int], DraftCost] = {}
     bar = tqdm(plan, desc="cells", unit="cell", disable=not sys.stderr.isatty())
     for n, (concurrency, repeat, policy) in enumerate(bar):
         budget = cell_budget(args, deadline, time.perf_counter(), len(plan) - n)
@@ -1005,7 +1025,9 @@ def main(argv: list[str] | None = None) -> int:
             report.log(f"c={concurrency} {policy}: skipped (time limit)")
             continue
         try:
-            row, outputs = run_cell(engine_for(policy, concurrency), policy, mix, concurrency, budget, args.temperature)
+            cost = overheads.get((concurrency, repeat)) if policy in SCHEDULED_POLICIES else None
+            engine = engine_for(policy, concurrency, cost)
+            row, outputs = run_cell(engine, policy, mix, concurrency, budget, args.temperature)
             if not engines.idle():
                 raise RuntimeError("the cell left requests behind in the engines")
         except Exception as error:  # e.g. out of memory at the largest level: keep the rest of the sweep
@@ -1015,6 +1037,11 @@ def main(argv: list[str] | None = None) -> int:
             report.save()
             continue
         row["repeat"] = repeat
+        row["draft_cost_s"] = None if cost is None else cost.fixed_s
+        if args.draft_cost == "measured" and policy == OVERHEAD_SOURCE:
+            # Algorithm 1's whole-round objective needs the round time outside the verify step at this load.
+            overhead = (row["draft_ms"] + row["schedule_ms"] + row["other_host_ms"]) / 1000
+            overheads[(concurrency, repeat)] = DraftCost(fixed_s=max(overhead, 0.0))
         if policy == "autoregressive" and concurrency not in reference:
             reference[concurrency] = outputs
             if concurrency == 1 and 0 in outputs and baseline is not None:

@@ -23,12 +23,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """What PyTorch does when an op's float32 result is stored in the model dtype."""
-    return x.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,
     delta_ptr,
@@ -49,10 +43,10 @@ def _add_rms_norm_kernel(
     dtype = x_ptr.dtype.element_ty
     if HAS_DELTA:
         d = tl.load(delta_ptr + row * stride_d + cols, mask=ok, other=0.0).to(tl.float32)
-        x = _round(x + d, dtype)
+        x = (x + d).to(dtype).to(tl.float32)  # rounded as PyTorch stores an op's result in the model dtype
         tl.store(x_ptr + row * stride_x + cols, x.to(dtype), mask=ok)
     var = tl.sum(x * x, axis=0) / H
-    h = _round(x * tl.math.rsqrt(var + eps), dtype)
+    h = (x * tl.math.rsqrt(var + eps)).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(h_ptr + row * stride_h + cols, (w * h).to(h_ptr.dtype.element_ty), mask=ok)
 
@@ -125,29 +119,34 @@ def _qk_norm_rope_store_kernel(
         w2 = tl.load(w_ptr + w_off + D // 2 + half).to(tl.float32)
         var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D
         r = tl.math.rsqrt(var + eps)
-        n1 = _round(w1 * _round(x1 * r, dtype), dtype)
-        n2 = _round(w2 * _round(x2 * r, dtype), dtype)
+        # Every intermediate rounded to the model dtype as PyTorch stores it (a no-op for float32 models).
+        n1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        n2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         # HF: q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1); each product rounded, then the sum.
-        o1 = _round(_round(n1 * cos_a, dtype) + _round(-n2 * sin_a, dtype), dtype)
-        o2 = _round(_round(n2 * cos_b, dtype) + _round(n1 * sin_b, dtype), dtype)
+        a1 = (n1 * cos_a).to(dtype).to(tl.float32)
+        b1 = (-n2 * sin_a).to(dtype).to(tl.float32)
+        a2 = (n2 * cos_b).to(dtype).to(tl.float32)
+        b2 = (n1 * sin_b).to(dtype).to(tl.float32)
+        o1 = a1 + b1
+        o2 = a2 + b2
         if is_q:
-            out = q_ptr + row * stride_qn + head * stride_qh
-            tl.store(out + half, o1.to(q_ptr.dtype.element_ty))
-            tl.store(out + D // 2 + half, o2.to(q_ptr.dtype.element_ty))
+            q_out = q_ptr + row * stride_qn + head * stride_qh
+            tl.store(q_out + half, o1.to(q_ptr.dtype.element_ty))
+            tl.store(q_out + D // 2 + half, o2.to(q_ptr.dtype.element_ty))
         else:
-            slot = tl.load(slots_ptr + row).to(tl.int64)
-            pos = tl.load(pos_ptr + row).to(tl.int64)
-            out = kc_ptr + slot * stride_cs_slot + pos * stride_ct + (head - HQ) * stride_ch
-            tl.store(out + half, o1.to(kc_ptr.dtype.element_ty))
-            tl.store(out + D // 2 + half, o2.to(kc_ptr.dtype.element_ty))
+            k_slot = tl.load(slots_ptr + row).to(tl.int64)
+            k_pos = tl.load(pos_ptr + row).to(tl.int64)
+            k_out = kc_ptr + k_slot * stride_cs_slot + k_pos * stride_ct + (head - HQ) * stride_ch
+            tl.store(k_out + half, o1.to(kc_ptr.dtype.element_ty))
+            tl.store(k_out + D // 2 + half, o2.to(kc_ptr.dtype.element_ty))
     else:  # a v head: stored as is
         kv = head - HQ - HKV
         full = tl.arange(0, D)
         v = tl.load(base + (HQ + HKV + kv) * D + full)
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-        pos = tl.load(pos_ptr + row).to(tl.int64)
-        out = vc_ptr + slot * stride_cs_slot + pos * stride_ct + kv * stride_ch
-        tl.store(out + full, v.to(vc_ptr.dtype.element_ty))
+        v_slot = tl.load(slots_ptr + row).to(tl.int64)
+        v_pos = tl.load(pos_ptr + row).to(tl.int64)
+        v_out = vc_ptr + v_slot * stride_cs_slot + v_pos * stride_ct + kv * stride_ch
+        tl.store(v_out + full, v.to(vc_ptr.dtype.element_ty))
 
 
 def qk_norm_rope_store(
@@ -210,7 +209,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.co
     dtype = gu_ptr.dtype.element_ty
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    a = _round(g / (1.0 + tl.exp(-g)), dtype)
+    a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 

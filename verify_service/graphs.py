@@ -155,16 +155,20 @@ class VerifyGraphRunner:
         self.dev = _split(self._dev_int, self._int_fields) | _split(self._dev_float, self._float_fields)
         self.dist_ids = torch.zeros((top_t, draft_top_k), dtype=torch.int64, device=self.device)
         self.dist_probs = torch.zeros((top_t, draft_top_k), dtype=torch.float32, device=self.device)
-        # Warm-up and capture run the step for real: with every chunk padding, it only writes the dummy slot.
-        self._pack([], top_a, top_t)
-        self._upload()
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         self.steps: dict[tuple[int, int], GraphStep] = {}
         keys = [(a, t) for a in self.chunk_sizes for t in self.buckets[a]]
         for key in sorted(keys, key=lambda k: (k[1], k[0]), reverse=True):  # largest first: reuse its pool memory
+            self.pad_for(key)  # warm-up and capture run the step for real: on padding, they write the dummy slot
             self.steps[key] = GraphStep(partial(self._step, *key), mode, pool)
 
     # ------------------------------------------------------------------------------------------------ host
+    def pad_for(self, key: tuple[int, int]) -> None:
+        """Fill the device buffers with an all-padding batch of bucket ``key`` (a valid step of that shape)."""
+        self._fence.wait_before_write()
+        self._pack([], *key)
+        self._upload()
+
     def bucket(self, num_chunks: int, num_rows: int) -> tuple[int, int] | None:
         """The smallest (chunks, rows) bucket holding a batch, or None (then the engine runs it eagerly)."""
         for a in self.chunk_sizes:

@@ -268,6 +268,23 @@ def test_row_buckets_and_bucket_choice(pair) -> None:
     assert not runner.fits([(3, False)], 17)  # a draft distribution wider than draft_top_k (16)
 
 
+def test_every_bucket_runs_on_its_padding(pair) -> None:
+    """What capture does on a GPU (warm-up and recording run every bucket's step on all-padding buffers of its
+    own shape): each step is a valid sampler call (offsets match its draft count) and writes only the dummy slot."""
+    target, _ = pair
+    engine = VerifyEngine(target, 4, 32, graphs="static", max_drafts=5, graph_buckets=BUCKETS, graph_prefill_rows=12)
+    runner = engine.graphs
+    assert runner is not None
+    before = engine.cache.k.clone()
+    for key, step in runner.steps.items():
+        runner.pad_for(key)
+        packed, features = step.fn()
+        assert packed.shape == (key[0], 1 + runner.width) and features.shape[0] == key[1]
+        assert bool((packed[:, 0] == 0).all())  # padding chunks have no drafts
+    changed = (engine.cache.k != before).flatten(2).any(-1)  # [layers, slots]
+    assert not bool(changed[:, : runner.dummy_slot].any()) and not bool(changed[:, runner.dummy_slot + 1 :].any())
+
+
 def test_ragged_step_with_prefills_equals_eager(pair) -> None:
     """One step mixing two prefills (one longer than a chunk, one re-prefill with a known anchor) and verifies
     (greedy and sampled): same tokens, KV, features and lengths as the eager step."""
