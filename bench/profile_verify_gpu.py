@@ -235,10 +235,11 @@ def sps_curve(engine: VerifyEngine, block: int, context: int) -> dict[str, Any]:
     """Device ms of the graph step per B (ceil(B / chunk) requests), and a step with a joining prompt."""
     runner = engine.graphs
     assert runner is not None
-    items, ids = graph_verify_items(engine, 32 * (block + 1), block + 1, context)
+    # 31 requests: the 32nd slot is for the joining prompt below
+    items, ids = graph_verify_items(engine, 31 * (block + 1), block + 1, context)
     curve = {}
     try:
-        for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
+        for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 248):
             num = -(-b // (block + 1))
             last = b - (num - 1) * (block + 1)
             step = [
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, weights {results['weights_GB']:.2f} GB")
     save()
     results["steps"] = []
-    for fused in (True, False) if cuda else (False,):
+    for fused in ((True,) if args.fused_only else (True, False)) if cuda else (False,):
         try:
             results["steps"] += steps_vs_floor(target, block, context, bandwidth, mode, fused, profile=True)
         except Exception as error:
