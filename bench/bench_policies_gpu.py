@@ -65,17 +65,19 @@ from bench.engine_setup import DEMO_TARGET, ROOT, chat_prompts, load_calibration
 from cluster.sampling import SamplingParams
 from draft_service.engine import DraftEngine
 from draft_service.inflate import inflate_pair
+from scheduler.algorithm import DraftCost
 from scheduler.engine import SpeculativeEngine
-from scheduler.policy import make_policy
+from scheduler.policy import DSparkAsync, DSparkScheduled, VerifyPolicy, make_policy
 from scheduler.sps import SPSMonotonicityWarning, SPSTable, default_batch_grid
 from scheduler.sts import STSCalibration
 from verify_service.attention import CachedAttentionMetadata
 from verify_service.engine import VerifyEngine
 from verify_service.inflate import SHAPES, Qwen3Shape
-from verify_service.profiling import profile_target_sps
+from verify_service.profiling import profile_graph_sps, profile_target_sps
 from verify_service.target import TargetModel
 
 POLICIES = ("autoregressive", "fixed-1", "full", "dspark", "dspark-async")
+OVERHEAD_SOURCE = "full"  # the cell whose per-round time outside the verify step feeds the scheduled policies
 FIXED_POLICIES = ("autoregressive", "fixed-1", "full")
 SCHEDULED_POLICIES = ("dspark", "dspark-async")
 DEMO_DRAFTER = ROOT / "models" / "demo" / "draft_dspark"
@@ -262,19 +264,20 @@ def floor_seconds(
     return (weights + requests * tokens_read_per_request * kv_per_token) / bandwidth
 
 
-def profile_sps(
-    target: TargetModel, chunk: int, concurrency: Sequence[int], context: int
-) -> tuple[SPSTable, list[int]]:
-    """SPS(B) up to max(concurrency) * chunk tokens; the grid includes R * chunk for every level R (a full-block
+def sps_grid(chunk: int, concurrency: Sequence[int]) -> list[int]:
+    """SPS batch sizes up to max(concurrency) * chunk; the grid includes R * chunk for every level R (a full-block
     verify step of R requests), which the floor comparison reads back."""
     max_b = max(concurrency) * chunk
-    grid = sorted(set(default_batch_grid(max_b)) | {r * chunk for r in concurrency})
+    return sorted(set(default_batch_grid(max_b)) | {r * chunk for r in concurrency})
+
+
+def profile_sps(target: TargetModel, chunk: int, grid: Sequence[int], context: int) -> SPSTable:
+    """SPS(B) of eager target passes over ``grid`` (the engines run eagerly: graphs off)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SPSMonotonicityWarning)  # the raw rates are kept and reported
-        table = profile_target_sps(
-            target, chunk=chunk, max_batch_tokens=max_b, context=context, batch_sizes=grid, progress=False
+        return profile_target_sps(
+            target, chunk=chunk, max_batch_tokens=max(grid), context=context, batch_sizes=grid, progress=False
         )
-    return table, grid
 
 
 def captured_verify_step_s(target: TargetModel, requests: int, chunk: int, context: int) -> float:
@@ -348,6 +351,15 @@ def hf_generate_baseline(target: TargetModel, prompt: list[int], max_new_tokens:
 
 
 # ------------------------------------------------------------------------------------------------- the cell
+def scheduled_policy(policy: str, sps: SPSTable, draft_cost: DraftCost) -> VerifyPolicy:
+    """dspark / dspark-async with the whole-round objective (the round time outside the verify step)."""
+    if policy == "dspark":
+        return DSparkScheduled(sps, draft_cost)
+    if policy == "dspark-async":
+        return DSparkAsync(sps, draft_cost=draft_cost)
+    raise ValueError(f"{policy!r} is not a scheduled policy")
+
+
 class SharedEngines:
     """One verify engine and one draft engine (KV and context caches sized for the largest level), shared by
     every cell: a cell is a fresh SpeculativeEngine (policy, metrics) over them, and leaves them empty."""
@@ -359,8 +371,11 @@ class SharedEngines:
         max_requests: int,
         max_seq_len: int,
         calibration: STSCalibration | None,
+        graphs: str = "off",
+        prefill_rows: int = 0,
     ) -> None:
         self._args = (target, drafter, max_requests, max_seq_len, calibration)
+        self.graphs, self.prefill_rows = graphs, prefill_rows
         self.max_requests = max_requests
         self.verify: VerifyEngine
         self.draft: DraftEngine
@@ -368,8 +383,18 @@ class SharedEngines:
 
     def _build(self) -> None:
         target, drafter, max_requests, max_seq_len, calibration = self._args
-        self.verify = VerifyEngine(target, max_requests, max_seq_len)
-        self.draft = DraftEngine(drafter, max_requests, max_seq_len, draft_top_k=16, calibration=calibration)
+        self.verify = VerifyEngine(
+            target,
+            max_requests,
+            max_seq_len,
+            graphs=self.graphs,
+            max_drafts=drafter.block_size,
+            draft_top_k=16,
+            graph_prefill_rows=self.prefill_rows,
+        )
+        self.draft = DraftEngine(
+            drafter, max_requests, max_seq_len, draft_top_k=16, calibration=calibration, graphs=self.graphs
+        )
 
     def idle(self) -> bool:
         return self.verify.num_free_slots == self.max_requests and self.draft.num_free_slots == self.max_requests
@@ -446,6 +471,8 @@ def run_cell(
         warm_rounds += 1
 
     before = engine.snapshot()
+    runner = engine.verify.graphs
+    replays_before = runner.replays if runner is not None else 0
     window_start = time.perf_counter()
     rounds, emitted_total, finished_in_window, walls = 0, 0, 0, []
     user_rates: list[float] = []
@@ -458,6 +485,7 @@ def run_cell(
         finished_in_window += len(finished)
     window = time.perf_counter() - window_start
     after = engine.snapshot()
+    graph_steps = (runner.replays - replays_before) if runner is not None else 0
 
     per_user_source = "finished"
     if len(user_rates) < 3:  # too few finished in the window: the in-flight requests' rates so far
@@ -506,6 +534,7 @@ def run_cell(
         "host_ms": round_ms - draft_ms - verify_ms,
         "round_ms": round_ms,
         "round_ms_median": 1000 * statistics.median(walls),
+        "graph_step_fraction": graph_steps / rounds,  # verify steps on the graph path (the rest ran eagerly)
     }
     return row, outputs
 
@@ -541,11 +570,34 @@ def _verdict(met: bool | None) -> str:
     return "NO DATA" if met is None else "MET" if met else "NOT MET"
 
 
+def mean_cells(cells: Sequence[dict[str, Any]]) -> dict[tuple[int, str], dict[str, Any]]:
+    """One row per (concurrency, policy): the first repeat's row with every number averaged over the repeats,
+    plus the number of repeats and the min / max aggregate tokens/s."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault((c["concurrency"], c["policy"]), []).append(c)
+    merged = {}
+    for key, rows in groups.items():
+        row = dict(rows[0])
+        for name, value in rows[0].items():
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if numeric and name not in ("concurrency", "repeat"):
+                row[name] = float(np.mean([r[name] for r in rows]))
+        aggregates = [r["aggregate_tokens_per_s"] for r in rows]
+        row.update(repeats=len(rows), aggregate_min=min(aggregates), aggregate_max=max(aggregates))
+        merged[key] = row
+    return merged
+
+
 def evaluate_goals(
     cells: Sequence[dict[str, Any]], floor_rows: Sequence[dict[str, Any]], levels: Sequence[int]
 ) -> dict[str, Any]:
-    """The three goals of issue 11 with the measured ratios (None where a cell is missing)."""
-    by = {(c["concurrency"], c["policy"]): c for c in cells}
+    """The three goals of issue 11 with the measured ratios (None where a cell is missing). Repeated cells count
+    by their mean; the ratio of each repeat (against that repeat's best fixed policy) gives the spread."""
+    by = mean_cells(cells)
+    runs: dict[tuple[int, int], dict[str, float]] = {}
+    for c in cells:
+        runs.setdefault((c["concurrency"], c.get("repeat", 0)), {})[c["policy"]] = c["aggregate_tokens_per_s"]
     throughput = []
     for level in levels:
         fixed = {p: by[(level, p)]["aggregate_tokens_per_s"] for p in FIXED_POLICIES if (level, p) in by}
@@ -556,6 +608,11 @@ def evaluate_goals(
             for policy in SCHEDULED_POLICIES:
                 if (level, policy) in by:
                     entry[f"{policy}_ratio"] = by[(level, policy)]["aggregate_tokens_per_s"] / fixed[best]
+                    entry[f"{policy}_ratio_per_repeat"] = [
+                        run[policy] / max(run[p] for p in FIXED_POLICIES if p in run)
+                        for (lv, _), run in sorted(runs.items())
+                        if lv == level and policy in run and any(p in run for p in FIXED_POLICIES)
+                    ]
         # None = no data (a missing cell), never counted as met or missed.
         entry["met"] = entry["dspark_ratio"] >= 1.0 if "dspark_ratio" in entry else None
         throughput.append(entry)
@@ -661,21 +718,22 @@ def final_table(results: dict[str, Any]) -> list[str]:
         f"{results['machine']}; {results['shape']} {results['dtype']}; block {results['block_size']}; "
         f"temperature {results['temperature']}",
         f"{'c':>4} {'policy':>14} {'user t/s':>9} {'agg t/s':>9} {'tau':>5} {'budget':>6} {'B/rnd':>6} "
-        f"{'draft':>6} {'sched':>6} {'verify':>7} {'other':>6} {'round':>7} {'fin':>4} {'=AR':>7}",
+        f"{'draft':>6} {'sched':>6} {'verify':>7} {'other':>6} {'round':>7} {'fin':>4} {'=AR':>7} {'graph':>5}",
     ]
     for c in results["cells"]:
         agree = c.get("agreement_with_autoregressive")
         agree_text = f"{agree['equal']}/{agree['compared']}" if agree else "-"
         lines.append(
-            f"{c['concurrency']:>4} {c['policy']:>14} {_fmt(c['per_user_tokens_per_s'], 9)} "
+            f"{c['concurrency']:>4}{'#' + str(c.get('repeat', 0)):>3} {c['policy']:>14} "
+            f"{_fmt(c['per_user_tokens_per_s'], 9)} "
             f"{_fmt(c['aggregate_tokens_per_s'], 9)} {_fmt(c['tau'], 5, 2)} {_fmt(c['verify_budget'], 6, 2)} "
             f"{_fmt(c['verify_tokens_per_round'], 6)} {_fmt(c['draft_ms'], 6, 2)} {_fmt(c['schedule_ms'], 6, 2)} "
             f"{_fmt(c['verify_ms'], 7, 2)} {_fmt(c['other_host_ms'], 6, 2)} {_fmt(c['round_ms'], 7, 2)} "
-            f"{c['finished']:>4} {agree_text:>7}"
+            f"{c['finished']:>4} {agree_text:>7} {_fmt(100 * c.get('graph_step_fraction', 0.0), 5, 0)}"
         )
     lines.append(
         "(ms per round; budget = verified drafts per request per round; B/rnd = verify batch tokens; "
-        "=AR: finished outputs equal to autoregressive's)"
+        "=AR: finished outputs equal to autoregressive's; graph: % of verify steps on the graph path)"
     )
     baseline = results.get("hf_generate")
     if baseline:
@@ -685,6 +743,7 @@ def final_table(results: dict[str, Any]) -> list[str]:
         g1 = goals["dspark_vs_best_fixed_aggregate"]
         parts = [
             f"c={t['concurrency']}: {_fmt(t.get('dspark_ratio'), 0, 2)}x vs {t.get('best_fixed', '-')}"
+            f" [{'/'.join(f'{r:.2f}' for r in t.get('dspark_ratio_per_repeat', []))}]"
             f" (async {_fmt(t.get('dspark-async_ratio'), 0, 2)}x)"
             for t in g1["levels"]
         ]
@@ -737,6 +796,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--reserve-s", type=float, default=10.0, help="kept for plots and the table")
     parser.add_argument("--hf-repeats", type=int, default=2)
+    parser.add_argument(
+        "--graphs",
+        default=None,
+        choices=["off", "static", "capture"],
+        help="engine steps: CUDA graphs (capture), the same bucketed steps run eagerly (static), or eager (off); "
+        "default capture on cuda, static with --small",
+    )
+    parser.add_argument(
+        "--prefill-rows", type=int, default=1024, help="graph-step room for joining prompts' tokens per round"
+    )
+    parser.add_argument(
+        "--draft-cost",
+        default="measured",
+        choices=["measured", "none"],
+        help="scheduled policies: Algorithm 1 with the whole-round objective tau / (T_other + 1/SPS(B)), T_other "
+        f"= draft + schedule + host ms per round of the same level's {OVERHEAD_SOURCE!r} cell (measured), or "
+        "tau * SPS(B) (none)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every cell (interleaved), for error bars")
     parser.add_argument("--bandwidth-mib", type=int, default=1024)
     parser.add_argument(
         "--small", action="store_true", help="CPU smoke run: a small inflation, concurrency 1 and 4, tiny budgets"
@@ -754,6 +832,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.time_limit_s = 100.0 if args.small else 420.0
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.graphs is None:
+        args.graphs = "capture" if args.device.startswith("cuda") else "static" if args.small else "off"
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     if any(c < 1 for c in args.concurrency):
@@ -830,28 +910,58 @@ def main(argv: list[str] | None = None) -> int:
     report.log(f"prompts: {results['prompts']}; max_seq_len {max_seq_len}")
     report.save()
 
-    # 2. bandwidth, SPS table, verify step vs the memory floor
+    # 2. engines (shared by all cells: KV and context caches for the largest level; graphs captured here)
+    max_requests = max(args.concurrency)
+    calibration = load_calibration(args.drafter)
+    t0 = time.perf_counter()
+    engines = SharedEngines(
+        target, drafter, max_requests, max_seq_len, calibration, graphs=args.graphs, prefill_rows=args.prefill_rows
+    )
+    runner = engines.verify.graphs
+    results["graphs"] = {
+        "mode": args.graphs,
+        "build_s": time.perf_counter() - t0,
+        "verify_buckets": None if runner is None else len(runner.steps),
+        "prefill_rows": args.prefill_rows,
+    }
+    report.log(
+        f"engines built (graphs {args.graphs}, {results['graphs']['verify_buckets']} verify buckets) in "
+        f"{results['graphs']['build_s']:.1f} s"
+    )
+
+    # 3. bandwidth, SPS table (of the step the engine runs), verify step vs the memory floor
     bandwidth = copy_bandwidth(device, args.bandwidth_mib * 2**20)
     results["copy_bandwidth"] = bandwidth
     report.log(f"copy bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s (read + write)")
-    sps, grid = profile_sps(target, block + 1, args.concurrency, context)
+    grid = sps_grid(block + 1, args.concurrency)
+    device_times = None
+    if runner is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SPSMonotonicityWarning)  # the raw rates are kept and reported
+            sps, device_times = profile_graph_sps(engines.verify, chunk=block + 1, batch_sizes=grid, context=context)
+        results["sps_device_step_s"] = device_times
+    else:
+        sps = profile_sps(target, block + 1, grid, context)
     results["sps"] = sps.to_dict()
+    results["sps_source"] = "graph step (host packing + replay + result copy)" if runner else "eager forward"
     weights, kv_token = weight_bytes(target), kv_bytes_per_token(target)
     floor_rows = []
     for r in args.concurrency:
         b = r * (block + 1)
         step = 1.0 / float(sps.measured_steps_per_s[grid.index(b)])
         floor = floor_seconds(weights, kv_token, r, context + block + 1, bandwidth["bytes_per_s"])
-        floor_rows.append(
-            {
-                "requests": r,
-                "batch_tokens": b,
-                "context": context,
-                "step_ms": 1000 * step,
-                "floor_ms": 1000 * floor,
-                "ratio": step / floor,
-            }
-        )
+        row = {
+            "requests": r,
+            "batch_tokens": b,
+            "context": context,
+            "step_ms": 1000 * step,
+            "floor_ms": 1000 * floor,
+            "ratio": step / floor,
+        }
+        if device_times is not None:  # the replay's device time: what the floor goal is about
+            graph = device_times[grid.index(b)]
+            row.update(graph_step_ms=1000 * graph, graph_ratio=graph / floor)
+        floor_rows.append(row)
     results["verify_vs_floor"] = floor_rows
     report.log(
         "SPS profiled: "
@@ -859,20 +969,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     report.log(
         "verify step vs floor: "
-        + "; ".join(f"R={f['requests']}: {f['step_ms']:.2f}/{f['floor_ms']:.2f} ms" for f in floor_rows)
+        + "; ".join(
+            f"R={f['requests']}: {f['step_ms']:.2f}"
+            + (f" (device {f['graph_step_ms']:.2f})" if "graph_step_ms" in f else "")
+            + f"/{f['floor_ms']:.2f} ms"
+            for f in floor_rows
+        )
     )
     report.save()
 
-    # 3. engines (shared by all cells: KV and context caches for the largest level) and a warm-up
-    max_requests = max(args.concurrency)
-    calibration = load_calibration(args.drafter)
-    engines = SharedEngines(target, drafter, max_requests, max_seq_len, calibration)
-
-    def engine_for(policy: str, concurrency: int) -> SpeculativeEngine:
+    def engine_for(policy: str, concurrency: int, draft_cost: DraftCost | None = None) -> SpeculativeEngine:
         return SpeculativeEngine(
             engines.verify,
             engines.draft,
-            make_policy(policy, sps, block),
+            scheduled_policy(policy, sps, draft_cost) if draft_cost is not None else make_policy(policy, sps, block),
             eos_token_ids=target.eos_token_ids,
             max_running=concurrency,
         )
@@ -901,17 +1011,23 @@ def main(argv: list[str] | None = None) -> int:
     report.save()
 
     # 5. the sweep
-    plan = [(c, p) for c in args.concurrency for p in args.policies]
+    # Repeats interleaved per level (policy after policy, then again), so that drifts hit every policy alike.
+    plan = [(c, k, p) for c in args.concurrency for k in range(args.repeats) for p in args.policies]
     reference: dict[int, dict[int, list[int]]] = {}
+    overheads: dict[tuple[int, int], DraftCost] = {}
     bar = tqdm(plan, desc="cells", unit="cell", disable=not sys.stderr.isatty())
-    for n, (concurrency, policy) in enumerate(bar):
+    for n, (concurrency, repeat, policy) in enumerate(bar):
         budget = cell_budget(args, deadline, time.perf_counter(), len(plan) - n)
         if budget is None:
-            results["skipped_cells"].append({"concurrency": concurrency, "policy": policy, "reason": "time limit"})
+            results["skipped_cells"].append(
+                {"concurrency": concurrency, "repeat": repeat, "policy": policy, "reason": "time limit"}
+            )
             report.log(f"c={concurrency} {policy}: skipped (time limit)")
             continue
         try:
-            row, outputs = run_cell(engine_for(policy, concurrency), policy, mix, concurrency, budget, args.temperature)
+            cost = overheads.get((concurrency, repeat)) if policy in SCHEDULED_POLICIES else None
+            engine = engine_for(policy, concurrency, cost)
+            row, outputs = run_cell(engine, policy, mix, concurrency, budget, args.temperature)
             if not engines.idle():
                 raise RuntimeError("the cell left requests behind in the engines")
         except Exception as error:  # e.g. out of memory at the largest level: keep the rest of the sweep
@@ -920,7 +1036,13 @@ def main(argv: list[str] | None = None) -> int:
             engines.rebuild()
             report.save()
             continue
-        if policy == "autoregressive":
+        row["repeat"] = repeat
+        row["draft_cost_s"] = None if cost is None else cost.fixed_s
+        if args.draft_cost == "measured" and policy == OVERHEAD_SOURCE:
+            # Algorithm 1's whole-round objective needs the round time outside the verify step at this load.
+            overhead = (row["draft_ms"] + row["schedule_ms"] + row["other_host_ms"]) / 1000
+            overheads[(concurrency, repeat)] = DraftCost(fixed_s=max(overhead, 0.0))
+        if policy == "autoregressive" and concurrency not in reference:
             reference[concurrency] = outputs
             if concurrency == 1 and 0 in outputs and baseline is not None:
                 row["hf_generate_equal"] = outputs[0] == baseline["tokens"]
@@ -930,15 +1052,15 @@ def main(argv: list[str] | None = None) -> int:
         results["cells"].append(row)
         report.save()
         report.log(
-            f"c={concurrency:<3} {policy:<14} user {row['per_user_tokens_per_s']:8.1f} t/s  agg "
+            f"c={concurrency:<3} #{repeat} {policy:<14} user {row['per_user_tokens_per_s']:8.1f} t/s  agg "
             f"{row['aggregate_tokens_per_s']:8.1f} t/s  tau {row['tau']:.2f}  budget {row['verify_budget']:.2f}  "
             f"round {row['round_ms']:.2f} ms (draft {row['draft_ms']:.2f} sched {row['schedule_ms']:.2f} verify "
             f"{row['verify_ms']:.2f} other {row['other_host_ms']:.2f})  {row['rounds']} rounds, "
-            f"{row['finished']} finished"
+            f"{row['finished']} finished, {100 * row['graph_step_fraction']:.0f}% graph steps"
         )
 
-    # 6. the verify step as a replayed CUDA graph (after the sweep: a failed capture cannot spoil it)
-    if device.type == "cuda":
+    # 6. graphs off: the verify step as a replayed CUDA graph (after the sweep: a failed capture cannot spoil it)
+    if device.type == "cuda" and runner is None:
         for row in floor_rows:
             if row["requests"] > FLOOR_MAX_REQUESTS:
                 continue
@@ -963,8 +1085,11 @@ def main(argv: list[str] | None = None) -> int:
         f"demo pair inflated to {args.shape} ({args.dtype}), {results['machine'].split(',')[0]}, T={args.temperature}"
     )
     if results["cells"]:
-        plot_throughput(results["cells"], results.get("hf_generate"), args.out_dir / FILES["throughput"], title)
-        plot_budget(results["cells"], block, args.out_dir / FILES["budget"], title)
+        means = list(mean_cells(results["cells"]).values())
+        results["mean_cells"] = means
+        report.save()
+        plot_throughput(means, results.get("hf_generate"), args.out_dir / FILES["throughput"], title)
+        plot_budget(means, block, args.out_dir / FILES["budget"], title)
     report.log(f"wrote {', '.join(sorted(p.name for p in args.out_dir.iterdir()))}")
     report.raw("\n".join(final_table(results)))
     report.close()

@@ -38,10 +38,14 @@ from scheduler.engine import SpeculativeEngine
 def _stub_steps(engine: SpeculativeEngine) -> None:
     """Make every graph step return the outputs of its last real run (recorded by running it once now)."""
     steps: list[GraphStep] = []
-    steps += list(engine.verify.graphs.steps.values())
     if engine.draft is not None:
         steps += list(engine.draft.graphs.steps.values()) + list(engine.draft.graphs.append_steps.values())
     for step in steps:
+        outputs = step.fn()
+        step.fn = lambda outputs=outputs: outputs
+    runner = engine.verify.graphs
+    for key, step in runner.steps.items():  # each ragged bucket runs on an all-padding batch of its own shape
+        runner.pad_for(key)
         outputs = step.fn()
         step.fn = lambda outputs=outputs: outputs
     # The recorded verify results come from all-padding batches (nothing accepted): make them look like a

@@ -28,7 +28,7 @@ import torch
 from cluster.graphs import DEFAULT_BUCKETS, check_graph_mode
 from cluster.sampling import SamplingParams
 from kernels.rejection import RejectionOutput, rejection_sample_reference
-from verify_service.graphs import VerifyGraphRunner
+from verify_service.graphs import GraphItem, VerifyGraphRunner
 from verify_service.kv_cache import KVCapacityError, NoFreeSlotError
 from verify_service.target import TargetModel
 
@@ -147,10 +147,13 @@ _SLOT = operator.attrgetter("slot")
 class VerifyEngine:
     """Holds the target and the KV cache of every running request on this replica.
 
-    ``graphs``: how verify-only steps run (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the bucketed
-    CUDA-graph layout run eagerly; any device) or ``capture`` (one CUDA graph per bucket, replayed). Steps with
-    prefills always run eagerly. The bucketed modes need ``max_drafts`` (the drafter's block size gamma) and
-    ``draft_top_k`` (the widest sparse draft distribution) and reserve one extra KV slot as the padding slot.
+    ``graphs``: how steps run (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the token-bucketed CUDA-graph
+    layout of :mod:`verify_service.graphs` run eagerly; any device) or ``capture`` (one CUDA graph per bucket,
+    replayed). A step takes the graph path when it fits a bucket: every verify-only step of up to
+    ``max_requests`` requests, and steps with joining prompts whose tokens fit the room left by the verify chunks
+    plus ``graph_prefill_rows``; larger steps run eagerly. The bucketed modes need ``max_drafts`` (the drafter's
+    block size gamma) and ``draft_top_k`` (the widest sparse draft distribution) and reserve one extra KV slot as
+    the padding slot.
     """
 
     def __init__(
@@ -164,6 +167,7 @@ class VerifyEngine:
         max_drafts: int | None = None,
         draft_top_k: int = 16,
         graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+        graph_prefill_rows: int = 0,
     ) -> None:
         if max_requests < 1 or max_seq_len < 2:
             raise ValueError("VerifyEngine: max_requests must be >= 1 and max_seq_len >= 2")
@@ -198,6 +202,7 @@ class VerifyEngine:
                 mode=graphs,
                 sampler=self._sampler,
                 buckets=graph_buckets,
+                prefill_rows=graph_prefill_rows,
             )
 
     # ----------------------------------------------------------------------------------------- bookkeeping
@@ -248,10 +253,13 @@ class VerifyEngine:
         if not prefills and not verifies:
             return []
         checked = self._validate(prefills, verifies)
-        if not prefills and self._bucketed(verifies, checked):
-            return self._run_bucketed(verifies, checked)
+        bucketed = self._bucketed(prefills, verifies, checked)
+        if bucketed and not prefills:
+            return self._run_bucketed(prefills, verifies, checked)
         new_slots = self._allocate(prefills)
         try:
+            if bucketed:
+                return self._run_bucketed(prefills, verifies, checked)
             return self._run(prefills, verifies)
         except Exception:
             for req_id in new_slots:
@@ -429,7 +437,9 @@ class VerifyEngine:
             results.append(StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, features))
         return results
 
-    def _bucketed(self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies) -> bool:
+    def _bucketed(
+        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], checked: _CheckedVerifies
+    ) -> bool:
         if self.graphs is None:
             return False
         widths = [
@@ -437,10 +447,65 @@ class VerifyEngine:
             for v in verifies
             if v.draft_probs is not None and len(v.draft_tokens)
         ] if checked.any_distribution else []
-        return self.graphs.fits(len(verifies), 1 + int(checked.num_drafts.max()), max(widths, default=0))
+        lengths = [(len(p.token_ids), True) for p in prefills]
+        lengths += [(1 + n, False) for n in checked.num_drafts.tolist()]
+        return self.graphs.fits(lengths, max(widths, default=0))
 
-    def _run_bucketed(self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies) -> StepResults:
-        """A verify-only step through the graph runner (same results as ``_run``, bucketed layout)."""
+    def _run_bucketed(
+        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], checked: _CheckedVerifies
+    ) -> Sequence[StepResult]:
+        """A step through the ragged graph runner (same results as ``_run``): :class:`StepResults` for a
+        verify-only step, a list (prefills first) when prompts join; the prefills' slots are allocated already."""
+        assert self.graphs is not None
+        slots = checked.slots
+        num_drafts = checked.num_drafts.tolist()
+        if not prefills:
+            return self._run_bucketed_verify(verifies, checked, num_drafts)
+        lengths = checked.lengths.tolist()
+        sampling_float = self._sampling_float[slots].tolist()
+        sampling_int = self._sampling_int[slots].tolist()
+        tokens = checked.tokens.tolist()
+        num = len(verifies)
+        items = []
+        for p in prefills:
+            entry = self._requests[p.req_id]
+            items.append(
+                GraphItem(entry.slot, 0, list(p.token_ids), _params(entry), prefill=True, sample=p.anchor is None)
+            )
+        offset = num
+        for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True)):
+            n = num_drafts[r]
+            dist = None if e.greedy or v.draft_probs is None or not n else (v.draft_prob_ids, v.draft_probs)
+            (temperature, top_p), (top_k, seed) = sampling_float[r], sampling_int[r]
+            chunk = [tokens[r], *tokens[offset : offset + n]]
+            offset += n
+            items.append(GraphItem(int(slots[r]), lengths[r], chunk, (temperature, int(top_k), top_p, int(seed)), dist))
+        out = self.graphs.run(items)
+        k = len(prefills)
+        accepted = out.num_accepted[k:]
+        if not all(0 <= a <= n for a, n in zip(accepted, num_drafts, strict=True)):
+            raise RuntimeError(f"the verify step accepted {accepted} of {num_drafts} drafts")
+        # The slots are this step's (allocated, distinct) and each had room for all its drafts (validated).
+        if num:
+            self.cache.set_lengths(slots, checked.lengths + 1 + np.asarray(accepted, dtype=np.int64))
+        prefill_slots = np.array([self._requests[p.req_id].slot for p in prefills], dtype=np.int64)
+        self.cache.set_lengths(prefill_slots, np.array([len(p.token_ids) for p in prefills], dtype=np.int64))
+        results = [
+            StepResult(p.req_id, 0, 0, tokens, 0, rows)
+            for p, tokens, rows in zip(prefills, out.tokens, out.features, strict=False)
+        ]
+        results += [
+            StepResult(v.req_id, n, a, t, start, rows)
+            for v, n, a, t, start, rows in zip(
+                verifies, num_drafts, accepted, out.tokens[k:], lengths, out.features[k:], strict=True
+            )
+        ]
+        return results
+
+    def _run_bucketed_verify(
+        self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies, num_drafts: list[int]
+    ) -> StepResults:
+        """A verify-only step through the graph runner straight from the checked arrays (the common round)."""
         assert self.graphs is not None
         slots = checked.slots
         sampled = []
@@ -450,7 +515,7 @@ class VerifyEngine:
                 for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True))
                 if not e.greedy and v.draft_probs is not None and len(v.draft_tokens)
             ]
-        out = self.graphs.run(
+        accepted, tokens, kept = self.graphs.run_verify(
             slots,
             checked.lengths,
             checked.tokens,
@@ -459,11 +524,10 @@ class VerifyEngine:
             self._sampling_int[slots],
             sampled,
         )
-        num_drafts = checked.num_drafts.tolist()
         req_ids = [v.req_id for v in verifies]
-        results = StepResults(req_ids, num_drafts, out.num_accepted, out.tokens, checked.lengths.tolist(), out.features)
-        if not all(0 <= a <= n for a, n in zip(out.num_accepted, num_drafts, strict=True)):
-            raise RuntimeError(f"the verify step accepted {out.num_accepted} of {num_drafts} drafts")
+        results = StepResults(req_ids, num_drafts, accepted, tokens, checked.lengths.tolist(), kept)
+        if not all(0 <= a <= n for a, n in zip(accepted, num_drafts, strict=True)):
+            raise RuntimeError(f"the verify step accepted {accepted} of {num_drafts} drafts")
         # The slots are this step's (allocated, distinct) and each had room for all its drafts (validated).
         self.cache.set_lengths(slots, checked.lengths + np.array(results.feature_counts))
         return results
@@ -538,6 +602,10 @@ class VerifyEngine:
 def _is_int_type(kind: type) -> bool:
     """What :func:`_check_ids` accepts as a token id: an int or numpy integer, never a bool."""
     return issubclass(kind, int | np.integer) and not issubclass(kind, bool)
+
+
+def _params(entry: _Slot) -> tuple[float, int, float, int]:
+    return (entry.params.temperature, entry.params.top_k, entry.params.top_p, entry.seed)
 
 
 def _check_ids(req_id: str, ids: Sequence[int], vocab: int) -> None:

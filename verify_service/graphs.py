@@ -1,17 +1,24 @@
-"""The bucketed verify step: target pass + rejection sampling for R requests, replayable as one CUDA graph.
+"""The ragged verify step: target pass + rejection sampling over a token-bucketed batch, replayable as a CUDA graph.
 
-Layout (static for a bucket of B requests, W = max_drafts + 1 rows each): request r owns rows r*W .. r*W+W-1
-of the flattened batch and fills the first ``query_len`` of them with [anchor, x_1..x_l]; the other rows, and
-the requests r >= R that only pad the bucket, are padding whose K/V go to a reserved dummy slot (see
-:meth:`CachedAttentionMetadata.bucketed`). Everything the step needs lives in device buffers the host fills
-with one copy per dtype; the step itself never reads a device value on the host.
+Layout. A step's work is cut into *chunks* of at most W = max_drafts + 1 rows, each with its own slot and start
+position: a verify item is one chunk ``[anchor, x_1..x_l]``; a prefill of P tokens is its first P - 1 tokens in
+chunks of W (scored greedily and discarded: they only write K/V and features) plus a one-row chunk for the last
+token, which samples the request's first token. Chunks are flattened back to back (no per-request padding), so
+a step costs what the tokens it verifies cost. Within one layer every row's K/V is stored before attention
+reads the slots, so a prefill chunk sees the chunks before it in the same pass: chunked prefill in one pass.
 
-The rejection sampler wants a ragged layout with N + R target rows. Inside the step the real rows are
-gathered into that layout and one extra greedy request (the "sink") takes all the draft slots the real
-requests did not use, so the sampler sees static sizes (N = B * max_drafts drafts, B + 1 requests) while
-every real request gets exactly its own l_r drafts. Results are packed into one [B, 1 + W] int64 tensor
-(accepted count, then the emitted tokens), copied to the host once; the context features of the committed
-rows (anchor + accepted drafts) are compacted on the device, request after request.
+Buckets. The static shapes are (A, T) = (chunks, rows). A batch of a chunks and t rows takes the smallest bucket
+with A >= a and T >= t + (A - a) + 1: each of the A - a padding chunks owns one row, and one extra greedy
+request (the "sink") takes the remaining rows, so the rejection sampler sees static sizes (T rows, A + 1
+requests, T - A - 1 drafts) and the flattened rows are already its layout (request c's target rows start at
+row qs[c] = cu[c] + c). Padding and sink rows write their K/V into position 0 of a reserved dummy slot, which
+nothing reads (padding chunks attend over nothing). Row buckets grow by about 1.5x, so padding costs at most
+a third of a step, and the profiled SPS curve has the shape of the real one.
+
+Everything the step needs lives in device buffers the host fills with one copy per dtype; the step never reads
+a device value on the host. Results are packed into one [A, 1 + W] int64 tensor (accepted count, then the
+emitted tokens), copied to the host once; the features of the kept rows (a verify chunk's anchor + accepted
+drafts, a prefill's every row) are compacted on the device, chunk after chunk.
 """
 
 from __future__ import annotations
@@ -19,34 +26,67 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, GraphStep, StagingFence, bucket_sizes, pick_bucket, pinned_empty
+from cluster.graphs import DEFAULT_BUCKETS, GraphStep, StagingFence, bucket_sizes, pinned_empty
 from kernels.rejection import RejectionOutput
 from verify_service.attention import CachedAttentionMetadata
 from verify_service.kv_cache import SlotKVCache
 from verify_service.target import TargetModel
 
 Sampler = Callable[..., RejectionOutput]
+Params = tuple[float, int, float, int]  # temperature, top_k, top_p, seed
+_GREEDY: Params = (0.0, 0, 1.0, 0)
 
 
 @dataclass(frozen=True)
-class BucketedVerifyOutput:
-    """Results of one bucketed step, per request in call order.
+class GraphItem:
+    """One request's work in a ragged step.
 
-    ``features``: the committed rows (anchor + accepted drafts, 1 + num_accepted[r] each) of every request
-    back to back, a fresh tensor; None without feature layers.
+    Verify (``prefill`` False): ``tokens`` = [anchor, drafts...] at positions ``start`` onward, ``dist`` the sparse
+    draft distribution (ids, probs) [l, <=K] or None (greedy). Prefill: ``tokens`` = the prompt (``start`` 0 for
+    a fresh slot); ``sample`` False for a re-prefill whose anchor is known (nothing is sampled).
     """
+
+    slot: int
+    start: int
+    tokens: Sequence[int]
+    params: Params
+    dist: tuple[torch.Tensor, torch.Tensor] | None = None
+    prefill: bool = False
+    sample: bool = True
+
+
+@dataclass(frozen=True)
+class RaggedVerifyOutput:
+    """Per item in call order: accepted drafts (0 for a prefill), emitted tokens, and the kept features (a
+    verify: anchor + accepted drafts; a prefill: every prompt row), or None without feature layers."""
 
     num_accepted: list[int]
     tokens: list[list[int]]
-    features: torch.Tensor | None
+    features: list[torch.Tensor | None]
+    kept: torch.Tensor | None  # every item's kept rows back to back (``features`` are views of it)
+
+
+def row_buckets(low: int, high: int) -> list[int]:
+    """Row counts in [low, high]: 2^k and 3 * 2^(k-1) (steps of at most 1.5x), and ``high`` itself."""
+    grid = {high}
+    value = 1
+    while value < high:
+        grid |= {value, 3 * value // 2} if value > 1 else {1}
+        value *= 2
+    return sorted(v for v in grid if low <= v <= high)
 
 
 class VerifyGraphRunner:
-    """Static buffers and one (captured) step per bucket size for a VerifyEngine's target and KV cache."""
+    """Static buffers and one (captured) step per (chunks, rows) bucket for a VerifyEngine's target and KV cache.
+
+    ``max_requests`` verify chunks of up to W rows always fit; ``prefill_rows`` more rows (and the chunks they
+    make) are room for prompts joining in the same step. Larger steps run eagerly (``fits`` says which).
+    """
 
     def __init__(
         self,
@@ -60,230 +100,353 @@ class VerifyGraphRunner:
         mode: str,
         sampler: Sampler,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
+        prefill_rows: int = 0,
     ) -> None:
         if max_drafts < 1 or draft_top_k < 1:
             raise ValueError("VerifyGraphRunner: max_drafts and draft_top_k must be >= 1")
         if cache.max_seq_len < max_drafts + 1:
             raise ValueError("VerifyGraphRunner: the KV slots are shorter than one verify chunk")
+        if prefill_rows < 0:
+            raise ValueError(f"VerifyGraphRunner: prefill_rows must be >= 0, got {prefill_rows}")
         self.target = target
         self.cache = cache
         self.dummy_slot = dummy_slot
         self.gamma = max_drafts
-        self.width = max_drafts + 1
+        self.width = width = max_drafts + 1
         self.draft_top_k = draft_top_k
-        self.sizes = bucket_sizes(max_requests, buckets)
         self.sampler = sampler
         self.device = target.device
         self.backend = "triton" if self.device.type == "cuda" else "reference"
         self.timed = False
-        top = self.sizes[-1]
-        width, gamma = self.width, self.gamma
-        # One int64 staging buffer whose tail holds the float32 fields (a float32 view of it): the host fills it
-        # and one copy moves all the inputs to the device.
-        self._int_fields = {
-            "ids": top * width,
-            "slots": top,
-            "context_lens": top,
-            "query_lens": top,
-            "top_k": top,
-            "seeds": top,
-            "dist_rows": top * gamma,
+        self.replays = 0  # steps run through the runner (for reports: how many rounds took the graph path)
+        self.max_rows = max_requests * width + 1 + prefill_rows
+        max_chunks = max_requests + 2 * -(-prefill_rows // width)
+        self.chunk_sizes = bucket_sizes(max_chunks, buckets)
+        self.buckets: dict[int, list[int]] = {
+            a: row_buckets(a + 1, min(a * width + 1, self.max_rows)) for a in self.chunk_sizes
         }
-        self._float_fields = {"temperature": top, "top_p": top}
-        num_int, num_float = sum(self._int_fields.values()), sum(self._float_fields.values())
-        self._host_int = pinned_empty((num_int + (num_float + 1) // 2,), torch.int64, self.device)
+        top_a, top_t = self.chunk_sizes[-1], self.max_rows
+        # One int64 and one float32 buffer, each filled from pinned host memory with a single copy.
+        self._int_fields = {
+            "ids": top_t,
+            "token_slots": top_t,
+            "positions": top_t,
+            "row_chunk": top_t,
+            "row_k": top_t,
+            "drafts": top_t,
+            "dist_rows": top_t,
+            "slots": top_a,
+            "starts": top_a + 1,
+            "query_starts": top_a,
+            "query_lens": top_a,
+            "cu": top_a + 2,
+            "keep": top_a + 1,
+            "top_k": top_a + 1,
+            "seeds": top_a + 1,
+        }
+        self._float_fields = {"temperature": top_a + 1, "top_p": top_a + 1}
+        self._host_int = pinned_empty((sum(self._int_fields.values()),), torch.int64, self.device)
+        self._host_float = pinned_empty((sum(self._float_fields.values()),), torch.float32, self.device)
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
-        self._host_float = self._host_int[num_int:].view(torch.float32)[:num_float]
-        self._dev_float = self._dev_int[num_int:].view(torch.float32)[:num_float]
+        self._dev_float = torch.zeros_like(self._host_float, device=self.device)
         self._fence = StagingFence(self.device)
         self.host = _split(self._host_int.numpy(), self._int_fields) | _split(
             self._host_float.numpy(), self._float_fields
         )
         self.dev = _split(self._dev_int, self._int_fields) | _split(self._dev_float, self._float_fields)
-        self.dist_ids = torch.zeros((top * gamma, draft_top_k), dtype=torch.int64, device=self.device)
-        self.dist_probs = torch.zeros((top * gamma, draft_top_k), dtype=torch.float32, device=self.device)
-        # Warm-up and capture run the step for real: with every request padding, it only writes the dummy slot.
-        self._fill_padding(top)
-        # Every field of the staging buffer at its padding value: one copy resets it before each step.
-        self._host_np = self._host_int.numpy()
-        self._padding = self._host_np.copy()
-        self._upload()
+        self.dist_ids = torch.zeros((top_t, draft_top_k), dtype=torch.int64, device=self.device)
+        self.dist_probs = torch.zeros((top_t, draft_top_k), dtype=torch.float32, device=self.device)
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
-        self.steps: dict[int, GraphStep] = {}
-        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
-            self.steps[size] = GraphStep(partial(self._step, size), mode, pool)
+        self.steps: dict[tuple[int, int], GraphStep] = {}
+        keys = [(a, t) for a in self.chunk_sizes for t in self.buckets[a]]
+        for key in sorted(keys, key=lambda k: (k[1], k[0]), reverse=True):  # largest first: reuse its pool memory
+            self.pad_for(key)  # warm-up and capture run the step for real: on padding, they write the dummy slot
+            self.steps[key] = GraphStep(partial(self._step, *key), mode, pool)
 
     # ------------------------------------------------------------------------------------------------ host
-    def fits(self, num_requests: int, max_chunk: int, max_dist_width: int) -> bool:
-        """Whether a verify-only batch can take the bucketed path (else the engine runs it eagerly)."""
-        return (
-            1 <= num_requests <= self.sizes[-1]
-            and max_chunk <= self.width
-            and max_dist_width <= self.draft_top_k
-        )
+    def pad_for(self, key: tuple[int, int]) -> None:
+        """Fill the device buffers with an all-padding batch of bucket ``key`` (a valid step of that shape)."""
+        self._fence.wait_before_write()
+        self._pack([], *key)
+        self._upload()
+
+    def bucket(self, num_chunks: int, num_rows: int) -> tuple[int, int] | None:
+        """The smallest (chunks, rows) bucket holding a batch, or None (then the engine runs it eagerly)."""
+        for a in self.chunk_sizes:
+            if a < num_chunks:
+                continue
+            need = num_rows + (a - num_chunks) + 1
+            for t in self.buckets[a]:
+                if t >= need:
+                    return a, t
+        return None
+
+    def chunk_count(self, item_len: int, prefill: bool) -> int:
+        """Chunks an item takes: a verify item one; a prefill of P tokens ceil((P - 1) / W) + 1."""
+        return 1 + (-(-(item_len - 1) // self.width) if prefill else 0)
+
+    def fits(self, lengths: Sequence[tuple[int, bool]], max_dist_width: int) -> bool:
+        """Whether items of (token count, is a prefill) can take the graph path (verify chunks must fit W)."""
+        if not lengths or max_dist_width > self.draft_top_k:
+            return False
+        if any(n > self.width for n, prefill in lengths if not prefill):
+            return False
+        chunks = sum(self.chunk_count(n, prefill) for n, prefill in lengths)
+        return self.bucket(chunks, sum(n for n, _ in lengths)) is not None
 
     @property
     def step_time_s(self) -> float:
         """Accumulated time inside the step (device time of the graph replays) while ``timed`` was set."""
         return sum(step.time_s for step in self.steps.values())
 
-    def run(
+    def run(self, items: Sequence[GraphItem]) -> RaggedVerifyOutput:
+        """Run the items in one step. The caller has validated everything (VerifyEngine._validate), allocated
+        the prefills' slots, and advances the slot lengths after (a verify by 1 + accepted, a prefill by P)."""
+        chunks = self._chunks(items)
+        num_rows = sum(len(c[2]) for c in chunks)
+        key = self.bucket(len(chunks), num_rows)
+        if key is None:
+            raise ValueError(f"{len(chunks)} chunks / {num_rows} rows exceed the largest bucket")
+        self._fence.wait_before_write()
+        packed, features = self._replay(key, *self._pack(chunks, *key))
+        result = packed[: len(chunks)].cpu().numpy()  # the one device -> host copy (and wait) of the step
+        self.steps[key].settle_timing()
+        accepted = result[:, 0]
+        counts = [len(c[2]) if c[3] >= 0 else 1 + int(a) for c, a in zip(chunks, accepted, strict=True)]
+        kept = None if features is None else features[: sum(counts)].clone()
+        out_accepted, out_tokens, out_features = [], [], []
+        chunk, row = 0, 0
+        for item in items:
+            n_chunks = self.chunk_count(len(item.tokens), item.prefill)
+            last = chunk + n_chunks - 1
+            a = 0 if item.prefill else int(accepted[last])
+            tokens = result[last, 1 : 2 + a].tolist() if item.sample or not item.prefill else []
+            n_kept = sum(counts[chunk : last + 1])
+            out_accepted.append(a)
+            out_tokens.append(tokens)
+            out_features.append(None if kept is None else kept[row : row + n_kept])
+            chunk, row = last + 1, row + n_kept
+        return RaggedVerifyOutput(out_accepted, out_tokens, out_features, kept)
+
+    def run_verify(
         self,
         slots: np.ndarray,
-        context_lens: np.ndarray,
+        starts: np.ndarray,
         tokens: np.ndarray,
         num_drafts: np.ndarray,
         sampling_float: np.ndarray,
         sampling_int: np.ndarray,
         dists: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
-    ) -> BucketedVerifyOutput:
-        """Verify request r's anchor ``tokens[r]`` and its ``num_drafts[r]`` drafts (``tokens[R:]`` holds every
-        request's drafts back to back) given its slot, cached length (int64 [R] each), (temperature, top_p)
-        float32 [R, 2] and (top_k, seed) int64 [R, 2], and the sparse draft distributions (r, ids, probs)
-        [l_r, <=K] of the requests that sample (greedy ones need none).
-
-        The caller has validated everything (VerifyEngine._validate) and advances the slot lengths after.
-        """
-        num = len(slots)
-        size = pick_bucket(num, self.sizes)
-        if size is None:
-            raise ValueError(f"{num} requests exceed the largest bucket {self.sizes[-1]}")
+    ) -> tuple[list[int], list[list[int]], torch.Tensor | None]:
+        """A verify-only step from arrays (the common round, without per-item Python): request r's anchor
+        ``tokens[r]`` and its ``num_drafts[r]`` drafts (``tokens[R:]``: every request's drafts back to back) at
+        slot ``slots[r]`` from position ``starts[r]``, (temperature, top_p) float32 [R, 2], (top_k, seed) int64
+        [R, 2], sparse draft distributions (r, ids, probs) of the requests that sample. Returns accepted counts,
+        emitted tokens and the committed features (1 + accepted rows per request, back to back)."""
+        num = slots.size
+        lens = num_drafts + 1
+        total = int(lens.sum())
+        key = self.bucket(num, total)
+        if key is None or int(lens.max()) > self.width:
+            raise ValueError(f"{num} verify chunks / {total} rows do not fit a bucket")
+        ids = np.empty(total, dtype=np.int64)
+        anchor_rows = np.cumsum(lens) - lens
+        is_anchor = np.zeros(total, dtype=bool)
+        is_anchor[anchor_rows] = True
+        ids[anchor_rows] = tokens[:num]
+        ids[~is_anchor] = tokens[num:]
         self._fence.wait_before_write()
-        np.copyto(self._host_np, self._padding)
-        host, width, gamma = self.host, self.width, self.gamma
-        host["slots"][:num] = slots
-        host["context_lens"][:num] = context_lens
-        host["temperature"][:num] = sampling_float[:, 0]
-        host["top_p"][:num] = sampling_float[:, 1]
-        host["top_k"][:num] = sampling_int[:, 0]
-        host["seeds"][:num] = sampling_int[:, 1]
-        host["query_lens"][:num] = num_drafts + 1
-        ids = host["ids"][: num * width].reshape(num, width)
-        ids[:, 0] = tokens[:num]
-        flat = tokens[num:]
-        total = flat.size
-        if total == num * gamma:  # every request verifies its whole block
-            ids[:, 1:] = flat.reshape(num, gamma)
-        elif total:
-            first = np.cumsum(num_drafts) - num_drafts
-            columns = np.arange(1, total + 1) - np.repeat(first, num_drafts)
-            ids[np.repeat(np.arange(num), num_drafts), columns] = flat
-        dist_ids: list[torch.Tensor] = []
-        dist_probs: list[torch.Tensor] = []
-        dist_rows: list[int] = []
-        for r, prob_ids, probs in dists:
-            wide_ids, wide_probs = _widen(prob_ids, probs, self.draft_top_k)
-            dist_ids.append(wide_ids)
-            dist_probs.append(wide_probs)
-            dist_rows.extend(range(r * gamma, r * gamma + int(num_drafts[r])))
-        host["dist_rows"][: len(dist_rows)] = dist_rows
+        params = (sampling_float[:, 0], sampling_int[:, 0], sampling_float[:, 1], sampling_int[:, 1])
+        self._pack_layout(slots, starts, lens, ids, np.full(num, -1, dtype=np.int64), params, *key)
+        dist_rows, dist_ids, dist_probs = self._pack_dists(dists, lens)
+        packed, features = self._replay(key, dist_rows, dist_ids, dist_probs)
+        result = packed[:num].cpu().numpy()  # the one device -> host copy (and wait) of the step
+        self.steps[key].settle_timing()
+        accepted = result[:, 0].tolist()
+        rows = result[:, 1:].tolist()
+        emitted = [row[: 1 + a] for row, a in zip(rows, accepted, strict=True)]
+        kept = None if features is None else features[: num + sum(accepted)].clone()
+        return accepted, emitted, kept
+
+    def _replay(
+        self, key: tuple[int, int], dist_rows: int, dist_ids: list[torch.Tensor], dist_probs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Upload the staged batch and run the bucket's step (replay its graph)."""
         self._upload()
         if dist_rows:
-            index = self.dev["dist_rows"][: len(dist_rows)]
+            index = self.dev["dist_rows"][:dist_rows]
             with torch.no_grad():  # the caller's tensors may carry grad; the static buffers never do
                 self.dist_ids.index_copy_(0, index, torch.cat(dist_ids).to(self.device))
                 self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
-        step = self.steps[size]
-        packed, features = step(self.timed)
-        result = packed[:num].cpu().numpy()  # the one device -> host copy (and wait) of the step
-        step.settle_timing()
-        accepted = result[:, 0].tolist()
-        rows = result[:, 1:].tolist()
-        tokens = [row[: 1 + a] for row, a in zip(rows, accepted, strict=True)]
-        kept = None if features is None else features[: num + sum(accepted)].clone()
-        return BucketedVerifyOutput(accepted, tokens, kept)
+        self.replays += 1
+        return self.steps[key](self.timed)
 
-    def _fill_padding(self, size: int) -> None:
-        """Every request of the bucket padding: one anchor row in the dummy slot, greedy, no drafts."""
+    def _chunks(self, items: Sequence[GraphItem]) -> list[tuple]:
+        """(slot, start, tokens, keep, params, dist) per chunk; keep -1 = anchor + accepted, else that many rows."""
+        chunks: list[tuple] = []
+        width = self.width
+        for item in items:
+            if not item.prefill:
+                chunks.append((item.slot, item.start, item.tokens, -1, item.params, item.dist))
+                continue
+            body = len(item.tokens) - 1
+            for begin in range(0, body, width):
+                piece = item.tokens[begin : min(begin + width, body)]
+                chunks.append((item.slot, item.start + begin, piece, len(piece), _GREEDY, None))
+            params = item.params if item.sample else _GREEDY
+            chunks.append((item.slot, item.start + body, item.tokens[body:], 1, params, None))
+        return chunks
+
+    def _pack(self, chunks: Sequence[tuple], num_chunks: int, num_rows: int):
+        """Fill the host buffers for bucket (num_chunks, num_rows) from chunk tuples; returns the
+        draft-distribution rows to copy (count, ids, probs)."""
+        real = len(chunks)
+        lens = np.array([len(c[2]) for c in chunks], dtype=np.int64)
+        ids = np.fromiter(chain.from_iterable(c[2] for c in chunks), dtype=np.int64, count=int(lens.sum()))
+        params = list(zip(*(c[4] for c in chunks), strict=True)) if real else [(), (), (), ()]
+        self._pack_layout(
+            np.array([c[0] for c in chunks], dtype=np.int64),
+            np.array([c[1] for c in chunks], dtype=np.int64),
+            lens,
+            ids,
+            np.array([c[3] for c in chunks], dtype=np.int64),
+            params,
+            num_chunks,
+            num_rows,
+        )
+        dists = [(c, chunk[5][0], chunk[5][1]) for c, chunk in enumerate(chunks) if chunk[5] is not None]
+        return self._pack_dists(dists, lens)
+
+    def _pack_layout(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        lens: np.ndarray,
+        ids: np.ndarray,
+        keep: np.ndarray,
+        params: Sequence[Sequence],
+        num_chunks: int,
+        num_rows: int,
+    ) -> None:
+        """The real chunks (arrays over them; ``ids`` their tokens back to back; ``params`` the temperature,
+        top_k, top_p and seed columns), then one-row padding chunks, then the sink, into the host buffers."""
         host = self.host
-        host["ids"][: size * self.width] = 0
-        host["slots"][:size] = self.dummy_slot
-        host["context_lens"][:size] = 0
-        host["query_lens"][:size] = 1
-        host["top_k"][:size] = 0
-        host["seeds"][:size] = 0
-        host["temperature"][:size] = 0.0
-        host["top_p"][:size] = 1.0
+        real = lens.size
+        all_lens = np.ones(num_chunks + 1, dtype=np.int64)
+        all_lens[:real] = lens
+        all_lens[num_chunks] = num_rows - int(all_lens[:num_chunks].sum())  # the sink: >= 1 row by the bucket rule
+        qs = np.zeros(num_chunks + 1, dtype=np.int64)
+        np.cumsum(all_lens[:-1], out=qs[1:])
+        host["temperature"][: num_chunks + 1] = 0.0
+        host["top_k"][: num_chunks + 1] = 0
+        host["top_p"][: num_chunks + 1] = 1.0
+        host["seeds"][: num_chunks + 1] = 0
+        if real:
+            host["temperature"][:real] = params[0]
+            host["top_k"][:real] = params[1]
+            host["top_p"][:real] = params[2]
+            host["seeds"][:real] = params[3]  # int64 all the way: seeds need every bit
+        all_slots = np.full(num_chunks + 1, self.dummy_slot, dtype=np.int64)
+        all_slots[:real] = slots
+        all_starts = np.zeros(num_chunks + 1, dtype=np.int64)
+        all_starts[:real] = starts
+        row_chunk = np.repeat(np.arange(num_chunks + 1), all_lens)
+        row_k = np.arange(num_rows) - qs[row_chunk]
+        num_real_rows = ids.size
+        host["ids"][:num_real_rows] = ids
+        host["ids"][num_real_rows:num_rows] = 0
+        host["token_slots"][:num_rows] = all_slots[row_chunk]
+        positions = host["positions"][:num_rows]
+        positions[:num_real_rows] = all_starts[row_chunk[:num_real_rows]] + row_k[:num_real_rows]
+        positions[num_real_rows:] = 0
+        host["row_chunk"][:num_rows] = row_chunk
+        host["row_k"][:num_rows] = row_k
+        num_drafts = num_rows - num_chunks - 1
+        host["drafts"][:num_drafts] = host["ids"][:num_rows][row_k > 0]
+        host["slots"][:num_chunks] = all_slots[:num_chunks]
+        host["starts"][: num_chunks + 1] = all_starts
+        host["query_starts"][:num_chunks] = qs[:num_chunks]
+        query_lens = host["query_lens"][:num_chunks]
+        query_lens[:real] = lens
+        query_lens[real:] = 0  # padding chunks attend over nothing
+        host["cu"][0] = 0
+        np.cumsum(all_lens - 1, out=host["cu"][1 : num_chunks + 2])
+        host["keep"][:real] = keep
+        host["keep"][real : num_chunks + 1] = 0
+
+    def _pack_dists(
+        self, dists: Sequence[tuple[int, torch.Tensor, torch.Tensor]], lens: np.ndarray
+    ) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+        """Sparse draft distributions (chunk, ids, probs) widened to draft_top_k, and their sampler rows."""
+        dist_ids: list[torch.Tensor] = []
+        dist_probs: list[torch.Tensor] = []
+        dist_rows = 0
+        cu = self.host["cu"]
+        for c, prob_ids, probs in dists:
+            n = int(lens[c]) - 1
+            if n < 1:
+                continue
+            wide_ids, wide_probs = _widen(prob_ids, probs, self.draft_top_k)
+            dist_ids.append(wide_ids)
+            dist_probs.append(wide_probs)
+            self.host["dist_rows"][dist_rows : dist_rows + n] = np.arange(cu[c], cu[c] + n)
+            dist_rows += n
+        return dist_rows, dist_ids, dist_probs
 
     def _upload(self) -> None:
-        self._dev_int.copy_(self._host_int, non_blocking=True)  # the float fields too
+        self._dev_int.copy_(self._host_int, non_blocking=True)
+        self._dev_float.copy_(self._host_float, non_blocking=True)
         self._fence.copies_issued()
 
     # ------------------------------------------------------------------------------------------ the step
     @torch.no_grad()
-    def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Device-only: target pass over the bucket, sampler layout, rejection sampling, packed results."""
-        dev, width, gamma = self.dev, self.width, self.gamma
-        device = self.device
-        slots = dev["slots"][:size]
-        context_lens = dev["context_lens"][:size]
-        query_lens = dev["query_lens"][:size]
-        ids = dev["ids"][: size * width]
-        meta = CachedAttentionMetadata.bucketed(
-            slots, context_lens, query_lens, width, self.dummy_slot, self.target.query_groups, self.backend
+    def _step(self, num_chunks: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Device-only: target pass over the flattened rows, rejection sampling, packed results."""
+        dev, width, device = self.dev, self.width, self.device
+        a, t = num_chunks, num_rows
+        num_drafts = t - a - 1
+        meta = CachedAttentionMetadata(
+            token_slots=dev["token_slots"][:t],
+            positions=dev["positions"][:t],
+            slots=dev["slots"][:a],
+            query_groups=self.target.query_groups,
+            padded=None,
+            solo=(),
+            backend=self.backend,
+            context_lens=dev["starts"][:a],
+            query_starts=dev["query_starts"][:a],
+            query_lens=dev["query_lens"][:a],
+            max_query_len=width,
         )
-        out = self.target.run_layers(self.cache, ids, meta)
-
-        # Sampler layout: request r's target rows at cu[r] + r + k (k = 0..l_r), its drafts at cu[r] + k - 1;
-        # the sink request (index `size`) owns the unused draft slots up to size * gamma.
-        k = torch.arange(width, device=device)
-        requests = torch.arange(size, device=device)
-        num_drafts = query_lens - 1
-        cu = torch.zeros(size + 2, dtype=torch.int64, device=device)
-        cu[1 : size + 1] = torch.cumsum(num_drafts, 0)
-        # fill_, never cu[i] = x: on CUDA that writes a host scalar with a copy, which a graph capture refuses.
-        cu[size + 1 :].fill_(size * gamma)
-        real = k[None, :] < query_lens[:, None]  # [B, W]
-        num_rows = size * width + 1
-        row_dest = torch.where(real, cu[:size, None] + requests[:, None] + k[None, :], num_rows)
-        source_row = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
-        source_row.index_copy_(0, row_dest.reshape(-1), torch.arange(size * width, device=device))
-        logits = out.logits[source_row[:num_rows]]
-
-        is_draft = real & (k[None, :] >= 1)
-        draft_dest = torch.where(is_draft, cu[:size, None] + k[None, :] - 1, size * gamma).reshape(-1)
-        draft_tokens = torch.zeros(size * gamma + 1, dtype=torch.int64, device=device)
-        draft_tokens = draft_tokens.index_copy(0, draft_dest, ids)[: size * gamma]
-        # Draft distribution rows: draft j of request r sits at dist row r * gamma + j.
-        dist_dest = draft_dest.view(size, width)[:, 1:].reshape(-1)
-        prob_ids = torch.zeros((size * gamma + 1, self.draft_top_k), dtype=torch.int64, device=device)
-        prob_ids = prob_ids.index_copy(0, dist_dest, self.dist_ids[: size * gamma])[: size * gamma]
-        probs = torch.zeros((size * gamma + 1, self.draft_top_k), dtype=torch.float32, device=device)
-        probs = probs.index_copy(0, dist_dest, self.dist_probs[: size * gamma])[: size * gamma]
-        # The sink's probability rows stay 0: it is greedy, so the sampler never reads them.
-
-        def with_sink(values: torch.Tensor, sink: float) -> torch.Tensor:
-            return torch.cat([values[:size], torch.full((1,), sink, dtype=values.dtype, device=device)])
-
+        out = self.target.run_layers(self.cache, dev["ids"][:t], meta)
         sampled = self.sampler(
-            logits,
-            draft_tokens,
-            probs,
-            cu,
-            with_sink(dev["temperature"], 0.0),
-            with_sink(dev["top_k"], 0),
-            with_sink(dev["top_p"], 1.0),
-            with_sink(dev["seeds"], 0),
-            with_sink(context_lens, 0),
-            draft_prob_ids=prob_ids,
+            out.logits,
+            dev["drafts"][:num_drafts],
+            self.dist_probs[:num_drafts],
+            dev["cu"][: a + 2],
+            dev["temperature"][: a + 1],
+            dev["top_k"][: a + 1],
+            dev["top_p"][: a + 1],
+            dev["seeds"][: a + 1],
+            dev["starts"][: a + 1],
+            draft_prob_ids=self.dist_ids[:num_drafts],
             validate=False,
         )
-        accepted = sampled.num_accepted[:size]
-        first_row = cu[:size] + requests
-        emitted = sampled.output_tokens[(first_row[:, None] + k[None, :]).clamp(max=num_rows - 1)]
-        emitted = torch.where(k[None, :] <= accepted[:, None], emitted, -1)
+        k = torch.arange(width, device=device)
+        accepted = sampled.num_accepted[:a]
+        rows = (dev["query_starts"][:a, None] + k[None, :]).clamp(max=t - 1)
+        emitted = torch.where(k[None, :] <= accepted[:, None], sampled.output_tokens[rows], -1)
         packed = torch.cat([accepted[:, None], emitted], dim=1)
 
         features = None
         if out.features is not None:
-            committed = k[None, :] <= accepted[:, None]  # anchor + accepted drafts
-            counts = accepted + 1
+            keep = dev["keep"][: a + 1]
+            counts = torch.where(keep < 0, sampled.num_accepted + 1, keep)
             offsets = torch.cumsum(counts, 0) - counts
-            feature_dest = torch.where(committed, offsets[:, None] + k[None, :], size * width).reshape(-1)
-            features = torch.zeros(
-                (size * width + 1, out.features.shape[1]), dtype=out.features.dtype, device=device
-            )
-            features = features.index_copy(0, feature_dest, out.features)[: size * width]
+            row_chunk, row_k = dev["row_chunk"][:t], dev["row_k"][:t]
+            dest = torch.where(row_k < counts[row_chunk], offsets[row_chunk] + row_k, t)
+            features = torch.zeros((t + 1, out.features.shape[1]), dtype=out.features.dtype, device=device)
+            features = features.index_copy(0, dest, out.features)[:t]
         return packed, features
 
 

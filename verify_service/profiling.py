@@ -4,15 +4,24 @@ Algorithm 1 needs SPS(B) for the exact replica it schedules. A verify step of B 
 serving: R requests, each verifying a chunk of up to ``chunk`` tokens (anchor + drafts) over a short context, in
 one ragged pass over the slot cache. The slots are scratch: allocated, filled, and released by the profiler, so it
 can run at startup before any request arrives.
+
+Two flavours: :func:`profile_target_sps` times eager ``TargetModel.forward`` passes; :func:`profile_graph_sps`
+times the verify engine's own graph-path step (:mod:`verify_service.graphs`), the step a graph-mode engine runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from cluster.sampling import SamplingParams
 from scheduler.sps import SPSTable, cuda_event_timer, default_batch_grid, profile_sps, wall_clock_timer
+from verify_service.engine import PrefillItem, VerifyEngine
+from verify_service.graphs import GraphItem
 from verify_service.target import TargetModel
 
 
@@ -39,8 +48,12 @@ def profile_target_sps(
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (max_requests, context), generator=generator)
     batch = target.prepare(cache, [(s, prompt[i].tolist()) for i, s in enumerate(slots)])
-    target.forward(cache, batch, logits_rows=torch.empty(0, dtype=torch.int64, device=target.device),
-                   feature_rows=torch.empty(0, dtype=torch.int64, device=target.device))
+    target.forward(
+        cache,
+        batch,
+        logits_rows=torch.empty(0, dtype=torch.int64, device=target.device),
+        feature_rows=torch.empty(0, dtype=torch.int64, device=target.device),
+    )
     drafts = torch.randint(0, target.vocab_size, (max_requests, chunk), generator=generator).tolist()
 
     def run_step(batch_tokens: int) -> None:
@@ -72,3 +85,88 @@ def profile_target_sps(
     finally:
         for slot in slots:
             cache.free(slot)
+
+
+def graph_verify_items(
+    engine: VerifyEngine, batch_tokens: int, chunk: int, context: int
+) -> tuple[list[GraphItem], list[int]]:
+    """Scratch requests for a graph-path verify step of ``batch_tokens`` rows: ceil(B / chunk) requests verifying
+    chunks of up to ``chunk`` tokens, each over ``context`` cached tokens (prefilled through the engine so the
+    cache holds real K/V). Returns the items and the scratch request ids (release them after)."""
+    num = -(-batch_tokens // chunk)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, engine.vocab_size, (num, context), generator=generator).tolist()
+    ids = [f"sps-{i}" for i in range(num)]
+    greedy = SamplingParams(temperature=0.0)
+    for begin in range(0, num, 8):  # a few prompts a pass: big eager prefills are not what is measured
+        engine.step([PrefillItem(ids[i], prompts[i], greedy) for i in range(begin, min(begin + 8, num))])
+    drafts = torch.randint(0, engine.vocab_size, (num, chunk), generator=generator).tolist()
+    items, remaining = [], batch_tokens
+    for i, req_id in enumerate(ids):
+        n = min(chunk, remaining)
+        remaining -= n
+        slot = engine._requests[req_id].slot
+        items.append(GraphItem(slot, engine.cache.length(slot), drafts[i][:n], (0.0, 0, 1.0, 0)))
+    return items, ids
+
+
+def profile_graph_sps(
+    engine: VerifyEngine,
+    *,
+    chunk: int,
+    batch_sizes: Sequence[int],
+    context: int = 64,
+    warmup: int = 2,
+    repeats: int = 7,
+) -> tuple[SPSTable, list[float]]:
+    """SPS(B) of the engine's own graph-path verify step (host packing, replay and result copy: what a round
+    pays), and the device time of the replays alone (seconds, median per B). The runner never advances the
+    slots, so a step repeats exactly; the scratch requests are released after."""
+    runner = engine.graphs
+    if runner is None:
+        raise ValueError("profile_graph_sps needs a VerifyEngine with graphs on")
+    sizes = sorted(int(b) for b in batch_sizes)
+    items, ids = graph_verify_items(engine, max(sizes), chunk, context)
+    device_times: list[float] = []
+
+    def run_step(batch_tokens: int) -> None:
+        num = -(-batch_tokens // chunk)
+        last = batch_tokens - (num - 1) * chunk
+        step = [*items[: num - 1], dataclasses.replace(items[num - 1], tokens=items[num - 1].tokens[:last])]
+        # the verify-only path a round takes: arrays, greedy requests
+        runner.run_verify(
+            np.array([i.slot for i in step], dtype=np.int64),
+            np.array([i.start for i in step], dtype=np.int64),
+            np.array([i.tokens[0] for i in step] + [t for i in step for t in i.tokens[1:]], dtype=np.int64),
+            np.array([len(i.tokens) - 1 for i in step], dtype=np.int64),
+            np.tile(np.array([0.0, 1.0], dtype=np.float32), (num, 1)),
+            np.zeros((num, 2), dtype=np.int64),
+            [],
+        )
+
+    try:
+        table = profile_sps(
+            run_step,
+            sizes,
+            model=str(engine.target.config.name_or_path or "target"),
+            device=str(engine.target.device),
+            dtype=str(engine.target.dtype).removeprefix("torch."),
+            warmup=warmup,
+            repeats=repeats,
+            timer=wall_clock_timer,
+            progress=False,
+        )
+        for b in sizes:
+            times = []
+            for _ in range(repeats):
+                before = runner.step_time_s
+                runner.timed = True
+                run_step(b)
+                runner.timed = False
+                times.append(runner.step_time_s - before)
+            device_times.append(statistics.median(times))
+    finally:
+        runner.timed = False
+        for req_id in ids:
+            engine.release(req_id)
+    return table, device_times

@@ -88,6 +88,8 @@ class TargetModel:
             )
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self._attention_backend: str | None = None
+        self.fused: bool | None = None  # fused layer kernels: None = on CUDA with the triton backend
+        self._fused_layers: list[_FusedLayer] | None = None
 
     @property
     def attention_backend(self) -> str:
@@ -101,6 +103,13 @@ class TargetModel:
         if backend is not None and backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTENTION_BACKENDS}")
         self._attention_backend = backend
+
+    @property
+    def use_fused(self) -> bool:
+        """Whether ``run_layers`` runs the fused layer kernels (:mod:`kernels.fused_layer_triton`)."""
+        if self.fused is not None:
+            return self.fused
+        return self.device.type == "cuda" and self.attention_backend == "triton"
 
     @property
     def query_groups(self) -> int:
@@ -232,6 +241,8 @@ class TargetModel:
         """The model itself over flattened tokens [N] laid out as ``meta`` says: writes their K/V into the
         cache, never touches the host-side lengths and never syncs with the device (with a kernel backend),
         so the CUDA-graph runner captures exactly this. ``forward`` is the checked, bookkeeping wrapper."""
+        if self.use_fused:
+            return self._run_layers_fused(cache, input_ids, meta, logits_rows, feature_rows)
         all_rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         logits_rows = all_rows if logits_rows is None else logits_rows.to(all_rows.device)
         feature_rows = all_rows if feature_rows is None else feature_rows.to(all_rows.device)
@@ -260,6 +271,85 @@ class TargetModel:
         if self.num_layers - 1 in self.feature_layer_ids:
             collected[self.num_layers - 1] = hf.norm(x[feature_rows])
         logits = self.hf_model.lm_head(hf.norm(x[logits_rows])).float()
+        if self.vocab_size < self.logits_width:
+            logits[:, self.vocab_size :] = float("-inf")
+        features = None
+        if self.feature_layer_ids:
+            features = torch.cat([collected[i] for i in self.feature_layer_ids], dim=-1)
+        return TargetOutput(logits=logits, features=features)
+
+    def _fused(self) -> list[_FusedLayer]:
+        """Per layer: the q/k/v and gate/up projections as one weight each (built once; the HF modules' weights
+        become views into them, so nothing is held twice) and the q/k norm weights side by side."""
+        if self._fused_layers is None:
+            layers = []
+            for layer in self.hf_model.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                projections = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+                if any(p.bias is not None for p in projections):
+                    raise ValueError("TargetModel: fused layers need bias-free projections (set fused = False)")
+                qkv = _concat_into_views([attn.q_proj, attn.k_proj, attn.v_proj])
+                gate_up = _concat_into_views([mlp.gate_proj, mlp.up_proj])
+                qk_norm = torch.stack([attn.q_norm.weight, attn.k_norm.weight])
+                layers.append(_FusedLayer(qkv, gate_up, qk_norm))
+            self._fused_layers = layers
+        return self._fused_layers
+
+    def _run_layers_fused(
+        self,
+        cache: SlotKVCache,
+        input_ids: torch.Tensor,
+        meta: CachedAttentionMetadata,
+        logits_rows: torch.Tensor | None,
+        feature_rows: torch.Tensor | None,
+    ) -> TargetOutput:
+        """``run_layers`` with the fused kernels: per layer add+norm, one QKV matmul, norm+rotary+KV store,
+        attention, o_proj, add+norm, one gate/up matmul, silu*up, down_proj (the residual add of the down
+        projection is done by the next layer's add+norm). Same values as the HF-module path, op by op."""
+        from kernels.fused_layer_triton import add_rms_norm, qk_norm_rope_store, silu_mul
+
+        fused = self._fused()
+        all_rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        logits_rows = all_rows if logits_rows is None else logits_rows.to(all_rows.device)
+        feature_rows = all_rows if feature_rows is None else feature_rows.to(all_rows.device)
+        hf = self.hf_model.model
+        num_tokens = input_ids.shape[0]
+        last = self.num_layers - 1
+        x = hf.embed_tokens(input_ids).contiguous()  # the residual stream, updated in place from here on
+        cos, sin = hf.rotary_emb(x, meta.positions[None])
+        cos, sin = cos[0], sin[0]
+        collected: dict[int, torch.Tensor] = {}
+        if -1 in self.feature_layer_ids:
+            collected[-1] = x[feature_rows]
+        delta = None
+        for index, (layer, weights) in enumerate(zip(hf.layers, fused, strict=True)):
+            attn = layer.self_attn
+            norm = layer.input_layernorm
+            h = add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)  # x += the previous layer's MLP
+            if index - 1 in self.feature_layer_ids and index > 0:
+                collected[index - 1] = x[feature_rows]
+            qkv = torch.nn.functional.linear(h, weights.qkv)
+            q = qk_norm_rope_store(
+                qkv,
+                weights.qk_norm,
+                cos,
+                sin,
+                attn.q_norm.variance_epsilon,
+                cache.k[index],
+                cache.v[index],
+                meta.token_slots,
+                meta.positions,
+                self.num_heads,
+                self.num_kv_heads,
+            )
+            o = varlen_cached_attention(q, cache.k[index], cache.v[index], meta, attn.scaling)
+            norm = layer.post_attention_layernorm
+            h = add_rms_norm(x, attn.o_proj(o.reshape(num_tokens, -1)), norm.weight, norm.variance_epsilon)
+            delta = layer.mlp.down_proj(silu_mul(torch.nn.functional.linear(h, weights.gate_up)))
+        h = add_rms_norm(x, delta, hf.norm.weight, hf.norm.variance_epsilon)  # x: the last layer's output
+        if last in self.feature_layer_ids:
+            collected[last] = h[feature_rows]
+        logits = self.hf_model.lm_head(h[logits_rows]).float()
         if self.vocab_size < self.logits_width:
             logits[:, self.vocab_size :] = float("-inf")
         features = None
@@ -336,6 +426,24 @@ class TargetModel:
 
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class _FusedLayer:
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]: q_proj, k_proj, v_proj weights stacked
+    gate_up: torch.Tensor  # [2 I, H]: gate_proj, up_proj weights stacked
+    qk_norm: torch.Tensor  # [2, D]: q_norm, k_norm weights
+
+
+def _concat_into_views(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
+    """Stack the Linear weights along the output axis into one tensor and make each weight a view of it."""
+    stacked = torch.cat([lin.weight.detach() for lin in linears])
+    offset = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(stacked[offset : offset + rows], requires_grad=False)
+        offset += rows
+    return stacked
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:

@@ -177,9 +177,18 @@ def test_bucketed_propose_equals_eager(pair) -> None:
     assert static.topk_probs.shape == (5, drafter.block_size, 6)
 
 
-def _generate(target, drafter, mode: str, temperature: float) -> list[list[int]]:
-    verify = VerifyEngine(target, 12, 96, graphs=mode, max_drafts=drafter.block_size, graph_buckets=BUCKETS)
+def _generate(target, drafter, mode: str, temperature: float, prefill_rows: int = 0) -> list[list[int]]:
+    verify = VerifyEngine(
+        target,
+        12,
+        96,
+        graphs=mode,
+        max_drafts=drafter.block_size,
+        graph_buckets=BUCKETS,
+        graph_prefill_rows=prefill_rows,
+    )
     draft = DraftEngine(drafter, 12, 96, graphs=mode, graph_buckets=BUCKETS)
+    ragged = _count_graph_steps(verify)
     engine = SpeculativeEngine(verify, draft, make_policy("dspark", _sps(), drafter.block_size))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 127, size=int(rng.integers(1, 30))).tolist() for _ in range(20)]
@@ -200,7 +209,37 @@ def _generate(target, drafter, mode: str, temperature: float) -> list[list[int]]
         expected = target.generate(prompts, max_new_tokens=max(max_tokens))
         assert [outputs[r] for r in order] == [e[:m] for e, m in zip(expected, max_tokens, strict=True)]
     assert verify.num_free_slots == 12 and draft.num_free_slots == 12
+    if mode != "off":
+        assert ragged["verify"] > 0 and (ragged["prefill"] > 0 or not prefill_rows), ragged
     return [outputs[r] for r in order]
+
+
+def _count_graph_steps(verify: VerifyEngine) -> dict[str, int]:
+    """Counts of graph-path steps with joining prompts (``run``) and verify-only (``run_verify``)."""
+    counts = {"verify": 0, "prefill": 0}
+    runner = verify.graphs
+    if runner is None:
+        return counts
+    run, run_verify = runner.run, runner.run_verify
+
+    def counted(items):
+        counts["prefill" if any(i.prefill for i in items) else "verify"] += 1
+        return run(items)
+
+    def counted_verify(*args):
+        counts["verify"] += 1
+        return run_verify(*args)
+
+    runner.run, runner.run_verify = counted, counted_verify
+    return counts
+    run = runner.run
+
+    def counted(items):
+        counts["prefill" if any(i.prefill for i in items) else "verify"] += 1
+        return run(items)
+
+    runner.run = counted
+    return counts
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -209,6 +248,109 @@ def test_engine_with_bucketed_steps_equals_eager(pair, temperature: float) -> No
     outputs with and without the bucketed steps, greedy (== target greedy) and sampled (same random numbers)."""
     target, drafter = pair
     assert _generate(target, drafter, "static", temperature) == _generate(target, drafter, "off", temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_with_prefills_in_the_ragged_step_equals_eager(pair, temperature: float) -> None:
+    """Joining prompts chunked into the same ragged step as the verify chunks (up to 40 prompt rows a step):
+    greedy == target greedy == eager, sampled == eager (same random numbers)."""
+    target, drafter = pair
+    assert _generate(target, drafter, "static", temperature, 40) == _generate(target, drafter, "off", temperature)
+
+
+def test_row_buckets_and_bucket_choice(pair) -> None:
+    from verify_service.graphs import row_buckets
+
+    assert row_buckets(2, 9) == [2, 3, 4, 6, 8, 9]
+    assert row_buckets(129, 1025) == [192, 256, 384, 512, 768, 1024, 1025]
+    target, _ = pair
+    engine = VerifyEngine(target, 8, 64, graphs="static", max_drafts=5, graph_buckets=BUCKETS, graph_prefill_rows=24)
+    runner = engine.graphs
+    assert runner is not None and runner.width == 6 and runner.max_rows == 8 * 6 + 1 + 24
+    assert runner.chunk_sizes == (1, 2, 4, 8, 16)
+    # 3 chunks of 10 rows: bucket 4 chunks, >= 10 + 1 padding row + 1 sink row.
+    assert runner.bucket(3, 10) == (4, 12)
+    assert runner.bucket(1, 1) == (1, 2)
+    assert runner.bucket(8, 48) == (8, 49)
+    assert runner.bucket(16, 74) is None
+    # A prefill of 14 tokens: chunks of 6 + 6 + 1 (discarded) and the last token (sampled).
+    assert runner.chunk_count(14, True) == 4 and runner.chunk_count(1, True) == 1 and runner.chunk_count(6, False) == 1
+    assert runner.fits([(14, True), (6, False)], 4)
+    assert not runner.fits([(7, False)], 4)  # wider than a verify chunk
+    assert not runner.fits([(3, False)], 17)  # a draft distribution wider than draft_top_k (16)
+
+
+def test_every_bucket_runs_on_its_padding(pair) -> None:
+    """What capture does on a GPU (warm-up and recording run every bucket's step on all-padding buffers of its
+    own shape): each step is a valid sampler call (offsets match its draft count) and writes only the dummy slot."""
+    target, _ = pair
+    engine = VerifyEngine(target, 4, 32, graphs="static", max_drafts=5, graph_buckets=BUCKETS, graph_prefill_rows=12)
+    runner = engine.graphs
+    assert runner is not None
+    before = engine.cache.k.clone()
+    for key, step in runner.steps.items():
+        runner.pad_for(key)
+        packed, features = step.fn()
+        assert packed.shape == (key[0], 1 + runner.width) and features.shape[0] == key[1]
+        assert bool((packed[:, 0] == 0).all())  # padding chunks have no drafts
+    changed = (engine.cache.k != before).flatten(2).any(-1)  # [layers, slots]
+    assert not bool(changed[:, : runner.dummy_slot].any()) and not bool(changed[:, runner.dummy_slot + 1 :].any())
+
+
+def test_ragged_step_with_prefills_equals_eager(pair) -> None:
+    """One step mixing two prefills (one longer than a chunk, one re-prefill with a known anchor) and verifies
+    (greedy and sampled): same tokens, KV, features and lengths as the eager step."""
+    target, _ = pair
+    seq = 48
+    rng = np.random.default_rng(3)
+    engines = {
+        mode: VerifyEngine(
+            target, 6, seq, graphs=mode, max_drafts=5, draft_top_k=4, graph_buckets=BUCKETS, graph_prefill_rows=40
+        )
+        for mode in ("off", "static")
+    }
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=21)]
+    prompts = [rng.integers(0, 127, size=n).tolist() for n in (5, 11)]
+    joining = rng.integers(0, 127, size=17).tolist()
+    gen = torch.Generator().manual_seed(4)
+    results = {}
+    for mode, engine in engines.items():
+        anchors = [
+            r.tokens[0] for r in engine.step([PrefillItem(f"v{i}", p, params[i]) for i, p in enumerate(prompts)])
+        ]
+        drafts = [[7, 8, 9], [10, 11, 12, 13, 14]]
+        ids = torch.stack([torch.randperm(128, generator=torch.Generator().manual_seed(j))[:4] for j in range(5)])
+        ids[:, 0] = torch.tensor(drafts[1])
+        probs = torch.softmax(torch.randn(5, 4, generator=gen.manual_seed(9)), dim=-1)
+        verifies = [VerifyItem("v0", anchors[0], drafts[0]), VerifyItem("v1", anchors[1], drafts[1], ids, probs)]
+        joins = [
+            PrefillItem("p0", joining, SamplingParams(temperature=1.0, seed=5)),
+            PrefillItem("p1", [3, 4, 5, 6, 7, 8, 9], SamplingParams(temperature=0.0), anchor=42),
+        ]
+        if mode == "static":
+            counts = _count_graph_steps(engine)
+        results[mode] = engine.step(joins, verifies)
+    assert counts == {"verify": 0, "prefill": 1}
+    for a, b in zip(results["off"], results["static"], strict=True):
+        assert (a.req_id, a.tokens, a.num_drafts, a.num_accepted, a.feature_start) == (
+            b.req_id,
+            b.tokens,
+            b.num_drafts,
+            b.num_accepted,
+            b.feature_start,
+        )
+        torch.testing.assert_close(a.features, b.features, atol=1e-5, rtol=1e-5)
+        off, static = engines["off"], engines["static"]
+        slot_a, slot_b = off._requests[a.req_id].slot, static._requests[b.req_id].slot
+        length = off.cache.length(slot_a)
+        assert static.cache.length(slot_b) == length
+        torch.testing.assert_close(
+            off.cache.k[:, slot_a, :length], static.cache.k[:, slot_b, :length], atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            off.cache.v[:, slot_a, :length], static.cache.v[:, slot_b, :length], atol=1e-5, rtol=1e-5
+        )
+    assert results["static"][1].tokens == [] and results["static"][0].features.shape[0] == 17
 
 
 @pytest.mark.gpu
@@ -226,3 +368,5 @@ def test_cuda_graphs_equal_eager(tmp_path: Path, dtype: torch.dtype) -> None:
     greedy = {mode: _generate(target, drafter, mode, 0.0) for mode in ("off", "static", "capture")}
     assert greedy["capture"] == greedy["off"] == greedy["static"]
     assert _generate(target, drafter, "capture", 1.0) == _generate(target, drafter, "static", 1.0)
+    assert _generate(target, drafter, "capture", 0.0, 40) == greedy["off"]
+    assert _generate(target, drafter, "capture", 1.0, 40) == _generate(target, drafter, "static", 1.0, 40)

@@ -150,6 +150,7 @@ def test_step_bodies_on_the_meta_device(tmp_path: Path, spec: PairSpec, real_voc
         mode="static",
         sampler=rejection_sample_reference,
         buckets=BUCKETS,
+        prefill_rows=8,
     )
     draft_cache = drafter.new_context_cache(5, 48)
     draft = DraftGraphRunner(
@@ -164,10 +165,12 @@ def test_step_bodies_on_the_meta_device(tmp_path: Path, spec: PairSpec, real_voc
     assert verify.backend == draft.backend == "reference"
     host = [verify._host_int, verify._host_float, draft._host_int, draft._host_temp, draft._host_where]
     host.append(draft_cache.lengths)
-    for size in (BUCKETS[0], BUCKETS[-1]):  # the bodies differ in shapes only (meta ops run in Python: slow)
-        packed, features = _guarded(verify.steps[size].fn, "meta", host)
-        assert packed.device.type == "meta" and packed.shape == (size, 1 + width)
-        assert features is not None and features.shape == (size * width, target.feature_dim)
+    smallest, largest = min(verify.steps), max(verify.steps)
+    for chunks, rows in (smallest, largest):  # the bodies differ in shapes only (meta ops run in Python: slow)
+        packed, features = _guarded(verify.steps[(chunks, rows)].fn, "meta", host)
+        assert packed.device.type == "meta" and packed.shape == (chunks, 1 + width)
+        assert features is not None and features.shape == (rows, target.feature_dim)
+    for size in (BUCKETS[0], BUCKETS[-1]):
         packed, ids, probs = _guarded(draft.steps[size].fn, "meta", host)
         assert packed.shape == (size, 2 * bs) and ids.shape == probs.shape == (size, bs, top_k)
         assert all(t.device.type == "meta" for t in (packed, ids, probs))

@@ -1,0 +1,227 @@
+"""Fused pieces of a Qwen3 decoder layer for the target's CUDA path: fewer, larger kernels per layer.
+
+A verify step of a few tokens through 36 layers is a couple of thousand tiny kernels when every RMSNorm, rotary
+embedding and activation runs as separate PyTorch ops (HF's RMSNorm alone is ~7 kernels); even replayed as a
+CUDA graph each costs a few microseconds, which at 4B size is more than the weights take to stream. These
+kernels fold each run of elementwise work into one pass over the rows:
+
+* :func:`add_rms_norm`: ``x += delta`` (the residual add) and ``h = RMSNorm(x) * w`` in one kernel;
+* :func:`qk_norm_rope_store`: from the fused QKV projection, per head: q/k RMSNorm, rotary embedding, q written
+  out, k and v stored straight into the slot KV cache at (slot, position);
+* :func:`silu_mul`: ``silu(gate) * up`` from the fused gate/up projection.
+
+Numerics follow HF's modules op by op: every intermediate PyTorch rounds to the model dtype is rounded here too
+(the sums of squares are float32 as in HF, only their order differs), so bf16 results match the unfused path up
+to the last bit in almost every element. Float32 models compute in float32 throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    delta_ptr,
+    w_ptr,
+    h_ptr,
+    stride_x,
+    stride_d,
+    stride_h,
+    H,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * stride_d + cols, mask=ok, other=0.0).to(tl.float32)
+        x = (x + d).to(dtype).to(tl.float32)  # rounded as PyTorch stores an op's result in the model dtype
+        tl.store(x_ptr + row * stride_x + cols, x.to(dtype), mask=ok)
+    var = tl.sum(x * x, axis=0) / H
+    h = (x * tl.math.rsqrt(var + eps)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(h_ptr + row * stride_h + cols, (w * h).to(h_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (when given), then return ``RMSNorm(x) * weight`` (HF Qwen3RMSNorm numerics).
+
+    x, delta: [N, H] with unit stride on the last axis; weight [H]."""
+    num, hidden = x.shape
+    h = torch.empty_like(x)
+    if num == 0:
+        return h
+    has_delta = delta is not None
+    d = delta if delta is not None else x
+    _add_rms_norm_kernel[(num,)](
+        x,
+        d,
+        weight,
+        h,
+        x.stride(0),
+        d.stride(0),
+        h.stride(0),
+        hidden,
+        float(eps),
+        HAS_DELTA=has_delta,
+        BLOCK=triton.next_power_of_2(hidden),
+        num_warps=4,
+    )
+    return h
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    qkv_ptr,
+    stride_qkv,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cs,
+    q_ptr,
+    stride_qn,
+    stride_qh,
+    kc_ptr,
+    vc_ptr,
+    stride_cs_slot,
+    stride_ct,
+    stride_ch,
+    slots_ptr,
+    pos_ptr,
+    eps,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = tl.arange(0, D // 2)
+    dtype = qkv_ptr.dtype.element_ty
+    cos_a = tl.load(cos_ptr + row * stride_cs + half).to(tl.float32)
+    cos_b = tl.load(cos_ptr + row * stride_cs + D // 2 + half).to(tl.float32)
+    sin_a = tl.load(sin_ptr + row * stride_cs + half).to(tl.float32)
+    sin_b = tl.load(sin_ptr + row * stride_cs + D // 2 + half).to(tl.float32)
+    base = qkv_ptr + row * stride_qkv
+    if head < HQ + HKV:  # a q head, or a k head (k heads follow the q heads in the fused projection)
+        is_q = head < HQ
+        x1 = tl.load(base + head * D + half).to(tl.float32)
+        x2 = tl.load(base + head * D + D // 2 + half).to(tl.float32)
+        w_off = tl.where(is_q, 0, D)  # q_norm weight, then k_norm weight, in one [2, D] buffer
+        w1 = tl.load(w_ptr + w_off + half).to(tl.float32)
+        w2 = tl.load(w_ptr + w_off + D // 2 + half).to(tl.float32)
+        var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D
+        r = tl.math.rsqrt(var + eps)
+        # Every intermediate rounded to the model dtype as PyTorch stores it (a no-op for float32 models).
+        n1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        n2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        # HF: q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1); each product rounded, then the sum.
+        a1 = (n1 * cos_a).to(dtype).to(tl.float32)
+        b1 = (-n2 * sin_a).to(dtype).to(tl.float32)
+        a2 = (n2 * cos_b).to(dtype).to(tl.float32)
+        b2 = (n1 * sin_b).to(dtype).to(tl.float32)
+        o1 = a1 + b1
+        o2 = a2 + b2
+        if is_q:
+            q_out = q_ptr + row * stride_qn + head * stride_qh
+            tl.store(q_out + half, o1.to(q_ptr.dtype.element_ty))
+            tl.store(q_out + D // 2 + half, o2.to(q_ptr.dtype.element_ty))
+        else:
+            k_slot = tl.load(slots_ptr + row).to(tl.int64)
+            k_pos = tl.load(pos_ptr + row).to(tl.int64)
+            k_out = kc_ptr + k_slot * stride_cs_slot + k_pos * stride_ct + (head - HQ) * stride_ch
+            tl.store(k_out + half, o1.to(kc_ptr.dtype.element_ty))
+            tl.store(k_out + D // 2 + half, o2.to(kc_ptr.dtype.element_ty))
+    else:  # a v head: stored as is
+        kv = head - HQ - HKV
+        full = tl.arange(0, D)
+        v = tl.load(base + (HQ + HKV + kv) * D + full)
+        v_slot = tl.load(slots_ptr + row).to(tl.int64)
+        v_pos = tl.load(pos_ptr + row).to(tl.int64)
+        v_out = vc_ptr + v_slot * stride_cs_slot + v_pos * stride_ct + kv * stride_ch
+        tl.store(v_out + full, v.to(vc_ptr.dtype.element_ty))
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    qk_norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    token_slots: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """q/k RMSNorm + rotary embedding of the fused projection qkv [N, (Hq + 2 Hkv) * D]; writes k and v into one
+    layer's cache [S, T, Hkv, D] at (token_slots[i], positions[i]) and returns q [N, Hq, D]. cos, sin: [N, D];
+    qk_norm_weight: [2, D] (q_norm's weight, then k_norm's)."""
+    num = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    q = torch.empty((num, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num == 0:
+        return q
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"qk_norm_rope_store: head_dim must be a power of two, got {head_dim}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or qkv.stride(-1) != 1:
+        raise ValueError("qk_norm_rope_store: caches must share strides, last axes must be contiguous")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _qk_norm_rope_store_kernel[(num, num_heads + 2 * num_kv_heads)](
+        qkv,
+        qkv.stride(0),
+        qk_norm_weight.contiguous(),
+        cos,
+        sin,
+        cos.stride(0),
+        q,
+        q.stride(0),
+        q.stride(1),
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        token_slots,
+        positions,
+        float(eps),
+        HQ=num_heads,
+        HKV=num_kv_heads,
+        D=head_dim,
+        num_warps=1,
+    )
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    dtype = gu_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused projection [N, 2 I] (gate first) -> [N, I] (HF: act_fn(gate) * up)."""
+    num, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty((num, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if num == 0:
+        return out
+    block = 1024
+    _silu_mul_kernel[(num, triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+    )
+    return out
