@@ -21,7 +21,7 @@ from model_factory import PairSpec, write_pair
 from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.config import REAL_VOCAB_KEY
-from draft_service.engine import DraftEngine
+from draft_service.engine import ContextItem, DraftEngine
 from draft_service.graphs import DraftGraphRunner
 from draft_service.model import DSparkDraftModel
 from kernels.rejection import rejection_sample_reference
@@ -168,8 +168,9 @@ def test_step_bodies_on_the_meta_device(tmp_path: Path, spec: PairSpec, real_voc
         packed, features = _guarded(verify.steps[size].fn, "meta", host)
         assert packed.device.type == "meta" and packed.shape == (size, 1 + width)
         assert features is not None and features.shape == (size * width, target.feature_dim)
-        packed, ids, probs = _guarded(draft.steps[size].fn, "meta", host)
-        assert packed.shape == (size, 2 * bs) and ids.shape == probs.shape == (size, bs, top_k)
+        packed = _guarded(draft.steps[size].fn, "meta", host)
+        ids, probs = draft._ring_ids, draft._ring_probs  # the step writes its distributions there
+        assert packed.shape == (size, 2 * bs) and ids.shape == probs.shape == (2 * BUCKETS[-1], bs, top_k)
         assert all(t.device.type == "meta" for t in (packed, ids, probs))
         _guarded(draft.append_steps[size].fn, "meta", host)
 
@@ -218,6 +219,11 @@ def test_triton_step_bodies_in_real_rounds(pair: tuple[TargetModel, DSparkDraftM
     ids = [engine.add_request([3 + i, 9, 27, 81], sp) for i, sp in enumerate(params)]
     for _ in range(3):
         engine.step()
+    # The rounds' context appends are done inside the draft steps; a row block longer than a draft step
+    # takes per request runs the append step itself.
+    assert {name.split("[")[0] for name in guarded} == {"verify", "draft"}, guarded
+    rows = torch.randn(drafter.block_size + 2, drafter.config.context_feature_size)
+    draft.append_context([ContextItem(ids[0], draft.context_length(ids[0]), rows)])
     assert {name.split("[")[0] for name in guarded} == {"verify", "draft", "append"}, guarded
     for rid in ids:
         engine.abort(rid)
