@@ -103,7 +103,9 @@ class DraftGraphRunner:
         self.dev = _split(self._dev_int, self._int_fields)
         self.dev["temperature"] = self._dev_temp
         bs = model.block_size
+        # Page-locked result rows; per bucket a view of its first rows made once (a slice is a torch call).
         self._host_result = pinned_empty((top, 2 * bs), torch.float64, self.device)
+        self._result_np = self._host_result.numpy()
         # The two distribution buffers, [2 * top, bs, K] each: the step writes rows parity * top + r.
         self._ring_ids = torch.zeros((2 * top, bs, draft_top_k), dtype=torch.int64, device=self.device)
         self._ring_probs = torch.zeros((2 * top, bs, draft_top_k), dtype=torch.float32, device=self.device)
@@ -132,6 +134,7 @@ class DraftGraphRunner:
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         self.steps: dict[int, GraphStep] = {}
         self.append_steps: dict[int, GraphStep] = {}
+        self._result_views = {size: self._host_result[:size] for size in self.sizes}
         for size in reversed(self.sizes):
             self.steps[size] = GraphStep(partial(self._step, size), mode, pool)
             self.append_steps[size] = GraphStep(partial(self._append_step, size), mode, pool)
@@ -256,14 +259,14 @@ class DraftGraphRunner:
         self._dev_int.copy_(self._host_int, non_blocking=True)  # the temperatures too
         step = self.steps[size]
         packed = step(self.timed)
-        result = self._host_result[:num]
-        result.copy_(packed[:num])  # the one device -> host copy (and wait) of the step
+        self._result_views[size].copy_(packed)  # the one device -> host copy (and wait) of the step
         step.settle_timing()
         for done in self.append_steps.values():
             done.settle_timing()
         bs, top = self.model.block_size, self.sizes[-1]
-        tokens = result[:, :bs].to(torch.int64)
-        conf = result[:, bs:].numpy().copy() if self.has_confidence else None
+        result = self._result_np[:num]
+        tokens = torch.from_numpy(result[:, :bs].astype(np.int64))
+        conf = result[:, bs:].copy() if self.has_confidence else None
         first = parity * top
         ids, probs = self._ring_ids[first : first + num], self._ring_probs[first : first + num]
         return BucketedDraft(tokens=tokens, confidence_logits=conf, topk_ids=ids, topk_probs=probs)
