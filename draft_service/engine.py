@@ -89,8 +89,9 @@ class Proposal:
     tokens [R, gamma] int64 on the host; confidences [R, gamma] float64 in [0, 1] (calibrated c_k, the
     scheduler's input) or None when the drafter has no confidence head; confidence_logits raw [R, gamma] (for
     online calibration); topk_ids / topk_probs [R, gamma, K] on the drafter's device: the sparse draft
-    distribution each token was sampled from. With graphs these are views of a buffer that the second
-    ``propose`` after this one overwrites: consume them (verify, serialize) before then, as a round does.
+    distribution each token was sampled from. With graphs, when every request is greedy (temperature 0: no
+    verification reads its distribution), these are views of the step's static outputs, overwritten by the
+    next ``propose``; otherwise fresh tensors.
     """
 
     req_ids: list[str]

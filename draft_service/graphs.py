@@ -9,8 +9,9 @@ anchor 0 over the reserved dummy slot, whose context is empty) and runs exactly 
 attention kernel, the position-keyed uniforms of :mod:`kernels.rng` and ``sample_block_prepared``. The
 drafted tokens and the raw confidence logits come back in one [B, 2 * bs] float64 tensor (token ids and
 float32 logits are exact in float64), copied to the host once into page-locked memory; the sparse draft
-distributions stay on the device for the verifier, written by the step into one of two alternating buffers
-(no copy outside the graph; a proposal's distributions stay valid until the second propose after it).
+distributions stay on the device for the verifier, copied out of the static outputs only when some request of
+the batch samples: a greedy request's (temperature 0) distribution is read by no verification, so a batch of
+greedy requests only gets views, which the next step overwrites.
 
 Appending: the context rows a verify step committed (at most block_size + 1 per request and round) are
 projected (``fc`` + ``hidden_norm``) and turned into every draft layer's K/V, written at (slot, position). A
@@ -44,8 +45,9 @@ UNIFORM_MAX = 1.0 - 2.0**-24
 
 @dataclass(frozen=True)
 class BucketedDraft:
-    """One bucketed step's drafts for R requests: tokens / confidence logits on the host (fresh), the sparse
-    draft distribution [R, bs, K] on the device (views of a buffer the second next step overwrites)."""
+    """One bucketed step's drafts for R requests: tokens / confidence logits on the host, the sparse draft
+    distribution [R, bs, K] on the device (fresh tensors; views of the static outputs, which the next step
+    overwrites, when every request is greedy)."""
 
     tokens: torch.Tensor
     confidence_logits: np.ndarray | None
@@ -88,7 +90,6 @@ class DraftGraphRunner:
             "append_counts": top,  # the staged context rows this step appends, per request
             "append_offsets": top,  # where they start in context_rows
             "append_starts": top,  # the position of the first one
-            "parity": 1,  # which of the two distribution buffers the step writes
         }
         # One int64 staging buffer; its tail holds the float32 temperatures (a view): one copy uploads everything.
         num_int = sum(self._int_fields.values())
@@ -102,14 +103,9 @@ class DraftGraphRunner:
         self.host["temperature"] = self._host_temp.numpy()
         self.dev = _split(self._dev_int, self._int_fields)
         self.dev["temperature"] = self._dev_temp
-        bs = model.block_size
         # Page-locked result rows; per bucket a view of its first rows made once (a slice is a torch call).
-        self._host_result = pinned_empty((top, 2 * bs), torch.float64, self.device)
+        self._host_result = pinned_empty((top, 2 * model.block_size), torch.float64, self.device)
         self._result_np = self._host_result.numpy()
-        # The two distribution buffers, [2 * top, bs, K] each: the step writes rows parity * top + r.
-        self._ring_ids = torch.zeros((2 * top, bs, draft_top_k), dtype=torch.int64, device=self.device)
-        self._ring_probs = torch.zeros((2 * top, bs, draft_top_k), dtype=torch.float32, device=self.device)
-        self._parity = 0
         # Context append: rows [top * W, F] in the model dtype, and (slot, position) per row.
         self.append_width = model.block_size + 1
         rows = top * self.append_width
@@ -253,22 +249,20 @@ class DraftGraphRunner:
             host["append_starts"][:num] = self._staged_starts[slots]
             self._staged_counts[:] = 0
             self._staged_rows = 0
-        parity = self._parity
-        self._parity = 1 - parity
-        host["parity"][0] = parity
         self._dev_int.copy_(self._host_int, non_blocking=True)  # the temperatures too
         step = self.steps[size]
-        packed = step(self.timed)
+        packed, topk_ids, topk_probs = step(self.timed)
+        ids, probs = topk_ids[:num], topk_probs[:num]
+        if temperatures.any():  # start the device-side copies before waiting on the host copy
+            ids, probs = ids.clone(), probs.clone()
         self._result_views[size].copy_(packed)  # the one device -> host copy (and wait) of the step
         step.settle_timing()
         for done in self.append_steps.values():
             done.settle_timing()
-        bs, top = self.model.block_size, self.sizes[-1]
+        bs = self.model.block_size
         result = self._result_np[:num]
         tokens = torch.from_numpy(result[:, :bs].astype(np.int64))
         conf = result[:, bs:].copy() if self.has_confidence else None
-        first = parity * top
-        ids, probs = self._ring_ids[first : first + num], self._ring_probs[first : first + num]
         return BucketedDraft(tokens=tokens, confidence_logits=conf, topk_ids=ids, topk_probs=probs)
 
     def _fill_padding(self, size: int) -> None:
@@ -282,7 +276,6 @@ class DraftGraphRunner:
         host["append_counts"][:size] = 0
         host["append_offsets"][:size] = 0
         host["append_starts"][:size] = 0
-        host["parity"][:] = 0
 
     def _upload(self) -> None:
         self._dev_int.copy_(self._host_int, non_blocking=True)  # the temperatures too
@@ -314,7 +307,7 @@ class DraftGraphRunner:
         self._write_context(self.context_rows[source], slots, positions)
 
     @torch.no_grad()
-    def _step(self, size: int) -> torch.Tensor:
+    def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dev, model = self.dev, self.model
         self._staged_append(size)
         anchors = dev["anchors"][:size]
@@ -343,10 +336,7 @@ class DraftGraphRunner:
             conf = torch.zeros((size, bs), dtype=torch.float32, device=self.device)
         packed = torch.cat([sample.tokens.double(), conf.double()], dim=1)
         assert sample.topk_ids is not None and sample.topk_probs is not None
-        ring_rows = dev["parity"] * self.sizes[-1] + torch.arange(size, device=self.device)
-        self._ring_ids.index_copy_(0, ring_rows, sample.topk_ids)
-        self._ring_probs.index_copy_(0, ring_rows, sample.topk_probs)
-        return packed
+        return packed, sample.topk_ids, sample.topk_probs
 
 
 def _split(buffer: torch.Tensor | np.ndarray, fields: dict[str, int]) -> dict:

@@ -219,7 +219,7 @@ def test_staged_context_appends_equal_eager(pair) -> None:
             for name in released:
                 engine.release(name)
             proposal = engine.propose([DraftItem(n, 5 + i, starts[n]) for i, n in enumerate(proposing)])
-            # The distributions are valid until the second next propose: keep copies.
+            # An all-greedy batch gets views of the static outputs (the next propose overwrites them): copies.
             proposals[mode].append((proposal.tokens, proposal.topk_ids.clone(), proposal.topk_probs.clone()))
         engine.append_context([ContextItem("r2", starts["r2"], last)])
         starts["r2"] += 2
