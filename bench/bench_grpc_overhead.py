@@ -2,11 +2,13 @@
 
 Runs the same greedy workload twice with the same round driver (:class:`SpeculativeEngine`, policy ``dspark``, the
 same SPS table): once over in-process engines, once over ``dspark draft-server`` and ``dspark verify-server``
-processes on loopback (the verifier pushes context features straight to the drafter). Checks that both produce
-identical tokens, then reports the mean round time of each, their ratio (goal <= 1.15 at 8 concurrent requests) and
-the bytes on the wire per emitted token (scheduler <-> replicas, plus verifier -> drafter features).
+processes on loopback (the verifier projects the context features with the drafter's projection and pushes them
+straight to the drafter, unless told otherwise). The two paths run interleaved ``--repeats`` times so that the load
+of a shared machine hits both alike. Checks that every run produces identical tokens, then reports the median round
+time of each, the per-round phase times of the round driver, the ratio (goal <= 1.15 at 8 concurrent requests) and
+the bytes on the wire per emitted token by hop (scheduler <-> replicas, verifier -> drafter features).
 
-    PYTHONPATH=. python bench/bench_grpc_overhead.py --concurrency 8 --max-tokens 64
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_grpc_overhead.py --concurrency 8 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,29 +40,59 @@ from cluster.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DrafterPool, RemoteVerifier
+from scheduler.sps import SPSTable
 from verify_service.profiling import profile_target_sps
 
 
-def _run(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, desc: str) -> tuple[list, float, int]:
+def _cpu_s(pids: list[int]) -> float:
+    """CPU time (user + system) of this process and of ``pids`` so far: what a round costs whatever the load."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _run(
+    engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int, desc: str, pids: list[int] = ()
+) -> dict:
+    """One workload to completion: outputs, wall and CPU time, rounds and the round driver's phase times."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    before = engine.snapshot()
+    cpu = _cpu_s(list(pids))
     start = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts]
     outputs: dict[str, list[int]] = {i: [] for i in ids}
     rounds = 0
-    with tqdm(total=len(prompts) * max_tokens, desc=desc, unit="tok") as bar:
+    with tqdm(total=len(prompts) * max_tokens, desc=desc, unit="tok", leave=False) as bar:
         while engine.has_unfinished():
             for out in engine.step():
                 outputs[out.req_id].extend(out.new_token_ids)
                 bar.update(len(out.new_token_ids))
             rounds += 1
-    return [outputs[i] for i in ids], time.perf_counter() - start, rounds
+    seconds = time.perf_counter() - start
+    cpu = _cpu_s(list(pids)) - cpu
+    after = engine.snapshot()
+    return {
+        "outputs": [outputs[i] for i in ids],
+        "seconds": seconds,
+        "rounds": rounds,
+        "ms_per_round": 1e3 * seconds / rounds,
+        "cpu_ms_per_round": 1e3 * cpu / rounds,
+        # Per-round phase times of the round driver (admission/commit are the rest of the round).
+        "draft_ms": 1e3 * (after.draft_time_s - before.draft_time_s) / rounds,
+        "verify_ms": 1e3 * (after.verify_time_s - before.verify_time_s) / rounds,
+        "accepted": after.num_accepted_tokens - before.num_accepted_tokens,
+    }
 
 
-def _start_server(kind: str, port: int, drafter: Path, sps_path: Path, max_requests: int) -> subprocess.Popen:
+def _start_server(kind: str, drafter: Path, sps_path: Path, args: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=".", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", str(port), "--draft", str(drafter),
-           "--sps", str(sps_path), "--max-requests", str(max_requests), "--max-seq-len", "512", "--device", "cpu",
-           "--dtype", "float32", "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--draft", str(drafter),
+           "--sps", str(sps_path), "--max-requests", str(args.concurrency), "--max-seq-len", "512", "--device", "cpu",
+           "--dtype", "float32", "--log-level", "warning", "--context-projection", args.context_projection,
+           "--feature-dtype", args.feature_dtype, *([] if args.draft_ahead else ["--no-draft-ahead"])]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -71,11 +104,41 @@ def _wait_listening(proc: subprocess.Popen, what: str) -> str:
     raise RuntimeError(f"{what} exited before listening (code {proc.wait()})")
 
 
+class _Wire:
+    """Payload bytes by hop: scheduler <-> drafters, scheduler <-> verifier, verifier -> drafters (features)."""
+
+    def __init__(self, pool: DrafterPool, verify: RemoteVerifier, verify_addr: str) -> None:
+        self.pool, self.verify, self.verify_addr = pool, verify, verify_addr
+
+    def read(self) -> dict[str, int]:
+        probe = SyncRpcClient(self.verify_addr, timeout_s=10)
+        features = probe.call("dspark.Verifier", "Info", {})["feature_bytes_sent"]
+        probe.close()
+        drafters = list(self.pool._clients.values())
+        client = self.verify._client
+        return {
+            "scheduler_to_drafter": sum(c.bytes_sent for c in drafters),
+            "drafter_to_scheduler": sum(c.bytes_received for c in drafters),
+            "scheduler_to_verifier": client.bytes_sent,
+            "verifier_to_scheduler": client.bytes_received,
+            "verifier_to_drafter_features": features,
+        }
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return float(statistics.median(r[key] for r in runs))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved in-process / gRPC runs (medians)")
+    parser.add_argument("--context-projection", choices=("verifier", "drafter"), default="verifier")
+    parser.add_argument("--feature-dtype", choices=("model", "bfloat16", "float16"), default="model")
+    parser.add_argument("--no-draft-ahead", dest="draft_ahead", action="store_false")
+    parser.add_argument("--sps", type=Path, default=None, help="SPS table JSON (default: profiled now)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/grpc_overhead.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -85,69 +148,103 @@ def main() -> int:
     target, drafter = load_pair(DEMO_TARGET, drafter_dir, "cpu", torch.float32)
     tokenizer = tokenizer_for(DEMO_TARGET)
     prompts = code_prompts(tokenizer, args.concurrency, args.prompt_tokens)
-    sps = profile_target_sps(target, chunk=drafter.block_size + 1, max_batch_tokens=args.concurrency * 8)
+    if args.sps is not None:
+        sps = SPSTable.load(args.sps)
+    else:
+        sps = profile_target_sps(target, chunk=drafter.block_size + 1, max_batch_tokens=args.concurrency * 8)
 
     local = build_engine(target, drafter, policy="dspark", sps=sps, max_requests=args.concurrency, max_seq_len=512,
                          calibration=load_calibration(drafter_dir))
     _run(local, prompts[:1], 8, "warm-up")
-    local_out, local_s, local_rounds = _run(local, prompts, args.max_tokens, "in-process")
-
+    runs: dict[str, list[dict]] = {"in_process": [], "grpc": []}
+    loads: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         sps_path = sps.save(Path(tmp) / "sps.json")
-        draft_proc = _start_server("draft-server", 0, drafter_dir, sps_path, args.concurrency)
-        verify_proc = _start_server("verify-server", 0, drafter_dir, sps_path, args.concurrency)
+        draft_proc = _start_server("draft-server", drafter_dir, sps_path, args)
+        verify_proc = _start_server("verify-server", drafter_dir, sps_path, args)
         try:
             draft_addr = _wait_listening(draft_proc, "draft-server")
             verify_addr = _wait_listening(verify_proc, "verify-server")
             pool = DrafterPool([draft_addr])
             remote_verify = RemoteVerifier(verify_addr, pool.route_of)
+            pool.require_projection(remote_verify.context_projection, verify_addr)
             remote = SpeculativeEngine(remote_verify, pool, make_policy("dspark", sps, pool.block_size),
                                        eos_token_ids=target.eos_token_ids)
             _run(remote, prompts[:1], 8, "warm-up (gRPC)")
-            before = _wire_bytes(pool, remote_verify, verify_addr)
-            remote_out, remote_s, remote_rounds = _run(remote, prompts, args.max_tokens, "gRPC")
-            wire = _wire_bytes(pool, remote_verify, verify_addr) - before
+            wire = _Wire(pool, remote_verify, verify_addr)
+            for rep in range(args.repeats):
+                # Alternate which path goes first, so that a load change on the shared CPU hits both alike.
+                order = ("in_process", "grpc") if rep % 2 == 0 else ("grpc", "in_process")
+                for name in order:
+                    engine = local if name == "in_process" else remote
+                    before = wire.read()
+                    pids = [draft_proc.pid, verify_proc.pid] if name == "grpc" else []
+                    run = _run(engine, prompts, args.max_tokens, f"{name} {rep + 1}/{args.repeats}", pids)
+                    if name == "grpc":
+                        run["wire"] = {k: v - before[k] for k, v in wire.read().items()}
+                    runs[name].append(run)
+                loads.append(os.getloadavg()[0])
+            drafter_info = SyncRpcClient(draft_addr, timeout_s=10).call("dspark.Drafter", "Info", {})
             pool.close()
             remote_verify.close()
         finally:
             for proc in (draft_proc, verify_proc):
                 proc.terminate()
                 proc.wait(30)
-    if remote_out != local_out:
+    reference = runs["in_process"][0]["outputs"]
+    if any(r["outputs"] != reference for rs in runs.values() for r in rs):
         print("MISMATCH: gRPC and in-process outputs differ", file=sys.stderr)
         return 1
-    tokens = sum(len(o) for o in local_out)
+    tokens = sum(len(o) for o in reference)
+    ratios = [g["ms_per_round"] / i["ms_per_round"] for g, i in zip(runs["grpc"], runs["in_process"], strict=True)]
+    wire_runs = [r["wire"] for r in runs["grpc"]]
+    wire_bytes = {k: int(statistics.median(w[k] for w in wire_runs)) for k in wire_runs[0]}
+    total_wire = sum(wire_bytes.values())
     result = {
-        "machine": "2-core CPU VM (shared), torch CPU, 1 thread per process",
+        "machine": f"{os.cpu_count()}-core CPU VM (shared with other jobs), torch CPU, 1 thread per process",
+        "command": " ".join(["python", *sys.argv]),
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "prompt_tokens": args.prompt_tokens,
+        "repeats": args.repeats,
+        "context_projection": args.context_projection,
+        "feature_dtype": args.feature_dtype,
+        "draft_ahead": args.draft_ahead,
         "tokens": tokens,
-        "in_process": {"seconds": local_s, "rounds": local_rounds, "ms_per_round": 1e3 * local_s / local_rounds},
-        "grpc": {"seconds": remote_s, "rounds": remote_rounds, "ms_per_round": 1e3 * remote_s / remote_rounds},
-        "ratio": (remote_s / remote_rounds) / (local_s / local_rounds),
-        "wire_bytes": wire,
-        "wire_bytes_per_token": wire / tokens,
+        "load_average_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+        **{
+            name: {
+                "rounds": rs[0]["rounds"],
+                "accepted_tokens": rs[0]["accepted"],
+                "ms_per_round_median": _median(rs, "ms_per_round"),
+                "ms_per_round_runs": [round(r["ms_per_round"], 2) for r in rs],
+                # CPU time of every process of the path (all three for gRPC), per round: load-independent cost.
+                "cpu_ms_per_round_median": _median(rs, "cpu_ms_per_round"),
+                "draft_ms_per_round_median": _median(rs, "draft_ms"),
+                "verify_ms_per_round_median": _median(rs, "verify_ms"),
+            }
+            for name, rs in runs.items()
+        },
+        "ratio_of_medians": _median(runs["grpc"], "ms_per_round") / _median(runs["in_process"], "ms_per_round"),
+        "ratio_paired_median": statistics.median(ratios),
+        "ratio_paired_runs": [round(r, 3) for r in ratios],
+        "proposals_drafted_ahead": drafter_info["proposals_ahead"],
+        "proposals": sum(r["rounds"] for r in runs["grpc"]),
+        "wire_bytes": wire_bytes,
+        "wire_bytes_per_token": total_wire / tokens,
         "identical_outputs": True,
     }
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"\n{'path':<12}{'rounds':>8}{'ms/round':>10}{'tok/s':>8}")
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{'path':<12}{'rounds':>8}{'ms/round':>10}{'draft':>8}{'verify':>8}{'cpu ms/round':>14}")
     for name in ("in_process", "grpc"):
         r = result[name]
-        print(f"{name:<12}{r['rounds']:>8}{r['ms_per_round']:>10.2f}{tokens / r['seconds']:>8.1f}")
-    print(f"gRPC / in-process per round: {result['ratio']:.3f} (goal <= 1.15); "
-          f"{result['wire_bytes_per_token']:.0f} bytes on the wire per emitted token")
+        print(f"{name:<12}{r['rounds']:>8}{r['ms_per_round_median']:>10.2f}{r['draft_ms_per_round_median']:>8.2f}"
+              f"{r['verify_ms_per_round_median']:>8.2f}{r['cpu_ms_per_round_median']:>14.2f}")
+    print(f"gRPC / in-process per round: {result['ratio_paired_median']:.3f} paired median "
+          f"({result['ratio_of_medians']:.3f} of medians; goal <= 1.15) over {args.repeats} repeats, load average "
+          f"{result['load_average_1min']['median']:.1f}; {result['wire_bytes_per_token']:.0f} bytes on the wire per "
+          f"emitted token: {wire_bytes}")
     return 0
-
-
-def _wire_bytes(pool: DrafterPool, verify: RemoteVerifier, verify_addr: str) -> int:
-    """Scheduler-side bytes both ways plus the verifier's feature pushes to the drafter."""
-    scheduler_side = sum(c.bytes_sent + c.bytes_received for c in pool._clients.values())
-    scheduler_side += verify._client.bytes_sent + verify._client.bytes_received
-    probe = SyncRpcClient(verify_addr, timeout_s=10)
-    features = probe.call("dspark.Verifier", "Info", {})["feature_bytes_sent"]
-    probe.close()
-    return scheduler_side + features
 
 
 if __name__ == "__main__":

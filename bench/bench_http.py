@@ -6,13 +6,15 @@ its caches). Reported: requests/s, output tokens/s (aggregate and per user), tim
 percentiles, errors by kind (goal: 0), and the server's state before and after (resident memory of the server
 process when this script started it, running/waiting requests, spec-decode counters from /metrics).
 
-By default the script starts ``dspark serve --no-ray`` itself (loopback only); ``--url`` points it at a server
-that is already running (e.g. the Ray deployment).
+By default the script starts ``dspark serve --no-ray`` itself (loopback only); ``--grpc`` starts the disaggregated
+services instead (``dspark draft-server``, ``verify-server`` and ``scheduler`` as three processes talking gRPC, no
+Ray); ``--url`` points it at a server that is already running (e.g. the Ray deployment).
 
     python bench/bench_http.py --small                                        # quick CPU check (~20 s)
     python bench/bench_http.py --concurrency 32 --duration 60 --out http.json # issue 8: 32 streams
     python bench/bench_http.py --concurrency 200 --duration 60 --disconnect 0.1 --max-requests 64  # issue 10
     python bench/bench_http.py --device cuda --draft models/demo/dspark --concurrency 32 --duration 60
+    python bench/bench_http.py --grpc --draft models/demo/draft_dspark --concurrency 32 --duration 60  # issue 8
 """
 
 from __future__ import annotations
@@ -160,33 +162,76 @@ def rss_mib(pid: int | None) -> float | None:
     return None
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--no-ray", "--port", str(port), "--log-level", "warning"]
-    command += ["--policy", args.policy, "--max-requests", str(args.max_requests), "--target", str(args.target)]
-    command += ["--max-seq-len", str(args.max_seq_len), "--served-model-name", args.model]
-    if args.draft:
-        command += ["--draft", str(args.draft)]
-    if args.device:
-        command += ["--device", args.device]
+        return sock.getsockname()[1]
+
+
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--policy", args.policy, "--max-requests", str(args.max_requests), "--target", str(args.target)]
+    flags += ["--max-seq-len", str(args.max_seq_len), "--served-model-name", args.model, "--log-level", "warning"]
+    for flag, value in (("--draft", args.draft), ("--device", args.device), ("--sps", args.sps)):
+        if value:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _wait_healthy(procs: list[subprocess.Popen[str]], url: str) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise SystemExit(f"a server process exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    for proc in procs:
+        proc.kill()
+    raise SystemExit("server did not come up within 300 s")
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    port = _free_port()
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--no-ray", "--port", str(port), *_model_flags(args)]
     if args.api_key:
         command += ["--api-key", args.api_key]
     proc = subprocess.Popen(command, cwd=ROOT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("server did not come up within 300 s")
+    _wait_healthy([proc], url)
+    return proc, url
+
+
+def start_grpc_servers(args: argparse.Namespace) -> tuple[list[subprocess.Popen[str]], str]:
+    """Drafter and verifier gRPC servers, then the scheduler with the HTTP API over them (the last process)."""
+    procs: list[subprocess.Popen[str]] = []
+    addresses = []
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    for kind in (["draft-server"] if args.draft else []) + ["verify-server"]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", kind, *_model_flags(args)],
+            cwd=ROOT, text=True, stdout=subprocess.PIPE, env=env,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("listening on "):
+            raise SystemExit(f"{kind} did not start: {line!r}")
+        addresses.append(line.split()[-1])
+    port = _free_port()
+    command = [sys.executable, "-m", "cluster.cli", "scheduler", "--port", str(port), *_model_flags(args)]
+    if args.draft:
+        command += ["--drafter", addresses[0]]
+    command += ["--verifier", addresses[-1]]
+    if args.api_key:
+        command += ["--api-key", args.api_key]
+    procs.append(subprocess.Popen(command, cwd=ROOT, text=True, env=env))
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(procs, url)
+    return procs, url
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -232,6 +277,8 @@ def main() -> int:
     parser.add_argument("--max-requests", type=int, default=32, help="server slots")
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--sps", type=Path, default=None, help="SPS table JSON for the server(s)")
+    parser.add_argument("--grpc", action="store_true", help="start drafter, verifier and scheduler processes (gRPC)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     if args.small:
@@ -239,11 +286,14 @@ def main() -> int:
     if args.policy is None:
         args.policy = "dspark" if args.draft else "autoregressive"
 
-    proc = None
+    procs: list[subprocess.Popen[str]] = []
     url = args.url
-    if url is None:
+    if url is None and args.grpc:
+        procs, url = start_grpc_servers(args)
+    elif url is None:
         proc, url = start_server(args)
-    pid = proc.pid if proc is not None else None
+        procs = [proc]
+    pid = procs[-1].pid if procs else None  # the process serving HTTP
     try:
         asyncio.run(one_request(httpx.AsyncClient(base_url=url), args, random.Random(0), Stats()))  # warm-up
         before, rss_before = scrape(url), rss_mib(pid)
@@ -251,7 +301,7 @@ def main() -> int:
         time.sleep(1.0)  # let aborts of the last disconnects land
         after, rss_after = scrape(url), rss_mib(pid)
     finally:
-        if proc is not None:
+        for proc in reversed(procs):
             proc.send_signal(signal.SIGINT)
             proc.wait(60)
 

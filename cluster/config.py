@@ -56,11 +56,22 @@ class PoolConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    """Per-replica limits (KV slots, context) and the drafter's sparse distribution width."""
+    """Per-replica limits (KV slots, context), the drafter's sparse distribution width, and the context-feature
+    data plane: ``context_projection`` says who applies the drafter's ``fc`` + ``hidden_norm`` to the target's
+    hidden states: the ``verifier`` (default; it reads those two tensors from the drafter checkpoint and sends 1/m
+    of the bytes, stamped with the projection's fingerprint, which the drafters check) or the ``drafter`` (raw
+    features travel). ``feature_dtype``: the dtype features travel in; ``model`` (the models' dtype, exact: the
+    drafter computes in it anyway) or a narrower one (``bfloat16`` for a float32 deployment halves the bytes
+    again but rounds the drafter's context, so drafts may differ: output stays lossless, acceptance may move).
+    ``draft_ahead``: drafters draft a request's next block as soon as its context arrives (the verifier names the
+    next anchor), overlapping the scheduler's commit instead of waiting for its ``Propose``."""
 
     max_requests: int = Field(64, ge=1, le=4096)
     max_seq_len: int = Field(1024, ge=16)
     draft_top_k: int = Field(16, ge=1, le=1024)
+    context_projection: Literal["verifier", "drafter"] = "verifier"
+    feature_dtype: Literal["model", "bfloat16", "float16"] = "model"
+    draft_ahead: bool = True
 
 
 class SchedulerConfig(_Strict):

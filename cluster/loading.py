@@ -48,6 +48,12 @@ def build_verify_engine(config: AppConfig) -> VerifyEngine:
     return VerifyEngine(target, config.engine.max_requests, config.engine.max_seq_len)
 
 
+def verifier_projects(config: AppConfig) -> bool:
+    """Whether this deployment's verifiers apply the drafter's context projection (and its drafters get projected
+    rows): configured so, and there is a drafter to read the projection from."""
+    return config.engine.context_projection == "verifier" and bool(draft_layer_ids(config))
+
+
 def build_draft_engine(config: AppConfig) -> DraftEngine:
     if config.models.draft is None:
         raise ValueError("this deployment has no drafter (models.draft is null)")
@@ -67,6 +73,7 @@ def build_draft_engine(config: AppConfig) -> DraftEngine:
         config.engine.max_seq_len,
         draft_top_k=config.engine.draft_top_k,
         calibration=calibration,
+        projected_context=verifier_projects(config),
     )
 
 
@@ -86,6 +93,7 @@ def build_verifier_service(config: AppConfig) -> VerifierService:
     service's ``Info`` so a scheduler learns it with the replica's address.
     """
     from draft_service.config import DraftConfig
+    from draft_service.projection import load_context_projection
     from verify_service.rpc_service import VerifierService
 
     engine = build_verify_engine(config)
@@ -93,6 +101,19 @@ def build_verifier_service(config: AppConfig) -> VerifierService:
     if config.models.draft is not None:
         block = DraftConfig.from_json(Path(config.models.draft) / "config.json").block_size
     sps = load_or_profile_sps(config, engine, block).to_dict()
+    projection = None
+    if verifier_projects(config):
+        assert config.models.draft is not None
+        projection = load_context_projection(
+            config.models.draft, dtype=_DTYPES[config.models.dtype], device=config.models.device
+        )
+    feature_dtype = None if config.engine.feature_dtype == "model" else _DTYPES[config.engine.feature_dtype]
     return VerifierService(
-        engine, token=config.network.grpc_token, timeout_s=config.network.grpc_timeout_s, sps=sps
+        engine,
+        token=config.network.grpc_token,
+        timeout_s=config.network.grpc_timeout_s,
+        sps=sps,
+        projection=projection,
+        feature_dtype=feature_dtype,
+        draft_ahead=config.engine.draft_ahead,
     )

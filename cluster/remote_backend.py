@@ -79,16 +79,21 @@ class RemoteBackend:
 
     def _unreachable(self, exc: grpc.aio.AioRpcError) -> BackendUnavailableError:
         """Forget this loop's channel (the next call resolves the address again) and say so retryably."""
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and self._resolve is not None:
-            # Every call on this channel fails alike; a fresh one goes to wherever the scheduler is now.
-            client = self._clients.pop(asyncio.get_running_loop(), None)
-            if client is not None:
-                task = asyncio.get_running_loop().create_task(client.close())
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self._forget_channel()
         return BackendUnavailableError(
             f"the scheduler is unavailable ({exc.code().name}: {exc.details()}); the request can be retried"
         )
+
+    def _forget_channel(self) -> None:
+        """Every call on this loop's channel fails alike; a fresh one goes to wherever the scheduler is now."""
+        if self._resolve is None:
+            return
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            task = asyncio.get_running_loop().create_task(client.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def generate(
         self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
@@ -118,6 +123,16 @@ class RemoteBackend:
                 error = self._unreachable(exc)
                 if received or attempt == 1 or exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise error from None
+            except asyncio.CancelledError:
+                # As in abort: grpc.aio cancels the calls of a channel whose peer went away; that is a lost
+                # scheduler (retryable 503), not a client disconnect, unless this task itself is being cancelled.
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                self._forget_channel()
+                raise BackendUnavailableError(
+                    "the scheduler is unavailable (its channel was closed); the request can be retried"
+                ) from None
 
     async def abort(self, req_id: str) -> None:
         try:

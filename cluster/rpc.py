@@ -529,6 +529,7 @@ class SyncRpcClient(_ClientBase):
     def __init__(self, target: str, **options: Any) -> None:
         super().__init__(target, **options)
         self._channel = grpc.insecure_channel(target, options=self._options)
+        self._unary_calls: dict[str, grpc.UnaryUnaryMultiCallable] = {}
 
     def call(
         self,
@@ -540,7 +541,10 @@ class SyncRpcClient(_ClientBase):
         response_schema: Type | None = None,
     ) -> Any:
         payload = self._encode(request)
-        callable_ = self._channel.unary_unary(_method_path(service, method))
+        path = _method_path(service, method)
+        callable_ = self._unary_calls.get(path)
+        if callable_ is None:
+            callable_ = self._unary_calls.setdefault(path, self._channel.unary_unary(path))
         raw = callable_(payload, timeout=self._timeout(timeout_s), metadata=self._metadata)
         return self._decode(raw, response_schema)
 

@@ -25,6 +25,24 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-host", default="127.0.0.1", help="gRPC bind address (default loopback)")
     p.add_argument("--grpc-port", type=int, default=0, help="gRPC port (0 = any free port, printed at start)")
     p.add_argument("--grpc-token", default=None, help="shared secret required on every gRPC call")
+    p.add_argument(
+        "--context-projection",
+        choices=("verifier", "drafter"),
+        default="verifier",
+        help="who applies the drafter's context projection (verifier: 1/m of the feature bytes on the wire)",
+    )
+    p.add_argument(
+        "--feature-dtype",
+        choices=("model", "bfloat16", "float16"),
+        default="model",
+        help="dtype context features travel in (model: exact; narrower ones may change drafts, never outputs)",
+    )
+    p.add_argument(
+        "--no-draft-ahead",
+        dest="draft_ahead",
+        action="store_false",
+        help="drafters wait for the scheduler's Propose instead of drafting as soon as the context arrives",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,6 +64,9 @@ def _config(args: argparse.Namespace) -> AppConfig:
 
     app_args = app_args_from_flags(args)
     app_args["network"]["grpc_token"] = args.grpc_token
+    app_args["engine"].update(
+        context_projection=args.context_projection, feature_dtype=args.feature_dtype, draft_ahead=args.draft_ahead
+    )
     return AppConfig.from_args(app_args)
 
 

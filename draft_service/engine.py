@@ -117,7 +117,9 @@ class DraftEngine:
 
     ``graphs``: how ``propose`` runs (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the bucketed
     CUDA-graph layout run eagerly; any device) or ``capture`` (one CUDA graph per bucket, replayed). The
-    bucketed modes reserve one extra context slot (empty) for the padding requests.
+    bucketed modes reserve one extra context slot (empty) for the padding requests. ``projected_context``: the
+    kind of context rows the bucketed append expects, raw features [n, m*H] or rows the verifier already
+    projected [n, H] (:mod:`draft_service.projection`); the other kind is appended eagerly.
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class DraftEngine:
         *,
         graphs: str = "off",
         graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+        projected_context: bool = False,
     ) -> None:
         if draft_top_k < 1:
             raise ValueError("DraftEngine: draft_top_k must be >= 1 (the draft distribution is shipped sparse)")
@@ -153,6 +156,7 @@ class DraftEngine:
                 max_requests=max_requests,
                 mode=graphs,
                 buckets=graph_buckets,
+                projected=projected_context,
             )
 
     @property
@@ -202,13 +206,15 @@ class DraftEngine:
         except KeyError:
             raise UnknownDraftRequestError(f"request {req_id!r} is not held by this drafter") from None
 
-    def append_context(self, items: Sequence[ContextItem]) -> None:
-        """Append committed context features. Replays are safe: rows already held from ``start`` on are replaced
-        (the cache is cropped back to ``start`` first), and a gap (``start`` past the held length) is an error."""
+    def append_context(self, items: Sequence[ContextItem], projected: bool = False) -> None:
+        """Append committed context features (``projected``: rows [n, H] the verifier already projected, else raw
+        [n, m*H]). Replays are safe: rows already held from ``start`` on are replaced (the cache is cropped back
+        to ``start`` first), and a gap (``start`` past the held length) is an error."""
         if not items:
             return
         num = len(items)
-        width = self.model.config.context_feature_size
+        config = self.model.config
+        width = config.hidden_size if projected else config.context_feature_size
         if isinstance(items, ContextBatch) and items.features.ndim == 2 and items.features.shape[1] == width:
             req_ids, item_starts, counts = items.req_ids, items.starts, np.array(items.counts, dtype=np.int64)
             features = [items.features]
@@ -234,13 +240,22 @@ class DraftEngine:
                         f"request {item.req_id!r}: context features must be [n, {width}], "
                         f"got {tuple(item.features.shape)}"
                     )
-        if self.graphs is not None and self._append_bucketed(req_ids, slots, starts, counts, features):
+        if (
+            self.graphs is not None
+            and self.graphs.projected == projected
+            and self._append_bucketed(req_ids, slots, starts, counts, features)
+        ):
             return
-        self._append_eager(slots, starts, counts, features)
+        self._append_eager(slots, starts, counts, features, projected)
 
     @torch.no_grad()
     def _append_eager(
-        self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray, features: Sequence[torch.Tensor]
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        features: Sequence[torch.Tensor],
+        projected: bool,
     ) -> None:
         if self.graphs is not None:
             self.graphs.flush()
@@ -248,7 +263,7 @@ class DraftEngine:
             self.cache.crop(slot, start)
         cu = np.concatenate([[0], np.cumsum(counts)]).tolist()
         rows = torch.cat([f.to(self.model.device) for f in features])
-        self.model.append_context(self.cache, slots.tolist(), rows, cu)
+        self.model.append_context(self.cache, slots.tolist(), rows, cu, projected=projected)
 
     def _append_bucketed(
         self,

@@ -14,14 +14,15 @@ the batch samples: a greedy request's (temperature 0) distribution is read by no
 greedy requests only gets views, which the next step overwrites.
 
 Appending: the context rows a verify step committed (at most block_size + 1 per request and round) are
-projected (``fc`` + ``hidden_norm``) and turned into every draft layer's K/V, written at (slot, position). A
-per-round append is staged (rows copied into a static buffer, nothing launched) and done by the next propose
-step, inside its graph, before the backbone reads the context: one launch, one upload and no fence less per
-round. Request r of the bucket appends its ``counts[r]`` staged rows (at most block_size + 1) at positions
-``starts[r]`` onward; its other rows of the B * (block_size + 1) write to position 0 of the dummy slot,
-whose context length stays 0, so nothing reads them. A staged append that the next propose does not cover
-(another append first, an eager propose, a request missing from the batch) runs as its own bucketed append
-step first; a released request's staged rows are dropped. Longer appends (prefills) run eagerly.
+projected (``fc`` + ``hidden_norm``, unless the runner takes rows the verifier already projected) and turned into
+every draft layer's K/V, written at (slot, position). A per-round append is staged (rows copied into a static
+buffer, nothing launched) and done by the next propose step, inside its graph, before the backbone reads the
+context: one launch, one upload and no fence less per round. Request r of the bucket appends its
+``counts[r]`` staged rows (at most block_size + 1) at positions ``starts[r]`` onward; its other rows of the
+B * (block_size + 1) write to position 0 of the dummy slot, whose context length stays 0, so nothing reads
+them. A staged append that the next propose does not cover (another append first, an eager propose, a
+request missing from the batch) runs as its own bucketed append step first; a released request's staged rows
+are dropped. Longer appends (prefills) run eagerly.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class DraftGraphRunner:
         max_requests: int,
         mode: str,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
+        projected: bool = False,
     ) -> None:
         if not 1 <= draft_top_k <= model.config.vocab_size:
             raise ValueError("DraftGraphRunner: draft_top_k must be in [1, vocab] (sparse proposals)")
@@ -106,12 +108,13 @@ class DraftGraphRunner:
         # Page-locked result rows; per bucket a view of its first rows made once (a slice is a torch call).
         self._host_result = pinned_empty((top, 2 * model.block_size), torch.float64, self.device)
         self._result_np = self._host_result.numpy()
-        # Context append: rows [top * W, F] in the model dtype, and (slot, position) per row.
+        # Context append: rows [top * W, F] (F = H when they arrive projected) in the model dtype, and (slot,
+        # position) per row.
         self.append_width = model.block_size + 1
+        self.projected = projected
         rows = top * self.append_width
-        self.context_rows = torch.zeros(
-            (rows, model.config.context_feature_size), dtype=model.dtype, device=self.device
-        )
+        width = model.config.hidden_size if projected else model.config.context_feature_size
+        self.context_rows = torch.zeros((rows, width), dtype=model.dtype, device=self.device)
         self._host_where = pinned_empty((2 * rows,), torch.int64, self.device)
         self._dev_where = torch.zeros_like(self._host_where, device=self.device)
         # The staged append, per context slot (count 0: nothing staged), and its total number of rows.
@@ -281,9 +284,9 @@ class DraftGraphRunner:
         self._dev_int.copy_(self._host_int, non_blocking=True)  # the temperatures too
 
     def _write_context(self, rows: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """K/V of context feature rows [n, F] into the cache at (slots[i], positions[i])."""
+        """K/V of context rows [n, F] (features, or projected rows) into the cache at (slots[i], positions[i])."""
         model, cache = self.model, self.cache
-        context = model.project_context(rows)
+        context = rows if self.projected else model.project_context(rows)
         for layer_idx, (k, v) in enumerate(model.context_key_values(context, positions)):
             cache.k[layer_idx, slots, positions] = k.to(cache.k.dtype)
             cache.v[layer_idx, slots, positions] = v.to(cache.v.dtype)

@@ -2,20 +2,36 @@
 
 Per-round messages are batched and flat (one tensor per field with a count per request), because a map per
 request costs milliseconds of Python work at a few hundred requests (docs/benchmarks/wire.md). Context features
-arrive directly from the verifier (``AppendContext``), not through the scheduler.
+arrive directly from the verifier (``AppendContext``), not through the scheduler: raw [n, m*H], or already projected
+[n, H] by a verifier holding this drafter's projection, in which case the message names the projection's
+fingerprint and rows projected by any other weights are refused (``INVALID_ARGUMENT``).
+
+The verifier answers the scheduler without waiting for its feature push, so the next round's ``Propose`` may
+overtake the ``AppendContext`` of the last one: ``Propose`` first waits (at most ``context_wait_s``) until every
+request holds its context rows up to its anchor position and no append of it is still running, and the engine's
+own check then names any rows still missing. For the same reason a push for a request the scheduler released
+meanwhile (it finished in that round) is skipped, not an error. A push that names the requests' next anchors
+(``draft_anchors``) also drafts their next blocks at once (:mod:`draft_service.ahead`), which ``Propose`` collects.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from cluster.engine_rpc import COUNTS, DEFAULT_WEDGE_TIMEOUT_S, REQ_IDS, TOKENS, EngineThread, split_rows
-from cluster.messages import AnyValue, Int, List, Message, Tensor
+from cluster.messages import AnyValue, Int, List, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, Service
 from cluster.sampling import SamplingParams
-from draft_service.engine import ContextItem, DraftEngine, DraftItem
+from draft_service.ahead import DraftAhead
+from draft_service.engine import ContextItem, DraftEngine, DraftItem, Proposal
+from draft_service.projection import model_fingerprint
+
+log = logging.getLogger(__name__)
 
 SERVICE = "dspark.Drafter"
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -24,18 +40,45 @@ INFO = Message("DrafterInfo", {})
 ADD = Message("AddRequests", {"req_ids": REQ_IDS, "params": List(AnyValue(), max_len=4096)})
 APPEND = Message(
     "AppendContext",
-    {"req_ids": REQ_IDS, "starts": COUNTS, "counts": COUNTS, "features": Tensor(FLOAT_DTYPES, rank=2)},
+    {
+        "req_ids": REQ_IDS,
+        "starts": COUNTS,
+        "counts": COUNTS,
+        "features": Tensor(FLOAT_DTYPES, rank=2),
+        # Absent: raw features. Else the fingerprint of the context projection the sender applied.
+        "projection": Opt(Str(min_len=1, max_len=64)),
+        # Each request's next anchor (-1: none), drafted from at once at position start + count.
+        "draft_anchors": Opt(List(Int(min=-1, max=(1 << 31) - 1), max_len=4096)),
+    },
 )
 PROPOSE = Message("Propose", {"req_ids": REQ_IDS, "anchors": TOKENS, "positions": List(Int(min=0), max_len=4096)})
 RELEASE = Message("Release", {"req_ids": REQ_IDS})
+#: How long a Propose waits for context rows still in flight from the verifier. Far above a push's transit (ms;
+#: a long prefill's features take seconds at worst); only reached when a push was lost (its verifier died).
+DEFAULT_CONTEXT_WAIT_S = 10.0
+#: Released request ids remembered so that a late feature push for them is skipped (bounded memory).
+_RELEASED_MEMORY = 1 << 16
 
 
 class DrafterService:
     """Owns a DraftEngine and exposes it as ``dspark.Drafter``."""
 
-    def __init__(self, engine: DraftEngine, wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        engine: DraftEngine,
+        wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S,
+        context_wait_s: float = DEFAULT_CONTEXT_WAIT_S,
+    ) -> None:
         self.engine = engine
+        self.projection = model_fingerprint(engine.model)
+        self.context_wait_s = context_wait_s
         self._thread = EngineThread("drafter", wedge_timeout_s)
+        self._context_arrived = asyncio.Condition()
+        self._appending: dict[str, int] = {}  # request -> appends submitted and not finished (loop thread only)
+        self._ahead = DraftAhead()  # engine thread only
+        self.proposals_ahead = 0  # Propose calls answered from drafts made ahead
+        self._released: OrderedDict[str, None] = OrderedDict()  # touched on the engine thread only
+        self._greedy: set[str] = set()  # requests whose drafts the verifier checks without their distribution
 
     def info(self) -> dict[str, Any]:
         config = self.engine.model.config
@@ -44,10 +87,13 @@ class DrafterService:
             "has_confidence_head": self.engine.has_confidence_head,
             "vocab_size": config.vocab_size,
             "context_feature_size": config.context_feature_size,
+            "hidden_size": config.hidden_size,
+            "context_projection": self.projection,
             "target_layer_ids": list(config.target_layer_ids),
             "max_requests": self.engine.cache.num_slots,
             "free_slots": self.engine.num_free_slots,
             "running": self.engine.running,  # a restarted scheduler releases what nobody owns any more
+            "proposals_ahead": self.proposals_ahead,
         }
 
     def health(self) -> HealthStatus:
@@ -84,6 +130,10 @@ class DrafterService:
                     if self.engine.has(req_id):  # a replayed AddRequests is harmless
                         continue
                     self.engine.add_request(req_id, p)
+                    self._released.pop(req_id, None)
+                    self._ahead.drop(req_id)
+                    if p.greedy:
+                        self._greedy.add(req_id)
                     added.append(req_id)
             except Exception:
                 for req_id in added:
@@ -98,12 +148,83 @@ class DrafterService:
         ranges = split_rows(request["counts"], int(features.shape[0]), "AppendContext")
         if len(request["starts"]) != len(request["req_ids"]):
             raise ValueError("AppendContext: one start per request id is required")
+        projection = request["projection"]
+        if projection is not None and projection != self.projection:
+            raise ValueError(
+                f"AppendContext: features projected by context projection {projection}, but this drafter's is "
+                f"{self.projection}: the verifier loaded other drafter weights (or another dtype) than this drafter"
+            )
+        anchors = request["draft_anchors"]
+        if anchors is not None and len(anchors) != len(request["req_ids"]):
+            raise ValueError("AppendContext: one draft anchor per request id is required")
         items = [
             ContextItem(req_id, start, features[a:b])
             for req_id, start, (a, b) in zip(request["req_ids"], request["starts"], ranges, strict=True)
         ]
-        await self._thread.run(self.engine.append_context, items)
+
+        def append() -> None:
+            keep = [i for i, it in enumerate(items) if it.req_id not in self._released or self.engine.has(it.req_id)]
+            for i in keep:
+                self._ahead.drop(items[i].req_id)
+            self.engine.append_context([items[i] for i in keep], projection is not None)
+            if anchors is not None:
+                ahead = [
+                    DraftItem(items[i].req_id, anchors[i], items[i].start + int(items[i].features.shape[0]))
+                    for i in keep
+                    if anchors[i] >= 0
+                ]
+                if ahead:
+                    self._draft_ahead(ahead)
+
+        ids = request["req_ids"]
+        for req_id in ids:
+            self._appending[req_id] = self._appending.get(req_id, 0) + 1
+        try:
+            await self._thread.run(append)
+        finally:
+            for req_id in ids:
+                left = self._appending.pop(req_id) - 1
+                if left:
+                    self._appending[req_id] = left
+            async with self._context_arrived:
+                self._context_arrived.notify_all()
         return {}
+
+    def _draft_ahead(self, items: list[DraftItem]) -> None:
+        """On the engine thread, right after the append: a failure only means Propose drafts afresh."""
+        try:
+            self._ahead.store(items, self.engine.propose(items))
+        except Exception as exc:
+            log.warning("drafting ahead failed (Propose will draft afresh): %s", exc)
+
+    async def _wait_for_context(self, items: list[DraftItem]) -> None:
+        """Until every held request has its context rows up to its anchor position, or ``context_wait_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.context_wait_s
+        async with self._context_arrived:
+            while self._not_ready(items):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return  # the engine refuses the round, naming the missing rows
+                try:
+                    await asyncio.wait_for(self._context_arrived.wait(), remaining)
+                except TimeoutError:
+                    return
+
+    def _not_ready(self, items: list[DraftItem]) -> bool:
+        """Some request's append is still running, or its rows up to the anchor position are not all there."""
+        engine, appending = self.engine, self._appending
+        return any(
+            i.req_id in appending or (engine.has(i.req_id) and engine.context_length(i.req_id) < i.position)
+            for i in items
+        )
+
+    def _proposal(self, items: list[DraftItem]) -> tuple[Proposal, bool]:
+        """On the engine thread: the drafts made ahead for exactly these items, else fresh ones."""
+        proposal = self._ahead.take(items)
+        if proposal is not None:
+            return proposal, True
+        return self.engine.propose(items), False
 
     async def _propose(self, request: dict[str, Any]) -> dict[str, Any]:
         n = len(request["req_ids"])
@@ -111,20 +232,37 @@ class DrafterService:
             raise ValueError("Propose: req_ids, anchors and positions must have the same length")
         items = [DraftItem(r, a, p) for r, a, p in zip(request["req_ids"], request["anchors"], request["positions"],
                                                           strict=True)]
-        proposal = await self._thread.run(self.engine.propose, items)
+        if self._not_ready(items):
+            await self._wait_for_context(items)
+        proposal, ahead = await self._thread.run(self._proposal, items)
+        self.proposals_ahead += ahead
+        topk_ids, topk_probs = proposal.topk_ids, proposal.topk_probs
+        # Greedy requests are verified without their draft distribution: only the others' rows travel.
+        rows = None
+        if self._greedy:
+            rows = [i for i, req_id in enumerate(request["req_ids"]) if req_id not in self._greedy]
+            index = torch.tensor(rows, dtype=torch.int64, device=topk_ids.device)
+            topk_ids, topk_probs = topk_ids.index_select(0, index), topk_probs.index_select(0, index)
         return {
             "tokens": proposal.tokens.cpu(),
             "confidences": None if proposal.confidences is None else torch.from_numpy(proposal.confidences),
             "confidence_logits": (
                 None if proposal.confidence_logits is None else torch.from_numpy(proposal.confidence_logits)
             ),
-            "topk_ids": proposal.topk_ids.to(torch.int32).cpu(),
-            "topk_probs": proposal.topk_probs.to(torch.float32).cpu(),
+            "distribution_rows": rows,
+            "topk_ids": topk_ids.to(torch.int32).cpu(),
+            "topk_probs": topk_probs.to(torch.float32).cpu(),
         }
 
     async def _release(self, request: dict[str, Any]) -> dict[str, Any]:
         def release() -> None:
             for req_id in request["req_ids"]:
+                self._greedy.discard(req_id)
+                self._ahead.drop(req_id)
+                if self.engine.has(req_id):
+                    self._released[req_id] = None
+                    if len(self._released) > _RELEASED_MEMORY:
+                        self._released.popitem(last=False)
                 self.engine.release(req_id)
 
         await self._thread.run(release)

@@ -111,6 +111,12 @@ class SchedulerHub:
             release_stale(address, VERIFIER, self.token, self.timeout_s)
             route_of = pool.route_of if pool is not None else (lambda _req_id: None)
             verifier = RemoteVerifier(address, route_of, token=self.token, timeout_s=self.timeout_s)
+            if pool is not None:
+                try:
+                    pool.require_projection(verifier.context_projection, address)
+                except ValueError:
+                    verifier.close()
+                    raise
             block_size = pool.block_size if pool is not None else 0
             engine = SpeculativeEngine(
                 verifier,

@@ -47,6 +47,8 @@ class RemoteVerifier:
         self.max_seq_len: int = info["max_seq_len"]
         self.capacity: int = info["max_requests"]
         self.eos_token_ids: tuple[int, ...] = tuple(info["eos_token_ids"])
+        # Fingerprint of the drafter projection this verifier applies before pushing features (None: raw).
+        self.context_projection: str | None = info.get("context_projection")
         self._route_of = route_of
         self._held: set[str] = set()
 
@@ -170,6 +172,8 @@ class DrafterPool:
         self._owner: dict[str, str] = {}
         self._draining: set[str] = set()  # addresses that take no new requests
         self._detached: set[str] = set()  # requests admitted while no drafter was there (degraded mode)
+        self._projections: dict[str, str] = {}  # address -> fingerprint of the drafter's context projection
+        self._required_projection: str | None = None  # what the verifiers project with (require_projection)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="drafters")
         first = self.add_drafter(addresses[0])
         self.block_size: int = first["block_size"]
@@ -187,10 +191,35 @@ class DrafterPool:
         ):
             client.close()
             raise ValueError(f"drafter {address} differs from the others (block size / vocabulary)")
+        projection = info["context_projection"]
+        if self._required_projection is not None and projection != self._required_projection:
+            client.close()
+            raise ValueError(
+                f"drafter {address} has context projection {projection}, but the verifiers project features with "
+                f"{self._required_projection}: it runs other drafter weights (or another dtype)"
+            )
         with self._lock:
             self._clients[address] = client
             self._capacity[address] = info["max_requests"]
+            self._projections[address] = projection
         return info
+
+    def require_projection(self, fingerprint: str | None, verifier: str) -> None:
+        """A verifier that projects context features (``fingerprint``; None: it sends them raw) must do so with
+        the weights of every drafter, present and future: refuse it now, clearly, rather than fail every round
+        (each drafter would answer INVALID_ARGUMENT to its feature pushes)."""
+        if fingerprint is None:
+            return
+        with self._lock:
+            other = {a: p for a, p in self._projections.items() if p != fingerprint}
+            if self._required_projection not in (None, fingerprint):
+                other["(another verifier)"] = self._required_projection
+            if other:
+                raise ValueError(
+                    f"verifier {verifier} projects context features with {fingerprint}, but {other} differ: "
+                    f"deploy the same drafter checkpoint and dtype everywhere, or context_projection: drafter"
+                )
+            self._required_projection = fingerprint
 
     def drain_drafter(self, address: str) -> int:
         """Give this drafter no new requests (it is going away); returns how many requests it still drafts for."""
@@ -217,6 +246,7 @@ class DrafterPool:
         with self._lock:
             client = self._clients.pop(address, None)
             self._capacity.pop(address, None)
+            self._projections.pop(address, None)
             self._draining.discard(address)
             lost = [r for r, a in self._owner.items() if a == address]
             for req_id in lost:
@@ -312,20 +342,33 @@ class DrafterPool:
                 },
             )
 
-        futures = {a: self._pool.submit(call, a, idx) for a, idx in groups.items()}
-        replies = {a: f.result() for a, f in futures.items()}
+        if len(groups) == 1:  # one drafter: no hop through the thread pool
+            replies = {a: call(a, idx) for a, idx in groups.items()}
+        else:
+            futures = {a: self._pool.submit(call, a, idx) for a, idx in groups.items()}
+            replies = {a: f.result() for a, f in futures.items()}
         if detached:
             groups[""] = detached
             replies[""] = self._placeholder_reply(len(detached), next(iter(replies.values()), None))
         order = np.concatenate([np.asarray(idx) for idx in groups.values()])
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
+        inverse = torch.from_numpy(np.argsort(order))
 
         def gather(key: str) -> torch.Tensor | None:
             parts = [replies[a][key] for a in groups]
             if any(p is None for p in parts):
                 return None
-            return torch.cat(parts)[torch.from_numpy(inverse)]
+            return torch.cat(parts)[inverse]
+
+        def gather_distribution(key: str, dtype: torch.dtype) -> torch.Tensor:
+            """[R, gamma, K]; rows a drafter left out (greedy requests: never read) stay zero."""
+            width = max(int(replies[a][key].shape[-1]) for a in groups)
+            out = torch.zeros(len(items), self.block_size, width, dtype=dtype)
+            for a, idx in groups.items():
+                rows = replies[a].get("distribution_rows")
+                targets = idx if rows is None else [idx[r] for r in rows]
+                part = replies[a][key]
+                out[torch.tensor(targets, dtype=torch.int64), :, : part.shape[-1]] = part.to(dtype)
+            return out
 
         confidences = gather("confidences")
         logits = gather("confidence_logits")
@@ -334,8 +377,8 @@ class DrafterPool:
             tokens=gather("tokens"),  # type: ignore[arg-type]
             confidences=None if confidences is None else confidences.numpy(),
             confidence_logits=None if logits is None else logits.numpy(),
-            topk_ids=gather("topk_ids").to(torch.int64),  # type: ignore[union-attr]
-            topk_probs=gather("topk_probs"),  # type: ignore[arg-type]
+            topk_ids=gather_distribution("topk_ids", torch.int64),
+            topk_probs=gather_distribution("topk_probs", torch.float32),
         )
 
     def _placeholder_reply(self, n: int, like: dict[str, Any] | None) -> dict[str, Any]:

@@ -3,12 +3,23 @@
 One ``Step`` message per round carries every prefill and verification of this replica as flat tensors. After the
 target pass the service pushes each request's committed context features straight to the drafter replica that owns
 it (``routes``: drafter address -> request ids), and only the small control data (tokens, counts) goes back to the
-scheduler: the bulky features never pass through the central process.
+scheduler: the bulky features never pass through the central process. With the drafter's context projection loaded
+(:mod:`draft_service.projection`) the verifier applies it first, on its own device, and sends the projected rows
+(1/m of the bytes) stamped with the projection's fingerprint; ``feature_dtype`` is the dtype they travel in.
+Projecting, casting and copying to the host run on the engine thread, right after the step, so the event loop only
+sends.
+
+The reply to the scheduler does not wait for the pushes: the drafters append while the scheduler commits the round
+and sends the next ``Propose``, which each drafter holds until the request's rows are in (see
+:mod:`draft_service.rpc_service`). A push that fails is logged; its requests' next ``Propose`` then fails (their
+rows never arrive) and failover re-prefills them, the same path as a drafter lost mid-round. Each push also names
+the requests' next anchors, so that the drafter drafts their next blocks at once (:mod:`draft_service.ahead`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import torch
@@ -17,7 +28,10 @@ from cluster.engine_rpc import COUNTS, DEFAULT_WEDGE_TIMEOUT_S, REQ_IDS, TOKENS,
 from cluster.messages import AnyValue, Int, List, Map, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, RpcClient, Service
 from cluster.sampling import SamplingParams
+from draft_service.projection import ContextProjection
 from verify_service.engine import PrefillItem, StepResult, VerifyEngine, VerifyItem
+
+log = logging.getLogger(__name__)
 
 SERVICE = "dspark.Verifier"
 INT_DTYPES = ("int64", "int32")
@@ -55,13 +69,27 @@ class VerifierService:
         timeout_s: float = 30.0,
         sps: dict[str, Any] | None = None,
         wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S,
+        projection: ContextProjection | None = None,
+        feature_dtype: torch.dtype | None = None,
+        draft_ahead: bool = True,
     ) -> None:
+        if projection is not None:
+            if projection.feature_size != engine.target.feature_dim:
+                raise ValueError(
+                    f"the context projection takes rows of width {projection.feature_size}, but the target gives "
+                    f"{engine.target.feature_dim} (other target layers or another drafter)"
+                )
+            projection = projection.to(engine.target.device)
         self.engine = engine
+        self.projection = projection
+        self.feature_dtype = feature_dtype  # None: as computed (the projection's or the target's dtype)
+        self.draft_ahead = draft_ahead  # pushes name each request's next anchor: the drafter drafts at once
         self.sps = sps  # this replica's SPS table (SPSTable.to_dict()), for schedulers that discover it via Info
         self._thread = EngineThread("verifier", wedge_timeout_s)
         self._token = token
         self._timeout_s = timeout_s
         self._drafters: dict[str, RpcClient] = {}
+        self._pushes: set[asyncio.Task[None]] = set()  # feature pushes in flight (strong references)
 
     def info(self) -> dict[str, Any]:
         target = self.engine.target
@@ -71,6 +99,8 @@ class VerifierService:
             "max_requests": self.engine.cache.num_slots,
             "free_slots": self.engine.num_free_slots,
             "feature_dim": target.feature_dim,
+            "context_projection": None if self.projection is None else self.projection.fingerprint,
+            "feature_dtype": None if self.feature_dtype is None else str(self.feature_dtype).removeprefix("torch."),
             "eos_token_ids": list(target.eos_token_ids),
             "sps": self.sps,
             "feature_bytes_sent": sum(c.bytes_sent for c in self._drafters.values()),
@@ -95,9 +125,9 @@ class VerifierService:
 
     async def _step(self, request: dict[str, Any]) -> dict[str, Any]:
         prefills, verifies = _parse_step(request)
-        results: list[StepResult] = await self._thread.run(self.engine.step, prefills, verifies)
         routed = {req_id: address for address, ids in request["routes"].items() for req_id in ids}
-        await self._push_features(results, routed)
+        results, pushes = await self._thread.run(self._step_and_pack, prefills, verifies, routed)
+        self._push_features(pushes)
         inline = [r for r in results if r.req_id not in routed and r.features is not None]
         return {
             "req_ids": [r.req_id for r in results],
@@ -111,24 +141,55 @@ class VerifierService:
             "features": torch.cat([r.features for r in inline]).cpu() if inline else None,  # type: ignore[misc]
         }
 
-    async def _push_features(self, results: list[StepResult], routed: dict[str, str]) -> None:
+    def _step_and_pack(
+        self, prefills: list[PrefillItem], verifies: list[VerifyItem], routed: dict[str, str]
+    ) -> tuple[list[StepResult], dict[str, dict[str, Any]]]:
+        """On the engine thread: the step, then one AppendContext message per drafter (features on the host)."""
+        results = self.engine.step(prefills, verifies)
         by_address: dict[str, list[StepResult]] = {}
         for r in results:
             if r.req_id in routed and r.features is not None:
                 by_address.setdefault(routed[r.req_id], []).append(r)
-        calls = []
+        projection = None if self.projection is None else self.projection.fingerprint
+        messages = {}
         for address, group in by_address.items():
-            client = self._drafters.get(address)
-            if client is None:
-                client = self._drafters[address] = RpcClient(address, token=self._token, timeout_s=self._timeout_s)
-            message = {
+            features = torch.cat([r.features for r in group])  # type: ignore[misc]
+            if self.projection is not None:
+                features = self.projection(features)
+            if self.feature_dtype is not None:
+                features = features.to(self.feature_dtype)
+            messages[address] = {
                 "req_ids": [r.req_id for r in group],
                 "starts": [r.feature_start for r in group],
                 "counts": [int(r.features.shape[0]) for r in group],  # type: ignore[union-attr]
-                "features": torch.cat([r.features for r in group]).cpu(),  # type: ignore[misc]
+                "features": features.cpu(),
             }
-            calls.append(client.call("dspark.Drafter", "AppendContext", message))
-        await asyncio.gather(*calls)
+            if projection is not None:
+                messages[address]["projection"] = projection
+            if self.draft_ahead:
+                messages[address]["draft_anchors"] = [r.tokens[-1] if r.tokens else -1 for r in group]
+        return results, messages
+
+    def _push_features(self, messages: dict[str, dict[str, Any]]) -> None:
+        """Start one AppendContext per drafter; they complete after the Step reply has gone."""
+        for address, message in messages.items():
+            client = self._drafters.get(address)
+            if client is None:
+                client = self._drafters[address] = RpcClient(address, token=self._token, timeout_s=self._timeout_s)
+            task = asyncio.ensure_future(self._push(client, address, message))
+            self._pushes.add(task)
+            task.add_done_callback(self._pushes.discard)
+
+    async def _push(self, client: RpcClient, address: str, message: dict[str, Any]) -> None:
+        try:
+            await client.call("dspark.Drafter", "AppendContext", message)
+        except Exception as exc:  # the drafter died or refused: its requests' next Propose fails, failover follows
+            log.warning("context feature push to drafter %s failed: %s", address, exc)
+
+    async def drain_pushes(self) -> None:
+        """Wait for the feature pushes in flight (before closing; tests that read drafter state)."""
+        while self._pushes:
+            await asyncio.gather(*list(self._pushes))
 
     async def _release(self, request: dict[str, Any]) -> dict[str, Any]:
         def release() -> None:
@@ -139,6 +200,7 @@ class VerifierService:
         return {}
 
     async def close(self) -> None:
+        await self.drain_pushes()
         for client in self._drafters.values():
             await client.close()
         self._thread.shutdown()

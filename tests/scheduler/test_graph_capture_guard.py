@@ -172,6 +172,20 @@ def test_step_bodies_on_the_meta_device(tmp_path: Path, spec: PairSpec, real_voc
         assert packed.shape == (size, 2 * bs) and ids.shape == probs.shape == (size, bs, top_k)
         assert all(t.device.type == "meta" for t in (packed, ids, probs))
         _guarded(draft.append_steps[size].fn, "meta", host)
+    # The append step of a drafter fed rows the verifier already projected.
+    projected_cache = drafter.new_context_cache(5, 48)
+    projected = DraftGraphRunner(
+        drafter,
+        projected_cache,
+        dummy_slot=projected_cache.reserve_last(),
+        draft_top_k=top_k,
+        max_requests=4,
+        mode="static",
+        buckets=BUCKETS,
+        projected=True,
+    )
+    assert projected.context_rows.shape[1] == drafter.config.hidden_size
+    _guarded(projected.append_steps[BUCKETS[-1]].fn, "meta", [*host, projected._host_where, projected_cache.lengths])
 
 
 # ------------------------------------------------------------------------- on CPU, Triton through the interpreter
