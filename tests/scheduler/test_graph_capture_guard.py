@@ -185,7 +185,9 @@ def test_step_bodies_on_the_meta_device(tmp_path: Path, spec: PairSpec, real_voc
         projected=True,
     )
     assert projected.context_rows.shape[1] == drafter.config.hidden_size
-    _guarded(projected.append_steps[BUCKETS[-1]].fn, "meta", [*host, projected._host_where, projected_cache.lengths])
+    projected_host = [*host, projected._host_int, projected._host_temp, projected._host_where, projected_cache.lengths]
+    _guarded(projected.append_steps[BUCKETS[-1]].fn, "meta", projected_host)
+    _guarded(projected.steps[BUCKETS[-1]].fn, "meta", projected_host)  # its staged append takes projected rows
 
 
 # ------------------------------------------------------------------------- on CPU, Triton through the interpreter
