@@ -177,11 +177,8 @@ class DraftGraphRunner:
 
     def drop(self, slot: int) -> None:
         """Forget the staged rows of a released slot (nothing reads them; a new owner starts from 0)."""
-        if self._staged_counts[slot]:
-            self._staged_rows -= int(self._staged_counts[slot])
-            self._staged_counts[slot] = 0
-            if not self._staged_rows:
-                self._staged_counts[:] = 0
+        self._staged_rows -= int(self._staged_counts[slot])
+        self._staged_counts[slot] = 0
 
     def flush(self) -> None:
         """Write the staged context rows now, with the bucketed append step (before anything else touches
