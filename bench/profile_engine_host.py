@@ -16,6 +16,12 @@ where that host time goes (cProfile itself slows Python down: read the split, no
     PYTHONPATH=. python -m bench.profile_engine_host --device cuda --requests 32 128 --profile
 
 Prints the median / mean host microseconds per round for each R (and with --profile the top functions).
+With ``--count-calls`` (CPU), it also lists the torch calls a round makes outside the graph bodies (a
+TorchFunctionMode over the timed rounds: torch functions and tensor methods called from Python, attribute
+reads left out), the graph launches and the staging-fence calls, per round: on a GPU each of them is a call
+into the CUDA runtime or the allocator (the launches also record 2 timing events each in a timed round).
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.profile_engine_host --requests 1 32 --rounds 50 --count-calls
 """
 
 from __future__ import annotations
@@ -26,10 +32,13 @@ import pstats
 import statistics
 import sys
 import time
+from collections import Counter
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from bench.engine_setup import DEMO_TARGET, build_engine, code_prompts, demo_drafter, load_pair, tokenizer_for
+from cluster import graphs as cluster_graphs
 from cluster.graphs import GraphStep
 from cluster.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
@@ -58,6 +67,44 @@ def _stub_steps(engine: SpeculativeEngine) -> None:
         packed[:, 1:] = torch.randint(1, engine.verify.vocab_size, packed[:, 1:].shape, generator=generator)
 
 
+class CallCounter(TorchFunctionMode):
+    """Counts the torch functions and tensor methods called from Python while active (not the ones they call
+    themselves, nor attribute reads such as ``.shape``), the graph-step calls and the staging-fence calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self._patched: list[tuple[object, str, object]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name != "__get__":
+            self.calls[f"torch {getattr(func, '__qualname__', name)}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for owner, name, label in (
+            (GraphStep, "__call__", "graph launch (GraphStep)"),
+            (cluster_graphs.StagingFence, "copies_issued", "fence record (StagingFence.copies_issued)"),
+            (cluster_graphs.StagingFence, "wait_before_write", "fence wait (StagingFence.wait_before_write)"),
+        ):
+            original = getattr(owner, name)
+
+            def counted(*args, _original=original, _label=label, **kwargs):
+                self.calls[_label] += 1
+                return _original(*args, **kwargs)
+
+            self._patched.append((owner, name, original))
+            setattr(owner, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
+        self._patched.clear()
+        return super().__exit__(*exc)
+
+
 def _restart(engine: SpeculativeEngine, prompts: list[list[int]], params: SamplingParams) -> list[str]:
     for rid in list(engine._running):
         engine.abort(rid)
@@ -78,7 +125,11 @@ def _set_timed(engine: SpeculativeEngine, timed: bool) -> None:
 
 
 def host_round_us(
-    engine: SpeculativeEngine, prompts: list[list[int]], rounds: int, profiler: cProfile.Profile | None
+    engine: SpeculativeEngine,
+    prompts: list[list[int]],
+    rounds: int,
+    profiler: cProfile.Profile | None,
+    counter: CallCounter | None = None,
 ) -> list[float]:
     """Host microseconds (outside the graph steps) of each of ``rounds`` rounds with len(prompts) requests."""
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
@@ -97,7 +148,11 @@ def host_round_us(
         if profiler is not None:
             profiler.enable()
         start = time.perf_counter()
-        engine.step()
+        if counter is not None:
+            with counter:
+                engine.step()
+        else:
+            engine.step()
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
@@ -121,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--profile", action="store_true", help="cProfile the timed rounds, print the top functions")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--count-calls", action="store_true", help="list the torch calls per round (CPU)")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if not cuda:
@@ -151,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
             f"R={num:4d}: host us per round median {statistics.median(times):8.1f}  mean {statistics.fmean(times):8.1f}"
             f"  min {min(times):8.1f}  ({args.rounds} rounds)"
         )
+        if args.count_calls:  # a separate pass: the counting must not count in the times above
+            counter = CallCounter()
+            host_round_us(engine, prompts, args.rounds, None, counter)
+            per_round = {name: n / args.rounds for name, n in counter.calls.items()}
+            print(f"  calls per round outside the graph bodies: {sum(per_round.values()):.1f}")
+            for name, n in sorted(per_round.items(), key=lambda kv: -kv[1]):
+                print(f"    {n:6.2f}  {name}")
         if args.profile:  # a second pass: cProfile's own overhead must not count in the numbers above
             profiler = cProfile.Profile()
             host_round_us(engine, prompts, args.rounds, profiler)

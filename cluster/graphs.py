@@ -75,8 +75,8 @@ class GraphStep(Generic[T]):
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: T | None = None
         self.time_s = 0.0  # time inside the step (device time of the replays when captured), when timed
-        self._pending: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # made once, on the first timed replay
+        self._pending: tuple[torch.Event, torch.Event] | None = None
+        self._events: tuple[torch.Event, torch.Event] | None = None  # made once, on the first timed replay
         if mode == "capture":
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -99,7 +99,7 @@ class GraphStep(Generic[T]):
             return out
         if timed:
             if self._events is None:
-                self._events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                self._events = device_event(timing=True), device_event(timing=True)
             begin, end = self._events
             begin.record()
             self.graph.replay()
@@ -122,12 +122,23 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
+def device_event(timing: bool = False, device: torch.device | None = None) -> torch.Event:
+    """A CUDA event whose ``record()`` finds the current stream in C++: ``torch.cuda.Event.record`` looks it up
+    through ``torch.cuda.current_stream()`` in Python, tens of microseconds per call on a slow host, and a
+    round records several."""
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return torch.Event(torch.device("cuda", index), enable_timing=timing)
+
+
 class StagingFence:
     """Host staging buffers are read by asynchronous host-to-device copies: before the host writes them again,
-    it waits for the last copy that read them (usually long done: a result copy has synced since)."""
+    it waits for the last copy that read them (usually long done: a result copy has synced since).
+
+    A runner whose step ends in a blocking result copy on the same stream needs none: that copy returns after
+    the upload that preceded it."""
 
     def __init__(self, device: torch.device) -> None:
-        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._event = device_event(device=device) if device.type == "cuda" else None
 
     def copies_issued(self) -> None:
         if self._event is not None:

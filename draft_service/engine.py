@@ -89,7 +89,9 @@ class Proposal:
     tokens [R, gamma] int64 on the host; confidences [R, gamma] float64 in [0, 1] (calibrated c_k, the
     scheduler's input) or None when the drafter has no confidence head; confidence_logits raw [R, gamma] (for
     online calibration); topk_ids / topk_probs [R, gamma, K] on the drafter's device: the sparse draft
-    distribution each token was sampled from.
+    distribution each token was sampled from. With graphs, when every request is greedy (temperature 0: no
+    verification reads its distribution), these are views of the step's static outputs, overwritten by the
+    next ``propose``; otherwise fresh tensors.
     """
 
     req_ids: list[str]
@@ -191,6 +193,8 @@ class DraftEngine:
         """Free the request's context slot (idempotent)."""
         entry = self._requests.pop(req_id, None)
         if entry is not None:
+            if self.graphs is not None:
+                self.graphs.drop(entry.slot)
             self.cache.release(entry.slot)
 
     def context_length(self, req_id: str) -> int:
@@ -253,6 +257,8 @@ class DraftEngine:
         features: Sequence[torch.Tensor],
         projected: bool,
     ) -> None:
+        if self.graphs is not None:
+            self.graphs.flush()
         for slot, start in zip(slots.tolist(), starts.tolist(), strict=True):
             self.cache.crop(slot, start)
         cu = np.concatenate([[0], np.cumsum(counts)]).tolist()
@@ -280,9 +286,7 @@ class DraftEngine:
             raise ValueError(
                 f"context cache overflow: lengths {ends.tolist()} exceed max_seq_len {self.cache.max_seq_len}"
             )
-        first_row = np.cumsum(counts) - counts
-        positions = np.repeat(starts - first_row, counts) + np.arange(total)
-        self.graphs.append(np.repeat(slots, counts), positions, features)
+        self.graphs.append(slots, starts, counts, features)
         self.cache.lengths_np[slots] = ends
         return True
 
@@ -306,6 +310,8 @@ class DraftEngine:
 
     @torch.no_grad()
     def _propose_eager(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
+        if self.graphs is not None:
+            self.graphs.flush()
         device = self.model.device
         anchors = torch.tensor([item.anchor for item in items], dtype=torch.int64, device=device)
         positions = torch.tensor([item.position for item in items], dtype=torch.int64)

@@ -8,14 +8,21 @@ anchor 0 over the reserved dummy slot, whose context is empty) and runs exactly 
 :meth:`DraftEngine.propose` runs: ``draft_block``'s layers with the context read in place by the slot
 attention kernel, the position-keyed uniforms of :mod:`kernels.rng` and ``sample_block_prepared``. The
 drafted tokens and the raw confidence logits come back in one [B, 2 * bs] float64 tensor (token ids and
-float32 logits are exact in float64), copied to the host once; the sparse draft distributions stay on the
-device for the verifier.
+float32 logits are exact in float64), copied to the host once into page-locked memory; the sparse draft
+distributions stay on the device for the verifier, copied out of the static outputs only when some request of
+the batch samples: a greedy request's (temperature 0) distribution is read by no verification, so a batch of
+greedy requests only gets views, which the next step overwrites.
 
 Appending: the context rows a verify step committed (at most block_size + 1 per request and round) are
 projected (``fc`` + ``hidden_norm``, unless the runner takes rows the verifier already projected) and turned into
-every draft layer's K/V, written at (slot, position). The rows are padded to the bucket's B * (block_size + 1);
-padding rows write to position 0 of the dummy slot, whose context length stays 0, so nothing reads them. Longer
-appends (prefills) run eagerly.
+every draft layer's K/V, written at (slot, position). A per-round append is staged (rows copied into a static
+buffer, nothing launched) and done by the next propose step, inside its graph, before the backbone reads the
+context: one launch, one upload and no fence less per round. Request r of the bucket appends its
+``counts[r]`` staged rows (at most block_size + 1) at positions ``starts[r]`` onward; its other rows of the
+B * (block_size + 1) write to position 0 of the dummy slot, whose context length stays 0, so nothing reads
+them. A staged append that the next propose does not cover (another append first, an eager propose, a
+request missing from the batch) runs as its own bucketed append step first; a released request's staged rows
+are dropped. Longer appends (prefills) run eagerly.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ UNIFORM_MAX = 1.0 - 2.0**-24
 @dataclass(frozen=True)
 class BucketedDraft:
     """One bucketed step's drafts for R requests: tokens / confidence logits on the host, the sparse draft
-    distribution [R, bs, K] on the device (fresh tensors)."""
+    distribution [R, bs, K] on the device (fresh tensors; views of the static outputs, which the next step
+    overwrites, when every request is greedy)."""
 
     tokens: torch.Tensor
     confidence_logits: np.ndarray | None
@@ -75,21 +83,31 @@ class DraftGraphRunner:
         self.has_confidence = model.confidence_head is not None
         self.timed = False
         top = self.sizes[-1]
-        self._int_fields = {"anchors": top, "positions": top, "slots": top, "k_eff": top, "seeds": top}
+        self._int_fields = {
+            "anchors": top,
+            "positions": top,
+            "slots": top,
+            "k_eff": top,
+            "seeds": top,
+            "append_counts": top,  # the staged context rows this step appends, per request
+            "append_offsets": top,  # where they start in context_rows
+            "append_starts": top,  # the position of the first one
+        }
         # One int64 staging buffer; its tail holds the float32 temperatures (a view): one copy uploads everything.
-        num_int = len(self._int_fields) * top
+        num_int = sum(self._int_fields.values())
         self._host_int = pinned_empty((num_int + (top + 1) // 2,), torch.int64, self.device)
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
         self._host_temp = self._host_int[num_int:].view(torch.float32)[:top]
         self._dev_temp = self._dev_int[num_int:].view(torch.float32)[:top]
-        self._fence = StagingFence(self.device)
+        # No fence for this buffer: ``run`` ends in a blocking copy on the stream of its upload.
         self._where_fence = StagingFence(self.device)
-        self.host = {
-            name: self._host_int.numpy()[i * top : (i + 1) * top] for i, name in enumerate(self._int_fields)
-        }
+        self.host = _split(self._host_int.numpy(), self._int_fields)
         self.host["temperature"] = self._host_temp.numpy()
-        self.dev = {name: self._dev_int[i * top : (i + 1) * top] for i, name in enumerate(self._int_fields)}
+        self.dev = _split(self._dev_int, self._int_fields)
         self.dev["temperature"] = self._dev_temp
+        # Page-locked result rows; per bucket a view of its first rows made once (a slice is a torch call).
+        self._host_result = pinned_empty((top, 2 * model.block_size), torch.float64, self.device)
+        self._result_np = self._host_result.numpy()
         # Context append: rows [top * W, F] (F = H when they arrive projected) in the model dtype, and (slot,
         # position) per row.
         self.append_width = model.block_size + 1
@@ -99,6 +117,12 @@ class DraftGraphRunner:
         self.context_rows = torch.zeros((rows, width), dtype=model.dtype, device=self.device)
         self._host_where = pinned_empty((2 * rows,), torch.int64, self.device)
         self._dev_where = torch.zeros_like(self._host_where, device=self.device)
+        # The staged append, per context slot (count 0: nothing staged), and its total number of rows.
+        num_slots = cache.num_slots
+        self._staged_counts = np.zeros(num_slots, dtype=np.int64)
+        self._staged_offsets = np.zeros(num_slots, dtype=np.int64)
+        self._staged_starts = np.zeros(num_slots, dtype=np.int64)
+        self._staged_rows = 0
         self._fill_padding(top)
         self._fill_append_padding(rows)
         # The staging buffers with every field at its padding value: one copy resets them before each step.
@@ -109,6 +133,7 @@ class DraftGraphRunner:
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         self.steps: dict[int, GraphStep] = {}
         self.append_steps: dict[int, GraphStep] = {}
+        self._result_views = {size: self._host_result[:size] for size in self.sizes}
         for size in reversed(self.sizes):
             self.steps[size] = GraphStep(partial(self._step, size), mode, pool)
             self.append_steps[size] = GraphStep(partial(self._append_step, size), mode, pool)
@@ -126,19 +151,15 @@ class DraftGraphRunner:
     def max_append_rows(self) -> int:
         return self.sizes[-1] * self.append_width
 
-    def append(self, slots: np.ndarray, positions: np.ndarray, features: Sequence[torch.Tensor]) -> None:
-        """Write the K/V of context rows (the concatenation of ``features``, [n, F] with n <= max_append_rows)
-        at (slots[i], positions[i]); the caller validated them and updates the host-side lengths."""
-        num = len(slots)
-        size = next(s for s in self.sizes if s * self.append_width >= num)
-        self._where_fence.wait_before_write()
-        where = self._where_np
-        np.copyto(where, self._where_padding)
-        half = self.max_append_rows
-        where[:num] = slots
-        where[half : half + num] = positions
-        self._dev_where.copy_(self._host_where, non_blocking=True)
-        self._where_fence.copies_issued()
+    def append(
+        self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray, features: Sequence[torch.Tensor]
+    ) -> None:
+        """Stage the K/V writes of context rows (the concatenation of ``features``, [n, F] with n <=
+        max_append_rows): request i's ``counts[i]`` rows (at most block_size + 1) go to slot ``slots[i]`` (distinct)
+        from position ``starts[i]`` on. The caller validated them and updates the host-side lengths; the rows
+        are written by the next propose step (or :meth:`flush`)."""
+        self.flush()
+        num = int(counts.sum())
         rows = self.context_rows[:num]
         first = features[0]
         try:
@@ -147,6 +168,42 @@ class DraftGraphRunner:
             torch.cat(features, out=rows)  # straight into the static buffer: one device copy
         except (TypeError, RuntimeError):
             rows.copy_(torch.cat([f.to(rows.device) for f in features]))
+        self._staged_counts[slots] = counts
+        self._staged_offsets[slots] = np.cumsum(counts) - counts
+        self._staged_starts[slots] = starts
+        self._staged_rows = num
+        if int(counts.max()) > self.append_width:  # longer than a propose step's rows per request
+            self.flush()
+
+    def drop(self, slot: int) -> None:
+        """Forget the staged rows of a released slot (nothing reads them; a new owner starts from 0)."""
+        self._staged_rows -= int(self._staged_counts[slot])
+        self._staged_counts[slot] = 0
+
+    def flush(self) -> None:
+        """Write the staged context rows now, with the bucketed append step (before anything else touches
+        the context cache)."""
+        num = self._staged_rows
+        if not num:
+            return
+        counts = self._staged_counts
+        slots = np.flatnonzero(counts)
+        order = np.argsort(self._staged_offsets[slots], kind="stable")  # the rows' order in context_rows
+        slots = slots[order]
+        per_slot = counts[slots]
+        first_row = np.cumsum(per_slot) - per_slot
+        positions = np.repeat(self._staged_starts[slots] - first_row, per_slot) + np.arange(num)
+        counts[:] = 0
+        self._staged_rows = 0
+        size = next(s for s in self.sizes if s * self.append_width >= num)
+        self._where_fence.wait_before_write()
+        where = self._where_np
+        np.copyto(where, self._where_padding)
+        half = self.max_append_rows
+        where[:num] = np.repeat(slots, per_slot)
+        where[half : half + num] = positions
+        self._dev_where.copy_(self._host_where, non_blocking=True)
+        self._where_fence.copies_issued()
         self.append_steps[size](self.timed)  # its device time is settled after the next propose's wait
 
     def _fill_append_padding(self, rows: int) -> None:
@@ -170,7 +227,14 @@ class DraftGraphRunner:
         size = pick_bucket(num, self.sizes)
         if size is None:
             raise ValueError(f"{num} requests exceed the largest bucket {self.sizes[-1]}")
-        self._fence.wait_before_write()
+        appended = None
+        if self._staged_rows:
+            appended = self._staged_counts[slots]
+            left = self._staged_counts.copy()
+            left[slots] = 0
+            if left.any():  # staged rows of a request outside this batch: write them all first
+                self.flush()
+                appended = None
         np.copyto(self._host_np, self._padding)
         host = self.host
         host["anchors"][:num] = anchors
@@ -179,17 +243,26 @@ class DraftGraphRunner:
         host["temperature"][:num] = temperatures
         host["k_eff"][:num] = k_eff_and_seeds[:, 0]
         host["seeds"][:num] = k_eff_and_seeds[:, 1]
-        self._upload()
+        if appended is not None:
+            host["append_counts"][:num] = appended
+            host["append_offsets"][:num] = self._staged_offsets[slots]
+            host["append_starts"][:num] = self._staged_starts[slots]
+            self._staged_counts[:] = 0
+            self._staged_rows = 0
+        self._dev_int.copy_(self._host_int, non_blocking=True)  # the temperatures too
         step = self.steps[size]
         packed, topk_ids, topk_probs = step(self.timed)
-        # Start the device-side copies of the distributions before waiting on the host copy.
-        ids, probs = topk_ids[:num].clone(), topk_probs[:num].clone()
-        result = packed[:num].cpu()  # the one device -> host copy (and wait) of the step
-        for done in (step, *self.append_steps.values()):
+        ids, probs = topk_ids[:num], topk_probs[:num]
+        if temperatures.any():  # start the device-side copies before waiting on the host copy
+            ids, probs = ids.clone(), probs.clone()
+        self._result_views[size].copy_(packed)  # the one device -> host copy (and wait) of the step
+        step.settle_timing()
+        for done in self.append_steps.values():
             done.settle_timing()
         bs = self.model.block_size
-        tokens = result[:, :bs].to(torch.int64)
-        conf = result[:, bs:].numpy() if self.has_confidence else None
+        result = self._result_np[:num]
+        tokens = torch.from_numpy(result[:, :bs].astype(np.int64))
+        conf = result[:, bs:].copy() if self.has_confidence else None
         return BucketedDraft(tokens=tokens, confidence_logits=conf, topk_ids=ids, topk_probs=probs)
 
     def _fill_padding(self, size: int) -> None:
@@ -200,28 +273,43 @@ class DraftGraphRunner:
         host["k_eff"][:size] = self.draft_top_k
         host["seeds"][:size] = 0
         host["temperature"][:size] = 0.0
+        host["append_counts"][:size] = 0
+        host["append_offsets"][:size] = 0
+        host["append_starts"][:size] = 0
 
     def _upload(self) -> None:
         self._dev_int.copy_(self._host_int, non_blocking=True)  # the temperatures too
-        self._fence.copies_issued()
+
+    def _write_context(self, rows: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """K/V of context rows [n, F] (features, or projected rows) into the cache at (slots[i], positions[i])."""
+        model, cache = self.model, self.cache
+        context = rows if self.projected else model.project_context(rows)
+        for layer_idx, (k, v) in enumerate(model.context_key_values(context, positions)):
+            cache.k[layer_idx, slots, positions] = k.to(cache.k.dtype)
+            cache.v[layer_idx, slots, positions] = v.to(cache.v.dtype)
 
     @torch.no_grad()
     def _append_step(self, size: int) -> tuple[()]:
         rows = size * self.append_width
         half = self.max_append_rows
-        slots = self._dev_where[:rows]
-        positions = self._dev_where[half : half + rows]
-        model, cache = self.model, self.cache
-        rows_in = self.context_rows[:rows]
-        context = rows_in if self.projected else model.project_context(rows_in)
-        for layer_idx, (k, v) in enumerate(model.context_key_values(context, positions)):
-            cache.k[layer_idx, slots, positions] = k.to(cache.k.dtype)
-            cache.v[layer_idx, slots, positions] = v.to(cache.v.dtype)
+        self._write_context(self.context_rows[:rows], self._dev_where[:rows], self._dev_where[half : half + rows])
         return ()
+
+    def _staged_append(self, size: int) -> None:
+        """The staged rows of the bucket's requests, B * (block_size + 1) rows (see the module docstring)."""
+        dev = self.dev
+        k = torch.arange(self.append_width, device=self.device)[None, :]
+        counts = dev["append_counts"][:size, None]
+        real = k < counts
+        source = torch.where(real, dev["append_offsets"][:size, None] + k, 0).reshape(-1)
+        slots = torch.where(real, dev["slots"][:size, None], self.dummy_slot).reshape(-1)
+        positions = torch.where(real, dev["append_starts"][:size, None] + k, 0).reshape(-1)
+        self._write_context(self.context_rows[source], slots, positions)
 
     @torch.no_grad()
     def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dev, model = self.dev, self.model
+        self._staged_append(size)
         anchors = dev["anchors"][:size]
         positions = dev["positions"][:size]
         x, cos, sin = model._block_inputs(anchors, positions)
@@ -249,3 +337,13 @@ class DraftGraphRunner:
         packed = torch.cat([sample.tokens.double(), conf.double()], dim=1)
         assert sample.topk_ids is not None and sample.topk_probs is not None
         return packed, sample.topk_ids, sample.topk_probs
+
+
+def _split(buffer: torch.Tensor | np.ndarray, fields: dict[str, int]) -> dict:
+    """Named consecutive views of a flat buffer."""
+    views = {}
+    offset = 0
+    for name, length in fields.items():
+        views[name] = buffer[offset : offset + length]
+        offset += length
+    return views

@@ -177,6 +177,66 @@ def test_bucketed_propose_equals_eager(pair) -> None:
     assert static.topk_probs.shape == (5, drafter.block_size, 6)
 
 
+def test_staged_context_appends_equal_eager(pair) -> None:
+    """Per-round appends are staged and written by the next propose step; one staged for a request missing
+    from the next batch, an eager propose or a second append is written first; a released request's rows
+    are dropped. Drafts, distributions and the context K/V stay those of the eager engine."""
+    _, drafter = pair
+    width, gen = drafter.config.context_feature_size, torch.Generator().manual_seed(7)
+    engines = {
+        mode: DraftEngine(drafter, 6, 64, draft_top_k=6, graphs=mode, graph_buckets=BUCKETS)
+        for mode in ("off", "static")
+    }
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)] * 3
+    held = {f"r{i}": 0 for i in range(6)}
+    # (requests appending this round (rows each), requests proposing, released after the append)
+    plan = [
+        ({"r0": 3, "r1": 2, "r2": 6, "r3": 1, "r4": 4, "r5": 5}, ["r5", "r1", "r3", "r0", "r2", "r4"], []),
+        ({"r0": 2, "r1": 6, "r2": 1, "r4": 3}, ["r0", "r1", "r2", "r4"], ["r3"]),  # r5 appends nothing
+        ({"r0": 1, "r1": 1, "r4": 6}, ["r4", "r0"], []),  # r1 staged, not proposed: written first
+        ({"r0": 2, "r2": 2, "r4": 2, "r5": 3}, ["r0", "r2", "r4"], ["r5"]),  # r5 staged, then released
+        ({"r0": 4}, ["r0", "r2", "r4"], []),
+    ]
+    rows = {name: [] for name in held}
+    for appends, _, _ in plan:
+        for name, n in appends.items():
+            rows[name].append(torch.randn(n, width, generator=gen))
+    last = torch.randn(2, width, generator=gen)
+    proposals: dict[str, list] = {mode: [] for mode in engines}
+    for mode, engine in engines.items():
+        for i, sp in enumerate(params):
+            engine.add_request(f"r{i}", sp)
+        starts = dict.fromkeys(held, 0)
+        taken = dict.fromkeys(held, 0)
+        for appends, proposing, released in plan:
+            items = []
+            for name in appends:
+                features = rows[name][taken[name]]
+                taken[name] += 1
+                items.append(ContextItem(name, starts[name], features))
+                starts[name] += features.shape[0]
+            engine.append_context(items)
+            for name in released:
+                engine.release(name)
+            proposal = engine.propose([DraftItem(n, 5 + i, starts[n]) for i, n in enumerate(proposing)])
+            # An all-greedy batch gets views of the static outputs (the next propose overwrites them): copies.
+            proposals[mode].append((proposal.tokens, proposal.topk_ids.clone(), proposal.topk_probs.clone()))
+        engine.append_context([ContextItem("r2", starts["r2"], last)])
+        starts["r2"] += 2
+        proposal = engine._propose_eager([DraftItem("r2", 1, starts["r2"])], engine._entries(["r2"]))
+        proposals[mode].append((proposal.tokens, proposal.topk_ids, proposal.topk_probs))
+        for name in ("r0", "r2", "r4"):
+            slot, n = engine._requests[name].slot, starts[name]
+            assert engine.context_length(name) == n
+            proposals[mode].append((engine.cache.k[:, slot, :n].clone(), engine.cache.v[:, slot, :n].clone()))
+    for off, static in zip(proposals["off"], proposals["static"], strict=True):
+        if len(off) == 2:  # context K/V
+            torch.testing.assert_close(static, off, atol=1e-5, rtol=1e-5)
+            continue
+        assert torch.equal(off[0], static[0]) and torch.equal(off[1], static[1])
+        torch.testing.assert_close(off[2], static[2], atol=1e-5, rtol=1e-5)
+
+
 def _generate(target, drafter, mode: str, temperature: float, prefill_rows: int = 0) -> list[list[int]]:
     verify = VerifyEngine(
         target,

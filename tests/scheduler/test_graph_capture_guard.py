@@ -21,7 +21,7 @@ from model_factory import PairSpec, write_pair
 from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.config import REAL_VOCAB_KEY
-from draft_service.engine import DraftEngine
+from draft_service.engine import ContextItem, DraftEngine
 from draft_service.graphs import DraftGraphRunner
 from draft_service.model import DSparkDraftModel
 from kernels.rejection import rejection_sample_reference
@@ -188,7 +188,9 @@ def test_step_bodies_on_the_meta_device(tmp_path: Path, spec: PairSpec, real_voc
         projected=True,
     )
     assert projected.context_rows.shape[1] == drafter.config.hidden_size
-    _guarded(projected.append_steps[BUCKETS[-1]].fn, "meta", [*host, projected._host_where, projected_cache.lengths])
+    projected_host = [*host, projected._host_int, projected._host_temp, projected._host_where, projected_cache.lengths]
+    _guarded(projected.append_steps[BUCKETS[-1]].fn, "meta", projected_host)
+    _guarded(projected.steps[BUCKETS[-1]].fn, "meta", projected_host)  # its staged append takes projected rows
 
 
 # ------------------------------------------------------------------------- on CPU, Triton through the interpreter
@@ -235,6 +237,11 @@ def test_triton_step_bodies_in_real_rounds(pair: tuple[TargetModel, DSparkDraftM
     ids = [engine.add_request([3 + i, 9, 27, 81], sp) for i, sp in enumerate(params)]
     for _ in range(3):
         engine.step()
+    # The rounds' context appends are done inside the draft steps; a row block longer than a draft step
+    # takes per request runs the append step itself.
+    assert {name.split("[")[0] for name in guarded} == {"verify", "draft"}, guarded
+    rows = torch.randn(drafter.block_size + 2, drafter.config.context_feature_size)
+    draft.append_context([ContextItem(ids[0], draft.context_length(ids[0]), rows)])
     assert {name.split("[")[0] for name in guarded} == {"verify", "draft", "append"}, guarded
     for rid in ids:
         engine.abort(rid)
