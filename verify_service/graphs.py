@@ -18,7 +18,9 @@ a third of a step, and the profiled SPS curve has the shape of the real one.
 Everything the step needs lives in device buffers the host fills with one copy per dtype; the step never reads
 a device value on the host. Results are packed into one [A, 1 + W] int64 tensor (accepted count, then the
 emitted tokens), copied to the host once; the features of the kept rows (a verify chunk's anchor + accepted
-drafts, a prefill's every row) are compacted on the device, chunk after chunk.
+drafts, a prefill's every row) are compacted on the device, chunk after chunk. The staging buffers need no
+fence: a step ends in that blocking result copy on the upload's stream, so the host writes them again only after
+the upload has read them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, GraphStep, StagingFence, bucket_sizes, pinned_empty
+from cluster.graphs import DEFAULT_BUCKETS, GraphStep, bucket_sizes, pinned_empty
 from kernels.rejection import RejectionOutput
 from verify_service.attention import CachedAttentionMetadata
 from verify_service.kv_cache import SlotKVCache
@@ -149,7 +151,6 @@ class VerifyGraphRunner:
         self._host_float = pinned_empty((sum(self._float_fields.values()),), torch.float32, self.device)
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
         self._dev_float = torch.zeros_like(self._host_float, device=self.device)
-        self._fence = StagingFence(self.device)
         self.host = _split(self._host_int.numpy(), self._int_fields) | _split(
             self._host_float.numpy(), self._float_fields
         )
@@ -165,8 +166,10 @@ class VerifyGraphRunner:
 
     # ------------------------------------------------------------------------------------------------ host
     def pad_for(self, key: tuple[int, int]) -> None:
-        """Fill the device buffers with an all-padding batch of bucket ``key`` (a valid step of that shape)."""
-        self._fence.wait_before_write()
+        """Fill the device buffers with an all-padding batch of bucket ``key`` (a valid step of that shape).
+        Build time only: it waits for the previous bucket's upload before rewriting the staging buffers."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._pack([], *key)
         self._upload()
 
@@ -207,7 +210,6 @@ class VerifyGraphRunner:
         key = self.bucket(len(chunks), num_rows)
         if key is None:
             raise ValueError(f"{len(chunks)} chunks / {num_rows} rows exceed the largest bucket")
-        self._fence.wait_before_write()
         packed, features = self._replay(key, *self._pack(chunks, *key))
         result = packed[: len(chunks)].cpu().numpy()  # the one device -> host copy (and wait) of the step
         self.steps[key].settle_timing()
@@ -255,7 +257,6 @@ class VerifyGraphRunner:
         is_anchor[anchor_rows] = True
         ids[anchor_rows] = tokens[:num]
         ids[~is_anchor] = tokens[num:]
-        self._fence.wait_before_write()
         params = (sampling_float[:, 0], sampling_int[:, 0], sampling_float[:, 1], sampling_int[:, 1])
         self._pack_layout(slots, starts, lens, ids, np.full(num, -1, dtype=np.int64), params, *key)
         dist_rows, dist_ids, dist_probs = self._pack_dists(dists, lens)
@@ -396,7 +397,6 @@ class VerifyGraphRunner:
     def _upload(self) -> None:
         self._dev_int.copy_(self._host_int, non_blocking=True)
         self._dev_float.copy_(self._host_float, non_blocking=True)
-        self._fence.copies_issued()
 
     # ------------------------------------------------------------------------------------------ the step
     @torch.no_grad()
