@@ -10,12 +10,17 @@ throughput of both kinds of round with the same whole-round objective Algorithm 
   autoregressive: Theta_ar   = R / (T_nodraft(R) + 1 / SPS(R))
 
 and drafts iff Theta_spec >= Theta_ar (ties draft: with no draft cost the gate never skips). tau_n and B_n come
-from Algorithm 1's walk over PREDICTED confidences: the rows of the most recent drafted rounds (a pool of at
-least ``history_rows`` rows, whole rounds, newest first), each pool row standing for R / N of the R current
-requests (a fluid version of the walk: B_n = R + (R / N) * n, tau_n = R + (R / N) * sum of the first n
-survivals, the survival of position j further weighted by the fraction of current requests whose cap allows
-j drafts). The weighting makes the prediction follow the load at once: when R drops, the same pool predicts a
-cheaper draft relative to the verify step and the gate flips back to drafting without waiting for new data.
+from Algorithm 1's walk over PREDICTED confidences, summarised per request: the survival probabilities a[r, j]
+of a drafted round, all R * gamma of them sorted descending, sampled at K evenly spaced ranks, give Q, the
+sorted survival curve of an average request (K points, each standing for gamma / K drafts per request). Q is
+an exponential average over drafted rounds weighted by their rows (weight min(1, R / ``history_rows``): one
+round of >= ``history_rows`` requests replaces it, at one request it averages the last ~``history_rows``
+rounds). For the R current requests the walk is fluid: the n-th step admits R * gamma / K drafts,
+B_n = R + n * R * gamma / K and tau_n = R + (R * gamma / K) * (Q_1 + ... + Q_n), and only the first
+mean(min(cap_r, gamma)) / gamma of the curve can be admitted (caps remove the last positions, the least
+likely ones). The per-round prediction costs K array elements whatever the load, and it follows the load at
+once: when R drops, the same curve predicts a draft that is cheap next to the verify step and the gate flips
+back to drafting without waiting for new data.
 
 Staleness: a skipped round yields no confidences, so after ``probe_interval - 1`` skipped rounds in a row the
 next round drafts anyway (a probe), refreshing the pool; a round with nothing observed yet always drafts.
@@ -33,8 +38,6 @@ skipped rounds because the round driver still appends the committed tokens' cont
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import numpy as np
 
@@ -58,57 +61,67 @@ class DraftGate:
         *,
         probe_interval: int = 8,
         history_rows: int = 64,
+        curve_points: int = 56,
     ) -> None:
         _check_sps(sps)
-        if isinstance(probe_interval, bool) or not isinstance(probe_interval, int) or probe_interval < 1:
-            raise ValueError(f"probe_interval must be an integer >= 1, got {probe_interval!r}")
-        if isinstance(history_rows, bool) or not isinstance(history_rows, int) or history_rows < 1:
-            raise ValueError(f"history_rows must be an integer >= 1, got {history_rows!r}")
+        for name, value in (
+            ("probe_interval", probe_interval),
+            ("history_rows", history_rows),
+            ("curve_points", curve_points),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.sps = sps
         self.draft_cost = draft_cost
         self.no_draft_cost = no_draft_cost if no_draft_cost is not None else DraftCost()
         self.probe_interval = probe_interval
         self.history_rows = history_rows
-        self._rounds: deque[np.ndarray] = deque()
+        self.curve_points = curve_points
+        self._curve: np.ndarray | None = None  # Q, sorted survival curve of an average request (descending)
+        self._cumulative = np.zeros(curve_points + 1)  # 0, Q_1, Q_1 + Q_2, ...
+        self._steps = np.arange(curve_points + 1, dtype=np.float64)
+        self._gamma = 0
         self._skipped_in_a_row = 0
         self.decisions = 0  # rounds decided (for reports)
         self.skipped = 0  # rounds that skipped the drafter
 
     def observe(self, confidences: np.ndarray) -> None:
-        """Keep a drafted round's confidences [R, gamma] (uncapped) as the newest prediction data."""
-        conf = validate_confidences(confidences)
-        if conf.shape[0] == 0 or conf.shape[1] == 0:
+        """Fold a drafted round's confidences [R, gamma] (uncapped) into Q."""
+        conf = validate_confidences(confidences).astype(np.float64, copy=False)
+        rows, gamma = conf.shape
+        if rows == 0 or gamma == 0:
             return
-        self._rounds.appendleft(np.array(conf, dtype=np.float64))
-        rows = 0
-        for n, block in enumerate(self._rounds):
-            rows += block.shape[0]
-            if rows >= self.history_rows:
-                while len(self._rounds) > n + 1:
-                    self._rounds.pop()
-                break
+        curve = self._curve_of(conf)
+        if self._curve is None or gamma != self._gamma:
+            self._curve, self._gamma = curve, gamma
+        else:
+            weight = min(1.0, rows / self.history_rows)
+            self._curve = (1.0 - weight) * self._curve + weight * curve
+        np.cumsum(self._curve, out=self._cumulative[1:])
+
+    def _curve_of(self, conf: np.ndarray) -> np.ndarray:
+        """One round's Q: its R * gamma survivals sorted descending, sampled at K evenly spaced ranks."""
+        survival = np.sort(np.cumprod(conf, axis=1), axis=None)[::-1]
+        ranks = ((np.arange(self.curve_points) + 0.5) * (survival.size / self.curve_points)).astype(np.int64)
+        return survival[ranks]
 
     def predicted_rates(self, max_lengths: np.ndarray) -> tuple[float, float] | None:
         """(Theta_spec, Theta_ar) in tokens/s for the current caps, or None while nothing was observed."""
         caps = np.asarray(max_lengths, dtype=np.int64)
         num_requests = int(caps.size)
-        if num_requests == 0 or not self._rounds:
+        if num_requests == 0 or self._curve is None:
             return None
-        pool = np.concatenate(list(self._rounds))
-        survival = np.cumprod(pool, axis=1)  # a[n, j]
-        gamma = survival.shape[1]
-        allowed = (caps[:, None] >= np.arange(1, gamma + 1)[None, :]).mean(axis=0)  # requests allowing j drafts
-        weight = (num_requests / pool.shape[0]) * np.broadcast_to(allowed, survival.shape)
-        keep = (survival > 0) & (weight > 0)
-        values, weights = survival[keep], weight[keep]
-        order = np.argsort(-values, kind="stable")
-        tau = num_requests + np.concatenate([[0.0], np.cumsum(values[order] * weights[order])])
-        batch = num_requests + np.concatenate([[0.0], np.cumsum(weights[order])])
-        round_time = self.draft_cost.seconds(num_requests, batch) + 1.0 / self.sps.steps_per_second(batch)
+        gamma, points = self._gamma, self.curve_points
+        admissible = int(np.minimum(caps, gamma).clip(min=0).sum()) / (num_requests * gamma)
+        steps = round(admissible * points)
+        share = num_requests * gamma / points  # drafts admitted per step of the fluid walk
+        tau = num_requests + share * self._cumulative[: steps + 1]
+        batch = num_requests + share * self._steps[: steps + 1]
+        # The verify step at the nearest integer batch (the exactly monotone dense table Algorithm 1 uses).
+        step_time = self.sps.dense_step_time(int(batch[-1]) + 1)
+        round_time = self.draft_cost.seconds(num_requests, batch) + step_time[(batch + 0.5).astype(np.int64)]
         spec = float((tau / round_time).max())
-        ar_time = float(self.no_draft_cost.seconds(num_requests, num_requests)) + 1.0 / float(
-            self.sps.steps_per_second(num_requests)
-        )
+        ar_time = float(self.no_draft_cost.seconds(num_requests, num_requests)) + float(step_time[num_requests])
         return spec, num_requests / ar_time
 
     def should_draft(self, max_lengths: np.ndarray) -> bool:

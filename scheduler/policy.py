@@ -91,9 +91,10 @@ class DSparkScheduled:
         return self.gate is None or self.gate.should_draft(max_lengths)
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
+        lengths = schedule_lengths(_capped(confidences, max_lengths), self.sps, draft_cost=self.draft_cost)
         if self.gate is not None:
-            self.gate.observe(confidences)
-        return schedule_lengths(_capped(confidences, max_lengths), self.sps, draft_cost=self.draft_cost)
+            self.gate.observe(confidences)  # after the schedule: it validated them
+        return lengths
 
 
 class DSparkAsync:
@@ -120,9 +121,10 @@ class DSparkAsync:
         return False
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
+        lengths = self._scheduler.step(_capped(confidences, max_lengths))
         if self.gate is not None:
-            self.gate.observe(confidences)
-        return self._scheduler.step(_capped(confidences, max_lengths))
+            self.gate.observe(confidences)  # after the schedule: it validated them
+        return lengths
 
 
 def make_policy(spec: str, sps: SPSTable | None, block_size: int) -> VerifyPolicy:

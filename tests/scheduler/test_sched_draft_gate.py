@@ -85,24 +85,23 @@ def test_caps_count_zero_cap_requests_skip() -> None:
     assert not gate.should_draft(np.zeros(8, dtype=np.int64))
 
 
-def test_pool_keeps_whole_recent_rounds_up_to_history_rows() -> None:
+def test_curve_is_a_row_weighted_average_of_recent_rounds() -> None:
     gate = DraftGate(_sps(), LOAD_COST, NO_DRAFT, history_rows=10)
     gate.observe(_flat(4, 0.1))
-    gate.observe(_flat(4, 0.2))
-    gate.observe(_flat(4, 0.3))
-    gate.observe(_flat(6, 0.9))
-    # The newest rounds holding >= 10 rows: the 6-row round and the 4-row one before it.
-    assert [block.shape[0] for block in gate._rounds] == [6, 4]
+    gate.observe(_flat(10, 0.9))  # a round of >= history_rows requests replaces the curve
+    assert gate._curve == pytest.approx(DraftGate(_sps(), LOAD_COST, NO_DRAFT)._curve_of(_flat(10, 0.9)))
+    gate.observe(_flat(5, 0.5))  # half the weight
+    expected = 0.5 * gate._curve_of(_flat(10, 0.9)) + 0.5 * gate._curve_of(_flat(5, 0.5))
+    assert gate._curve == pytest.approx(expected)
 
 
 def test_prediction_from_one_row_pool_scales_to_many_requests() -> None:
-    """A pool row stands for R / N requests: one observed row predicts the same per-request gain at any R (up to
-    the walk's granularity: one row admits R / N tokens per step)."""
+    """The curve describes an average request: one observed row predicts the same per-request gain at any R."""
     one = DraftGate(_sps(), LOAD_COST, NO_DRAFT)
     one.observe(_flat(1, 0.7))
     many = DraftGate(_sps(), LOAD_COST, NO_DRAFT)
     many.observe(_flat(64, 0.7))
-    assert one.predicted_rates(_caps(64)) == pytest.approx(many.predicted_rates(_caps(64)), rel=1e-3)
+    assert one.predicted_rates(_caps(64)) == pytest.approx(many.predicted_rates(_caps(64)), rel=1e-12)
 
 
 @pytest.mark.parametrize("policy_cls", [DSparkScheduled, DSparkAsync])

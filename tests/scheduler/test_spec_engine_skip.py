@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +84,7 @@ def test_greedy_equals_target_while_the_gate_flips_with_load(random_pair: tuple[
     assert engine.verify.num_free_slots == 12 and engine.draft.num_free_slots == 12
     # Both kinds of round happened, and the decision flipped more than once in each direction.
     decisions = [d for _, d in gate.log]
-    flips = sum(a != b for a, b in zip(decisions, decisions[1:], strict=False))
+    flips = sum(a != b for a, b in itertools.pairwise(decisions))
     assert gate.skipped > 0 and gate.skipped < gate.decisions and flips >= 4, gate.log
     # Low load drafted, high load skipped (outside probes).
     assert any(d for r, d in gate.log if r <= 3) and any(not d for r, d in gate.log if r >= 10), gate.log
