@@ -9,14 +9,17 @@ compared with the device's copy bandwidth measured here ((read + write bytes) / 
 same size as the logits). Markov-head sampler: R requests, gamma steps, rank r, vocabulary V, bf16 weights
 and base logits; full vocabulary T = 1, greedy, and sparse top-K, against the reference loop.
 
+The Triton sampler is timed twice: called eagerly (every launch issued from Python, as the issue's benchmark
+asks) and replayed from a CUDA graph (how the verify and draft engines run it; no launch overhead).
 Both implementations run with ``validate=False`` on identical inputs (the input checks read the control
 tensors and cost a host sync; their time is reported separately), and the script reports how many requests
 got identical outputs from the two (on GPUs the kernel's exp/log differ from torch's in the last bits, so a
-near-tie may rarely go the other way). ``--sweep`` also times other launch sizes of the kernels (about two
-more minutes, mostly compilation).
+near-tie may rarely go the other way). ``--sweep`` first times other launch sizes of the kernels (about a
+minute more, mostly compilation); ``--tune`` then runs the benchmark with the fastest ones (recorded under
+"tuning" in the JSON; the TUNING defaults in the kernel modules are set from such a run).
 
-GPU (one command, about a minute on an H200; writes docs/benchmarks/kernels.json):
-    python bench/bench_kernels.py [--sweep]
+GPU (one command, about a minute on an H200, two with the sweep; writes docs/benchmarks/kernels.json):
+    python bench/bench_kernels.py [--sweep [--tune]]
 CPU smoke run (Triton through the interpreter, tiny shapes):
     python bench/bench_kernels.py --small --device cpu
 """
@@ -24,7 +27,6 @@ CPU smoke run (Triton through the interpreter, tiny shapes):
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import platform
@@ -55,7 +57,7 @@ REJECTION_ARGS = ("target_logits", "draft_token_ids", "draft_probs", "cu_draft_l
                   "top_p", "seeds", "positions")  # fmt: skip
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
     """Median time of ``fn`` in milliseconds (CUDA events on GPU, wall clock on CPU)."""
     for _ in range(warmup):
         fn()
@@ -73,6 +75,20 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def graph_timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median time of one replay of ``fn`` captured in a CUDA graph, as the engines run the samplers."""
+    fn()  # compile outside the capture
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed(graph.replay, device, repeats)
 
 
 def copy_bandwidth(num_bytes: int, device: torch.device, repeats: int) -> float:
@@ -129,9 +145,9 @@ def bench_rejection(shape: dict, device: torch.device, repeats: int, copy_gbps: 
         inputs = rejection_inputs(shape, device, setting, seed=i)
         args = [inputs[k] for k in REJECTION_ARGS]
         ids = inputs["draft_prob_ids"]
-        tri = timed(
-            partial(rejection_sample_triton, *args, draft_prob_ids=ids, validate=False), device, repeats
-        )
+        call = partial(rejection_sample_triton, *args, draft_prob_ids=ids, validate=False)
+        tri = timed(call, device, repeats)
+        graph = graph_timed(call, device, repeats) if device.type == "cuda" else None
         ref = timed(partial(rejection_sample_reference, *args, draft_prob_ids=ids, validate=False), device,
                     max(1, repeats // 4))  # fmt: skip
         check = timed(partial(validate_rejection_inputs, *args, ids), device, max(1, repeats // 4))
@@ -142,9 +158,10 @@ def bench_rejection(shape: dict, device: torch.device, repeats: int, copy_gbps: 
         logit_bytes = inputs["target_logits"].numel() * inputs["target_logits"].element_size()
         gbps = logit_bytes / (tri * 1e-3) / 1e9
         results.append({
-            "kernel": "rejection", "setting": name, "triton_ms": tri, "reference_ms": ref,
-            "speedup": ref / tri, "logit_bytes": logit_bytes, "achieved_gbps": gbps,
+            "kernel": "rejection", "setting": name, "triton_ms": tri, "triton_graph_ms": graph,
+            "reference_ms": ref, "speedup": ref / tri, "logit_bytes": logit_bytes, "achieved_gbps": gbps,
             "fraction_of_copy_bandwidth": gbps / copy_gbps,
+            "graph_fraction_of_copy_bandwidth": logit_bytes / (graph * 1e-3) / 1e9 / copy_gbps if graph else None,
             "validation_ms": check, "identical_requests": f"{same}/{len(a)}",
             "mean_emitted_tokens": sum(len(t) for t in a) / len(a),
         })  # fmt: skip
@@ -184,48 +201,64 @@ def bench_markov(shape: dict, device: torch.device, repeats: int) -> list[dict]:
     results = []
     for name, (temperature, top_k) in tqdm(settings.items(), desc="markov sampler"):
         args = markov_args(shape, device, temperature)
-        tri = timed(partial(markov_sample_triton, *args, top_k=top_k, validate=False), device, repeats)
+        call = partial(markov_sample_triton, *args, top_k=top_k, validate=False)
+        tri = timed(call, device, repeats)
+        graph = graph_timed(call, device, repeats) if device.type == "cuda" else None
         ref = timed(partial(markov_sample_reference, *args, top_k=top_k, validate=False), device,
                     max(1, repeats // 4))  # fmt: skip
         a, b = markov_sample_triton(*args, top_k=top_k), markov_sample_reference(*args, top_k=top_k)
         same = int((a.tokens == b.tokens).all(dim=1).sum())
         results.append({
-            "kernel": "markov", "setting": name, "triton_ms": tri, "reference_ms": ref, "speedup": ref / tri,
+            "kernel": "markov", "setting": name, "triton_ms": tri, "triton_graph_ms": graph, "reference_ms": ref,
+            "speedup": ref / tri,
             "identical_requests": f"{same}/{len(a.tokens)}",
         })  # fmt: skip
     return results
 
 
-def sweep(shape: dict, device: torch.device, repeats: int) -> list[dict]:
-    """Triton time of the main settings under other launch sizes (the defaults are kernels' TUNING dicts)."""
+def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool) -> list[dict]:
+    """Time other launch sizes of the kernels (CUDA-graph replays on GPUs, where launch overhead would hide them).
+
+    One group at a time, the others at their current values: the rejection statistics kernel (greedy plus
+    sampled sparse time), then the race kernel (sampled sparse), then the Markov truncated mode. With
+    ``keep_best`` each group keeps its fastest variant (the TUNING dicts are updated, so the main benchmark
+    that follows runs with them); otherwise the defaults are restored."""
     from kernels import markov_triton, rejection_triton
 
-    rows = []
-    inputs = rejection_inputs(shape, device, REJECTION_SETTINGS["sampled T=1, sparse drafts"], seed=0)
-    args = [inputs[k] for k in REJECTION_ARGS]
-    call = partial(rejection_triton.rejection_sample_triton, *args, draft_prob_ids=inputs["draft_prob_ids"],
-                   validate=False)  # fmt: skip
-    default = dict(rejection_triton.TUNING)
-    # the row-statistics kernel and the race kernel are swept one at a time, the other at its default
-    variants = [
-        dict(row_block_v=b, row_warps=w) for b, w in itertools.product((2048, 4096, 8192), (4, 8, 16))
-    ]
-    variants += [dict(race_block_v=b, race_warps=w) for b, w in itertools.product((1024, 2048, 4096), (4, 8))]
-    for variant in tqdm(variants, desc="sweep rejection"):
-        rejection_triton.TUNING.update({**default, **variant})
-        rows.append(
-            {"kernel": "rejection", **rejection_triton.TUNING, "triton_ms": timed(call, device, repeats)}
-        )
-    rejection_triton.TUNING.update(default)
+    measure = partial(graph_timed if device.type == "cuda" else timed, device=device, repeats=repeats)
+    rows: list[dict] = []
+
+    def choose(table: dict, kernel: str, variants: list[dict], calls: dict[str, Callable[[], object]]) -> None:
+        default, scores = dict(table), []
+        for variant in tqdm(variants, desc=f"sweep {kernel}"):
+            table.update({**default, **variant})
+            times = {setting: measure(call) for setting, call in calls.items()}
+            rows.append({"kernel": kernel, **table, "ms": times})
+            scores.append(sum(times.values()))
+        best = variants[scores.index(min(scores))]
+        table.update({**default, **best} if keep_best else default)
+
+    def rejection_call(setting: str) -> Callable[[], object]:
+        inputs = rejection_inputs(shape, device, REJECTION_SETTINGS[setting], seed=0)
+        args = [inputs[k] for k in REJECTION_ARGS]
+        return partial(rejection_triton.rejection_sample_triton, *args, draft_prob_ids=inputs["draft_prob_ids"],
+                       validate=False)  # fmt: skip
+
+    sparse, greedy = rejection_call("sampled T=1, sparse drafts"), rejection_call("greedy")
+    row_variants = [dict(row_block_v=b, row_warps=w, row_splits=n)
+                    for b, w, n in ((4096, 8, 4), (4096, 8, 3), (4096, 8, 2), (8192, 8, 2), (8192, 8, 3),
+                                    (2048, 4, 4), (4096, 4, 3), (8192, 16, 2))]  # fmt: skip
+    choose(rejection_triton.TUNING, "rejection statistics", row_variants, {"sparse": sparse, "greedy": greedy})
+    race_variants = [dict(race_block_v=b, race_warps=w, race_splits=n)
+                     for b, w, n in ((2048, 8, 16), (1024, 4, 16), (2048, 4, 32), (2048, 8, 8), (4096, 8, 16))]
+    choose(rejection_triton.TUNING, "rejection race", race_variants, {"sparse": sparse})
+    del sparse, greedy
 
     args = markov_args(shape, device, 1.0)
-    default = dict(markov_triton.TUNING)
-    for block_r, block_v, warps in tqdm(list(itertools.product((16, 32), (64, 128, 256), (4, 8))),
-                                        desc="sweep markov"):  # fmt: skip
-        markov_triton.TUNING.update(block_r=block_r, block_v=block_v, warps=warps)
-        call = partial(markov_triton.markov_sample_triton, *args, validate=False)
-        rows.append({"kernel": "markov", **markov_triton.TUNING, "triton_ms": timed(call, device, repeats)})
-    markov_triton.TUNING.update(default)
+    markov = partial(markov_triton.markov_sample_triton, *args, top_k=shape["sparse_k"], validate=False)
+    markov_variants = [dict(topk_block_r=r, topk_block_v=v) for r, v in ((32, 128), (16, 128), (32, 256), (16, 256),
+                                                                          (64, 128))]  # fmt: skip
+    choose(markov_triton.TUNING, "markov top-k", markov_variants, {"sparse": markov})
     return rows
 
 
@@ -236,7 +269,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20 GPU, 1 CPU)")
-    parser.add_argument("--sweep", action="store_true", help="also time other kernel launch sizes")
+    parser.add_argument("--sweep", action="store_true", help="also time other kernel launch sizes (first)")
+    parser.add_argument("--tune", action="store_true", help="with --sweep: run the benchmark with the fastest sizes")
     parser.add_argument("--out", default=None, help="JSON output (default docs/benchmarks/kernels.json; "
                         "none for --small)")  # fmt: skip
     args = parser.parse_args()
@@ -250,32 +284,38 @@ def main() -> None:
     repeats = args.repeats or (20 if device.type == "cuda" else 1)
     logit_bytes = shape["requests"] * (shape["gamma"] + 1) * shape["vocab"] * 2
     copy_gbps = copy_bandwidth(logit_bytes, device, repeats)
+    sweep_rows = sweep(shape, device, max(1, repeats // 2), args.tune) if args.sweep else []
+    from kernels import markov_triton, rejection_triton
+
+    tuning = {"rejection": dict(rejection_triton.TUNING), "markov": dict(markov_triton.TUNING)}
     results = bench_rejection(shape, device, repeats, copy_gbps) + bench_markov(shape, device, repeats)
-    sweep_rows = sweep(shape, device, max(1, repeats // 2)) if args.sweep else []
 
     device_name = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     )
     report = {
         "device": device_name, "torch": torch.__version__, "triton": triton.__version__, "shape": shape,
-        "repeats": repeats, "copy_bandwidth_gbps": copy_gbps, "results": results, "sweep": sweep_rows,
+        "repeats": repeats, "copy_bandwidth_gbps": copy_gbps, "tuning": tuning, "results": results,
+        "sweep": sweep_rows,
     }  # fmt: skip
     out = args.out or (None if args.small else "docs/benchmarks/kernels.json")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2) + "\n")
-    for kernel in ("rejection", "markov"):
-        best = sorted((r for r in sweep_rows if r["kernel"] == kernel), key=lambda r: r["triton_ms"])[:3]
-        for r in best:
-            print(f"sweep {kernel}: {r}")
+    for r in sweep_rows:
+        print(f"sweep: {r}")
+    print(f"tuning: {tuning}")
     print(f"\ndevice: {device_name}  shape: {shape}  copy bandwidth: {copy_gbps:.1f} GB/s (read+write)")
-    print(f"{'kernel':10} {'setting':42} {'triton ms':>10} {'ref ms':>9} {'speedup':>8} {'GB/s':>7} "
-          f"{'% copy':>7} {'identical':>10}")  # fmt: skip
+    print(f"{'kernel':10} {'setting':42} {'triton ms':>10} {'graph ms':>9} {'ref ms':>9} {'speedup':>8} "
+          f"{'GB/s':>7} {'% copy':>7} {'% graph':>7} {'identical':>10}")  # fmt: skip
     for r in results:
         gbps = f"{r['achieved_gbps']:.0f}" if "achieved_gbps" in r else "-"
         frac = f"{100 * r['fraction_of_copy_bandwidth']:.0f}%" if "fraction_of_copy_bandwidth" in r else "-"
-        print(f"{r['kernel']:10} {r['setting']:42} {r['triton_ms']:10.3f} {r['reference_ms']:9.2f} "
-              f"{r['speedup']:7.1f}x {gbps:>7} {frac:>7} {r['identical_requests']:>10}")  # fmt: skip
+        gfrac = r.get("graph_fraction_of_copy_bandwidth")
+        gfrac = f"{100 * gfrac:.0f}%" if gfrac else "-"
+        graph = f"{r['triton_graph_ms']:.3f}" if r.get("triton_graph_ms") else "-"
+        print(f"{r['kernel']:10} {r['setting']:42} {r['triton_ms']:10.3f} {graph:>9} {r['reference_ms']:9.2f} "
+              f"{r['speedup']:7.1f}x {gbps:>7} {frac:>7} {gfrac:>7} {r['identical_requests']:>10}")  # fmt: skip
     if out:
         print(f"wrote {out}")
 

@@ -76,6 +76,7 @@ class GraphStep(Generic[T]):
         self.outputs: T | None = None
         self.time_s = 0.0  # time inside the step (device time of the replays when captured), when timed
         self._pending: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # made once, on the first timed replay
         if mode == "capture":
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -97,7 +98,9 @@ class GraphStep(Generic[T]):
             self.time_s += time.perf_counter() - start
             return out
         if timed:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self._events is None:
+                self._events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin, end = self._events
             begin.record()
             self.graph.replay()
             end.record()

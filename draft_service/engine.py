@@ -12,9 +12,10 @@ drafts the same tokens whatever else shares the batch, on any replica. The engin
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -37,17 +38,43 @@ class ConfidenceCalibration(Protocol):
     def calibrate(self, logits: np.ndarray) -> np.ndarray: ...
 
 
-@dataclass(frozen=True)
-class ContextItem:
-    """Context features of positions ``start .. start + n - 1`` of one request (rows [n, m*H])."""
+class ContextItem(NamedTuple):
+    """Context features of positions ``start .. start + n - 1`` of one request (rows [n, m*H]).
+
+    The per-request items of a round are NamedTuples: immutable like a frozen dataclass, and built several
+    times per request and round at a third of its cost."""
 
     req_id: str
     start: int
     features: torch.Tensor
 
 
-@dataclass(frozen=True)
-class DraftItem:
+class ContextBatch(Sequence[ContextItem]):
+    """Context rows of several requests in one tensor (``counts[i]`` rows of request i, back to back), standing
+    for the list of :class:`ContextItem` it holds: a local drafter takes the tensor whole, anyone else indexes
+    or iterates it like that list (features as views)."""
+
+    def __init__(self, req_ids: list[str], starts: list[int], counts: list[int], features: torch.Tensor) -> None:
+        self.req_ids = req_ids
+        self.starts = starts
+        self.counts = counts
+        self.features = features
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return list(self)[index]
+        i = range(len(self))[index]
+        offset = sum(self.counts[:i])
+        return ContextItem(self.req_ids[i], self.starts[i], self.features[offset : offset + self.counts[i]])
+
+    def __iter__(self):
+        return map(ContextItem, self.req_ids, self.starts, self.features.split(self.counts))
+
+
+class DraftItem(NamedTuple):
     """Draft a block after ``anchor`` sitting at absolute position ``position`` (= committed context length)."""
 
     req_id: str
@@ -80,6 +107,9 @@ class _Entry:
     seed: int
 
 
+_SLOT = operator.attrgetter("slot")
+
+
 class DraftEngine:
     """Holds the drafter and the context cache of every request assigned to this replica.
 
@@ -108,6 +138,9 @@ class DraftEngine:
         self.draft_top_k = min(draft_top_k, model.config.vocab_size)
         self.calibration = calibration
         self._requests: dict[str, _Entry] = {}
+        # Per context slot, set when a request is added: the bucketed step gathers them with one index.
+        self._slot_temperature = np.zeros(self.cache.num_slots, dtype=np.float32)
+        self._slot_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # effective top-k, seed
         self.graphs: DraftGraphRunner | None = None
         if graphs != "off":
             self.graphs = DraftGraphRunner(
@@ -145,6 +178,10 @@ class DraftEngine:
             raise ValueError(f"request {req_id!r} is already held by this drafter")
         slot = self.cache.allocate()
         self._requests[req_id] = _Entry(slot, params, params.seed or 0)
+        self._slot_temperature[slot] = params.temperature
+        top_k = params.top_k
+        k_eff = min(top_k, self.draft_top_k) if top_k > 0 else self.draft_top_k
+        self._slot_int[slot] = (min(k_eff, self.model.config.vocab_size), params.seed or 0)
 
     def release(self, req_id: str) -> None:
         """Free the request's context slot (idempotent)."""
@@ -161,46 +198,68 @@ class DraftEngine:
         except KeyError:
             raise UnknownDraftRequestError(f"request {req_id!r} is not held by this drafter") from None
 
-    @torch.no_grad()
     def append_context(self, items: Sequence[ContextItem]) -> None:
         """Append committed context features. Replays are safe: rows already held from ``start`` on are replaced
         (the cache is cropped back to ``start`` first), and a gap (``start`` past the held length) is an error."""
         if not items:
             return
-        entries = [self._get(item.req_id) for item in items]
-        held_lengths = self.cache.lengths_np
+        num = len(items)
         width = self.model.config.context_feature_size
-        for item, entry in zip(items, entries, strict=True):
-            held = int(held_lengths[entry.slot])
-            if item.start > held:
-                raise ValueError(
-                    f"request {item.req_id!r}: context rows from {held} to {item.start} are missing"
-                )
-            if item.features.ndim != 2 or item.features.shape[1] != width:
-                raise ValueError(
-                    f"request {item.req_id!r}: context features must be [n, {width}], got {tuple(item.features.shape)}"
-                )
-        if self.graphs is not None and self._append_bucketed(items, entries):
+        if isinstance(items, ContextBatch) and items.features.ndim == 2 and items.features.shape[1] == width:
+            req_ids, item_starts, counts = items.req_ids, items.starts, np.array(items.counts, dtype=np.int64)
+            features = [items.features]
+            if int(counts.sum()) != items.features.shape[0] or bool((counts < 0).any()):
+                raise ValueError(f"context batch: counts {items.counts} do not cover {items.features.shape[0]} rows")
+        else:
+            req_ids, item_starts, features = zip(*items, strict=True)  # NamedTuples: one transposition
+            counts = np.fromiter(
+                (s[0] if len(s) == 2 and s[1] == width else -1 for s in [f.shape for f in features]),
+                dtype=np.int64,
+                count=num,
+            )
+        entries = self._entries(req_ids)
+        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
+        starts = np.fromiter(item_starts, dtype=np.int64, count=num)
+        held = self.cache.lengths_np[slots]
+        if bool((counts < 0).any()) or bool((starts > held).any()):
+            for item, length, count in zip(items, held.tolist(), counts.tolist(), strict=True):
+                if item.start > length:
+                    raise ValueError(f"request {item.req_id!r}: context rows from {length} to {item.start} are missing")
+                if count < 0:
+                    raise ValueError(
+                        f"request {item.req_id!r}: context features must be [n, {width}], "
+                        f"got {tuple(item.features.shape)}"
+                    )
+        if self.graphs is not None and self._append_bucketed(req_ids, slots, starts, counts, features):
             return
-        for item, entry in zip(items, entries, strict=True):
-            self.cache.crop(entry.slot, item.start)
-        counts = [int(item.features.shape[0]) for item in items]
-        cu = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        rows = torch.cat([item.features.to(self.model.device) for item in items])
-        self.model.append_context(self.cache, [e.slot for e in entries], rows, cu)
+        self._append_eager(slots, starts, counts, features)
 
-    def _append_bucketed(self, items: Sequence[ContextItem], entries: Sequence[_Entry]) -> bool:
+    @torch.no_grad()
+    def _append_eager(
+        self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray, features: Sequence[torch.Tensor]
+    ) -> None:
+        for slot, start in zip(slots.tolist(), starts.tolist(), strict=True):
+            self.cache.crop(slot, start)
+        cu = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        rows = torch.cat([f.to(self.model.device) for f in features])
+        self.model.append_context(self.cache, slots.tolist(), rows, cu)
+
+    def _append_bucketed(
+        self,
+        req_ids: Sequence[str],
+        slots: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        features: Sequence[torch.Tensor],
+    ) -> bool:
         """Append through the graph runner when the rows fit its buckets (the per-round appends; prefills do
         not). Checks everything before writing. Returns whether it did."""
         assert self.graphs is not None
-        counts = np.fromiter((item.features.shape[0] for item in items), dtype=np.int64, count=len(items))
         total = int(counts.sum())
         if not 0 < total <= self.graphs.max_append_rows:
             return False
-        slots = np.fromiter((e.slot for e in entries), dtype=np.int64, count=len(entries))
-        if len(set(slots.tolist())) != len(slots):
-            raise ValueError(f"duplicate requests in one context append: {[item.req_id for item in items]}")
-        starts = np.fromiter((item.start for item in items), dtype=np.int64, count=len(items))
+        if len(set(slots.tolist())) != slots.size:
+            raise ValueError(f"duplicate requests in one context append: {list(req_ids)}")
         ends = starts + counts
         if bool((ends > self.cache.max_seq_len).any()):
             raise ValueError(
@@ -208,19 +267,30 @@ class DraftEngine:
             )
         first_row = np.cumsum(counts) - counts
         positions = np.repeat(starts - first_row, counts) + np.arange(total)
-        rows = torch.cat([item.features for item in items]).to(self.model.device)
-        self.graphs.append(np.repeat(slots, counts), positions, rows)
+        self.graphs.append(np.repeat(slots, counts), positions, features)
         self.cache.lengths_np[slots] = ends
         return True
 
-    @torch.no_grad()
+    def _entries(self, req_ids: Sequence[str]) -> list[_Entry]:
+        requests = self._requests
+        try:
+            return [requests[req_id] for req_id in req_ids]
+        except KeyError:
+            return [self._get(req_id) for req_id in req_ids]  # raises UnknownDraftRequestError
+
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
         """Draft one block for every item in one batched backbone pass plus the sequential head."""
         if not items:
             raise ValueError("propose needs at least one request")
-        entries = [self._get(item.req_id) for item in items]
+        req_ids, item_anchors, item_positions = zip(*items, strict=True)  # NamedTuples: one transposition
+        entries = self._entries(req_ids)
         if self.graphs is not None and len(items) <= self.graphs.max_requests:
-            return self._propose_bucketed(items, entries)
+            # No grad-mode switch here: the graph step runs under no_grad itself (see VerifyEngine.step).
+            return self._propose_bucketed(items, entries, item_anchors, item_positions)
+        return self._propose_eager(items, entries)
+
+    @torch.no_grad()
+    def _propose_eager(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
         device = self.model.device
         anchors = torch.tensor([item.anchor for item in items], dtype=torch.int64, device=device)
         positions = torch.tensor([item.position for item in items], dtype=torch.int64)
@@ -244,28 +314,32 @@ class DraftEngine:
         assert sample.topk_ids is not None and sample.topk_probs is not None  # draft_top_k >= 1
         return self._proposal(items, sample.tokens.cpu(), conf_logits, sample.topk_ids, sample.topk_probs)
 
-    def _propose_bucketed(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
+    def _propose_bucketed(
+        self,
+        items: Sequence[DraftItem],
+        entries: Sequence[_Entry],
+        item_anchors: Sequence[int],
+        item_positions: Sequence[int],
+    ) -> Proposal:
         """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
         assert self.graphs is not None
-        anchors = [item.anchor for item in items]
+        num = len(items)
         vocab = self.model.config.vocab_size
-        if min(anchors) < 0 or max(anchors) >= vocab:
-            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {anchors}")
-        slots = [e.slot for e in entries]
+        if min(item_anchors) < 0 or max(item_anchors) >= vocab:
+            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {list(item_anchors)}")
+        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
         lengths = self.cache.lengths_np[slots].tolist()
-        positions = [item.position for item in items]
-        if lengths != positions:
+        if lengths != list(item_positions):
             raise ValueError(
-                f"context cache lengths {lengths} must equal anchor positions {positions}: append the context "
-                f"rows 0..start-1 before drafting"
+                f"context cache lengths {lengths} must equal anchor positions {list(item_positions)}: append "
+                f"the context rows 0..start-1 before drafting"
             )
         out = self.graphs.run(
-            anchors,
-            positions,
+            np.fromiter(item_anchors, dtype=np.int64, count=num),
+            np.fromiter(item_positions, dtype=np.int64, count=num),
             slots,
-            [e.params.temperature for e in entries],
-            [e.params.top_k for e in entries],
-            [e.seed for e in entries],
+            self._slot_temperature[slots],
+            self._slot_int[slots],
         )
         return self._proposal(items, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
 
@@ -292,3 +366,4 @@ class DraftEngine:
             topk_ids=topk_ids,
             topk_probs=topk_probs,
         )
+

@@ -74,10 +74,12 @@ class DraftGraphRunner:
         self.timed = False
         top = self.sizes[-1]
         self._int_fields = {"anchors": top, "positions": top, "slots": top, "k_eff": top, "seeds": top}
-        self._host_int = pinned_empty((len(self._int_fields) * top,), torch.int64, self.device)
-        self._host_temp = pinned_empty((top,), torch.float32, self.device)
+        # One int64 staging buffer; its tail holds the float32 temperatures (a view): one copy uploads everything.
+        num_int = len(self._int_fields) * top
+        self._host_int = pinned_empty((num_int + (top + 1) // 2,), torch.int64, self.device)
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
-        self._dev_temp = torch.zeros_like(self._host_temp, device=self.device)
+        self._host_temp = self._host_int[num_int:].view(torch.float32)[:top]
+        self._dev_temp = self._dev_int[num_int:].view(torch.float32)[:top]
         self._fence = StagingFence(self.device)
         self._where_fence = StagingFence(self.device)
         self.host = {
@@ -96,6 +98,9 @@ class DraftGraphRunner:
         self._dev_where = torch.zeros_like(self._host_where, device=self.device)
         self._fill_padding(top)
         self._fill_append_padding(rows)
+        # The staging buffers with every field at its padding value: one copy resets them before each step.
+        self._host_np, self._where_np = self._host_int.numpy(), self._host_where.numpy()
+        self._padding, self._where_padding = self._host_np.copy(), self._where_np.copy()
         self._upload()
         self._dev_where.copy_(self._host_where, non_blocking=True)
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
@@ -118,21 +123,27 @@ class DraftGraphRunner:
     def max_append_rows(self) -> int:
         return self.sizes[-1] * self.append_width
 
-    def append(self, slots: np.ndarray, positions: np.ndarray, rows: torch.Tensor) -> None:
-        """Write the K/V of context rows [n, F] (n <= max_append_rows) at (slots[i], positions[i]); the caller
-        validated them and updates the host-side lengths."""
-        num = rows.shape[0]
+    def append(self, slots: np.ndarray, positions: np.ndarray, features: Sequence[torch.Tensor]) -> None:
+        """Write the K/V of context rows (the concatenation of ``features``, [n, F] with n <= max_append_rows)
+        at (slots[i], positions[i]); the caller validated them and updates the host-side lengths."""
+        num = len(slots)
         size = next(s for s in self.sizes if s * self.append_width >= num)
-        padded = size * self.append_width
         self._where_fence.wait_before_write()
-        self._fill_append_padding(padded)
-        where = self._host_where.numpy()
+        where = self._where_np
+        np.copyto(where, self._where_padding)
         half = self.max_append_rows
         where[:num] = slots
         where[half : half + num] = positions
         self._dev_where.copy_(self._host_where, non_blocking=True)
         self._where_fence.copies_issued()
-        self.context_rows[:num].copy_(rows)
+        rows = self.context_rows[:num]
+        first = features[0]
+        try:
+            if first.device != rows.device or first.dtype != rows.dtype:
+                raise TypeError("the rows need a conversion")
+            torch.cat(features, out=rows)  # straight into the static buffer: one device copy
+        except (TypeError, RuntimeError):
+            rows.copy_(torch.cat([f.to(rows.device) for f in features]))
         self.append_steps[size](self.timed)  # its device time is settled after the next propose's wait
 
     def _fill_append_padding(self, rows: int) -> None:
@@ -143,30 +154,28 @@ class DraftGraphRunner:
 
     def run(
         self,
-        anchors: Sequence[int],
-        positions: Sequence[int],
-        slots: Sequence[int],
-        temperatures: Sequence[float],
-        top_ks: Sequence[int],
-        seeds: Sequence[int],
+        anchors: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        temperatures: np.ndarray,
+        k_eff_and_seeds: np.ndarray,
     ) -> BucketedDraft:
-        """Draft for R requests (validated by the caller: anchors in the vocabulary, each slot holding exactly
-        ``positions[r]`` context rows)."""
+        """Draft for R requests: anchor, anchor position and slot (int64 [R] each), temperature (float32 [R]),
+        effective top-k (in [1, draft_top_k]) and seed (int64 [R, 2]). Validated by the caller: anchors in the
+        vocabulary, each slot holding exactly ``positions[r]`` context rows."""
         num = len(anchors)
         size = pick_bucket(num, self.sizes)
         if size is None:
             raise ValueError(f"{num} requests exceed the largest bucket {self.sizes[-1]}")
         self._fence.wait_before_write()
-        self._fill_padding(size)
+        np.copyto(self._host_np, self._padding)
         host = self.host
         host["anchors"][:num] = anchors
         host["positions"][:num] = positions
         host["slots"][:num] = slots
         host["temperature"][:num] = temperatures
-        host["seeds"][:num] = seeds
-        vocab = self.model.config.vocab_size
-        host["k_eff"][:num] = [min(k, self.draft_top_k) if k > 0 else self.draft_top_k for k in top_ks]
-        np.minimum(host["k_eff"][:num], vocab, out=host["k_eff"][:num])
+        host["k_eff"][:num] = k_eff_and_seeds[:, 0]
+        host["seeds"][:num] = k_eff_and_seeds[:, 1]
         self._upload()
         step = self.steps[size]
         packed, topk_ids, topk_probs = step(self.timed)
@@ -190,8 +199,7 @@ class DraftGraphRunner:
         host["temperature"][:size] = 0.0
 
     def _upload(self) -> None:
-        self._dev_int.copy_(self._host_int, non_blocking=True)
-        self._dev_temp.copy_(self._host_temp, non_blocking=True)
+        self._dev_int.copy_(self._host_int, non_blocking=True)  # the temperatures too
         self._fence.copies_issued()
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Triton Markov-head sampling: the contract of :mod:`kernels.markov`, with z_k never written to memory.
+"""Triton Markov-head sampling: the contract of :mod:`kernels.markov`, z_k kept in registers when possible.
 
 Each of the gamma steps is two launches, because step k + 1 needs every request's token x_k, which is a
 reduction over the whole vocabulary (a grid-wide dependency; a persistent kernel with a software grid barrier
@@ -6,10 +6,13 @@ would deadlock the sequential interpreter and is fragile on GPUs):
 1. ``_markov_step_kernel``, programs (block of requests, block of vocabulary): computes the tile
    z = U_k + W1[x_{k-1}] @ W2^T with ``tl.dot`` (the W2 tile is shared by BLOCK_R requests, and consecutive
    programs share it through L2, so W2 is read from memory about once per step), then, in registers, the
-   tile's race winner and log-sum-exp partials (full vocabulary) or its top-K candidates packed as int64
-   (truncated mode).
+   tile's race winner and log-sum-exp partials (full vocabulary), or (truncated mode) the tile's maximum
+   packed as int64 (value, id), writing z_k to memory (the logits output or a scratch row per request).
 2. ``_markov_combine_kernel``, one program per request: merges the partials into x_k, p_d(x_k) and, in
    truncated mode, the sparse distribution; x_k is written where step k + 1 reads its previous token.
+   Truncated mode finds the exact top-K from the tile maxima: the K-th largest tile maximum L is a lower
+   bound on the K-th largest z, and only the K tiles whose maximum is >= L can hold tokens >= L, so only
+   those tiles are re-read (see ``_combine_top_k``); z_k is never sorted or scanned in full.
 
 Storage-dtype weights (bf16/fp16) go to ``tl.dot`` as they are on GPUs: their products are exact in the fp32
 accumulator, which matches the reference's float32 matmul up to summation order. float32 weights and the
@@ -28,9 +31,11 @@ from kernels.markov import MarkovSample, confidence_inputs, validate_markov_inpu
 from kernels.rng import STREAM_DRAFT_SAMPLE, tl_row_key, tl_uniform
 
 _DRAFT = tl.constexpr(STREAM_DRAFT_SAMPLE)
-TUNING = {"block_r": 32, "block_v": 128, "topk_block_r": 16, "topk_block_v": 256, "warps": 8}
+TUNING = {"block_r": 32, "block_v": 128, "topk_block_r": 32, "topk_block_v": 256, "warps": 8}
 """Step-kernel tile sizes (one fixed configuration; 8 warps keep the [32, 128] tile free of register spills
 on sm_90); bench/bench_kernels.py --sweep measures others."""
+TOPK_TILE_GROUP = 16
+"""Candidate tiles gathered per iteration by the truncated-mode combine step."""
 _INT64_MIN = tl.constexpr(-(2**63))
 _INT64_MAX = tl.constexpr(2**63 - 1)
 
@@ -131,13 +136,9 @@ def _markov_step_kernel(
         tl.store(part_f_ptr + part + 3, tile_sum, mask=row_mask)
         tl.store(part_i_ptr + rows * num_chunks + chunk, chunk * BLOCK_V + winner, mask=row_mask)
     else:
-        # top-K of the tile by repeated max extraction (packed keys are distinct, so each round removes one)
+        # the tile's maximum as packed (value, id); z itself went to memory above for the combine step
         packed = tl.where(tile_mask, tl_pack_value_id(tl_canonical(z), vocab[None, :]), _INT64_MIN)
-        cand_row = cand_ptr + (rows.to(tl.int64) * num_chunks + chunk) * K
-        for slot in range(0, K):
-            top = tl.max(packed, 1)
-            tl.store(cand_row + slot, top, mask=row_mask)
-            packed = tl.where(packed == top[:, None], _INT64_MIN, packed)
+        tl.store(cand_ptr + rows.to(tl.int64) * num_chunks + chunk, tl.max(packed, 1), mask=row_mask)
 
 
 @triton.jit
@@ -145,6 +146,11 @@ def _markov_combine_kernel(
     part_f_ptr,
     part_i_ptr,
     cand_ptr,
+    z_ptr,
+    stride_lr,
+    stride_lk,
+    tiles_ptr,
+    buffer_ptr,
     step,
     temperature_ptr,
     seeds_ptr,
@@ -153,11 +159,15 @@ def _markov_combine_kernel(
     probs_ptr,
     sparse_ids_ptr,
     sparse_probs_ptr,
+    V,
     gamma,
     num_chunks,
     K,
     TOPK: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    TILE_V: tl.constexpr,
+    TILE_GROUP: tl.constexpr,
+    CAPM: tl.constexpr,
 ):
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
@@ -200,45 +210,106 @@ def _markov_combine_kernel(
         tl.store(tokens_ptr + out, token.to(tl.int64))
         tl.store(probs_ptr + out, prob)
     else:
-        # merge the per-tile candidates into the K best: only candidates above the current K-th best enter
-        slots = tl.arange(0, TOPK)
-        live = slots < K
-        kept = tl.where(live, _INT64_MIN, _INT64_MAX)
-        total = num_chunks * K
-        for c0 in range(0, total, BLOCK_C):
-            offs = c0 + tl.arange(0, BLOCK_C)
-            cands = tl.load(cand_ptr + r.to(tl.int64) * total + offs, mask=offs < total, other=_INT64_MIN)
-            cands = tl.where(cands > tl.min(kept, 0), cands, _INT64_MIN)
-            for _ in range(0, tl.minimum(tl.sum((cands > _INT64_MIN).to(tl.int32), 0), K)):
-                top = tl.max(cands, 0)
-                weakest = tl.min(kept, 0)
-                kept = tl.where((slots == tl.argmin(kept, 0)) & (top > weakest), top, kept)
-                cands = tl.where(cands == top, _INT64_MIN, cands)
-        ordered = tl.full([TOPK], _INT64_MIN, tl.int64)
-        kept = tl.where(live, kept, _INT64_MIN)
-        for slot in range(0, K):
-            top = tl.max(kept, 0)
-            ordered = tl.where(slots == slot, top, ordered)
-            kept = tl.where(kept == top, _INT64_MIN, kept)
-        values, ids = tl_unpack_value_id(ordered)
-        scaled = tl.where(
-            live, tl_canonical(tl.math.div_rn(values, tl.where(greedy, 1.0, temp))), float("-inf")
-        )
-        top_max = tl.max(scaled, 0)
-        log_norm = top_max + tl.log(tl.sum(tl.exp(scaled - top_max), 0))
-        probs = tl.exp(scaled - log_norm)
-        key = tl_row_key(tl.load(seeds_ptr + r), tl.load(positions_ptr + r) + 1 + step, _DRAFT)
-        noise = tl.log(-tl.log(tl_uniform(key, ids)))
-        race = tl.where(live, scaled - noise, float("-inf"))
-        winner = tl.where(greedy, 0, tl.argmax(race, 0))
-        pick = slots == winner
-        token = tl.sum(tl.where(pick, ids, 0), 0)
-        prob = tl.where(greedy, 1.0, tl.sum(tl.where(pick, probs, 0.0), 0))
-        sparse = tl.where(greedy, tl.where(slots == 0, 1.0, 0.0), probs)
-        tl.store(tokens_ptr + out, token.to(tl.int64))
-        tl.store(probs_ptr + out, prob)
-        tl.store(sparse_ids_ptr + out * K + slots, ids.to(tl.int64), mask=live)
-        tl.store(sparse_probs_ptr + out * K + slots, sparse, mask=live)
+        _combine_top_k(cand_ptr, z_ptr, stride_lr, stride_lk, tiles_ptr, buffer_ptr, r, step, temp, greedy,
+                       seeds_ptr, positions_ptr, tokens_ptr, probs_ptr, sparse_ids_ptr, sparse_probs_ptr, out, V,
+                       num_chunks, K, TOPK, BLOCK_C, TILE_V, TILE_GROUP, CAPM)  # fmt: skip
+
+
+@triton.jit
+def _top_k_tiles(z_ptr, tiles_ptr, r, t0, n_tiles, bound, V, TILE_V: tl.constexpr, TILE_GROUP: tl.constexpr,
+                 TOPK: tl.constexpr):  # fmt: skip
+    """Packed (value, id) of TILE_GROUP candidate tiles (flattened) and which of them are live and >= bound."""
+    t = t0 + tl.arange(0, TILE_GROUP)
+    tile = tl.load(tiles_ptr + r * TOPK + t, mask=t < n_tiles, other=0)
+    vocab = tile[:, None] * TILE_V + tl.arange(0, TILE_V)[None, :]
+    ok = (t < n_tiles)[:, None] & (vocab < V)
+    z = tl.load(z_ptr + vocab, mask=ok, other=0.0)
+    packed = tl.where(ok, tl_pack_value_id(tl_canonical(z), vocab), _INT64_MIN)
+    return tl.reshape(packed, [TILE_GROUP * TILE_V]), tl.reshape(ok & (packed >= bound), [TILE_GROUP * TILE_V])
+
+
+@triton.jit
+def _combine_top_k(
+    cand_ptr,
+    z_ptr,
+    stride_lr,
+    stride_lk,
+    tiles_ptr,
+    buffer_ptr,
+    r,
+    step,
+    temp,
+    greedy,
+    seeds_ptr,
+    positions_ptr,
+    tokens_ptr,
+    probs_ptr,
+    sparse_ids_ptr,
+    sparse_probs_ptr,
+    out,
+    V,
+    num_chunks,
+    K,
+    TOPK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TILE_V: tl.constexpr,
+    TILE_GROUP: tl.constexpr,
+    CAPM: tl.constexpr,
+):
+    """Exact top-K of one request's z_k from its tile maxima, then the race over those K tokens.
+
+    Packed keys are distinct. With L the K-th largest tile maximum, K distinct tokens are >= L, so the K
+    largest tokens are all >= L, and every token >= L lies in a tile whose maximum is >= L: one of the K top
+    tiles. Only those tiles' tokens >= L (usually about K) are gathered, sorted, and the first K kept. If more
+    than CAPM tokens pass (massive ties), K rounds of max extraction over the K tiles give the same set."""
+    z_ptr = z_ptr + r.to(tl.int64) * stride_lr + step * stride_lk
+    chunks = tl.arange(0, BLOCK_C)
+    tile_max = tl.load(cand_ptr + r.to(tl.int64) * num_chunks + chunks, mask=chunks < num_chunks,
+                       other=_INT64_MIN)  # fmt: skip
+    n_tiles = tl.minimum(K, num_chunks)
+    ranked = tl.sort(tile_max, descending=True)
+    bound = tl.where(num_chunks >= K, tl.sum(tl.where(chunks == n_tiles - 1, ranked, 0), 0), _INT64_MIN)
+    top_tile = (chunks < num_chunks) & (tile_max >= bound)
+    tl.store(tiles_ptr + r * TOPK + tl.cumsum(top_tile.to(tl.int32), 0) - 1, chunks, mask=top_tile)
+    tl.debug_barrier()
+    buffer = buffer_ptr + r.to(tl.int64) * CAPM
+    count = tl.zeros((), tl.int32)
+    for t0 in range(0, n_tiles, TILE_GROUP):
+        packed, hit = _top_k_tiles(z_ptr, tiles_ptr, r, t0, n_tiles, bound, V, TILE_V, TILE_GROUP, TOPK)
+        slot = count + tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(buffer + slot, packed, mask=hit & (slot < CAPM))
+        count += tl.sum(hit.to(tl.int32), 0)
+    if count > CAPM:
+        previous = tl.full((), _INT64_MAX, tl.int64)
+        for rank in range(0, K):
+            best = tl.full((), _INT64_MIN, tl.int64)
+            for t0 in range(0, n_tiles, TILE_GROUP):
+                packed, hit = _top_k_tiles(z_ptr, tiles_ptr, r, t0, n_tiles, bound, V, TILE_V, TILE_GROUP, TOPK)
+                best = tl.maximum(best, tl.max(tl.where(hit & (packed < previous), packed, _INT64_MIN), 0))
+            tl.store(buffer + rank, best)
+            previous = best
+        count = tl.minimum(count, K)
+    tl.debug_barrier()
+    slots = tl.arange(0, CAPM)
+    ordered = tl.sort(tl.load(buffer + slots, mask=slots < count, other=_INT64_MIN), descending=True)
+    live = slots < K
+    values, ids = tl_unpack_value_id(ordered)
+    scaled = tl.where(live, tl_canonical(tl.math.div_rn(values, tl.where(greedy, 1.0, temp))), float("-inf"))
+    top_max = tl.max(scaled, 0)
+    log_norm = top_max + tl.log(tl.sum(tl.where(live, tl.exp(scaled - top_max), 0.0), 0))
+    probs = tl.exp(scaled - log_norm)
+    key = tl_row_key(tl.load(seeds_ptr + r), tl.load(positions_ptr + r) + 1 + step, _DRAFT)
+    noise = tl.log(-tl.log(tl_uniform(key, ids)))
+    race = tl.where(live, scaled - noise, float("-inf"))
+    winner = tl.where(greedy, 0, tl.argmax(race, 0))
+    pick = slots == winner
+    token = tl.sum(tl.where(pick, ids, 0), 0)
+    prob = tl.where(greedy, 1.0, tl.sum(tl.where(pick, probs, 0.0), 0))
+    sparse = tl.where(greedy, tl.where(slots == 0, 1.0, 0.0), probs)
+    tl.store(tokens_ptr + out, token.to(tl.int64))
+    tl.store(probs_ptr + out, prob)
+    tl.store(sparse_ids_ptr + out * K + slots, ids.to(tl.int64), mask=live)
+    tl.store(sparse_probs_ptr + out * K + slots, sparse, mask=live)
 
 
 def markov_sample_triton(
@@ -286,63 +357,34 @@ def markov_sample_triton(
     native = w1.dtype != torch.float32 and not interpreting()
     part_f = torch.empty((num_req, num_chunks, 4), dtype=torch.float32, device=device)
     part_i = torch.empty((num_req, num_chunks), dtype=torch.int32, device=device)
-    cands = torch.empty((num_req, num_chunks, max(top_k, 1)), dtype=torch.int64, device=device)
-    logits_arg = logits if logits is not None else part_f
+    tile_max = torch.empty((num_req, num_chunks), dtype=torch.int64, device=device)
+    # truncated mode keeps z_k in memory for the combine step: the logits output if asked for, else scratch
+    if logits is not None:
+        z_buf, stride_lr, stride_lk = logits, logits.stride(0), logits.stride(1)
+    elif top_k:
+        z_buf, stride_lr, stride_lk = torch.empty((num_req, vocab), dtype=torch.float32, device=device), vocab, 0
+    else:
+        z_buf, stride_lr, stride_lk = part_f, 0, 0
+    capm = max(256, 2 * topk_slots)
+    tiles = torch.empty((num_req, max(topk_slots, 1)), dtype=torch.int32, device=device)
+    buffer = torch.empty((num_req, capm if top_k else 1), dtype=torch.int64, device=device)
     grid = (triton.cdiv(num_req, block_r), num_chunks)
     for step in range(gamma):
         previous = anchors if step == 0 else tokens[:, step - 1]
         _markov_step_kernel[grid](
-            base,
-            base.stride(0),
-            base.stride(1),
-            step,
-            previous,
-            previous.stride(0),
-            w1c,
-            w2c,
-            temps,
-            seeds64,
-            positions64,
-            logits_arg,
-            logits.stride(0) if logits is not None else 0,
-            logits.stride(1) if logits is not None else 0,
-            part_f,
-            part_i,
-            cands,
-            num_req,
-            vocab,
-            rank,
-            num_chunks,
-            top_k,
-            BLOCK_R=block_r,
-            BLOCK_V=block_v,
-            BLOCK_D=block_d,
-            TOPK=topk_slots,
-            STORE_LOGITS=logits is not None,
-            NATIVE_DOT=native,
-            num_warps=TUNING["warps"],
+            base, base.stride(0), base.stride(1), step, previous, previous.stride(0), w1c, w2c, temps, seeds64,
+            positions64, z_buf, stride_lr, stride_lk, part_f, part_i, tile_max, num_req, vocab, rank,
+            num_chunks, top_k, BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_D=block_d, TOPK=topk_slots,
+            STORE_LOGITS=logits is not None or top_k > 0, NATIVE_DOT=native, num_warps=TUNING["warps"],
             **launch_options(),
-        )
+        )  # fmt: skip
         _markov_combine_kernel[(num_req,)](
-            part_f,
-            part_i,
-            cands,
-            step,
-            temps,
-            seeds64,
-            positions64,
-            tokens,
-            token_probs,
-            sparse_ids if sparse_ids is not None else tokens,
-            sparse_probs if sparse_probs is not None else part_f,
-            gamma,
-            num_chunks,
-            top_k,
-            TOPK=topk_slots,
-            BLOCK_C=1024,
-            num_warps=4,
-            **launch_options(),
-        )
+            part_f, part_i, tile_max, z_buf, stride_lr, stride_lk, tiles, buffer, step, temps, seeds64,
+            positions64, tokens, token_probs, sparse_ids if sparse_ids is not None else tokens,
+            sparse_probs if sparse_probs is not None else part_f, vocab, gamma, num_chunks, top_k,
+            TOPK=topk_slots, BLOCK_C=triton.next_power_of_2(num_chunks) if top_k else 1024, TILE_V=block_v,
+            TILE_GROUP=TOPK_TILE_GROUP, CAPM=capm, num_warps=4, **launch_options(),
+        )  # fmt: skip
     return MarkovSample(
         tokens=tokens,
         token_probs=token_probs,

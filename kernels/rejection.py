@@ -19,7 +19,8 @@ entries are -1. A request with l_r = 0 just samples one token from the target, w
 token after prefill is drawn.
 
 Target distribution of a sampled row (temperature T > 0), the same in the reference and the kernel:
-  z = logits / T (float32, -0.0 canonicalised to +0.0);
+  z = logits * (1 / T) (float32: the reciprocal rounded once, then one rounded product per token, which
+  is cheaper than a division per token in the kernel; -0.0 canonicalised to +0.0);
   top-k (k > 0 and k < V): keep every token whose z is >= the k-th largest z counted with multiplicity, so
   tokens tied with the k-th value are all kept (possibly more than k tokens);
   top-p (p < 1), applied after top-k to the renormalised top-k distribution: keep every token whose z is >=
@@ -38,11 +39,16 @@ index.
 Categorical draws use the exponential race: token = argmax_v w_v / E_v with E_v = -log u_v, u_v uniform.
 Since P(argmax = v) = w_v / sum w for independent Exp(1) variables E_v, this samples norm(w) without a
 normalisation pass and works on the unnormalised residual directly; it is also a single max-reduction, so a
-vocabulary split over many programs combines exactly. Both implementations evaluate the key as
-``w_v * (1 / E_v)`` with w = max(0, e - Z * p_d) (bonus row: w = e), where e_v = exp(z_v - max z) on kept
-tokens and Z = sum e, i.e. w = Z * max(0, p_t - p_d): one division per token. Ties (probability ~0) go to
-the smaller token id. If the residual is all zero (a rejection that has probability 0 in exact arithmetic but
-can occur by float rounding when p_d == p_t), the draw falls back to p_t with the same uniforms.
+vocabulary split over many programs combines exactly. Both implementations evaluate the key in the log domain,
+``log w_v - log E_v`` (the Gumbel-max form of the same race: log is increasing, so the argmax is unchanged),
+which costs no division and, where p_d = 0, no exp per token: with e_v = exp(z_v - max z) on kept tokens and
+Z = sum e, the residual weight is w = Z * max(0, p_t - p_d) = max(0, e - Z * p_d) and
+  log w_v = z_v - max z                       if p_d(v) = 0 or it is the bonus row (w = e, kept tokens),
+  log w_v = log(max(0, e_v - Z * p_d(v)))     otherwise,
+  log w_v = -inf                              on tokens removed by top-k / top-p.
+Ties (probability ~0) go to the smaller token id. If the residual is all zero (a rejection that has
+probability 0 in exact arithmetic but can occur by float rounding when p_d == p_t), the draw falls back to
+p_t (keys z_v - max z - log E_v) with the same uniforms.
 
 Sparse draft distributions: a drafter may sample x_k from its top-K truncated, renormalised distribution and
 send only ``(ids [N, K], probs [N, K])``. Verification stays exact because the rejection rule only needs
@@ -252,14 +258,28 @@ def filter_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.where(need, torch.maximum(tau_k, tau_p), off)
 
 
+def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """float32 1 / T (IEEE division; the Triton kernels compute the same value with ``div_rn``)."""
+    return 1.0 / temperature.to(torch.float32)
+
+
+def target_log_weights(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-weights z - max z on kept tokens (-inf elsewhere) [rows, V] and the weights exp(z - max z)."""
+    z = canonical(logits.to(torch.float32) * inverse_temperature(temperature)[:, None])
+    tau = filter_thresholds(z, top_k, top_p)
+    z_max = z.max(dim=-1, keepdim=True).values
+    log_weights = torch.where(z >= tau[:, None], z - z_max, float("-inf"))
+    weights = torch.where(z >= tau[:, None], torch.exp(z - z_max), 0.0)
+    return log_weights, weights
+
+
 def target_weights(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unnormalised filtered weights exp(z - max z) on kept tokens [rows, V] and their sums [rows, 1]."""
-    z = canonical(logits.to(torch.float32) / temperature[:, None].to(torch.float32))
-    tau = filter_thresholds(z, top_k, top_p)
-    z_max = z.max(dim=-1, keepdim=True).values
-    weights = torch.where(z >= tau[:, None], torch.exp(z - z_max), 0.0)
+    _, weights = target_log_weights(logits, temperature, top_k, top_p)
     return weights, weights.sum(dim=-1, keepdim=True)
 
 
@@ -318,9 +338,10 @@ def rejection_sample_reference(
 
     argmax = target_logits.argmax(dim=-1)
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    weights, norm = target_weights(
+    log_weights, weights = target_log_weights(
         target_logits, safe_t[row_req], top_k[row_req].to(torch.int64), top_p[row_req]
     )
+    norm = weights.sum(dim=-1, keepdim=True)
     p_t = weights / norm
 
     x = draft_token_ids.to(torch.int64)
@@ -340,7 +361,7 @@ def rejection_sample_reference(
 
     sample_row = row_start + num_accepted
     bonus = num_accepted == lens
-    weight_s, norm_s = weights[sample_row], norm[sample_row]
+    weight_s, norm_s, log_weight_s = weights[sample_row], norm[sample_row], log_weights[sample_row]
     pd_s = torch.zeros_like(weight_s)
     draft_row = torch.where(bonus, 0, cu[:-1] + num_accepted).clamp(max=max(num_draft - 1, 0))
     if draft_probs is not None and num_draft > 0:
@@ -348,16 +369,18 @@ def rejection_sample_reference(
             pd_s = draft_probs[draft_row]
         else:
             pd_s = pd_s.scatter_add(1, draft_prob_ids[draft_row].to(torch.int64), draft_probs[draft_row])
-    # race on norm * max(0, p_t - p_d) (bonus: norm * p_t), times 1 / E_v: one division per token
-    residual = torch.where(bonus[:, None], weight_s, (weight_s - norm_s * pd_s).clamp(min=0.0))
+    # race keys log(w_v) - log(E_v): w = norm * max(0, p_t - p_d) where p_d > 0, else the kept weight itself,
+    # whose log is taken exactly as z - max z (bonus row: w = norm * p_t everywhere)
+    log_residual = torch.where(
+        bonus[:, None] | (pd_s <= 0), log_weight_s, torch.log((weight_s - norm_s * pd_s).clamp(min=0.0))
+    )
     index = torch.arange(vocab, device=device)
     position_s = (positions + 1 + num_accepted)[:, None]
-    race = -torch.log(uniform(seeds[:, None], position_s, STREAM_TARGET_SAMPLE, index[None, :]))
-    inv_race = 1.0 / race
-    key_res = residual * inv_race
+    log_race = torch.log(-torch.log(uniform(seeds[:, None], position_s, STREAM_TARGET_SAMPLE, index[None, :])))
+    key_res = log_residual - log_race
     sampled_res = key_res.argmax(dim=-1)
-    sampled_fb = (weight_s * inv_race).argmax(dim=-1)
-    sampled = torch.where(key_res.max(dim=-1).values > 0, sampled_res, sampled_fb)
+    sampled_fb = (log_weight_s - log_race).argmax(dim=-1)
+    sampled = torch.where(key_res.max(dim=-1).values > float("-inf"), sampled_res, sampled_fb)
     final = torch.where(greedy, argmax[sample_row], sampled)
 
     # Rejected drafts go to a trash row past the end: a scatter of static shape, no boolean index (no sync).

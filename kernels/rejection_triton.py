@@ -1,27 +1,53 @@
 """Triton rejection sampler: the contract of :mod:`kernels.rejection`, reading the target logits ~once.
 
-Four launches, so that the big logits tensor is read once in full plus one row per sampled request:
-1. ``_row_stats_kernel``, one program per target row: greedy rows get their argmax; sampled rows get
-   max z, the normaliser of the kept set and the keep threshold tau (top-k / top-p) in one streaming pass
-   over the vocabulary (plus search passes only for rows that use top-k or top-p, see below).
-2. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
+The big tensor is the target logits [N + R, V]; everything else is small. It is read once in full by the
+statistics kernel, plus one row per sampled request by the race (about 1/(gamma + 1) more), plus a second
+read of the rows that use top-k / top-p. Launches:
+
+1. ``_row_stats_kernel``, programs (row, vocabulary split): every row of every request at once. Greedy rows
+   keep a per-lane running argmax; sampled rows a per-lane online (max, sum exp) of z = logits * (1 / T),
+   updated with one exp per token (``exp(min - max)`` serves both the rescale and the new term). Lanes are
+   only reduced at the end of the split, so the loop is pure streaming. Rows with top-k / top-p also write a
+   *sketch*: the maxima of NG disjoint groups of lanes, i.e. NG distinct entries of the split.
+2. ``_row_combine_kernel``, one program per row: combines the splits into argmax, or max z and the
+   normaliser; for filtered rows it turns the sketch into a lower bound L on the keep threshold (below).
+3. ``_compact_kernel``, one program per row, filtered rows only: writes every token with z >= L (as packed
+   (order key, id), see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP slots.
+4. ``_threshold_kernel``, one program per filtered row: sorts the candidates and finds tau exactly (top-k:
+   the k-th value; top-p: the crossing of the cumulative mass in descending order), and the normaliser of
+   the kept set. Rows whose candidates do not certify the answer take the exact fallback search (below).
+5. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
    draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
    greedy requests the final argmax token.
-3. ``_race_kernel``, programs (sampled request, vocabulary split): the exponential race on its split of the
-   residual (or bonus) row, as norm * max(0, p_t - p_d) * (1 / E_v): the same argmax as the normalised
-   residual with one division per token; sparse draft entries are scattered into the chunk they fall in.
-4. ``_finalize_kernel``, one program per request: combines the per-split race winners.
+6. ``_race_kernel``, programs (sampled request, vocabulary split): the exponential race on its split of the
+   residual (or bonus) row with per-lane winners, keys log w_v - log E_v as defined in :mod:`kernels.rejection`
+   (w = norm * max(0, p_t - p_d); off the draft support log w_v = z_v - max z, so no exp and no division).
+7. ``_finalize_kernel``, one program per request: combines the per-split race winners; with sparse drafts it
+   also runs the fallback race (all-zero residual), which can only be won inside the draft's support.
 
-Top-k / top-p thresholds are found exactly without sorting: the keep threshold is the largest order key t
-(see :mod:`kernels.float_keys`) with count(z >= t) >= k, respectively mass(z >= t) >= p * mass(top-k set).
-Both functions are monotone in t, so a 16-ary search over the int32 key range (<= 8 passes over the row,
-16 candidate thresholds counted per pass; 256-ary under the interpreter) lands on the exact data value, ties
-included. Rows without top-k / top-p skip this entirely.
+Why the race is exact: for independent E_v ~ Exp(1), P(argmax_v w_v / E_v = v) = w_v / sum_u w_u, and taking
+logs does not move the argmax, so the winner of log w_v - log E_v is a draw from norm(w) without knowing the
+normaliser; splits combine by a max. The reference evaluates the same keys from the same counter-based uniforms
+(only exp / log rounding can differ in the last bit between torch and the GPU). The residual is all zero only if
+every kept token v has p_t(v) <= p_d(v); with a sparse draft, a kept token outside the support has residual
+p_t(v) > 0, so then every kept token is in the support and the p_t race over the support ids has the winner of
+the p_t race over the whole vocabulary.
+
+Why the top-k / top-p bound is exact. The sketch values of a row are distinct entries of it (disjoint lane
+groups). If s_1 >= s_2 >= ... are the sorted sketch values, at least j entries are >= s_j, so the k-th
+largest z (the top-k threshold tau_k) is >= s_k: L = s_k keeps every token of the top-k set, and top-p is
+applied inside that set, so tau >= tau_k >= L. Without top-k, L = s_j for the first j whose sketch prefix
+mass sum_{i<=j} exp(s_i - max z) reaches p * Z: the mass of {z >= s_j} is at least that prefix, hence the
+top-p threshold tau_p (the largest t with mass(z >= t) >= p * Z) is >= L. So {z >= L} contains every kept
+token; sorting it gives tau_k as its k-th value and tau_p at the crossing of the running mass, exactly the
+reference's definitions. A row falls back to the exact search over the whole row (as slow as it sounds: a
+16-ary search on the int32 order keys, <= 8 passes per threshold) when the bound does not exist (k larger
+than the sketch, a top-p nucleus wider than the sketch can certify) or when more than CAP tokens are >= L.
 
 Kernels load in the storage dtype and upcast to float32 before any arithmetic, mask every load, and use a
-single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU. The
-float canonicalisation and order keys of :mod:`kernels.float_keys` are written out inside the vocabulary
-loops: under the interpreter every device-function call costs about a millisecond.
+single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU.
+Every launch has a static grid and no host reads a device value, so the sampler can be captured in a CUDA
+graph; the launches for filtered rows run always and exit at once when a row has nothing to do.
 """
 
 from __future__ import annotations
@@ -32,29 +58,229 @@ import triton.language as tl
 
 from kernels.float_keys import tl_key_to_float, tl_ordered_key
 from kernels.launch import interpreting, launch_options
-from kernels.rejection import RejectionOutput, _row_layout, validate_rejection_inputs
+from kernels.rejection import RejectionOutput, validate_rejection_inputs
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, tl_row_key, tl_uniform
 
 _ACCEPT = tl.constexpr(STREAM_ACCEPT)
 _TARGET = tl.constexpr(STREAM_TARGET_SAMPLE)
-_NCAND_GPU = 16  # candidate thresholds per search pass: a [BLOCK_S, 16] tile stays in registers
+_NCAND_GPU = 16  # fallback search: candidate thresholds per pass, a [BLOCK_S, 16] tile stays in registers
 _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass costs interpreter overhead
-TUNING = {"row_block_v": 4096, "row_warps": 8, "race_block_v": 2048, "race_warps": 8, "split_size": 16384}
-"""Launch sizes (one fixed configuration, no autotuning); bench/bench_kernels.py --sweep measures others."""
+_BIG = tl.constexpr(2147483647)
+_INT64_MIN = tl.constexpr(-(2**63))
+TUNING = {
+    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "race_block_v": 1024, "race_warps": 4, "race_splits": 16,
+}  # fmt: skip
+"""Launch sizes (one fixed configuration, no autotuning): vocabulary block per loop step, warps, and the number
+of programs a row is split over (the statistics kernel runs every row, the race one row per request, so it
+splits finer). Set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md)."""
+SKETCH_GROUPS = 128
+"""Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
+CANDIDATES = 2048
+"""Candidate slots per filtered row: rows with more tokens above the bound take the fallback search."""
 
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
 _SPARSE = tl.constexpr(PROBS_SPARSE)
+_DONE, _CANDIDATES, _SEARCH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # per-row threshold state
 
 
 @triton.jit
-def _mass_at_least(row_ptr, V, temp, z_max, lo, BLOCK_S: tl.constexpr):
+def _filters(top_k_ptr, top_p_ptr, req, V):
+    """(top_k, top_p, use_k, use_p) of request ``req``."""
+    top_k = tl.load(top_k_ptr + req)
+    top_p = tl.load(top_p_ptr + req)
+    return top_k, top_p, (top_k > 0) & (top_k < V), top_p < 1.0
+
+
+@triton.jit
+def _request_of_row(cu_ptr, row, num_req):
+    """The request owning target row ``row``: the largest r with cu[r] + r <= row (rows of r start there)."""
+    lo = tl.zeros((), tl.int32)
+    hi = num_req - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_ptr + mid) + mid <= row:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _row_stats_kernel(
+    logits_ptr,
+    stride_row,
+    cu_ptr,
+    num_req,
+    out_ptr,
+    row_req_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_arg_ptr,
+    sketch_ptr,
+    V,
+    split_size,
+    num_splits,
+    BLOCK_V: tl.constexpr,
+    NG: tl.constexpr,
+):
+    """Per (row, split): argmax (greedy) or online (max z, sum exp(z - max)) and the sketch (filtered rows).
+
+    Split 0 also records the row's request for the later kernels and initialises the row's output to -1."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    req = _request_of_row(cu_ptr, row, num_req)
+    if split == 0:
+        tl.store(row_req_ptr + row, req)
+        tl.store(out_ptr + row, tl.full((), -1, tl.int64))
+    temp = tl.load(temperature_ptr + req)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    offs = tl.arange(0, BLOCK_V)
+    lo_v = split * split_size
+    hi_v = tl.minimum(lo_v + split_size, V)  # splits are whole blocks: only the row's end needs a mask
+    part = row * num_splits + split
+    if temp == 0.0:
+        # per lane: the first maximum (tokens arrive in increasing id order), reduced once at the end
+        best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        arg = tl.full([BLOCK_V], _BIG, tl.int32)
+        for start in range(lo_v, hi_v, BLOCK_V):
+            idx = start + offs
+            x = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            better = x > best
+            best = tl.where(better, x, best)
+            arg = tl.where(better, idx, arg)
+        top = tl.max(best, 0)
+        first = tl.min(tl.where(best == top, arg, _BIG), 0)
+        tl.store(part_max_ptr + part, top)
+        tl.store(part_arg_ptr + part, tl.where(first == _BIG, lo_v, first))  # an all -inf split: its first id
+    else:
+        inv_t = tl.math.div_rn(1.0, temp)
+        # lanes start at -FLT_MAX, not -inf: exp(min - max) is then never exp(-inf + inf), with no extra test
+        m = tl.full([BLOCK_V], -3.4028234663852886e38, tl.float32)
+        s = tl.zeros([BLOCK_V], tl.float32)
+        for start in range(lo_v, hi_v, BLOCK_V):
+            idx = start + offs
+            z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+            big = tl.maximum(m, z)
+            e = tl.exp(tl.minimum(m, z) - big)
+            s = tl.where(z > m, s * e + 1.0, s + e)
+            m = big
+        top = tl.max(m, 0)
+        total = tl.sum(s * tl.exp(m - top), 0)
+        tl.store(part_max_ptr + part, tl.where(total > 0.0, top, float("-inf")))  # an all -inf split
+        tl.store(part_sum_ptr + part, total)
+        _, _, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
+        if use_k | use_p:
+            groups = tl.max(tl.reshape(m, [NG, BLOCK_V // NG]), 1)
+            tl.store(sketch_ptr + part.to(tl.int64) * NG + tl.arange(0, NG), groups)
+
+
+@triton.jit
+def _row_combine_kernel(
+    part_max_ptr,
+    part_sum_ptr,
+    part_arg_ptr,
+    sketch_ptr,
+    row_req_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    argmax_ptr,
+    zmax_ptr,
+    norm_ptr,
+    tau_ptr,
+    bound_ptr,
+    state_ptr,
+    count_ptr,
+    V,
+    num_splits,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_SKETCH: tl.constexpr,
+    NG: tl.constexpr,
+):
+    """Per row: combine the splits; for a filtered row derive the candidate bound L from the sketch."""
+    row = tl.program_id(0)
+    req = tl.load(row_req_ptr + row)
+    temp = tl.load(temperature_ptr + req)
+    offs = tl.arange(0, BLOCK_SPLITS)
+    live = offs < num_splits
+    part = row * num_splits + offs
+    tops = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
+    top = tl.max(tops, 0)
+    state = tl.full((), _DONE, tl.int32)
+    if temp == 0.0:
+        args = tl.load(part_arg_ptr + part, mask=live, other=_BIG)
+        tl.store(argmax_ptr + row, tl.min(tl.where(live & (tops == top), args, _BIG), 0))
+    else:
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.sum(tl.load(part_sum_ptr + part, mask=live, other=0.0) * tl.exp(tops - safe), 0)
+        tl.store(zmax_ptr + row, top)
+        tl.store(norm_ptr + row, total)
+        tl.store(tau_ptr + row, float("-inf"))
+        top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
+        if use_k | use_p:
+            n_sketch = num_splits * NG
+            pos = tl.arange(0, BLOCK_SKETCH)
+            sketch = tl.load(sketch_ptr + row.to(tl.int64) * n_sketch + pos, mask=pos < n_sketch,
+                             other=float("-inf"))  # fmt: skip
+            sketch = tl.sort(sketch, descending=True)
+            if use_k:
+                # the k-th sketch value: k distinct entries are >= it, so it is <= the k-th largest z
+                j = tl.where(top_k <= n_sketch, top_k.to(tl.int32) - 1, _BIG)
+            else:
+                mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(sketch - safe), 0.0), 0)
+                j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
+            state = tl.where(j < _BIG, _CANDIDATES, _SEARCH)
+            tl.store(bound_ptr + row, tl.sum(tl.where(pos == j, sketch, 0.0), 0))
+    tl.store(state_ptr + row, state)
+    tl.store(count_ptr + row, 0)
+
+
+@triton.jit
+def _compact_kernel(
+    logits_ptr,
+    stride_row,
+    row_req_ptr,
+    temperature_ptr,
+    bound_ptr,
+    state_ptr,
+    count_ptr,
+    cand_ptr,
+    V,
+    BLOCK_V: tl.constexpr,
+    CAP: tl.constexpr,
+):
+    """Per filtered row: append every token with z >= L to the row's candidates (packed, any order).
+
+    One program per row: only filtered rows work here, and the others exit without a grid of splits."""
+    row = tl.program_id(0)
+    if tl.load(state_ptr + row) == _CANDIDATES:
+        inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + tl.load(row_req_ptr + row)))
+        bound = tl.load(bound_ptr + row)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        counter = count_ptr + row + tl.zeros([BLOCK_V], tl.int32)
+        for start in range(0, V, BLOCK_V):
+            idx = start + tl.arange(0, BLOCK_V)
+            z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+            hit = (idx < V) & (z >= bound)
+            slot = tl.atomic_add(counter, tl.full([BLOCK_V], 1, tl.int32), mask=hit, sem="relaxed")
+            bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
+            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
+            tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, packed, mask=hit & (slot < CAP))
+
+
+@triton.jit
+def _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S: tl.constexpr):
     """sum of exp(z - z_max) over tokens whose order key is >= lo."""
     acc = tl.zeros([BLOCK_S], tl.float32)
     for start in range(0, V, BLOCK_S):
         idx = start + tl.arange(0, BLOCK_S)
         mask = idx < V
-        z = tl.math.div_rn(tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32), temp)
+        z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
         z = tl.where(z == 0.0, 0.0, z)
         bits = z.to(tl.int32, bitcast=True)
         key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
@@ -66,7 +292,7 @@ def _mass_at_least(row_ptr, V, temp, z_max, lo, BLOCK_S: tl.constexpr):
 def _search_threshold(
     row_ptr,
     V,
-    temp,
+    inv_t,
     z_max,
     lo,
     hi,
@@ -87,7 +313,7 @@ def _search_threshold(
         for start in range(0, V, BLOCK_S):
             idx = start + tl.arange(0, BLOCK_S)
             mask = idx < V
-            z = tl.math.div_rn(tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32), temp)
+            z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
             z = tl.where(z == 0.0, 0.0, z)
             bits = z.to(tl.int32, bitcast=True)
             key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
@@ -102,69 +328,93 @@ def _search_threshold(
 
 
 @triton.jit
-def _row_stats_kernel(
+def _candidate_threshold(
+    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP: tl.constexpr, SIZE: tl.constexpr
+):
+    """(found, tau, norm of the kept set) from a row's count <= SIZE candidates, sorted descending.
+
+    Top-k: tau_k is the k-th candidate (fewer than k candidates only happens when fewer than k tokens are
+    finite, and then the k-th largest z is -inf). Top-p: the crossing of the running mass within the
+    candidates; not found when the mass of all candidates stays below p * total (float rounding)."""
+    pos = tl.arange(0, SIZE)
+    valid = pos < count
+    cands = tl.load(cand_ptr + row.to(tl.int64) * CAP + pos, mask=valid, other=_INT64_MIN)
+    cands = tl.sort(cands, descending=True)  # value descending, then id ascending; invalid last
+    key = (cands >> 32).to(tl.int32)
+    z = tl.where(valid, tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True), float("-inf"))
+    kth = tl.sum(tl.where(pos == top_k.to(tl.int32) - 1, z, 0.0), 0)
+    tau_k = tl.where(use_k & (top_k <= count), kth, float("-inf"))
+    weight = tl.where(z >= tau_k, tl.exp(z - z_max), 0.0)
+    total = tl.where(use_k, tl.sum(weight, 0), total_all)
+    mass = tl.cumsum(weight, 0)
+    first = tl.min(tl.where(valid & (mass >= top_p * total), pos, _BIG), 0)
+    tau_p = tl.where(use_p & (first < _BIG), tl.sum(tl.where(pos == first, z, 0.0), 0), float("-inf"))
+    tau = tl.maximum(tau_k, tau_p)
+    found = (first < _BIG) | (use_p == 0)
+    return found, tau, tl.sum(tl.where(z >= tau, tl.exp(z - z_max), 0.0), 0)
+
+
+@triton.jit
+def _threshold_kernel(
     logits_ptr,
     stride_row,
     row_req_ptr,
     temperature_ptr,
     top_k_ptr,
     top_p_ptr,
-    argmax_ptr,
     zmax_ptr,
     norm_ptr,
     tau_ptr,
+    state_ptr,
+    count_ptr,
+    cand_ptr,
     V,
-    BLOCK_V: tl.constexpr,
+    CAP: tl.constexpr,
+    SMALL: tl.constexpr,
     BLOCK_S: tl.constexpr,
     NCAND: tl.constexpr,
 ):
+    """Per filtered row: exact tau and normaliser of the kept set, from the sorted candidates or by search."""
     row = tl.program_id(0)
-    req = tl.load(row_req_ptr + row)
-    temp = tl.load(temperature_ptr + req)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    offs = tl.arange(0, BLOCK_V)
-    if temp == 0.0:
-        # argmax as one max-reduction over (value key, 2**31 - 1 - index) packed in int64: ties -> lower index
-        best = tl.full((), -9223372036854775808, tl.int64)
-        for start in range(0, V, BLOCK_V):
-            idx = start + offs
-            x = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
-            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            best = tl.maximum(best, tl.max((key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64), 0))
-        tl.store(argmax_ptr + row, 0x7FFFFFFF - (best & 0x7FFFFFFF).to(tl.int32))
-    else:
-        z_max = tl.full((), float("-inf"), tl.float32)
-        total = tl.full((), 0.0, tl.float32)
-        for start in range(0, V, BLOCK_V):
-            idx = start + offs
-            mask = idx < V
-            z = tl.math.div_rn(tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32), temp)
-            z = tl.where(z == 0.0, 0.0, z)
-            new_max = tl.maximum(z_max, tl.max(z, 0))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            total = total * tl.exp(z_max - safe_max) + tl.sum(tl.exp(z - safe_max), 0)
-            z_max = new_max
-        top_k = tl.load(top_k_ptr + req)
-        top_p = tl.load(top_p_ptr + req)
-        use_k = (top_k > 0) & (top_k < V)
-        use_p = top_p < 1.0
-        lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
-        hi = tl_ordered_key(z_max)
-        if use_k:
-            lo = _search_threshold(
-                row_ptr, V, temp, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND
-            )
-        if use_p:
-            kept_mass = _mass_at_least(row_ptr, V, temp, z_max, lo, BLOCK_S)
-            lo = _search_threshold(row_ptr, V, temp, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND)
-        tau = tl.full((), float("-inf"), tl.float32)
-        if use_k | use_p:
-            tau = tl_key_to_float(lo)
-            total = _mass_at_least(row_ptr, V, temp, z_max, lo, BLOCK_S)
-        tl.store(zmax_ptr + row, z_max)
-        tl.store(norm_ptr + row, total)
-        tl.store(tau_ptr + row, tau)
+    state = tl.load(state_ptr + row)
+    if state != _DONE:
+        req = tl.load(row_req_ptr + row)
+        inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + req))
+        z_max = tl.load(zmax_ptr + row)
+        total_all = tl.load(norm_ptr + row)
+        top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
+        count = tl.load(count_ptr + row)
+        if (state == _CANDIDATES) & (count <= CAP):
+            if count <= SMALL:  # the usual case: sort a short buffer
+                found, tau, norm = _candidate_threshold(
+                    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, SMALL
+                )
+            else:
+                found, tau, norm = _candidate_threshold(
+                    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, CAP
+                )
+            if found:
+                tl.store(tau_ptr + row, tau)
+                tl.store(norm_ptr + row, norm)
+            else:
+                state = _SEARCH  # the top-p crossing lies below the candidates (float rounding): search
+        else:
+            state = _SEARCH
+        if state == _SEARCH:
+            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+            lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
+            hi = tl_ordered_key(z_max)
+            if use_k:
+                lo = _search_threshold(
+                    row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND
+                )
+            if use_p:
+                kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
+                lo = _search_threshold(
+                    row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND
+                )
+            tl.store(tau_ptr + row, tl_key_to_float(lo))
+            tl.store(norm_ptr + row, _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S))
 
 
 @triton.jit
@@ -198,6 +448,7 @@ def _accept_chain_kernel(
     seed = tl.load(seeds_ptr + r)
     position = tl.load(positions_ptr + r)
     greedy = temp == 0.0
+    inv_t = tl.math.div_rn(1.0, tl.where(greedy, 1.0, temp))
     offs_k = tl.arange(0, BLOCK_K)
     zero = tl.full((), 0, tl.int32)
     n_acc = tl.full((), 0, tl.int32)
@@ -209,7 +460,7 @@ def _accept_chain_kernel(
         if greedy:
             accepted = x == tl.load(argmax_ptr + row)
         else:
-            z = tl.math.div_rn(tl.load(logits_ptr + row * stride_row + x).to(tl.float32), temp)
+            z = tl.load(logits_ptr + row * stride_row + x).to(tl.float32) * inv_t
             z = tl.where(z == 0.0, 0.0, z)
             p_t = tl.where(
                 z >= tl.load(tau_ptr + row),
@@ -250,7 +501,8 @@ def _race_kernel(
     norm_ptr,
     tau_ptr,
     num_acc_ptr,
-    part_ptr,
+    part_key_ptr,
+    part_id_ptr,
     V,
     K,
     split_size,
@@ -264,6 +516,7 @@ def _race_kernel(
     split = tl.program_id(1)
     temp = tl.load(temperature_ptr + r)
     if temp != 0.0:
+        inv_t = tl.math.div_rn(1.0, temp)
         d0 = tl.load(cu_ptr + r)
         num_draft = (tl.load(cu_ptr + r + 1) - d0).to(tl.int32)
         n_acc = tl.load(num_acc_ptr + r).to(tl.int32)
@@ -281,22 +534,21 @@ def _race_kernel(
             offs_k = tl.arange(0, BLOCK_K)
             ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=offs_k < k_live, other=-1)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=offs_k < k_live, other=0.0)
-        # winners packed as (order key of the race key, 2**31 - 1 - index): one max-reduction, ties: lower id
-        best_res = tl.full((), -9223372036854775808, tl.int64)
-        best_fb = tl.full((), -9223372036854775808, tl.int64)
-        lo_v = split * split_size
-        hi_v = tl.minimum(lo_v + split_size, V)
-        for start in range(lo_v, hi_v, BLOCK_V):
+        # per lane: the first maximal key of the residual race and of the p_t race (fallback)
+        best_res = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_fb = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        arg_res = tl.full([BLOCK_V], _BIG, tl.int32)
+        arg_fb = tl.full([BLOCK_V], _BIG, tl.int32)
+        for start in range(split * split_size, tl.minimum(split * split_size + split_size, V), BLOCK_V):
             idx = start + tl.arange(0, BLOCK_V)
-            mask = idx < hi_v
-            z = tl.math.div_rn(tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32), temp)
-            z = tl.where(z == 0.0, 0.0, z)
-            weight = tl.where(z >= tau, tl.exp(z - z_max), 0.0)  # = norm * p_t
+            mask = idx < V  # splits are whole blocks: only the row's end needs a mask
+            z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+            log_weight = tl.where(mask & (z >= tau), z - z_max, float("-inf"))  # log(norm * p_t)
             if PROBS == _DENSE:
-                limit = tl.where(bonus, 0, hi_v)
+                limit = tl.where(bonus, 0, V)
                 p_d = tl.load(probs_ptr + draft_row * stride_probs + idx, mask=idx < limit, other=0.0)
             elif PROBS == _SPARSE:
-                # scatter the few sparse entries that fall into this chunk (usually none)
+                # scatter the few sparse entries that fall into this chunk (usually none or one)
                 here = (ids >= start) & (ids < start + BLOCK_V)
                 p_d = tl.zeros([BLOCK_V], tl.float32)
                 previous = tl.zeros((), tl.int64) + (start - 1)
@@ -304,39 +556,99 @@ def _race_kernel(
                     current = tl.min(tl.where(here & (ids > previous), ids, 2147483647), 0)
                     p_d = tl.where(idx == current, tl.sum(tl.where(ids == current, probs, 0.0), 0), p_d)
                     previous = current
+            log_race = tl.log(-tl.log(tl_uniform(key, idx)))
+            key_fb = log_weight - log_race
+            if PROBS == 0:
+                key_res = key_fb
             else:
-                p_d = tl.zeros([BLOCK_V], tl.float32)
-            residual = tl.where(bonus, weight, tl.maximum(weight - norm * p_d, 0.0))
-            inv_race = tl.math.div_rn(1.0, -tl.log(tl_uniform(key, idx)))
-            low = (0x7FFFFFFF - idx).to(tl.int64)
-            # keys are >= +0.0, whose float bits already order like the floats
-            key_res = (residual * inv_race).to(tl.int32, bitcast=True).to(tl.int64)
-            key_fb = (weight * inv_race).to(tl.int32, bitcast=True).to(tl.int64)
-            best_res = tl.maximum(best_res, tl.max(tl.where(mask, (key_res << 32) | low, best_res), 0))
-            best_fb = tl.maximum(best_fb, tl.max(tl.where(mask, (key_fb << 32) | low, best_fb), 0))
-        tl.store(part_ptr + (r * num_splits + split) * 2, best_res)
-        tl.store(part_ptr + (r * num_splits + split) * 2 + 1, best_fb)
+                weight = tl.where(log_weight > float("-inf"), tl.exp(z - z_max), 0.0)
+                residual = tl.log(tl.maximum(weight - norm * p_d, 0.0))
+                key_res = tl.where(p_d > 0.0, residual - log_race, key_fb)
+            better = key_res > best_res
+            best_res = tl.where(better, key_res, best_res)
+            arg_res = tl.where(better, idx, arg_res)
+            if PROBS == _DENSE:
+                better = key_fb > best_fb
+                best_fb = tl.where(better, key_fb, best_fb)
+                arg_fb = tl.where(better, idx, arg_fb)
+        top_res = tl.max(best_res, 0)
+        part = (r * num_splits + split) * 2
+        tl.store(part_key_ptr + part, top_res)
+        tl.store(part_id_ptr + part, tl.min(tl.where(best_res == top_res, arg_res, _BIG), 0))
+        if PROBS == _DENSE:
+            top_fb = tl.max(best_fb, 0)
+            tl.store(part_key_ptr + part + 1, top_fb)
+            tl.store(part_id_ptr + part + 1, tl.min(tl.where(best_fb == top_fb, arg_fb, _BIG), 0))
 
 
 @triton.jit
 def _finalize_kernel(
-    part_ptr, cu_ptr, temperature_ptr, num_acc_ptr, out_ptr, num_splits, BLOCK_SPLITS: tl.constexpr
+    logits_ptr,
+    stride_row,
+    prob_ids_ptr,
+    stride_probs,
+    part_key_ptr,
+    part_id_ptr,
+    cu_ptr,
+    temperature_ptr,
+    seeds_ptr,
+    positions_ptr,
+    zmax_ptr,
+    tau_ptr,
+    num_acc_ptr,
+    out_ptr,
+    K,
+    num_splits,
+    PROBS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """Per sampled request: the race winner over all splits (an all-zero residual falls back to p_t)."""
+    """Per sampled request: the race winner over all splits (an all-zero residual falls back to p_t).
+
+    The fallback race over p_t is only needed when every residual key is -inf. With sparse drafts that means
+    every kept token lies in the draft's support (outside it the residual is p_t itself), so the fallback
+    winner is the best p_t key among those <= K ids, computed here instead of in the vocabulary loop."""
     r = tl.program_id(0)
-    if tl.load(temperature_ptr + r) != 0.0:
+    temp = tl.load(temperature_ptr + r)
+    if temp != 0.0:
         offs = tl.arange(0, BLOCK_SPLITS)
+        live = offs < num_splits
         part = (r * num_splits + offs) * 2
-        best_res = tl.max(tl.load(part_ptr + part, mask=offs < num_splits, other=-9223372036854775808), 0)
-        best_fb = tl.max(tl.load(part_ptr + part + 1, mask=offs < num_splits, other=-9223372036854775808), 0)
-        best = tl.where((best_res >> 32) > 0, best_res, best_fb)  # key bits > 0 <=> residual key > +0.0
-        sample_row = tl.load(cu_ptr + r) + r + tl.load(num_acc_ptr + r)
-        tl.store(out_ptr + sample_row, 0x7FFFFFFF - (best & 0x7FFFFFFF))
+        key_res = tl.load(part_key_ptr + part, mask=live, other=float("-inf"))
+        top_res = tl.max(key_res, 0)
+        winner = tl.min(tl.where(live & (key_res == top_res), tl.load(part_id_ptr + part, mask=live, other=_BIG),
+                                 _BIG), 0)  # fmt: skip
+        d0 = tl.load(cu_ptr + r)
+        n_acc = tl.load(num_acc_ptr + r)
+        sample_row = d0 + r + n_acc
+        if top_res == float("-inf"):
+            if PROBS == _DENSE:
+                key_fb = tl.load(part_key_ptr + part + 1, mask=live, other=float("-inf"))
+                ids_fb = tl.load(part_id_ptr + part + 1, mask=live, other=_BIG)
+                winner = tl.min(tl.where(live & (key_fb == tl.max(key_fb, 0)), ids_fb, _BIG), 0)
+            elif PROBS == _SPARSE:
+                offs_k = tl.arange(0, BLOCK_K)
+                ids = tl.load(prob_ids_ptr + (d0 + n_acc) * stride_probs + offs_k, mask=offs_k < K, other=0)
+                z = tl.load(logits_ptr + sample_row * stride_row + ids, mask=offs_k < K, other=float("-inf"))
+                z = z.to(tl.float32) * tl.math.div_rn(1.0, temp)
+                position = tl.load(positions_ptr + r) + 1 + n_acc
+                log_race = tl.log(-tl.log(tl_uniform(tl_row_key(tl.load(seeds_ptr + r), position, _TARGET), ids)))
+                z_max = tl.load(zmax_ptr + sample_row)
+                keys = tl.where((offs_k < K) & (z >= tl.load(tau_ptr + sample_row)), z - z_max - log_race,
+                                float("-inf"))  # fmt: skip
+                winner = tl.min(tl.where(keys == tl.max(keys, 0), ids.to(tl.int32), _BIG), 0)
+        tl.store(out_ptr + sample_row, winner.to(tl.int64))
 
 
 def _block(limit: int, size: int) -> int:
     """Power-of-two block no larger than ``limit`` and no larger than needed for ``size`` elements."""
     return max(16, min(limit, triton.next_power_of_2(max(size, 1))))
+
+
+def _splits(vocab: int, block_v: int, splits: int) -> tuple[int, int]:
+    """(split size in whole blocks, number of splits) for about ``splits`` equal splits of a vocabulary."""
+    size = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
+    return size, triton.cdiv(vocab, size)
 
 
 def rejection_sample_triton(
@@ -370,16 +682,19 @@ def rejection_sample_triton(
     num_req = temperature.shape[0]
     num_draft = draft_token_ids.shape[0]
     rows, vocab = target_logits.shape
-    num_acc = torch.zeros(num_req, dtype=torch.int64, device=device)
-    out = torch.full((rows,), -1, dtype=torch.int64, device=device)
     if num_req == 0:
-        return RejectionOutput(num_accepted=num_acc, output_tokens=out)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return RejectionOutput(num_accepted=empty, output_tokens=empty)
+    # every entry of these is written by the kernels: out by the statistics kernel (-1) and the accept chain
+    num_acc = torch.empty(num_req, dtype=torch.int64, device=device)
+    out = torch.empty(rows, dtype=torch.int64, device=device)
 
     logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
     cu = cu_draft_lens.to(torch.int64).contiguous()
     temps = temperature.to(torch.float32).contiguous()
-    row_req, _ = _row_layout(cu, num_req, num_draft)
-    row_req = row_req.to(torch.int32)
+    top_k64 = top_k.to(torch.int64).contiguous()
+    top_p32 = top_p.to(torch.float32).contiguous()
+    row_req = torch.empty(rows, dtype=torch.int32, device=device)
     ids = draft_token_ids.to(torch.int64).contiguous()
     if draft_probs is None or num_draft == 0:
         mode, probs, prob_ids, width = PROBS_NONE, temps, ids, 1
@@ -392,36 +707,65 @@ def rejection_sample_triton(
             draft_prob_ids.to(torch.int64).contiguous(),
             draft_probs.shape[1],
         )
-
     seeds64 = seeds.to(torch.int64).contiguous()
     positions64 = positions.to(torch.int64).contiguous()
-    argmax = torch.empty(rows, dtype=torch.int32, device=device)
-    z_max = torch.empty(rows, dtype=torch.float32, device=device)
-    norm = torch.empty(rows, dtype=torch.float32, device=device)
-    tau = torch.empty(rows, dtype=torch.float32, device=device)
     options = launch_options()
-    _row_stats_kernel[(rows,)](
-        logits, logits.stride(0), row_req, temps, top_k.to(torch.int64).contiguous(),
-        top_p.to(torch.float32).contiguous(), argmax, z_max, norm, tau, vocab,
-        BLOCK_V=_block(TUNING["row_block_v"], vocab), BLOCK_S=_block(512, vocab),
-        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=TUNING["row_warps"], **options,
+
+    # 1-4: per-row statistics and keep thresholds
+    block_v = _block(TUNING["row_block_v"], vocab)
+    split_size, num_splits = _splits(vocab, block_v, TUNING["row_splits"])
+    groups = min(SKETCH_GROUPS, block_v)
+    f32 = dict(dtype=torch.float32, device=device)
+    part_max = torch.empty((rows, num_splits), **f32)
+    part_sum = torch.empty((rows, num_splits), **f32)
+    part_arg = torch.empty((rows, num_splits), dtype=torch.int32, device=device)
+    sketch = torch.empty((rows, num_splits, groups), **f32)
+    _row_stats_kernel[(rows, num_splits)](
+        logits, logits.stride(0), cu, num_req, out, row_req, temps, top_k64, top_p32, part_max, part_sum,
+        part_arg, sketch,
+        vocab, split_size, num_splits, BLOCK_V=block_v, NG=groups, num_warps=TUNING["row_warps"], **options,
     )  # fmt: skip
+    argmax = torch.empty(rows, dtype=torch.int32, device=device)
+    z_max, norm, tau, bound = (torch.empty(rows, **f32) for _ in range(4))
+    state = torch.empty(rows, dtype=torch.int32, device=device)
+    count = torch.empty(rows, dtype=torch.int32, device=device)  # zeroed by the combine kernel
+    _row_combine_kernel[(rows,)](
+        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau,
+        bound, state, count, vocab, num_splits, BLOCK_SPLITS=_block(1 << 20, num_splits),
+        BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups, num_warps=4, **options,
+    )  # fmt: skip
+    cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
+    cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
+    _compact_kernel[(rows,)](
+        logits, logits.stride(0), row_req, temps, bound, state, count, cands, vocab,
+        BLOCK_V=block_v, CAP=cap, num_warps=TUNING["row_warps"], **options,
+    )  # fmt: skip
+    _threshold_kernel[(rows,)](
+        logits, logits.stride(0), row_req, temps, top_k64, top_p32, z_max, norm, tau, state, count, cands,
+        vocab, CAP=cap, SMALL=min(cap, 256), BLOCK_S=_block(512, vocab),
+        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=8, **options,
+    )  # fmt: skip
+
+    # 5: accept chains
     block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
     _accept_chain_kernel[(num_req,)](
         logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, seeds64, positions64,
         argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
-    block_v = _block(TUNING["race_block_v"], vocab)
-    split_size = triton.cdiv(min(TUNING["split_size"], vocab), block_v) * block_v
-    num_splits = triton.cdiv(vocab, split_size)
-    partials = torch.empty((num_req, num_splits, 2), dtype=torch.int64, device=device)
-    _race_kernel[(num_req, num_splits)](
+
+    # 6-7: residual / bonus draws
+    race_block = _block(TUNING["race_block_v"], vocab)
+    race_split, race_splits = _splits(vocab, race_block, TUNING["race_splits"])
+    part_key = torch.empty((num_req, race_splits, 2), **f32)
+    part_id = torch.empty((num_req, race_splits, 2), dtype=torch.int32, device=device)
+    _race_kernel[(num_req, race_splits)](
         logits, logits.stride(0), probs, width, prob_ids, cu, temps, seeds64, positions64, z_max, norm, tau,
-        num_acc, partials, vocab, width, split_size, num_splits,
-        PROBS=mode, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=TUNING["race_warps"], **options,
+        num_acc, part_key, part_id, vocab, width, race_split, race_splits,
+        PROBS=mode, BLOCK_V=race_block, BLOCK_K=block_k, num_warps=TUNING["race_warps"], **options,
     )  # fmt: skip
     _finalize_kernel[(num_req,)](
-        partials, cu, temps, num_acc, out, num_splits,
-        BLOCK_SPLITS=_block(1 << 20, num_splits), num_warps=1, **options,
+        logits, logits.stride(0), prob_ids, width, part_key, part_id, cu, temps, seeds64, positions64, z_max,
+        tau, num_acc, out, width, race_splits,
+        PROBS=mode, BLOCK_SPLITS=_block(1 << 20, race_splits), BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
     return RejectionOutput(num_accepted=num_acc, output_tokens=out)

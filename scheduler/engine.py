@@ -28,11 +28,11 @@ from enum import Enum
 import numpy as np
 
 from cluster.sampling import SamplingParams
-from draft_service.engine import ContextItem, DraftEngine, DraftItem, Proposal
+from draft_service.engine import ContextBatch, ContextItem, DraftEngine, DraftItem, Proposal
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
-from verify_service.engine import PrefillItem, VerifyEngine, VerifyItem
+from verify_service.engine import PrefillItem, StepResults, VerifyEngine, VerifyItem
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,13 @@ class _Request:
     position: int = 0  # absolute position of the anchor = committed context length
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     rehomed: int = 0  # times this request was moved to another replica after a failure
+    # Copies of params fields read every round (an attribute chain per request and round adds up).
+    max_tokens: int = field(init=False)
+    greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_tokens = self.params.max_tokens
+        self.greedy = self.params.greedy
 
     def prefill_item(self) -> PrefillItem:
         """A fresh request samples its first token; one that already emitted tokens (moved here after a replica
@@ -230,9 +237,9 @@ class SpeculativeEngine:
     def step(self) -> list[RequestOutput]:
         """Run one round; returns the deltas of every request that emitted tokens or finished."""
         admitted = self._admit()
+        # Admitted requests were inserted last into the (insertion-ordered) running dict.
         running = list(self._running.values())
-        admitted_ids = {a.req_id for a in admitted}
-        verified = [r for r in running if r.req_id not in admitted_ids]
+        verified = running[: len(running) - len(admitted)]
 
         t0 = time.perf_counter()
         proposal = None
@@ -249,44 +256,77 @@ class SpeculativeEngine:
         t2 = time.perf_counter()
 
         prefills = [r.prefill_item() for r in admitted]
-        verifies = []
-        # One conversion for the whole block (per-request tensor slicing costs microseconds each).
-        draft_tokens = proposal.tokens.tolist() if proposal is not None else []
-        for i, r in enumerate(verified):
-            n = int(lengths[i])
-            if n and proposal is not None:
-                verifies.append(
-                    VerifyItem(
-                        r.req_id,
-                        r.anchor,
-                        draft_tokens[i][:n],
-                        None if r.params.greedy else proposal.topk_ids[i, :n],
-                        None if r.params.greedy else proposal.topk_probs[i, :n],
-                        position=r.position,
-                    )
-                )
-            else:
-                verifies.append(VerifyItem(r.req_id, r.anchor, [], position=r.position))
+        verifies = self._verify_items(verified, lengths, proposal)
         results = self.verify.step(prefills, verifies)
         t3 = time.perf_counter()
 
-        if self.draft is not None:
-            contexts = [ContextItem(r.req_id, r.feature_start, r.features) for r in results if r.features is not None]
-            self.draft.append_context(contexts)
-        outputs = [
-            self._commit(self._running[res.req_id], res.tokens, res.num_drafts, res.num_accepted, i < len(prefills))
-            for i, res in enumerate(results)
-        ]
-        num_out = sum(len(o.new_token_ids) for o in outputs)
-        verified_counts = np.array([res.num_drafts for res in results[len(prefills):]], dtype=np.int64)
-        accepted_counts = np.array([res.num_accepted for res in results[len(prefills):]], dtype=np.int64)
+        if len(results) != len(admitted) + len(verified):
+            raise RuntimeError(f"the verifier returned {len(results)} results for {len(running)} requests")
+        if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
+            if self.draft is not None and results.features is not None:
+                self.draft.append_context(
+                    ContextBatch(results.req_ids, results.feature_starts, results.feature_counts, results.features)
+                )
+            commit = self._commit
+            outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
+            verified_counts = np.array(results.num_drafts, dtype=np.int64)
+            accepted_counts = np.array(results.num_accepted, dtype=np.int64)
+        else:
+            if self.draft is not None:
+                contexts = [
+                    ContextItem(r.req_id, r.feature_start, r.features) for r in results if r.features is not None
+                ]
+                self.draft.append_context(contexts)
+            for req, res in zip([*admitted, *verified], results, strict=True):  # prefills first, then verifies
+                if res.req_id != req.req_id:
+                    raise RuntimeError(f"the verifier answered for {res.req_id!r} where {req.req_id!r} was expected")
+            commit = self._commit
+            outputs = [
+                commit(r, res.tokens, res.num_drafts, res.num_accepted, True)
+                for r, res in zip(admitted, results[: len(admitted)], strict=True)
+            ]
+            verified_results = results[len(admitted) :]
+            outputs += [
+                commit(r, res.tokens, res.num_drafts, res.num_accepted)
+                for r, res in zip(verified, verified_results, strict=True)
+            ]
+            count = len(verified_results)
+            verified_counts = np.fromiter((res.num_drafts for res in verified_results), np.int64, count)
+            accepted_counts = np.fromiter((res.num_accepted for res in verified_results), np.int64, count)
         if verified_counts.size:
+            num_out = sum(len(o.new_token_ids) for o in outputs)
             draft_s, schedule_s = t1 - t_decided, (t_decided - t0) + (t2 - t1)
             self.metrics.record_round(verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out)
         return outputs
 
+    def _verify_items(self, verified: list[_Request], lengths: np.ndarray, proposal: object) -> list[VerifyItem]:
+        """Each running request's anchor and its first lengths[r] drafts (with their distribution if sampled)."""
+        if proposal is None:
+            return [VerifyItem(r.req_id, r.anchor, (), position=r.position) for r in verified]
+        # One conversion for the whole block (per-request tensor slicing costs microseconds each).
+        draft_tokens = proposal.tokens.tolist()  # type: ignore[attr-defined]
+        block = self.block_size
+        items = []
+        prob_ids = probs = None
+        for i, (r, n, drafts) in enumerate(zip(verified, lengths.tolist(), draft_tokens, strict=True)):
+            if n == 0:
+                items.append(VerifyItem(r.req_id, r.anchor, (), position=r.position))
+            elif r.greedy:
+                items.append(VerifyItem(r.req_id, r.anchor, drafts if n == block else drafts[:n], position=r.position))
+            else:
+                if prob_ids is None:  # one call makes every request's row view
+                    prob_ids = proposal.topk_ids.unbind(0)  # type: ignore[attr-defined]
+                    probs = proposal.topk_probs.unbind(0)  # type: ignore[attr-defined]
+                ids, p = prob_ids[i], probs[i]  # type: ignore[index]
+                if n < block:
+                    ids, p = ids[:n], p[:n]
+                items.append(VerifyItem(r.req_id, r.anchor, drafts[:n], ids, p, position=r.position))
+        return items
+
     def _admit(self) -> list[_Request]:
         admitted: list[_Request] = []
+        if not self._waiting:
+            return admitted
         free = self.verify.num_free_slots
         if self.draft is not None:
             free = min(free, self.draft.num_free_slots)
@@ -307,17 +347,13 @@ class SpeculativeEngine:
 
     def _caps(self, verified: list[_Request]) -> np.ndarray:
         """Caps that only depend on counts: never verify past max_tokens or past the KV slot."""
-        return np.array(
-            [
-                min(
-                    r.params.max_tokens - len(r.output) - 1,
-                    self.verify.max_seq_len - r.position - 1,
-                    self.block_size,
-                )
-                for r in verified
-            ],
+        max_seq_len = self.verify.max_seq_len
+        caps = np.fromiter(
+            (min(r.max_tokens - len(r.output), max_seq_len - r.position) for r in verified),
             dtype=np.int64,
-        ).clip(min=0)
+            count=len(verified),
+        )
+        return np.maximum(np.minimum(caps - 1, self.block_size), 0)
 
     def _lengths(self, caps: np.ndarray, proposal: Proposal | None) -> np.ndarray:
         if proposal is None:
@@ -328,9 +364,27 @@ class SpeculativeEngine:
         return self.policy.lengths(np.asarray(confidences, dtype=np.float64), caps)
 
     def _commit(
-        self, req: _Request, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool
+        self, req: _Request, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool = False
     ) -> RequestOutput:
         """Append a step's tokens to the request, apply stop conditions, finish and free it if done."""
+        output = req.output
+        if (
+            not prefill
+            and len(tokens) < req.max_tokens - len(output)
+            and req.detok is None
+            and (not req.stop_ids or req.stop_ids.isdisjoint(tokens))
+        ):
+            # The common case, kept cheap: a verify round that neither finishes the request nor has text to make.
+            req.position += 1 + num_accepted
+            if tokens:
+                req.anchor = tokens[-1]
+            metrics = req.metrics
+            metrics.verified.append(num_drafts)
+            metrics.accepted.append(num_accepted)
+            new = list(tokens)
+            output.extend(new)
+            metrics.num_output_tokens = len(output)
+            return RequestOutput(req.req_id, new, "", False, None, len(req.prompt), len(output))
         # The anchor's position is the committed context length: the prompt after a prefill (plus the output
         # but its last token after a re-prefill), then +1 per verified anchor and per accepted draft.
         resumed = prefill and bool(req.output)
@@ -341,19 +395,21 @@ class SpeculativeEngine:
         if tokens:
             req.anchor = tokens[-1]
         finish: FinishReason | None = None
-        room = req.params.max_tokens - len(req.output)
+        room = req.max_tokens - len(req.output)
         new = list(tokens[:room])
         if len(tokens) >= room:
             finish = FinishReason.LENGTH
-        cut = first_stop_token(new, req.stop_ids)
-        if cut >= 0:
+        cut = -1
+        if req.stop_ids and not req.stop_ids.isdisjoint(new):
+            cut = first_stop_token(new, req.stop_ids)
             new = new[: cut + 1]
             finish = FinishReason.STOP
+        metrics = req.metrics
         if prefill and not resumed:
-            req.metrics.first_token_time = time.perf_counter()
+            metrics.first_token_time = time.perf_counter()
         else:
-            req.metrics.verified.append(num_drafts)
-            req.metrics.accepted.append(num_accepted)
+            metrics.verified.append(num_drafts)
+            metrics.accepted.append(num_accepted)
         req.output.extend(new)
         text = ""
         if req.detok is not None:
@@ -367,21 +423,14 @@ class SpeculativeEngine:
                     finish = FinishReason.STOP
                 elif finish is not None:
                     text += req.stops.flush()
-        req.metrics.num_output_tokens = len(req.output)
-        if finish is not None:
-            req.metrics.finish_time = time.perf_counter()
-            self._running.pop(req.req_id, None)
-            self._free(req.req_id)
-        return RequestOutput(
-            req.req_id,
-            new,
-            text,
-            finish is not None,
-            finish,
-            len(req.prompt),
-            len(req.output),
-            req.metrics if finish is not None else None,
-        )
+        num_output = len(req.output)
+        metrics.num_output_tokens = num_output
+        if finish is None:
+            return RequestOutput(req.req_id, new, text, False, None, len(req.prompt), num_output)
+        metrics.finish_time = time.perf_counter()
+        self._running.pop(req.req_id, None)
+        self._free(req.req_id)
+        return RequestOutput(req.req_id, new, text, True, finish, len(req.prompt), num_output, metrics)
 
     # ------------------------------------------------------------------------------------------ convenience
     def generate(

@@ -83,6 +83,7 @@ class EngineMetrics:
         self.verified_per_position = np.zeros(block_size, dtype=np.int64)
         # Position k was "reached" when it was verified and every earlier draft was accepted.
         self.reached_per_position = np.zeros(block_size, dtype=np.int64)
+        self._positions = np.arange(block_size)[None, :]
         self.draft_time_s = 0.0
         self.schedule_time_s = 0.0
         self.verify_time_s = 0.0
@@ -99,22 +100,28 @@ class EngineMetrics:
         output_tokens: int,
     ) -> None:
         """Record one round over R requests: ``verified[r]`` draft tokens sent, ``accepted[r]`` of them accepted."""
-        verified = np.asarray(verified, dtype=np.int64)
-        accepted = np.asarray(accepted, dtype=np.int64)
+        verified = np.asarray(verified, dtype=np.int64)[:, None]
+        accepted = np.asarray(accepted, dtype=np.int64)[:, None]
+        num_draft_tokens = int(verified.sum())
         self.rounds += 1
-        self.num_drafts += int(verified.size)
-        self.num_draft_tokens += int(verified.sum())
+        self.num_drafts += verified.shape[0]
+        self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += int(accepted.sum())
         self.num_output_tokens += output_tokens
-        positions = np.arange(self.block_size)
-        self.verified_per_position += (verified[:, None] > positions[None, :]).sum(axis=0)
-        self.accepted_per_position += (accepted[:, None] > positions[None, :]).sum(axis=0)
-        reached = (verified[:, None] > positions[None, :]) & (accepted[:, None] >= positions[None, :])
-        self.reached_per_position += reached.sum(axis=0)
+        positions = self._positions
+        verified_past = verified > positions
+        # One reduction for the three per-position counts (this runs every round).
+        counts = np.concatenate(
+            (verified_past, accepted > positions, verified_past & (accepted >= positions)), axis=1
+        ).sum(axis=0)
+        bs = self.block_size
+        self.verified_per_position += counts[:bs]
+        self.accepted_per_position += counts[bs : 2 * bs]
+        self.reached_per_position += counts[2 * bs :]
         self.draft_time_s += draft_s
         self.schedule_time_s += schedule_s
         self.verify_time_s += verify_s
-        self.verify_tokens += int(verified.sum() + verified.size)
+        self.verify_tokens += num_draft_tokens + verified.shape[0]
         self._recent_rounds.append(draft_s + schedule_s + verify_s)
 
     def snapshot(self, running: int = 0, waiting: int = 0) -> MetricsSnapshot:

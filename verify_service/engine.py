@@ -16,8 +16,11 @@ item never corrupts the running requests.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,12 +48,12 @@ class PrefillItem:
     anchor: int | None = None
 
 
-@dataclass(frozen=True)
-class VerifyItem:
+class VerifyItem(NamedTuple):
     """A running request's anchor and the drafts the scheduler admitted, with the exact draft distribution
     (sparse: ``draft_prob_ids``/``draft_probs`` of shape [l, K]) those drafts were sampled from. Greedy requests
     may leave the distribution out. ``position``, when given, is where the sender believes the anchor sits (the
-    committed context length): a stale or replayed round is refused instead of being applied twice."""
+    committed context length): a stale or replayed round is refused instead of being applied twice.
+    A NamedTuple like the other per-request items of a round (see ``draft_service.engine.ContextItem``)."""
 
     req_id: str
     anchor: int
@@ -60,8 +63,7 @@ class VerifyItem:
     position: int | None = None
 
 
-@dataclass(frozen=True)
-class StepResult:
+class StepResult(NamedTuple):
     """What one request got from a step.
 
     ``tokens``: newly emitted tokens (accepted drafts, then the correction/bonus token; after a prefill, the first
@@ -77,11 +79,69 @@ class StepResult:
     features: torch.Tensor | None
 
 
+class StepResults(Sequence[StepResult]):
+    """The results of one bucketed step in array form, standing for the list of :class:`StepResult` it
+    holds: indexing and iterating build those (features as views of one tensor), while the round driver reads
+    the columns and hands ``features`` on whole, without a view, an item or a copy per request."""
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        num_drafts: list[int],
+        num_accepted: list[int],
+        tokens: list[list[int]],
+        feature_starts: list[int],
+        features: torch.Tensor | None,
+    ) -> None:
+        self.req_ids = req_ids
+        self.num_drafts = num_drafts
+        self.num_accepted = num_accepted
+        self.tokens = tokens
+        self.feature_starts = feature_starts
+        self.features = features  # the committed rows of every request back to back (1 + num_accepted each)
+        self.feature_counts = [1 + a for a in num_accepted]
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return list(self)[index]
+        i = range(len(self))[index]
+        rows = None
+        if self.features is not None:
+            offset = sum(self.feature_counts[:i])
+            rows = self.features[offset : offset + self.feature_counts[i]]
+        return StepResult(
+            self.req_ids[i], self.num_drafts[i], self.num_accepted[i], self.tokens[i], self.feature_starts[i], rows
+        )
+
+    def __iter__(self):
+        rows = [None] * len(self) if self.features is None else self.features.split(self.feature_counts)
+        return map(StepResult, self.req_ids, self.num_drafts, self.num_accepted, self.tokens, self.feature_starts, rows)
+
+
 @dataclass
 class _Slot:
     slot: int
     params: SamplingParams
     seed: int
+    greedy: bool
+
+
+@dataclass(frozen=True)
+class _CheckedVerifies:
+    """What validating a step's verify items found out, reused by the run (no second lookup per request)."""
+
+    entries: list[_Slot]
+    slots: np.ndarray  # int64 [R]
+    lengths: np.ndarray  # int64 [R]: cached length = the anchor's position
+    num_drafts: np.ndarray  # int64 [R]
+    tokens: np.ndarray  # int64: the R anchors, then every request's drafts back to back
+    any_distribution: bool  # whether some item carries a draft distribution
+
+
+_SLOT = operator.attrgetter("slot")
 
 
 class VerifyEngine:
@@ -91,9 +151,9 @@ class VerifyEngine:
     layout of :mod:`verify_service.graphs` run eagerly; any device) or ``capture`` (one CUDA graph per bucket,
     replayed). A step takes the graph path when it fits a bucket: every verify-only step of up to
     ``max_requests`` requests, and steps with joining prompts whose tokens fit the room left by the verify chunks
-    plus ``graph_prefill_rows``; larger steps run eagerly. The bucketed modes need ``max_drafts`` (the drafter's block
-    size gamma) and ``draft_top_k`` (the widest sparse draft distribution) and reserve one extra KV slot as the
-    padding slot.
+    plus ``graph_prefill_rows``; larger steps run eagerly. The bucketed modes need ``max_drafts`` (the drafter's
+    block size gamma) and ``draft_top_k`` (the widest sparse draft distribution) and reserve one extra KV slot as
+    the padding slot.
     """
 
     def __init__(
@@ -120,6 +180,11 @@ class VerifyEngine:
         self.cache = target.new_kv_cache(max_requests + (graphs != "off"), max_seq_len)
         self.max_seq_len = max_seq_len
         self._requests: dict[str, _Slot] = {}
+        # Sampling parameters per KV slot, set at admission: the bucketed step gathers them with one index.
+        self._sampling_float = np.zeros((self.cache.num_slots, 2), dtype=np.float32)  # temperature, top_p
+        self._sampling_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # top_k, seed
+        self._sampling_float[:, 1] = 1.0
+        self._slot_greedy = np.ones(self.cache.num_slots, dtype=bool)
         if use_triton is None:
             use_triton = target.device.type == "cuda"
         self._sampler = _triton_sampler() if use_triton else rejection_sample_reference
@@ -178,28 +243,39 @@ class VerifyEngine:
             raise UnknownRequestError(f"request {req_id!r} is not running on this verifier") from None
 
     # ------------------------------------------------------------------------------------------- the step
-    @torch.no_grad()
-    def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()) -> list[StepResult]:
-        """Run prefills and verifications in one target pass; results follow the order prefills, then verifies."""
+    # No grad-mode switch around the bucketed path: the graph steps run under no_grad themselves and the host
+    # code around them only copies their outputs (a decorator costs microseconds every round).
+    def step(
+        self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()
+    ) -> Sequence[StepResult]:
+        """Run prefills and verifications in one target pass; results follow the order prefills, then verifies
+        (a list, or :class:`StepResults` for a bucketed step)."""
         if not prefills and not verifies:
             return []
-        self._validate(prefills, verifies)
-        bucketed = self._bucketed(prefills, verifies)
+        checked = self._validate(prefills, verifies)
+        bucketed = self._bucketed(prefills, verifies, checked)
+        if bucketed and not prefills:
+            return self._run_bucketed(prefills, verifies, checked)
         new_slots = self._allocate(prefills)
         try:
-            return self._run_bucketed(prefills, verifies) if bucketed else self._run(prefills, verifies)
+            if bucketed:
+                return self._run_bucketed(prefills, verifies, checked)
+            return self._run(prefills, verifies)
         except Exception:
             for req_id in new_slots:
                 self.release(req_id)
             raise
 
-    def _validate(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> None:
-        seen: set[str] = set()
+    def _validate(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> _CheckedVerifies:
+        req_ids = [item.req_id for item in prefills]
+        req_ids += [item.req_id for item in verifies]
+        if len(set(req_ids)) != len(req_ids):
+            seen: set[str] = set()
+            for req_id in req_ids:
+                if req_id in seen:
+                    raise ValueError(f"request {req_id!r} appears twice in one step")
+                seen.add(req_id)
         vocab = self.target.vocab_size
-        for item in [*prefills, *verifies]:
-            if item.req_id in seen:
-                raise ValueError(f"request {item.req_id!r} appears twice in one step")
-            seen.add(item.req_id)
         for p in prefills:
             if p.req_id in self._requests:
                 raise ValueError(f"request {p.req_id!r} is already running on this verifier")
@@ -214,6 +290,81 @@ class VerifyEngine:
                 )
             if p.anchor is not None:
                 _check_ids(p.req_id, [p.anchor], vocab)
+        checked = self._check_verifies(verifies)
+        if len(prefills) > self.cache.num_free_slots:
+            raise NoFreeSlotError(
+                f"{len(prefills)} new requests but only {self.cache.num_free_slots} free KV slots"
+            )
+        return checked
+
+    def _check_verifies(self, verifies: Sequence[VerifyItem]) -> _CheckedVerifies:
+        """Every verify item checked at once (array checks); on any doubt the item-by-item check runs and raises
+        the first error exactly as it would alone."""
+        num = len(verifies)
+        if not num:
+            empty = np.zeros(0, dtype=np.int64)
+            return _CheckedVerifies([], empty, empty, empty, empty, False)
+        req_ids, anchors, drafts, _, dists, positions = zip(*verifies, strict=True)  # NamedTuples: one transposition
+        requests = self._requests
+        try:
+            entries = [requests[req_id] for req_id in req_ids]
+        except KeyError:
+            self._check_verifies_one_by_one(verifies)  # raises UnknownRequestError
+            raise
+        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
+        lengths = self.cache.lengths(slots)
+        num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=num)
+        tokens = self._valid_tokens(verifies, anchors, drafts, positions, slots, lengths, num_drafts)
+        if tokens is None:
+            self._check_verifies_one_by_one(verifies)
+            tokens = np.array([*anchors, *itertools.chain.from_iterable(drafts)], dtype=np.int64)
+        return _CheckedVerifies(entries, slots, lengths, num_drafts, tokens, any(d is not None for d in dists))
+
+    def _valid_tokens(
+        self,
+        verifies: Sequence[VerifyItem],
+        anchors: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        positions: Sequence[int | None],
+        slots: np.ndarray,
+        lengths: np.ndarray,
+        num_drafts: np.ndarray,
+    ) -> np.ndarray | None:
+        """The array form of :meth:`_check_verifies_one_by_one`: the anchors then all drafts as one int64 array
+        when that check would pass, else None."""
+        if int((lengths + num_drafts).max()) >= self.cache.max_seq_len:  # the anchor needs a row too
+            return None
+        held = tuple(lengths.tolist())
+        if None in positions:
+            if any(p is not None and p != length for p, length in zip(positions, held, strict=True)):
+                return None
+        elif positions != held:
+            return None
+        greedy_slots = self._slot_greedy[slots]
+        if not greedy_slots.all():
+            for v, greedy in zip(verifies, greedy_slots.tolist(), strict=True):
+                if greedy or not len(v.draft_tokens):
+                    continue
+                if v.draft_prob_ids is None or v.draft_probs is None:
+                    return None
+                shape = v.draft_prob_ids.shape
+                if shape[:1] != (len(v.draft_tokens),) or v.draft_probs.shape != shape:
+                    return None
+        kinds = set(map(type, anchors))
+        kinds.update(map(type, itertools.chain.from_iterable(drafts)))
+        if not all(kind is int or _is_int_type(kind) for kind in kinds):
+            return None
+        count = len(anchors) + int(num_drafts.sum())
+        try:
+            tokens = np.fromiter(itertools.chain(anchors, *drafts), dtype=np.int64, count=count)
+        except OverflowError:
+            return None
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.target.vocab_size:
+            return None
+        return tokens
+
+    def _check_verifies_one_by_one(self, verifies: Sequence[VerifyItem]) -> None:
+        vocab = self.target.vocab_size
         for v in verifies:
             entry = self._get(v.req_id)
             if v.position is not None and v.position != self.cache.length(entry.slot):
@@ -232,15 +383,18 @@ class VerifyEngine:
                         f"request {v.req_id!r}: draft distribution shape {tuple(v.draft_probs.shape)} / "
                         f"{tuple(v.draft_prob_ids.shape)} does not match {len(v.draft_tokens)} drafts"
                     )
-        if len(prefills) > self.cache.num_free_slots:
-            raise NoFreeSlotError(f"{len(prefills)} new requests but only {self.cache.num_free_slots} free KV slots")
 
     def _allocate(self, prefills: Sequence[PrefillItem]) -> list[str]:
         for p in prefills:
             params = p.params.with_seed()
-            self._requests[p.req_id] = _Slot(self.cache.allocate(), params, params.seed or 0)
+            slot = self.cache.allocate()
+            self._requests[p.req_id] = _Slot(slot, params, params.seed or 0, params.greedy)
+            self._sampling_float[slot] = (params.temperature, params.top_p)
+            self._sampling_int[slot] = (params.top_k, params.seed or 0)
+            self._slot_greedy[slot] = params.greedy
         return [p.req_id for p in prefills]
 
+    @torch.no_grad()
     def _run(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> list[StepResult]:
         device = self.target.device
         chunks: list[tuple[int, Sequence[int]]] = []
@@ -283,41 +437,99 @@ class VerifyEngine:
             results.append(StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, features))
         return results
 
-    def _bucketed(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> bool:
+    def _bucketed(
+        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], checked: _CheckedVerifies
+    ) -> bool:
         if self.graphs is None:
             return False
-        widths = [int(v.draft_probs.shape[1]) for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
-        lengths = [(len(p.token_ids), True) for p in prefills] + [(1 + len(v.draft_tokens), False) for v in verifies]
+        widths = [
+            int(v.draft_probs.shape[1])
+            for v in verifies
+            if v.draft_probs is not None and len(v.draft_tokens)
+        ] if checked.any_distribution else []
+        lengths = [(len(p.token_ids), True) for p in prefills]
+        lengths += [(1 + n, False) for n in checked.num_drafts.tolist()]
         return self.graphs.fits(lengths, max(widths, default=0))
 
-    def _run_bucketed(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> list[StepResult]:
-        """A step through the graph runner (same results as ``_run``, ragged token-bucketed layout); the
-        prefills' slots are allocated already."""
+    def _run_bucketed(
+        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], checked: _CheckedVerifies
+    ) -> Sequence[StepResult]:
+        """A step through the ragged graph runner (same results as ``_run``): :class:`StepResults` for a
+        verify-only step, a list (prefills first) when prompts join; the prefills' slots are allocated already."""
         assert self.graphs is not None
-        entries = [self._requests[p.req_id] for p in prefills] + [self._requests[v.req_id] for v in verifies]
-        slots = [e.slot for e in entries]
-        starts = self.cache.lengths(slots).tolist()
-        items = [
-            GraphItem(e.slot, 0, list(p.token_ids), _params(e), prefill=True, sample=p.anchor is None)
-            for p, e in zip(prefills, entries, strict=False)
-        ]
-        for v, e, start in zip(verifies, entries[len(prefills) :], starts[len(prefills) :], strict=True):
-            dist = None if e.params.greedy or v.draft_probs is None else (v.draft_prob_ids, v.draft_probs)
-            items.append(GraphItem(e.slot, start, [v.anchor, *v.draft_tokens], _params(e), dist))
+        slots = checked.slots
+        num_drafts = checked.num_drafts.tolist()
+        if not prefills:
+            return self._run_bucketed_verify(verifies, checked, num_drafts)
+        lengths = checked.lengths.tolist()
+        sampling_float = self._sampling_float[slots].tolist()
+        sampling_int = self._sampling_int[slots].tolist()
+        tokens = checked.tokens.tolist()
+        num = len(verifies)
+        items = []
+        for p in prefills:
+            entry = self._requests[p.req_id]
+            items.append(
+                GraphItem(entry.slot, 0, list(p.token_ids), _params(entry), prefill=True, sample=p.anchor is None)
+            )
+        offset = num
+        for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True)):
+            n = num_drafts[r]
+            dist = None if e.greedy or v.draft_probs is None or not n else (v.draft_prob_ids, v.draft_probs)
+            (temperature, top_p), (top_k, seed) = sampling_float[r], sampling_int[r]
+            chunk = [tokens[r], *tokens[offset : offset + n]]
+            offset += n
+            items.append(GraphItem(int(slots[r]), lengths[r], chunk, (temperature, int(top_k), top_p, int(seed)), dist))
         out = self.graphs.run(items)
-        committed = [len(p.token_ids) for p in prefills] + [1 + a for a in out.num_accepted[len(prefills) :]]
-        self.cache.advance_many(slots, committed)
+        k = len(prefills)
+        accepted = out.num_accepted[k:]
+        if not all(0 <= a <= n for a, n in zip(accepted, num_drafts, strict=True)):
+            raise RuntimeError(f"the verify step accepted {accepted} of {num_drafts} drafts")
+        # The slots are this step's (allocated, distinct) and each had room for all its drafts (validated).
+        if num:
+            self.cache.set_lengths(slots, checked.lengths + 1 + np.asarray(accepted, dtype=np.int64))
+        prefill_slots = np.array([self._requests[p.req_id].slot for p in prefills], dtype=np.int64)
+        self.cache.set_lengths(prefill_slots, np.array([len(p.token_ids) for p in prefills], dtype=np.int64))
         results = [
             StepResult(p.req_id, 0, 0, tokens, 0, rows)
             for p, tokens, rows in zip(prefills, out.tokens, out.features, strict=False)
         ]
-        n = len(prefills)
         results += [
-            StepResult(v.req_id, len(v.draft_tokens), accepted, tokens, start, rows)
-            for v, accepted, tokens, start, rows in zip(
-                verifies, out.num_accepted[n:], out.tokens[n:], starts[n:], out.features[n:], strict=True
+            StepResult(v.req_id, n, a, t, start, rows)
+            for v, n, a, t, start, rows in zip(
+                verifies, num_drafts, accepted, out.tokens[k:], lengths, out.features[k:], strict=True
             )
         ]
+        return results
+
+    def _run_bucketed_verify(
+        self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies, num_drafts: list[int]
+    ) -> StepResults:
+        """A verify-only step through the graph runner straight from the checked arrays (the common round)."""
+        assert self.graphs is not None
+        slots = checked.slots
+        sampled = []
+        if not bool(self._slot_greedy[slots].all()):
+            sampled = [
+                (r, v.draft_prob_ids, v.draft_probs)
+                for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True))
+                if not e.greedy and v.draft_probs is not None and len(v.draft_tokens)
+            ]
+        accepted, tokens, kept = self.graphs.run_verify(
+            slots,
+            checked.lengths,
+            checked.tokens,
+            checked.num_drafts,
+            self._sampling_float[slots],
+            self._sampling_int[slots],
+            sampled,
+        )
+        req_ids = [v.req_id for v in verifies]
+        results = StepResults(req_ids, num_drafts, accepted, tokens, checked.lengths.tolist(), kept)
+        if not all(0 <= a <= n for a, n in zip(accepted, num_drafts, strict=True)):
+            raise RuntimeError(f"the verify step accepted {accepted} of {num_drafts} drafts")
+        # The slots are this step's (allocated, distinct) and each had room for all its drafts (validated).
+        self.cache.set_lengths(slots, checked.lengths + np.array(results.feature_counts))
         return results
 
     def _sample(
@@ -385,6 +597,11 @@ class VerifyEngine:
             id_rows.append(ids)
             prob_rows.append(probs)
         return torch.cat(id_rows), torch.cat(prob_rows)
+
+
+def _is_int_type(kind: type) -> bool:
+    """What :func:`_check_ids` accepts as a token id: an int or numpy integer, never a bool."""
+    return issubclass(kind, int | np.integer) and not issubclass(kind, bool)
 
 
 def _params(entry: _Slot) -> tuple[float, int, float, int]:

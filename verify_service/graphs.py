@@ -68,6 +68,7 @@ class RaggedVerifyOutput:
     num_accepted: list[int]
     tokens: list[list[int]]
     features: list[torch.Tensor | None]
+    kept: torch.Tensor | None  # every item's kept rows back to back (``features`` are views of it)
 
 
 def row_buckets(low: int, high: int) -> list[int]:
@@ -207,17 +208,9 @@ class VerifyGraphRunner:
         if key is None:
             raise ValueError(f"{len(chunks)} chunks / {num_rows} rows exceed the largest bucket")
         self._fence.wait_before_write()
-        dist_rows, dist_ids, dist_probs = self._pack(chunks, *key)
-        self._upload()
-        if dist_rows:
-            index = self.dev["dist_rows"][:dist_rows]
-            self.dist_ids.index_copy_(0, index, torch.cat(dist_ids).to(self.device))
-            self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
-        step = self.steps[key]
-        self.replays += 1
-        packed, features = step(self.timed)
+        packed, features = self._replay(key, *self._pack(chunks, *key))
         result = packed[: len(chunks)].cpu().numpy()  # the one device -> host copy (and wait) of the step
-        step.settle_timing()
+        self.steps[key].settle_timing()
         accepted = result[:, 0]
         counts = [len(c[2]) if c[3] >= 0 else 1 + int(a) for c, a in zip(chunks, accepted, strict=True)]
         kept = None if features is None else features[: sum(counts)].clone()
@@ -233,7 +226,60 @@ class VerifyGraphRunner:
             out_tokens.append(tokens)
             out_features.append(None if kept is None else kept[row : row + n_kept])
             chunk, row = last + 1, row + n_kept
-        return RaggedVerifyOutput(out_accepted, out_tokens, out_features)
+        return RaggedVerifyOutput(out_accepted, out_tokens, out_features, kept)
+
+    def run_verify(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        tokens: np.ndarray,
+        num_drafts: np.ndarray,
+        sampling_float: np.ndarray,
+        sampling_int: np.ndarray,
+        dists: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    ) -> tuple[list[int], list[list[int]], torch.Tensor | None]:
+        """A verify-only step from arrays (the common round, without per-item Python): request r's anchor
+        ``tokens[r]`` and its ``num_drafts[r]`` drafts (``tokens[R:]``: every request's drafts back to back) at
+        slot ``slots[r]`` from position ``starts[r]``, (temperature, top_p) float32 [R, 2], (top_k, seed) int64
+        [R, 2], sparse draft distributions (r, ids, probs) of the requests that sample. Returns accepted counts,
+        emitted tokens and the committed features (1 + accepted rows per request, back to back)."""
+        num = slots.size
+        lens = num_drafts + 1
+        total = int(lens.sum())
+        key = self.bucket(num, total)
+        if key is None or int(lens.max()) > self.width:
+            raise ValueError(f"{num} verify chunks / {total} rows do not fit a bucket")
+        ids = np.empty(total, dtype=np.int64)
+        anchor_rows = np.cumsum(lens) - lens
+        is_anchor = np.zeros(total, dtype=bool)
+        is_anchor[anchor_rows] = True
+        ids[anchor_rows] = tokens[:num]
+        ids[~is_anchor] = tokens[num:]
+        self._fence.wait_before_write()
+        params = (sampling_float[:, 0], sampling_int[:, 0], sampling_float[:, 1], sampling_int[:, 1])
+        self._pack_layout(slots, starts, lens, ids, np.full(num, -1, dtype=np.int64), params, *key)
+        dist_rows, dist_ids, dist_probs = self._pack_dists(dists, lens)
+        packed, features = self._replay(key, dist_rows, dist_ids, dist_probs)
+        result = packed[:num].cpu().numpy()  # the one device -> host copy (and wait) of the step
+        self.steps[key].settle_timing()
+        accepted = result[:, 0].tolist()
+        rows = result[:, 1:].tolist()
+        emitted = [row[: 1 + a] for row, a in zip(rows, accepted, strict=True)]
+        kept = None if features is None else features[: num + sum(accepted)].clone()
+        return accepted, emitted, kept
+
+    def _replay(
+        self, key: tuple[int, int], dist_rows: int, dist_ids: list[torch.Tensor], dist_probs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Upload the staged batch and run the bucket's step (replay its graph)."""
+        self._upload()
+        if dist_rows:
+            index = self.dev["dist_rows"][:dist_rows]
+            with torch.no_grad():  # the caller's tensors may carry grad; the static buffers never do
+                self.dist_ids.index_copy_(0, index, torch.cat(dist_ids).to(self.device))
+                self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
+        self.replays += 1
+        return self.steps[key](self.timed)
 
     def _chunks(self, items: Sequence[GraphItem]) -> list[tuple]:
         """(slot, start, tokens, keep, params, dist) per chunk; keep -1 = anchor + accepted, else that many rows."""
@@ -252,64 +298,99 @@ class VerifyGraphRunner:
         return chunks
 
     def _pack(self, chunks: Sequence[tuple], num_chunks: int, num_rows: int):
-        """Fill the host buffers for bucket (num_chunks, num_rows): chunks, then one-row padding chunks, then the
-        sink; returns the draft-distribution rows to copy (count, ids, probs)."""
-        host = self.host
+        """Fill the host buffers for bucket (num_chunks, num_rows) from chunk tuples; returns the
+        draft-distribution rows to copy (count, ids, probs)."""
         real = len(chunks)
-        lens = np.ones(num_chunks + 1, dtype=np.int64)
-        lens[:real] = [len(c[2]) for c in chunks]
-        lens[num_chunks] = num_rows - int(lens[:num_chunks].sum())  # the sink: >= 1 row by the bucket rule
+        lens = np.array([len(c[2]) for c in chunks], dtype=np.int64)
+        ids = np.fromiter(chain.from_iterable(c[2] for c in chunks), dtype=np.int64, count=int(lens.sum()))
+        params = list(zip(*(c[4] for c in chunks), strict=True)) if real else [(), (), (), ()]
+        self._pack_layout(
+            np.array([c[0] for c in chunks], dtype=np.int64),
+            np.array([c[1] for c in chunks], dtype=np.int64),
+            lens,
+            ids,
+            np.array([c[3] for c in chunks], dtype=np.int64),
+            params,
+            num_chunks,
+            num_rows,
+        )
+        dists = [(c, chunk[5][0], chunk[5][1]) for c, chunk in enumerate(chunks) if chunk[5] is not None]
+        return self._pack_dists(dists, lens)
+
+    def _pack_layout(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        lens: np.ndarray,
+        ids: np.ndarray,
+        keep: np.ndarray,
+        params: Sequence[Sequence],
+        num_chunks: int,
+        num_rows: int,
+    ) -> None:
+        """The real chunks (arrays over them; ``ids`` their tokens back to back; ``params`` the temperature,
+        top_k, top_p and seed columns), then one-row padding chunks, then the sink, into the host buffers."""
+        host = self.host
+        real = lens.size
+        all_lens = np.ones(num_chunks + 1, dtype=np.int64)
+        all_lens[:real] = lens
+        all_lens[num_chunks] = num_rows - int(all_lens[:num_chunks].sum())  # the sink: >= 1 row by the bucket rule
         qs = np.zeros(num_chunks + 1, dtype=np.int64)
-        np.cumsum(lens[:-1], out=qs[1:])
-        starts = np.zeros(num_chunks + 1, dtype=np.int64)
-        slots = np.full(num_chunks + 1, self.dummy_slot, dtype=np.int64)
-        keep = np.zeros(num_chunks + 1, dtype=np.int64)
+        np.cumsum(all_lens[:-1], out=qs[1:])
         host["temperature"][: num_chunks + 1] = 0.0
         host["top_k"][: num_chunks + 1] = 0
         host["top_p"][: num_chunks + 1] = 1.0
         host["seeds"][: num_chunks + 1] = 0
         if real:
-            starts[:real] = [c[1] for c in chunks]
-            slots[:real] = [c[0] for c in chunks]
-            keep[:real] = [c[3] for c in chunks]
-            temperature, top_k, top_p, seeds = zip(*(c[4] for c in chunks), strict=True)
-            host["temperature"][:real] = temperature
-            host["top_k"][:real] = top_k
-            host["top_p"][:real] = top_p
-            host["seeds"][:real] = seeds  # int64 all the way: seeds need every bit
-        row_chunk = np.repeat(np.arange(num_chunks + 1), lens)
+            host["temperature"][:real] = params[0]
+            host["top_k"][:real] = params[1]
+            host["top_p"][:real] = params[2]
+            host["seeds"][:real] = params[3]  # int64 all the way: seeds need every bit
+        all_slots = np.full(num_chunks + 1, self.dummy_slot, dtype=np.int64)
+        all_slots[:real] = slots
+        all_starts = np.zeros(num_chunks + 1, dtype=np.int64)
+        all_starts[:real] = starts
+        row_chunk = np.repeat(np.arange(num_chunks + 1), all_lens)
         row_k = np.arange(num_rows) - qs[row_chunk]
-        is_real = row_chunk < real
-        host["ids"][:num_rows] = 0
-        if real:
-            host["ids"][: int(qs[real])] = list(chain.from_iterable(c[2] for c in chunks))
-        host["token_slots"][:num_rows] = slots[row_chunk]
-        host["positions"][:num_rows] = np.where(is_real, starts[row_chunk] + row_k, 0)
+        num_real_rows = ids.size
+        host["ids"][:num_real_rows] = ids
+        host["ids"][num_real_rows:num_rows] = 0
+        host["token_slots"][:num_rows] = all_slots[row_chunk]
+        positions = host["positions"][:num_rows]
+        positions[:num_real_rows] = all_starts[row_chunk[:num_real_rows]] + row_k[:num_real_rows]
+        positions[num_real_rows:] = 0
         host["row_chunk"][:num_rows] = row_chunk
         host["row_k"][:num_rows] = row_k
         num_drafts = num_rows - num_chunks - 1
         host["drafts"][:num_drafts] = host["ids"][:num_rows][row_k > 0]
-        host["slots"][:num_chunks] = slots[:num_chunks]
-        host["starts"][: num_chunks + 1] = starts
+        host["slots"][:num_chunks] = all_slots[:num_chunks]
+        host["starts"][: num_chunks + 1] = all_starts
         host["query_starts"][:num_chunks] = qs[:num_chunks]
-        query_lens = lens[:num_chunks].copy()
+        query_lens = host["query_lens"][:num_chunks]
+        query_lens[:real] = lens
         query_lens[real:] = 0  # padding chunks attend over nothing
-        host["query_lens"][:num_chunks] = query_lens
         host["cu"][0] = 0
-        np.cumsum(lens - 1, out=host["cu"][1 : num_chunks + 2])
-        host["keep"][: num_chunks + 1] = keep
+        np.cumsum(all_lens - 1, out=host["cu"][1 : num_chunks + 2])
+        host["keep"][:real] = keep
+        host["keep"][real : num_chunks + 1] = 0
+
+    def _pack_dists(
+        self, dists: Sequence[tuple[int, torch.Tensor, torch.Tensor]], lens: np.ndarray
+    ) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+        """Sparse draft distributions (chunk, ids, probs) widened to draft_top_k, and their sampler rows."""
         dist_ids: list[torch.Tensor] = []
         dist_probs: list[torch.Tensor] = []
         dist_rows = 0
-        cu = host["cu"]
-        for c, chunk in enumerate(chunks):
-            dist, n = chunk[5], len(chunk[2])
-            if dist is not None and n > 1:
-                wide_ids, wide_probs = _widen(dist[0], dist[1], self.draft_top_k)
-                dist_ids.append(wide_ids)
-                dist_probs.append(wide_probs)
-                host["dist_rows"][dist_rows : dist_rows + n - 1] = np.arange(cu[c], cu[c] + n - 1)
-                dist_rows += n - 1
+        cu = self.host["cu"]
+        for c, prob_ids, probs in dists:
+            n = int(lens[c]) - 1
+            if n < 1:
+                continue
+            wide_ids, wide_probs = _widen(prob_ids, probs, self.draft_top_k)
+            dist_ids.append(wide_ids)
+            dist_probs.append(wide_probs)
+            self.host["dist_rows"][dist_rows : dist_rows + n] = np.arange(cu[c], cu[c] + n)
+            dist_rows += n
         return dist_rows, dist_ids, dist_probs
 
     def _upload(self) -> None:

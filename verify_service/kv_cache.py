@@ -133,9 +133,14 @@ class SlotKVCache:
 
     def lengths(self, slots: Sequence[int]) -> np.ndarray:
         """Lengths of several slots as an int64 array (a copy)."""
-        for slot in slots:
-            self._check_allocated(slot)
-        return self._lengths[np.asarray(slots, dtype=np.int64)].copy()
+        index = np.asarray(slots)
+        if index.dtype.kind not in "iu" or (
+            index.size
+            and (index.min() < 0 or index.max() >= self.num_slots or not bool(self._allocated[index].all()))
+        ):
+            for slot in slots:
+                self._check_allocated(slot)
+        return self._lengths[index.astype(np.int64, copy=False)]  # integer indexing copies
 
     def remaining(self, slot: int) -> int:
         """How many more tokens the slot can take before reaching max_seq_len."""
@@ -183,6 +188,11 @@ class SlotKVCache:
                 f"SlotKVCache: lengths {new.tolist()} would exceed max_seq_len={self.max_seq_len}"
             )
         self._lengths[index] = new
+
+    def set_lengths(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """Set the lengths of allocated slots, unchecked: for a caller that read them with :meth:`lengths` and
+        verified the room (a bucketed verify step commits its rows with it: no per-step re-validation)."""
+        self._lengths[slots] = lengths
 
     def _check_allocated(self, slot: int) -> None:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:

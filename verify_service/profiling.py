@@ -15,6 +15,7 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from cluster.sampling import SamplingParams
@@ -132,7 +133,16 @@ def profile_graph_sps(
         num = -(-batch_tokens // chunk)
         last = batch_tokens - (num - 1) * chunk
         step = [*items[: num - 1], dataclasses.replace(items[num - 1], tokens=items[num - 1].tokens[:last])]
-        runner.run(step)
+        # the verify-only path a round takes: arrays, greedy requests
+        runner.run_verify(
+            np.array([i.slot for i in step], dtype=np.int64),
+            np.array([i.start for i in step], dtype=np.int64),
+            np.array([i.tokens[0] for i in step] + [t for i in step for t in i.tokens[1:]], dtype=np.int64),
+            np.array([len(i.tokens) - 1 for i in step], dtype=np.int64),
+            np.tile(np.array([0.0, 1.0], dtype=np.float32), (num, 1)),
+            np.zeros((num, 2), dtype=np.int64),
+            [],
+        )
 
     try:
         table = profile_sps(

@@ -65,6 +65,20 @@ def test_triton_equals_reference(top_k: int, dtype: torch.dtype) -> None:
     assert ref.confidence_inputs.dtype == dtype
 
 
+@pytest.mark.parametrize(("top_k", "flat"), [(5, False), (20, False), (5, True)])
+def test_truncated_mode_over_many_tiles_equals_reference(top_k: int, flat: bool) -> None:
+    """V = 2000 is 16 tiles: top-5 re-reads only the 5 best tiles, top-20 needs every tile, and a flat z
+    (all values tied, ids decide) puts more tokens above the tile bound than the candidate buffer holds,
+    which takes the exact extraction fallback."""
+    inputs = make_inputs(seed=top_k, vocab=2000)
+    if flat:
+        inputs["base_logits"] = torch.zeros_like(inputs["base_logits"])
+        inputs["w2"] = torch.zeros_like(inputs["w2"])
+    for return_logits in (False, True):
+        ref = markov_sample_reference(**inputs, top_k=top_k, return_logits=return_logits)
+        _assert_close(ref, markov_sample_triton(**inputs, top_k=top_k, return_logits=return_logits))
+
+
 def test_greedy_steps_follow_the_argmax_chain_and_report_probability_one() -> None:
     inputs = make_inputs(num_req=4, gamma=4, vocab=64, seed=3)
     inputs["temperature"] = torch.zeros(4, device=DEVICE)

@@ -371,3 +371,35 @@ def test_an_empty_batch_returns_empty_outputs(impl: str) -> None:
         torch.zeros(0, device=DEVICE), empty_i, torch.zeros(0, device=DEVICE), empty_i, empty_i,
     )  # fmt: skip
     assert out.num_accepted.shape == (0,) and out.output_tokens.shape == (0,)
+
+
+@pytest.mark.parametrize("peaked", [False, True])
+def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, peaked: bool) -> None:
+    """Small launch sizes give several vocabulary splits per row; the filters cover both threshold paths.
+
+    top-k 5, top-p 0.3 and (on peaked rows) top-p 0.97 are certified by the sketch (sorted candidates); top-k
+    300 (beyond the sketch), top-p 0.97 on flat rows and top-k 40 (more tokens above the bound than candidate
+    slots) take the exact fallback search over the whole row."""
+    from kernels import rejection_triton
+
+    monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 128)
+    monkeypatch.setitem(rejection_triton.TUNING, "row_splits", 4)
+    monkeypatch.setitem(rejection_triton.TUNING, "race_block_v", 128)
+    monkeypatch.setitem(rejection_triton.TUNING, "race_splits", 3)
+    monkeypatch.setattr(rejection_triton, "SKETCH_GROUPS", 16)
+    monkeypatch.setattr(rejection_triton, "CANDIDATES", 32)
+    batch = make_batch(
+        lens=[2, 1, 3, 0, 2, 1],
+        vocab=1000,
+        temperature=[1.0, 0.7, 1.0, 1.3, 0.0, 1.0],
+        top_k=[5, 40, 300, 0, 3, 0],
+        top_p=[1.0, 0.8, 1.0, 0.97, 1.0, 0.3],
+        sparse_k=8,
+        seed=21,
+    )
+    if peaked:
+        batch.target_logits = batch.target_logits * 3
+    logits = batch.target_logits.clone()
+    logits[:, 500:520] = float("-inf")
+    batch.target_logits = logits
+    _assert_same(batch.run(rejection_sample_reference), batch.run(rejection_sample_triton))

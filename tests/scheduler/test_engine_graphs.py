@@ -215,11 +215,23 @@ def _generate(target, drafter, mode: str, temperature: float, prefill_rows: int 
 
 
 def _count_graph_steps(verify: VerifyEngine) -> dict[str, int]:
-    """Counts of graph-path steps with and without joining prompts (wraps the runner's run)."""
+    """Counts of graph-path steps with joining prompts (``run``) and verify-only (``run_verify``)."""
     counts = {"verify": 0, "prefill": 0}
     runner = verify.graphs
     if runner is None:
         return counts
+    run, run_verify = runner.run, runner.run_verify
+
+    def counted(items):
+        counts["prefill" if any(i.prefill for i in items) else "verify"] += 1
+        return run(items)
+
+    def counted_verify(*args):
+        counts["verify"] += 1
+        return run_verify(*args)
+
+    runner.run, runner.run_verify = counted, counted_verify
+    return counts
     run = runner.run
 
     def counted(items):

@@ -1,0 +1,162 @@
+"""Host time per round of the bucketed (CUDA-graph) path, with the graph bodies taken out, on any machine.
+
+CPU (default): builds the demo pair in graph mode ``static``, runs one real round per bucket to record what every
+graph step returns, then replaces each step's body by "return the recorded outputs": what is left of a round is
+exactly the host work a captured round does outside its replays (the round driver, the engines' item building,
+validation and bookkeeping, the staging-buffer fills, the host <-> device copies and result conversions; on the
+CPU those copies are memcpys). Requests are restarted (aborted and re-added; their prefill round is not timed)
+before their slots fill up, so any number of rounds can be timed at R requests.
+
+GPU (``--device cuda``): the real captured graphs; host time = wall time of the round - device time of its
+replays (CUDA events), as in bench/bench_engine_gpu.py. With ``--profile``, cProfile over the same rounds says
+where that host time goes (cProfile itself slows Python down: read the split, not the totals).
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.profile_engine_host --requests 32 128 --rounds 200
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.profile_engine_host --requests 32 --profile   # + cProfile
+    PYTHONPATH=. python -m bench.profile_engine_host --device cuda --requests 32 128 --profile
+
+Prints the median / mean host microseconds per round for each R (and with --profile the top functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.engine_setup import DEMO_TARGET, build_engine, code_prompts, demo_drafter, load_pair, tokenizer_for
+from cluster.graphs import GraphStep
+from cluster.sampling import SamplingParams
+from scheduler.engine import SpeculativeEngine
+
+
+def _stub_steps(engine: SpeculativeEngine) -> None:
+    """Make every graph step return the outputs of its last real run (recorded by running it once now)."""
+    steps: list[GraphStep] = []
+    if engine.draft is not None:
+        steps += list(engine.draft.graphs.steps.values()) + list(engine.draft.graphs.append_steps.values())
+    for step in steps:
+        outputs = step.fn()
+        step.fn = lambda outputs=outputs: outputs
+    runner = engine.verify.graphs
+    for key, step in runner.steps.items():  # each ragged bucket runs on an all-padding batch of its own shape
+        runner.pad_for(key)
+        outputs = step.fn()
+        step.fn = lambda outputs=outputs: outputs
+    # The recorded verify results come from all-padding batches (nothing accepted): make them look like a
+    # real round, every request accepting a random number of its drafts.
+    generator = torch.Generator().manual_seed(0)
+    gamma = engine.verify.graphs.gamma
+    for step in engine.verify.graphs.steps.values():
+        packed = step.fn()[0]
+        packed[:, 0] = torch.randint(0, gamma + 1, (packed.shape[0],), generator=generator)
+        packed[:, 1:] = torch.randint(1, engine.verify.vocab_size, packed[:, 1:].shape, generator=generator)
+
+
+def _restart(engine: SpeculativeEngine, prompts: list[list[int]], params: SamplingParams) -> list[str]:
+    for rid in list(engine._running):
+        engine.abort(rid)
+    ids = [engine.add_request(p, params) for p in prompts]
+    engine.step()  # admission + prefill (eager, not timed)
+    return ids
+
+
+def _graph_time_s(engine: SpeculativeEngine) -> float:
+    runners = [engine.verify.graphs] + ([engine.draft.graphs] if engine.draft is not None else [])
+    return sum(r.step_time_s for r in runners if r is not None)
+
+
+def _set_timed(engine: SpeculativeEngine, timed: bool) -> None:
+    for runner in (engine.verify.graphs, engine.draft.graphs if engine.draft is not None else None):
+        if runner is not None:
+            runner.timed = timed
+
+
+def host_round_us(
+    engine: SpeculativeEngine, prompts: list[list[int]], rounds: int, profiler: cProfile.Profile | None
+) -> list[float]:
+    """Host microseconds (outside the graph steps) of each of ``rounds`` rounds with len(prompts) requests."""
+    params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    block = engine.block_size + 1
+    limit = engine.verify.max_seq_len - 2 * block
+    cuda = engine.verify.target.device.type == "cuda"
+    _restart(engine, prompts, params)
+    _set_timed(engine, True)
+    times: list[float] = []
+    while len(times) < rounds:
+        if max(r.position for r in engine._running.values()) >= limit:
+            _restart(engine, prompts, params)
+        if cuda:
+            torch.cuda.synchronize()
+        in_graphs = _graph_time_s(engine)
+        if profiler is not None:
+            profiler.enable()
+        start = time.perf_counter()
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
+        times.append(1e6 * (wall - (_graph_time_s(engine) - in_graphs)))
+        if engine.num_running != len(prompts):
+            raise RuntimeError("a request finished during the timed rounds")
+    _set_timed(engine, False)
+    for rid in list(engine._running):
+        engine.abort(rid)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu: graph bodies stubbed out; cuda: captured graphs")
+    parser.add_argument("--requests", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--prompt-tokens", type=int, default=24)
+    parser.add_argument("--max-seq-len", type=int, default=256)
+    parser.add_argument("--profile", action="store_true", help="cProfile the timed rounds, print the top functions")
+    parser.add_argument("--top", type=int, default=40)
+    args = parser.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if not cuda:
+        torch.set_num_threads(1)
+    drafter_dir = demo_drafter()
+    if drafter_dir is None:
+        print("needs the trained demo drafter (models/demo/draft_dspark)", file=sys.stderr)
+        return 2
+    target, drafter = load_pair(DEMO_TARGET, drafter_dir, args.device, torch.float32)
+    tokenizer = tokenizer_for(DEMO_TARGET)
+    max_requests = max(args.requests)
+    engine = build_engine(
+        target,
+        drafter,
+        policy="full",
+        sps=None,
+        max_requests=max_requests,
+        max_seq_len=args.max_seq_len,
+        graphs="capture" if cuda else "static",
+    )
+    if not cuda:
+        _stub_steps(engine)
+    for num in args.requests:
+        prompts = code_prompts(tokenizer, num, args.prompt_tokens, seed=num)
+        host_round_us(engine, prompts, 20, None)  # warm-up
+        times = host_round_us(engine, prompts, args.rounds, None)
+        print(
+            f"R={num:4d}: host us per round median {statistics.median(times):8.1f}  mean {statistics.fmean(times):8.1f}"
+            f"  min {min(times):8.1f}  ({args.rounds} rounds)"
+        )
+        if args.profile:  # a second pass: cProfile's own overhead must not count in the numbers above
+            profiler = cProfile.Profile()
+            host_round_us(engine, prompts, args.rounds, profiler)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
