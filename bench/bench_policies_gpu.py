@@ -20,6 +20,9 @@ qwen3-4b shape (function-preserving, see docs/COST_REALISTIC.md), so every step 
 Policies: ``autoregressive`` (no drafter), ``fixed-1`` (MTP-1-like), ``full`` (DFlash-like: the whole block is
 verified; drafted by the same DSpark drafter, so it isolates the verification policy from the drafter
 architecture), ``dspark`` (Algorithm 1 on the SPS table), ``dspark-async`` (capacity planned two rounds ahead).
+Both DSpark policies may also skip the drafter in a round (``--draft-skip on``, the default with measured draft
+costs: :mod:`scheduler.draft_gate`), when a plain target round is predicted to deliver more tokens per second
+than the best speculative one (high load); every cell reports the fraction of rounds that skipped.
 
 Decoding: temperature 0 by default (``--temperature``): greedy output must be identical under every policy, so
 each cell also reports how many finished requests equal the autoregressive cell's output for the same prompt
@@ -66,6 +69,7 @@ from cluster.sampling import SamplingParams
 from draft_service.engine import DraftEngine
 from draft_service.inflate import inflate_pair
 from scheduler.algorithm import DraftCost
+from scheduler.draft_gate import DraftGate
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import DSparkAsync, DSparkScheduled, VerifyPolicy, make_policy
 from scheduler.sps import SPSMonotonicityWarning, SPSTable, default_batch_grid
@@ -351,13 +355,24 @@ def hf_generate_baseline(target: TargetModel, prompt: list[int], max_new_tokens:
 
 
 # ------------------------------------------------------------------------------------------------- the cell
-def scheduled_policy(policy: str, sps: SPSTable, draft_cost: DraftCost) -> VerifyPolicy:
-    """dspark / dspark-async with the whole-round objective (the round time outside the verify step)."""
+def scheduled_policy(
+    policy: str, sps: SPSTable, draft_cost: DraftCost, no_draft_cost: DraftCost | None = None
+) -> VerifyPolicy:
+    """dspark / dspark-async with the whole-round objective (the round time outside the verify step); with
+    ``no_draft_cost`` (the round time outside the verify step of a round without drafts) they may also skip the
+    drafter in rounds where a plain target round is predicted to be faster (scheduler.draft_gate)."""
+    gate = None if no_draft_cost is None else DraftGate(sps, draft_cost, no_draft_cost)
     if policy == "dspark":
-        return DSparkScheduled(sps, draft_cost)
+        return DSparkScheduled(sps, draft_cost, gate)
     if policy == "dspark-async":
-        return DSparkAsync(sps, draft_cost=draft_cost)
+        return DSparkAsync(sps, draft_cost=draft_cost, gate=gate)
     raise ValueError(f"{policy!r} is not a scheduled policy")
+
+
+def _gate_counts(engine: SpeculativeEngine) -> tuple[int, int]:
+    """(rounds decided, rounds skipped) by the policy's skip-the-draft gate; (0, 0) without one."""
+    gate = getattr(engine.policy, "gate", None)
+    return (gate.decisions, gate.skipped) if gate is not None else (0, 0)
 
 
 class SharedEngines:
@@ -471,6 +486,7 @@ def run_cell(
         warm_rounds += 1
 
     before = engine.snapshot()
+    gate_before = _gate_counts(engine)
     runner = engine.verify.graphs
     replays_before = runner.replays if runner is not None else 0
     window_start = time.perf_counter()
@@ -485,6 +501,8 @@ def run_cell(
         finished_in_window += len(finished)
     window = time.perf_counter() - window_start
     after = engine.snapshot()
+    gate_after = _gate_counts(engine)
+    decided = gate_after[0] - gate_before[0]
     graph_steps = (runner.replays - replays_before) if runner is not None else 0
 
     per_user_source = "finished"
@@ -535,6 +553,8 @@ def run_cell(
         "round_ms": round_ms,
         "round_ms_median": 1000 * statistics.median(walls),
         "graph_step_fraction": graph_steps / rounds,  # verify steps on the graph path (the rest ran eagerly)
+        # Rounds whose drafter the skip-the-draft gate skipped (plain target rounds), of the rounds it decided.
+        "skipped_round_fraction": (gate_after[1] - gate_before[1]) / decided if decided else 0.0,
     }
     return row, outputs
 
@@ -718,7 +738,8 @@ def final_table(results: dict[str, Any]) -> list[str]:
         f"{results['machine']}; {results['shape']} {results['dtype']}; block {results['block_size']}; "
         f"temperature {results['temperature']}",
         f"{'c':>4} {'policy':>14} {'user t/s':>9} {'agg t/s':>9} {'tau':>5} {'budget':>6} {'B/rnd':>6} "
-        f"{'draft':>6} {'sched':>6} {'verify':>7} {'other':>6} {'round':>7} {'fin':>4} {'=AR':>7} {'graph':>5}",
+        f"{'draft':>6} {'sched':>6} {'verify':>7} {'other':>6} {'round':>7} {'fin':>4} {'=AR':>7} {'graph':>5} "
+        f"{'skip':>4}",
     ]
     for c in results["cells"]:
         agree = c.get("agreement_with_autoregressive")
@@ -729,11 +750,13 @@ def final_table(results: dict[str, Any]) -> list[str]:
             f"{_fmt(c['aggregate_tokens_per_s'], 9)} {_fmt(c['tau'], 5, 2)} {_fmt(c['verify_budget'], 6, 2)} "
             f"{_fmt(c['verify_tokens_per_round'], 6)} {_fmt(c['draft_ms'], 6, 2)} {_fmt(c['schedule_ms'], 6, 2)} "
             f"{_fmt(c['verify_ms'], 7, 2)} {_fmt(c['other_host_ms'], 6, 2)} {_fmt(c['round_ms'], 7, 2)} "
-            f"{c['finished']:>4} {agree_text:>7} {_fmt(100 * c.get('graph_step_fraction', 0.0), 5, 0)}"
+            f"{c['finished']:>4} {agree_text:>7} {_fmt(100 * c.get('graph_step_fraction', 0.0), 5, 0)} "
+            f"{_fmt(100 * c.get('skipped_round_fraction', 0.0), 4, 0)}"
         )
     lines.append(
         "(ms per round; budget = verified drafts per request per round; B/rnd = verify batch tokens; "
-        "=AR: finished outputs equal to autoregressive's; graph: % of verify steps on the graph path)"
+        "=AR: finished outputs equal to autoregressive's; graph: % of verify steps on the graph path; "
+        "skip: % of rounds that skipped the drafter)"
     )
     baseline = results.get("hf_generate")
     if baseline:
@@ -813,6 +836,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="scheduled policies: Algorithm 1 with the whole-round objective tau / (T_other + 1/SPS(B)), T_other "
         f"= draft + schedule + host ms per round of the same level's {OVERHEAD_SOURCE!r} cell (measured), or "
         "tau * SPS(B) (none)",
+    )
+    parser.add_argument(
+        "--draft-skip",
+        default="on",
+        choices=["on", "off"],
+        help="scheduled policies with measured draft costs: may skip the drafter in rounds where a plain target "
+        "round is predicted to be faster (no-draft round time outside the verify step = schedule + host ms of the "
+        "same level's autoregressive cell); off: always draft",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs of every cell (interleaved), for error bars")
     parser.add_argument("--bandwidth-mib", type=int, default=1024)
@@ -978,11 +1009,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     report.save()
 
-    def engine_for(policy: str, concurrency: int, draft_cost: DraftCost | None = None) -> SpeculativeEngine:
+    def engine_for(
+        policy: str, concurrency: int, draft_cost: DraftCost | None = None, no_draft_cost: DraftCost | None = None
+    ) -> SpeculativeEngine:
         return SpeculativeEngine(
             engines.verify,
             engines.draft,
-            scheduled_policy(policy, sps, draft_cost) if draft_cost is not None else make_policy(policy, sps, block),
+            scheduled_policy(policy, sps, draft_cost, no_draft_cost)
+            if draft_cost is not None
+            else make_policy(policy, sps, block),
             eos_token_ids=target.eos_token_ids,
             max_running=concurrency,
         )
@@ -1015,6 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(c, k, p) for c in args.concurrency for k in range(args.repeats) for p in args.policies]
     reference: dict[int, dict[int, list[int]]] = {}
     overheads: dict[tuple[int, int], DraftCost] = {}
+    no_draft_overheads: dict[tuple[int, int], DraftCost] = {}
     bar = tqdm(plan, desc="cells", unit="cell", disable=not sys.stderr.isatty())
     for n, (concurrency, repeat, policy) in enumerate(bar):
         budget = cell_budget(args, deadline, time.perf_counter(), len(plan) - n)
@@ -1026,7 +1062,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             cost = overheads.get((concurrency, repeat)) if policy in SCHEDULED_POLICIES else None
-            engine = engine_for(policy, concurrency, cost)
+            # Without an autoregressive cell at this level the no-draft round counts its verify step only.
+            no_draft = no_draft_overheads.get((concurrency, repeat), DraftCost()) if args.draft_skip == "on" else None
+            engine = engine_for(policy, concurrency, cost, no_draft if cost is not None else None)
             row, outputs = run_cell(engine, policy, mix, concurrency, budget, args.temperature)
             if not engines.idle():
                 raise RuntimeError("the cell left requests behind in the engines")
@@ -1038,10 +1076,16 @@ def main(argv: list[str] | None = None) -> int:
             continue
         row["repeat"] = repeat
         row["draft_cost_s"] = None if cost is None else cost.fixed_s
+        row["no_draft_cost_s"] = None if cost is None or no_draft is None else no_draft.fixed_s
         if args.draft_cost == "measured" and policy == OVERHEAD_SOURCE:
             # Algorithm 1's whole-round objective needs the round time outside the verify step at this load.
             overhead = (row["draft_ms"] + row["schedule_ms"] + row["other_host_ms"]) / 1000
             overheads[(concurrency, repeat)] = DraftCost(fixed_s=max(overhead, 0.0))
+        if args.draft_cost == "measured" and policy == "autoregressive":
+            # A round that skips the drafter: the autoregressive round's time outside the verify step (its
+            # context append to the drafter, which the autoregressive engine does not do, is not included).
+            overhead = (row["schedule_ms"] + row["other_host_ms"]) / 1000
+            no_draft_overheads[(concurrency, repeat)] = DraftCost(fixed_s=max(overhead, 0.0))
         if policy == "autoregressive" and concurrency not in reference:
             reference[concurrency] = outputs
             if concurrency == 1 and 0 in outputs and baseline is not None:
@@ -1056,7 +1100,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['aggregate_tokens_per_s']:8.1f} t/s  tau {row['tau']:.2f}  budget {row['verify_budget']:.2f}  "
             f"round {row['round_ms']:.2f} ms (draft {row['draft_ms']:.2f} sched {row['schedule_ms']:.2f} verify "
             f"{row['verify_ms']:.2f} other {row['other_host_ms']:.2f})  {row['rounds']} rounds, "
-            f"{row['finished']} finished, {100 * row['graph_step_fraction']:.0f}% graph steps"
+            f"{row['finished']} finished, {100 * row['graph_step_fraction']:.0f}% graph steps, "
+            f"{100 * row['skipped_round_fraction']:.0f}% rounds skipped the draft"
         )
 
     # 6. graphs off: the verify step as a replayed CUDA graph (after the sweep: a failed capture cannot spoil it)

@@ -89,6 +89,11 @@ class AsyncCapacityScheduler:
         """The capacity the next round will use (None while warming up), to pre-size the step."""
         return self._plans[0] if len(self._plans) == self.lag else None
 
+    def reset(self) -> None:
+        """Forget the pending plans: the next ``lag`` rounds warm up again (Algorithm 1 on their own
+        confidences)."""
+        self._plans.clear()
+
     def step(self, confidences: np.ndarray) -> np.ndarray:
         """Lengths for this round; then plans the capacity of round t + lag from this round's confidences."""
         conf = validate_confidences(confidences)

@@ -3,7 +3,8 @@
 Every call to :meth:`SpeculativeEngine.step` is one round:
 
 1. admit waiting requests while both engines have free slots (they are prefilled in this round's target pass);
-2. the drafter proposes a block for every running request (one batched pass + the sequential head);
+2. unless the policy skips the drafter this round (a plain target round, see :mod:`scheduler.draft_gate`), the
+   drafter proposes a block for every running request (one batched pass + the sequential head);
 3. the verification policy (Algorithm 1 by default) picks how many drafts each request verifies;
 4. ONE target pass verifies all running requests and prefills the new ones; rejection sampling keeps a prefix;
 5. committed context features go to the drafter, new tokens are checked against stop conditions and returned.
@@ -27,7 +28,7 @@ from enum import Enum
 import numpy as np
 
 from cluster.sampling import SamplingParams
-from draft_service.engine import ContextBatch, ContextItem, DraftEngine, DraftItem
+from draft_service.engine import ContextBatch, ContextItem, DraftEngine, DraftItem, Proposal
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
@@ -242,10 +243,16 @@ class SpeculativeEngine:
 
         t0 = time.perf_counter()
         proposal = None
-        if self.draft is not None and verified:
+        drafting = self.draft is not None and bool(verified)
+        caps = self._caps(verified) if drafting else np.zeros(len(verified), dtype=np.int64)
+        # The policy may skip the drafter this round (a plain target round) from counts and past rounds only;
+        # the committed context is still appended below, so any later round can draft.
+        drafting = drafting and self.policy.should_draft(caps)
+        t_decided = time.perf_counter()
+        if drafting and self.draft is not None:
             proposal = self.draft.propose([DraftItem(r.req_id, r.anchor, r.position) for r in verified])
         t1 = time.perf_counter()
-        lengths = self._lengths(verified, proposal)
+        lengths = self._lengths(caps, proposal)
         t2 = time.perf_counter()
 
         prefills = [r.prefill_item() for r in admitted]
@@ -288,7 +295,8 @@ class SpeculativeEngine:
             accepted_counts = np.fromiter((res.num_accepted for res in verified_results), np.int64, count)
         if verified_counts.size:
             num_out = sum(len(o.new_token_ids) for o in outputs)
-            self.metrics.record_round(verified_counts, accepted_counts, t1 - t0, t2 - t1, t3 - t2, num_out)
+            draft_s, schedule_s = t1 - t_decided, (t_decided - t0) + (t2 - t1)
+            self.metrics.record_round(verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out)
         return outputs
 
     def _verify_items(self, verified: list[_Request], lengths: np.ndarray, proposal: object) -> list[VerifyItem]:
@@ -337,20 +345,22 @@ class SpeculativeEngine:
             admitted.append(req)
         return admitted
 
-    def _lengths(self, verified: list[_Request], proposal: object) -> np.ndarray:
-        if not verified or self.draft is None:
-            return np.zeros(len(verified), dtype=np.int64)
-        # Caps that only depend on counts: never verify past max_tokens or past the KV slot.
+    def _caps(self, verified: list[_Request]) -> np.ndarray:
+        """Caps that only depend on counts: never verify past max_tokens or past the KV slot."""
         max_seq_len = self.verify.max_seq_len
         caps = np.fromiter(
             (min(r.max_tokens - len(r.output), max_seq_len - r.position) for r in verified),
             dtype=np.int64,
             count=len(verified),
         )
-        caps = np.maximum(np.minimum(caps - 1, self.block_size), 0)
-        confidences = proposal.confidences  # type: ignore[attr-defined]
+        return np.maximum(np.minimum(caps - 1, self.block_size), 0)
+
+    def _lengths(self, caps: np.ndarray, proposal: Proposal | None) -> np.ndarray:
+        if proposal is None:
+            return np.zeros(len(caps), dtype=np.int64)
+        confidences = proposal.confidences
         if confidences is None:
-            confidences = np.ones((len(verified), self.block_size))
+            confidences = np.ones((len(caps), self.block_size))
         return self.policy.lengths(np.asarray(confidences, dtype=np.float64), caps)
 
     def _commit(

@@ -4,7 +4,9 @@ One interface for everything the benchmarks compare: plain autoregressive decodi
 (1 = MTP-1-like, the whole block = DFlash-like), DSpark's Algorithm 1, and its asynchronous capacity variant.
 Every policy must be causal to stay lossless: the decision whether to verify draft x_{r,j} may depend on
 confidences c_{r,<=j} (which depend on x_{r,<j}) but never on x_{r,j} itself beyond what Algorithm 1's early stop
-allows. Caps (``max_lengths``) only depend on counts (tokens still allowed, KV room), never on token values.
+allows. Caps (``max_lengths``) only depend on counts (tokens still allowed, KV room), never on token values. The
+pre-draft decision ``should_draft`` (may this round skip the drafter, i.e. be a plain target round?) sees only
+counts and the confidences of earlier, already verified rounds (:mod:`scheduler.draft_gate`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 
 from scheduler.algorithm import DraftCost, schedule_lengths
 from scheduler.async_capacity import AsyncCapacityScheduler
+from scheduler.draft_gate import DraftGate
 from scheduler.sps import SPSTable
 
 
@@ -23,6 +26,10 @@ class VerifyPolicy(Protocol):
 
     name: str
     uses_drafter: bool
+
+    def should_draft(self, max_lengths: np.ndarray) -> bool:
+        """Before drafting: whether this round calls the drafter at all (False: every l_r = 0, no proposal)."""
+        ...
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray: ...
 
@@ -40,6 +47,9 @@ class Autoregressive:
     name = "autoregressive"
     uses_drafter = False
 
+    def should_draft(self, max_lengths: np.ndarray) -> bool:
+        return False
+
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
         return np.zeros(len(max_lengths), dtype=np.int64)
 
@@ -55,35 +65,66 @@ class FixedLength:
         self.n = n
         self.name = f"fixed-{n}"
 
+    def should_draft(self, max_lengths: np.ndarray) -> bool:
+        return True
+
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
         return np.minimum(np.minimum(self.n, confidences.shape[1]), max_lengths).astype(np.int64)
 
 
 class DSparkScheduled:
-    """Algorithm 1: global greedy admission by prefix survival probability with the causal early stop."""
+    """Algorithm 1: global greedy admission by prefix survival probability with the causal early stop.
+
+    With a ``gate`` (:class:`scheduler.draft_gate.DraftGate`) a round may also skip the drafter when a plain
+    target round is predicted to deliver more tokens per second (high load, expensive draft).
+    """
 
     name = "dspark"
     uses_drafter = True
 
-    def __init__(self, sps: SPSTable, draft_cost: DraftCost | None = None) -> None:
+    def __init__(self, sps: SPSTable, draft_cost: DraftCost | None = None, gate: DraftGate | None = None) -> None:
         self.sps = sps
         self.draft_cost = draft_cost
+        self.gate = gate
+
+    def should_draft(self, max_lengths: np.ndarray) -> bool:
+        return self.gate is None or self.gate.should_draft(max_lengths)
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
-        return schedule_lengths(_capped(confidences, max_lengths), self.sps, draft_cost=self.draft_cost)
+        lengths = schedule_lengths(_capped(confidences, max_lengths), self.sps, draft_cost=self.draft_cost)
+        if self.gate is not None:
+            self.gate.observe(confidences)  # after the schedule: it validated them
+        return lengths
 
 
 class DSparkAsync:
-    """The asynchronous variant: capacity planned from an earlier round, current round admits the top-K."""
+    """The asynchronous variant: capacity planned from an earlier round, current round admits the top-K.
+
+    With a ``gate`` a round may skip the drafter (as :class:`DSparkScheduled`); a skipped round drops the
+    pending capacity plans (they describe a load the gate just judged not worth drafting for), so the next
+    drafted round plans afresh with Algorithm 1 on its own confidences, the scheduler's lossless warm-up.
+    """
 
     name = "dspark-async"
     uses_drafter = True
 
-    def __init__(self, sps: SPSTable, lag: int = 2, draft_cost: DraftCost | None = None) -> None:
+    def __init__(
+        self, sps: SPSTable, lag: int = 2, draft_cost: DraftCost | None = None, gate: DraftGate | None = None
+    ) -> None:
         self._scheduler = AsyncCapacityScheduler(sps, lag=lag, draft_cost=draft_cost)
+        self.gate = gate
+
+    def should_draft(self, max_lengths: np.ndarray) -> bool:
+        if self.gate is None or self.gate.should_draft(max_lengths):
+            return True
+        self._scheduler.reset()
+        return False
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
-        return self._scheduler.step(_capped(confidences, max_lengths))
+        lengths = self._scheduler.step(_capped(confidences, max_lengths))
+        if self.gate is not None:
+            self.gate.observe(confidences)  # after the schedule: it validated them
+        return lengths
 
 
 def make_policy(spec: str, sps: SPSTable | None, block_size: int) -> VerifyPolicy:
