@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every GPU measurement of the project in ONE device call, most important checks first, each stage with its own
+# time limit so that a slow stage cannot starve the later ones. Run from the repository root on the GPU machine:
+#   bash bench/gpu_session.sh OUT_DIR [POLICY_SWEEP_SECONDS]
+# carrying the prompt sets in .data/prompts (humaneval.jsonl, mbpp.jsonl). Writes, under OUT_DIR:
+# gpu_tests.log, kernels.json, engine_gpu.json, policies.json, policies.log, policies_*.png; prints each stage's
+# table as it finishes.
+set -uo pipefail
+out=${1:?usage: bench/gpu_session.sh OUT_DIR [POLICY_SWEEP_SECONDS]}
+sweep_s=${2:-280}
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its exit code, never abort the session
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@"
+  echo "=== $name: exit $? after $((SECONDS - t0)) s"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+stage "GPU tests" 100 python3 -m pytest -q -x -p no:cacheprovider \
+  tests/scheduler/test_engine_graphs.py tests/scheduler/test_graph_capture_guard.py \
+  tests/verify_service/test_fused_layers.py tests/kernels/test_kernels_rejection.py \
+  2>&1 | tail -n 25 | tee "$out/gpu_tests.log"
+stage "kernels" 90 python3 bench/bench_kernels.py --out "$out/kernels.json"
+stage "engine" 120 python3 -m bench.bench_engine_gpu --requests 1 8 32 128 --rounds 15 --warmup 3 \
+  --out "$out/engine_gpu.json"
+stage "policies" $((sweep_s + 30)) python3 bench/bench_policies_gpu.py --prompts-dir .data/prompts \
+  --out-dir "$out" --time-limit-s "$sweep_s" --repeats 2 --warmup-s 1 --measure-s 8
