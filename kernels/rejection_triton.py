@@ -77,6 +77,8 @@ SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
 """Candidate slots per filtered row: rows with more tokens above the bound take the fallback search."""
+SUPPORT_CHUNK = 16
+"""Sparse support slots compared at once against the whole support (duplicate detection, a [16, K] tile)."""
 
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
@@ -107,6 +109,37 @@ def _request_of_row(cu_ptr, row, num_req):
 
 
 @triton.jit
+def _support_chunk(
+    prob_ids_ptr, base, c, k_live, ids, probs, row_ptr, inv_t, z_max, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """Slots c .. c + CHUNK - 1 of a sparse draft row: (ids, slots, first occurrence of a live id, p_d summed
+    over the row's duplicates of the id, e = exp(z - max z) at first occurrences and 0 elsewhere).
+
+    ``ids`` / ``probs`` hold the whole row (BLOCK_K slots, dead slots -1 and 0). Duplicate ids count once, at
+    their first slot, with their summed probability (the contract: duplicates add up)."""
+    slot = c + tl.arange(0, CHUNK)
+    live = slot < k_live
+    ids_c = tl.load(prob_ids_ptr + base + slot, mask=live, other=-2)
+    same = ids_c[:, None] == ids[None, :]
+    earlier = same & (tl.arange(0, BLOCK_K)[None, :] < slot[:, None])
+    first = live & (tl.max(earlier.to(tl.int32), 1) == 0)
+    p_d = tl.sum(tl.where(same, probs[None, :], 0.0), 1)
+    z = tl.load(row_ptr + ids_c, mask=live, other=float("-inf")).to(tl.float32) * inv_t
+    return ids_c, slot, first, p_d, tl.where(first, tl.exp(z - z_max), 0.0)
+
+
+@triton.jit
+def _draws_by_cdf(top_k_ptr, top_p_ptr, req, V, bonus, PROBS: tl.constexpr):
+    """Whether sampled request ``req`` draws by inverse CDF (else by the race): it is unfiltered and its
+    residual differs from p_t on at most K known ids (sparse or no drafts, or the bonus row)."""
+    _, _, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
+    cdf = (use_k | use_p) == 0
+    if PROBS == _DENSE:
+        cdf = cdf & bonus
+    return cdf
+
+
+@triton.jit
 def _row_stats_kernel(
     logits_ptr,
     stride_row,
@@ -117,17 +150,26 @@ def _row_stats_kernel(
     temperature_ptr,
     top_k_ptr,
     top_p_ptr,
+    prob_ids_ptr,
+    stride_probs,
+    K,
     part_max_ptr,
-    part_sum_ptr,
     part_arg_ptr,
+    bmax_ptr,
+    bsum_ptr,
     sketch_ptr,
     V,
     split_size,
     num_splits,
+    num_blocks,
+    PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     NG: tl.constexpr,
 ):
-    """Per (row, split): argmax (greedy) or online (max z, sum exp(z - max)) and the sketch (filtered rows).
+    """Per (row, split): argmax (greedy), or per vocabulary block of BLOCK_V ids the max and the sum of
+    exp(z - block max) over the block's ids outside the row's sparse draft support (sampled), and the sketch
+    (filtered rows).
 
     Split 0 also records the row's request for the later kernels and initialises the row's output to -1."""
     row = tl.program_id(0)
@@ -158,31 +200,48 @@ def _row_stats_kernel(
         tl.store(part_arg_ptr + part, tl.where(first == _BIG, lo_v, first))  # an all -inf split: its first id
     else:
         inv_t = tl.math.div_rn(1.0, temp)
-        # lanes start at -FLT_MAX, not -inf: exp(min - max) is then never exp(-inf + inf), with no extra test
-        m = tl.full([BLOCK_V], -3.4028234663852886e38, tl.float32)
-        s = tl.zeros([BLOCK_V], tl.float32)
+        if PROBS == _SPARSE:
+            # the support of this row's residual: draft row (row - req); the bonus row has none. The support
+            # ids are visited in increasing order (nxt), usually zero or one per block.
+            draft_row = row - req
+            k_live = tl.where(draft_row < tl.load(cu_ptr + req + 1), K, 0)
+            offs_k = tl.arange(0, BLOCK_K)
+            ids = tl.load(prob_ids_ptr + draft_row.to(tl.int64) * stride_probs + offs_k, mask=offs_k < k_live,
+                          other=_BIG)  # fmt: skip
+            nxt = tl.min(tl.where(ids >= lo_v, ids, _BIG), 0)
+        lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per lane, for the sketch
         for start in range(lo_v, hi_v, BLOCK_V):
             idx = start + offs
             z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-            big = tl.maximum(m, z)
-            e = tl.exp(tl.minimum(m, z) - big)
-            s = tl.where(z > m, s * e + 1.0, s + e)
-            m = big
-        top = tl.max(m, 0)
-        total = tl.sum(s * tl.exp(m - top), 0)
-        tl.store(part_max_ptr + part, tl.where(total > 0.0, top, float("-inf")))  # an all -inf split
-        tl.store(part_sum_ptr + part, total)
+            lane_max = tl.maximum(lane_max, z)
+            if PROBS == _SPARSE:
+                while nxt < start + BLOCK_V:
+                    z = tl.where(idx == nxt, float("-inf"), z)
+                    nxt = tl.min(tl.where(ids > nxt, ids, _BIG), 0)
+            top = tl.max(z, 0)
+            total = tl.sum(tl.exp(z - tl.where(top == float("-inf"), 0.0, top)), 0)
+            block = row.to(tl.int64) * num_blocks + start // BLOCK_V
+            tl.store(bmax_ptr + block, top)
+            tl.store(bsum_ptr + block, total)
         _, _, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
         if use_k | use_p:
-            groups = tl.max(tl.reshape(m, [NG, BLOCK_V // NG]), 1)
+            groups = tl.max(tl.reshape(lane_max, [NG, BLOCK_V // NG]), 1)
             tl.store(sketch_ptr + part.to(tl.int64) * NG + tl.arange(0, NG), groups)
 
 
 @triton.jit
 def _row_combine_kernel(
+    logits_ptr,
+    stride_row,
+    cu_ptr,
+    probs_ptr,
+    prob_ids_ptr,
+    stride_probs,
+    K,
     part_max_ptr,
-    part_sum_ptr,
     part_arg_ptr,
+    bmax_ptr,
+    bsum_ptr,
     sketch_ptr,
     row_req_ptr,
     temperature_ptr,
@@ -197,26 +256,52 @@ def _row_combine_kernel(
     count_ptr,
     V,
     num_splits,
+    num_blocks,
+    PROBS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CHUNK_K: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     NG: tl.constexpr,
 ):
-    """Per row: combine the splits; for a filtered row derive the candidate bound L from the sketch."""
+    """Per row: combine the splits (argmax) or the blocks and the support (max z, normaliser Z = sum of the
+    block masses + e at the distinct support ids); for a filtered row derive the candidate bound L."""
     row = tl.program_id(0)
     req = tl.load(row_req_ptr + row)
     temp = tl.load(temperature_ptr + req)
-    offs = tl.arange(0, BLOCK_SPLITS)
-    live = offs < num_splits
-    part = row * num_splits + offs
-    tops = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
-    top = tl.max(tops, 0)
     state = tl.full((), _DONE, tl.int32)
     if temp == 0.0:
+        offs = tl.arange(0, BLOCK_SPLITS)
+        live = offs < num_splits
+        part = row * num_splits + offs
+        tops = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
         args = tl.load(part_arg_ptr + part, mask=live, other=_BIG)
-        tl.store(argmax_ptr + row, tl.min(tl.where(live & (tops == top), args, _BIG), 0))
+        tl.store(argmax_ptr + row, tl.min(tl.where(live & (tops == tl.max(tops, 0)), args, _BIG), 0))
     else:
+        inv_t = tl.math.div_rn(1.0, temp)
+        offs_b = tl.arange(0, BLOCK_NB)
+        bmax = tl.load(bmax_ptr + row.to(tl.int64) * num_blocks + offs_b, mask=offs_b < num_blocks,
+                       other=float("-inf"))  # fmt: skip
+        bsum = tl.load(bsum_ptr + row.to(tl.int64) * num_blocks + offs_b, mask=offs_b < num_blocks, other=0.0)
+        top = tl.max(bmax, 0)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        if PROBS == _SPARSE:
+            draft_row = row - req
+            k_live = tl.where(draft_row < tl.load(cu_ptr + req + 1), K, 0)
+            base = draft_row.to(tl.int64) * stride_probs
+            offs_k = tl.arange(0, BLOCK_K)
+            ids = tl.load(prob_ids_ptr + base + offs_k, mask=offs_k < k_live, other=-1)
+            probs = tl.load(probs_ptr + base + offs_k, mask=offs_k < k_live, other=0.0)
+            z_support = tl.load(row_ptr + ids, mask=offs_k < k_live, other=float("-inf")).to(tl.float32) * inv_t
+            top = tl.maximum(top, tl.max(z_support, 0))
         safe = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.sum(tl.load(part_sum_ptr + part, mask=live, other=0.0) * tl.exp(tops - safe), 0)
+        total = tl.sum(bsum * tl.exp(bmax - safe), 0)
+        if PROBS == _SPARSE:
+            for c in range(0, k_live, CHUNK_K):
+                _, _, _, _, e = _support_chunk(prob_ids_ptr, base, c, k_live, ids, probs, row_ptr, inv_t, safe,
+                                               CHUNK_K, BLOCK_K)  # fmt: skip
+                total += tl.sum(e, 0)
         tl.store(zmax_ptr + row, top)
         tl.store(norm_ptr + row, total)
         tl.store(tau_ptr + row, float("-inf"))
@@ -418,6 +503,101 @@ def _threshold_kernel(
 
 
 @triton.jit
+def _first_positive_crossing(weight, cum, target, index):
+    """The first index with running mass ``cum`` > target and positive weight; if rounding lets the target pass
+    every entry, the last index of positive weight (-1 when none has positive weight)."""
+    first = tl.min(tl.where((cum > target) & (weight > 0.0), index, _BIG), 0)
+    return tl.where(first < _BIG, first, tl.max(tl.where(weight > 0.0, index, -1), 0))
+
+
+@triton.jit
+def _inverse_cdf(
+    logits_ptr,
+    stride_row,
+    probs_ptr,
+    prob_ids_ptr,
+    stride_probs,
+    bmax_ptr,
+    bsum_ptr,
+    sample_row,
+    draft_row,
+    k_live,
+    num_blocks,
+    inv_t,
+    z_max,
+    norm,
+    u,
+    V,
+    PROBS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CHUNK_K: tl.constexpr,
+):
+    """One draw from norm(max(0, p_t - p_d)) of an unfiltered row with one uniform ``u`` (module doc of
+    :mod:`kernels.rejection`): the support slots first, then the blocks; only the chosen block is read."""
+    row_ptr = logits_ptr + sample_row.to(tl.int64) * stride_row
+    s_support = tl.zeros((), tl.float32)
+    s_e = tl.zeros((), tl.float32)
+    if PROBS == _SPARSE:
+        base = draft_row.to(tl.int64) * stride_probs
+        offs_k = tl.arange(0, BLOCK_K)
+        ids = tl.load(prob_ids_ptr + base + offs_k, mask=offs_k < k_live, other=-1)
+        probs = tl.load(probs_ptr + base + offs_k, mask=offs_k < k_live, other=0.0)
+        for c in range(0, k_live, CHUNK_K):
+            _, _, _, p_d, e = _support_chunk(prob_ids_ptr, base, c, k_live, ids, probs, row_ptr, inv_t, z_max,
+                                             CHUNK_K, BLOCK_K)  # fmt: skip
+            s_support += tl.sum(tl.maximum(e - norm * p_d, 0.0), 0)  # 0 off first occurrences (e = 0)
+            s_e += tl.sum(e, 0)
+    offs_b = tl.arange(0, BLOCK_NB)
+    bmax = tl.load(bmax_ptr + sample_row.to(tl.int64) * num_blocks + offs_b, mask=offs_b < num_blocks,
+                   other=float("-inf"))  # fmt: skip
+    scale = tl.exp(bmax - z_max)
+    mass = tl.load(bsum_ptr + sample_row.to(tl.int64) * num_blocks + offs_b, mask=offs_b < num_blocks,
+                   other=0.0) * scale  # fmt: skip
+    s_block = tl.sum(mass, 0)
+    empty = (s_support + s_block) <= 0.0  # all-zero residual: p_t over the support (module doc)
+    s_support = tl.where(empty, s_e, s_support)
+    s_block = tl.where(empty, 0.0, s_block)
+    target = u * (s_support + s_block)
+    token = tl.zeros((), tl.int32)
+    if (target < s_support) | (s_block <= 0.0):
+        if PROBS == _SPARSE:  # otherwise unreachable: without a support the row max lies in a block
+            run = tl.zeros((), tl.float32)
+            pick = tl.full((), _BIG, tl.int32)
+            last = tl.full((), -1, tl.int32)
+            for c in range(0, k_live, CHUNK_K):
+                _, slot, _, p_d, e = _support_chunk(prob_ids_ptr, base, c, k_live, ids, probs, row_ptr, inv_t,
+                                                    z_max, CHUNK_K, BLOCK_K)  # fmt: skip
+                w = tl.where(empty, e, tl.maximum(e - norm * p_d, 0.0))
+                cum = run + tl.cumsum(w, 0)
+                pick = tl.minimum(pick, tl.min(tl.where((cum > target) & (w > 0.0), slot, _BIG), 0))
+                last = tl.maximum(last, tl.max(tl.where(w > 0.0, slot, -1), 0))
+                run += tl.sum(w, 0)
+            token = tl.load(prob_ids_ptr + base + tl.maximum(tl.where(pick < _BIG, pick, last), 0)).to(tl.int32)
+    else:
+        t_block = target - s_support
+        cum = tl.cumsum(mass, 0)
+        b = _first_positive_crossing(mass, cum, t_block, offs_b)  # >= 0: s_block > 0
+        chosen = offs_b == b
+        before = tl.sum(tl.where(chosen, cum - mass, 0.0), 0)
+        # scan in the block's own units exp(z - block max): its maximum entry weighs 1, never 0
+        t_inner = tl.math.div_rn(t_block - before, tl.sum(tl.where(chosen, scale, 0.0), 0))
+        b_max = tl.sum(tl.where(chosen, bmax, 0.0), 0)
+        start = b * BLOCK_V
+        idx = start + tl.arange(0, BLOCK_V)
+        z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+        if PROBS == _SPARSE:
+            nxt = tl.min(tl.where(ids >= start, ids, _BIG), 0)
+            while nxt < start + BLOCK_V:
+                z = tl.where(idx == nxt, float("-inf"), z)
+                nxt = tl.min(tl.where(ids > nxt, ids, _BIG), 0)
+        e = tl.exp(z - b_max)
+        token = start + tl.maximum(_first_positive_crossing(e, tl.cumsum(e, 0), t_inner, tl.arange(0, BLOCK_V)), 0)
+    return token
+
+
+@triton.jit
 def _accept_chain_kernel(
     logits_ptr,
     stride_row,
@@ -427,19 +607,29 @@ def _accept_chain_kernel(
     prob_ids_ptr,
     cu_ptr,
     temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
     seeds_ptr,
     positions_ptr,
     argmax_ptr,
     zmax_ptr,
     norm_ptr,
     tau_ptr,
+    bmax_ptr,
+    bsum_ptr,
     out_ptr,
     num_acc_ptr,
     K,
+    V,
+    num_blocks,
     PROBS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CHUNK_K: tl.constexpr,
 ):
-    """Per request: accept drafts left to right until the first rejection; greedy requests finish here."""
+    """Per request: accept drafts left to right until the first rejection; greedy requests finish here, and so
+    do unfiltered sampled requests whose draw takes the inverse CDF (sparse drafts, no drafts, bonus rows)."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
     d0 = tl.load(cu_ptr + r)
@@ -482,8 +672,17 @@ def _accept_chain_kernel(
         if alive == 1:
             tl.store(out_ptr + row, x)
     tl.store(num_acc_ptr + r, n_acc.to(tl.int64))
+    sample_row = row0 + n_acc
     if greedy:
-        tl.store(out_ptr + row0 + n_acc, tl.load(argmax_ptr + row0 + n_acc).to(tl.int64))
+        tl.store(out_ptr + sample_row, tl.load(argmax_ptr + sample_row).to(tl.int64))
+    elif _draws_by_cdf(top_k_ptr, top_p_ptr, r, V, n_acc == num_draft, PROBS):
+        u = tl_uniform(tl_row_key(seed, position + 1 + n_acc, _TARGET), zero)
+        token = _inverse_cdf(
+            logits_ptr, stride_row, probs_ptr, prob_ids_ptr, stride_probs, bmax_ptr, bsum_ptr, sample_row,
+            d0 + n_acc, tl.where(n_acc == num_draft, 0, K), num_blocks, inv_t, tl.load(zmax_ptr + sample_row),
+            tl.load(norm_ptr + sample_row), u, V, PROBS, BLOCK_V, BLOCK_NB, BLOCK_K, CHUNK_K,
+        )  # fmt: skip
+        tl.store(out_ptr + sample_row, token.to(tl.int64))
 
 
 @triton.jit
@@ -495,6 +694,8 @@ def _race_kernel(
     prob_ids_ptr,
     cu_ptr,
     temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
     seeds_ptr,
     positions_ptr,
     zmax_ptr,
@@ -511,15 +712,16 @@ def _race_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Exponential race on one vocabulary split of a sampled request's residual (or bonus) row."""
+    """Exponential race on one vocabulary split of a raced request's residual (or bonus) row (filtered
+    requests, dense drafts' residual rows; the other sampled requests drew by inverse CDF)."""
     r = tl.program_id(0)
     split = tl.program_id(1)
     temp = tl.load(temperature_ptr + r)
-    if temp != 0.0:
+    d0 = tl.load(cu_ptr + r)
+    num_draft = (tl.load(cu_ptr + r + 1) - d0).to(tl.int32)
+    n_acc = tl.load(num_acc_ptr + r).to(tl.int32)
+    if (temp != 0.0) & (_draws_by_cdf(top_k_ptr, top_p_ptr, r, V, n_acc == num_draft, PROBS) == 0):
         inv_t = tl.math.div_rn(1.0, temp)
-        d0 = tl.load(cu_ptr + r)
-        num_draft = (tl.load(cu_ptr + r + 1) - d0).to(tl.int32)
-        n_acc = tl.load(num_acc_ptr + r).to(tl.int32)
         sample_row = d0 + r + n_acc
         draft_row = d0 + n_acc
         bonus = n_acc == num_draft
@@ -591,6 +793,8 @@ def _finalize_kernel(
     part_id_ptr,
     cu_ptr,
     temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
     seeds_ptr,
     positions_ptr,
     zmax_ptr,
@@ -598,19 +802,23 @@ def _finalize_kernel(
     num_acc_ptr,
     out_ptr,
     K,
+    V,
     num_splits,
     PROBS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Per sampled request: the race winner over all splits (an all-zero residual falls back to p_t).
+    """Per raced request: the race winner over all splits (an all-zero residual falls back to p_t).
 
     The fallback race over p_t is only needed when every residual key is -inf. With sparse drafts that means
     every kept token lies in the draft's support (outside it the residual is p_t itself), so the fallback
     winner is the best p_t key among those <= K ids, computed here instead of in the vocabulary loop."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
-    if temp != 0.0:
+    d0 = tl.load(cu_ptr + r)
+    n_acc = tl.load(num_acc_ptr + r)
+    bonus = n_acc == tl.load(cu_ptr + r + 1) - d0
+    if (temp != 0.0) & (_draws_by_cdf(top_k_ptr, top_p_ptr, r, V, bonus, PROBS) == 0):
         offs = tl.arange(0, BLOCK_SPLITS)
         live = offs < num_splits
         part = (r * num_splits + offs) * 2
@@ -618,8 +826,6 @@ def _finalize_kernel(
         top_res = tl.max(key_res, 0)
         winner = tl.min(tl.where(live & (key_res == top_res), tl.load(part_id_ptr + part, mask=live, other=_BIG),
                                  _BIG), 0)  # fmt: skip
-        d0 = tl.load(cu_ptr + r)
-        n_acc = tl.load(num_acc_ptr + r)
         sample_row = d0 + r + n_acc
         if top_res == float("-inf"):
             if PROBS == _DENSE:
@@ -714,25 +920,32 @@ def rejection_sample_triton(
     # 1-4: per-row statistics and keep thresholds
     block_v = _block(TUNING["row_block_v"], vocab)
     split_size, num_splits = _splits(vocab, block_v, TUNING["row_splits"])
+    num_blocks = triton.cdiv(vocab, block_v)
     groups = min(SKETCH_GROUPS, block_v)
+    block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
+    chunk_k = min(SUPPORT_CHUNK, block_k)
     f32 = dict(dtype=torch.float32, device=device)
     part_max = torch.empty((rows, num_splits), **f32)
-    part_sum = torch.empty((rows, num_splits), **f32)
     part_arg = torch.empty((rows, num_splits), dtype=torch.int32, device=device)
+    block_max = torch.empty((rows, num_blocks), **f32)
+    block_sum = torch.empty((rows, num_blocks), **f32)
     sketch = torch.empty((rows, num_splits, groups), **f32)
     _row_stats_kernel[(rows, num_splits)](
-        logits, logits.stride(0), cu, num_req, out, row_req, temps, top_k64, top_p32, part_max, part_sum,
-        part_arg, sketch,
-        vocab, split_size, num_splits, BLOCK_V=block_v, NG=groups, num_warps=TUNING["row_warps"], **options,
+        logits, logits.stride(0), cu, num_req, out, row_req, temps, top_k64, top_p32, prob_ids, width, width,
+        part_max, part_arg, block_max, block_sum, sketch, vocab, split_size, num_splits, num_blocks,
+        PROBS=mode, BLOCK_V=block_v, BLOCK_K=block_k, NG=groups, num_warps=TUNING["row_warps"], **options,
     )  # fmt: skip
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
     z_max, norm, tau, bound = (torch.empty(rows, **f32) for _ in range(4))
     state = torch.empty(rows, dtype=torch.int32, device=device)
     count = torch.empty(rows, dtype=torch.int32, device=device)  # zeroed by the combine kernel
+    block_nb = _block(1 << 20, num_blocks)
     _row_combine_kernel[(rows,)](
-        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau,
-        bound, state, count, vocab, num_splits, BLOCK_SPLITS=_block(1 << 20, num_splits),
-        BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups, num_warps=4, **options,
+        logits, logits.stride(0), cu, probs, prob_ids, width, width, part_max, part_arg, block_max, block_sum,
+        sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, bound, state, count, vocab,
+        num_splits, num_blocks, PROBS=mode, BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_NB=block_nb,
+        BLOCK_K=block_k, CHUNK_K=chunk_k, BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups,
+        num_warps=4, **options,
     )  # fmt: skip
     cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
@@ -746,11 +959,11 @@ def rejection_sample_triton(
         NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=8, **options,
     )  # fmt: skip
 
-    # 5: accept chains
-    block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
+    # 5: accept chains; greedy requests and the inverse-CDF draws finish here
     _accept_chain_kernel[(num_req,)](
-        logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, seeds64, positions64,
-        argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
+        logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, top_k64, top_p32, seeds64, positions64,
+        argmax, z_max, norm, tau, block_max, block_sum, out, num_acc, width, vocab, num_blocks,
+        PROBS=mode, BLOCK_V=block_v, BLOCK_NB=block_nb, BLOCK_K=block_k, CHUNK_K=chunk_k, num_warps=4, **options,
     )  # fmt: skip
 
     # 6-7: residual / bonus draws
@@ -759,13 +972,13 @@ def rejection_sample_triton(
     part_key = torch.empty((num_req, race_splits, 2), **f32)
     part_id = torch.empty((num_req, race_splits, 2), dtype=torch.int32, device=device)
     _race_kernel[(num_req, race_splits)](
-        logits, logits.stride(0), probs, width, prob_ids, cu, temps, seeds64, positions64, z_max, norm, tau,
-        num_acc, part_key, part_id, vocab, width, race_split, race_splits,
+        logits, logits.stride(0), probs, width, prob_ids, cu, temps, top_k64, top_p32, seeds64, positions64, z_max,
+        norm, tau, num_acc, part_key, part_id, vocab, width, race_split, race_splits,
         PROBS=mode, BLOCK_V=race_block, BLOCK_K=block_k, num_warps=TUNING["race_warps"], **options,
     )  # fmt: skip
     _finalize_kernel[(num_req,)](
-        logits, logits.stride(0), prob_ids, width, part_key, part_id, cu, temps, seeds64, positions64, z_max,
-        tau, num_acc, out, width, race_splits,
+        logits, logits.stride(0), prob_ids, width, part_key, part_id, cu, temps, top_k64, top_p32, seeds64,
+        positions64, z_max, tau, num_acc, out, width, vocab, race_splits,
         PROBS=mode, BLOCK_SPLITS=_block(1 << 20, race_splits), BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
     return RejectionOutput(num_accepted=num_acc, output_tokens=out)
