@@ -1,29 +1,46 @@
 """Triton rejection sampler: the contract of :mod:`kernels.rejection`, reading the target logits ~once.
 
 The big tensor is the target logits [N + R, V]; everything else is small. It is read once in full by the
-statistics kernel, plus one row per sampled request by the race (about 1/(gamma + 1) more), plus a second
-read of the rows that use top-k / top-p. Launches:
+statistics kernel; an unfiltered sparse (or draft-less, or bonus) draw then reads only K support logits, the
+row's block masses and one block of BLOCK_V ids; a raced draw (top-k / top-p, dense residual) reads its row
+once more, and filtered rows a second time for their threshold. Launches:
 
 1. ``_row_stats_kernel``, programs (row, vocabulary split): every row of every request at once. Greedy rows
-   keep a per-lane running argmax; sampled rows a per-lane online (max, sum exp) of z = logits * (1 / T),
-   updated with one exp per token (``exp(min - max)`` serves both the rescale and the new term). Lanes are
-   only reduced at the end of the split, so the loop is pure streaming. Rows with top-k / top-p also write a
-   *sketch*: the maxima of NG disjoint groups of lanes, i.e. NG distinct entries of the split.
-2. ``_row_combine_kernel``, one program per row: combines the splits into argmax, or max z and the
-   normaliser; for filtered rows it turns the sketch into a lower bound L on the keep threshold (below).
-3. ``_compact_kernel``, one program per row, filtered rows only: writes every token with z >= L (as packed
-   (order key, id), see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP slots.
-4. ``_threshold_kernel``, one program per filtered row: sorts the candidates and finds tau exactly (top-k:
-   the k-th value; top-p: the crossing of the cumulative mass in descending order), and the normaliser of
-   the kept set. Rows whose candidates do not certify the answer take the exact fallback search (below).
-5. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
-   draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
-   greedy requests the final argmax token.
-6. ``_race_kernel``, programs (sampled request, vocabulary split): the exponential race on its split of the
+   keep a per-lane running argmax (reduced once at the end of the split). Sampled rows write, per block of
+   BLOCK_V ids, the max of z = logits * (1 / T) and sum exp(z - block max) over the block's ids outside the
+   row's sparse draft support (one exp per token; the few support ids in a block are dropped from it in id
+   order); these block masses serve both the normaliser and the inverse-CDF draw. Rows with top-k / top-p
+   also write a *sketch*: the maxima of NG disjoint groups of lanes, i.e. NG distinct entries of the split.
+2. ``_row_combine_kernel``, one program per row: argmax from the splits, or max z and the normaliser Z from
+   the blocks plus e at the distinct support ids; a filtered row then turns its sketch into a lower bound L on
+   the keep threshold, writes every token with z >= L (packed (order key, id), :mod:`kernels.float_keys`) to
+   CAP candidate slots, sorts them and finds tau exactly (top-k: the k-th value; top-p: the crossing of the
+   cumulative mass in descending order) and the kept set's normaliser; rows whose candidates do not certify
+   the answer take the exact fallback search (below).
+3. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
+   draft tokens, one uniform each) up to the first rejection; writes the accepted drafts and the count; then
+   the final token of greedy requests (argmax) and of unfiltered requests whose residual differs from p_t on
+   at most K known ids (sparse drafts, no drafts, bonus rows) by inverse CDF with one uniform (below).
+4. ``_race_kernel``, programs (raced request, vocabulary split): the exponential race on its split of the
    residual (or bonus) row with per-lane winners, keys log w_v - log E_v as defined in :mod:`kernels.rejection`
    (w = norm * max(0, p_t - p_d); off the draft support log w_v = z_v - max z, so no exp and no division).
-7. ``_finalize_kernel``, one program per request: combines the per-split race winners; with sparse drafts it
-   also runs the fallback race (all-zero residual), which can only be won inside the draft's support.
+   Programs of requests drawn by inverse CDF (the product's sparse path) exit at once.
+5. ``_finalize_kernel``, one program per raced request: combines the per-split race winners; with sparse
+   drafts it also runs the fallback race (all-zero residual), which can only be won inside the draft's support.
+
+Why the inverse CDF is exact: with e_v = exp(z_v - max z), the residual weight is w_s = max(0, e_s - Z p_d(s))
+on the support and w_v = e_v elsewhere, so its total is sum_s w_s + sum_b M_b with the block masses
+M_b = exp(m_b - max z) * sum_{v in b, v not in S} exp(z_v - m_b), m_b the block's max: all read from the
+statistics pass, none recomputed by subtraction (no cancellation). For t = u * total, u uniform, the first
+token of the fixed order [support slots, blocks in id order] whose running weight exceeds t is distributed
+exactly as norm(w); finding the block by its running mass and then the token inside it by the running sum
+of exp(z_v - m_b) against (t - mass before the block) / exp(m_b - max z) is the same search, split in two. In
+floats every search takes the first entry of positive weight past the target, or the last positive one when
+rounding lets the target pass the end; inside a block the weights are in the block's own units, whose max
+is exactly 1, so no chosen block is empty and no zero-weight (-inf, masked, or fully-covered) token is ever
+drawn. The reference (:func:`kernels.rejection.inverse_cdf_draw`) runs the same search with the same uniform;
+the two differ only where exp and the summation order round differently, i.e. when t lies within float
+rounding of a boundary. The block partition only changes rounding too, so a swept ``row_block_v`` stays exact.
 
 Why the race is exact: for independent E_v ~ Exp(1), P(argmax_v w_v / E_v = v) = w_v / sum_u w_u, and taking
 logs does not move the argmax, so the winner of log w_v - log E_v is a draw from norm(w) without knowing the
@@ -47,7 +64,7 @@ than the sketch, a top-p nucleus wider than the sketch can certify) or when more
 Kernels load in the storage dtype and upcast to float32 before any arithmetic, mask every load, and use a
 single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU.
 Every launch has a static grid and no host reads a device value, so the sampler can be captured in a CUDA
-graph; the launches for filtered rows run always and exit at once when a row has nothing to do.
+graph; the race launches run always and exit at once for requests that have nothing to do there.
 """
 
 from __future__ import annotations
@@ -72,7 +89,9 @@ TUNING = {
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): vocabulary block per loop step, warps, and the number
 of programs a row is split over (the statistics kernel runs every row, the race one row per request, so it
-splits finer). Set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md)."""
+splits finer). ``row_block_v`` is also the inverse-CDF block (default = ``kernels.rejection.CDF_BLOCK``, so
+the Triton draw follows the reference's rounding; any other value draws from the same distribution). Set from
+``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md)."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
@@ -83,7 +102,7 @@ SUPPORT_CHUNK = 16
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
 _SPARSE = tl.constexpr(PROBS_SPARSE)
-_DONE, _CANDIDATES, _SEARCH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # per-row threshold state
+_CANDIDATES, _SEARCH = tl.constexpr(1), tl.constexpr(2)  # how a filtered row finds its threshold
 
 
 @triton.jit
@@ -251,9 +270,7 @@ def _row_combine_kernel(
     zmax_ptr,
     norm_ptr,
     tau_ptr,
-    bound_ptr,
-    state_ptr,
-    count_ptr,
+    cand_ptr,
     V,
     num_splits,
     num_blocks,
@@ -264,13 +281,18 @@ def _row_combine_kernel(
     CHUNK_K: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     NG: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    CAP: tl.constexpr,
+    SMALL: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    NCAND: tl.constexpr,
 ):
     """Per row: combine the splits (argmax) or the blocks and the support (max z, normaliser Z = sum of the
-    block masses + e at the distinct support ids); for a filtered row derive the candidate bound L."""
+    block masses + e at the distinct support ids); for a filtered row derive the candidate bound L from the
+    sketch and find the exact keep threshold and the kept set's normaliser (:func:`_keep_threshold`)."""
     row = tl.program_id(0)
     req = tl.load(row_req_ptr + row)
     temp = tl.load(temperature_ptr + req)
-    state = tl.full((), _DONE, tl.int32)
     if temp == 0.0:
         offs = tl.arange(0, BLOCK_SPLITS)
         live = offs < num_splits
@@ -318,44 +340,29 @@ def _row_combine_kernel(
             else:
                 mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(sketch - safe), 0.0), 0)
                 j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
-            state = tl.where(j < _BIG, _CANDIDATES, _SEARCH)
-            tl.store(bound_ptr + row, tl.sum(tl.where(pos == j, sketch, 0.0), 0))
-    tl.store(state_ptr + row, state)
-    tl.store(count_ptr + row, 0)
+            _keep_threshold(
+                row_ptr, V, inv_t, top, total, top_k, top_p, use_k, use_p, tl.where(j < _BIG, _CANDIDATES, _SEARCH),
+                tl.sum(tl.where(pos == j, sketch, 0.0), 0), cand_ptr, row, tau_ptr + row, norm_ptr + row,
+                BLOCK_V, CAP, SMALL, BLOCK_S, NCAND,
+            )  # fmt: skip
 
 
 @triton.jit
-def _compact_kernel(
-    logits_ptr,
-    stride_row,
-    row_req_ptr,
-    temperature_ptr,
-    bound_ptr,
-    state_ptr,
-    count_ptr,
-    cand_ptr,
-    V,
-    BLOCK_V: tl.constexpr,
-    CAP: tl.constexpr,
-):
-    """Per filtered row: append every token with z >= L to the row's candidates (packed, any order).
-
-    One program per row: only filtered rows work here, and the others exit without a grid of splits."""
-    row = tl.program_id(0)
-    if tl.load(state_ptr + row) == _CANDIDATES:
-        inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + tl.load(row_req_ptr + row)))
-        bound = tl.load(bound_ptr + row)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        counter = count_ptr + row + tl.zeros([BLOCK_V], tl.int32)
-        for start in range(0, V, BLOCK_V):
-            idx = start + tl.arange(0, BLOCK_V)
-            z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-            hit = (idx < V) & (z >= bound)
-            slot = tl.atomic_add(counter, tl.full([BLOCK_V], 1, tl.int32), mask=hit, sem="relaxed")
-            bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
-            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
-            tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, packed, mask=hit & (slot < CAP))
+def _compact(row_ptr, V, inv_t, bound, cand_ptr, row, BLOCK_V: tl.constexpr, CAP: tl.constexpr):
+    """Write every token with z >= L of a filtered row to its CAP candidate slots (packed (order key, id), see
+    :mod:`kernels.float_keys`, in id order); returns how many tokens are >= L (may exceed CAP)."""
+    count = tl.zeros((), tl.int32)
+    for start in range(0, V, BLOCK_V):
+        idx = start + tl.arange(0, BLOCK_V)
+        z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+        hit = (idx < V) & (z >= bound)
+        slot = count + tl.cumsum(hit.to(tl.int32), 0) - 1
+        bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
+        tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, packed, mask=hit & (slot < CAP))
+        count += tl.sum(hit.to(tl.int32), 0)
+    return count
 
 
 @triton.jit
@@ -440,36 +447,34 @@ def _candidate_threshold(
 
 
 @triton.jit
-def _threshold_kernel(
-    logits_ptr,
-    stride_row,
-    row_req_ptr,
-    temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
-    zmax_ptr,
-    norm_ptr,
-    tau_ptr,
-    state_ptr,
-    count_ptr,
-    cand_ptr,
+def _keep_threshold(
+    row_ptr,
     V,
+    inv_t,
+    z_max,
+    total_all,
+    top_k,
+    top_p,
+    use_k,
+    use_p,
+    state,
+    bound,
+    cand_ptr,
+    row,
+    tau_ptr,
+    norm_ptr,
+    BLOCK_V: tl.constexpr,
     CAP: tl.constexpr,
     SMALL: tl.constexpr,
     BLOCK_S: tl.constexpr,
     NCAND: tl.constexpr,
 ):
-    """Per filtered row: exact tau and normaliser of the kept set, from the sorted candidates or by search."""
-    row = tl.program_id(0)
-    state = tl.load(state_ptr + row)
-    if state != _DONE:
-        req = tl.load(row_req_ptr + row)
-        inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + req))
-        z_max = tl.load(zmax_ptr + row)
-        total_all = tl.load(norm_ptr + row)
-        top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
-        count = tl.load(count_ptr + row)
-        if (state == _CANDIDATES) & (count <= CAP):
+    """Exact tau and normaliser of a filtered row's kept set: from the sorted candidates (z >= L), or by the
+    fallback search when the bound does not exist, too many tokens pass it, or it does not certify top-p."""
+    if state == _CANDIDATES:
+        count = _compact(row_ptr, V, inv_t, bound, cand_ptr, row, BLOCK_V, CAP)
+        tl.debug_barrier()  # the candidates were stored by other threads of this program
+        if count <= CAP:
             if count <= SMALL:  # the usual case: sort a short buffer
                 found, tau, norm = _candidate_threshold(
                     cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, SMALL
@@ -479,27 +484,22 @@ def _threshold_kernel(
                     cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, CAP
                 )
             if found:
-                tl.store(tau_ptr + row, tau)
-                tl.store(norm_ptr + row, norm)
+                tl.store(tau_ptr, tau)
+                tl.store(norm_ptr, norm)
             else:
                 state = _SEARCH  # the top-p crossing lies below the candidates (float rounding): search
         else:
             state = _SEARCH
-        if state == _SEARCH:
-            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-            lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
-            hi = tl_ordered_key(z_max)
-            if use_k:
-                lo = _search_threshold(
-                    row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND
-                )
-            if use_p:
-                kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
-                lo = _search_threshold(
-                    row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND
-                )
-            tl.store(tau_ptr + row, tl_key_to_float(lo))
-            tl.store(norm_ptr + row, _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S))
+    if state == _SEARCH:
+        lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
+        hi = tl_ordered_key(z_max)
+        if use_k:
+            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND)
+        if use_p:
+            kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
+            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND)
+        tl.store(tau_ptr, tl_key_to_float(lo))
+        tl.store(norm_ptr, _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S))
 
 
 @triton.jit
@@ -917,7 +917,7 @@ def rejection_sample_triton(
     positions64 = positions.to(torch.int64).contiguous()
     options = launch_options()
 
-    # 1-4: per-row statistics and keep thresholds
+    # 1-2: per-row statistics and keep thresholds
     block_v = _block(TUNING["row_block_v"], vocab)
     split_size, num_splits = _splits(vocab, block_v, TUNING["row_splits"])
     num_blocks = triton.cdiv(vocab, block_v)
@@ -936,37 +936,27 @@ def rejection_sample_triton(
         PROBS=mode, BLOCK_V=block_v, BLOCK_K=block_k, NG=groups, num_warps=TUNING["row_warps"], **options,
     )  # fmt: skip
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
-    z_max, norm, tau, bound = (torch.empty(rows, **f32) for _ in range(4))
-    state = torch.empty(rows, dtype=torch.int32, device=device)
-    count = torch.empty(rows, dtype=torch.int32, device=device)  # zeroed by the combine kernel
+    z_max, norm, tau = (torch.empty(rows, **f32) for _ in range(3))
+    cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
+    cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
     block_nb = _block(1 << 20, num_blocks)
     _row_combine_kernel[(rows,)](
         logits, logits.stride(0), cu, probs, prob_ids, width, width, part_max, part_arg, block_max, block_sum,
-        sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, bound, state, count, vocab,
-        num_splits, num_blocks, PROBS=mode, BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_NB=block_nb,
+        sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, cands, vocab, num_splits, num_blocks,
+        PROBS=mode, BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_NB=block_nb,
         BLOCK_K=block_k, CHUNK_K=chunk_k, BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups,
-        num_warps=4, **options,
-    )  # fmt: skip
-    cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
-    cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
-    _compact_kernel[(rows,)](
-        logits, logits.stride(0), row_req, temps, bound, state, count, cands, vocab,
-        BLOCK_V=block_v, CAP=cap, num_warps=TUNING["row_warps"], **options,
-    )  # fmt: skip
-    _threshold_kernel[(rows,)](
-        logits, logits.stride(0), row_req, temps, top_k64, top_p32, z_max, norm, tau, state, count, cands,
-        vocab, CAP=cap, SMALL=min(cap, 256), BLOCK_S=_block(512, vocab),
+        BLOCK_V=block_v, CAP=cap, SMALL=min(cap, 256), BLOCK_S=_block(512, vocab),
         NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=8, **options,
     )  # fmt: skip
 
-    # 5: accept chains; greedy requests and the inverse-CDF draws finish here
+    # 3: accept chains; greedy requests and the inverse-CDF draws finish here
     _accept_chain_kernel[(num_req,)](
         logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, top_k64, top_p32, seeds64, positions64,
         argmax, z_max, norm, tau, block_max, block_sum, out, num_acc, width, vocab, num_blocks,
         PROBS=mode, BLOCK_V=block_v, BLOCK_NB=block_nb, BLOCK_K=block_k, CHUNK_K=chunk_k, num_warps=4, **options,
     )  # fmt: skip
 
-    # 6-7: residual / bonus draws
+    # 4-5: the raced requests' residual / bonus draws
     race_block = _block(TUNING["race_block_v"], vocab)
     race_split, race_splits = _splits(vocab, race_block, TUNING["race_splits"])
     part_key = torch.empty((num_req, race_splits, 2), **f32)
