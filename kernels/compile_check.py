@@ -28,7 +28,7 @@ _REJECTION_COMMON = dict(logits_ptr="*bf16", stride_row="i64", cu_ptr="*i64", te
                          sketch_ptr="*fp32", split_size="i32", num_splits="i32", argmax_ptr="*i32", cand_ptr="*i64",
                          draft_ids_ptr="*i64", out_ptr="*i64", part_key_ptr="*fp32",
                          part_id_ptr="*i32", num_req="i32", bmax_ptr="*fp32", bsum_ptr="*fp32",
-                         num_blocks="i32")  # fmt: skip
+                         num_blocks="i32", mass_ptr="*fp32", num_mass="i32")  # fmt: skip
 _MARKOV_COMMON = dict(base_ptr="*bf16", stride_br="i64", stride_bk="i64", step="i32", prev_ptr="*i64",
                       stride_prev="i32", w1_ptr="*bf16", w2_ptr="*bf16", temperature_ptr="*fp32",
                       seeds_ptr="*i64", positions_ptr="*i64", logits_ptr="*fp32", z_ptr="*fp32",
@@ -48,7 +48,8 @@ _CONFIGS = [
     *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_NB=128, BLOCK_K=64, CHUNK_K=16), 4)
       for mode in (0, 1, 2)],
     *[("_race_kernel", dict(PROBS=mode, BLOCK_V=1024, BLOCK_K=64), 4) for mode in (0, 1, 2)],
-    *[("_finalize_kernel", dict(PROBS=mode, BLOCK_SPLITS=16, BLOCK_K=64), 1) for mode in (0, 1, 2)],
+    *[("_finalize_kernel", dict(PROBS=mode, BLOCK_SPLITS=16, BLOCK_K=64, BLOCK_R=1024, BLOCK_MASS=256,
+                                BLOCK_V=2048, BLOCK_NB=128), 4) for mode in (0, 1, 2)],
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=128, BLOCK_D=64, TOPK=0, STORE_LOGITS=False,
                                  NATIVE_DOT=True), 8),
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=256, BLOCK_D=64, TOPK=64, STORE_LOGITS=True,

@@ -37,8 +37,8 @@ uses stream STREAM_ACCEPT, index 0; the residual or bonus draw uses STREAM_TARGE
 inverse CDF, the vocabulary index for the race, below).
 
 Residual and bonus draws. A request draws one token from the residual norm(max(0, p_t - p_d)) (after a
-rejection) or from p_t (bonus row, all accepted; the same formula with p_d = 0). Two exact methods are used,
-chosen per request by the same rule in both implementations:
+rejection) or from p_t (bonus row, all accepted; the same formula with p_d = 0). The exact method is chosen
+per request by the same rule in both implementations:
 
 *Inverse CDF* (unfiltered requests whose residual differs from p_t on at most K known ids: sparse drafts,
 no drafts, and every bonus row): with e_v = exp(z_v - max z) and Z = sum e, the residual weight is
@@ -56,7 +56,13 @@ the last entry, the last entry of positive weight; a block's scan runs in that b
 probability-0 event in exact arithmetic that float rounding can produce), every token with e_v > 0 lies in
 the support and the draw falls back to p_t over the support slots (weights e_s) with the same u.
 
-*Exponential race* (requests with top-k / top-p, and dense drafts' residual rows): token = argmax_v of
+*Inverse CDF over a dense residual* (unfiltered requests with dense drafts, after a rejection): the same search
+with one uniform over the ids in ascending order, with block masses sum_{v in b} max(0, e_v - Z * p_d(v)) over
+blocks of DENSE_CDF_BLOCK ids (in row units: a block whose weights all underflow has mass 0 and is never
+chosen), then the running sum of the same weights inside the chosen block (first positive crossing, else the
+last positive entry); an all-zero residual falls back to the p_t draw above with the same u.
+
+*Exponential race* (requests with top-k / top-p): token = argmax_v of
 log w_v - log E_v, E_v = -log u_v with one uniform per vocabulary index (STREAM_TARGET_SAMPLE, index v).
 Since P(argmax_v w_v / E_v = v) = w_v / sum w for independent Exp(1) variables, this samples norm(w) without
 a normalisation pass; it is a single max-reduction, so a vocabulary split over many programs combines
@@ -66,8 +72,7 @@ exactly; the log form costs no division and, where p_d = 0, no exp per token:
   log w_v = -inf                              on tokens removed by top-k / top-p.
 Ties (probability ~0) go to the smaller token id. An all-zero residual falls back to p_t (keys
 z_v - max z - log E_v) with the same uniforms. (Filtered rows keep the race because their masses would have
-to be taken over the kept set, which is only known after the statistics pass; dense residuals are nonzero
-everywhere, so the inverse CDF would need a full pass too.)
+to be taken over the kept set, which is only known after the statistics pass.)
 
 Sparse draft distributions: a drafter may sample x_k from its top-K truncated, renormalised distribution and
 send only ``(ids [N, K], probs [N, K])``. Verification stays exact because the rejection rule only needs
@@ -99,6 +104,9 @@ CDF_BLOCK = 2048
 """Vocabulary ids per block of the inverse-CDF draw (a vocabulary of at most this many ids is one block).
 The Triton kernel's statistics block (``rejection_triton.TUNING['row_block_v']``) has the same default; another
 block size gives the same distribution and only changes float rounding."""
+DENSE_CDF_BLOCK = 1024
+"""Vocabulary ids per block of the inverse-CDF draw from a dense residual (the Triton race kernel's block,
+``rejection_triton.TUNING['race_block_v']``, has the same default)."""
 
 
 @dataclass(frozen=True)
@@ -380,6 +388,27 @@ def inverse_cdf_draw(
     return torch.where(in_support, support_ids.gather(1, j[:, None]).squeeze(1), b * block + i)
 
 
+def dense_residual_draw(
+    z: torch.Tensor, norm: torch.Tensor, p_d: torch.Tensor, u: torch.Tensor, block: int, fallback: torch.Tensor
+) -> torch.Tensor:
+    """One draw per row from norm(max(0, p_t - p_d)) for a dense ``p_d [R, V]`` by inverse CDF with one uniform:
+    residual weights w = max(0, exp(z - max z) - Z * p_d) summed per block of ``block`` ids (in row units), the
+    block by its running mass, then the id inside it; ``fallback`` (the p_t draw) where the residual is all 0."""
+    rows, vocab = z.shape
+    w = (torch.exp(z - z.amax(dim=-1, keepdim=True)) - norm[:, None] * p_d).clamp(min=0.0)
+    num_blocks = -(-vocab // block)
+    w = torch.nn.functional.pad(w, (0, num_blocks * block - vocab)).view(rows, num_blocks, block)
+    mass = w.sum(dim=-1)
+    total = mass.sum(dim=-1)
+    target = u * total
+    cum = mass.cumsum(dim=-1)
+    b = _first_positive_crossing(mass, cum, target).clamp(min=0)
+    before = (cum - mass).gather(1, b[:, None]).squeeze(1)
+    w_chosen = w[torch.arange(rows, device=z.device), b]
+    i = _first_positive_crossing(w_chosen, w_chosen.cumsum(dim=-1), target - before).clamp(min=0)
+    return torch.where(total > 0, b * block + i, fallback)
+
+
 def rejection_sample_reference(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
@@ -493,6 +522,11 @@ def rejection_sample_reference(
         uniform(seeds, position_s, STREAM_TARGET_SAMPLE, torch.zeros_like(position_s)),
         CDF_BLOCK,
     )
+    if draft_probs is not None and draft_prob_ids is None and num_draft > 0:  # dense: the bonus rows drew above
+        u_s = uniform(seeds, position_s, STREAM_TARGET_SAMPLE, torch.zeros_like(position_s))
+        drawn = torch.where(bonus, drawn, dense_residual_draw(z_s, norm_s.squeeze(1), pd_s, u_s, DENSE_CDF_BLOCK,
+                                                              drawn))  # fmt: skip
+        cdf = ~filtered
     final = torch.where(greedy, argmax[sample_row], torch.where(cdf, drawn, raced))
 
     # Rejected drafts go to a trash row past the end: a scatter of static shape, no boolean index (no sync).

@@ -2,8 +2,9 @@
 
 The big tensor is the target logits [N + R, V]; everything else is small. It is read once in full by the
 statistics kernel; an unfiltered sparse (or draft-less, or bonus) draw then reads only K support logits, the
-row's block masses and one block of BLOCK_V ids; a raced draw (top-k / top-p, dense residual) reads its row
-once more, and filtered rows a second time for their threshold. Launches:
+row's block masses and one block of BLOCK_V ids; an unfiltered dense residual draw reads its row and its draft
+row once more (block masses, no per-entry random numbers); a raced draw (top-k / top-p) reads its row once
+more, and filtered rows a second time for their threshold. Launches:
 
 1. ``_row_stats_kernel``, programs (row, vocabulary split): every row of every request at once. Greedy rows
    keep a per-lane running argmax (reduced once at the end of the split). Sampled rows write, per block of
@@ -21,12 +22,14 @@ once more, and filtered rows a second time for their threshold. Launches:
    draft tokens, one uniform each) up to the first rejection; writes the accepted drafts and the count; then
    the final token of greedy requests (argmax) and of unfiltered requests whose residual differs from p_t on
    at most K known ids (sparse drafts, no drafts, bonus rows) by inverse CDF with one uniform (below).
-4. ``_race_kernel``, programs (raced request, vocabulary split): the exponential race on its split of the
-   residual (or bonus) row with per-lane winners, keys log w_v - log E_v as defined in :mod:`kernels.rejection`
-   (w = norm * max(0, p_t - p_d); off the draft support log w_v = z_v - max z, so no exp and no division).
-   Programs of requests drawn by inverse CDF (the product's sparse path) exit at once.
-5. ``_finalize_kernel``, one program per raced request: combines the per-split race winners; with sparse
-   drafts it also runs the fallback race (all-zero residual), which can only be won inside the draft's support.
+4. ``_race_kernel``, programs (request, vocabulary split): for filtered requests the exponential race on its
+   split of the residual (or bonus) row with per-lane winners, keys log w_v - log E_v as defined in
+   :mod:`kernels.rejection` (w = norm * max(0, p_t - p_d); off the draft support log w_v = z_v - max z, so no
+   exp and no division); for unfiltered dense residual rows the residual mass of each block of its split.
+   Programs of requests drawn in the accept chain kernel (the product's sparse path) exit at once.
+5. ``_finalize_kernel``, one program per request: combines the per-split race winners (with sparse drafts it
+   also runs the fallback race for an all-zero residual, which can only be won inside the draft's support), or
+   draws an unfiltered dense residual row by inverse CDF from its block masses and one block.
 
 Why the inverse CDF is exact: with e_v = exp(z_v - max z), the residual weight is w_s = max(0, e_s - Z p_d(s))
 on the support and w_v = e_v elsewhere, so its total is sum_s w_s + sum_b M_b with the block masses
@@ -38,7 +41,10 @@ of exp(z_v - m_b) against (t - mass before the block) / exp(m_b - max z) is the 
 floats every search takes the first entry of positive weight past the target, or the last positive one when
 rounding lets the target pass the end; inside a block the weights are in the block's own units, whose max
 is exactly 1, so no chosen block is empty and no zero-weight (-inf, masked, or fully-covered) token is ever
-drawn. The reference (:func:`kernels.rejection.inverse_cdf_draw`) runs the same search with the same uniform;
+drawn. A dense residual has no short support, so its block masses are sums of the residual weights
+max(0, e_v - Z p_d(v)) themselves (race kernel), and the chosen block's weights are recomputed by the same
+float operations (``_dense_weights``), so a block of positive mass has a positive entry. The reference
+(:func:`kernels.rejection.inverse_cdf_draw`, ``dense_residual_draw``) runs the same search with the same uniform;
 the two differ only where exp and the summation order round differently, i.e. when t lies within float
 rounding of a boundary. The block partition only changes rounding too, so a swept ``row_block_v`` stays exact.
 
@@ -90,7 +96,8 @@ TUNING = {
 """Launch sizes (one fixed configuration, no autotuning): vocabulary block per loop step, warps, and the number
 of programs a row is split over (the statistics kernel runs every row, the race one row per request, so it
 splits finer). ``row_block_v`` is also the inverse-CDF block (default = ``kernels.rejection.CDF_BLOCK``, so
-the Triton draw follows the reference's rounding; any other value draws from the same distribution). Set from
+the Triton draw follows the reference's rounding; any other value draws from the same distribution), and
+``race_block_v`` the dense-residual one (``kernels.rejection.DENSE_CDF_BLOCK``, likewise). Set from
 ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md)."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
@@ -686,6 +693,63 @@ def _accept_chain_kernel(
 
 
 @triton.jit
+def _dense_weights(row_ptr, probs_row_ptr, idx, V, inv_t, z_max, norm):
+    """Residual weights max(0, e - Z * p_d) of a dense draft at ``idx`` (0 past the end); the same float
+    operations wherever they are evaluated, so a block's recomputed weights sum to its stored mass."""
+    z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+    p_d = tl.load(probs_row_ptr + idx, mask=idx < V, other=0.0)
+    return tl.maximum(tl.exp(z - z_max) - norm * p_d, 0.0)
+
+
+@triton.jit
+def _dense_residual_masses(
+    logits_ptr, stride_row, probs_ptr, stride_probs, zmax_ptr, norm_ptr, mass_ptr, sample_row, draft_row, r, split,
+    inv_t, V, split_size, num_blocks, BLOCK_V: tl.constexpr,
+):
+    """Residual mass of every block of BLOCK_V ids in this split of an unfiltered dense residual row (row units:
+    a block whose weights all underflow has mass 0 and is never chosen)."""
+    row_ptr = logits_ptr + sample_row.to(tl.int64) * stride_row
+    probs_row_ptr = probs_ptr + draft_row.to(tl.int64) * stride_probs
+    z_max = tl.load(zmax_ptr + sample_row)
+    norm = tl.load(norm_ptr + sample_row)
+    for start in range(split * split_size, tl.minimum(split * split_size + split_size, V), BLOCK_V):
+        w = _dense_weights(row_ptr, probs_row_ptr, start + tl.arange(0, BLOCK_V), V, inv_t, z_max, norm)
+        tl.store(mass_ptr + r.to(tl.int64) * num_blocks + start // BLOCK_V, tl.sum(w, 0))
+
+
+@triton.jit
+def _dense_pick(
+    logits_ptr, stride_row, probs_ptr, stride_probs, zmax_ptr, norm_ptr, mass_ptr, bmax_ptr, bsum_ptr, sample_row,
+    draft_row, r, inv_t, u, V, num_mass, num_blocks, BLOCK_R: tl.constexpr, BLOCK_MASS: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_NB: tl.constexpr,
+):
+    """Inverse-CDF draw from an unfiltered dense residual with one uniform: the block by its running mass, then
+    the id inside it (weights recomputed exactly as summed); p_t (statistics blocks) if the residual is all 0."""
+    offs = tl.arange(0, BLOCK_MASS)
+    mass = tl.load(mass_ptr + r.to(tl.int64) * num_mass + offs, mask=offs < num_mass, other=0.0)
+    total = tl.sum(mass, 0)
+    z_max = tl.load(zmax_ptr + sample_row)
+    norm = tl.load(norm_ptr + sample_row)
+    token = tl.zeros((), tl.int32)
+    if total > 0.0:
+        target = u * total
+        cum = tl.cumsum(mass, 0)
+        b = _first_positive_crossing(mass, cum, target, offs)  # >= 0: total > 0
+        before = tl.sum(tl.where(offs == b, cum - mass, 0.0), 0)
+        inner = tl.arange(0, BLOCK_R)
+        w = _dense_weights(logits_ptr + sample_row.to(tl.int64) * stride_row,
+                           probs_ptr + draft_row.to(tl.int64) * stride_probs, b * BLOCK_R + inner, V, inv_t, z_max,
+                           norm)  # fmt: skip
+        token = b * BLOCK_R + tl.maximum(_first_positive_crossing(w, tl.cumsum(w, 0), target - before, inner), 0)
+    else:
+        token = _inverse_cdf(
+            logits_ptr, stride_row, probs_ptr, probs_ptr, stride_probs, bmax_ptr, bsum_ptr, sample_row, draft_row,
+            0, num_blocks, inv_t, z_max, norm, u, V, 0, BLOCK_V, BLOCK_NB, 16, 16,
+        )  # fmt: skip
+    return token
+
+
+@triton.jit
 def _race_kernel(
     logits_ptr,
     stride_row,
@@ -704,23 +768,33 @@ def _race_kernel(
     num_acc_ptr,
     part_key_ptr,
     part_id_ptr,
+    mass_ptr,
     V,
     K,
     split_size,
     num_splits,
+    num_mass,
     PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Exponential race on one vocabulary split of a raced request's residual (or bonus) row (filtered
-    requests, dense drafts' residual rows; the other sampled requests drew by inverse CDF)."""
+    """Exponential race on one vocabulary split of a filtered request's residual (or bonus) row; for an
+    unfiltered dense residual row, its split's block masses (:func:`_dense_residual_masses`). The other sampled
+    requests drew by inverse CDF in the accept chain kernel."""
     r = tl.program_id(0)
     split = tl.program_id(1)
     temp = tl.load(temperature_ptr + r)
     d0 = tl.load(cu_ptr + r)
     num_draft = (tl.load(cu_ptr + r + 1) - d0).to(tl.int32)
     n_acc = tl.load(num_acc_ptr + r).to(tl.int32)
-    if (temp != 0.0) & (_draws_by_cdf(top_k_ptr, top_p_ptr, r, V, n_acc == num_draft, PROBS) == 0):
+    _, _, use_k, use_p = _filters(top_k_ptr, top_p_ptr, r, V)
+    if PROBS == _DENSE:  # noqa: SIM102 (a compile-time branch around a runtime one)
+        if (temp != 0.0) & ((use_k | use_p) == 0) & (n_acc < num_draft):
+            _dense_residual_masses(
+                logits_ptr, stride_row, probs_ptr, stride_probs, zmax_ptr, norm_ptr, mass_ptr, d0 + r + n_acc,
+                d0 + n_acc, r, split, tl.math.div_rn(1.0, temp), V, split_size, num_mass, BLOCK_V,
+            )  # fmt: skip
+    if (temp != 0.0) & (use_k | use_p):
         inv_t = tl.math.div_rn(1.0, temp)
         sample_row = d0 + r + n_acc
         draft_row = d0 + n_acc
@@ -754,7 +828,7 @@ def _race_kernel(
                 here = (ids >= start) & (ids < start + BLOCK_V)
                 p_d = tl.zeros([BLOCK_V], tl.float32)
                 previous = tl.zeros((), tl.int64) + (start - 1)
-                for _ in range(0, tl.sum(here.to(tl.int32), 0)):
+                for _hit in range(0, tl.sum(here.to(tl.int32), 0)):
                     current = tl.min(tl.where(here & (ids > previous), ids, 2147483647), 0)
                     p_d = tl.where(idx == current, tl.sum(tl.where(ids == current, probs, 0.0), 0), p_d)
                     previous = current
@@ -787,10 +861,14 @@ def _race_kernel(
 def _finalize_kernel(
     logits_ptr,
     stride_row,
+    probs_ptr,
     prob_ids_ptr,
     stride_probs,
     part_key_ptr,
     part_id_ptr,
+    mass_ptr,
+    bmax_ptr,
+    bsum_ptr,
     cu_ptr,
     temperature_ptr,
     top_k_ptr,
@@ -798,17 +876,25 @@ def _finalize_kernel(
     seeds_ptr,
     positions_ptr,
     zmax_ptr,
+    norm_ptr,
     tau_ptr,
     num_acc_ptr,
     out_ptr,
     K,
     V,
     num_splits,
+    num_mass,
+    num_blocks,
     PROBS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_MASS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
 ):
-    """Per raced request: the race winner over all splits (an all-zero residual falls back to p_t).
+    """Per filtered request: the race winner over all splits (an all-zero residual falls back to p_t); per
+    unfiltered dense residual row: the inverse-CDF pick from the block masses (:func:`_dense_pick`).
 
     The fallback race over p_t is only needed when every residual key is -inf. With sparse drafts that means
     every kept token lies in the draft's support (outside it the residual is p_t itself), so the fallback
@@ -818,7 +904,19 @@ def _finalize_kernel(
     d0 = tl.load(cu_ptr + r)
     n_acc = tl.load(num_acc_ptr + r)
     bonus = n_acc == tl.load(cu_ptr + r + 1) - d0
-    if (temp != 0.0) & (_draws_by_cdf(top_k_ptr, top_p_ptr, r, V, bonus, PROBS) == 0):
+    _, _, use_k, use_p = _filters(top_k_ptr, top_p_ptr, r, V)
+    if PROBS == _DENSE:  # noqa: SIM102 (a compile-time branch around a runtime one)
+        if (temp != 0.0) & ((use_k | use_p) == 0) & (bonus == 0):
+            sample_row = d0 + r + n_acc
+            position = tl.load(positions_ptr + r) + 1 + n_acc
+            token = _dense_pick(
+                logits_ptr, stride_row, probs_ptr, stride_probs, zmax_ptr, norm_ptr, mass_ptr, bmax_ptr, bsum_ptr,
+                sample_row, d0 + n_acc, r, tl.math.div_rn(1.0, temp),
+                tl_uniform(tl_row_key(tl.load(seeds_ptr + r), position, _TARGET), tl.zeros((), tl.int32)), V,
+                num_mass, num_blocks, BLOCK_R, BLOCK_MASS, BLOCK_V, BLOCK_NB,
+            )  # fmt: skip
+            tl.store(out_ptr + sample_row, token.to(tl.int64))
+    if (temp != 0.0) & (use_k | use_p):
         offs = tl.arange(0, BLOCK_SPLITS)
         live = offs < num_splits
         part = (r * num_splits + offs) * 2
@@ -961,14 +1059,17 @@ def rejection_sample_triton(
     race_split, race_splits = _splits(vocab, race_block, TUNING["race_splits"])
     part_key = torch.empty((num_req, race_splits, 2), **f32)
     part_id = torch.empty((num_req, race_splits, 2), dtype=torch.int32, device=device)
+    num_mass = triton.cdiv(vocab, race_block) if mode == PROBS_DENSE else 1
+    mass = torch.empty((num_req, num_mass), **f32)
     _race_kernel[(num_req, race_splits)](
         logits, logits.stride(0), probs, width, prob_ids, cu, temps, top_k64, top_p32, seeds64, positions64, z_max,
-        norm, tau, num_acc, part_key, part_id, vocab, width, race_split, race_splits,
+        norm, tau, num_acc, part_key, part_id, mass, vocab, width, race_split, race_splits, num_mass,
         PROBS=mode, BLOCK_V=race_block, BLOCK_K=block_k, num_warps=TUNING["race_warps"], **options,
     )  # fmt: skip
     _finalize_kernel[(num_req,)](
-        logits, logits.stride(0), prob_ids, width, part_key, part_id, cu, temps, top_k64, top_p32, seeds64,
-        positions64, z_max, tau, num_acc, out, width, vocab, race_splits,
-        PROBS=mode, BLOCK_SPLITS=_block(1 << 20, race_splits), BLOCK_K=block_k, num_warps=1, **options,
+        logits, logits.stride(0), probs, prob_ids, width, part_key, part_id, mass, block_max, block_sum, cu, temps,
+        top_k64, top_p32, seeds64, positions64, z_max, norm, tau, num_acc, out, width, vocab, race_splits, num_mass,
+        num_blocks, PROBS=mode, BLOCK_SPLITS=_block(1 << 20, race_splits), BLOCK_K=block_k, BLOCK_R=race_block,
+        BLOCK_MASS=_block(1 << 20, num_mass), BLOCK_V=block_v, BLOCK_NB=block_nb, num_warps=4, **options,
     )  # fmt: skip
     return RejectionOutput(num_accepted=num_acc, output_tokens=out)

@@ -104,7 +104,8 @@ SCENARIOS = {
     "dense T=0.7 top-k 6 top-p 0.9": dict(sparse_k=0, temperature=0.7, top_k=6, top_p=0.9),
     "sparse K=5 T=1.3 top-p 0.8": dict(sparse_k=5, temperature=1.3, top_k=0, top_p=0.8),
     "sparse K=3 T=1 top-k 4": dict(sparse_k=3, temperature=1.0, top_k=4, top_p=1.0),
-    # unfiltered sparse rows draw by inverse CDF: blocks of 4 ids (3 blocks), one with duplicate ids
+    # unfiltered rows draw by inverse CDF: blocks of 4 ids (3 blocks); sparse (one with duplicate ids) and dense
+    "dense T=1.2 inverse CDF, blocks of 4": dict(sparse_k=0, temperature=1.2, top_k=0, top_p=1.0, cdf_block=4),
     "sparse K=5 T=1 inverse CDF": dict(sparse_k=5, temperature=1.0, top_k=0, top_p=1.0, cdf_block=4),
     "sparse K=4+1 duplicate T=0.8 inverse CDF": dict(
         sparse_k=4, temperature=0.8, top_k=0, top_p=1.0, cdf_block=4, duplicates=True
@@ -116,6 +117,7 @@ SCENARIOS = {
 def test_reference_output_follows_the_target_distribution(monkeypatch, name: str) -> None:
     cfg = SCENARIOS[name]
     monkeypatch.setattr(rejection, "CDF_BLOCK", cfg.get("cdf_block", rejection.CDF_BLOCK))
+    monkeypatch.setattr(rejection, "DENSE_CDF_BLOCK", cfg.get("cdf_block", rejection.DENSE_CDF_BLOCK))
     n, vocab, gamma = 20_000, 12, 3
     target_rows, q, drafts, probs, ids = _scenario(n, vocab, gamma, cfg["sparse_k"], seed=len(name))
     if cfg.get("duplicates"):
@@ -184,13 +186,17 @@ def test_triton_sampler_output_follows_the_target_and_equals_the_reference(spars
     assert p_value > P_MIN
 
 
-def test_triton_inverse_cdf_over_blocks_follows_the_target_and_equals_the_reference(monkeypatch) -> None:
-    """Unfiltered sparse rows with duplicate ids over 3 blocks of 16 ids (both implementations)."""
+@pytest.mark.parametrize("sparse_k", [0, 6])
+def test_triton_inverse_cdf_over_blocks_follows_the_target_and_equals_the_reference(monkeypatch, sparse_k) -> None:
+    """Unfiltered rows over 3 blocks of 16 ids (both implementations): sparse with duplicate ids, and dense."""
     monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 16)
+    monkeypatch.setitem(rejection_triton.TUNING, "race_block_v", 16)
     monkeypatch.setattr(rejection, "CDF_BLOCK", 16)
+    monkeypatch.setattr(rejection, "DENSE_CDF_BLOCK", 16)
     n, vocab, gamma = 300, 40, 1
-    target_rows, _, drafts, probs, ids = _scenario(n, vocab, gamma, 6, seed=11)
-    probs, ids = _with_duplicates(probs, ids)
+    target_rows, _, drafts, probs, ids = _scenario(n, vocab, gamma, sparse_k, seed=11)
+    if sparse_k:
+        probs, ids = _with_duplicates(probs, ids)
     ref = _run(rejection_sample_reference, target_rows, drafts, probs, ids, 1.0, 0, 1.0, seed=4)
     tri = _run(rejection_sample_triton, target_rows, drafts, probs, ids, 1.0, 0, 1.0, seed=4)
     assert torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1])
