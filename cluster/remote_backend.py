@@ -34,6 +34,8 @@ UNAVAILABLE_CODES = frozenset(
     }
 )
 AddressResolver = Callable[[], Awaitable[str]]
+#: Deadline of the unary calls (abort, metrics); health checks get less.
+UNARY_TIMEOUT_S = 10.0
 
 
 class RemoteBackend:
@@ -86,12 +88,19 @@ class RemoteBackend:
         )
 
     def _forget_channel(self) -> None:
-        """Every call on this loop's channel fails alike; a fresh one goes to wherever the scheduler is now."""
+        """New calls on this loop go on a fresh channel, to wherever the scheduler is now.
+
+        The old channel is closed gracefully: other requests may still be running on it (a draining scheduler
+        refuses new calls but finishes its streams; a dead one fails them itself with UNAVAILABLE). Closing it at
+        once would cancel them: a healthy stream cut short, and a bare ``CancelledError`` in its caller. No call
+        outlives its deadline, so the grace is the longest deadline.
+        """
         if self._resolve is None:
             return
         client = self._clients.pop(asyncio.get_running_loop(), None)
         if client is not None:
-            task = asyncio.get_running_loop().create_task(client.close())
+            grace_s = max(self._timeout_s, UNARY_TIMEOUT_S)
+            task = asyncio.get_running_loop().create_task(client.close(grace_s=grace_s))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
@@ -124,8 +133,9 @@ class RemoteBackend:
                 if received or attempt == 1 or exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise error from None
             except asyncio.CancelledError:
-                # As in abort: grpc.aio cancels the calls of a channel whose peer went away; that is a lost
-                # scheduler (retryable 503), not a client disconnect, unless this task itself is being cancelled.
+                # As in abort: grpc.aio raises CancelledError in the calls of a channel closed under them (with
+                # _forget_channel's grace, only one whose calls outlived it); that is a lost scheduler (retryable
+                # 503), not a client disconnect, unless this task itself is being cancelled.
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
                     raise
@@ -136,15 +146,15 @@ class RemoteBackend:
 
     async def abort(self, req_id: str) -> None:
         try:
-            await (await self._client()).call(SERVICE, "Abort", {"req_id": req_id}, timeout_s=10.0)
+            await (await self._client()).call(SERVICE, "Abort", {"req_id": req_id}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             error = self._unreachable(exc)
             logger.info("abort of %s not delivered (%s): the scheduler went with its requests", req_id, error)
         except BackendUnavailableError as exc:
             logger.info("abort of %s not delivered (%s): the scheduler went with its requests", req_id, exc)
         except asyncio.CancelledError:
-            # grpc.aio cancels the calls of a channel whose peer went away with CancelledError; only a
-            # cancellation of this task itself (a client disconnect, shutdown) must propagate.
+            # grpc.aio raises CancelledError in the calls of a channel closed under them; only a cancellation
+            # of this task itself (a client disconnect, shutdown) must propagate.
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
@@ -152,7 +162,7 @@ class RemoteBackend:
 
     async def metrics(self) -> MetricsSnapshot:
         try:
-            reply = await (await self._client()).call(SERVICE, "Metrics", {}, timeout_s=10.0)
+            reply = await (await self._client()).call(SERVICE, "Metrics", {}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
         return snapshot_from_dict(reply)

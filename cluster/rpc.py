@@ -513,8 +513,12 @@ class RpcClient(_ClientBase):
         """Wait until the channel connects (e.g. to a server process just started); TimeoutError otherwise."""
         await asyncio.wait_for(self._channel.channel_ready(), self._timeout(timeout_s))
 
-    async def close(self) -> None:
-        await self._channel.close()
+    async def close(self, grace_s: float | None = None) -> None:
+        """Close the channel; calls still running get ``grace_s`` seconds to end, then they are cancelled.
+
+        ``None`` cancels them at once: grpc.aio raises ``asyncio.CancelledError`` in their callers.
+        """
+        await self._channel.close(grace_s)
 
     async def __aenter__(self) -> RpcClient:
         return self

@@ -146,7 +146,9 @@ def test_shutdown_fails_running_and_queued_requests(pair: tuple[Path, Path]) -> 
         queued = asyncio.ensure_future(
             _collect(backend, "queued", [3, 4], SamplingParams(temperature=0.0, max_tokens=8))
         )
-        await asyncio.sleep(0.05)  # lets the generator enqueue its submit behind the blocker
+        # One pass of the event loop runs the new task up to its first await, after it enqueued its submit
+        # behind the blocker (ordering, not timing: the loop runs ready tasks in order).
+        await asyncio.sleep(0)
         closer = threading.Thread(target=backend.close)
         closer.start()
         while True:  # health turns unavailable as soon as close() has begun

@@ -3,7 +3,9 @@ ingress reaches the restarted scheduler (new port) for the next request.
 
 Real pieces on loopback: drafter and verifier gRPC services over a tiny pair, the scheduler hub's gRPC service,
 the OpenAI app on uvicorn with :class:`RemoteBackend` resolving the scheduler's address like the Serve ingress.
-A gate holds the verifier's 4th round so the requests are provably in flight when the scheduler dies.
+A gate holds the verifier's rounds once every request under test was verified, so they are provably in flight
+(with tokens emitted) when the scheduler dies. Every wait is on an event or a condition, with a generous bound: the
+suite runs on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +47,18 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 class HeldStep:
-    """Lets ``passes`` verifier rounds through, then holds the next ones until released."""
+    """Holds the verifier's rounds once each of ``requests`` requests has been verified in one, until released.
 
-    def __init__(self, passes: int) -> None:
-        self.calls = 0
-        self.passes = passes
+    Until ``admitted()`` (the scheduler's count of requests, set by the test) reaches ``requests``, every round
+    waits, so no request runs ahead and finishes before the others arrive. The round after each request was
+    verified once is held: the requests are then in flight and have emitted tokens, and the held round carries
+    no prefill (nothing a late release could allocate).
+    """
+
+    def __init__(self, requests: int) -> None:
+        self.requests = requests
+        self.admitted: Callable[[], int] = lambda: 0
+        self.verified: set[str] = set()
         self.held = threading.Event()
         self.released = threading.Event()
 
@@ -55,11 +66,13 @@ class HeldStep:
         handler, schema = service.methods["Step"]
 
         async def step(request: dict[str, Any]) -> Any:
-            self.calls += 1
-            if self.calls > self.passes:
-                self.held.set()
-                while not self.released.is_set():
-                    await asyncio.sleep(0.005)
+            while not self.released.is_set():
+                if len(self.verified) >= self.requests:
+                    self.held.set()
+                elif self.admitted() >= self.requests:
+                    break
+                await asyncio.sleep(0.005)
+            self.verified.update(request["verify_req_ids"])
             return await handler(request)
 
         return Service(service.name, {**service.methods, "Step": (step, schema)})
@@ -72,7 +85,7 @@ def replicas(pair: tuple[Path, Path]) -> Iterator[dict[str, Any]]:
     drafter = DrafterService(DraftEngine(model, max_requests=4, max_seq_len=128))
     target = TargetModel.from_pretrained(target_dir, feature_layer_ids=model.config.target_layer_ids)
     verifier = VerifierService(VerifyEngine(target, max_requests=4, max_seq_len=128))
-    gate = HeldStep(passes=3)
+    gate = HeldStep(requests=2)
     servers = [ServerThread([drafter.service()]), ServerThread([gate.wrap(verifier.service())])]
     yield {"drafter": servers[0].address, "verifier": servers[1].address, "gate": gate, "target": target,
            "verify_engine": verifier.engine}
@@ -82,13 +95,25 @@ def replicas(pair: tuple[Path, Path]) -> Iterator[dict[str, Any]]:
 
 
 def _start_scheduler(replicas: dict[str, Any]) -> tuple[SchedulerHub, ServerThread]:
-    hub = SchedulerHub(model_name="m", policy="dspark", decode=None, timeout_s=10.0)
+    # The hub's deadline on replica calls is generous: the held round must not time out on a loaded machine.
+    hub = SchedulerHub(model_name="m", policy="dspark", decode=None, timeout_s=60.0)
     hub.register_drafter("d", replicas["drafter"])  # what the replicas' heartbeats do after a restart
     hub.register_verifier("v", replicas["verifier"], SPS)
+    replicas["gate"].admitted = lambda: sum(hub.verifier_loads().values())
     return hub, ServerThread([hub.service()])
 
 
-def _stream(url: str, max_tokens: int) -> list[dict[str, Any]]:
+def _backend(where: dict[str, str]) -> RemoteBackend:
+    """The ingress' backend: it asks ``where`` for the scheduler's address, like the Serve ingress asks Serve."""
+
+    async def resolve() -> str:
+        return where["address"]
+
+    return RemoteBackend(resolve, model_name="m", max_context=127)
+
+
+def _stream(url: str, max_tokens: int, first_tokens: threading.Event) -> list[dict[str, Any]]:
+    """Stream a completion; ``first_tokens`` is set once a chunk with tokens arrived."""
     events = []
     body = {"model": "m", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
@@ -96,24 +121,37 @@ def _stream(url: str, max_tokens: int) -> list[dict[str, Any]]:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 events.append(json.loads(line[len("data: "):]))
+                if events[-1].get("choices"):
+                    first_tokens.set()
     return events
+
+
+def _wait_refused(address: str, timeout_s: float = 60.0) -> None:
+    """Wait until the server at ``address`` takes no new connections (its listener is closed: refused, or reset
+    when a connection was caught in the closing backlog)."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except ConnectionError:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"{address} still accepts connections after {timeout_s}s")
 
 
 def test_scheduler_restart_fails_in_flight_requests_with_503_then_serves(replicas: dict[str, Any]) -> None:
     hub, server = _start_scheduler(replicas)
     where = {"address": server.address}
-
-    async def resolve() -> str:
-        return where["address"]
-
-    backend = RemoteBackend(resolve, model_name="m", max_context=127)
-    app = build_app(backend, demo_tokenizer())
+    app = build_app(_backend(where), demo_tokenizer())
     expected = replicas["target"].generate([PROMPT], max_new_tokens=12)[0]
     with serve(app) as url, concurrent.futures.ThreadPoolExecutor(2) as pool:
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 60, "temperature": 0}
         plain = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
-        streamed = pool.submit(_stream, url, 60)
-        assert replicas["gate"].held.wait(60), "the requests never reached the verifier's 4th round"
+        first_tokens = threading.Event()
+        streamed = pool.submit(_stream, url, 60, first_tokens)
+        assert replicas["gate"].held.wait(60), "the requests were never both verified"
+        assert first_tokens.wait(60), "the stream never received its first tokens"
         server.stop(grace_s=None)  # the scheduler process dies with its requests
 
         response = plain.result(timeout=60)
@@ -142,3 +180,32 @@ def test_scheduler_restart_fails_in_flight_requests_with_503_then_serves(replica
         # No scheduler at all: a clear 503, not a hang.
         down = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert down.status_code == 503 and down.json()["error"]["type"] == "service_unavailable"
+
+
+def test_a_refused_request_does_not_cut_the_requests_still_running(replicas: dict[str, Any]) -> None:
+    """A draining scheduler (Serve stopping it gracefully) refuses new calls with UNAVAILABLE but finishes its
+    streams. The refused request is a retryable 503; the running one shares the ingress' channel and must still
+    complete (closing that channel at once would cancel it: a 499, as if its client had gone)."""
+    replicas["gate"].requests = 1
+    hub, server = _start_scheduler(replicas)
+    app = build_app(_backend({"address": server.address}), demo_tokenizer())
+    expected = replicas["target"].generate([PROMPT], max_new_tokens=12)[0]
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    with serve(app) as url, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        try:
+            running = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            assert replicas["gate"].held.wait(60), "the request was never verified"
+            draining = pool.submit(server.stop, 25.0)  # in-flight calls get 25 s (ServerThread waits 30 s)
+            _wait_refused(server.address)
+
+            refused = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+
+            replicas["gate"].released.set()
+            response = running.result(timeout=60)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["token_ids"] == expected
+            draining.result(timeout=60)
+        finally:
+            replicas["gate"].released.set()  # a failure above must not leave the pool waiting on a held round
+            hub.close()

@@ -74,7 +74,8 @@ async def _first(stream: AsyncIterator[GenerateDelta]) -> list[int]:
     return list((await stream.__anext__()).token_ids)
 
 
-async def _until(read: Callable[[], Awaitable[T]], done: Callable[[T], bool], timeout_s: float = 10.0) -> T:
+async def _until(read: Callable[[], Awaitable[T]], done: Callable[[T], bool], timeout_s: float = 60.0) -> T:
+    """Poll ``read`` until ``done``; the bound is a hang detector (generous: the test machine is shared)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not done(value := await read()):
         assert asyncio.get_running_loop().time() < deadline, f"condition not reached, last value {value}"
