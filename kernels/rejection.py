@@ -33,46 +33,22 @@ the two implementations could disagree only when a prefix mass lies within float
 
 Random numbers come from :mod:`kernels.rng` at the absolute position of the token being decided
 (``positions[r] + 1 + k`` for row k, ``positions[r]`` being the anchor's position): the accept test of x_k
-uses stream STREAM_ACCEPT, index 0; the residual or bonus draw uses STREAM_TARGET_SAMPLE (index 0 for the
-inverse CDF, the vocabulary index for the race, below).
+uses stream STREAM_ACCEPT, index 0; the residual or bonus draw uses STREAM_TARGET_SAMPLE with the vocabulary
+index.
 
-Residual and bonus draws. A request draws one token from the residual norm(max(0, p_t - p_d)) (after a
-rejection) or from p_t (bonus row, all accepted; the same formula with p_d = 0). The exact method is chosen
-per request by the same rule in both implementations:
-
-*Inverse CDF* (unfiltered requests whose residual differs from p_t on at most K known ids: sparse drafts,
-no drafts, and every bonus row): with e_v = exp(z_v - max z) and Z = sum e, the residual weight is
-w = Z * max(0, p_t - p_d), i.e. w_s = max(0, e_s - Z * p_d(s)) on the draft's support S (duplicate ids add
-their p_d and count once, at their first slot) and w_v = e_v elsewhere. Tokens are ordered [support slots in
-slot order, then the other ids ascending]; one uniform u (STREAM_TARGET_SAMPLE, index 0) picks the first
-token whose running weight exceeds u * sum w. Off the support the sum runs over blocks of CDF_BLOCK ids whose
-masses (max and sum exp(z - block max) over the block's non-support ids) come from the statistics pass, so a
-draw reads the K support logits, the block masses and one block. The block partition and the order only
-change float rounding (any fixed order gives exactly norm(w) in exact arithmetic). Float safety: every pick
-takes the first entry with running mass > target *and* positive weight, and if rounding lets the target pass
-the last entry, the last entry of positive weight; a block's scan runs in that block's own units
-(exp(z - block max), whose maximum is 1), so a chosen block always has a positive entry. Zero-weight tokens
-(-inf logits, residual 0) are therefore never picked. If the residual is all zero (p_t <= p_d everywhere, a
-probability-0 event in exact arithmetic that float rounding can produce), every token with e_v > 0 lies in
-the support and the draw falls back to p_t over the support slots (weights e_s) with the same u.
-
-*Inverse CDF over a dense residual* (unfiltered requests with dense drafts, after a rejection): the same search
-with one uniform over the ids in ascending order, with block masses sum_{v in b} max(0, e_v - Z * p_d(v)) over
-blocks of DENSE_CDF_BLOCK ids (in row units: a block whose weights all underflow has mass 0 and is never
-chosen), then the running sum of the same weights inside the chosen block (first positive crossing, else the
-last positive entry); an all-zero residual falls back to the p_t draw above with the same u.
-
-*Exponential race* (requests with top-k / top-p): token = argmax_v of
-log w_v - log E_v, E_v = -log u_v with one uniform per vocabulary index (STREAM_TARGET_SAMPLE, index v).
-Since P(argmax_v w_v / E_v = v) = w_v / sum w for independent Exp(1) variables, this samples norm(w) without
-a normalisation pass; it is a single max-reduction, so a vocabulary split over many programs combines
-exactly; the log form costs no division and, where p_d = 0, no exp per token:
+Categorical draws use the exponential race: token = argmax_v w_v / E_v with E_v = -log u_v, u_v uniform.
+Since P(argmax = v) = w_v / sum w for independent Exp(1) variables E_v, this samples norm(w) without a
+normalisation pass and works on the unnormalised residual directly; it is also a single max-reduction, so a
+vocabulary split over many programs combines exactly. Both implementations evaluate the key in the log domain,
+``log w_v - log E_v`` (the Gumbel-max form of the same race: log is increasing, so the argmax is unchanged),
+which costs no division and, where p_d = 0, no exp per token: with e_v = exp(z_v - max z) on kept tokens and
+Z = sum e, the residual weight is w = Z * max(0, p_t - p_d) = max(0, e - Z * p_d) and
   log w_v = z_v - max z                       if p_d(v) = 0 or it is the bonus row (w = e, kept tokens),
   log w_v = log(max(0, e_v - Z * p_d(v)))     otherwise,
   log w_v = -inf                              on tokens removed by top-k / top-p.
-Ties (probability ~0) go to the smaller token id. An all-zero residual falls back to p_t (keys
-z_v - max z - log E_v) with the same uniforms. (Filtered rows keep the race because their masses would have
-to be taken over the kept set, which is only known after the statistics pass.)
+Ties (probability ~0) go to the smaller token id. If the residual is all zero (a rejection that has
+probability 0 in exact arithmetic but can occur by float rounding when p_d == p_t), the draw falls back to
+p_t (keys z_v - max z - log E_v) with the same uniforms.
 
 Sparse draft distributions: a drafter may sample x_k from its top-K truncated, renormalised distribution and
 send only ``(ids [N, K], probs [N, K])``. Verification stays exact because the rejection rule only needs
@@ -100,13 +76,6 @@ PROB_SUM_TOLERANCE = 1e-3
 """Allowed |sum(p_d) - 1| per draft row (float32 sums over a large vocabulary carry ~1e-5 of rounding)."""
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CDF_BLOCK = 2048
-"""Vocabulary ids per block of the inverse-CDF draw (a vocabulary of at most this many ids is one block).
-The Triton kernel's statistics block (``rejection_triton.TUNING['row_block_v']``) has the same default; another
-block size gives the same distribution and only changes float rounding."""
-DENSE_CDF_BLOCK = 1024
-"""Vocabulary ids per block of the inverse-CDF draw from a dense residual (the Triton race kernel's block,
-``rejection_triton.TUNING['race_block_v']``, has the same default)."""
 
 
 @dataclass(frozen=True)
@@ -322,93 +291,6 @@ def target_probs(
     return weights / norm
 
 
-def _first_positive_crossing(weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per row (last dim): the first entry with running mass > target and weight > 0; if rounding lets the
-    target pass every entry, the last entry of positive weight (-1 when none has positive weight)."""
-    size = weights.shape[-1]
-    index = torch.arange(size, device=weights.device)
-    first = torch.where((cum > target[..., None]) & (weights > 0), index, size).amin(dim=-1)
-    last = torch.where(weights > 0, index, -1).amax(dim=-1)
-    return torch.where(first < size, first, last)
-
-
-def inverse_cdf_draw(
-    z: torch.Tensor,
-    norm: torch.Tensor,
-    support_ids: torch.Tensor,
-    support_probs: torch.Tensor,
-    support_live: torch.Tensor,
-    u: torch.Tensor,
-    block: int,
-) -> torch.Tensor:
-    """One draw per row from norm(max(0, p_t - p_d)) by inverse CDF with one uniform (see the module doc).
-
-    ``z [R, V]`` canonical float32 z of the unfiltered rows, ``norm [R]`` their normaliser Z, ``support_*
-    [R, K]`` the sparse draft distribution (``support_live`` False for the bonus row and for padding), ``u
-    [R]`` the uniforms. Order: support slots, then blocks of ``block`` ids (non-support ids ascending)."""
-    rows, vocab = z.shape
-    slots = support_ids.shape[1]
-    z_max = z.amax(dim=-1)
-    slot = torch.arange(slots, device=z.device).expand(rows, slots)
-    member = torch.zeros(rows, vocab, dtype=torch.int32, device=z.device)
-    member = member.scatter_add(1, support_ids, support_live.to(torch.int32)) > 0
-    p_d = torch.zeros(rows, vocab, device=z.device).scatter_add(1, support_ids, torch.where(support_live,
-                                                                                  support_probs, 0.0))  # fmt: skip
-    first_slot = torch.full((rows, vocab), slots, dtype=torch.int64, device=z.device)
-    first_slot = first_slot.scatter_reduce(1, support_ids, torch.where(support_live, slot, slots), "amin")
-    first = support_live & (first_slot.gather(1, support_ids) == slot)
-    e_support = torch.where(first, torch.exp(z.gather(1, support_ids) - z_max[:, None]), 0.0)
-    w_support = (e_support - norm[:, None] * p_d.gather(1, support_ids)).clamp(min=0.0)
-
-    # blocks: max and sum exp(z - block max) over non-support ids, masses in units of the row max
-    num_blocks = -(-vocab // block)
-    zb = torch.where(member, float("-inf"), z)
-    zb = torch.nn.functional.pad(zb, (0, num_blocks * block - vocab), value=float("-inf"))
-    zb = zb.view(rows, num_blocks, block)
-    block_max = zb.amax(dim=-1)
-    e_block = torch.exp(zb - torch.where(block_max == float("-inf"), 0.0, block_max)[..., None])
-    scale = torch.exp(block_max - z_max[:, None])
-    mass = e_block.sum(dim=-1) * scale
-
-    s_block = mass.sum(dim=-1)
-    empty = (w_support.sum(dim=-1) + s_block) <= 0  # all-zero residual: p_t over the support instead
-    w_support = torch.where(empty[:, None], e_support, w_support)
-    s_block = torch.where(empty, 0.0, s_block)
-    s_support = w_support.sum(dim=-1)
-    target = u * (s_support + s_block)
-    in_support = (target < s_support) | (s_block <= 0)
-    j = _first_positive_crossing(w_support, w_support.cumsum(dim=-1), target).clamp(min=0)
-    t_block = target - s_support
-    cum = mass.cumsum(dim=-1)
-    b = _first_positive_crossing(mass, cum, t_block).clamp(min=0)
-    before = (cum - mass).gather(1, b[:, None]).squeeze(1)
-    t_inner = (t_block - before) / scale.gather(1, b[:, None]).squeeze(1)  # in the block's own units
-    e_chosen = e_block[torch.arange(rows, device=z.device), b]
-    i = _first_positive_crossing(e_chosen, e_chosen.cumsum(dim=-1), t_inner).clamp(min=0)
-    return torch.where(in_support, support_ids.gather(1, j[:, None]).squeeze(1), b * block + i)
-
-
-def dense_residual_draw(
-    z: torch.Tensor, norm: torch.Tensor, p_d: torch.Tensor, u: torch.Tensor, block: int, fallback: torch.Tensor
-) -> torch.Tensor:
-    """One draw per row from norm(max(0, p_t - p_d)) for a dense ``p_d [R, V]`` by inverse CDF with one uniform:
-    residual weights w = max(0, exp(z - max z) - Z * p_d) summed per block of ``block`` ids (in row units), the
-    block by its running mass, then the id inside it; ``fallback`` (the p_t draw) where the residual is all 0."""
-    rows, vocab = z.shape
-    w = (torch.exp(z - z.amax(dim=-1, keepdim=True)) - norm[:, None] * p_d).clamp(min=0.0)
-    num_blocks = -(-vocab // block)
-    w = torch.nn.functional.pad(w, (0, num_blocks * block - vocab)).view(rows, num_blocks, block)
-    mass = w.sum(dim=-1)
-    total = mass.sum(dim=-1)
-    target = u * total
-    cum = mass.cumsum(dim=-1)
-    b = _first_positive_crossing(mass, cum, target).clamp(min=0)
-    before = (cum - mass).gather(1, b[:, None]).squeeze(1)
-    w_chosen = w[torch.arange(rows, device=z.device), b]
-    i = _first_positive_crossing(w_chosen, w_chosen.cumsum(dim=-1), target - before).clamp(min=0)
-    return torch.where(total > 0, b * block + i, fallback)
-
-
 def rejection_sample_reference(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
@@ -493,41 +375,13 @@ def rejection_sample_reference(
         bonus[:, None] | (pd_s <= 0), log_weight_s, torch.log((weight_s - norm_s * pd_s).clamp(min=0.0))
     )
     index = torch.arange(vocab, device=device)
-    position_s = positions + 1 + num_accepted
-    log_race = torch.log(
-        -torch.log(uniform(seeds[:, None], position_s[:, None], STREAM_TARGET_SAMPLE, index[None, :]))
-    )
+    position_s = (positions + 1 + num_accepted)[:, None]
+    log_race = torch.log(-torch.log(uniform(seeds[:, None], position_s, STREAM_TARGET_SAMPLE, index[None, :])))
     key_res = log_residual - log_race
     sampled_res = key_res.argmax(dim=-1)
     sampled_fb = (log_weight_s - log_race).argmax(dim=-1)
-    raced = torch.where(key_res.max(dim=-1).values > float("-inf"), sampled_res, sampled_fb)
-
-    filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
-    cdf = ~filtered & (bonus | (draft_probs is None) | (draft_prob_ids is not None))
-    if draft_prob_ids is not None and num_draft > 0:
-        support_ids = draft_prob_ids[draft_row].to(torch.int64)
-        support_probs = draft_probs[draft_row]
-        support_live = ~bonus[:, None].expand_as(support_ids)
-    else:  # no support: one dead slot
-        support_ids = torch.zeros((num_req, 1), dtype=torch.int64, device=device)
-        support_probs = torch.zeros((num_req, 1), dtype=torch.float32, device=device)
-        support_live = torch.zeros((num_req, 1), dtype=torch.bool, device=device)
-    z_s = canonical(target_logits[sample_row].to(torch.float32) * inverse_temperature(safe_t)[:, None])
-    drawn = inverse_cdf_draw(
-        z_s,
-        norm_s.squeeze(1),
-        support_ids,
-        support_probs,
-        support_live,
-        uniform(seeds, position_s, STREAM_TARGET_SAMPLE, torch.zeros_like(position_s)),
-        CDF_BLOCK,
-    )
-    if draft_probs is not None and draft_prob_ids is None and num_draft > 0:  # dense: the bonus rows drew above
-        u_s = uniform(seeds, position_s, STREAM_TARGET_SAMPLE, torch.zeros_like(position_s))
-        drawn = torch.where(bonus, drawn, dense_residual_draw(z_s, norm_s.squeeze(1), pd_s, u_s, DENSE_CDF_BLOCK,
-                                                              drawn))  # fmt: skip
-        cdf = ~filtered
-    final = torch.where(greedy, argmax[sample_row], torch.where(cdf, drawn, raced))
+    sampled = torch.where(key_res.max(dim=-1).values > float("-inf"), sampled_res, sampled_fb)
+    final = torch.where(greedy, argmax[sample_row], sampled)
 
     # Rejected drafts go to a trash row past the end: a scatter of static shape, no boolean index (no sync).
     rows = num_draft + num_req

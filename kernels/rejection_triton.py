@@ -1,52 +1,29 @@
 """Triton rejection sampler: the contract of :mod:`kernels.rejection`, reading the target logits ~once.
 
 The big tensor is the target logits [N + R, V]; everything else is small. It is read once in full by the
-statistics kernel; an unfiltered sparse (or draft-less, or bonus) draw then reads only K support logits, the
-row's block masses and one block of BLOCK_V ids; an unfiltered dense residual draw reads its row and its draft
-row once more (block masses, no per-entry random numbers); a raced draw (top-k / top-p) reads its row once
-more, and filtered rows a second time for their threshold. Launches:
+statistics kernel, plus one row per sampled request by the race (about 1/(gamma + 1) more), plus a second
+read of the rows that use top-k / top-p. Launches:
 
 1. ``_row_stats_kernel``, programs (row, vocabulary split): every row of every request at once. Greedy rows
-   keep a per-lane running argmax (reduced once at the end of the split). Sampled rows write, per block of
-   BLOCK_V ids, the max of z = logits * (1 / T) and sum exp(z - block max) over the block's ids outside the
-   row's sparse draft support (one exp per token; the few support ids in a block are dropped from it in id
-   order); these block masses serve both the normaliser and the inverse-CDF draw. Rows with top-k / top-p
-   also write a *sketch*: the maxima of NG disjoint groups of lanes, i.e. NG distinct entries of the split.
-2. ``_row_combine_kernel``, one program per row: argmax from the splits, or max z and the normaliser Z from
-   the blocks plus e at the distinct support ids; a filtered row then turns its sketch into a lower bound L on
-   the keep threshold, writes every token with z >= L (packed (order key, id), :mod:`kernels.float_keys`) to
-   CAP candidate slots, sorts them and finds tau exactly (top-k: the k-th value; top-p: the crossing of the
-   cumulative mass in descending order) and the kept set's normaliser; rows whose candidates do not certify
-   the answer take the exact fallback search (below).
-3. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
-   draft tokens, one uniform each) up to the first rejection; writes the accepted drafts and the count; then
-   the final token of greedy requests (argmax) and of unfiltered requests whose residual differs from p_t on
-   at most K known ids (sparse drafts, no drafts, bonus rows) by inverse CDF with one uniform (below).
-4. ``_race_kernel``, programs (request, vocabulary split): for filtered requests the exponential race on its
-   split of the residual (or bonus) row with per-lane winners, keys log w_v - log E_v as defined in
-   :mod:`kernels.rejection` (w = norm * max(0, p_t - p_d); off the draft support log w_v = z_v - max z, so no
-   exp and no division); for unfiltered dense residual rows the residual mass of each block of its split.
-   Programs of requests drawn in the accept chain kernel (the product's sparse path) exit at once.
-5. ``_finalize_kernel``, one program per request: combines the per-split race winners (with sparse drafts it
-   also runs the fallback race for an all-zero residual, which can only be won inside the draft's support), or
-   draws an unfiltered dense residual row by inverse CDF from its block masses and one block.
-
-Why the inverse CDF is exact: with e_v = exp(z_v - max z), the residual weight is w_s = max(0, e_s - Z p_d(s))
-on the support and w_v = e_v elsewhere, so its total is sum_s w_s + sum_b M_b with the block masses
-M_b = exp(m_b - max z) * sum_{v in b, v not in S} exp(z_v - m_b), m_b the block's max: all read from the
-statistics pass, none recomputed by subtraction (no cancellation). For t = u * total, u uniform, the first
-token of the fixed order [support slots, blocks in id order] whose running weight exceeds t is distributed
-exactly as norm(w); finding the block by its running mass and then the token inside it by the running sum
-of exp(z_v - m_b) against (t - mass before the block) / exp(m_b - max z) is the same search, split in two. In
-floats every search takes the first entry of positive weight past the target, or the last positive one when
-rounding lets the target pass the end; inside a block the weights are in the block's own units, whose max
-is exactly 1, so no chosen block is empty and no zero-weight (-inf, masked, or fully-covered) token is ever
-drawn. A dense residual has no short support, so its block masses are sums of the residual weights
-max(0, e_v - Z p_d(v)) themselves (race kernel), and the chosen block's weights are recomputed by the same
-float operations (``_dense_weights``), so a block of positive mass has a positive entry. The reference
-(:func:`kernels.rejection.inverse_cdf_draw`, ``dense_residual_draw``) runs the same search with the same uniform;
-the two differ only where exp and the summation order round differently, i.e. when t lies within float
-rounding of a boundary. The block partition only changes rounding too, so a swept ``row_block_v`` stays exact.
+   keep a per-lane running argmax; sampled rows a per-lane online (max, sum exp) of z = logits * (1 / T),
+   updated with one exp per token (``exp(min - max)`` serves both the rescale and the new term). Lanes are
+   only reduced at the end of the split, so the loop is pure streaming. Rows with top-k / top-p also write a
+   *sketch*: the maxima of NG disjoint groups of lanes, i.e. NG distinct entries of the split.
+2. ``_row_combine_kernel``, one program per row: combines the splits into argmax, or max z and the
+   normaliser; for filtered rows it turns the sketch into a lower bound L on the keep threshold (below).
+3. ``_compact_kernel``, one program per row, filtered rows only: writes every token with z >= L (as packed
+   (order key, id), see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP slots.
+4. ``_threshold_kernel``, one program per filtered row: sorts the candidates and finds tau exactly (top-k:
+   the k-th value; top-p: the crossing of the cumulative mass in descending order), and the normaliser of
+   the kept set. Rows whose candidates do not certify the answer take the exact fallback search (below).
+5. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
+   draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
+   greedy requests the final argmax token.
+6. ``_race_kernel``, programs (sampled request, vocabulary split): the exponential race on its split of the
+   residual (or bonus) row with per-lane winners, keys log w_v - log E_v as defined in :mod:`kernels.rejection`
+   (w = norm * max(0, p_t - p_d); off the draft support log w_v = z_v - max z, so no exp and no division).
+7. ``_finalize_kernel``, one program per request: combines the per-split race winners; with sparse drafts it
+   also runs the fallback race (all-zero residual), which can only be won inside the draft's support.
 
 Why the race is exact: for independent E_v ~ Exp(1), P(argmax_v w_v / E_v = v) = w_v / sum_u w_u, and taking
 logs does not move the argmax, so the winner of log w_v - log E_v is a draw from norm(w) without knowing the
@@ -70,7 +47,7 @@ than the sketch, a top-p nucleus wider than the sketch can certify) or when more
 Kernels load in the storage dtype and upcast to float32 before any arithmetic, mask every load, and use a
 single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU.
 Every launch has a static grid and no host reads a device value, so the sampler can be captured in a CUDA
-graph; the race launches run always and exit at once for requests that have nothing to do there.
+graph; the launches for filtered rows run always and exit at once when a row has nothing to do.
 """
 
 from __future__ import annotations
@@ -95,21 +72,16 @@ TUNING = {
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): vocabulary block per loop step, warps, and the number
 of programs a row is split over (the statistics kernel runs every row, the race one row per request, so it
-splits finer). ``row_block_v`` is also the inverse-CDF block (default = ``kernels.rejection.CDF_BLOCK``, so
-the Triton draw follows the reference's rounding; any other value draws from the same distribution), and
-``race_block_v`` the dense-residual one (``kernels.rejection.DENSE_CDF_BLOCK``, likewise). Set from
-``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md)."""
+splits finer). Set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md)."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
 """Candidate slots per filtered row: rows with more tokens above the bound take the fallback search."""
-SUPPORT_CHUNK = 16
-"""Sparse support slots compared at once against the whole support (duplicate detection, a [16, K] tile)."""
 
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
 _SPARSE = tl.constexpr(PROBS_SPARSE)
-_CANDIDATES, _SEARCH = tl.constexpr(1), tl.constexpr(2)  # how a filtered row finds its threshold
+_DONE, _CANDIDATES, _SEARCH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # per-row threshold state
 
 
 @triton.jit
@@ -135,37 +107,6 @@ def _request_of_row(cu_ptr, row, num_req):
 
 
 @triton.jit
-def _support_chunk(
-    prob_ids_ptr, base, c, k_live, ids, probs, row_ptr, inv_t, z_max, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """Slots c .. c + CHUNK - 1 of a sparse draft row: (ids, slots, first occurrence of a live id, p_d summed
-    over the row's duplicates of the id, e = exp(z - max z) at first occurrences and 0 elsewhere).
-
-    ``ids`` / ``probs`` hold the whole row (BLOCK_K slots, dead slots -1 and 0). Duplicate ids count once, at
-    their first slot, with their summed probability (the contract: duplicates add up)."""
-    slot = c + tl.arange(0, CHUNK)
-    live = slot < k_live
-    ids_c = tl.load(prob_ids_ptr + base + slot, mask=live, other=-2)
-    same = ids_c[:, None] == ids[None, :]
-    earlier = same & (tl.arange(0, BLOCK_K)[None, :] < slot[:, None])
-    first = live & (tl.max(earlier.to(tl.int32), 1) == 0)
-    p_d = tl.sum(tl.where(same, probs[None, :], 0.0), 1)
-    z = tl.load(row_ptr + ids_c, mask=live, other=float("-inf")).to(tl.float32) * inv_t
-    return ids_c, slot, first, p_d, tl.where(first, tl.exp(z - z_max), 0.0)
-
-
-@triton.jit
-def _draws_by_cdf(top_k_ptr, top_p_ptr, req, V, bonus, PROBS: tl.constexpr):
-    """Whether sampled request ``req`` draws by inverse CDF (else by the race): it is unfiltered and its
-    residual differs from p_t on at most K known ids (sparse or no drafts, or the bonus row)."""
-    _, _, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
-    cdf = (use_k | use_p) == 0
-    if PROBS == _DENSE:
-        cdf = cdf & bonus
-    return cdf
-
-
-@triton.jit
 def _row_stats_kernel(
     logits_ptr,
     stride_row,
@@ -176,26 +117,17 @@ def _row_stats_kernel(
     temperature_ptr,
     top_k_ptr,
     top_p_ptr,
-    prob_ids_ptr,
-    stride_probs,
-    K,
     part_max_ptr,
+    part_sum_ptr,
     part_arg_ptr,
-    bmax_ptr,
-    bsum_ptr,
     sketch_ptr,
     V,
     split_size,
     num_splits,
-    num_blocks,
-    PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     NG: tl.constexpr,
 ):
-    """Per (row, split): argmax (greedy), or per vocabulary block of BLOCK_V ids the max and the sum of
-    exp(z - block max) over the block's ids outside the row's sparse draft support (sampled), and the sketch
-    (filtered rows).
+    """Per (row, split): argmax (greedy) or online (max z, sum exp(z - max)) and the sketch (filtered rows).
 
     Split 0 also records the row's request for the later kernels and initialises the row's output to -1."""
     row = tl.program_id(0)
@@ -226,48 +158,31 @@ def _row_stats_kernel(
         tl.store(part_arg_ptr + part, tl.where(first == _BIG, lo_v, first))  # an all -inf split: its first id
     else:
         inv_t = tl.math.div_rn(1.0, temp)
-        if PROBS == _SPARSE:
-            # the support of this row's residual: draft row (row - req); the bonus row has none. The support
-            # ids are visited in increasing order (nxt), usually zero or one per block.
-            draft_row = row - req
-            k_live = tl.where(draft_row < tl.load(cu_ptr + req + 1), K, 0)
-            offs_k = tl.arange(0, BLOCK_K)
-            ids = tl.load(prob_ids_ptr + draft_row.to(tl.int64) * stride_probs + offs_k, mask=offs_k < k_live,
-                          other=_BIG)  # fmt: skip
-            nxt = tl.min(tl.where(ids >= lo_v, ids, _BIG), 0)
-        lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per lane, for the sketch
+        # lanes start at -FLT_MAX, not -inf: exp(min - max) is then never exp(-inf + inf), with no extra test
+        m = tl.full([BLOCK_V], -3.4028234663852886e38, tl.float32)
+        s = tl.zeros([BLOCK_V], tl.float32)
         for start in range(lo_v, hi_v, BLOCK_V):
             idx = start + offs
             z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-            lane_max = tl.maximum(lane_max, z)
-            if PROBS == _SPARSE:
-                while nxt < start + BLOCK_V:
-                    z = tl.where(idx == nxt, float("-inf"), z)
-                    nxt = tl.min(tl.where(ids > nxt, ids, _BIG), 0)
-            top = tl.max(z, 0)
-            total = tl.sum(tl.exp(z - tl.where(top == float("-inf"), 0.0, top)), 0)
-            block = row.to(tl.int64) * num_blocks + start // BLOCK_V
-            tl.store(bmax_ptr + block, top)
-            tl.store(bsum_ptr + block, total)
+            big = tl.maximum(m, z)
+            e = tl.exp(tl.minimum(m, z) - big)
+            s = tl.where(z > m, s * e + 1.0, s + e)
+            m = big
+        top = tl.max(m, 0)
+        total = tl.sum(s * tl.exp(m - top), 0)
+        tl.store(part_max_ptr + part, tl.where(total > 0.0, top, float("-inf")))  # an all -inf split
+        tl.store(part_sum_ptr + part, total)
         _, _, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
         if use_k | use_p:
-            groups = tl.max(tl.reshape(lane_max, [NG, BLOCK_V // NG]), 1)
+            groups = tl.max(tl.reshape(m, [NG, BLOCK_V // NG]), 1)
             tl.store(sketch_ptr + part.to(tl.int64) * NG + tl.arange(0, NG), groups)
 
 
 @triton.jit
 def _row_combine_kernel(
-    logits_ptr,
-    stride_row,
-    cu_ptr,
-    probs_ptr,
-    prob_ids_ptr,
-    stride_probs,
-    K,
     part_max_ptr,
+    part_sum_ptr,
     part_arg_ptr,
-    bmax_ptr,
-    bsum_ptr,
     sketch_ptr,
     row_req_ptr,
     temperature_ptr,
@@ -277,60 +192,31 @@ def _row_combine_kernel(
     zmax_ptr,
     norm_ptr,
     tau_ptr,
-    cand_ptr,
+    bound_ptr,
+    state_ptr,
+    count_ptr,
     V,
     num_splits,
-    num_blocks,
-    PROBS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
-    BLOCK_NB: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    CHUNK_K: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     NG: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    CAP: tl.constexpr,
-    SMALL: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    NCAND: tl.constexpr,
 ):
-    """Per row: combine the splits (argmax) or the blocks and the support (max z, normaliser Z = sum of the
-    block masses + e at the distinct support ids); for a filtered row derive the candidate bound L from the
-    sketch and find the exact keep threshold and the kept set's normaliser (:func:`_keep_threshold`)."""
+    """Per row: combine the splits; for a filtered row derive the candidate bound L from the sketch."""
     row = tl.program_id(0)
     req = tl.load(row_req_ptr + row)
     temp = tl.load(temperature_ptr + req)
+    offs = tl.arange(0, BLOCK_SPLITS)
+    live = offs < num_splits
+    part = row * num_splits + offs
+    tops = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
+    top = tl.max(tops, 0)
+    state = tl.full((), _DONE, tl.int32)
     if temp == 0.0:
-        offs = tl.arange(0, BLOCK_SPLITS)
-        live = offs < num_splits
-        part = row * num_splits + offs
-        tops = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
         args = tl.load(part_arg_ptr + part, mask=live, other=_BIG)
-        tl.store(argmax_ptr + row, tl.min(tl.where(live & (tops == tl.max(tops, 0)), args, _BIG), 0))
+        tl.store(argmax_ptr + row, tl.min(tl.where(live & (tops == top), args, _BIG), 0))
     else:
-        inv_t = tl.math.div_rn(1.0, temp)
-        offs_b = tl.arange(0, BLOCK_NB)
-        bmax = tl.load(bmax_ptr + row.to(tl.int64) * num_blocks + offs_b, mask=offs_b < num_blocks,
-                       other=float("-inf"))  # fmt: skip
-        bsum = tl.load(bsum_ptr + row.to(tl.int64) * num_blocks + offs_b, mask=offs_b < num_blocks, other=0.0)
-        top = tl.max(bmax, 0)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        if PROBS == _SPARSE:
-            draft_row = row - req
-            k_live = tl.where(draft_row < tl.load(cu_ptr + req + 1), K, 0)
-            base = draft_row.to(tl.int64) * stride_probs
-            offs_k = tl.arange(0, BLOCK_K)
-            ids = tl.load(prob_ids_ptr + base + offs_k, mask=offs_k < k_live, other=-1)
-            probs = tl.load(probs_ptr + base + offs_k, mask=offs_k < k_live, other=0.0)
-            z_support = tl.load(row_ptr + ids, mask=offs_k < k_live, other=float("-inf")).to(tl.float32) * inv_t
-            top = tl.maximum(top, tl.max(z_support, 0))
         safe = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.sum(bsum * tl.exp(bmax - safe), 0)
-        if PROBS == _SPARSE:
-            for c in range(0, k_live, CHUNK_K):
-                _, _, _, _, e = _support_chunk(prob_ids_ptr, base, c, k_live, ids, probs, row_ptr, inv_t, safe,
-                                               CHUNK_K, BLOCK_K)  # fmt: skip
-                total += tl.sum(e, 0)
+        total = tl.sum(tl.load(part_sum_ptr + part, mask=live, other=0.0) * tl.exp(tops - safe), 0)
         tl.store(zmax_ptr + row, top)
         tl.store(norm_ptr + row, total)
         tl.store(tau_ptr + row, float("-inf"))
@@ -347,29 +233,44 @@ def _row_combine_kernel(
             else:
                 mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(sketch - safe), 0.0), 0)
                 j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
-            _keep_threshold(
-                row_ptr, V, inv_t, top, total, top_k, top_p, use_k, use_p, tl.where(j < _BIG, _CANDIDATES, _SEARCH),
-                tl.sum(tl.where(pos == j, sketch, 0.0), 0), cand_ptr, row, tau_ptr + row, norm_ptr + row,
-                BLOCK_V, CAP, SMALL, BLOCK_S, NCAND,
-            )  # fmt: skip
+            state = tl.where(j < _BIG, _CANDIDATES, _SEARCH)
+            tl.store(bound_ptr + row, tl.sum(tl.where(pos == j, sketch, 0.0), 0))
+    tl.store(state_ptr + row, state)
+    tl.store(count_ptr + row, 0)
 
 
 @triton.jit
-def _compact(row_ptr, V, inv_t, bound, cand_ptr, row, BLOCK_V: tl.constexpr, CAP: tl.constexpr):
-    """Write every token with z >= L of a filtered row to its CAP candidate slots (packed (order key, id), see
-    :mod:`kernels.float_keys`, in id order); returns how many tokens are >= L (may exceed CAP)."""
-    count = tl.zeros((), tl.int32)
-    for start in range(0, V, BLOCK_V):
-        idx = start + tl.arange(0, BLOCK_V)
-        z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-        hit = (idx < V) & (z >= bound)
-        slot = count + tl.cumsum(hit.to(tl.int32), 0) - 1
-        bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
-        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
-        tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, packed, mask=hit & (slot < CAP))
-        count += tl.sum(hit.to(tl.int32), 0)
-    return count
+def _compact_kernel(
+    logits_ptr,
+    stride_row,
+    row_req_ptr,
+    temperature_ptr,
+    bound_ptr,
+    state_ptr,
+    count_ptr,
+    cand_ptr,
+    V,
+    BLOCK_V: tl.constexpr,
+    CAP: tl.constexpr,
+):
+    """Per filtered row: append every token with z >= L to the row's candidates (packed, any order).
+
+    One program per row: only filtered rows work here, and the others exit without a grid of splits."""
+    row = tl.program_id(0)
+    if tl.load(state_ptr + row) == _CANDIDATES:
+        inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + tl.load(row_req_ptr + row)))
+        bound = tl.load(bound_ptr + row)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        counter = count_ptr + row + tl.zeros([BLOCK_V], tl.int32)
+        for start in range(0, V, BLOCK_V):
+            idx = start + tl.arange(0, BLOCK_V)
+            z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+            hit = (idx < V) & (z >= bound)
+            slot = tl.atomic_add(counter, tl.full([BLOCK_V], 1, tl.int32), mask=hit, sem="relaxed")
+            bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
+            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
+            tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, packed, mask=hit & (slot < CAP))
 
 
 @triton.jit
@@ -454,34 +355,36 @@ def _candidate_threshold(
 
 
 @triton.jit
-def _keep_threshold(
-    row_ptr,
-    V,
-    inv_t,
-    z_max,
-    total_all,
-    top_k,
-    top_p,
-    use_k,
-    use_p,
-    state,
-    bound,
-    cand_ptr,
-    row,
-    tau_ptr,
+def _threshold_kernel(
+    logits_ptr,
+    stride_row,
+    row_req_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    zmax_ptr,
     norm_ptr,
-    BLOCK_V: tl.constexpr,
+    tau_ptr,
+    state_ptr,
+    count_ptr,
+    cand_ptr,
+    V,
     CAP: tl.constexpr,
     SMALL: tl.constexpr,
     BLOCK_S: tl.constexpr,
     NCAND: tl.constexpr,
 ):
-    """Exact tau and normaliser of a filtered row's kept set: from the sorted candidates (z >= L), or by the
-    fallback search when the bound does not exist, too many tokens pass it, or it does not certify top-p."""
-    if state == _CANDIDATES:
-        count = _compact(row_ptr, V, inv_t, bound, cand_ptr, row, BLOCK_V, CAP)
-        tl.debug_barrier()  # the candidates were stored by other threads of this program
-        if count <= CAP:
+    """Per filtered row: exact tau and normaliser of the kept set, from the sorted candidates or by search."""
+    row = tl.program_id(0)
+    state = tl.load(state_ptr + row)
+    if state != _DONE:
+        req = tl.load(row_req_ptr + row)
+        inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + req))
+        z_max = tl.load(zmax_ptr + row)
+        total_all = tl.load(norm_ptr + row)
+        top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
+        count = tl.load(count_ptr + row)
+        if (state == _CANDIDATES) & (count <= CAP):
             if count <= SMALL:  # the usual case: sort a short buffer
                 found, tau, norm = _candidate_threshold(
                     cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, SMALL
@@ -491,117 +394,27 @@ def _keep_threshold(
                     cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, CAP
                 )
             if found:
-                tl.store(tau_ptr, tau)
-                tl.store(norm_ptr, norm)
+                tl.store(tau_ptr + row, tau)
+                tl.store(norm_ptr + row, norm)
             else:
                 state = _SEARCH  # the top-p crossing lies below the candidates (float rounding): search
         else:
             state = _SEARCH
-    if state == _SEARCH:
-        lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
-        hi = tl_ordered_key(z_max)
-        if use_k:
-            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND)
-        if use_p:
-            kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
-            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND)
-        tl.store(tau_ptr, tl_key_to_float(lo))
-        tl.store(norm_ptr, _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S))
-
-
-@triton.jit
-def _first_positive_crossing(weight, cum, target, index):
-    """The first index with running mass ``cum`` > target and positive weight; if rounding lets the target pass
-    every entry, the last index of positive weight (-1 when none has positive weight)."""
-    first = tl.min(tl.where((cum > target) & (weight > 0.0), index, _BIG), 0)
-    return tl.where(first < _BIG, first, tl.max(tl.where(weight > 0.0, index, -1), 0))
-
-
-@triton.jit
-def _inverse_cdf(
-    logits_ptr,
-    stride_row,
-    probs_ptr,
-    prob_ids_ptr,
-    stride_probs,
-    bmax_ptr,
-    bsum_ptr,
-    sample_row,
-    draft_row,
-    k_live,
-    num_blocks,
-    inv_t,
-    z_max,
-    norm,
-    u,
-    V,
-    PROBS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_NB: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    CHUNK_K: tl.constexpr,
-):
-    """One draw from norm(max(0, p_t - p_d)) of an unfiltered row with one uniform ``u`` (module doc of
-    :mod:`kernels.rejection`): the support slots first, then the blocks; only the chosen block is read."""
-    row_ptr = logits_ptr + sample_row.to(tl.int64) * stride_row
-    s_support = tl.zeros((), tl.float32)
-    s_e = tl.zeros((), tl.float32)
-    if PROBS == _SPARSE:
-        base = draft_row.to(tl.int64) * stride_probs
-        offs_k = tl.arange(0, BLOCK_K)
-        ids = tl.load(prob_ids_ptr + base + offs_k, mask=offs_k < k_live, other=-1)
-        probs = tl.load(probs_ptr + base + offs_k, mask=offs_k < k_live, other=0.0)
-        for c in range(0, k_live, CHUNK_K):
-            _, _, _, p_d, e = _support_chunk(prob_ids_ptr, base, c, k_live, ids, probs, row_ptr, inv_t, z_max,
-                                             CHUNK_K, BLOCK_K)  # fmt: skip
-            s_support += tl.sum(tl.maximum(e - norm * p_d, 0.0), 0)  # 0 off first occurrences (e = 0)
-            s_e += tl.sum(e, 0)
-    offs_b = tl.arange(0, BLOCK_NB)
-    bmax = tl.load(bmax_ptr + sample_row.to(tl.int64) * num_blocks + offs_b, mask=offs_b < num_blocks,
-                   other=float("-inf"))  # fmt: skip
-    scale = tl.exp(bmax - z_max)
-    mass = tl.load(bsum_ptr + sample_row.to(tl.int64) * num_blocks + offs_b, mask=offs_b < num_blocks,
-                   other=0.0) * scale  # fmt: skip
-    s_block = tl.sum(mass, 0)
-    empty = (s_support + s_block) <= 0.0  # all-zero residual: p_t over the support (module doc)
-    s_support = tl.where(empty, s_e, s_support)
-    s_block = tl.where(empty, 0.0, s_block)
-    target = u * (s_support + s_block)
-    token = tl.zeros((), tl.int32)
-    if (target < s_support) | (s_block <= 0.0):
-        if PROBS == _SPARSE:  # otherwise unreachable: without a support the row max lies in a block
-            run = tl.zeros((), tl.float32)
-            pick = tl.full((), _BIG, tl.int32)
-            last = tl.full((), -1, tl.int32)
-            for c in range(0, k_live, CHUNK_K):
-                _, slot, _, p_d, e = _support_chunk(prob_ids_ptr, base, c, k_live, ids, probs, row_ptr, inv_t,
-                                                    z_max, CHUNK_K, BLOCK_K)  # fmt: skip
-                w = tl.where(empty, e, tl.maximum(e - norm * p_d, 0.0))
-                cum = run + tl.cumsum(w, 0)
-                pick = tl.minimum(pick, tl.min(tl.where((cum > target) & (w > 0.0), slot, _BIG), 0))
-                last = tl.maximum(last, tl.max(tl.where(w > 0.0, slot, -1), 0))
-                run += tl.sum(w, 0)
-            token = tl.load(prob_ids_ptr + base + tl.maximum(tl.where(pick < _BIG, pick, last), 0)).to(tl.int32)
-    else:
-        t_block = target - s_support
-        cum = tl.cumsum(mass, 0)
-        b = _first_positive_crossing(mass, cum, t_block, offs_b)  # >= 0: s_block > 0
-        chosen = offs_b == b
-        before = tl.sum(tl.where(chosen, cum - mass, 0.0), 0)
-        # scan in the block's own units exp(z - block max): its maximum entry weighs 1, never 0
-        t_inner = tl.math.div_rn(t_block - before, tl.sum(tl.where(chosen, scale, 0.0), 0))
-        b_max = tl.sum(tl.where(chosen, bmax, 0.0), 0)
-        start = b * BLOCK_V
-        idx = start + tl.arange(0, BLOCK_V)
-        z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-        if PROBS == _SPARSE:
-            nxt = tl.min(tl.where(ids >= start, ids, _BIG), 0)
-            while nxt < start + BLOCK_V:
-                z = tl.where(idx == nxt, float("-inf"), z)
-                nxt = tl.min(tl.where(ids > nxt, ids, _BIG), 0)
-        e = tl.exp(z - b_max)
-        token = start + tl.maximum(_first_positive_crossing(e, tl.cumsum(e, 0), t_inner, tl.arange(0, BLOCK_V)), 0)
-    return token
+        if state == _SEARCH:
+            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+            lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
+            hi = tl_ordered_key(z_max)
+            if use_k:
+                lo = _search_threshold(
+                    row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND
+                )
+            if use_p:
+                kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
+                lo = _search_threshold(
+                    row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND
+                )
+            tl.store(tau_ptr + row, tl_key_to_float(lo))
+            tl.store(norm_ptr + row, _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S))
 
 
 @triton.jit
@@ -614,29 +427,19 @@ def _accept_chain_kernel(
     prob_ids_ptr,
     cu_ptr,
     temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
     seeds_ptr,
     positions_ptr,
     argmax_ptr,
     zmax_ptr,
     norm_ptr,
     tau_ptr,
-    bmax_ptr,
-    bsum_ptr,
     out_ptr,
     num_acc_ptr,
     K,
-    V,
-    num_blocks,
     PROBS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_NB: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    CHUNK_K: tl.constexpr,
 ):
-    """Per request: accept drafts left to right until the first rejection; greedy requests finish here, and so
-    do unfiltered sampled requests whose draw takes the inverse CDF (sparse drafts, no drafts, bonus rows)."""
+    """Per request: accept drafts left to right until the first rejection; greedy requests finish here."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
     d0 = tl.load(cu_ptr + r)
@@ -679,74 +482,8 @@ def _accept_chain_kernel(
         if alive == 1:
             tl.store(out_ptr + row, x)
     tl.store(num_acc_ptr + r, n_acc.to(tl.int64))
-    sample_row = row0 + n_acc
     if greedy:
-        tl.store(out_ptr + sample_row, tl.load(argmax_ptr + sample_row).to(tl.int64))
-    elif _draws_by_cdf(top_k_ptr, top_p_ptr, r, V, n_acc == num_draft, PROBS):
-        u = tl_uniform(tl_row_key(seed, position + 1 + n_acc, _TARGET), zero)
-        token = _inverse_cdf(
-            logits_ptr, stride_row, probs_ptr, prob_ids_ptr, stride_probs, bmax_ptr, bsum_ptr, sample_row,
-            d0 + n_acc, tl.where(n_acc == num_draft, 0, K), num_blocks, inv_t, tl.load(zmax_ptr + sample_row),
-            tl.load(norm_ptr + sample_row), u, V, PROBS, BLOCK_V, BLOCK_NB, BLOCK_K, CHUNK_K,
-        )  # fmt: skip
-        tl.store(out_ptr + sample_row, token.to(tl.int64))
-
-
-@triton.jit
-def _dense_weights(row_ptr, probs_row_ptr, idx, V, inv_t, z_max, norm):
-    """Residual weights max(0, e - Z * p_d) of a dense draft at ``idx`` (0 past the end); the same float
-    operations wherever they are evaluated, so a block's recomputed weights sum to its stored mass."""
-    z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-    p_d = tl.load(probs_row_ptr + idx, mask=idx < V, other=0.0)
-    return tl.maximum(tl.exp(z - z_max) - norm * p_d, 0.0)
-
-
-@triton.jit
-def _dense_residual_masses(
-    logits_ptr, stride_row, probs_ptr, stride_probs, zmax_ptr, norm_ptr, mass_ptr, sample_row, draft_row, r, split,
-    inv_t, V, split_size, num_blocks, BLOCK_V: tl.constexpr,
-):
-    """Residual mass of every block of BLOCK_V ids in this split of an unfiltered dense residual row (row units:
-    a block whose weights all underflow has mass 0 and is never chosen)."""
-    row_ptr = logits_ptr + sample_row.to(tl.int64) * stride_row
-    probs_row_ptr = probs_ptr + draft_row.to(tl.int64) * stride_probs
-    z_max = tl.load(zmax_ptr + sample_row)
-    norm = tl.load(norm_ptr + sample_row)
-    for start in range(split * split_size, tl.minimum(split * split_size + split_size, V), BLOCK_V):
-        w = _dense_weights(row_ptr, probs_row_ptr, start + tl.arange(0, BLOCK_V), V, inv_t, z_max, norm)
-        tl.store(mass_ptr + r.to(tl.int64) * num_blocks + start // BLOCK_V, tl.sum(w, 0))
-
-
-@triton.jit
-def _dense_pick(
-    logits_ptr, stride_row, probs_ptr, stride_probs, zmax_ptr, norm_ptr, mass_ptr, bmax_ptr, bsum_ptr, sample_row,
-    draft_row, r, inv_t, u, V, num_mass, num_blocks, BLOCK_R: tl.constexpr, BLOCK_MASS: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_NB: tl.constexpr,
-):
-    """Inverse-CDF draw from an unfiltered dense residual with one uniform: the block by its running mass, then
-    the id inside it (weights recomputed exactly as summed); p_t (statistics blocks) if the residual is all 0."""
-    offs = tl.arange(0, BLOCK_MASS)
-    mass = tl.load(mass_ptr + r.to(tl.int64) * num_mass + offs, mask=offs < num_mass, other=0.0)
-    total = tl.sum(mass, 0)
-    z_max = tl.load(zmax_ptr + sample_row)
-    norm = tl.load(norm_ptr + sample_row)
-    token = tl.zeros((), tl.int32)
-    if total > 0.0:
-        target = u * total
-        cum = tl.cumsum(mass, 0)
-        b = _first_positive_crossing(mass, cum, target, offs)  # >= 0: total > 0
-        before = tl.sum(tl.where(offs == b, cum - mass, 0.0), 0)
-        inner = tl.arange(0, BLOCK_R)
-        w = _dense_weights(logits_ptr + sample_row.to(tl.int64) * stride_row,
-                           probs_ptr + draft_row.to(tl.int64) * stride_probs, b * BLOCK_R + inner, V, inv_t, z_max,
-                           norm)  # fmt: skip
-        token = b * BLOCK_R + tl.maximum(_first_positive_crossing(w, tl.cumsum(w, 0), target - before, inner), 0)
-    else:
-        token = _inverse_cdf(
-            logits_ptr, stride_row, probs_ptr, probs_ptr, stride_probs, bmax_ptr, bsum_ptr, sample_row, draft_row,
-            0, num_blocks, inv_t, z_max, norm, u, V, 0, BLOCK_V, BLOCK_NB, 16, 16,
-        )  # fmt: skip
-    return token
+        tl.store(out_ptr + row0 + n_acc, tl.load(argmax_ptr + row0 + n_acc).to(tl.int64))
 
 
 @triton.jit
@@ -758,8 +495,6 @@ def _race_kernel(
     prob_ids_ptr,
     cu_ptr,
     temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
     seeds_ptr,
     positions_ptr,
     zmax_ptr,
@@ -768,34 +503,23 @@ def _race_kernel(
     num_acc_ptr,
     part_key_ptr,
     part_id_ptr,
-    mass_ptr,
     V,
     K,
     split_size,
     num_splits,
-    num_mass,
     PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Exponential race on one vocabulary split of a filtered request's residual (or bonus) row; for an
-    unfiltered dense residual row, its split's block masses (:func:`_dense_residual_masses`). The other sampled
-    requests drew by inverse CDF in the accept chain kernel."""
+    """Exponential race on one vocabulary split of a sampled request's residual (or bonus) row."""
     r = tl.program_id(0)
     split = tl.program_id(1)
     temp = tl.load(temperature_ptr + r)
-    d0 = tl.load(cu_ptr + r)
-    num_draft = (tl.load(cu_ptr + r + 1) - d0).to(tl.int32)
-    n_acc = tl.load(num_acc_ptr + r).to(tl.int32)
-    _, _, use_k, use_p = _filters(top_k_ptr, top_p_ptr, r, V)
-    if PROBS == _DENSE:  # noqa: SIM102 (a compile-time branch around a runtime one)
-        if (temp != 0.0) & ((use_k | use_p) == 0) & (n_acc < num_draft):
-            _dense_residual_masses(
-                logits_ptr, stride_row, probs_ptr, stride_probs, zmax_ptr, norm_ptr, mass_ptr, d0 + r + n_acc,
-                d0 + n_acc, r, split, tl.math.div_rn(1.0, temp), V, split_size, num_mass, BLOCK_V,
-            )  # fmt: skip
-    if (temp != 0.0) & (use_k | use_p):
+    if temp != 0.0:
         inv_t = tl.math.div_rn(1.0, temp)
+        d0 = tl.load(cu_ptr + r)
+        num_draft = (tl.load(cu_ptr + r + 1) - d0).to(tl.int32)
+        n_acc = tl.load(num_acc_ptr + r).to(tl.int32)
         sample_row = d0 + r + n_acc
         draft_row = d0 + n_acc
         bonus = n_acc == num_draft
@@ -828,7 +552,7 @@ def _race_kernel(
                 here = (ids >= start) & (ids < start + BLOCK_V)
                 p_d = tl.zeros([BLOCK_V], tl.float32)
                 previous = tl.zeros((), tl.int64) + (start - 1)
-                for _hit in range(0, tl.sum(here.to(tl.int32), 0)):
+                for _ in range(0, tl.sum(here.to(tl.int32), 0)):
                     current = tl.min(tl.where(here & (ids > previous), ids, 2147483647), 0)
                     p_d = tl.where(idx == current, tl.sum(tl.where(ids == current, probs, 0.0), 0), p_d)
                     previous = current
@@ -861,62 +585,32 @@ def _race_kernel(
 def _finalize_kernel(
     logits_ptr,
     stride_row,
-    probs_ptr,
     prob_ids_ptr,
     stride_probs,
     part_key_ptr,
     part_id_ptr,
-    mass_ptr,
-    bmax_ptr,
-    bsum_ptr,
     cu_ptr,
     temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
     seeds_ptr,
     positions_ptr,
     zmax_ptr,
-    norm_ptr,
     tau_ptr,
     num_acc_ptr,
     out_ptr,
     K,
-    V,
     num_splits,
-    num_mass,
-    num_blocks,
     PROBS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_MASS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_NB: tl.constexpr,
 ):
-    """Per filtered request: the race winner over all splits (an all-zero residual falls back to p_t); per
-    unfiltered dense residual row: the inverse-CDF pick from the block masses (:func:`_dense_pick`).
+    """Per sampled request: the race winner over all splits (an all-zero residual falls back to p_t).
 
     The fallback race over p_t is only needed when every residual key is -inf. With sparse drafts that means
     every kept token lies in the draft's support (outside it the residual is p_t itself), so the fallback
     winner is the best p_t key among those <= K ids, computed here instead of in the vocabulary loop."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
-    d0 = tl.load(cu_ptr + r)
-    n_acc = tl.load(num_acc_ptr + r)
-    bonus = n_acc == tl.load(cu_ptr + r + 1) - d0
-    _, _, use_k, use_p = _filters(top_k_ptr, top_p_ptr, r, V)
-    if PROBS == _DENSE:  # noqa: SIM102 (a compile-time branch around a runtime one)
-        if (temp != 0.0) & ((use_k | use_p) == 0) & (bonus == 0):
-            sample_row = d0 + r + n_acc
-            position = tl.load(positions_ptr + r) + 1 + n_acc
-            token = _dense_pick(
-                logits_ptr, stride_row, probs_ptr, stride_probs, zmax_ptr, norm_ptr, mass_ptr, bmax_ptr, bsum_ptr,
-                sample_row, d0 + n_acc, r, tl.math.div_rn(1.0, temp),
-                tl_uniform(tl_row_key(tl.load(seeds_ptr + r), position, _TARGET), tl.zeros((), tl.int32)), V,
-                num_mass, num_blocks, BLOCK_R, BLOCK_MASS, BLOCK_V, BLOCK_NB,
-            )  # fmt: skip
-            tl.store(out_ptr + sample_row, token.to(tl.int64))
-    if (temp != 0.0) & (use_k | use_p):
+    if temp != 0.0:
         offs = tl.arange(0, BLOCK_SPLITS)
         live = offs < num_splits
         part = (r * num_splits + offs) * 2
@@ -924,6 +618,8 @@ def _finalize_kernel(
         top_res = tl.max(key_res, 0)
         winner = tl.min(tl.where(live & (key_res == top_res), tl.load(part_id_ptr + part, mask=live, other=_BIG),
                                  _BIG), 0)  # fmt: skip
+        d0 = tl.load(cu_ptr + r)
+        n_acc = tl.load(num_acc_ptr + r)
         sample_row = d0 + r + n_acc
         if top_res == float("-inf"):
             if PROBS == _DENSE:
@@ -1015,61 +711,61 @@ def rejection_sample_triton(
     positions64 = positions.to(torch.int64).contiguous()
     options = launch_options()
 
-    # 1-2: per-row statistics and keep thresholds
+    # 1-4: per-row statistics and keep thresholds
     block_v = _block(TUNING["row_block_v"], vocab)
     split_size, num_splits = _splits(vocab, block_v, TUNING["row_splits"])
-    num_blocks = triton.cdiv(vocab, block_v)
     groups = min(SKETCH_GROUPS, block_v)
-    block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
-    chunk_k = min(SUPPORT_CHUNK, block_k)
     f32 = dict(dtype=torch.float32, device=device)
     part_max = torch.empty((rows, num_splits), **f32)
+    part_sum = torch.empty((rows, num_splits), **f32)
     part_arg = torch.empty((rows, num_splits), dtype=torch.int32, device=device)
-    block_max = torch.empty((rows, num_blocks), **f32)
-    block_sum = torch.empty((rows, num_blocks), **f32)
     sketch = torch.empty((rows, num_splits, groups), **f32)
     _row_stats_kernel[(rows, num_splits)](
-        logits, logits.stride(0), cu, num_req, out, row_req, temps, top_k64, top_p32, prob_ids, width, width,
-        part_max, part_arg, block_max, block_sum, sketch, vocab, split_size, num_splits, num_blocks,
-        PROBS=mode, BLOCK_V=block_v, BLOCK_K=block_k, NG=groups, num_warps=TUNING["row_warps"], **options,
+        logits, logits.stride(0), cu, num_req, out, row_req, temps, top_k64, top_p32, part_max, part_sum,
+        part_arg, sketch,
+        vocab, split_size, num_splits, BLOCK_V=block_v, NG=groups, num_warps=TUNING["row_warps"], **options,
     )  # fmt: skip
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
-    z_max, norm, tau = (torch.empty(rows, **f32) for _ in range(3))
+    z_max, norm, tau, bound = (torch.empty(rows, **f32) for _ in range(4))
+    state = torch.empty(rows, dtype=torch.int32, device=device)
+    count = torch.empty(rows, dtype=torch.int32, device=device)  # zeroed by the combine kernel
+    _row_combine_kernel[(rows,)](
+        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau,
+        bound, state, count, vocab, num_splits, BLOCK_SPLITS=_block(1 << 20, num_splits),
+        BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups, num_warps=4, **options,
+    )  # fmt: skip
     cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
-    block_nb = _block(1 << 20, num_blocks)
-    _row_combine_kernel[(rows,)](
-        logits, logits.stride(0), cu, probs, prob_ids, width, width, part_max, part_arg, block_max, block_sum,
-        sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, cands, vocab, num_splits, num_blocks,
-        PROBS=mode, BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_NB=block_nb,
-        BLOCK_K=block_k, CHUNK_K=chunk_k, BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups,
-        BLOCK_V=block_v, CAP=cap, SMALL=min(cap, 256), BLOCK_S=_block(512, vocab),
+    _compact_kernel[(rows,)](
+        logits, logits.stride(0), row_req, temps, bound, state, count, cands, vocab,
+        BLOCK_V=block_v, CAP=cap, num_warps=TUNING["row_warps"], **options,
+    )  # fmt: skip
+    _threshold_kernel[(rows,)](
+        logits, logits.stride(0), row_req, temps, top_k64, top_p32, z_max, norm, tau, state, count, cands,
+        vocab, CAP=cap, SMALL=min(cap, 256), BLOCK_S=_block(512, vocab),
         NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=8, **options,
     )  # fmt: skip
 
-    # 3: accept chains; greedy requests and the inverse-CDF draws finish here
+    # 5: accept chains
+    block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
     _accept_chain_kernel[(num_req,)](
-        logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, top_k64, top_p32, seeds64, positions64,
-        argmax, z_max, norm, tau, block_max, block_sum, out, num_acc, width, vocab, num_blocks,
-        PROBS=mode, BLOCK_V=block_v, BLOCK_NB=block_nb, BLOCK_K=block_k, CHUNK_K=chunk_k, num_warps=4, **options,
+        logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, seeds64, positions64,
+        argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
 
-    # 4-5: the raced requests' residual / bonus draws
+    # 6-7: residual / bonus draws
     race_block = _block(TUNING["race_block_v"], vocab)
     race_split, race_splits = _splits(vocab, race_block, TUNING["race_splits"])
     part_key = torch.empty((num_req, race_splits, 2), **f32)
     part_id = torch.empty((num_req, race_splits, 2), dtype=torch.int32, device=device)
-    num_mass = triton.cdiv(vocab, race_block) if mode == PROBS_DENSE else 1
-    mass = torch.empty((num_req, num_mass), **f32)
     _race_kernel[(num_req, race_splits)](
-        logits, logits.stride(0), probs, width, prob_ids, cu, temps, top_k64, top_p32, seeds64, positions64, z_max,
-        norm, tau, num_acc, part_key, part_id, mass, vocab, width, race_split, race_splits, num_mass,
+        logits, logits.stride(0), probs, width, prob_ids, cu, temps, seeds64, positions64, z_max, norm, tau,
+        num_acc, part_key, part_id, vocab, width, race_split, race_splits,
         PROBS=mode, BLOCK_V=race_block, BLOCK_K=block_k, num_warps=TUNING["race_warps"], **options,
     )  # fmt: skip
     _finalize_kernel[(num_req,)](
-        logits, logits.stride(0), probs, prob_ids, width, part_key, part_id, mass, block_max, block_sum, cu, temps,
-        top_k64, top_p32, seeds64, positions64, z_max, norm, tau, num_acc, out, width, vocab, race_splits, num_mass,
-        num_blocks, PROBS=mode, BLOCK_SPLITS=_block(1 << 20, race_splits), BLOCK_K=block_k, BLOCK_R=race_block,
-        BLOCK_MASS=_block(1 << 20, num_mass), BLOCK_V=block_v, BLOCK_NB=block_nb, num_warps=4, **options,
+        logits, logits.stride(0), prob_ids, width, part_key, part_id, cu, temps, seeds64, positions64, z_max,
+        tau, num_acc, out, width, race_splits,
+        PROBS=mode, BLOCK_SPLITS=_block(1 << 20, race_splits), BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
     return RejectionOutput(num_accepted=num_acc, output_tokens=out)

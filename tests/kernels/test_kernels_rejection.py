@@ -13,8 +13,8 @@ import torch
 from conftest import shared_path
 from safetensors.torch import load_file
 
-from kernels import rejection, rejection_sample, rejection_sample_reference, rejection_sample_triton
-from kernels.rejection import filter_thresholds, inverse_cdf_draw, target_probs
+from kernels import rejection_sample, rejection_sample_reference, rejection_sample_triton
+from kernels.rejection import filter_thresholds, target_probs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IMPLS = {"reference": rejection_sample_reference, "triton": rejection_sample_triton}
@@ -343,15 +343,8 @@ def test_bad_input_raises_value_error_with_a_clear_message(impl: str, case: str)
         replace(base, **overrides).run(IMPLS[impl])
 
 
-@pytest.mark.parametrize("block", [None, 16])
-def test_minus_infinity_logits_are_never_emitted(monkeypatch, block: int | None) -> None:
-    """Masked vocabulary entries (-inf logits, e.g. padding) get probability 0 in every setting (one or
-    several inverse-CDF blocks)."""
-    if block is not None:
-        from kernels import rejection_triton
-
-        monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", block)
-        monkeypatch.setattr(rejection, "CDF_BLOCK", block)
+def test_minus_infinity_logits_are_never_emitted() -> None:
+    """Masked vocabulary entries (-inf logits, e.g. padding) get probability 0 in every setting."""
     batch = make_batch(**MIXED, vocab=64, sparse_k=5, seed=13)
     masked = torch.zeros(64, dtype=torch.bool)
     masked[1::3] = True  # ids 1 mod 3; a masked id + 1 is in range and unmasked
@@ -390,7 +383,6 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
     from kernels import rejection_triton
 
     monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 128)
-    monkeypatch.setattr(rejection, "CDF_BLOCK", 128)  # the same inverse-CDF blocks in the reference
     monkeypatch.setitem(rejection_triton.TUNING, "row_splits", 4)
     monkeypatch.setitem(rejection_triton.TUNING, "race_block_v", 128)
     monkeypatch.setitem(rejection_triton.TUNING, "race_splits", 3)
@@ -411,28 +403,3 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
     logits[:, 500:520] = float("-inf")
     batch.target_logits = logits
     _assert_same(batch.run(rejection_sample_reference), batch.run(rejection_sample_triton))
-
-
-def test_inverse_cdf_never_picks_a_zero_weight_token_and_falls_back_to_p_t_on_the_support() -> None:
-    """Edge cases of the inverse-CDF draw: u at the top of (0, 1), blocks and ids of zero weight, an all-zero
-    residual (p_d >= p_t everywhere: the draw then follows p_t over the support)."""
-    z = torch.tensor([[0.0, float("-inf"), -1.0, float("-inf"), -2.0, float("-inf")]])
-    e = torch.exp(z)
-    norm = e.sum(dim=1)
-    ids = torch.tensor([[2, 0, 2]])  # id 2 twice
-    live = torch.ones_like(ids, dtype=torch.bool)
-    top = torch.tensor([1.0 - 2.0**-24])
-    # ordinary residual, u at the top: the last positive-weight token (id 4, blocks of 2: ids 4, 5)
-    probs = torch.tensor([[0.1, 0.8, 0.1]])
-    assert int(inverse_cdf_draw(z, norm, ids, probs, live, top, 2)) == 4
-    # all-zero residual: p_d = p_t on the support {0, 2}, the masked and off-support ids have no mass
-    z_support = torch.tensor([[0.0, float("-inf"), -1.0, float("-inf"), float("-inf"), float("-inf")]])
-    norm_s = torch.exp(z_support).sum(dim=1)
-    p_t = torch.exp(z_support[0]) / norm_s
-    probs = torch.tensor([[p_t[2] * 0.5005, p_t[0] * 1.001, p_t[2] * 0.5005]])
-    u = torch.rand(20_000, generator=torch.Generator().manual_seed(0)).clamp(2.0**-24, 1 - 2.0**-24)
-    tokens = inverse_cdf_draw(z_support.expand(20_000, 6), norm_s.expand(20_000), ids.expand(20_000, 3),
-                              probs.expand(20_000, 3), live.expand(20_000, 3), u, 2)  # fmt: skip
-    assert set(tokens.tolist()) <= {0, 2}
-    rate = float((tokens == 0).double().mean())
-    assert abs(rate - float(p_t[0])) < 5 * (float(p_t[0]) * float(1 - p_t[0]) / 20_000) ** 0.5
