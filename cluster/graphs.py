@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 
 GRAPH_MODES = ("off", "static", "capture")
@@ -115,6 +116,16 @@ class GraphStep(Generic[T]):
         if self._pending is not None:
             self.time_s += self._pending[0].elapsed_time(self._pending[1]) / 1000.0
             self._pending = None
+
+
+def split_views(buffer: torch.Tensor | np.ndarray, fields: dict[str, int]) -> dict:
+    """Named consecutive views of one flat staging buffer: the host fills every field, then one copy uploads all."""
+    views = {}
+    offset = 0
+    for name, length in fields.items():
+        views[name] = buffer[offset : offset + length]
+        offset += length
+    return views
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

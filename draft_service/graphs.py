@@ -34,7 +34,15 @@ from functools import partial
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, GraphStep, StagingFence, bucket_sizes, pick_bucket, pinned_empty
+from cluster.graphs import (
+    DEFAULT_BUCKETS,
+    GraphStep,
+    StagingFence,
+    bucket_sizes,
+    pick_bucket,
+    pinned_empty,
+    split_views,
+)
 from draft_service.context_cache import DraftContextCache
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import GREEDY_TEMPERATURE, sample_block_prepared
@@ -101,9 +109,9 @@ class DraftGraphRunner:
         self._dev_temp = self._dev_int[num_int:].view(torch.float32)[:top]
         # No fence for this buffer: ``run`` ends in a blocking copy on the stream of its upload.
         self._where_fence = StagingFence(self.device)
-        self.host = _split(self._host_int.numpy(), self._int_fields)
+        self.host = split_views(self._host_int.numpy(), self._int_fields)
         self.host["temperature"] = self._host_temp.numpy()
-        self.dev = _split(self._dev_int, self._int_fields)
+        self.dev = split_views(self._dev_int, self._int_fields)
         self.dev["temperature"] = self._dev_temp
         # Page-locked result rows; per bucket a view of its first rows made once (a slice is a torch call).
         self._host_result = pinned_empty((top, 2 * model.block_size), torch.float64, self.device)
@@ -338,12 +346,3 @@ class DraftGraphRunner:
         assert sample.topk_ids is not None and sample.topk_probs is not None
         return packed, sample.topk_ids, sample.topk_probs
 
-
-def _split(buffer: torch.Tensor | np.ndarray, fields: dict[str, int]) -> dict:
-    """Named consecutive views of a flat buffer."""
-    views = {}
-    offset = 0
-    for name, length in fields.items():
-        views[name] = buffer[offset : offset + length]
-        offset += length
-    return views

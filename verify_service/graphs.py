@@ -33,7 +33,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, GraphStep, bucket_sizes, pinned_empty
+from cluster.graphs import DEFAULT_BUCKETS, GraphStep, bucket_sizes, pinned_empty, split_views
 from kernels.rejection import RejectionOutput
 from verify_service.attention import CachedAttentionMetadata
 from verify_service.kv_cache import SlotKVCache
@@ -151,10 +151,10 @@ class VerifyGraphRunner:
         self._host_float = pinned_empty((sum(self._float_fields.values()),), torch.float32, self.device)
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
         self._dev_float = torch.zeros_like(self._host_float, device=self.device)
-        self.host = _split(self._host_int.numpy(), self._int_fields) | _split(
+        self.host = split_views(self._host_int.numpy(), self._int_fields) | split_views(
             self._host_float.numpy(), self._float_fields
         )
-        self.dev = _split(self._dev_int, self._int_fields) | _split(self._dev_float, self._float_fields)
+        self.dev = split_views(self._dev_int, self._int_fields) | split_views(self._dev_float, self._float_fields)
         self.dist_ids = torch.zeros((top_t, draft_top_k), dtype=torch.int64, device=self.device)
         self.dist_probs = torch.zeros((top_t, draft_top_k), dtype=torch.float32, device=self.device)
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
@@ -449,15 +449,6 @@ class VerifyGraphRunner:
             features = features.index_copy(0, dest, out.features)[:t]
         return packed, features
 
-
-def _split(buffer: torch.Tensor | np.ndarray, fields: dict[str, int]) -> dict:
-    """Named consecutive views of a flat buffer."""
-    views = {}
-    offset = 0
-    for name, length in fields.items():
-        views[name] = buffer[offset : offset + length]
-        offset += length
-    return views
 
 
 def _widen(ids: torch.Tensor, probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
