@@ -199,6 +199,7 @@ class SchedulerReplica:
         self.hub = SchedulerHub(
             model_name=self.config.model_name,
             policy=self.config.scheduler.policy,
+            draft_cost=self.config.scheduler.draft_cost,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             token=self.config.network.grpc_token,
             timeout_s=self.config.network.grpc_timeout_s,

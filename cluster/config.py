@@ -75,11 +75,18 @@ class EngineConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    """``drain_timeout_s``: how long a drafter or verifier replica that Serve stops (autoscaling down, rolling
+    """``draft_cost``: what the scheduled policies (``dspark``, ``dspark-async``) charge for drafting: ``none``
+    (Algorithm 1's plain objective; the drafter runs every round) or ``measured`` (each round loop learns the
+    draft time per round, gRPC round trip included, from its own timings, and charges it: Algorithm 1 maximises
+    tokens per second of the whole round and a round skips the drafter when a plain target round is predicted
+    faster; lossless either way). Other policies ignore it.
+
+    ``drain_timeout_s``: how long a drafter or verifier replica that Serve stops (autoscaling down, rolling
     update) keeps serving the requests it holds before it goes; keep the deployment's
     ``graceful_shutdown_timeout_s`` above it (``build_app`` defaults it to this plus a margin)."""
 
     policy: str = "dspark"
+    draft_cost: Literal["none", "measured"] = "none"
     max_running_per_verifier: int | None = Field(None, ge=1)
     drain_timeout_s: float = Field(120.0, gt=0)
 

@@ -62,7 +62,7 @@ def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype or "float32",
         },
         "engine": {"max_requests": args.max_requests, "draft_top_k": args.draft_top_k},
-        "scheduler": {"policy": args.policy},
+        "scheduler": {"policy": args.policy, "draft_cost": args.draft_cost},
         "network": {"api_key": args.api_key},
     }
     if args.max_seq_len is not None:

@@ -49,6 +49,13 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
         default="dspark",
         help="verification policy: dspark, dspark-async, fixed-N, full, autoregressive (no drafter)",
     )
+    parser.add_argument(
+        "--draft-cost",
+        choices=("none", "measured"),
+        default="none",
+        help="dspark policies: charge no draft time, or the draft time measured while serving (and skip drafting "
+        "when a plain round is faster)",
+    )
     parser.add_argument("--sps", type=Path, default=None, help="SPS table JSON (default: a built-in conservative one)")
     parser.add_argument("--max-requests", type=int, default=16, help="KV / context slots (concurrent requests)")
     parser.add_argument(
@@ -91,6 +98,7 @@ def load_local_backend(
     draft: Path | None,
     *,
     policy: str = "dspark",
+    draft_cost: str = "none",
     sps: SPSTable | None = None,
     max_requests: int = 16,
     max_seq_len: int | None = None,
@@ -149,7 +157,7 @@ def load_local_backend(
     engine = SpeculativeEngine(
         verify,
         drafter,
-        make_policy(policy, sps or default_sps_table(), block_size),
+        make_policy(policy, sps or default_sps_table(), block_size, draft_cost),
         decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None,
         eos_token_ids=target_model.eos_token_ids,
     )
@@ -178,6 +186,7 @@ def run_local(args: argparse.Namespace) -> int:
             args.target,
             args.draft,
             policy=args.policy,
+            draft_cost=args.draft_cost,
             sps=sps,
             max_requests=args.max_requests,
             max_seq_len=args.max_seq_len,

@@ -7,7 +7,8 @@ Every call to :meth:`SpeculativeEngine.step` is one round:
    drafter proposes a block for every running request (one batched pass + the sequential head);
 3. the verification policy (Algorithm 1 by default) picks how many drafts each request verifies;
 4. ONE target pass verifies all running requests and prefills the new ones; rejection sampling keeps a prefix;
-5. committed context features go to the drafter, new tokens are checked against stop conditions and returned.
+5. committed context features go to the drafter, new tokens are checked against stop conditions and returned;
+6. a policy with ``observe_round`` gets the round's timings (a measured draft cost learns from them).
 
 Lossless by construction: drafts are only ever proposals; what a request emits is decided by rejection sampling
 against the target, the policy is causal (see :mod:`scheduler.policy`), and caps on the number of drafts only
@@ -126,6 +127,8 @@ class SpeculativeEngine:
         self.verify = verify
         self.draft = draft if policy.uses_drafter else None
         self.policy = policy
+        # Past rounds' wall-clock timings only (never token values): feeding them back keeps the policy causal.
+        self._observe_round: Callable[[int, bool, float, float], None] | None = getattr(policy, "observe_round", None)
         self.decode = decode
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_running = max_running
@@ -297,6 +300,8 @@ class SpeculativeEngine:
             num_out = sum(len(o.new_token_ids) for o in outputs)
             draft_s, schedule_s = t1 - t_decided, (t_decided - t0) + (t2 - t1)
             self.metrics.record_round(verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out)
+            if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
+                self._observe_round(len(verified), drafting, draft_s, schedule_s + time.perf_counter() - t3)
         return outputs
 
     def _verify_items(self, verified: list[_Request], lengths: np.ndarray, proposal: object) -> list[VerifyItem]:

@@ -62,6 +62,7 @@ class SchedulerHub:
         *,
         model_name: str,
         policy: str,
+        draft_cost: str = "none",
         decode: Callable[[Sequence[int]], str] | None,
         eos_token_ids: Sequence[int] = (),
         token: str | None = None,
@@ -70,6 +71,7 @@ class SchedulerHub:
     ) -> None:
         self.model_name = model_name
         self.policy = policy
+        self.draft_cost = draft_cost
         self.decode = decode
         self.eos_token_ids = tuple(eos_token_ids)
         self.token = token
@@ -121,7 +123,7 @@ class SchedulerHub:
             engine = SpeculativeEngine(
                 verifier,
                 pool,  # type: ignore[arg-type]
-                make_policy(self.policy, SPSTable.from_dict(sps), block_size),
+                make_policy(self.policy, SPSTable.from_dict(sps), block_size, self.draft_cost),
                 decode=self.decode,
                 eos_token_ids=self.eos_token_ids or verifier.eos_token_ids,
             )

@@ -6,7 +6,9 @@ Every policy must be causal to stay lossless: the decision whether to verify dra
 confidences c_{r,<=j} (which depend on x_{r,<j}) but never on x_{r,j} itself beyond what Algorithm 1's early stop
 allows. Caps (``max_lengths``) only depend on counts (tokens still allowed, KV room), never on token values. The
 pre-draft decision ``should_draft`` (may this round skip the drafter, i.e. be a plain target round?) sees only
-counts and the confidences of earlier, already verified rounds (:mod:`scheduler.draft_gate`).
+counts and the confidences of earlier, already verified rounds (:mod:`scheduler.draft_gate`). A measured draft
+cost (:class:`scheduler.draft_cost_estimate.OnlineDraftCost`, fed by ``observe_round`` after every round) only
+adds wall-clock timings and request counts of finished rounds to what a decision sees, so it keeps all of this.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 from scheduler.algorithm import DraftCost, schedule_lengths
 from scheduler.async_capacity import AsyncCapacityScheduler
+from scheduler.draft_cost_estimate import OnlineDraftCost
 from scheduler.draft_gate import DraftGate
 from scheduler.sps import SPSTable
 
@@ -32,6 +35,40 @@ class VerifyPolicy(Protocol):
         ...
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray: ...
+
+
+#: The scheduled policies also have ``observe_round(num_requests, drafted, draft_s, other_s)``, which the round
+#: driver calls after every round when present (a measured draft cost learns from it); the others need no timings.
+
+
+class _MeasuredCost:
+    """The draft cost a scheduled policy uses this round: fixed, or measured online by an estimator.
+
+    With an ``estimator`` the cost is its current estimate (None while it warms up: the plain objective, and a
+    gate that never skips), pushed into the gate before each decision together with the no-draft overhead.
+    """
+
+    def __init__(
+        self, draft_cost: DraftCost | None, gate: DraftGate | None, estimator: OnlineDraftCost | None
+    ) -> None:
+        if estimator is not None and draft_cost is not None:
+            raise ValueError("give a fixed draft_cost or an estimator that measures it, not both")
+        self.fixed = draft_cost
+        self.gate = gate
+        self.estimator = estimator
+
+    def current(self) -> DraftCost | None:
+        if self.estimator is None:
+            return self.fixed
+        cost = self.estimator.draft_cost
+        if self.gate is not None:
+            self.gate.draft_cost = cost if cost is not None else DraftCost()  # zero cost: the gate never skips
+            self.gate.no_draft_cost = self.estimator.no_draft_cost
+        return cost
+
+    def observe_round(self, num_requests: int, drafted: bool, draft_s: float, other_s: float) -> None:
+        if self.estimator is not None:
+            self.estimator.observe(num_requests, drafted, draft_s, other_s)
 
 
 def _capped(confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
@@ -76,22 +113,38 @@ class DSparkScheduled:
     """Algorithm 1: global greedy admission by prefix survival probability with the causal early stop.
 
     With a ``gate`` (:class:`scheduler.draft_gate.DraftGate`) a round may also skip the drafter when a plain
-    target round is predicted to deliver more tokens per second (high load, expensive draft).
+    target round is predicted to deliver more tokens per second (high load, expensive draft). The draft cost is
+    fixed (``draft_cost``) or measured while serving (``estimator``, fed by :meth:`observe_round`).
     """
 
     name = "dspark"
     uses_drafter = True
 
-    def __init__(self, sps: SPSTable, draft_cost: DraftCost | None = None, gate: DraftGate | None = None) -> None:
+    def __init__(
+        self,
+        sps: SPSTable,
+        draft_cost: DraftCost | None = None,
+        gate: DraftGate | None = None,
+        estimator: OnlineDraftCost | None = None,
+    ) -> None:
         self.sps = sps
-        self.draft_cost = draft_cost
         self.gate = gate
+        self._cost = _MeasuredCost(draft_cost, gate, estimator)
+
+    @property
+    def draft_cost(self) -> DraftCost | None:
+        return self._cost.current()
+
+    def observe_round(self, num_requests: int, drafted: bool, draft_s: float, other_s: float) -> None:
+        """After a round: its timings, for a measured draft cost (a no-op with a fixed one)."""
+        self._cost.observe_round(num_requests, drafted, draft_s, other_s)
 
     def should_draft(self, max_lengths: np.ndarray) -> bool:
+        self._cost.current()  # refreshes the gate's costs
         return self.gate is None or self.gate.should_draft(max_lengths)
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
-        lengths = schedule_lengths(_capped(confidences, max_lengths), self.sps, draft_cost=self.draft_cost)
+        lengths = schedule_lengths(_capped(confidences, max_lengths), self.sps, draft_cost=self._cost.current())
         if self.gate is not None:
             self.gate.observe(confidences)  # after the schedule: it validated them
         return lengths
@@ -109,26 +162,48 @@ class DSparkAsync:
     uses_drafter = True
 
     def __init__(
-        self, sps: SPSTable, lag: int = 2, draft_cost: DraftCost | None = None, gate: DraftGate | None = None
+        self,
+        sps: SPSTable,
+        lag: int = 2,
+        draft_cost: DraftCost | None = None,
+        gate: DraftGate | None = None,
+        estimator: OnlineDraftCost | None = None,
     ) -> None:
         self._scheduler = AsyncCapacityScheduler(sps, lag=lag, draft_cost=draft_cost)
         self.gate = gate
+        self._cost = _MeasuredCost(draft_cost, gate, estimator)
+
+    def observe_round(self, num_requests: int, drafted: bool, draft_s: float, other_s: float) -> None:
+        """After a round: its timings, for a measured draft cost (a no-op with a fixed one)."""
+        self._cost.observe_round(num_requests, drafted, draft_s, other_s)
 
     def should_draft(self, max_lengths: np.ndarray) -> bool:
+        self._scheduler.draft_cost = self._cost.current()
         if self.gate is None or self.gate.should_draft(max_lengths):
             return True
         self._scheduler.reset()
         return False
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
+        self._scheduler.draft_cost = self._cost.current()
         lengths = self._scheduler.step(_capped(confidences, max_lengths))
         if self.gate is not None:
             self.gate.observe(confidences)  # after the schedule: it validated them
         return lengths
 
 
-def make_policy(spec: str, sps: SPSTable | None, block_size: int) -> VerifyPolicy:
-    """Build a policy from its config name: ``autoregressive``, ``fixed-N``, ``full``, ``dspark``, ``dspark-async``."""
+DRAFT_COSTS = ("none", "measured")
+
+
+def make_policy(spec: str, sps: SPSTable | None, block_size: int, draft_cost: str = "none") -> VerifyPolicy:
+    """Build a policy from its config name: ``autoregressive``, ``fixed-N``, ``full``, ``dspark``, ``dspark-async``.
+
+    ``draft_cost``: ``none`` (Algorithm 1's plain objective, never skips the drafter) or ``measured`` (the
+    scheduled policies learn T_draft online from the round driver's timings and get a draft gate that skips
+    the drafter when a plain round is predicted faster); the fixed-length policies ignore it.
+    """
+    if draft_cost not in DRAFT_COSTS:
+        raise ValueError(f"unknown draft_cost {draft_cost!r}: use none or measured")
     if spec == "autoregressive":
         return Autoregressive()
     if spec == "full":
@@ -141,5 +216,10 @@ def make_policy(spec: str, sps: SPSTable | None, block_size: int) -> VerifyPolic
     if spec in ("dspark", "dspark-async"):
         if sps is None:
             raise ValueError(f"policy {spec!r} needs an SPS table (profile one with `dspark profile-sps`)")
-        return DSparkScheduled(sps) if spec == "dspark" else DSparkAsync(sps)
+        if draft_cost == "none":
+            return DSparkScheduled(sps) if spec == "dspark" else DSparkAsync(sps)
+        gate = DraftGate(sps, DraftCost())  # its costs come from the estimator every round
+        if spec == "dspark":
+            return DSparkScheduled(sps, gate=gate, estimator=OnlineDraftCost())
+        return DSparkAsync(sps, gate=gate, estimator=OnlineDraftCost())
     raise ValueError(f"unknown policy {spec!r}: use autoregressive, fixed-N, full, dspark or dspark-async")

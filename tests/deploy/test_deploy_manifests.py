@@ -173,6 +173,9 @@ def test_broken_rayservice_fails_with_the_offending_path(name: str, schemas: dic
         pytest.param(lambda c: c["applications"][0]["args"]["verify_pool"].update(num_gpus=-1),
                      "applications[0].args.verify_pool.num_gpus: Input should be greater than or equal to 0",
                      id="app-args"),
+        pytest.param(lambda c: c["applications"][0]["args"].setdefault("scheduler", {}).update(draft_cost="fast"),
+                     "applications[0].args.scheduler.draft_cost: Input should be 'none' or 'measured'",
+                     id="draft-cost"),
     ],
 )
 def test_broken_serve_config_fails_with_the_offending_path(mutate, expected: str) -> None:
@@ -211,6 +214,7 @@ def test_gpu_config_runs_on_gpus_with_secrets_from_the_environment() -> None:
     config = AppConfig.from_args(args)
     assert (config.models.device, config.models.dtype) == ("cuda", "bfloat16")
     assert config.draft_pool.num_gpus == config.verify_pool.num_gpus == 1
+    assert config.scheduler.draft_cost == "measured"  # the drafter's gRPC round trip is charged, learned online
     assert config.network.grpc_token is None and config.network.api_key is None
     assert config.network.grpc_token_env and config.network.api_key_env
     assert all(str(p).startswith("/models/") for p in (config.models.target, config.models.draft))

@@ -17,7 +17,7 @@ from draft_service.engine import DraftEngine
 from scheduler.algorithm import DraftCost
 from scheduler.draft_gate import DraftGate
 from scheduler.engine import SpeculativeEngine
-from scheduler.policy import DSparkAsync, DSparkScheduled
+from scheduler.policy import DSparkAsync, DSparkScheduled, make_policy
 from scheduler.sps import SPSTable
 from verify_service.engine import VerifyEngine
 from verify_service.target import TargetModel
@@ -125,3 +125,27 @@ def test_sampled_tokens_follow_the_target_distribution_with_skipped_rounds(
     assert chi_square_p_value(np.bincount(tokens[:, 0], minlength=vocab), p1.numpy()) > 1e-3
     assert chi_square_p_value(np.bincount(tokens[:, 1], minlength=vocab), marginal2) > 1e-3
     assert chi_square_p_value(np.bincount(tokens[:, 2], minlength=vocab), marginal3) > 1e-3
+
+
+@pytest.mark.parametrize("policy", ["dspark", "dspark-async"])
+def test_greedy_equals_target_with_the_measured_draft_cost(random_pair: tuple[Path, Path], policy: str) -> None:
+    """``draft_cost="measured"``: the engine feeds every round's real timings to the policy's estimator, whose
+    cost then steers Algorithm 1 and the gate (a fast SPS table makes the CPU draft relatively expensive, so
+    rounds may skip); whatever it decides, greedy output is the target's."""
+    target_dir, draft_dir = random_pair
+    draft_model = load_draft_model(draft_dir, target_dir=target_dir)
+    target = TargetModel.from_pretrained(target_dir, feature_layer_ids=draft_model.config.target_layer_ids)
+    verify = VerifyEngine(target, max_requests=12, max_seq_len=96)
+    draft = DraftEngine(draft_model, max_requests=12, max_seq_len=96)
+    fast = SPSTable([1, 8, 16, 32, 64, 128, 256], [1e5, 9.9e4, 9.6e4, 9e4, 7e4, 4.5e4, 2.5e4])
+    scheduled = make_policy(policy, fast, draft.block_size, draft_cost="measured")
+    engine = SpeculativeEngine(verify, draft, scheduled)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 127, size=int(rng.integers(1, 30))).tolist() for _ in range(24)]
+    max_tokens = [int(rng.integers(1, 40)) for _ in range(24)]
+    results = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens])
+    expected = target.generate(prompts, max_new_tokens=max(max_tokens))
+    for i, result in enumerate(results):
+        assert result.token_ids == expected[i][: max_tokens[i]], i
+    assert scheduled.gate.decisions > 0
+    assert scheduled._cost.estimator.draft_cost is not None  # the engine's timings warmed it up

@@ -1,0 +1,126 @@
+"""Online draft cost: learn Algorithm 1's T_draft(R) from the round driver's own timings while serving.
+
+The GPU benchmark hands the scheduled policies a DraftCost measured offline at each load; a served deployment has
+no such table, and in disaggregated serving the real cost of drafting includes the drafter's gRPC round trip,
+which depends on the network and on the drafter pool's load. :class:`OnlineDraftCost` learns it from the rounds
+the scheduler runs anyway: every round reports its running requests R, whether it drafted, the time it spent
+drafting and its other host time (schedule, commit: everything outside the verify step). Drafted rounds fit
+
+  T_draft(R) = fixed_s + per_request_s * R      (draft + other host time of a drafted round)
+
+and rounds that skipped the drafter give the no-draft overhead T_nodraft (their other host time; 0 until one is
+seen), the two costs :class:`scheduler.draft_gate.DraftGate` compares. The fit is robust: over a sliding window
+of the last ``window`` drafted rounds, a Theil-Sen line (median of pairwise slopes) finds the bulk, rounds whose
+residual exceeds ``outlier_mads`` robust deviations (a GC pause, a retried RPC, a prefill-heavy round) are
+dropped, and least squares on the rest gives the coefficients (clamped to >= 0, the DraftCost contract). Nothing
+is reported before ``min_rounds`` drafted rounds (``draft_cost`` is None): the policy then uses the plain
+objective and never skips, exactly the behaviour without an estimate.
+
+Why this keeps decoding lossless: the estimate is a function of wall-clock timings and request counts of rounds
+that already finished, never of token values, so a policy that uses it still decides each round from the past
+and counts only (and Algorithm 1's allowed dependence on the current confidences); see :mod:`scheduler.policy`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from scheduler.algorithm import DraftCost
+
+_MAD_TO_SIGMA = 1.4826  # median absolute deviation of a normal distribution, in standard deviations
+
+
+class OnlineDraftCost:
+    """Sliding-window robust fit of T_draft(R) and the no-draft overhead; one instance per round driver.
+
+    ``observe(R, drafted, draft_s, other_s)`` once per round; ``draft_cost`` (None while warming up) and
+    ``no_draft_cost`` read the current estimates. Refits happen lazily, at most every ``refit_interval`` new
+    drafted rounds, so the per-round cost is a deque append. Not thread-safe.
+    """
+
+    def __init__(
+        self, *, window: int = 64, min_rounds: int = 8, refit_interval: int = 4, outlier_mads: float = 4.0
+    ) -> None:
+        for name, value in (("window", window), ("min_rounds", min_rounds), ("refit_interval", refit_interval)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if min_rounds > window:
+            raise ValueError(f"min_rounds ({min_rounds}) must not exceed window ({window})")
+        if not (isinstance(outlier_mads, (int, float)) and math.isfinite(outlier_mads) and outlier_mads > 0):
+            raise ValueError(f"outlier_mads must be a finite number > 0, got {outlier_mads!r}")
+        self.min_rounds = min_rounds
+        self.refit_interval = refit_interval
+        self.outlier_mads = float(outlier_mads)
+        self._drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (R, draft + other host seconds)
+        self._plain: deque[float] = deque(maxlen=window)  # other host seconds of rounds that skipped the drafter
+        self._since_fit = 0
+        self._cost: DraftCost | None = None
+        self._no_draft = DraftCost()
+        self._plain_dirty = False
+
+    def observe(self, num_requests: int, drafted: bool, draft_s: float, other_s: float) -> None:
+        """One finished round: R running requests, whether it drafted, its draft and other host seconds."""
+        if num_requests < 1 or not (math.isfinite(draft_s) and math.isfinite(other_s)):
+            return
+        if drafted:
+            self._drafted.append((int(num_requests), max(draft_s, 0.0) + max(other_s, 0.0)))
+            self._since_fit += 1
+        else:
+            self._plain.append(max(other_s, 0.0))
+            self._plain_dirty = True
+
+    @property
+    def draft_cost(self) -> DraftCost | None:
+        """The current T_draft(R, B) = fixed_s + per_request_s * R, or None before ``min_rounds`` drafted rounds."""
+        if len(self._drafted) < self.min_rounds:
+            return None
+        if self._cost is None or self._since_fit >= self.refit_interval:
+            self._cost = self._fit()
+            self._since_fit = 0
+        return self._cost
+
+    @property
+    def no_draft_cost(self) -> DraftCost:
+        """The overhead of a round that skips the drafter (robust median of the window), 0 until one is seen."""
+        if self._plain_dirty:
+            self._no_draft = DraftCost(fixed_s=float(np.median(self._plain)))
+            self._plain_dirty = False
+        return self._no_draft
+
+    def _fit(self) -> DraftCost:
+        data = np.array(self._drafted, dtype=np.float64)
+        r, t = data[:, 0], data[:, 1]
+        slope, intercept = _theil_sen(r, t)
+        residual = t - (intercept + slope * r)
+        spread = _MAD_TO_SIGMA * float(np.median(np.abs(residual - np.median(residual))))
+        # The floor keeps exact (noise-free) data from rejecting every round over rounding error.
+        keep = np.abs(residual) <= self.outlier_mads * spread + 1e-9 * (1.0 + float(np.median(t)))
+        return _nonnegative_least_squares(r[keep], t[keep])
+
+
+def _theil_sen(r: np.ndarray, t: np.ndarray) -> tuple[float, float]:
+    """(slope, intercept) of the Theil-Sen line; slope 0 when every round had the same R."""
+    i, j = np.triu_indices(r.size, k=1)
+    dr = r[j] - r[i]
+    distinct = dr != 0
+    slope = float(np.median((t[j] - t[i])[distinct] / dr[distinct])) if distinct.any() else 0.0
+    return slope, float(np.median(t - slope * r))
+
+
+def _nonnegative_least_squares(r: np.ndarray, t: np.ndarray) -> DraftCost:
+    """Least squares t = fixed + per_request * R with both coefficients >= 0 (the DraftCost contract).
+
+    With a single R the two terms cannot be told apart; the whole time goes into fixed_s, which is right at
+    that R (and Algorithm 1 only evaluates T_draft at the current R).
+    """
+    if np.ptp(r) > 0:
+        per_request, fixed = np.polyfit(r, t, 1)
+        if per_request >= 0 and fixed >= 0:
+            return DraftCost(fixed_s=float(fixed), per_request_s=float(per_request))
+        if per_request < 0:  # time falls with load (noise): the flat fit
+            return DraftCost(fixed_s=max(float(np.mean(t)), 0.0))
+        return DraftCost(per_request_s=max(float(np.dot(r, t) / np.dot(r, r)), 0.0))  # negative fixed: origin
+    return DraftCost(fixed_s=max(float(np.mean(t)), 0.0))

@@ -1,0 +1,155 @@
+"""Online draft cost: the robust fit of T_draft(R), its warm-up, and the policies it drives through the draft gate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import AppConfig
+from scheduler.algorithm import DraftCost
+from scheduler.draft_cost_estimate import OnlineDraftCost
+from scheduler.policy import DSparkAsync, DSparkScheduled, FixedLength, make_policy
+from scheduler.sps import SPSTable
+
+GAMMA = 7
+
+
+def _sps() -> SPSTable:
+    """The shape of the H200 graph-step table (docs/benchmarks/policies.md): flat to ~128 tokens, then rising."""
+    sizes = [1, 32, 128, 256, 512, 1024]
+    step_ms = np.array([3.95, 4.11, 4.84, 6.15, 9.93, 15.82])
+    return SPSTable(sizes, (1000.0 / step_ms).tolist())
+
+
+def _feed(estimator: OnlineDraftCost, rounds: int, fixed: float, per_request: float, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(rounds):
+        r = int(rng.integers(1, 129))
+        total = (fixed + per_request * r) * float(rng.normal(1.0, 0.02))
+        estimator.observe(r, True, 0.8 * total, 0.2 * total)
+
+
+def test_recovers_fixed_and_per_request_cost() -> None:
+    estimator = OnlineDraftCost()
+    _feed(estimator, 200, fixed=2.0e-3, per_request=0.052e-3)
+    cost = estimator.draft_cost
+    assert cost is not None
+    assert cost.fixed_s == pytest.approx(2.0e-3, rel=0.1)
+    assert cost.per_request_s == pytest.approx(0.052e-3, rel=0.1)
+    assert cost.per_token_s == 0.0
+
+
+def test_ignores_outliers() -> None:
+    """One round in eight stalls for 20x its time (a GC pause, a retried RPC): the fit does not move."""
+    estimator = OnlineDraftCost()
+    rng = np.random.default_rng(1)
+    for i in range(64):
+        r = int(rng.integers(1, 129))
+        total = 1.0e-3 + 0.03e-3 * r
+        estimator.observe(r, True, total * (20.0 if i % 8 == 3 else 1.0), 0.0)
+    cost = estimator.draft_cost
+    assert cost is not None
+    assert cost.fixed_s == pytest.approx(1.0e-3, rel=1e-6)
+    assert cost.per_request_s == pytest.approx(0.03e-3, rel=1e-6)
+
+
+def test_warm_up_reports_nothing_and_plain_rounds_do_not_count() -> None:
+    estimator = OnlineDraftCost(min_rounds=4)
+    assert estimator.draft_cost is None
+    assert estimator.no_draft_cost == DraftCost()  # 0 until a plain round is seen
+    for _ in range(10):
+        estimator.observe(16, False, 0.0, 0.5e-3)
+    assert estimator.draft_cost is None
+    assert estimator.no_draft_cost.fixed_s == pytest.approx(0.5e-3)
+    for i in range(3):
+        estimator.observe(16, True, 3e-3, 1e-3)
+        assert estimator.draft_cost is None, i
+    estimator.observe(16, True, 3e-3, 1e-3)
+    # One load only: fixed and per-request cannot be told apart; the whole time is fixed (right at that load).
+    cost = estimator.draft_cost
+    assert cost.fixed_s == pytest.approx(4e-3) and cost.per_request_s == 0.0
+
+
+def test_sliding_window_follows_a_changed_cost() -> None:
+    estimator = OnlineDraftCost(window=32, refit_interval=1)
+    _feed(estimator, 32, fixed=1e-3, per_request=0.0)
+    _feed(estimator, 32, fixed=5e-3, per_request=0.0, seed=2)  # the drafter moved behind a slower link
+    assert estimator.draft_cost.fixed_s == pytest.approx(5e-3, rel=0.05)
+
+
+def test_coefficients_stay_nonnegative() -> None:
+    falling = OnlineDraftCost(min_rounds=2)
+    for r in range(1, 20):
+        falling.observe(r, True, 2e-3 - 1e-5 * r, 0.0)
+    assert falling.draft_cost.per_request_s == 0.0 and falling.draft_cost.fixed_s > 0
+    steep = OnlineDraftCost(min_rounds=2)
+    for r in range(10, 30):
+        steep.observe(r, True, 1e-4 * r - 5e-4, 0.0)  # would fit a negative intercept
+    assert steep.draft_cost.fixed_s == 0.0 and steep.draft_cost.per_request_s > 0
+
+
+def test_ignores_empty_and_non_finite_rounds() -> None:
+    estimator = OnlineDraftCost(min_rounds=1)
+    estimator.observe(0, True, 1.0, 1.0)
+    estimator.observe(4, True, float("nan"), 0.0)
+    assert estimator.draft_cost is None
+
+
+def test_bad_arguments() -> None:
+    for kwargs in ({"window": 0}, {"min_rounds": 0}, {"refit_interval": 0}, {"window": 4, "min_rounds": 5}):
+        with pytest.raises(ValueError):
+            OnlineDraftCost(**kwargs)
+    with pytest.raises(ValueError, match="outlier_mads"):
+        OnlineDraftCost(outlier_mads=float("inf"))
+    with pytest.raises(ValueError, match="not both"):
+        DSparkScheduled(_sps(), draft_cost=DraftCost(), estimator=OnlineDraftCost())
+
+
+def _caps(num_requests: int) -> np.ndarray:
+    return np.full(num_requests, GAMMA, dtype=np.int64)
+
+
+def _drafted_round(policy: DSparkScheduled | DSparkAsync, num_requests: int, draft_s: float) -> None:
+    """One drafted round at flat confidence 0.5, as the round driver runs it, with a measured draft time."""
+    assert policy.should_draft(_caps(num_requests))
+    policy.lengths(np.full((num_requests, GAMMA), 0.5), _caps(num_requests))
+    policy.observe_round(num_requests, True, draft_s, 0.2e-3)
+
+
+@pytest.mark.parametrize("spec", ["dspark", "dspark-async"])
+def test_measured_expensive_draft_skips_and_cheap_draft_drafts(spec: str) -> None:
+    """With the real DraftGate: 8.6 ms of drafting at 128 requests against a ~4.8 ms verify step makes a plain
+    round faster (skip); 0.1 ms of drafting does not (draft). Before the warm-up nothing is skipped."""
+    expensive = make_policy(spec, _sps(), GAMMA, draft_cost="measured")
+    for _ in range(7):
+        _drafted_round(expensive, 128, 8.6e-3)  # 7 drafted rounds: still warming up, so still drafting
+    assert expensive.should_draft(_caps(128))  # the 8th round drafts: the estimator has 7 observations
+    expensive.lengths(np.full((128, GAMMA), 0.5), _caps(128))
+    expensive.observe_round(128, True, 8.6e-3, 0.2e-3)
+    assert not expensive.should_draft(_caps(128))
+    expensive.observe_round(128, False, 0.0, 0.2e-3)  # the skipped round teaches the no-draft overhead
+    assert not expensive.should_draft(_caps(128))
+    assert expensive.gate.no_draft_cost.fixed_s == pytest.approx(0.2e-3)
+
+    cheap = make_policy(spec, _sps(), GAMMA, draft_cost="measured")
+    for _ in range(20):
+        _drafted_round(cheap, 128, 0.1e-3)
+    assert cheap.should_draft(_caps(128)) and cheap.gate.skipped == 0
+
+
+def test_make_policy_draft_cost_setting() -> None:
+    plain = make_policy("dspark", _sps(), GAMMA)
+    assert plain.gate is None and plain.draft_cost is None
+    measured = make_policy("dspark", _sps(), GAMMA, draft_cost="measured")
+    assert measured.gate is not None and measured.draft_cost is None  # warming up
+    assert isinstance(make_policy("fixed-3", _sps(), GAMMA, draft_cost="measured"), FixedLength)
+    with pytest.raises(ValueError, match="unknown draft_cost 'fast'"):
+        make_policy("dspark", _sps(), GAMMA, draft_cost="fast")
+
+
+def test_config_setting_defaults_to_none_and_rejects_unknown_values() -> None:
+    assert AppConfig.from_args({}).scheduler.draft_cost == "none"
+    assert AppConfig.from_args({"scheduler": {"draft_cost": "measured"}}).scheduler.draft_cost == "measured"
+    with pytest.raises(ValidationError, match=r"scheduler\.draft_cost\n  Input should be 'none' or 'measured'"):
+        AppConfig.from_args({"scheduler": {"draft_cost": "fast"}})
