@@ -243,9 +243,7 @@ class TargetModel:
         so the CUDA-graph runner captures exactly this. ``forward`` is the checked, bookkeeping wrapper."""
         if self.use_fused:
             return self._run_layers_fused(cache, input_ids, meta, logits_rows, feature_rows)
-        all_rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        logits_rows = all_rows if logits_rows is None else logits_rows.to(all_rows.device)
-        feature_rows = all_rows if feature_rows is None else feature_rows.to(all_rows.device)
+        logits_rows, feature_rows = _selected_rows(input_ids, logits_rows, feature_rows)
 
         hf = self.hf_model.model
         num_tokens = input_ids.shape[0]
@@ -270,13 +268,7 @@ class TargetModel:
                 collected[index] = x[feature_rows]
         if self.num_layers - 1 in self.feature_layer_ids:
             collected[self.num_layers - 1] = hf.norm(x[feature_rows])
-        logits = self.hf_model.lm_head(hf.norm(x[logits_rows])).float()
-        if self.vocab_size < self.logits_width:
-            logits[:, self.vocab_size :] = float("-inf")
-        features = None
-        if self.feature_layer_ids:
-            features = torch.cat([collected[i] for i in self.feature_layer_ids], dim=-1)
-        return TargetOutput(logits=logits, features=features)
+        return self._output(hf.norm(x[logits_rows]), collected)
 
     def _fused(self) -> list[_FusedLayer]:
         """Per layer: the q/k/v and gate/up projections as one weight each (built once; the HF modules' weights
@@ -309,9 +301,7 @@ class TargetModel:
         from kernels.fused_layer_triton import add_rms_norm, qk_norm_rope_store, silu_mul
 
         fused = self._fused()
-        all_rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        logits_rows = all_rows if logits_rows is None else logits_rows.to(all_rows.device)
-        feature_rows = all_rows if feature_rows is None else feature_rows.to(all_rows.device)
+        logits_rows, feature_rows = _selected_rows(input_ids, logits_rows, feature_rows)
         hf = self.hf_model.model
         num_tokens = input_ids.shape[0]
         last = self.num_layers - 1
@@ -349,7 +339,12 @@ class TargetModel:
         h = add_rms_norm(x, delta, hf.norm.weight, hf.norm.variance_epsilon)  # x: the last layer's output
         if last in self.feature_layer_ids:
             collected[last] = h[feature_rows]
-        logits = self.hf_model.lm_head(h[logits_rows]).float()
+        return self._output(h[logits_rows], collected)
+
+    def _output(self, normed: torch.Tensor, collected: dict[int, torch.Tensor]) -> TargetOutput:
+        """Both layer paths end alike: logits of the final-normed rows (padded vocabulary ids never win) and the
+        chosen layers' rows concatenated in ``feature_layer_ids`` order."""
+        logits = self.hf_model.lm_head(normed).float()
         if self.vocab_size < self.logits_width:
             logits[:, self.vocab_size :] = float("-inf")
         features = None
@@ -482,3 +477,13 @@ def sample_tokens(
         scores = scores.masked_fill(drop, float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)])
+
+
+def _selected_rows(
+    input_ids: torch.Tensor, logits_rows: torch.Tensor | None, feature_rows: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows whose logits / features a pass returns: every row unless given, on the device of the tokens."""
+    all_rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    logits_rows = all_rows if logits_rows is None else logits_rows.to(all_rows.device)
+    feature_rows = all_rows if feature_rows is None else feature_rows.to(all_rows.device)
+    return logits_rows, feature_rows
