@@ -227,7 +227,7 @@ def _lengths_of_prefix(order: np.ndarray, count: int, num_requests: int, ws: _Wo
     return np.bincount(requests.view(np.int64), minlength=num_requests)
 
 
-def _check_sps(sps: SPSTable) -> None:
+def check_sps(sps: SPSTable) -> None:
     if not isinstance(sps, SPSTable):
         raise ValueError(f"sps must be an SPSTable, got {type(sps).__name__}")
 
@@ -244,7 +244,7 @@ def schedule_lengths(
     confidences or a non-SPSTable; R = 0 gives an empty array.
     """
     conf = validate_confidences(confidences)
-    _check_sps(sps)
+    check_sps(sps)
     num_requests, gamma = conf.shape
     if num_requests == 0 or gamma == 0:
         return np.zeros(num_requests, dtype=np.int64)
@@ -262,7 +262,7 @@ def greedy_path(
 ) -> GreedyPath:
     """The whole walk of Algorithm 1 with Theta for every prefix (copies; for analysis and tests)."""
     conf = validate_confidences(confidences)
-    _check_sps(sps)
+    check_sps(sps)
     num_requests = conf.shape[0]
     if num_requests == 0:
         empty = np.zeros(0, dtype=np.int64)

@@ -26,11 +26,11 @@ import numpy as np
 
 from scheduler.algorithm import (
     DraftCost,
-    _check_sps,
     _lengths_of_prefix,
     _sorted_walk,
     _theta_path,
     _workspace,
+    check_sps,
     schedule_lengths,
     validate_confidences,
 )
@@ -42,7 +42,7 @@ def plan_capacity(confidences: np.ndarray, sps: SPSTable, *, draft_cost: DraftCo
     round.
     """
     conf = validate_confidences(confidences)
-    _check_sps(sps)
+    check_sps(sps)
     num_requests = conf.shape[0]
     if num_requests == 0:
         return 0
@@ -76,7 +76,7 @@ class AsyncCapacityScheduler:
     """
 
     def __init__(self, sps: SPSTable, *, lag: int = 2, draft_cost: DraftCost | None = None) -> None:
-        _check_sps(sps)
+        check_sps(sps)
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
             raise ValueError(f"lag must be an integer >= 1 (0 = biased retrospective search), got {lag!r}")
         self.sps = sps

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.algorithm import DraftCost, _check_sps, validate_confidences
+from scheduler.algorithm import DraftCost, check_sps, validate_confidences
 from scheduler.sps import SPSTable
 
 
@@ -63,7 +63,7 @@ class DraftGate:
         history_rows: int = 64,
         curve_points: int = 56,
     ) -> None:
-        _check_sps(sps)
+        check_sps(sps)
         for name, value in (
             ("probe_interval", probe_interval),
             ("history_rows", history_rows),
