@@ -173,7 +173,9 @@ def _registered_verifiers() -> int:
 
 
 def test_verifier_pool_scales_out_under_load_and_in_after_it(deployed: str) -> None:
-    assert _running_verifiers() == (1, 1)
+    # /health turns 200 once the verifier has registered with the scheduler, which it does from its constructor:
+    # Serve may still list that replica as STARTING for a moment.
+    _wait(lambda: _running_verifiers() == (1, 1), 60, "Serve to report the first Verifier replica RUNNING")
     heavy = Load(deployed, max_tokens=48).start(8)  # twice one replica's KV slots
     try:
         _wait(lambda: _running_verifiers() == (2, 2), 150, "a second Verifier replica under load")
