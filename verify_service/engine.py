@@ -82,7 +82,10 @@ class StepResult(NamedTuple):
 class StepResults(Sequence[StepResult]):
     """The results of one bucketed step in array form, standing for the list of :class:`StepResult` it
     holds: indexing and iterating build those (features as views of one tensor), while the round driver reads
-    the columns and hands ``features`` on whole, without a view, an item or a copy per request."""
+    the columns and hands ``features`` on whole, without a view, an item or a copy per request.
+
+    ``features`` is a view of the graph step's output, valid until the engine's next step (which overwrites it
+    when the step is a captured graph): consume it (copy it, or queue device work reading it) before then."""
 
     def __init__(
         self,
@@ -92,6 +95,7 @@ class StepResults(Sequence[StepResult]):
         tokens: list[list[int]],
         feature_starts: list[int],
         features: torch.Tensor | None,
+        feature_counts: list[int] | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.num_drafts = num_drafts
@@ -99,7 +103,7 @@ class StepResults(Sequence[StepResult]):
         self.tokens = tokens
         self.feature_starts = feature_starts
         self.features = features  # the committed rows of every request back to back (1 + num_accepted each)
-        self.feature_counts = [1 + a for a in num_accepted]
+        self.feature_counts = [1 + a for a in num_accepted] if feature_counts is None else feature_counts
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -442,6 +446,8 @@ class VerifyEngine:
     ) -> bool:
         if self.graphs is None:
             return False
+        if not prefills and not checked.any_distribution:  # the common round: array checks only
+            return self.graphs.fits_verify(checked.num_drafts, 0)
         widths = [
             int(v.draft_probs.shape[1])
             for v in verifies
@@ -524,13 +530,15 @@ class VerifyEngine:
             self._sampling_int[slots],
             sampled,
         )
-        req_ids = [v.req_id for v in verifies]
-        results = StepResults(req_ids, num_drafts, accepted, tokens, checked.lengths.tolist(), kept)
-        if not all(0 <= a <= n for a, n in zip(accepted, num_drafts, strict=True)):
-            raise RuntimeError(f"the verify step accepted {accepted} of {num_drafts} drafts")
+        if bool(((accepted < 0) | (accepted > checked.num_drafts)).any()):
+            raise RuntimeError(f"the verify step accepted {accepted.tolist()} of {num_drafts} drafts")
+        counts = accepted + 1  # committed rows: the anchor and the accepted drafts
         # The slots are this step's (allocated, distinct) and each had room for all its drafts (validated).
-        self.cache.set_lengths(slots, checked.lengths + np.array(results.feature_counts))
-        return results
+        self.cache.set_lengths(slots, checked.lengths + counts)
+        req_ids = [v.req_id for v in verifies]
+        return StepResults(
+            req_ids, num_drafts, accepted.tolist(), tokens, checked.lengths.tolist(), kept, counts.tolist()
+        )
 
     def _sample(
         self,

@@ -15,12 +15,14 @@ row qs[c] = cu[c] + c). Padding and sink rows write their K/V into position 0 of
 nothing reads (padding chunks attend over nothing). Row buckets grow by about 1.5x, so padding costs at most
 a third of a step, and the profiled SPS curve has the shape of the real one.
 
-Everything the step needs lives in device buffers the host fills with one copy per dtype; the step never reads
-a device value on the host. Results are packed into one [A, 1 + W] int64 tensor (accepted count, then the
-emitted tokens), copied to the host once; the features of the kept rows (a verify chunk's anchor + accepted
-drafts, a prefill's every row) are compacted on the device, chunk after chunk. The staging buffers need no
-fence: a step ends in that blocking result copy on the upload's stream, so the host writes them again only after
-the upload has read them.
+Everything the step needs lives in device buffers the host fills with one copy (the float32 fields are a view
+of the int64 buffer's tail); the step never reads a device value on the host. Results are packed into one
+[A, 1 + W] int64 tensor (accepted count, then the emitted tokens), copied to the host once, into page-locked
+rows; the features of the kept rows (a verify chunk's anchor + accepted drafts, a prefill's every row) are
+compacted on the device, chunk after chunk. A verify-only step hands them out as a view of the step's output
+(the round driver's drafter copies them into its own buffer before the next step runs); a step with prefills
+copies them. The staging buffers need no fence: a step ends in that blocking result copy on the upload's
+stream, so the host writes them again only after the upload has read them.
 """
 
 from __future__ import annotations
@@ -147,14 +149,21 @@ class VerifyGraphRunner:
             "seeds": top_a + 1,
         }
         self._float_fields = {"temperature": top_a + 1, "top_p": top_a + 1}
-        self._host_int = pinned_empty((sum(self._int_fields.values()),), torch.int64, self.device)
-        self._host_float = pinned_empty((sum(self._float_fields.values()),), torch.float32, self.device)
+        # The float32 fields are a view of the int64 buffer's tail: one copy uploads everything.
+        num_int, num_float = sum(self._int_fields.values()), sum(self._float_fields.values())
+        self._host_int = pinned_empty((num_int + (num_float + 1) // 2,), torch.int64, self.device)
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
-        self._dev_float = torch.zeros_like(self._host_float, device=self.device)
+        self._host_float = self._host_int[num_int:].view(torch.float32)[:num_float]
+        self._dev_float = self._dev_int[num_int:].view(torch.float32)[:num_float]
         self.host = split_views(self._host_int.numpy(), self._int_fields) | split_views(
             self._host_float.numpy(), self._float_fields
         )
         self.dev = split_views(self._dev_int, self._int_fields) | split_views(self._dev_float, self._float_fields)
+        # Page-locked result rows (accepted count, emitted tokens) and per chunk bucket a view of its first rows,
+        # made once: the step's one device -> host copy lands there (no allocation, no pageable staging).
+        self._host_result = pinned_empty((top_a, 1 + width), torch.int64, self.device)
+        self._result_np = self._host_result.numpy()
+        self._result_views = {a: self._host_result[:a] for a in self.chunk_sizes}
         self.dist_ids = torch.zeros((top_t, draft_top_k), dtype=torch.int64, device=self.device)
         self.dist_probs = torch.zeros((top_t, draft_top_k), dtype=torch.float32, device=self.device)
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
@@ -197,6 +206,12 @@ class VerifyGraphRunner:
         chunks = sum(self.chunk_count(n, prefill) for n, prefill in lengths)
         return self.bucket(chunks, sum(n for n, _ in lengths)) is not None
 
+    def fits_verify(self, num_drafts: np.ndarray, max_dist_width: int) -> bool:
+        """:meth:`fits` for verify items only, from their draft counts (int64 [R]): no per-item Python."""
+        if not num_drafts.size or max_dist_width > self.draft_top_k or int(num_drafts.max()) >= self.width:
+            return False
+        return self.bucket(num_drafts.size, num_drafts.size + int(num_drafts.sum())) is not None
+
     @property
     def step_time_s(self) -> float:
         """Accumulated time inside the step (device time of the graph replays) while ``timed`` was set."""
@@ -211,8 +226,7 @@ class VerifyGraphRunner:
         if key is None:
             raise ValueError(f"{len(chunks)} chunks / {num_rows} rows exceed the largest bucket")
         packed, features = self._replay(key, *self._pack(chunks, *key))
-        result = packed[: len(chunks)].cpu().numpy()  # the one device -> host copy (and wait) of the step
-        self.steps[key].settle_timing()
+        result = self._copy_result(key, packed)[: len(chunks)]
         accepted = result[:, 0]
         counts = [len(c[2]) if c[3] >= 0 else 1 + int(a) for c, a in zip(chunks, accepted, strict=True)]
         kept = None if features is None else features[: sum(counts)].clone()
@@ -239,12 +253,15 @@ class VerifyGraphRunner:
         sampling_float: np.ndarray,
         sampling_int: np.ndarray,
         dists: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
-    ) -> tuple[list[int], list[list[int]], torch.Tensor | None]:
+    ) -> tuple[np.ndarray, list[list[int]], torch.Tensor | None]:
         """A verify-only step from arrays (the common round, without per-item Python): request r's anchor
         ``tokens[r]`` and its ``num_drafts[r]`` drafts (``tokens[R:]``: every request's drafts back to back) at
         slot ``slots[r]`` from position ``starts[r]``, (temperature, top_p) float32 [R, 2], (top_k, seed) int64
-        [R, 2], sparse draft distributions (r, ids, probs) of the requests that sample. Returns accepted counts,
-        emitted tokens and the committed features (1 + accepted rows per request, back to back)."""
+        [R, 2], sparse draft distributions (r, ids, probs) of the requests that sample. Returns accepted counts
+        (int64 [R]), emitted tokens and the committed features (1 + accepted rows per request, back to back).
+
+        The features are a view of the step's output, not a copy: with captured graphs the next step overwrites
+        them, so they must be consumed (copied, or read by work queued on the device) before the next step."""
         num = slots.size
         lens = num_drafts + 1
         total = int(lens.sum())
@@ -261,13 +278,18 @@ class VerifyGraphRunner:
         self._pack_layout(slots, starts, lens, ids, np.full(num, -1, dtype=np.int64), params, *key)
         dist_rows, dist_ids, dist_probs = self._pack_dists(dists, lens)
         packed, features = self._replay(key, dist_rows, dist_ids, dist_probs)
-        result = packed[:num].cpu().numpy()  # the one device -> host copy (and wait) of the step
-        self.steps[key].settle_timing()
-        accepted = result[:, 0].tolist()
-        rows = result[:, 1:].tolist()
-        emitted = [row[: 1 + a] for row, a in zip(rows, accepted, strict=True)]
-        kept = None if features is None else features[: num + sum(accepted)].clone()
+        result = self._copy_result(key, packed)[:num]
+        accepted = result[:, 0].copy()
+        emitted = [row[1 : 2 + row[0]] for row in result.tolist()]
+        kept = None if features is None else features[: num + int(accepted.sum())]
         return accepted, emitted, kept
+
+    def _copy_result(self, key: tuple[int, int], packed: torch.Tensor) -> np.ndarray:
+        """The step's one device -> host copy, into the page-locked result rows; a blocking copy on the stream
+        of the replay, so the rows are complete when it returns (and the upload before it is done)."""
+        self._result_views[key[0]].copy_(packed)
+        self.steps[key].settle_timing()
+        return self._result_np
 
     def _replay(
         self, key: tuple[int, int], dist_rows: int, dist_ids: list[torch.Tensor], dist_probs: list[torch.Tensor]
@@ -395,8 +417,7 @@ class VerifyGraphRunner:
         return dist_rows, dist_ids, dist_probs
 
     def _upload(self) -> None:
-        self._dev_int.copy_(self._host_int, non_blocking=True)
-        self._dev_float.copy_(self._host_float, non_blocking=True)
+        self._dev_int.copy_(self._host_int, non_blocking=True)  # the float fields too
 
     # ------------------------------------------------------------------------------------------ the step
     @torch.no_grad()

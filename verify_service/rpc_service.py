@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -126,7 +127,7 @@ class VerifierService:
     async def _step(self, request: dict[str, Any]) -> dict[str, Any]:
         prefills, verifies = _parse_step(request)
         routed = {req_id: address for address, ids in request["routes"].items() for req_id in ids}
-        results, pushes = await self._thread.run(self._step_and_pack, prefills, verifies, routed)
+        results, pushes, inline_features = await self._thread.run(self._step_and_pack, prefills, verifies, routed)
         self._push_features(pushes)
         inline = [r for r in results if r.req_id not in routed and r.features is not None]
         return {
@@ -138,13 +139,15 @@ class VerifierService:
             "feature_starts": [r.feature_start for r in results],
             "inline_req_ids": [r.req_id for r in inline],
             "inline_counts": [int(r.features.shape[0]) for r in inline],  # type: ignore[union-attr]
-            "features": torch.cat([r.features for r in inline]).cpu() if inline else None,  # type: ignore[misc]
+            "features": inline_features,
         }
 
     def _step_and_pack(
         self, prefills: list[PrefillItem], verifies: list[VerifyItem], routed: dict[str, str]
-    ) -> tuple[list[StepResult], dict[str, dict[str, Any]]]:
-        """On the engine thread: the step, then one AppendContext message per drafter (features on the host)."""
+    ) -> tuple[Sequence[StepResult], dict[str, dict[str, Any]], torch.Tensor | None]:
+        """On the engine thread: the step, then one AppendContext message per drafter and the inline features,
+        all on the host. Here, not after the reply: the step's features may be views of its graph's output,
+        which the engine's next step (another call on this thread) overwrites."""
         results = self.engine.step(prefills, verifies)
         by_address: dict[str, list[StepResult]] = {}
         for r in results:
@@ -168,7 +171,8 @@ class VerifierService:
                 messages[address]["projection"] = projection
             if self.draft_ahead:
                 messages[address]["draft_anchors"] = [r.tokens[-1] if r.tokens else -1 for r in group]
-        return results, messages
+        inline = [r.features for r in results if r.req_id not in routed and r.features is not None]
+        return results, messages, torch.cat(inline).cpu() if inline else None  # type: ignore[arg-type]
 
     def _push_features(self, messages: dict[str, dict[str, Any]]) -> None:
         """Start one AppendContext per drafter; they complete after the Step reply has gone."""
