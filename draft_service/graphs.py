@@ -170,12 +170,15 @@ class DraftGraphRunner:
         num = int(counts.sum())
         rows = self.context_rows[:num]
         first = features[0]
-        try:
-            if first.device != rows.device or first.dtype != rows.dtype:
-                raise TypeError("the rows need a conversion")
-            torch.cat(features, out=rows)  # straight into the static buffer: one device copy
-        except (TypeError, RuntimeError):
-            rows.copy_(torch.cat([f.to(rows.device) for f in features]))
+        if len(features) == 1 and first.shape == rows.shape:
+            rows.copy_(first)  # the round's rows in one tensor (converted if need be): one device copy
+        else:
+            try:
+                if first.device != rows.device or first.dtype != rows.dtype:
+                    raise TypeError("the rows need a conversion")
+                torch.cat(features, out=rows)  # straight into the static buffer: one device copy
+            except (TypeError, RuntimeError):
+                rows.copy_(torch.cat([f.to(rows.device) for f in features]))
         self._staged_counts[slots] = counts
         self._staged_offsets[slots] = np.cumsum(counts) - counts
         self._staged_starts[slots] = starts
@@ -260,7 +263,7 @@ class DraftGraphRunner:
         self._dev_int.copy_(self._host_int, non_blocking=True)  # the temperatures too
         step = self.steps[size]
         packed, topk_ids, topk_probs = step(self.timed)
-        ids, probs = topk_ids[:num], topk_probs[:num]
+        ids, probs = (topk_ids, topk_probs) if num == size else (topk_ids[:num], topk_probs[:num])
         if temperatures.any():  # start the device-side copies before waiting on the host copy
             ids, probs = ids.clone(), probs.clone()
         self._result_views[size].copy_(packed)  # the one device -> host copy (and wait) of the step

@@ -146,6 +146,7 @@ class _CheckedVerifies:
 
 
 _SLOT = operator.attrgetter("slot")
+_NONE_TYPE = {type(None)}
 
 
 class VerifyEngine:
@@ -322,7 +323,8 @@ class VerifyEngine:
         if tokens is None:
             self._check_verifies_one_by_one(verifies)
             tokens = np.array([*anchors, *itertools.chain.from_iterable(drafts)], dtype=np.int64)
-        return _CheckedVerifies(entries, slots, lengths, num_drafts, tokens, any(d is not None for d in dists))
+        any_distribution = not set(map(type, dists)) <= _NONE_TYPE  # C-level: no generator step per item
+        return _CheckedVerifies(entries, slots, lengths, num_drafts, tokens, any_distribution)
 
     def _valid_tokens(
         self,
@@ -354,13 +356,11 @@ class VerifyEngine:
                 shape = v.draft_prob_ids.shape
                 if shape[:1] != (len(v.draft_tokens),) or v.draft_probs.shape != shape:
                     return None
-        kinds = set(map(type, anchors))
-        kinds.update(map(type, itertools.chain.from_iterable(drafts)))
-        if not all(kind is int or _is_int_type(kind) for kind in kinds):
+        flat = [*anchors, *itertools.chain.from_iterable(drafts)]  # one list: typed, then converted in C
+        if not all(kind is int or _is_int_type(kind) for kind in set(map(type, flat))):
             return None
-        count = len(anchors) + int(num_drafts.sum())
         try:
-            tokens = np.fromiter(itertools.chain(anchors, *drafts), dtype=np.int64, count=count)
+            tokens = np.array(flat, dtype=np.int64)
         except OverflowError:
             return None
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.target.vocab_size:

@@ -44,6 +44,7 @@ from verify_service.target import TargetModel
 Sampler = Callable[..., RejectionOutput]
 Params = tuple[float, int, float, int]  # temperature, top_k, top_p, seed
 _GREEDY: Params = (0.0, 0, 1.0, 0)
+_FLOAT_PADDING = np.array([[0.0], [1.0]], dtype=np.float32)  # a padding chunk's temperature and top_p
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,13 @@ class VerifyGraphRunner:
         self.host = split_views(self._host_int.numpy(), self._int_fields) | split_views(
             self._host_float.numpy(), self._float_fields
         )
+        # The sampling parameters as [2, top_a + 1] views (fields next to each other): two writes fill them.
+        self._float_params = self._host_float.numpy().reshape(2, top_a + 1)
+        names = list(self._int_fields)
+        top_k_at = sum(self._int_fields[name] for name in names[: names.index("top_k")])
+        assert names[names.index("top_k") + 1] == "seeds"
+        self._int_params = self._host_int.numpy()[top_k_at : top_k_at + 2 * (top_a + 1)].reshape(2, top_a + 1)
+        self._arange = np.arange(self.max_rows + 1, dtype=np.int64)
         self.dev = split_views(self._dev_int, self._int_fields) | split_views(self._dev_float, self._float_fields)
         # Page-locked result rows (accepted count, emitted tokens) and per chunk bucket a view of its first rows,
         # made once: the step's one device -> host copy lands there (no allocation, no pageable staging).
@@ -274,8 +282,7 @@ class VerifyGraphRunner:
         is_anchor[anchor_rows] = True
         ids[anchor_rows] = tokens[:num]
         ids[~is_anchor] = tokens[num:]
-        params = (sampling_float[:, 0], sampling_int[:, 0], sampling_float[:, 1], sampling_int[:, 1])
-        self._pack_layout(slots, starts, lens, ids, np.full(num, -1, dtype=np.int64), params, *key)
+        self._pack_layout(slots, starts, lens, ids, -1, sampling_float, sampling_int, *key, drafts=tokens[num:])
         dist_rows, dist_ids, dist_probs = self._pack_dists(dists, lens)
         packed, features = self._replay(key, dist_rows, dist_ids, dist_probs)
         result = self._copy_result(key, packed)[:num]
@@ -326,14 +333,18 @@ class VerifyGraphRunner:
         real = len(chunks)
         lens = np.array([len(c[2]) for c in chunks], dtype=np.int64)
         ids = np.fromiter(chain.from_iterable(c[2] for c in chunks), dtype=np.int64, count=int(lens.sum()))
-        params = list(zip(*(c[4] for c in chunks), strict=True)) if real else [(), (), (), ()]
+        float_params = int_params = None
+        if real:  # a chunk's params are (temperature, top_k, top_p, seed)
+            float_params = np.array([(c[4][0], c[4][2]) for c in chunks], dtype=np.float32)
+            int_params = np.array([(c[4][1], c[4][3]) for c in chunks], dtype=np.int64)
         self._pack_layout(
             np.array([c[0] for c in chunks], dtype=np.int64),
             np.array([c[1] for c in chunks], dtype=np.int64),
             lens,
             ids,
             np.array([c[3] for c in chunks], dtype=np.int64),
-            params,
+            float_params,
+            int_params,
             num_chunks,
             num_rows,
         )
@@ -346,48 +357,55 @@ class VerifyGraphRunner:
         starts: np.ndarray,
         lens: np.ndarray,
         ids: np.ndarray,
-        keep: np.ndarray,
-        params: Sequence[Sequence],
+        keep: np.ndarray | int,
+        float_params: np.ndarray | None,
+        int_params: np.ndarray | None,
         num_chunks: int,
         num_rows: int,
+        drafts: np.ndarray | None = None,
     ) -> None:
-        """The real chunks (arrays over them; ``ids`` their tokens back to back; ``params`` the temperature,
-        top_k, top_p and seed columns), then one-row padding chunks, then the sink, into the host buffers."""
+        """The real chunks (arrays over them; ``ids`` their tokens back to back; ``float_params`` (temperature,
+        top_p) float32 [n, 2] and ``int_params`` (top_k, seed) int64 [n, 2], None when there are no real chunks;
+        ``drafts``, when known, the ids of every row but the chunks' first ones), then one-row padding chunks,
+        then the sink, into the host buffers. Few array operations: this runs every round."""
         host = self.host
         real = lens.size
+        num_real_rows = ids.size
         all_lens = np.ones(num_chunks + 1, dtype=np.int64)
         all_lens[:real] = lens
-        all_lens[num_chunks] = num_rows - int(all_lens[:num_chunks].sum())  # the sink: >= 1 row by the bucket rule
+        all_lens[num_chunks] = num_rows - num_real_rows - (num_chunks - real)  # the sink: >= 1 row (bucket rule)
         qs = np.zeros(num_chunks + 1, dtype=np.int64)
         np.cumsum(all_lens[:-1], out=qs[1:])
-        host["temperature"][: num_chunks + 1] = 0.0
-        host["top_k"][: num_chunks + 1] = 0
-        host["top_p"][: num_chunks + 1] = 1.0
-        host["seeds"][: num_chunks + 1] = 0
+        # (temperature, top_p) and (top_k, seed) as [2, A + 1] views: padding values, then the real chunks'.
+        float_params_view = self._float_params[:, : num_chunks + 1]
+        int_params_view = self._int_params[:, : num_chunks + 1]
+        float_params_view[...] = _FLOAT_PADDING
+        int_params_view[...] = 0
         if real:
-            host["temperature"][:real] = params[0]
-            host["top_k"][:real] = params[1]
-            host["top_p"][:real] = params[2]
-            host["seeds"][:real] = params[3]  # int64 all the way: seeds need every bit
+            float_params_view[:, :real] = float_params.T  # type: ignore[union-attr]
+            int_params_view[:, :real] = int_params.T  # type: ignore[union-attr]  # int64: seeds need every bit
         all_slots = np.full(num_chunks + 1, self.dummy_slot, dtype=np.int64)
         all_slots[:real] = slots
-        all_starts = np.zeros(num_chunks + 1, dtype=np.int64)
-        all_starts[:real] = starts
-        row_chunk = np.repeat(np.arange(num_chunks + 1), all_lens)
-        row_k = np.arange(num_rows) - qs[row_chunk]
-        num_real_rows = ids.size
+        row_chunk = host["row_chunk"][:num_rows]
+        row_chunk[:] = np.repeat(self._arange[: num_chunks + 1], all_lens)
+        row_k = host["row_k"][:num_rows]
+        np.subtract(self._arange[:num_rows], qs[row_chunk], out=row_k)
         host["ids"][:num_real_rows] = ids
         host["ids"][num_real_rows:num_rows] = 0
         host["token_slots"][:num_rows] = all_slots[row_chunk]
         positions = host["positions"][:num_rows]
-        positions[:num_real_rows] = all_starts[row_chunk[:num_real_rows]] + row_k[:num_real_rows]
         positions[num_real_rows:] = 0
-        host["row_chunk"][:num_rows] = row_chunk
-        host["row_k"][:num_rows] = row_k
+        real_positions = positions[:num_real_rows]
+        np.add(np.repeat(starts, lens), row_k[:num_real_rows], out=real_positions)
         num_drafts = num_rows - num_chunks - 1
-        host["drafts"][:num_drafts] = host["ids"][:num_rows][row_k > 0]
+        if drafts is None:
+            host["drafts"][:num_drafts] = host["ids"][:num_rows][row_k > 0]
+        else:  # the real chunks' drafts, then the sink's rows past its first (ids 0)
+            host["drafts"][: drafts.size] = drafts
+            host["drafts"][drafts.size : num_drafts] = 0
         host["slots"][:num_chunks] = all_slots[:num_chunks]
-        host["starts"][: num_chunks + 1] = all_starts
+        host["starts"][:real] = starts
+        host["starts"][real : num_chunks + 1] = 0
         host["query_starts"][:num_chunks] = qs[:num_chunks]
         query_lens = host["query_lens"][:num_chunks]
         query_lens[:real] = lens
