@@ -7,9 +7,11 @@ validation and bookkeeping, the staging-buffer fills, the host <-> device copies
 CPU those copies are memcpys). Requests are restarted (aborted and re-added; their prefill round is not timed)
 before their slots fill up, so any number of rounds can be timed at R requests.
 
-GPU (``--device cuda``): the real captured graphs; host time = wall time of the round - device time of its
-replays (CUDA events), as in bench/bench_engine_gpu.py. With ``--profile``, cProfile over the same rounds says
-where that host time goes (cProfile itself slows Python down: read the split, not the totals).
+GPU (``--device cuda``): the real captured graphs; host time = wall time of a plain round - the device time of
+the replays (CUDA events, measured in timed rounds alternating with the plain ones), as in
+bench/bench_engine_gpu.py; the host time within the timed rounds (events included) is printed after it. With
+``--profile``, cProfile over the same rounds says where that host time goes (cProfile itself slows Python
+down: read the split, not the totals).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.profile_engine_host --requests 32 128 --rounds 200
     PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.profile_engine_host --requests 32 --profile   # + cProfile
@@ -130,18 +132,29 @@ def host_round_us(
     rounds: int,
     profiler: cProfile.Profile | None,
     counter: CallCounter | None = None,
-) -> list[float]:
-    """Host microseconds (outside the graph steps) of each of ``rounds`` rounds with len(prompts) requests."""
+) -> tuple[list[float], list[float]]:
+    """Host microseconds (outside the graph steps) of each of ``rounds`` rounds with len(prompts) requests, and
+    the same within timed rounds (the step times' own measurement included).
+
+    On the CPU every round is timed (a stubbed step's "device time" is its Python call) and the two lists are
+    the same. On CUDA timed rounds (events around every replay) alternate with plain ones, as in
+    bench/bench_engine_gpu.py: a plain round's host time is its wall time - the timed rounds' median device
+    time in the graphs (every round does the same work), so the events' own calls do not count in it."""
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
     block = engine.block_size + 1
     limit = engine.verify.max_seq_len - 2 * block
     cuda = engine.verify.target.device.type == "cuda"
     _restart(engine, prompts, params)
-    _set_timed(engine, True)
-    times: list[float] = []
-    while len(times) < rounds:
+    timed_hosts: list[float] = []
+    in_graph_times: list[float] = []
+    plain_walls: list[float] = []
+    i = 0
+    while len(timed_hosts) < rounds:
+        timed = not cuda or i % 2 == 0
+        i += 1
         if max(r.position for r in engine._running.values()) >= limit:
             _restart(engine, prompts, params)
+        _set_timed(engine, timed)
         if cuda:
             torch.cuda.synchronize()
         in_graphs = _graph_time_s(engine)
@@ -158,13 +171,20 @@ def host_round_us(
         wall = time.perf_counter() - start
         if profiler is not None:
             profiler.disable()
-        times.append(1e6 * (wall - (_graph_time_s(engine) - in_graphs)))
         if engine.num_running != len(prompts):
             raise RuntimeError("a request finished during the timed rounds")
+        if timed:
+            in_graph_times.append(_graph_time_s(engine) - in_graphs)
+            timed_hosts.append(1e6 * (wall - in_graph_times[-1]))
+        else:
+            plain_walls.append(wall)
     _set_timed(engine, False)
     for rid in list(engine._running):
         engine.abort(rid)
-    return times
+    if not cuda:
+        return timed_hosts, timed_hosts
+    device = statistics.median(in_graph_times)
+    return [1e6 * (wall - device) for wall in plain_walls], timed_hosts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,11 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     for num in args.requests:
         prompts = code_prompts(tokenizer, num, args.prompt_tokens, seed=num)
         host_round_us(engine, prompts, 20, None)  # warm-up
-        times = host_round_us(engine, prompts, args.rounds, None)
-        print(
+        times, timed = host_round_us(engine, prompts, args.rounds, None)
+        line = (
             f"R={num:4d}: host us per round median {statistics.median(times):8.1f}  mean {statistics.fmean(times):8.1f}"
             f"  min {min(times):8.1f}  ({args.rounds} rounds)"
         )
+        if cuda:
+            line += f"  timed rounds: median {statistics.median(timed):8.1f}"
+        print(line)
         if args.count_calls:  # a separate pass: the counting must not count in the times above
             counter = CallCounter()
             host_round_us(engine, prompts, args.rounds, None, counter)
