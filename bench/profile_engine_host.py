@@ -16,6 +16,7 @@ down: read the split, not the totals).
     PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.profile_engine_host --requests 32 128 --rounds 200
     PYTHONPATH=. OMP_NUM_THREADS=1 python -m bench.profile_engine_host --requests 32 --profile   # + cProfile
     PYTHONPATH=. python -m bench.profile_engine_host --device cuda --requests 32 128 --profile
+    PYTHONPATH=. python -m bench.profile_engine_host --device cuda --requests 32 128 --check 32  # + exactness
 
 Prints the median / mean host microseconds per round for each R (and with --profile the top functions).
 With ``--count-calls`` (CPU), it also lists the torch calls a round makes outside the graph bodies (a
@@ -36,9 +37,11 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from bench.bench_engine_gpu import exactness
 from bench.engine_setup import DEMO_TARGET, build_engine, code_prompts, demo_drafter, load_pair, tokenizer_for
 from cluster import graphs as cluster_graphs
 from cluster.graphs import GraphStep
@@ -197,6 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="cProfile the timed rounds, print the top functions")
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--count-calls", action="store_true", help="list the torch calls per round (CPU)")
+    parser.add_argument(
+        "--check",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first run N greedy requests (joining 4 per round) through the engine (real graph steps) and check "
+        "them against the target's greedy decoding; exit code 1 if any differs",
+    )
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if not cuda:
@@ -217,6 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         max_seq_len=args.max_seq_len,
         graphs="capture" if cuda else "static",
     )
+    if args.check:  # before the CPU stubs: the real step bodies
+        rng = np.random.default_rng(0)
+        prompts = code_prompts(tokenizer, args.check, args.prompt_tokens, seed=1)
+        prompts = [p[: int(rng.integers(4, args.prompt_tokens))] for p in prompts]
+        max_tokens = [int(rng.integers(4, 48)) for _ in prompts]
+        check = exactness({"graphs_capture": engine}, target, prompts, max_tokens)
+        print(f"exactness: {check['equal_to_target_greedy']['graphs_capture']}/{args.check} equal to target greedy")
+        if not check["ok"]:
+            return 1
     if not cuda:
         _stub_steps(engine)
     for num in args.requests:

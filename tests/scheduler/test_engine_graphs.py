@@ -338,6 +338,13 @@ def test_row_buckets_and_bucket_choice(pair) -> None:
     assert runner.fits([(14, True), (6, False)], 4)
     assert not runner.fits([(7, False)], 4)  # wider than a verify chunk
     assert not runner.fits([(3, False)], 17)  # a draft distribution wider than draft_top_k (16)
+    # The verify-only check from the draft counts alone says what ``fits`` says of the same items.
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        num_drafts = rng.integers(0, 8, size=int(rng.integers(0, 18)))
+        width = int(rng.choice([0, 4, 16, 17]))
+        items = [(1 + int(n), False) for n in num_drafts]
+        assert runner.fits_verify(num_drafts, width) == runner.fits(items, width)
 
 
 def test_every_bucket_runs_on_its_padding(pair) -> None:
