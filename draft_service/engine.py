@@ -143,6 +143,7 @@ class DraftEngine:
         self.draft_top_k = min(draft_top_k, model.config.vocab_size)
         self.calibration = calibration
         self._requests: dict[str, _Entry] = {}
+        self._looked_up: tuple[tuple[str, ...] | None, list[_Entry], np.ndarray] = (None, [], np.zeros(0, np.int64))
         # Per context slot, set when a request is added: the bucketed step gathers them with one index.
         self._slot_temperature = np.zeros(self.cache.num_slots, dtype=np.float32)
         self._slot_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # effective top-k, seed
@@ -184,6 +185,7 @@ class DraftEngine:
             raise ValueError(f"request {req_id!r} is already held by this drafter")
         slot = self.cache.allocate()
         self._requests[req_id] = _Entry(slot, params, params.seed or 0)
+        self._looked_up = (None, [], self._looked_up[2])
         self._slot_temperature[slot] = params.temperature
         top_k = params.top_k
         k_eff = min(top_k, self.draft_top_k) if top_k > 0 else self.draft_top_k
@@ -193,6 +195,7 @@ class DraftEngine:
         """Free the request's context slot (idempotent)."""
         entry = self._requests.pop(req_id, None)
         if entry is not None:
+            self._looked_up = (None, [], self._looked_up[2])
             if self.graphs is not None:
                 self.graphs.drop(entry.slot)
             self.cache.release(entry.slot)
@@ -227,8 +230,7 @@ class DraftEngine:
                 dtype=np.int64,
                 count=num,
             )
-        entries = self._entries(req_ids)
-        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
+        slots = self._lookup(req_ids)[1]
         starts = np.fromiter(item_starts, dtype=np.int64, count=num)
         held = self.cache.lengths_np[slots]
         if bool((counts < 0).any()) or bool((starts > held).any()):
@@ -297,15 +299,28 @@ class DraftEngine:
         except KeyError:
             return [self._get(req_id) for req_id in req_ids]  # raises UnknownDraftRequestError
 
+    def _lookup(self, req_ids: Sequence[str]) -> tuple[list[_Entry], np.ndarray]:
+        """Entries and context slots (int64, read-only) of requests. A round asks for the same requests in the
+        same order several times (propose, then the context append, then the next propose): the last answer is
+        kept until a request is added or released, so those cost one tuple comparison, not a lookup each."""
+        key = req_ids if type(req_ids) is tuple else tuple(req_ids)
+        if key == self._looked_up[0]:
+            return self._looked_up[1], self._looked_up[2]
+        entries = self._entries(key)
+        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=len(entries))
+        slots.flags.writeable = False
+        self._looked_up = (key, entries, slots)
+        return entries, slots
+
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
         """Draft one block for every item in one batched backbone pass plus the sequential head."""
         if not items:
             raise ValueError("propose needs at least one request")
         req_ids, item_anchors, item_positions = zip(*items, strict=True)  # NamedTuples: one transposition
-        entries = self._entries(req_ids)
+        entries, slots = self._lookup(req_ids)
         if self.graphs is not None and len(items) <= self.graphs.max_requests:
             # No grad-mode switch here: the graph step runs under no_grad itself (see VerifyEngine.step).
-            return self._propose_bucketed(items, entries, item_anchors, item_positions)
+            return self._propose_bucketed(items, slots, item_anchors, item_positions)
         return self._propose_eager(items, entries)
 
     @torch.no_grad()
@@ -338,7 +353,7 @@ class DraftEngine:
     def _propose_bucketed(
         self,
         items: Sequence[DraftItem],
-        entries: Sequence[_Entry],
+        slots: np.ndarray,
         item_anchors: Sequence[int],
         item_positions: Sequence[int],
     ) -> Proposal:
@@ -348,7 +363,6 @@ class DraftEngine:
         vocab = self.model.config.vocab_size
         if min(item_anchors) < 0 or max(item_anchors) >= vocab:
             raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {list(item_anchors)}")
-        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
         lengths = self.cache.lengths_np[slots].tolist()
         if lengths != list(item_positions):
             raise ValueError(

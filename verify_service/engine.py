@@ -185,6 +185,7 @@ class VerifyEngine:
         self.cache = target.new_kv_cache(max_requests + (graphs != "off"), max_seq_len)
         self.max_seq_len = max_seq_len
         self._requests: dict[str, _Slot] = {}
+        self._looked_up: tuple[tuple[str, ...] | None, list[_Slot], np.ndarray] = (None, [], np.zeros(0, np.int64))
         # Sampling parameters per KV slot, set at admission: the bucketed step gathers them with one index.
         self._sampling_float = np.zeros((self.cache.num_slots, 2), dtype=np.float32)  # temperature, top_p
         self._sampling_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # top_k, seed
@@ -239,6 +240,7 @@ class VerifyEngine:
         idempotent so that an abort racing a natural finish is harmless."""
         entry = self._requests.pop(req_id, None)
         if entry is not None:
+            self._looked_up = (None, [], self._looked_up[2])
             self.cache.free(entry.slot)
 
     def _get(self, req_id: str) -> _Slot:
@@ -310,14 +312,12 @@ class VerifyEngine:
             empty = np.zeros(0, dtype=np.int64)
             return _CheckedVerifies([], empty, empty, empty, empty, False)
         req_ids, anchors, drafts, _, dists, positions = zip(*verifies, strict=True)  # NamedTuples: one transposition
-        requests = self._requests
         try:
-            entries = [requests[req_id] for req_id in req_ids]
+            entries, slots = self._lookup(req_ids)
         except KeyError:
             self._check_verifies_one_by_one(verifies)  # raises UnknownRequestError
             raise
-        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=num)
-        lengths = self.cache.lengths(slots)
+        lengths = self.cache.lengths_unchecked(slots)  # the slots of held requests: allocated
         num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=num)
         tokens = self._valid_tokens(verifies, anchors, drafts, positions, slots, lengths, num_drafts)
         if tokens is None:
@@ -325,6 +325,19 @@ class VerifyEngine:
             tokens = np.array([*anchors, *itertools.chain.from_iterable(drafts)], dtype=np.int64)
         any_distribution = not set(map(type, dists)) <= _NONE_TYPE  # C-level: no generator step per item
         return _CheckedVerifies(entries, slots, lengths, num_drafts, tokens, any_distribution)
+
+    def _lookup(self, req_ids: tuple[str, ...]) -> tuple[list[_Slot], np.ndarray]:
+        """Entries and KV slots (int64, read-only) of a step's verify requests; raises KeyError for an unknown
+        one. Consecutive rounds verify the same requests in the same order: the last answer is kept until a
+        request is added or released, so a steady round costs one tuple comparison, not a lookup per request."""
+        if req_ids == self._looked_up[0]:
+            return self._looked_up[1], self._looked_up[2]
+        requests = self._requests
+        entries = [requests[req_id] for req_id in req_ids]
+        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=len(entries))
+        slots.flags.writeable = False
+        self._looked_up = (req_ids, entries, slots)
+        return entries, slots
 
     def _valid_tokens(
         self,
@@ -393,6 +406,7 @@ class VerifyEngine:
             params = p.params.with_seed()
             slot = self.cache.allocate()
             self._requests[p.req_id] = _Slot(slot, params, params.seed or 0, params.greedy)
+            self._looked_up = (None, [], self._looked_up[2])
             self._sampling_float[slot] = (params.temperature, params.top_p)
             self._sampling_int[slot] = (params.top_k, params.seed or 0)
             self._slot_greedy[slot] = params.greedy

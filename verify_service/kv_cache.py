@@ -142,6 +142,11 @@ class SlotKVCache:
                 self._check_allocated(slot)
         return self._lengths[index.astype(np.int64, copy=False)]  # integer indexing copies
 
+    def lengths_unchecked(self, slots: np.ndarray) -> np.ndarray:
+        """:meth:`lengths` of slots known to be allocated (int64 indices: the verify engine's own requests'), without
+        the checks: this runs every round."""
+        return self._lengths[slots]  # integer indexing copies
+
     def remaining(self, slot: int) -> int:
         """How many more tokens the slot can take before reaching max_seq_len."""
         return self.max_seq_len - self.length(slot)
