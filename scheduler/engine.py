@@ -222,6 +222,10 @@ class SpeculativeEngine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def close(self) -> None:
+        """Free what the round driver itself holds (the engines it drives are their owner's): nothing here; a
+        pipelined driver stops its drafter thread."""
+
     def snapshot(self) -> MetricsSnapshot:
         return self.metrics.snapshot(running=len(self._running), waiting=len(self._waiting))
 

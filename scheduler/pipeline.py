@@ -239,6 +239,7 @@ class PipelinedEngine(SpeculativeEngine):
     def close(self) -> None:
         if isinstance(self.draft, SerialDrafter):
             self.draft.close()
+        super().close()
 
 
 def _rows_of(proposal: Proposal, proposed: list[str], wanted: list[str]) -> Proposal:

@@ -7,6 +7,7 @@ request with a seed must give exactly the tokens it gives in the plain engine.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -140,3 +141,61 @@ def test_pipelined_round_driver_over_grpc_matches_target_greedy(pair: tuple[Path
 def test_one_group_is_refused(pair: tuple[Path, Path]) -> None:
     with pytest.raises(ValueError, match="at least 2"):
         _local(pair, "dspark", 0)
+
+
+def test_served_scheduler_with_request_groups_is_lossless_and_frees_aborted(pair: tuple[Path, Path]) -> None:
+    """``scheduler.request_groups: 2`` as a deployment runs it: the hub's round loop over gRPC replicas."""
+    import asyncio
+
+    from scheduler.hub import SchedulerHub
+
+    target_dir, draft_dir = pair
+    model = load_draft_model(draft_dir, target_dir=target_dir)
+    target = TargetModel.from_pretrained(target_dir, feature_layer_ids=model.config.target_layer_ids)
+    drafter = DrafterService(DraftEngine(model, max_requests=8, max_seq_len=128))
+    verifier = VerifierService(VerifyEngine(target, max_requests=8, max_seq_len=128))
+    servers = [ServerThread([drafter.service()]), ServerThread([verifier.service()])]
+    hub = SchedulerHub(model_name="tiny", policy="dspark", request_groups=2, decode=None)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    try:
+        hub.register_drafter("d0", servers[0].address)
+        hub.register_verifier("v0", servers[1].address, SPS.to_dict())
+        engine = hub._groups["v0"].backend.engine
+        assert isinstance(engine, PipelinedEngine)
+        prompts = [[1 + i, 2 * i + 3, 7, 11 + i] for i in range(6)]
+
+        async def one(i: int) -> list[int]:
+            tokens: list[int] = []
+            async for delta in hub.generate(f"r{i}", prompts[i], greedy):
+                tokens.extend(delta.token_ids)
+            return tokens
+
+        async def aborted() -> int:
+            """A client that goes away after a few tokens: closing the stream aborts the request."""
+            seen = 0
+            stream = hub.generate("gone", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=100))
+            async for delta in stream:
+                seen += len(delta.token_ids)
+                if seen >= 3:
+                    break
+            await stream.aclose()
+            return seen
+
+        async def run_all() -> tuple[list[list[int]], int]:
+            *got, seen = await asyncio.gather(*(one(i) for i in range(len(prompts))), aborted())
+            return list(got), seen
+
+        got, seen = asyncio.run(run_all())
+        expected = target.generate(prompts, max_new_tokens=greedy.max_tokens)
+        assert got == [e[: greedy.max_tokens] for e in expected]
+        assert 3 <= seen < 100
+        assert engine.blocks_ahead > 0
+        # The abort is queued on the round loop when the stream closes: wait for it to reach both replicas.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (verifier.engine.num_free_slots, drafter.engine.num_free_slots) != (8, 8):
+            time.sleep(0.05)
+        assert verifier.engine.num_free_slots == 8 and drafter.engine.num_free_slots == 8
+    finally:
+        hub.close()
+        for server in servers:
+            server.stop()
