@@ -1,8 +1,9 @@
 """Triton rejection sampler: the contract of :mod:`kernels.rejection`, reading the target logits ~once.
 
 The big tensor is the target logits [N + R, V]; everything else is small. It is read once in full by the
-statistics kernel, plus one row per sampled request by the race (about 1/(gamma + 1) more), plus a second
-read of the rows that use top-k / top-p. Launches:
+statistics kernel, plus one row per sampled request by the inverse-CDF masses (about 1/(gamma + 1) more, with a
+dense draft also its draft row) and one block of it by the draw, plus a second read of the rows that use
+top-k / top-p. Launches:
 
 1. ``_row_stats_kernel``, programs (row, vocabulary split): every row of every request at once. Greedy rows
    keep a per-lane running argmax; sampled rows a per-lane online (max, sum exp) of z = logits * (1 / T),
@@ -19,19 +20,26 @@ read of the rows that use top-k / top-p. Launches:
 5. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
    draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
    greedy requests the final argmax token.
-6. ``_race_kernel``, programs (sampled request, vocabulary split): the exponential race on its split of the
-   residual (or bonus) row with per-lane winners, keys log w_v - log E_v as defined in :mod:`kernels.rejection`
-   (w = norm * max(0, p_t - p_d); off the draft support log w_v = z_v - max z, so no exp and no division).
-7. ``_finalize_kernel``, one program per request: combines the per-split race winners; with sparse drafts it
-   also runs the fallback race (all-zero residual), which can only be won inside the draft's support.
+6. ``_cdf_mass_kernel``, programs (sampled request, group of ``cdf_group`` blocks of CDF_BLOCK ids): over the
+   one row the request draws from (the residual row after a rejection, else the bonus row), the mass of each
+   block: sum of w = max(0, e - Z * p_d) with e = exp(z - max z) on kept tokens (z >= tau), and with drafts
+   also the sum of e (for an all-zero residual). One exp per token, no random number and no log; a sparse
+   draft's few ids in a block are scattered into it in id order, a dense draft row is read alongside.
+7. ``_cdf_draw_kernel``, one program per sampled request: scans the block masses with uniform 0 (first block
+   whose running mass exceeds u_0 * total), recomputes that block's weights (the same function as kernel 6,
+   so they are bit for bit those summed) and scans them with uniform 1 against u_1 * the block's mass.
 
-Why the race is exact: for independent E_v ~ Exp(1), P(argmax_v w_v / E_v = v) = w_v / sum_u w_u, and taking
-logs does not move the argmax, so the winner of log w_v - log E_v is a draw from norm(w) without knowing the
-normaliser; splits combine by a max. The reference evaluates the same keys from the same counter-based uniforms
-(only exp / log rounding can differ in the last bit between torch and the GPU). The residual is all zero only if
-every kept token v has p_t(v) <= p_d(v); with a sparse draft, a kept token outside the support has residual
-p_t(v) > 0, so then every kept token is in the support and the p_t race over the support ids has the winner of
-the p_t race over the whole vocabulary.
+Why the draw is exact: P(block b) = M_b / sum M and P(v | b) = w_v / M_b, so the token follows norm(w) =
+norm(max(0, p_t - p_d)) (p_t on the bonus row, p_d = 0) for any block size; the reference
+(:func:`kernels.rejection.inverse_cdf_draw`) cuts the same blocks (``kernels.rejection.CDF_BLOCK``, read at
+call time) and uses the same two uniforms, so the two differ only when a target lies within float rounding of
+a running-sum boundary (the sums run in another order). Every scan takes the first entry of positive weight
+past its target, or the last positive one when rounding lets the target pass the end, so no token of weight 0
+(-inf logit, filtered out, zero residual) is drawn. If the residual is all zero (float rounding only), the
+same draw runs on the kept masses and weights e, i.e. on p_t. Compared with an exponential race (one
+counter-based uniform and two logs per token, which made the draw compute bound), the two passes over the
+chosen row are memory bound, and the statistics loop is left exactly as it was (block bookkeeping inside it
+slowed the big read, docs/benchmarks/kernels.md).
 
 Why the top-k / top-p bound is exact. The sketch values of a row are distinct entries of it (disjoint lane
 groups). If s_1 >= s_2 >= ... are the sorted sketch values, at least j entries are >= s_j, so the k-th
@@ -71,9 +79,11 @@ _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
     "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 4,
 }  # fmt: skip
-"""Launch sizes (one fixed configuration, no autotuning): vocabulary block per loop step, warps, and the number
-of programs a row is split over (the statistics kernel runs every row, the race one row per request, so it
-splits finer). Set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md)."""
+"""Launch sizes (one fixed configuration, no autotuning): for the statistics kernel the vocabulary block per loop
+step, warps and the number of programs a row is split over; for the inverse-CDF masses the blocks per program
+and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference). The statistics
+sizes were set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md); the
+inverse-CDF ones are a first guess awaiting ``--sweep cdf``."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
