@@ -408,12 +408,17 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
 
 @pytest.mark.parametrize("sparse_k", [0, 8])
 def test_triton_equals_reference_across_inverse_cdf_blocks(monkeypatch, sparse_k: int) -> None:
-    """Unfiltered draws over many inverse-CDF blocks, one of them entirely -inf (mass 0, never chosen)."""
+    """Draws over many inverse-CDF blocks, one of them entirely -inf (mass 0, never chosen); filtered requests
+    keep a few tokens, so most of their blocks have mass 0 too."""
     from kernels import rejection
 
     monkeypatch.setattr(rejection, "CDF_BLOCK", 64)
-    batch = make_batch(lens=[3, 0, 2, 4, 1, 2], vocab=700, temperature=[1.0, 0.8, 1.2, 0.0, 1.0, 0.7],
-                       sparse_k=sparse_k, seed=31)  # fmt: skip
+    n = 14
+    gen = torch.Generator().manual_seed(32)
+    batch = make_batch(lens=torch.randint(0, 4, (n,), generator=gen).tolist(), vocab=700,
+                       temperature=[0.0 if r % 7 == 3 else 0.7 + 0.1 * (r % 6) for r in range(n)],
+                       top_k=[30 if r % 5 == 1 else 0 for r in range(n)],
+                       top_p=[0.9 if r % 4 == 2 else 1.0 for r in range(n)], sparse_k=sparse_k, seed=31)  # fmt: skip
     logits = batch.target_logits.clone()
     logits[:, 128:192] = float("-inf")
     logits[:, 300:310] = float("-inf")
