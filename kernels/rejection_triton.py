@@ -648,14 +648,14 @@ def _cdf_draw_kernel(
         if PROBS != 0:
             kept = tl.load(emass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
             mass = tl.where(fallback, kept, mass)
-        b = _first_positive_crossing(mass, tl.cumsum(mass, 0), tl_uniform(key, zero) * tl.sum(mass, 0), offs)
         ids = tl.zeros((), tl.int64)
         probs = tl.zeros((), tl.float32)
-        if PROBS == _SPARSE:
+        if PROBS == _SPARSE:  # loaded before the block is known: the loads overlap the scan
             offs_k = tl.arange(0, BLOCK_K)
             live = offs_k < tl.where(bonus, 0, K)
             ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
+        b = _first_positive_crossing(mass, tl.cumsum(mass, 0), tl_uniform(key, zero) * tl.sum(mass, 0), offs)
         e, w = _block_weights(logits_ptr + sample_row * stride_row, probs_ptr + draft_row * stride_probs, ids, probs,
                               b * BLOCK_V, V, inv_t, tl.load(zmax_ptr + sample_row), tl.load(norm_ptr + sample_row),
                               tl.load(tau_ptr + sample_row), bonus, PROBS, BLOCK_V)  # fmt: skip
