@@ -14,12 +14,14 @@ asks) and replayed from a CUDA graph (how the verify and draft engines run it; n
 Both implementations run with ``validate=False`` on identical inputs (the input checks read the control
 tensors and cost a host sync; their time is reported separately), and the script reports how many requests
 got identical outputs from the two (on GPUs the kernel's exp/log differ from torch's in the last bits, so a
-near-tie may rarely go the other way). ``--sweep`` first times other launch sizes of the kernels (about a
-minute more, mostly compilation); ``--tune`` then runs the benchmark with the fastest ones (recorded under
-"tuning" in the JSON; the TUNING defaults in the kernel modules are set from such a run).
+near-tie may rarely go the other way). ``--sweep [GROUP ...]`` first times other launch sizes of the kernels
+(statistics, cdf, markov; all of them: about a minute more, mostly compilation); ``--tune`` then runs the
+benchmark with the fastest ones (recorded under "tuning" in the JSON; the TUNING defaults in the kernel modules
+are set from such a run). ``--only rejection`` skips the Markov sampler; ``--profile`` adds the device time of
+every rejection kernel per setting (torch.profiler, one eager call each).
 
 GPU (one command, about a minute on an H200, two with the sweep; writes docs/benchmarks/kernels.json):
-    python bench/bench_kernels.py [--sweep [--tune]]
+    python bench/bench_kernels.py [--sweep [GROUP ...] [--tune]] [--only rejection] [--profile]
 CPU smoke run (Triton through the interpreter, tiny shapes):
     python bench/bench_kernels.py --small --device cpu
 """
@@ -216,13 +218,16 @@ def bench_markov(shape: dict, device: torch.device, repeats: int) -> list[dict]:
     return results
 
 
-def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool) -> list[dict]:
+SWEEP_GROUPS = ("statistics", "cdf", "markov")
+
+
+def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool, groups: list[str]) -> list[dict]:
     """Time other launch sizes of the kernels (CUDA-graph replays on GPUs, where launch overhead would hide them).
 
-    One group at a time, the others at their current values: the rejection statistics kernel (greedy plus
-    sampled sparse time), then the race kernel (sampled sparse), then the Markov truncated mode. With
-    ``keep_best`` each group keeps its fastest variant (the TUNING dicts are updated, so the main benchmark
-    that follows runs with them); otherwise the defaults are restored."""
+    One group at a time (of ``groups``), the others at their current values: the rejection statistics kernel
+    (greedy plus sampled sparse time), the inverse-CDF mass kernel (sampled sparse plus dense), the Markov
+    truncated mode. With ``keep_best`` each group keeps its fastest variant (the TUNING dicts are updated, so
+    the main benchmark that follows runs with them); otherwise the defaults are restored."""
     from kernels import markov_triton, rejection_triton
 
     measure = partial(graph_timed if device.type == "cuda" else timed, device=device, repeats=repeats)
@@ -244,21 +249,48 @@ def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool) -> l
         return partial(rejection_triton.rejection_sample_triton, *args, draft_prob_ids=inputs["draft_prob_ids"],
                        validate=False)  # fmt: skip
 
-    sparse, greedy = rejection_call("sampled T=1, sparse drafts"), rejection_call("greedy")
-    row_variants = [dict(row_block_v=b, row_warps=w, row_splits=n)
-                    for b, w, n in ((4096, 8, 4), (4096, 8, 3), (4096, 8, 2), (8192, 8, 2), (8192, 8, 3),
-                                    (2048, 4, 4), (4096, 4, 3), (8192, 16, 2))]  # fmt: skip
-    choose(rejection_triton.TUNING, "rejection statistics", row_variants, {"sparse": sparse, "greedy": greedy})
-    race_variants = [dict(race_block_v=b, race_warps=w, race_splits=n)
-                     for b, w, n in ((2048, 8, 16), (1024, 4, 16), (2048, 4, 32), (2048, 8, 8), (4096, 8, 16))]
-    choose(rejection_triton.TUNING, "rejection race", race_variants, {"sparse": sparse})
-    del sparse, greedy
+    if "statistics" in groups:
+        sparse, greedy = rejection_call("sampled T=1, sparse drafts"), rejection_call("greedy")
+        row_variants = [dict(row_block_v=b, row_warps=w, row_splits=n)
+                        for b, w, n in ((4096, 8, 4), (4096, 8, 3), (4096, 8, 2), (8192, 8, 2), (8192, 8, 3),
+                                        (2048, 4, 4), (4096, 4, 3), (8192, 16, 2))]  # fmt: skip
+        choose(rejection_triton.TUNING, "rejection statistics", row_variants, {"sparse": sparse, "greedy": greedy})
+        del sparse, greedy
+    if "cdf" in groups:
+        sparse, dense = rejection_call("sampled T=1, sparse drafts"), rejection_call("sampled T=1, dense drafts")
+        cdf_variants = [dict(cdf_group=g, cdf_warps=w) for g, w in ((1, 4), (2, 4), (4, 4), (8, 4), (2, 8), (4, 8))]
+        choose(rejection_triton.TUNING, "rejection cdf masses", cdf_variants, {"sparse": sparse, "dense": dense})
+        del sparse, dense
+    if "markov" in groups:
+        args = markov_args(shape, device, 1.0)
+        markov = partial(markov_triton.markov_sample_triton, *args, top_k=shape["sparse_k"], validate=False)
+        markov_variants = [dict(topk_block_r=r, topk_block_v=v) for r, v in ((32, 128), (16, 128), (32, 256),
+                                                                              (16, 256), (64, 128))]  # fmt: skip
+        choose(markov_triton.TUNING, "markov top-k", markov_variants, {"sparse": markov})
+    return rows
 
-    args = markov_args(shape, device, 1.0)
-    markov = partial(markov_triton.markov_sample_triton, *args, top_k=shape["sparse_k"], validate=False)
-    markov_variants = [dict(topk_block_r=r, topk_block_v=v) for r, v in ((32, 128), (16, 128), (32, 256), (16, 256),
-                                                                          (64, 128))]  # fmt: skip
-    choose(markov_triton.TUNING, "markov top-k", markov_variants, {"sparse": markov})
+
+def profile_rejection(shape: dict, device: torch.device) -> list[dict]:
+    """Device time of every kernel of one eager call of the Triton sampler per setting (torch.profiler), in us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels.rejection_triton import rejection_sample_triton
+
+    rows = []
+    for i, (name, setting) in enumerate(REJECTION_SETTINGS.items()):
+        inputs = rejection_inputs(shape, device, setting, seed=i)
+        args = [inputs[k] for k in REJECTION_ARGS]
+        call = partial(rejection_sample_triton, *args, draft_prob_ids=inputs["draft_prob_ids"], validate=False)
+        call()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize(device)
+        kernels = {}
+        for event in prof.key_averages():
+            if event.device_time_total > 0 and not event.key.startswith("cuda"):
+                kernels[event.key] = round(event.device_time_total, 1)
+        rows.append({"setting": name, "kernel_us": kernels, "total_us": round(sum(kernels.values()), 1)})
     return rows
 
 
@@ -269,7 +301,11 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20 GPU, 1 CPU)")
-    parser.add_argument("--sweep", action="store_true", help="also time other kernel launch sizes (first)")
+    parser.add_argument("--sweep", nargs="*", choices=SWEEP_GROUPS, default=None,
+                        help="also time other kernel launch sizes first, of the named groups (none named: all)")
+    parser.add_argument("--only", choices=("rejection", "markov"), default=None, help="benchmark one sampler only")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU: also the device time of every rejection kernel per setting (torch.profiler)")
     parser.add_argument("--tune", action="store_true", help="with --sweep: run the benchmark with the fastest sizes")
     parser.add_argument("--out", default=None, help="JSON output (default docs/benchmarks/kernels.json; "
                         "none for --small)")  # fmt: skip
@@ -284,11 +320,19 @@ def main() -> None:
     repeats = args.repeats or (20 if device.type == "cuda" else 1)
     logit_bytes = shape["requests"] * (shape["gamma"] + 1) * shape["vocab"] * 2
     copy_gbps = copy_bandwidth(logit_bytes, device, repeats)
-    sweep_rows = sweep(shape, device, max(1, repeats // 2), args.tune) if args.sweep else []
+    groups = (args.sweep or list(SWEEP_GROUPS)) if args.sweep is not None else []
+    sweep_rows = sweep(shape, device, max(1, repeats // 2), args.tune, groups) if groups else []
     from kernels import markov_triton, rejection_triton
 
     tuning = {"rejection": dict(rejection_triton.TUNING), "markov": dict(markov_triton.TUNING)}
-    results = bench_rejection(shape, device, repeats, copy_gbps) + bench_markov(shape, device, repeats)
+    results = [] if args.only == "markov" else bench_rejection(shape, device, repeats, copy_gbps)
+    results += [] if args.only == "rejection" else bench_markov(shape, device, repeats)
+    profile_rows: list[dict] = []
+    if args.profile and device.type == "cuda":
+        try:  # auxiliary: a profiler that cannot start (no CUPTI) must not cost the benchmark's results
+            profile_rows = profile_rejection(shape, device)
+        except RuntimeError as exc:
+            profile_rows = [{"error": repr(exc)}]
 
     device_name = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -296,7 +340,7 @@ def main() -> None:
     report = {
         "device": device_name, "torch": torch.__version__, "triton": triton.__version__, "shape": shape,
         "repeats": repeats, "copy_bandwidth_gbps": copy_gbps, "tuning": tuning, "results": results,
-        "sweep": sweep_rows,
+        "sweep": sweep_rows, "profile": profile_rows,
     }  # fmt: skip
     out = args.out or (None if args.small else "docs/benchmarks/kernels.json")
     if out:
@@ -316,6 +360,8 @@ def main() -> None:
         graph = f"{r['triton_graph_ms']:.3f}" if r.get("triton_graph_ms") else "-"
         print(f"{r['kernel']:10} {r['setting']:42} {r['triton_ms']:10.3f} {graph:>9} {r['reference_ms']:9.2f} "
               f"{r['speedup']:7.1f}x {gbps:>7} {frac:>7} {gfrac:>7} {r['identical_requests']:>10}")  # fmt: skip
+    for r in profile_rows:
+        print(f"profile {r.get('setting')}: total {r.get('total_us')} us: {r.get('kernel_us', r.get('error'))}")
     if out:
         print(f"wrote {out}")
 

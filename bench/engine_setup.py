@@ -24,6 +24,7 @@ from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
 from draft_service.model import DSparkDraftModel
 from scheduler.engine import SpeculativeEngine
+from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
 from scheduler.sps import SPSTable
 from scheduler.sts import STSCalibration
@@ -111,8 +112,10 @@ def build_engine(
     buckets: Sequence[int] = DEFAULT_BUCKETS,
     draft_top_k: int = 16,
     calibration: STSCalibration | None = None,
+    groups: int = 1,
 ) -> SpeculativeEngine:
-    """One verify engine + one draft engine (None for plain autoregressive decoding) + the round driver."""
+    """One verify engine + one draft engine (None for plain autoregressive decoding) + the round driver
+    (pipelined over ``groups`` request groups when more than one: :mod:`scheduler.pipeline`)."""
     block = drafter.block_size if drafter is not None else None
     verify = VerifyEngine(
         target,
@@ -134,7 +137,10 @@ def build_engine(
             graphs=graphs,
             graph_buckets=buckets,
         )
-    return SpeculativeEngine(verify, draft, make_policy(policy, sps, block or 1), eos_token_ids=target.eos_token_ids)
+    policy_ = make_policy(policy, sps, block or 1)
+    if groups > 1:
+        return PipelinedEngine(verify, draft, policy_, groups=groups, eos_token_ids=target.eos_token_ids)
+    return SpeculativeEngine(verify, draft, policy_, eos_token_ids=target.eos_token_ids)
 
 
 def load_calibration(drafter_dir: Path) -> STSCalibration | None:

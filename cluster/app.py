@@ -200,6 +200,7 @@ class SchedulerReplica:
             model_name=self.config.model_name,
             policy=self.config.scheduler.policy,
             draft_cost=self.config.scheduler.draft_cost,
+            request_groups=self.config.scheduler.request_groups,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             token=self.config.network.grpc_token,
             timeout_s=self.config.network.grpc_timeout_s,

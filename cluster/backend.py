@@ -259,6 +259,7 @@ class LocalBackend:
             self._closing = True
             self._cond.notify()
         self._thread.join(timeout)
+        self.engine.close()
 
     def __enter__(self) -> LocalBackend:
         return self

@@ -81,6 +81,12 @@ class SchedulerConfig(_Strict):
     tokens per second of the whole round and a round skips the drafter when a plain target round is predicted
     faster; lossless either way). Other policies ignore it.
 
+    ``request_groups``: more than 1 splits each verifier replica's requests into that many groups and verifies
+    one group while its drafters draft the next group's blocks (:mod:`scheduler.pipeline`). It pays when drafting
+    and verifying run on separate devices AND their step times grow with the batch (compute-bound batches); with
+    step times flat in the batch (small batches on a GPU) every group pays the whole step, so keep 1 there
+    (docs/benchmarks/serving.md has the measurements).
+
     ``drain_timeout_s``: how long a drafter or verifier replica that Serve stops (autoscaling down, rolling
     update) keeps serving the requests it holds before it goes; keep the deployment's
     ``graceful_shutdown_timeout_s`` above it (``build_app`` defaults it to this plus a margin)."""
@@ -88,6 +94,7 @@ class SchedulerConfig(_Strict):
     policy: str = "dspark"
     draft_cost: Literal["none", "measured"] = "none"
     max_running_per_verifier: int | None = Field(None, ge=1)
+    request_groups: int = Field(1, ge=1, le=8)
     drain_timeout_s: float = Field(120.0, gt=0)
 
     @field_validator("policy")

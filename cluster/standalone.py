@@ -119,6 +119,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         model_name=config.model_name,
         policy=config.scheduler.policy,
         draft_cost=config.scheduler.draft_cost,
+        request_groups=config.scheduler.request_groups,
         decode=lambda ids: engine_tokenizer.decode(ids, skip_special_tokens=True),
         token=args.grpc_token,
         timeout_s=config.network.grpc_timeout_s,

@@ -33,22 +33,23 @@ the two implementations could disagree only when a prefix mass lies within float
 
 Random numbers come from :mod:`kernels.rng` at the absolute position of the token being decided
 (``positions[r] + 1 + k`` for row k, ``positions[r]`` being the anchor's position): the accept test of x_k
-uses stream STREAM_ACCEPT, index 0; the residual or bonus draw uses STREAM_TARGET_SAMPLE with the vocabulary
-index.
+uses stream STREAM_ACCEPT, index 0; the residual or bonus draw uses STREAM_TARGET_SAMPLE, indices 0 and 1.
 
-Categorical draws use the exponential race: token = argmax_v w_v / E_v with E_v = -log u_v, u_v uniform.
-Since P(argmax = v) = w_v / sum w for independent Exp(1) variables E_v, this samples norm(w) without a
-normalisation pass and works on the unnormalised residual directly; it is also a single max-reduction, so a
-vocabulary split over many programs combines exactly. Both implementations evaluate the key in the log domain,
-``log w_v - log E_v`` (the Gumbel-max form of the same race: log is increasing, so the argmax is unchanged),
-which costs no division and, where p_d = 0, no exp per token: with e_v = exp(z_v - max z) on kept tokens and
-Z = sum e, the residual weight is w = Z * max(0, p_t - p_d) = max(0, e - Z * p_d) and
-  log w_v = z_v - max z                       if p_d(v) = 0 or it is the bonus row (w = e, kept tokens),
-  log w_v = log(max(0, e_v - Z * p_d(v)))     otherwise,
-  log w_v = -inf                              on tokens removed by top-k / top-p.
-Ties (probability ~0) go to the smaller token id. If the residual is all zero (a rejection that has
-probability 0 in exact arithmetic but can occur by float rounding when p_d == p_t), the draw falls back to
-p_t (keys z_v - max z - log E_v) with the same uniforms.
+Residual and bonus draws are by inverse CDF in two levels, with two uniforms. With e_v = exp(z_v - max z) on
+kept tokens (0 elsewhere) and Z = sum e, the residual weight is w = Z * max(0, p_t - p_d) = max(0, e - Z * p_d)
+(the bonus row has p_d = 0, so w = e). The vocabulary is cut into blocks of CDF_BLOCK ids; with the block
+masses M_b = sum_{v in b} w_v, the block b is the first (in id order) whose running mass exceeds
+u_0 * sum_b M_b, then the token is the first id of b whose running weight inside b exceeds u_1 * M_b
+(u_i: STREAM_TARGET_SAMPLE, index i). P(b) = M_b / sum M and P(v | b) = w_v / M_b, so the draw follows norm(w)
+exactly, for any block size; no per-entry random number or log is needed. In floats every search takes the
+first entry of positive weight whose running sum exceeds the target, or the last entry of positive weight when
+rounding lets the target pass the end: a chosen block has positive mass, hence a positive entry, so a token of
+weight 0 (a -inf logit, a token removed by top-k / top-p, a residual of 0) is never drawn. The second uniform
+resolves the token to float precision relative to its block's mass rather than to the whole row's. If the
+residual is all zero (a rejection that has probability 0 in exact arithmetic but can occur by float rounding
+when p_d == p_t), the same draw runs on the weights e (that is, p_t) with the same uniforms. The Triton kernel
+computes the same sums in another order, so the two implementations can differ only when a target lies within
+float rounding of a running-sum boundary.
 
 Sparse draft distributions: a drafter may sample x_k from its top-K truncated, renormalised distribution and
 send only ``(ids [N, K], probs [N, K])``. Verification stays exact because the rejection rule only needs
@@ -76,6 +77,9 @@ PROB_SUM_TOLERANCE = 1e-3
 """Allowed |sum(p_d) - 1| per draft row (float32 sums over a large vocabulary carry ~1e-5 of rounding)."""
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CDF_BLOCK = 2048
+"""Vocabulary ids per block of the inverse-CDF draw (a power of two >= 16 for the Triton kernels, which read it
+at call time, so both implementations always cut the same blocks). Any block size gives the same distribution."""
 
 
 @dataclass(frozen=True)
@@ -263,23 +267,14 @@ def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
     return 1.0 / temperature.to(torch.float32)
 
 
-def target_log_weights(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-weights z - max z on kept tokens (-inf elsewhere) [rows, V] and the weights exp(z - max z)."""
-    z = canonical(logits.to(torch.float32) * inverse_temperature(temperature)[:, None])
-    tau = filter_thresholds(z, top_k, top_p)
-    z_max = z.max(dim=-1, keepdim=True).values
-    log_weights = torch.where(z >= tau[:, None], z - z_max, float("-inf"))
-    weights = torch.where(z >= tau[:, None], torch.exp(z - z_max), 0.0)
-    return log_weights, weights
-
-
 def target_weights(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unnormalised filtered weights exp(z - max z) on kept tokens [rows, V] and their sums [rows, 1]."""
-    _, weights = target_log_weights(logits, temperature, top_k, top_p)
+    z = canonical(logits.to(torch.float32) * inverse_temperature(temperature)[:, None])
+    tau = filter_thresholds(z, top_k, top_p)
+    z_max = z.max(dim=-1, keepdim=True).values
+    weights = torch.where(z >= tau[:, None], torch.exp(z - z_max), 0.0)
     return weights, weights.sum(dim=-1, keepdim=True)
 
 
@@ -289,6 +284,31 @@ def target_probs(
     """Filtered target distribution p_t [rows, V] float32 of sampled rows (per-row T > 0, top-k, top-p)."""
     weights, norm = target_weights(logits, temperature, top_k, top_p)
     return weights / norm
+
+
+def _first_positive_crossing(weights: torch.Tensor, cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row (last dim): the first entry with running mass > target and weight > 0; if rounding lets the
+    target pass every entry, the last entry of positive weight (0 when no entry has positive weight)."""
+    size = weights.shape[-1]
+    index = torch.arange(size, device=weights.device)
+    first = torch.where((cum > target[..., None]) & (weights > 0), index, size).amin(dim=-1)
+    last = torch.where(weights > 0, index, 0).amax(dim=-1)
+    return torch.where(first < size, first, last)
+
+
+def inverse_cdf_draw(weights: torch.Tensor, u_block: torch.Tensor, u_inner: torch.Tensor) -> torch.Tensor:
+    """One draw per row of ``weights [R, V]`` (non-negative, unnormalised) by the two-level inverse CDF of the
+    module doc: the block of CDF_BLOCK ids by its running mass against ``u_block [R]`` times the total, then
+    the id inside it by its running weight against ``u_inner [R]`` times the block's mass."""
+    rows, vocab = weights.shape
+    block = CDF_BLOCK
+    num_blocks = -(-vocab // block)
+    blocks = torch.nn.functional.pad(weights, (0, num_blocks * block - vocab)).view(rows, num_blocks, block)
+    mass = blocks.sum(dim=-1)
+    b = _first_positive_crossing(mass, mass.cumsum(dim=-1), u_block * mass.sum(dim=-1))
+    chosen = blocks[torch.arange(rows, device=weights.device), b]
+    i = _first_positive_crossing(chosen, chosen.cumsum(dim=-1), u_inner * chosen.sum(dim=-1))
+    return b * block + i
 
 
 def rejection_sample_reference(
@@ -326,7 +346,6 @@ def rejection_sample_reference(
     device = target_logits.device
     num_req = temperature.shape[0]
     num_draft = draft_token_ids.shape[0]
-    vocab = target_logits.shape[1]
     cu = cu_draft_lens.to(torch.int64)
     lens = cu[1:] - cu[:-1]
     row_req, draft_req = _row_layout(cu, num_req, num_draft)
@@ -338,10 +357,9 @@ def rejection_sample_reference(
 
     argmax = target_logits.argmax(dim=-1)
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    log_weights, weights = target_log_weights(
+    weights, norm = target_weights(
         target_logits, safe_t[row_req], top_k[row_req].to(torch.int64), top_p[row_req]
     )
-    norm = weights.sum(dim=-1, keepdim=True)
     p_t = weights / norm
 
     x = draft_token_ids.to(torch.int64)
@@ -361,7 +379,7 @@ def rejection_sample_reference(
 
     sample_row = row_start + num_accepted
     bonus = num_accepted == lens
-    weight_s, norm_s, log_weight_s = weights[sample_row], norm[sample_row], log_weights[sample_row]
+    weight_s, norm_s = weights[sample_row], norm[sample_row]
     pd_s = torch.zeros_like(weight_s)
     draft_row = torch.where(bonus, 0, cu[:-1] + num_accepted).clamp(max=max(num_draft - 1, 0))
     if draft_probs is not None and num_draft > 0:
@@ -369,18 +387,17 @@ def rejection_sample_reference(
             pd_s = draft_probs[draft_row]
         else:
             pd_s = pd_s.scatter_add(1, draft_prob_ids[draft_row].to(torch.int64), draft_probs[draft_row])
-    # race keys log(w_v) - log(E_v): w = norm * max(0, p_t - p_d) where p_d > 0, else the kept weight itself,
-    # whose log is taken exactly as z - max z (bonus row: w = norm * p_t everywhere)
-    log_residual = torch.where(
-        bonus[:, None] | (pd_s <= 0), log_weight_s, torch.log((weight_s - norm_s * pd_s).clamp(min=0.0))
+        pd_s = torch.where(bonus[:, None], 0.0, pd_s)  # the bonus row draws from p_t itself
+    # residual weights w = Z * max(0, p_t - p_d) = max(0, e - Z * p_d); p_t itself if they are all zero
+    residual = (weight_s - norm_s * pd_s).clamp(min=0.0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, weight_s)
+    position_s = positions + 1 + num_accepted
+    index = torch.zeros_like(position_s)
+    sampled = inverse_cdf_draw(
+        residual,
+        uniform(seeds, position_s, STREAM_TARGET_SAMPLE, index),
+        uniform(seeds, position_s, STREAM_TARGET_SAMPLE, index + 1),
     )
-    index = torch.arange(vocab, device=device)
-    position_s = (positions + 1 + num_accepted)[:, None]
-    log_race = torch.log(-torch.log(uniform(seeds[:, None], position_s, STREAM_TARGET_SAMPLE, index[None, :])))
-    key_res = log_residual - log_race
-    sampled_res = key_res.argmax(dim=-1)
-    sampled_fb = (log_weight_s - log_race).argmax(dim=-1)
-    sampled = torch.where(key_res.max(dim=-1).values > float("-inf"), sampled_res, sampled_fb)
     final = torch.where(greedy, argmax[sample_row], sampled)
 
     # Rejected drafts go to a trash row past the end: a scatter of static shape, no boolean index (no sync).

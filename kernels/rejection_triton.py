@@ -1,8 +1,9 @@
 """Triton rejection sampler: the contract of :mod:`kernels.rejection`, reading the target logits ~once.
 
 The big tensor is the target logits [N + R, V]; everything else is small. It is read once in full by the
-statistics kernel, plus one row per sampled request by the race (about 1/(gamma + 1) more), plus a second
-read of the rows that use top-k / top-p. Launches:
+statistics kernel, plus one row per sampled request by the inverse-CDF masses (about 1/(gamma + 1) more, with a
+dense draft also its draft row) and one block of it by the draw, plus a second read of the rows that use
+top-k / top-p. Launches:
 
 1. ``_row_stats_kernel``, programs (row, vocabulary split): every row of every request at once. Greedy rows
    keep a per-lane running argmax; sampled rows a per-lane online (max, sum exp) of z = logits * (1 / T),
@@ -19,19 +20,26 @@ read of the rows that use top-k / top-p. Launches:
 5. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
    draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
    greedy requests the final argmax token.
-6. ``_race_kernel``, programs (sampled request, vocabulary split): the exponential race on its split of the
-   residual (or bonus) row with per-lane winners, keys log w_v - log E_v as defined in :mod:`kernels.rejection`
-   (w = norm * max(0, p_t - p_d); off the draft support log w_v = z_v - max z, so no exp and no division).
-7. ``_finalize_kernel``, one program per request: combines the per-split race winners; with sparse drafts it
-   also runs the fallback race (all-zero residual), which can only be won inside the draft's support.
+6. ``_cdf_mass_kernel``, programs (sampled request, group of ``cdf_group`` blocks of CDF_BLOCK ids): over the
+   one row the request draws from (the residual row after a rejection, else the bonus row), the mass of each
+   block: sum of w = max(0, e - Z * p_d) with e = exp(z - max z) on kept tokens (z >= tau), and with drafts
+   also the sum of e (for an all-zero residual). One exp per token, no random number and no log; a sparse
+   draft's few ids in a block are scattered into it in id order, a dense draft row is read alongside.
+7. ``_cdf_draw_kernel``, one program per sampled request: scans the block masses with uniform 0 (first block
+   whose running mass exceeds u_0 * total), recomputes that block's weights (the same function as kernel 6,
+   so they are bit for bit those summed) and scans them with uniform 1 against u_1 * the block's mass.
 
-Why the race is exact: for independent E_v ~ Exp(1), P(argmax_v w_v / E_v = v) = w_v / sum_u w_u, and taking
-logs does not move the argmax, so the winner of log w_v - log E_v is a draw from norm(w) without knowing the
-normaliser; splits combine by a max. The reference evaluates the same keys from the same counter-based uniforms
-(only exp / log rounding can differ in the last bit between torch and the GPU). The residual is all zero only if
-every kept token v has p_t(v) <= p_d(v); with a sparse draft, a kept token outside the support has residual
-p_t(v) > 0, so then every kept token is in the support and the p_t race over the support ids has the winner of
-the p_t race over the whole vocabulary.
+Why the draw is exact: P(block b) = M_b / sum M and P(v | b) = w_v / M_b, so the token follows norm(w) =
+norm(max(0, p_t - p_d)) (p_t on the bonus row, p_d = 0) for any block size; the reference
+(:func:`kernels.rejection.inverse_cdf_draw`) cuts the same blocks (``kernels.rejection.CDF_BLOCK``, read at
+call time) and uses the same two uniforms, so the two differ only when a target lies within float rounding of
+a running-sum boundary (the sums run in another order). Every scan takes the first entry of positive weight
+past its target, or the last positive one when rounding lets the target pass the end, so no token of weight 0
+(-inf logit, filtered out, zero residual) is drawn. If the residual is all zero (float rounding only), the
+same draw runs on the kept masses and weights e, i.e. on p_t. Compared with an exponential race (one
+counter-based uniform and two logs per token, which made the draw compute bound), the two passes over the
+chosen row are memory bound, and the statistics loop is left exactly as it was (block bookkeeping inside it
+slowed the big read, docs/benchmarks/kernels.md).
 
 Why the top-k / top-p bound is exact. The sketch values of a row are distinct entries of it (disjoint lane
 groups). If s_1 >= s_2 >= ... are the sorted sketch values, at least j entries are >= s_j, so the k-th
@@ -56,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import rejection as reference
 from kernels.float_keys import tl_key_to_float, tl_ordered_key
 from kernels.launch import interpreting, launch_options
 from kernels.rejection import RejectionOutput, validate_rejection_inputs
@@ -68,11 +77,13 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 _BIG = tl.constexpr(2147483647)
 _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
-    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "race_block_v": 1024, "race_warps": 4, "race_splits": 16,
+    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 4,
 }  # fmt: skip
-"""Launch sizes (one fixed configuration, no autotuning): vocabulary block per loop step, warps, and the number
-of programs a row is split over (the statistics kernel runs every row, the race one row per request, so it
-splits finer). Set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md)."""
+"""Launch sizes (one fixed configuration, no autotuning): for the statistics kernel the vocabulary block per loop
+step, warps and the number of programs a row is split over; for the inverse-CDF masses the blocks per program
+and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference). The statistics
+sizes were set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md); the
+inverse-CDF ones are a first guess awaiting ``--sweep cdf``."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
@@ -487,7 +498,116 @@ def _accept_chain_kernel(
 
 
 @triton.jit
-def _race_kernel(
+def _draw_row(cu_ptr, num_acc_ptr, r):
+    """(sample row, draft row, bonus) of request ``r``'s residual or bonus draw, once its chain is known."""
+    d0 = tl.load(cu_ptr + r)
+    n_acc = tl.load(num_acc_ptr + r)
+    return d0 + r + n_acc, d0 + n_acc, n_acc == tl.load(cu_ptr + r + 1) - d0
+
+
+@triton.jit
+def _block_weights(
+    row_ptr,
+    probs_row_ptr,
+    ids,
+    probs,
+    start,
+    V,
+    inv_t,
+    z_max,
+    norm,
+    tau,
+    bonus,
+    PROBS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """(e, w) on ids start .. start + BLOCK_V - 1 of a draw row: the kept weights e = exp(z - max z) (0 off the
+    kept set and past the end) and the residual weights w = max(0, e - Z * p_d) (w = e on the bonus row).
+
+    Both draw kernels evaluate the weights with this one function, so the chosen block's recomputed weights
+    are bit for bit those whose sum made it chosen (a block of positive mass has a positive entry)."""
+    idx = start + tl.arange(0, BLOCK_V)
+    z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+    e = tl.where((idx < V) & (z >= tau), tl.exp(z - z_max), 0.0)
+    if PROBS == _DENSE:
+        p_d = tl.load(probs_row_ptr + idx, mask=idx < tl.where(bonus, 0, V), other=0.0)
+        w = tl.maximum(e - norm * p_d, 0.0)
+    elif PROBS == _SPARSE:
+        # scatter the few sparse entries that fall into this block (usually none or one); duplicates add up
+        here = (ids >= start) & (ids < start + BLOCK_V)
+        p_d = tl.zeros([BLOCK_V], tl.float32)
+        previous = tl.zeros((), tl.int64) + (start - 1)
+        for _ in range(0, tl.sum(here.to(tl.int32), 0)):
+            current = tl.min(tl.where(here & (ids > previous), ids, 2147483647), 0)
+            p_d = tl.where(idx == current, tl.sum(tl.where(ids == current, probs, 0.0), 0), p_d)
+            previous = current
+        w = tl.maximum(e - norm * p_d, 0.0)
+    else:
+        w = e
+    return e, w
+
+
+@triton.jit
+def _first_positive_crossing(weight, cum, target, index):
+    """The first index with running mass ``cum`` > target and positive weight; if rounding lets the target
+    pass every entry, the last index of positive weight (0 when none has positive weight)."""
+    first = tl.min(tl.where((cum > target) & (weight > 0.0), index, _BIG), 0)
+    return tl.where(first < _BIG, first, tl.max(tl.where(weight > 0.0, index, 0), 0))
+
+
+@triton.jit
+def _cdf_mass_kernel(
+    logits_ptr,
+    stride_row,
+    probs_ptr,
+    stride_probs,
+    prob_ids_ptr,
+    cu_ptr,
+    temperature_ptr,
+    zmax_ptr,
+    norm_ptr,
+    tau_ptr,
+    num_acc_ptr,
+    mass_ptr,
+    emass_ptr,
+    V,
+    K,
+    num_blocks,
+    group,
+    PROBS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Per (sampled request, group of blocks): the residual mass sum w and (with drafts) the kept mass sum e
+    of each block of BLOCK_V ids of its draw row. One exp per token, no random number, no log."""
+    r = tl.program_id(0)
+    temp = tl.load(temperature_ptr + r)
+    if temp != 0.0:
+        inv_t = tl.math.div_rn(1.0, temp)
+        sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)
+        z_max = tl.load(zmax_ptr + sample_row)
+        norm = tl.load(norm_ptr + sample_row)
+        tau = tl.load(tau_ptr + sample_row)
+        row_ptr = logits_ptr + sample_row * stride_row
+        ids = tl.zeros((), tl.int64)
+        probs = tl.zeros((), tl.float32)
+        if PROBS == _SPARSE:
+            # the bonus row has no draft distribution: load no sparse entries for it
+            offs_k = tl.arange(0, BLOCK_K)
+            live = offs_k < tl.where(bonus, 0, K)
+            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1)
+            probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
+        first = tl.program_id(1) * group
+        for b in range(first, tl.minimum(first + group, num_blocks)):
+            e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, b * BLOCK_V, V, inv_t,
+                                  z_max, norm, tau, bonus, PROBS, BLOCK_V)  # fmt: skip
+            tl.store(mass_ptr + r * num_blocks + b, tl.sum(w, 0))
+            if PROBS != 0:
+                tl.store(emass_ptr + r * num_blocks + b, tl.sum(e, 0))
+
+
+@triton.jit
+def _cdf_draw_kernel(
     logits_ptr,
     stride_row,
     probs_ptr,
@@ -501,143 +621,48 @@ def _race_kernel(
     norm_ptr,
     tau_ptr,
     num_acc_ptr,
-    part_key_ptr,
-    part_id_ptr,
+    mass_ptr,
+    emass_ptr,
+    out_ptr,
     V,
     K,
-    split_size,
-    num_splits,
+    num_blocks,
     PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Exponential race on one vocabulary split of a sampled request's residual (or bonus) row."""
+    """Per sampled request: the block by its running mass (uniform 0), then the token inside it by its running
+    weight (uniform 1); p_t (the kept masses and weights) when the residual is all zero."""
     r = tl.program_id(0)
-    split = tl.program_id(1)
     temp = tl.load(temperature_ptr + r)
     if temp != 0.0:
         inv_t = tl.math.div_rn(1.0, temp)
-        d0 = tl.load(cu_ptr + r)
-        num_draft = (tl.load(cu_ptr + r + 1) - d0).to(tl.int32)
-        n_acc = tl.load(num_acc_ptr + r).to(tl.int32)
-        sample_row = d0 + r + n_acc
-        draft_row = d0 + n_acc
-        bonus = n_acc == num_draft
-        z_max = tl.load(zmax_ptr + sample_row)
-        norm = tl.load(norm_ptr + sample_row)
-        tau = tl.load(tau_ptr + sample_row)
-        key = tl_row_key(tl.load(seeds_ptr + r), tl.load(positions_ptr + r) + 1 + n_acc, _TARGET)
-        row_ptr = logits_ptr + sample_row * stride_row
-        if PROBS == _SPARSE:
-            # the bonus row has no draft distribution: load no sparse entries for it
-            k_live = tl.where(bonus, 0, K)
+        sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)
+        position = tl.load(positions_ptr + r) + 1 + tl.load(num_acc_ptr + r)
+        key = tl_row_key(tl.load(seeds_ptr + r), position, _TARGET)
+        zero = tl.full((), 0, tl.int32)
+        offs = tl.arange(0, BLOCK_NB)
+        mass = tl.load(mass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
+        fallback = tl.sum(mass, 0) <= 0.0
+        if PROBS != 0:
+            kept = tl.load(emass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
+            mass = tl.where(fallback, kept, mass)
+        ids = tl.zeros((), tl.int64)
+        probs = tl.zeros((), tl.float32)
+        if PROBS == _SPARSE:  # loaded before the block is known: the loads overlap the scan
             offs_k = tl.arange(0, BLOCK_K)
-            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=offs_k < k_live, other=-1)
-            probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=offs_k < k_live, other=0.0)
-        # per lane: the first maximal key of the residual race and of the p_t race (fallback)
-        best_res = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        best_fb = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        arg_res = tl.full([BLOCK_V], _BIG, tl.int32)
-        arg_fb = tl.full([BLOCK_V], _BIG, tl.int32)
-        for start in range(split * split_size, tl.minimum(split * split_size + split_size, V), BLOCK_V):
-            idx = start + tl.arange(0, BLOCK_V)
-            mask = idx < V  # splits are whole blocks: only the row's end needs a mask
-            z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-            log_weight = tl.where(mask & (z >= tau), z - z_max, float("-inf"))  # log(norm * p_t)
-            if PROBS == _DENSE:
-                limit = tl.where(bonus, 0, V)
-                p_d = tl.load(probs_ptr + draft_row * stride_probs + idx, mask=idx < limit, other=0.0)
-            elif PROBS == _SPARSE:
-                # scatter the few sparse entries that fall into this chunk (usually none or one)
-                here = (ids >= start) & (ids < start + BLOCK_V)
-                p_d = tl.zeros([BLOCK_V], tl.float32)
-                previous = tl.zeros((), tl.int64) + (start - 1)
-                for _ in range(0, tl.sum(here.to(tl.int32), 0)):
-                    current = tl.min(tl.where(here & (ids > previous), ids, 2147483647), 0)
-                    p_d = tl.where(idx == current, tl.sum(tl.where(ids == current, probs, 0.0), 0), p_d)
-                    previous = current
-            log_race = tl.log(-tl.log(tl_uniform(key, idx)))
-            key_fb = log_weight - log_race
-            if PROBS == 0:
-                key_res = key_fb
-            else:
-                weight = tl.where(log_weight > float("-inf"), tl.exp(z - z_max), 0.0)
-                residual = tl.log(tl.maximum(weight - norm * p_d, 0.0))
-                key_res = tl.where(p_d > 0.0, residual - log_race, key_fb)
-            better = key_res > best_res
-            best_res = tl.where(better, key_res, best_res)
-            arg_res = tl.where(better, idx, arg_res)
-            if PROBS == _DENSE:
-                better = key_fb > best_fb
-                best_fb = tl.where(better, key_fb, best_fb)
-                arg_fb = tl.where(better, idx, arg_fb)
-        top_res = tl.max(best_res, 0)
-        part = (r * num_splits + split) * 2
-        tl.store(part_key_ptr + part, top_res)
-        tl.store(part_id_ptr + part, tl.min(tl.where(best_res == top_res, arg_res, _BIG), 0))
-        if PROBS == _DENSE:
-            top_fb = tl.max(best_fb, 0)
-            tl.store(part_key_ptr + part + 1, top_fb)
-            tl.store(part_id_ptr + part + 1, tl.min(tl.where(best_fb == top_fb, arg_fb, _BIG), 0))
-
-
-@triton.jit
-def _finalize_kernel(
-    logits_ptr,
-    stride_row,
-    prob_ids_ptr,
-    stride_probs,
-    part_key_ptr,
-    part_id_ptr,
-    cu_ptr,
-    temperature_ptr,
-    seeds_ptr,
-    positions_ptr,
-    zmax_ptr,
-    tau_ptr,
-    num_acc_ptr,
-    out_ptr,
-    K,
-    num_splits,
-    PROBS: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Per sampled request: the race winner over all splits (an all-zero residual falls back to p_t).
-
-    The fallback race over p_t is only needed when every residual key is -inf. With sparse drafts that means
-    every kept token lies in the draft's support (outside it the residual is p_t itself), so the fallback
-    winner is the best p_t key among those <= K ids, computed here instead of in the vocabulary loop."""
-    r = tl.program_id(0)
-    temp = tl.load(temperature_ptr + r)
-    if temp != 0.0:
-        offs = tl.arange(0, BLOCK_SPLITS)
-        live = offs < num_splits
-        part = (r * num_splits + offs) * 2
-        key_res = tl.load(part_key_ptr + part, mask=live, other=float("-inf"))
-        top_res = tl.max(key_res, 0)
-        winner = tl.min(tl.where(live & (key_res == top_res), tl.load(part_id_ptr + part, mask=live, other=_BIG),
-                                 _BIG), 0)  # fmt: skip
-        d0 = tl.load(cu_ptr + r)
-        n_acc = tl.load(num_acc_ptr + r)
-        sample_row = d0 + r + n_acc
-        if top_res == float("-inf"):
-            if PROBS == _DENSE:
-                key_fb = tl.load(part_key_ptr + part + 1, mask=live, other=float("-inf"))
-                ids_fb = tl.load(part_id_ptr + part + 1, mask=live, other=_BIG)
-                winner = tl.min(tl.where(live & (key_fb == tl.max(key_fb, 0)), ids_fb, _BIG), 0)
-            elif PROBS == _SPARSE:
-                offs_k = tl.arange(0, BLOCK_K)
-                ids = tl.load(prob_ids_ptr + (d0 + n_acc) * stride_probs + offs_k, mask=offs_k < K, other=0)
-                z = tl.load(logits_ptr + sample_row * stride_row + ids, mask=offs_k < K, other=float("-inf"))
-                z = z.to(tl.float32) * tl.math.div_rn(1.0, temp)
-                position = tl.load(positions_ptr + r) + 1 + n_acc
-                log_race = tl.log(-tl.log(tl_uniform(tl_row_key(tl.load(seeds_ptr + r), position, _TARGET), ids)))
-                z_max = tl.load(zmax_ptr + sample_row)
-                keys = tl.where((offs_k < K) & (z >= tl.load(tau_ptr + sample_row)), z - z_max - log_race,
-                                float("-inf"))  # fmt: skip
-                winner = tl.min(tl.where(keys == tl.max(keys, 0), ids.to(tl.int32), _BIG), 0)
-        tl.store(out_ptr + sample_row, winner.to(tl.int64))
+            live = offs_k < tl.where(bonus, 0, K)
+            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1)
+            probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
+        b = _first_positive_crossing(mass, tl.cumsum(mass, 0), tl_uniform(key, zero) * tl.sum(mass, 0), offs)
+        e, w = _block_weights(logits_ptr + sample_row * stride_row, probs_ptr + draft_row * stride_probs, ids, probs,
+                              b * BLOCK_V, V, inv_t, tl.load(zmax_ptr + sample_row), tl.load(norm_ptr + sample_row),
+                              tl.load(tau_ptr + sample_row), bonus, PROBS, BLOCK_V)  # fmt: skip
+        w = tl.where(fallback, e, w)
+        i = _first_positive_crossing(w, tl.cumsum(w, 0), tl_uniform(key, zero + 1) * tl.sum(w, 0),
+                                     tl.arange(0, BLOCK_V))  # fmt: skip
+        tl.store(out_ptr + sample_row, (b * BLOCK_V + i).to(tl.int64))
 
 
 def _block(limit: int, size: int) -> int:
@@ -753,19 +778,23 @@ def rejection_sample_triton(
         argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
 
-    # 6-7: residual / bonus draws
-    race_block = _block(TUNING["race_block_v"], vocab)
-    race_split, race_splits = _splits(vocab, race_block, TUNING["race_splits"])
-    part_key = torch.empty((num_req, race_splits, 2), **f32)
-    part_id = torch.empty((num_req, race_splits, 2), dtype=torch.int32, device=device)
-    _race_kernel[(num_req, race_splits)](
-        logits, logits.stride(0), probs, width, prob_ids, cu, temps, seeds64, positions64, z_max, norm, tau,
-        num_acc, part_key, part_id, vocab, width, race_split, race_splits,
-        PROBS=mode, BLOCK_V=race_block, BLOCK_K=block_k, num_warps=TUNING["race_warps"], **options,
+    # 6-7: residual / bonus draws by inverse CDF (the reference's blocks: read at call time, tests change them)
+    if reference.CDF_BLOCK < 16 or reference.CDF_BLOCK & (reference.CDF_BLOCK - 1):
+        raise ValueError(f"CDF_BLOCK must be a power of two >= 16, got {reference.CDF_BLOCK}")
+    cdf_block = _block(reference.CDF_BLOCK, vocab)  # a smaller vocabulary is one block in both
+    num_blocks = triton.cdiv(vocab, cdf_block)
+    group = TUNING["cdf_group"]
+    mass = torch.empty((num_req, num_blocks), **f32)
+    emass = torch.empty((num_req, num_blocks), **f32) if mode != PROBS_NONE else mass
+    _cdf_mass_kernel[(num_req, triton.cdiv(num_blocks, group))](
+        logits, logits.stride(0), probs, width, prob_ids, cu, temps, z_max, norm, tau, num_acc, mass, emass,
+        vocab, width, num_blocks, group,
+        PROBS=mode, BLOCK_V=cdf_block, BLOCK_K=block_k, num_warps=TUNING["cdf_warps"], **options,
     )  # fmt: skip
-    _finalize_kernel[(num_req,)](
-        logits, logits.stride(0), prob_ids, width, part_key, part_id, cu, temps, seeds64, positions64, z_max,
-        tau, num_acc, out, width, race_splits,
-        PROBS=mode, BLOCK_SPLITS=_block(1 << 20, race_splits), BLOCK_K=block_k, num_warps=1, **options,
+    _cdf_draw_kernel[(num_req,)](
+        logits, logits.stride(0), probs, width, prob_ids, cu, temps, seeds64, positions64, z_max, norm, tau,
+        num_acc, mass, emass, out, vocab, width, num_blocks,
+        PROBS=mode, BLOCK_V=cdf_block, BLOCK_NB=_block(1 << 20, num_blocks), BLOCK_K=block_k, num_warps=4,
+        **options,
     )  # fmt: skip
     return RejectionOutput(num_accepted=num_acc, output_tokens=out)

@@ -21,10 +21,11 @@ after every multiplication; the multiplication is split into 16-bit halves of th
 intermediate overflows int64. Both produce the same bits, which the tests check.
 
 Streams (purpose ids) keep the uses independent: the verifier's accept test (one number per draft token),
-the verifier's residual / bonus draw (one per vocabulary entry) and the drafter's sampling (one per vocabulary
-entry) never share numbers. The drafter may redraw a position that a previous round drafted but never
-verified; reusing those numbers is harmless because an unverified draft influenced nothing that was observed.
-Positions are absolute token positions of the token being decided, so a position is decided once per stream.
+the verifier's residual / bonus draw (two numbers, for its two-level inverse CDF) and the drafter's sampling
+(one per vocabulary entry) never share numbers. The drafter may redraw a position that a previous round drafted
+but never verified; reusing those numbers is harmless because an unverified draft influenced nothing that was
+observed. Positions are absolute token positions of the token being decided, so a position is decided once per
+stream.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import triton.language as tl
 STREAM_ACCEPT = 1
 """Verifier: uniform for the accept test min(1, p_t / p_d) of the draft token at a position (index 0)."""
 STREAM_TARGET_SAMPLE = 2
-"""Verifier: per-vocabulary uniforms for the residual or bonus draw at a position."""
+"""Verifier: the residual or bonus draw at a position (index 0: the block, index 1: the token inside it)."""
 STREAM_DRAFT_SAMPLE = 3
 """Drafter: per-vocabulary uniforms for the Markov head's draw at a position."""
 

@@ -222,6 +222,10 @@ class SpeculativeEngine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def close(self) -> None:
+        """Free what the round driver itself holds (the engines it drives are their owner's): nothing here; a
+        pipelined driver stops its drafter thread."""
+
     def snapshot(self) -> MetricsSnapshot:
         return self.metrics.snapshot(running=len(self._running), waiting=len(self._waiting))
 
@@ -245,26 +249,52 @@ class SpeculativeEngine:
         verified = running[: len(running) - len(admitted)]
 
         t0 = time.perf_counter()
-        proposal = None
-        drafting = self.draft is not None and bool(verified)
-        caps = self._caps(verified) if drafting else np.zeros(len(verified), dtype=np.int64)
-        # The policy may skip the drafter this round (a plain target round) from counts and past rounds only;
-        # the committed context is still appended below, so any later round can draft.
-        drafting = drafting and self.policy.should_draft(caps)
+        caps, drafting = self._plan(verified)
         t_decided = time.perf_counter()
+        proposal = None
         if drafting and self.draft is not None:
             proposal = self.draft.propose([DraftItem(r.req_id, r.anchor, r.position) for r in verified])
         t1 = time.perf_counter()
         lengths = self._lengths(caps, proposal)
         t2 = time.perf_counter()
-
-        prefills = [r.prefill_item() for r in admitted]
         verifies = self._verify_items(verified, lengths, proposal)
+        return self._verify_and_commit(
+            admitted, verified, verifies, drafting, t1 - t_decided, (t_decided - t0) + (t2 - t1), t2
+        )
+
+    def _plan(self, verified: list[_Request]) -> tuple[np.ndarray, bool]:
+        """The count caps of the requests to verify, and whether the drafter drafts for them this round.
+
+        The policy may skip the drafter (a plain target round) from counts and past rounds only; the committed
+        context is still appended, so any later round can draft.
+        """
+        drafting = self.draft is not None and bool(verified)
+        caps = self._caps(verified) if drafting else np.zeros(len(verified), dtype=np.int64)
+        return caps, drafting and self.policy.should_draft(caps)
+
+    def _verify_and_commit(
+        self,
+        admitted: list[_Request],
+        verified: list[_Request],
+        verifies: list[VerifyItem],
+        drafting: bool,
+        draft_s: float,
+        schedule_s: float,
+        t2: float,
+    ) -> list[RequestOutput]:
+        """One target pass (prefill ``admitted``, verify ``verified``), then commit, context append and metrics.
+
+        ``t2`` is when the verification phase began (its items built from the proposal: the verify time counts
+        from there, as the items' construction is part of handing the block to the verifier).
+        """
+        prefills = [r.prefill_item() for r in admitted]
         results = self.verify.step(prefills, verifies)
         t3 = time.perf_counter()
 
         if len(results) != len(admitted) + len(verified):
-            raise RuntimeError(f"the verifier returned {len(results)} results for {len(running)} requests")
+            raise RuntimeError(
+                f"the verifier returned {len(results)} results for {len(admitted) + len(verified)} requests"
+            )
         if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
             if self.draft is not None and results.features is not None:
                 self.draft.append_context(
@@ -298,7 +328,6 @@ class SpeculativeEngine:
             accepted_counts = np.fromiter((res.num_accepted for res in verified_results), np.int64, count)
         if verified_counts.size:
             num_out = sum(len(o.new_token_ids) for o in outputs)
-            draft_s, schedule_s = t1 - t_decided, (t_decided - t0) + (t2 - t1)
             self.metrics.record_round(verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out)
             if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
                 self._observe_round(len(verified), drafting, draft_s, schedule_s + time.perf_counter() - t3)
@@ -329,11 +358,12 @@ class SpeculativeEngine:
                 items[i] = items[i]._replace(draft_prob_ids=ids, draft_probs=p)
         return items
 
-    def _admit(self) -> list[_Request]:
+    def _admit(self, limit: int | None = None) -> list[_Request]:
+        """Move waiting requests (at most ``limit``) into the running set while both engines have free slots."""
         admitted: list[_Request] = []
         if not self._waiting:
             return admitted
-        free = self.verify.num_free_slots
+        free = self.verify.num_free_slots if limit is None else min(limit, self.verify.num_free_slots)
         if self.draft is not None:
             free = min(free, self.draft.num_free_slots)
         if self.max_running is not None:

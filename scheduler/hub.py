@@ -30,6 +30,7 @@ from cluster.sampling import SamplingParams
 from scheduler.engine import RequestRejectedError, SpeculativeEngine
 from scheduler.failover import Failover, release_stale
 from scheduler.metrics import MetricsSnapshot
+from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
 from scheduler.sps import SPSTable
@@ -63,6 +64,7 @@ class SchedulerHub:
         model_name: str,
         policy: str,
         draft_cost: str = "none",
+        request_groups: int = 1,
         decode: Callable[[Sequence[int]], str] | None,
         eos_token_ids: Sequence[int] = (),
         token: str | None = None,
@@ -72,6 +74,7 @@ class SchedulerHub:
         self.model_name = model_name
         self.policy = policy
         self.draft_cost = draft_cost
+        self.request_groups = request_groups
         self.decode = decode
         self.eos_token_ids = tuple(eos_token_ids)
         self.token = token
@@ -120,12 +123,15 @@ class SchedulerHub:
                     verifier.close()
                     raise
             block_size = pool.block_size if pool is not None else 0
-            engine = SpeculativeEngine(
-                verifier,
-                pool,  # type: ignore[arg-type]
-                make_policy(self.policy, SPSTable.from_dict(sps), block_size, self.draft_cost),
-                decode=self.decode,
-                eos_token_ids=self.eos_token_ids or verifier.eos_token_ids,
+            policy = make_policy(self.policy, SPSTable.from_dict(sps), block_size, self.draft_cost)
+            options: dict[str, Any] = {
+                "decode": self.decode,
+                "eos_token_ids": self.eos_token_ids or verifier.eos_token_ids,
+            }
+            engine = (
+                PipelinedEngine(verifier, pool, policy, groups=self.request_groups, **options)  # type: ignore[arg-type]
+                if self.request_groups > 1 and pool is not None
+                else SpeculativeEngine(verifier, pool, policy, **options)  # type: ignore[arg-type]
             )
             backend = LocalBackend(
                 engine, self.model_name, max_context=self._max_context, failover=self.failover.hook(replica_id)

@@ -19,6 +19,7 @@ from stats import chi_square_p_value
 from kernels import (
     markov_sample_reference,
     markov_sample_triton,
+    rejection,
     rejection_sample_reference,
     rejection_sample_triton,
 )
@@ -97,8 +98,11 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.parametrize("cdf_block", [4, 2048])
 @pytest.mark.parametrize("name", SCENARIOS.keys())
-def test_reference_output_follows_the_target_distribution(name: str) -> None:
+def test_reference_output_follows_the_target_distribution(monkeypatch, name: str, cdf_block: int) -> None:
+    """Blocks of 4 ids cut the 12-token vocabulary into 3 inverse-CDF blocks; 2048 (the default) into one."""
+    monkeypatch.setattr(rejection, "CDF_BLOCK", cdf_block)
     cfg = SCENARIOS[name]
     n, vocab, gamma = 20_000, 12, 3
     target_rows, q, drafts, probs, ids = _scenario(n, vocab, gamma, cfg["sparse_k"], seed=len(name))

@@ -375,17 +375,18 @@ def test_an_empty_batch_returns_empty_outputs(impl: str) -> None:
 
 @pytest.mark.parametrize("peaked", [False, True])
 def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, peaked: bool) -> None:
-    """Small launch sizes give several vocabulary splits per row; the filters cover both threshold paths.
+    """Small launch sizes give several vocabulary splits per row and several inverse-CDF blocks per draw; the
+    filters cover both threshold paths.
 
     top-k 5, top-p 0.3 and (on peaked rows) top-p 0.97 are certified by the sketch (sorted candidates); top-k
     300 (beyond the sketch), top-p 0.97 on flat rows and top-k 40 (more tokens above the bound than candidate
     slots) take the exact fallback search over the whole row."""
-    from kernels import rejection_triton
+    from kernels import rejection, rejection_triton
 
     monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 128)
     monkeypatch.setitem(rejection_triton.TUNING, "row_splits", 4)
-    monkeypatch.setitem(rejection_triton.TUNING, "race_block_v", 128)
-    monkeypatch.setitem(rejection_triton.TUNING, "race_splits", 3)
+    monkeypatch.setattr(rejection, "CDF_BLOCK", 128)  # 8 inverse-CDF blocks (the reference cuts the same)
+    monkeypatch.setitem(rejection_triton.TUNING, "cdf_group", 3)
     monkeypatch.setattr(rejection_triton, "SKETCH_GROUPS", 16)
     monkeypatch.setattr(rejection_triton, "CANDIDATES", 32)
     batch = make_batch(
@@ -403,3 +404,60 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
     logits[:, 500:520] = float("-inf")
     batch.target_logits = logits
     _assert_same(batch.run(rejection_sample_reference), batch.run(rejection_sample_triton))
+
+
+@pytest.mark.parametrize("sparse_k", [0, 8])
+def test_triton_equals_reference_across_inverse_cdf_blocks(monkeypatch, sparse_k: int) -> None:
+    """Draws over many inverse-CDF blocks, one of them entirely -inf (mass 0, never chosen); filtered requests
+    keep a few tokens, so most of their blocks have mass 0 too."""
+    from kernels import rejection
+
+    monkeypatch.setattr(rejection, "CDF_BLOCK", 64)
+    n = 14
+    gen = torch.Generator().manual_seed(32)
+    batch = make_batch(lens=torch.randint(0, 4, (n,), generator=gen).tolist(), vocab=700,
+                       temperature=[0.0 if r % 7 == 3 else 0.7 + 0.1 * (r % 6) for r in range(n)],
+                       top_k=[30 if r % 5 == 1 else 0 for r in range(n)],
+                       top_p=[0.9 if r % 4 == 2 else 1.0 for r in range(n)], sparse_k=sparse_k, seed=31)  # fmt: skip
+    logits = batch.target_logits.clone()
+    logits[:, 128:192] = float("-inf")
+    logits[:, 300:310] = float("-inf")
+    batch.target_logits = logits
+    batch.draft_token_ids = torch.where((batch.draft_token_ids >= 128) & (batch.draft_token_ids < 192), 0,
+                                        batch.draft_token_ids)  # fmt: skip
+    ref = batch.run(rejection_sample_reference)
+    _assert_same(ref, batch.run(rejection_sample_triton))
+    emitted = ref.output_tokens[ref.output_tokens >= 0]
+    assert not bool(((emitted >= 128) & (emitted < 192)).any())
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_an_all_zero_residual_draws_from_the_target(sparse: bool) -> None:
+    """p_d = 1.0009 * p_t (within the sum tolerance) leaves no residual: the rare rejections (u >= 1 / 1.0009)
+    draw from p_t instead, in both implementations alike, and never a token of probability 0."""
+    n, vocab = 3000, 16
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    logits[:, 8:] = float("-inf")
+    p_t = target_probs(logits[:1], torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.ones(1))[0]
+    p_d = p_t * 1.0009
+    drafts = torch.multinomial(p_t, n, replacement=True, generator=torch.Generator().manual_seed(6))
+    ids = torch.arange(8).repeat(n, 1) if sparse else None
+    batch = Batch(
+        target_logits=logits.repeat(n, 1).to(DEVICE),
+        draft_token_ids=drafts.to(DEVICE),
+        draft_probs=(p_d[:8].repeat(n, 1) if sparse else p_d.repeat(n, 1)).to(DEVICE),
+        cu_draft_lens=torch.arange(n + 1).to(DEVICE),
+        temperature=torch.ones(n, device=DEVICE),
+        top_k=torch.zeros(n, dtype=torch.int64, device=DEVICE),
+        top_p=torch.ones(n, device=DEVICE),
+        seeds=torch.arange(n, device=DEVICE) * 3 + 1,
+        positions=torch.full((n,), 40, device=DEVICE),
+        draft_prob_ids=ids.to(DEVICE) if ids is not None else None,
+    )
+    rejected = torch.nonzero(batch.run().num_accepted.cpu() == 0).squeeze(1).tolist()
+    assert 0 < len(rejected) < 20
+    alone = _sub_batch(batch, rejected[:6])
+    ref = alone.run(rejection_sample_reference)
+    _assert_same(ref, alone.run(rejection_sample_triton))
+    tokens = ref.output_tokens.view(-1, 2)[:, 0].cpu()
+    assert bool((p_t[tokens] > 0).all())

@@ -1,0 +1,261 @@
+"""Request groups pipelined through the drafter and the verifier (DESIGN.md, "The data plane, measured").
+
+With the drafter and the verifier in different processes or on different devices, a plain round leaves each idle
+while the other works: draft, verify, draft, verify. :class:`PipelinedEngine` splits its requests into ``groups``
+and verifies one group while the drafter drafts the next group's block::
+
+    tick 1:  verify A(k)   |  draft B(k)
+    tick 2:  verify B(k)   |  draft A(k+1)    (A's context from tick 1 was appended first)
+    tick 3:  verify A(k+1) |  draft B(k+1)
+
+Each :meth:`PipelinedEngine.step` is one tick: it verifies one group with the block drafted during the previous
+tick and meanwhile drafts for the next group on the drafter thread. A group's round is exactly a round of
+:class:`SpeculativeEngine` over that group: the same count caps, the same policy (its decision to draft is taken
+when the block is requested, from counts and past rounds only), the same single target pass with rejection
+sampling. Only another group's drafting overlaps it, so decoding stays lossless, as in the plain engine.
+
+Every drafter call (admission, ``propose``, context append, release) goes through ONE thread in submission order:
+the draft engine never sees two calls at once, and a group's context is appended before its next block is drafted.
+The verifier is called from the stepping thread only. Worth it where drafting and verifying can really run at the
+same time (separate drafter and verifier replicas, or a CPU with a core for each); on one GPU with both engines in
+one process the two would share the device's stream.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from draft_service.engine import DraftEngine, DraftItem, Proposal
+from scheduler.engine import DetachedRequest, RequestOutput, SpeculativeEngine, _Request
+from scheduler.policy import VerifyPolicy
+from verify_service.engine import VerifyEngine
+
+T = TypeVar("T")
+
+
+class SerialDrafter:
+    """A draft engine behind one worker thread: calls run one at a time, in the order they were made.
+
+    Every method waits for its call except :meth:`propose_async`, which returns the future of the proposal; calls
+    made meanwhile queue behind it. Attribute reads other than the slot count go to the engine directly (for
+    introspection; they are not ordered with the calls in flight).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.block_size: int = engine.block_size
+        self.has_confidence_head: bool = engine.has_confidence_head
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipelined-drafter")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.engine.num_free_slots
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._thread.submit(fn, *args).result()
+
+    def add_request(self, req_id: str, params: Any) -> None:
+        self._call(self.engine.add_request, req_id, params)
+
+    def release(self, req_id: str) -> None:
+        self._call(self.engine.release, req_id)
+
+    def append_context(self, items: Any) -> None:
+        # Waited for: the verifier's next step may overwrite the buffers these features live in. Nothing to
+        # append (features pushed by a remote verifier straight to its drafter) must not wait for a draft.
+        if len(items):
+            self._call(self.engine.append_context, items)
+
+    def propose(self, items: Sequence[DraftItem]) -> Proposal:
+        return self._call(self.engine.propose, items)
+
+    def propose_async(self, items: Sequence[DraftItem]) -> Future[Proposal]:
+        return self._thread.submit(self.engine.propose, items)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+@dataclass
+class _Pending:
+    """A group's next round, decided (and, when drafting, its block requested) during the previous tick."""
+
+    req_ids: list[str]
+    caps: np.ndarray
+    proposal: Future[Proposal] | None  # None: the policy skipped the drafter for this round
+    schedule_s: float  # host time of the decision
+
+
+class PipelinedEngine(SpeculativeEngine):
+    """:class:`SpeculativeEngine` with its requests in ``groups`` whose drafting and verification overlap."""
+
+    def __init__(
+        self,
+        verify: VerifyEngine,
+        draft: DraftEngine | None,
+        policy: VerifyPolicy,
+        *,
+        groups: int = 2,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        eos_token_ids: Iterable[int] = (),
+        max_running: int | None = None,
+    ) -> None:
+        if groups < 2:
+            raise ValueError(f"a pipelined engine needs at least 2 request groups, got {groups}")
+        super().__init__(
+            verify, draft, policy, decode=decode, eos_token_ids=eos_token_ids, max_running=max_running
+        )
+        if self.draft is not None:
+            self.draft = SerialDrafter(self.draft)  # type: ignore[assignment]
+        self.num_groups = groups
+        self._members: list[dict[str, _Request]] = [{} for _ in range(groups)]
+        self._group_of: dict[str, int] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._turn = 0
+        self.blocks_ahead = 0  # blocks drafted while another group was being verified
+
+    # ------------------------------------------------------------------------------------------ the tick
+    def step(self) -> list[RequestOutput]:
+        """One tick: verify one group (prefilling requests admitted into it) while the next group drafts."""
+        g = self._next_group()
+        if g is None:
+            return []
+        self._turn = (g + 1) % self.num_groups
+        t0 = time.perf_counter()
+        pending = self._pending.pop(g, None)
+        proposal, draft_s, schedule_s = None, 0.0, 0.0
+        if pending is not None:
+            schedule_s = pending.schedule_s
+            if pending.proposal is not None:
+                proposal = pending.proposal.result()
+            draft_s = time.perf_counter() - t0  # only what the drafting of this group left exposed
+        members = self._members[g]
+        admitted = self._admit_into(g)
+        verified = [r for r in members.values() if r.req_id not in {a.req_id for a in admitted}]
+        drafting = pending is not None and pending.proposal is not None
+        t1 = time.perf_counter()
+        if pending is None:  # nothing decided ahead (a group's first round, or no other group to overlap)
+            caps, drafting = self._plan(verified)
+            t_decided = time.perf_counter()
+            if drafting and self.draft is not None:
+                proposal = self.draft.propose([DraftItem(r.req_id, r.anchor, r.position) for r in verified])
+            draft_s += time.perf_counter() - t_decided
+            schedule_s += t_decided - t1
+        else:
+            caps = pending.caps
+            if drafting and proposal is not None:
+                proposal = _rows_of(proposal, pending.req_ids, [r.req_id for r in verified])
+                caps = caps[[pending.req_ids.index(r.req_id) for r in verified]]
+            elif len(verified) != len(pending.req_ids):
+                caps = caps[[pending.req_ids.index(r.req_id) for r in verified]]
+        t2 = time.perf_counter()
+        lengths = self._lengths(caps, proposal) if drafting else np.zeros(len(verified), dtype=np.int64)
+        t3 = time.perf_counter()
+        schedule_s += t3 - t2
+        # The items hold what the verifier needs of the block BEFORE the next block is drafted: a proposal's
+        # tensors may be views of the drafter's static outputs, which the next propose overwrites.
+        verifies = self._verify_items(verified, lengths, proposal)
+        self._request_next_block(g)
+        return self._verify_and_commit(admitted, verified, verifies, drafting, draft_s, schedule_s, t3)
+
+    def _next_group(self) -> int | None:
+        """The first group from the turn on that has requests, or could admit a waiting one."""
+        for i in range(self.num_groups):
+            g = (self._turn + i) % self.num_groups
+            if self._members[g] or (self._waiting and self._share(g) > 0 and self._has_free_slot()):
+                return g
+        return None
+
+    def _has_free_slot(self) -> bool:
+        if self.verify.num_free_slots <= 0 or (self.draft is not None and self.draft.num_free_slots <= 0):
+            return False
+        return self.max_running is None or len(self._running) < self.max_running
+
+    def _share(self, g: int) -> int:
+        """How many waiting requests group ``g`` may take now: it fills up to an even split of all requests."""
+        total = len(self._running) + len(self._waiting)
+        return math.ceil(total / self.num_groups) - len(self._members[g])
+
+    def _admit_into(self, g: int) -> list[_Request]:
+        admitted = self._admit(limit=max(self._share(g), 0))
+        for req in admitted:
+            self._members[g][req.req_id] = req
+            self._group_of[req.req_id] = g
+        return admitted
+
+    def _request_next_block(self, verifying: int) -> None:
+        """Decide the next group's round and start drafting its block, to overlap the verification now due.
+
+        The next group is the following one (in turn order) that has requests and no round decided yet; the group
+        being verified is never it (its context is not committed yet).
+        """
+        for i in range(1, self.num_groups):
+            h = (verifying + i) % self.num_groups
+            members = self._members[h]
+            if not members or h in self._pending:
+                continue
+            t0 = time.perf_counter()
+            verified = list(members.values())
+            caps, drafting = self._plan(verified)
+            future = None
+            if drafting and self.draft is not None:
+                future = self.draft.propose_async(  # type: ignore[attr-defined]
+                    [DraftItem(r.req_id, r.anchor, r.position) for r in verified]
+                )
+                self.blocks_ahead += 1
+            self._pending[h] = _Pending([r.req_id for r in verified], caps, future, time.perf_counter() - t0)
+            return
+
+    # --------------------------------------------------------------------------------- request bookkeeping
+    def _free(self, req_id: str) -> None:
+        g = self._group_of.pop(req_id, None)
+        if g is not None:
+            self._members[g].pop(req_id, None)
+        super()._free(req_id)
+
+    def detach(self, req_ids: Iterable[str] | None = None) -> list[DetachedRequest]:
+        """As :meth:`SpeculativeEngine.detach`; rounds decided ahead are dropped (their blocks finish first)."""
+        for pending in self._pending.values():
+            if pending.proposal is not None:
+                pending.proposal.exception()  # wait; a failed draft only matters to the round that is dropped
+        self._pending.clear()
+        taken = super().detach(req_ids)
+        for req in taken:
+            g = self._group_of.pop(req.req_id, None)
+            if g is not None:
+                self._members[g].pop(req.req_id, None)
+        return taken
+
+    def close(self) -> None:
+        if isinstance(self.draft, SerialDrafter):
+            self.draft.close()
+        super().close()
+
+
+def _rows_of(proposal: Proposal, proposed: list[str], wanted: list[str]) -> Proposal:
+    """The proposal's rows of ``wanted`` requests (requests aborted since the block was drafted drop out)."""
+    if proposed == wanted:
+        return proposal
+    index = [proposed.index(r) for r in wanted]
+
+    def rows(value: Any) -> Any:
+        return None if value is None else value[index]
+
+    return Proposal(
+        req_ids=wanted,
+        tokens=proposal.tokens[index],
+        confidences=rows(proposal.confidences),
+        confidence_logits=rows(proposal.confidence_logits),
+        topk_ids=rows(proposal.topk_ids),
+        topk_probs=rows(proposal.topk_probs),
+    )
