@@ -110,6 +110,7 @@ class _Entry:
 
 
 _SLOT = operator.attrgetter("slot")
+LOOKUPS_KEPT = 8  # request lists whose lookups are kept (a round driver's request groups, a few at most)
 
 
 class DraftEngine:
@@ -143,7 +144,8 @@ class DraftEngine:
         self.draft_top_k = min(draft_top_k, model.config.vocab_size)
         self.calibration = calibration
         self._requests: dict[str, _Entry] = {}
-        self._looked_up: tuple[tuple[str, ...] | None, list[_Entry], np.ndarray] = (None, [], np.zeros(0, np.int64))
+        # Recent request lookups (entries, slots) by request ids, dropped when a request is added or released.
+        self._lookups: dict[tuple[str, ...], tuple[list[_Entry], np.ndarray]] = {}
         # Per context slot, set when a request is added: the bucketed step gathers them with one index.
         self._slot_temperature = np.zeros(self.cache.num_slots, dtype=np.float32)
         self._slot_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # effective top-k, seed
@@ -185,7 +187,7 @@ class DraftEngine:
             raise ValueError(f"request {req_id!r} is already held by this drafter")
         slot = self.cache.allocate()
         self._requests[req_id] = _Entry(slot, params, params.seed or 0)
-        self._looked_up = (None, [], self._looked_up[2])
+        self._lookups.clear()
         self._slot_temperature[slot] = params.temperature
         top_k = params.top_k
         k_eff = min(top_k, self.draft_top_k) if top_k > 0 else self.draft_top_k
@@ -195,7 +197,7 @@ class DraftEngine:
         """Free the request's context slot (idempotent)."""
         entry = self._requests.pop(req_id, None)
         if entry is not None:
-            self._looked_up = (None, [], self._looked_up[2])
+            self._lookups.clear()
             if self.graphs is not None:
                 self.graphs.drop(entry.slot)
             self.cache.release(entry.slot)
@@ -301,15 +303,19 @@ class DraftEngine:
 
     def _lookup(self, req_ids: Sequence[str]) -> tuple[list[_Entry], np.ndarray]:
         """Entries and context slots (int64, read-only) of requests. A round asks for the same requests in the
-        same order several times (propose, then the context append, then the next propose): the last answer is
-        kept until a request is added or released, so those cost one tuple comparison, not a lookup each."""
+        same order several times (propose, then the context append, then the next propose; with request groups,
+        the same few lists in turn): the answers are kept until a request is added or released, so those cost
+        one tuple hash and comparison, not a lookup each."""
         key = req_ids if type(req_ids) is tuple else tuple(req_ids)
-        if key == self._looked_up[0]:
-            return self._looked_up[1], self._looked_up[2]
+        found = self._lookups.get(key)
+        if found is not None:
+            return found
         entries = self._entries(key)
         slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=len(entries))
         slots.flags.writeable = False
-        self._looked_up = (key, entries, slots)
+        if len(self._lookups) >= LOOKUPS_KEPT:
+            self._lookups.clear()
+        self._lookups[key] = entries, slots
         return entries, slots
 
     def propose(self, items: Sequence[DraftItem]) -> Proposal:

@@ -146,6 +146,7 @@ class _CheckedVerifies:
 
 
 _SLOT = operator.attrgetter("slot")
+LOOKUPS_KEPT = 8  # request lists whose lookups are kept (a round driver's request groups, a few at most)
 _NONE_TYPE = {type(None)}
 
 
@@ -185,7 +186,8 @@ class VerifyEngine:
         self.cache = target.new_kv_cache(max_requests + (graphs != "off"), max_seq_len)
         self.max_seq_len = max_seq_len
         self._requests: dict[str, _Slot] = {}
-        self._looked_up: tuple[tuple[str, ...] | None, list[_Slot], np.ndarray] = (None, [], np.zeros(0, np.int64))
+        # Recent request lookups (entries, slots) by request ids, dropped when a request is added or released.
+        self._lookups: dict[tuple[str, ...], tuple[list[_Slot], np.ndarray]] = {}
         # Sampling parameters per KV slot, set at admission: the bucketed step gathers them with one index.
         self._sampling_float = np.zeros((self.cache.num_slots, 2), dtype=np.float32)  # temperature, top_p
         self._sampling_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # top_k, seed
@@ -240,7 +242,7 @@ class VerifyEngine:
         idempotent so that an abort racing a natural finish is harmless."""
         entry = self._requests.pop(req_id, None)
         if entry is not None:
-            self._looked_up = (None, [], self._looked_up[2])
+            self._lookups.clear()
             self.cache.free(entry.slot)
 
     def _get(self, req_id: str) -> _Slot:
@@ -328,15 +330,19 @@ class VerifyEngine:
 
     def _lookup(self, req_ids: tuple[str, ...]) -> tuple[list[_Slot], np.ndarray]:
         """Entries and KV slots (int64, read-only) of a step's verify requests; raises KeyError for an unknown
-        one. Consecutive rounds verify the same requests in the same order: the last answer is kept until a
-        request is added or released, so a steady round costs one tuple comparison, not a lookup per request."""
-        if req_ids == self._looked_up[0]:
-            return self._looked_up[1], self._looked_up[2]
+        one. Consecutive rounds verify the same requests in the same order (or, with request groups, the same
+        few lists in turn): the answers are kept until a request is added or released, so a steady round
+        costs one tuple hash and comparison, not a lookup per request."""
+        found = self._lookups.get(req_ids)
+        if found is not None:
+            return found
         requests = self._requests
         entries = [requests[req_id] for req_id in req_ids]
         slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=len(entries))
         slots.flags.writeable = False
-        self._looked_up = (req_ids, entries, slots)
+        if len(self._lookups) >= LOOKUPS_KEPT:
+            self._lookups.clear()
+        self._lookups[req_ids] = entries, slots
         return entries, slots
 
     def _valid_tokens(
@@ -406,7 +412,7 @@ class VerifyEngine:
             params = p.params.with_seed()
             slot = self.cache.allocate()
             self._requests[p.req_id] = _Slot(slot, params, params.seed or 0, params.greedy)
-            self._looked_up = (None, [], self._looked_up[2])
+            self._lookups.clear()
             self._sampling_float[slot] = (params.temperature, params.top_p)
             self._sampling_int[slot] = (params.top_k, params.seed or 0)
             self._slot_greedy[slot] = params.greedy
