@@ -40,16 +40,18 @@ class EngineThread:
         self.wedge_timeout_s = wedge_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._started: float | None = None
+        self.busy_total_s = 0.0  # engine time of all finished calls: busy fraction = its growth / wall time
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
 
         def timed() -> T:
-            self._started = time.monotonic()
+            self._started = started = time.monotonic()
             try:
                 return fn(*args)
             finally:
                 self._started = None
+                self.busy_total_s += time.monotonic() - started
 
         try:
             return await loop.run_in_executor(self._executor, timed)

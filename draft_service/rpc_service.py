@@ -94,6 +94,7 @@ class DrafterService:
             "free_slots": self.engine.num_free_slots,
             "running": self.engine.running,  # a restarted scheduler releases what nobody owns any more
             "proposals_ahead": self.proposals_ahead,
+            "engine_busy_s": self._thread.busy_total_s,
         }
 
     def health(self) -> HealthStatus:

@@ -51,6 +51,9 @@ class RemoteVerifier:
         self.context_projection: str | None = info.get("context_projection")
         self._route_of = route_of
         self._held: set[str] = set()
+        # Whether the round driver wants the context features of requests without a drafter route back (it
+        # appends them itself); a driver without a drafter sets False and the features stay on the replica.
+        self.inline_features = True
 
     @property
     def num_free_slots(self) -> int:
@@ -93,6 +96,7 @@ class RemoteVerifier:
             "draft_prob_ids": prob_ids,
             "draft_probs": probs,
             "routes": routes,
+            "inline_features": self.inline_features,
         }
         for p in prefills:
             self._held.add(p.req_id)

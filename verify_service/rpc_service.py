@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from cluster.engine_rpc import COUNTS, DEFAULT_WEDGE_TIMEOUT_S, REQ_IDS, TOKENS, EngineThread, split_rows
-from cluster.messages import AnyValue, Int, List, Map, Message, Opt, Str, Tensor
+from cluster.messages import AnyValue, Bool, Int, List, Map, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, RpcClient, Service
 from cluster.sampling import SamplingParams
 from draft_service.projection import ContextProjection
@@ -55,6 +55,8 @@ STEP = Message(
         "draft_prob_ids": Opt(Tensor(INT_DTYPES, rank=2)),
         "draft_probs": Opt(Tensor(("float32",), rank=2)),
         "routes": Opt(Map(List(Str(min_len=1, max_len=128), max_len=4096), max_len=1024), default={}),
+        # False: the caller drives no drafter (plain decoding), so unrouted features are not sent back to it.
+        "inline_features": Opt(Bool(), default=True),
     },
 )
 RELEASE = Message("Release", {"req_ids": REQ_IDS})
@@ -106,6 +108,7 @@ class VerifierService:
             "sps": self.sps,
             "feature_bytes_sent": sum(c.bytes_sent for c in self._drafters.values()),
             "running": self.engine.running,  # a restarted scheduler releases what nobody owns any more
+            "engine_busy_s": self._thread.busy_total_s,
         }
 
     def health(self) -> HealthStatus:
@@ -130,6 +133,8 @@ class VerifierService:
         results, pushes, inline_features = await self._thread.run(self._step_and_pack, prefills, verifies, routed)
         self._push_features(pushes)
         inline = [r for r in results if r.req_id not in routed and r.features is not None]
+        if not request["inline_features"]:
+            inline = []
         return {
             "req_ids": [r.req_id for r in results],
             "num_drafts": [r.num_drafts for r in results],

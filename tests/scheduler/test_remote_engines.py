@@ -75,3 +75,23 @@ def test_bad_messages_get_invalid_argument_and_not_found(services) -> None:
     # Still serving, no state was touched.
     assert ver.call("dspark.Verifier", "Info", {})["free_slots"] == 8
     assert drafter.call("dspark.Drafter", "Info", {})["free_slots"] == 4
+
+
+def test_plain_decoding_over_grpc_leaves_the_features_on_the_verifier(services) -> None:
+    """A round driver without a drafter asks for no inline features: exact, and the reply carries only tokens."""
+    servers, _, verifier, target = services
+    sps = SPSTable([1, 16, 64], [1000, 900, 500])
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    received = {}
+    for inline in (True, False):
+        remote = RemoteVerifier(servers[2].address, lambda _req_id: None)
+        remote.inline_features = inline
+        engine = SpeculativeEngine(remote, None, make_policy("autoregressive", sps, 1))
+        results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+        assert [r.token_ids for r in results] == target.generate(prompts, max_new_tokens=12)
+        received[inline] = remote._client.bytes_received
+        remote.close()
+    assert received[False] * 4 < received[True]
+    before = verifier._thread.busy_total_s
+    SyncRpcClient(servers[2].address).call("dspark.Verifier", "Info", {})
+    assert verifier.info()["engine_busy_s"] == pytest.approx(before) and before > 0
