@@ -130,11 +130,12 @@ class VerifierService:
     async def _step(self, request: dict[str, Any]) -> dict[str, Any]:
         prefills, verifies = _parse_step(request)
         routed = {req_id: address for address, ids in request["routes"].items() for req_id in ids}
-        results, pushes, inline_features = await self._thread.run(self._step_and_pack, prefills, verifies, routed)
+        send_inline = request["inline_features"]
+        results, pushes, inline_features = await self._thread.run(
+            self._step_and_pack, prefills, verifies, routed, send_inline
+        )
         self._push_features(pushes)
-        inline = [r for r in results if r.req_id not in routed and r.features is not None]
-        if not request["inline_features"]:
-            inline = []
+        inline = [r for r in results if r.req_id not in routed and r.features is not None] if send_inline else []
         return {
             "req_ids": [r.req_id for r in results],
             "num_drafts": [r.num_drafts for r in results],
@@ -148,11 +149,11 @@ class VerifierService:
         }
 
     def _step_and_pack(
-        self, prefills: list[PrefillItem], verifies: list[VerifyItem], routed: dict[str, str]
+        self, prefills: list[PrefillItem], verifies: list[VerifyItem], routed: dict[str, str], send_inline: bool
     ) -> tuple[Sequence[StepResult], dict[str, dict[str, Any]], torch.Tensor | None]:
-        """On the engine thread: the step, then one AppendContext message per drafter and the inline features,
-        all on the host. Here, not after the reply: the step's features may be views of its graph's output,
-        which the engine's next step (another call on this thread) overwrites."""
+        """On the engine thread: the step, then one AppendContext message per drafter and (``send_inline``) the
+        unrouted features, all on the host. Here, not after the reply: the step's features may be views of its
+        graph's output, which the engine's next step (another call on this thread) overwrites."""
         results = self.engine.step(prefills, verifies)
         by_address: dict[str, list[StepResult]] = {}
         for r in results:
@@ -177,7 +178,8 @@ class VerifierService:
             if self.draft_ahead:
                 messages[address]["draft_anchors"] = [r.tokens[-1] if r.tokens else -1 for r in group]
         inline = [r.features for r in results if r.req_id not in routed and r.features is not None]
-        return results, messages, torch.cat(inline).cpu() if inline else None  # type: ignore[arg-type]
+        inline_features = torch.cat(inline).cpu() if inline and send_inline else None  # type: ignore[arg-type]
+        return results, messages, inline_features
 
     def _push_features(self, messages: dict[str, dict[str, Any]]) -> None:
         """Start one AppendContext per drafter; they complete after the Step reply has gone."""
