@@ -133,8 +133,8 @@ def cluster(pair: tuple[Path, Path]) -> Iterator[Cluster]:
     c.close()
 
 
-def make_hub() -> SchedulerHub:
-    return SchedulerHub(model_name="t", policy="dspark", decode=None, timeout_s=10.0)
+def make_hub(request_groups: int = 1) -> SchedulerHub:
+    return SchedulerHub(model_name="t", policy="dspark", decode=None, timeout_s=10.0, request_groups=request_groups)
 
 
 def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -179,8 +179,11 @@ def _all_free(cluster: Cluster, hub: SchedulerHub, alive: list[str]) -> None:
     assert all(not g.active for g in hub._groups.values())
 
 
-def test_verifier_dies_mid_stream_requests_finish_on_the_other(cluster: Cluster, expected: list[list[int]]) -> None:
-    hub = make_hub()
+@pytest.mark.parametrize("request_groups", [1, 2])
+def test_verifier_dies_mid_stream_requests_finish_on_the_other(
+    cluster: Cluster, expected: list[list[int]], request_groups: int
+) -> None:
+    hub = make_hub(request_groups)
     hub.register_drafter("d0", cluster.add_drafter("d0"))
     hub.register_drafter("d1", cluster.add_drafter("d1"))
     hub.register_verifier("vA", cluster.add_verifier("vA", gate="Step"), SPS)
@@ -205,10 +208,11 @@ def test_verifier_dies_mid_stream_requests_finish_on_the_other(cluster: Cluster,
         hub.close()
 
 
+@pytest.mark.parametrize("request_groups", [1, 2])
 def test_drafter_dies_mid_stream_requests_get_the_other_drafter(
-    cluster: Cluster, expected: list[list[int]]
+    cluster: Cluster, expected: list[list[int]], request_groups: int
 ) -> None:
-    hub = make_hub()
+    hub = make_hub(request_groups)
     hub.register_drafter("d0", cluster.add_drafter("d0", gate="Propose"))
     hub.register_drafter("d1", cluster.add_drafter("d1"))
     hub.register_verifier("v", cluster.add_verifier("v"), SPS)
