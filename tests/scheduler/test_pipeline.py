@@ -199,3 +199,15 @@ def test_served_scheduler_with_request_groups_is_lossless_and_frees_aborted(pair
         hub.close()
         for server in servers:
             server.stop()
+
+
+def test_request_groups_setting_is_checked() -> None:
+    from pydantic import ValidationError
+
+    from cluster.config import AppConfig
+
+    assert AppConfig.from_args({"scheduler": {"request_groups": 2}}).scheduler.request_groups == 2
+    assert AppConfig.from_args({}).scheduler.request_groups == 1
+    for bad in (0, 9, "two"):
+        with pytest.raises(ValidationError, match="request_groups"):
+            AppConfig.from_args({"scheduler": {"request_groups": bad}})
