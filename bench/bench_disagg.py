@@ -211,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.shape != "none":
             from draft_service.inflate import inflate_pair
 
-            inflate_pair(DEMO_TARGET, drafter_dir, args.shape, dtype=dtype, device="cpu", out_dir=scratch)
+            # Built on the verify device (fast), saved for the servers; the in-memory copy is dropped at once.
+            inflate_pair(DEMO_TARGET, drafter_dir, args.shape, dtype=dtype, device=args.verify_device, out_dir=scratch)
+            if gpu:
+                torch.cuda.empty_cache()
             target_dir, draft_dir = Path(scratch) / "target", Path(scratch) / "draft"
             if (drafter_dir / "sts.json").exists():
                 shutil.copy(drafter_dir / "sts.json", draft_dir / "sts.json")
