@@ -10,10 +10,11 @@ Two layouts serve the same prompt mix, concurrency levels and policies, with the
   the transfer's cost from Ray's. ``--groups 1 2`` also runs pipelined request groups (:mod:`scheduler.pipeline`:
   the drafter drafts one group while the verifier verifies the other).
 
-Per cell: median tokens/s per user, aggregate tokens/s, tau, round time and its split (exposed draft wait, verify
-call, host), and for ``processes`` the bytes per round on the wire by hop and each replica's busy fraction
-(the growth of its engine thread's busy time over the cell's wall time: on a GPU the engine thread waits for its
-results, so this is the device's share of the time plus the host work around it, an upper bound on the GPU's own).
+Per cell (and in ``disagg_throughput.png``, aggregate vs per-user tokens/s): median tokens/s per user,
+aggregate tokens/s, tau, round time and its split (exposed draft wait, verify call, host), and for
+``processes`` the bytes per round on the wire by hop and each replica's busy fraction (the growth of its engine
+thread's busy time over the cell's wall time: on a GPU the engine thread waits for its results, so this is the
+device's share of the time plus the host work around it, an upper bound on the GPU's own).
 
 With ``--shape`` the trained demo pair is inflated (function-preserving, docs/COST_REALISTIC.md) and saved to a
 scratch folder that the servers load, so steps cost what a real-size pair costs with the demo pair's acceptance.
@@ -47,7 +48,7 @@ import torch
 from tqdm import tqdm
 
 from bench.bench_grpc_overhead import _wait_listening
-from bench.bench_policies_gpu import CellBudget, load_prompt_mix, run_cell
+from bench.bench_policies_gpu import SMALL_SHAPE, CellBudget, load_prompt_mix, plot_throughput, run_cell
 from bench.engine_setup import DEMO_TARGET, demo_drafter, load_calibration, load_pair, tokenizer_for
 from cluster.rpc import SyncRpcClient
 from draft_service.engine import DraftEngine
@@ -64,7 +65,8 @@ MAX_SEQ_LEN = 1024
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="none", help="inflate the demo pair to this Qwen3 shape (none: as it is)")
+    p.add_argument("--shape", default="none",
+                   help="inflate the demo pair to this Qwen3 shape (none: as it is; small: a CPU-sized inflation)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: bf16 on GPU")
     p.add_argument("--draft-device", default="cpu", help="cpu or cuda:i (the drafter server's GPU)")
     p.add_argument("--verify-device", default="cpu", help="cpu or cuda:i (the verifier's; colocated runs here)")
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             from draft_service.inflate import inflate_pair
 
             # Built on the verify device (fast), saved for the servers; the in-memory copy is dropped at once.
-            inflate_pair(DEMO_TARGET, drafter_dir, args.shape, dtype=dtype, device=args.verify_device, out_dir=scratch)
+            shape = SMALL_SHAPE if args.shape == "small" else args.shape
+            inflate_pair(DEMO_TARGET, drafter_dir, shape, dtype=dtype, device=args.verify_device, out_dir=scratch)
             if gpu:
                 torch.cuda.empty_cache()
             target_dir, draft_dir = Path(scratch) / "target", Path(scratch) / "draft"
@@ -256,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                     pool.close()
                     remote.close()
     (args.out_dir / "disagg.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot_throughput(results["rows"], None, args.out_dir / "disagg_throughput.png",
+                    f"demo pair ({args.shape}), drafter {args.draft_device}, verifier {args.verify_device}",
+                    series=lambda c: f"{c['layout']}, {c['policy']}" + (f", {c['groups']} groups" if c["groups"] > 1
+                                                                          else ""))
     print("\n" + HEADER)
     for row in results["rows"]:
         print(_line(row))

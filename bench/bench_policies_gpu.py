@@ -668,21 +668,26 @@ def evaluate_goals(
 
 
 # ---------------------------------------------------------------------------------------------------- plots
-def plot_throughput(cells: Sequence[dict[str, Any]], baseline: dict[str, Any] | None, path: Path, title: str) -> None:
-    """Paper Figure 7 style: aggregate tokens/s vs tokens/s per user, one line per policy across concurrency."""
+def plot_throughput(
+    cells: Sequence[dict[str, Any]],
+    baseline: dict[str, Any] | None,
+    path: Path,
+    title: str,
+    series: Callable[[dict[str, Any]], str] = lambda cell: cell["policy"],
+) -> None:
+    """Paper Figure 7 style: aggregate tokens/s vs tokens/s per user, one line per series (default: policy)
+    across concurrency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 5.2))
-    for policy in POLICIES:
-        rows = sorted((c for c in cells if c["policy"] == policy), key=lambda c: c["concurrency"])
-        if not rows:
-            continue
+    for name in dict.fromkeys(series(c) for c in cells):  # in order of appearance
+        rows = sorted((c for c in cells if series(c) == name), key=lambda c: c["concurrency"])
         xs = [c["per_user_tokens_per_s"] for c in rows]
         ys = [c["aggregate_tokens_per_s"] for c in rows]
-        ax.plot(xs, ys, marker="o", label=policy)
+        ax.plot(xs, ys, marker="o", label=name)
         for c, x, y in zip(rows, xs, ys, strict=True):
             ax.annotate(f"{c['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     if baseline is not None:
