@@ -115,11 +115,10 @@ def _check_own_health(server: ServerThread, token: str | None) -> None:
 @serve.deployment(name="Drafter", max_ongoing_requests=8, health_check_period_s=10, health_check_timeout_s=30)
 class DrafterReplica:
     def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle) -> None:
-        from cluster.loading import build_draft_engine
-        from draft_service.rpc_service import DrafterService
+        from cluster.loading import build_drafter_service
 
         self.config = AppConfig.from_args(args).resolve_secrets()
-        self.service = DrafterService(build_draft_engine(self.config))
+        self.service = build_drafter_service(self.config, _grpc_host(self.config))
         token = self.config.network.grpc_token
         self.server = ServerThread([self.service.service()], host=_grpc_host(self.config), token=token,
                                    health=self.service.health)
@@ -148,6 +147,8 @@ class DrafterReplica:
                          self.config.scheduler.drain_timeout_s)
         if hasattr(self, "server"):
             await asyncio.to_thread(self.server.stop)
+        if hasattr(self, "service"):
+            self.service.close()  # its feature links and their store
 
 
 @serve.deployment(name="Verifier", max_ongoing_requests=8, health_check_period_s=10, health_check_timeout_s=30)
@@ -184,6 +185,7 @@ class VerifierReplica:
             await _leave("verifier", self._replica_id, self._scheduler, self._heartbeat,
                          self.config.scheduler.drain_timeout_s)
         if hasattr(self, "server"):
+            await asyncio.to_thread(self.server.run, self.service.close())  # pushes, feature links, engine
             await asyncio.to_thread(self.server.stop)
 
 

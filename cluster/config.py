@@ -64,7 +64,11 @@ class EngineConfig(_Strict):
     drafter computes in it anyway) or a narrower one (``bfloat16`` for a float32 deployment halves the bytes
     again but rounds the drafter's context, so drafts may differ: output stays lossless, acceptance may move).
     ``draft_ahead``: drafters draft a request's next block as soon as its context arrives (the verifier names the
-    next anchor), overlapping the scheduler's commit instead of waiting for its ``Propose``."""
+    next anchor), overlapping the scheduler's commit instead of waiting for its ``Propose``.
+    ``feature_transport``: how the rows travel, ``grpc`` (bytes inside the ``AppendContext`` message, default) or
+    ``collective`` (a torch.distributed point-to-point link per verifier/drafter pair, gloo for CPU tensors, NCCL
+    for CUDA ones, with only metadata over gRPC; a drafter whose link cannot be built gets bytes over gRPC; see
+    :mod:`cluster.feature_link`). ``feature_link_timeout_s`` bounds every wait on a link."""
 
     max_requests: int = Field(64, ge=1, le=4096)
     max_seq_len: int = Field(1024, ge=16)
@@ -72,6 +76,8 @@ class EngineConfig(_Strict):
     context_projection: Literal["verifier", "drafter"] = "verifier"
     feature_dtype: Literal["model", "bfloat16", "float16"] = "model"
     draft_ahead: bool = True
+    feature_transport: Literal["grpc", "collective"] = "grpc"
+    feature_link_timeout_s: float = Field(30.0, gt=0)
 
 
 class SchedulerConfig(_Strict):

@@ -22,6 +22,7 @@ from verify_service.profiling import profile_target_sps
 from verify_service.target import TargetModel
 
 if TYPE_CHECKING:
+    from draft_service.rpc_service import DrafterService
     from verify_service.rpc_service import VerifierService
 
 logger = logging.getLogger(__name__)
@@ -116,4 +117,19 @@ def build_verifier_service(config: AppConfig) -> VerifierService:
         projection=projection,
         feature_dtype=feature_dtype,
         draft_ahead=config.engine.draft_ahead,
+        feature_transport=config.engine.feature_transport,
+        link_timeout_s=config.engine.feature_link_timeout_s,
+    )
+
+
+def build_drafter_service(config: AppConfig, grpc_host: str) -> DrafterService:
+    """The drafter replica's service; with ``feature_transport: collective`` it hosts its feature-link store on
+    ``grpc_host`` (the address verifiers already reach it at)."""
+    from draft_service.rpc_service import DrafterService
+
+    collective = config.engine.feature_transport == "collective"
+    return DrafterService(
+        build_draft_engine(config),
+        link_host=grpc_host if collective else None,
+        link_timeout_s=config.engine.feature_link_timeout_s,
     )

@@ -38,6 +38,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="dtype context features travel in (model: exact; narrower ones may change drafts, never outputs)",
     )
     p.add_argument(
+        "--feature-transport",
+        choices=("grpc", "collective"),
+        default="grpc",
+        help="how context features travel: grpc (bytes in the push) or collective (torch.distributed p2p links: "
+        "gloo for CPU, NCCL for CUDA tensors; only metadata over gRPC)",
+    )
+    p.add_argument(
         "--no-draft-ahead",
         dest="draft_ahead",
         action="store_false",
@@ -65,12 +72,17 @@ def _config(args: argparse.Namespace) -> AppConfig:
     app_args = app_args_from_flags(args)
     app_args["network"]["grpc_token"] = args.grpc_token
     app_args["engine"].update(
-        context_projection=args.context_projection, feature_dtype=args.feature_dtype, draft_ahead=args.draft_ahead
+        context_projection=args.context_projection,
+        feature_dtype=args.feature_dtype,
+        draft_ahead=args.draft_ahead,
+        feature_transport=args.feature_transport,
     )
     return AppConfig.from_args(app_args)
 
 
-async def _serve_forever(services: list[Any], args: argparse.Namespace, health: Any = None) -> None:
+async def _serve_forever(
+    services: list[Any], args: argparse.Namespace, health: Any = None, close: Any = None
+) -> None:
     from cluster.rpc import RpcServer
 
     server = RpcServer(services, host=args.grpc_host, port=args.grpc_port, token=args.grpc_token, health=health)
@@ -82,15 +94,19 @@ async def _serve_forever(services: list[Any], args: argparse.Namespace, health: 
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(1.0)
+    if close is not None:  # the verifier's feature links close with it
+        await close()
 
 
 def run_draft_server(args: argparse.Namespace) -> int:
-    from cluster.loading import build_draft_engine
-    from draft_service.rpc_service import DrafterService
+    from cluster.loading import build_drafter_service
 
     logging.basicConfig(level=args.log_level.upper())
-    service = DrafterService(build_draft_engine(_config(args)))
-    asyncio.run(_serve_forever([service.service()], args, service.health))
+    service = build_drafter_service(_config(args), args.grpc_host)
+    try:
+        asyncio.run(_serve_forever([service.service()], args, service.health))
+    finally:
+        service.close()
     return 0
 
 
@@ -99,7 +115,7 @@ def run_verify_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper())
     service = build_verifier_service(_config(args))
-    asyncio.run(_serve_forever([service.service()], args, service.health))
+    asyncio.run(_serve_forever([service.service()], args, service.health, service.close))
     return 0
 
 

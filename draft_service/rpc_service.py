@@ -12,6 +12,10 @@ request holds its context rows up to its anchor position and no append of it is 
 own check then names any rows still missing. For the same reason a push for a request the scheduler released
 meanwhile (it finished in that round) is skipped, not an error. A push that names the requests' next anchors
 (``draft_anchors``) also drafts their next blocks at once (:mod:`draft_service.ahead`), which ``Propose`` collects.
+
+With ``link_host`` set (``engine.feature_transport: collective``) the drafter also hosts the direct feature path
+(:mod:`cluster.feature_link`): verifiers open a link with ``OpenLink``, and an ``AppendContext`` naming a link
+carries only metadata; its rows are received from that link, in the link's sequence order, before the append.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from typing import Any
 import torch
 
 from cluster.engine_rpc import COUNTS, DEFAULT_WEDGE_TIMEOUT_S, REQ_IDS, TOKENS, EngineThread, split_rows
+from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkHost
 from cluster.messages import AnyValue, Int, List, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, Service
 from cluster.sampling import SamplingParams
+from cluster.wire import DEFAULT_LIMITS, WIRE_DTYPES
 from draft_service.ahead import DraftAhead
 from draft_service.engine import ContextItem, DraftEngine, DraftItem, Proposal
 from draft_service.projection import model_fingerprint
@@ -44,7 +50,12 @@ APPEND = Message(
         "req_ids": REQ_IDS,
         "starts": COUNTS,
         "counts": COUNTS,
-        "features": Tensor(FLOAT_DTYPES, rank=2),
+        # Absent when the rows come over a feature link: then link, seq, shape and dtype describe them.
+        "features": Opt(Tensor(FLOAT_DTYPES, rank=2)),
+        "link": Opt(Str(min_len=1, max_len=64)),
+        "seq": Opt(Int(min=0)),
+        "shape": Opt(List(Int(min=0, max=1 << 24), min_len=2, max_len=2)),
+        "dtype": Opt(Str(choices=FLOAT_DTYPES)),
         # Absent: raw features. Else the fingerprint of the context projection the sender applied.
         "projection": Opt(Str(min_len=1, max_len=64)),
         # Each request's next anchor (-1: none), drafted from at once at position start + count.
@@ -53,6 +64,11 @@ APPEND = Message(
 )
 PROPOSE = Message("Propose", {"req_ids": REQ_IDS, "anchors": TOKENS, "positions": List(Int(min=0), max_len=4096)})
 RELEASE = Message("Release", {"req_ids": REQ_IDS})
+LINK_ID = Str(min_len=1, max_len=64)
+OPEN_LINK = Message(
+    "OpenLink", {"link_id": LINK_ID, "backend": Str(choices=("gloo", "nccl")), "peer_host": Str(min_len=1, max_len=256)}
+)
+CLOSE_LINK = Message("CloseLink", {"link_id": LINK_ID})
 #: How long a Propose waits for context rows still in flight from the verifier. Far above a push's transit (ms;
 #: a long prefill's features take seconds at worst); only reached when a push was lost (its verifier died).
 DEFAULT_CONTEXT_WAIT_S = 10.0
@@ -68,8 +84,15 @@ class DrafterService:
         engine: DraftEngine,
         wedge_timeout_s: float = DEFAULT_WEDGE_TIMEOUT_S,
         context_wait_s: float = DEFAULT_CONTEXT_WAIT_S,
+        link_host: str | None = None,
+        link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S,
+        link_advertise: str | None = None,
     ) -> None:
         self.engine = engine
+        # The direct feature path's store and links (None: features only arrive as bytes over gRPC).
+        self.links = None
+        if link_host is not None:
+            self.links = LinkHost(link_host, engine.model.device, link_timeout_s, advertise=link_advertise)
         self.projection = model_fingerprint(engine.model)
         self.context_wait_s = context_wait_s
         self._thread = EngineThread("drafter", wedge_timeout_s)
@@ -94,6 +117,8 @@ class DrafterService:
             "free_slots": self.engine.num_free_slots,
             "running": self.engine.running,  # a restarted scheduler releases what nobody owns any more
             "proposals_ahead": self.proposals_ahead,
+            "feature_link_port": None if self.links is None else self.links.port,
+            "feature_links": 0 if self.links is None else self.links.num_links,
             "engine_busy_s": self._thread.busy_total_s,
         }
 
@@ -113,6 +138,8 @@ class DrafterService:
                 "AppendContext": (self._append, APPEND),
                 "Propose": (self._propose, PROPOSE),
                 "Release": (self._release, RELEASE),
+                "OpenLink": (self._open_link, OPEN_LINK),
+                "CloseLink": (self._close_link, CLOSE_LINK),
             },
         )
 
@@ -144,8 +171,37 @@ class DrafterService:
         await self._thread.run(add)
         return {}
 
+    async def _open_link(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.links is None:
+            raise ValueError("OpenLink: this drafter takes context features over gRPC only (feature_transport grpc)")
+        port = self.links.open(request["link_id"], request["backend"], request["peer_host"])
+        return {"store_host": self.links.advertised_host, "store_port": port}
+
+    async def _close_link(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.links is not None:
+            self.links.close_link(request["link_id"])
+        return {}
+
+    async def _features(self, request: dict[str, Any]) -> torch.Tensor:
+        """The message's rows: inline bytes, or received from the feature link it names."""
+        link = request["link"]
+        if link is None:
+            if request["features"] is None:
+                raise ValueError("AppendContext: features or a feature link is required")
+            return request["features"]
+        if request["features"] is not None:
+            raise ValueError("AppendContext: features come inline or over a feature link, not both")
+        seq, shape, dtype = request["seq"], request["shape"], request["dtype"]
+        if seq is None or shape is None or dtype is None:
+            raise ValueError("AppendContext: a feature link push needs seq, shape and dtype")
+        if self.links is None:
+            raise ValueError(f"AppendContext: unknown feature link {link} (this drafter hosts none)")
+        if shape[0] * shape[1] * WIRE_DTYPES[dtype].itemsize > DEFAULT_LIMITS.max_message_bytes:
+            raise ValueError(f"AppendContext: {shape} rows of {dtype} exceed the message size limit")
+        return await self.links.receive(link, seq, shape, dtype)
+
     async def _append(self, request: dict[str, Any]) -> dict[str, Any]:
-        features: torch.Tensor = request["features"]
+        features = await self._features(request)
         ranges = split_rows(request["counts"], int(features.shape[0]), "AppendContext")
         if len(request["starts"]) != len(request["req_ids"]):
             raise ValueError("AppendContext: one start per request id is required")
@@ -270,6 +326,8 @@ class DrafterService:
         return {}
 
     def close(self) -> None:
+        if self.links is not None:
+            self.links.close()
         self._thread.shutdown()
 
 

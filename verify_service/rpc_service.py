@@ -14,6 +14,10 @@ and sends the next ``Propose``, which each drafter holds until the request's row
 :mod:`draft_service.rpc_service`). A push that fails is logged; its requests' next ``Propose`` then fails (their
 rows never arrive) and failover re-prefills them, the same path as a drafter lost mid-round. Each push also names
 the requests' next anchors, so that the drafter drafts their next blocks at once (:mod:`draft_service.ahead`).
+
+With ``feature_transport="collective"`` the rows themselves travel over a torch.distributed link to each drafter
+(:mod:`cluster.feature_link`) and the push carries only their metadata; a drafter without a working link gets bytes
+over gRPC as above.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 
 from cluster.engine_rpc import COUNTS, DEFAULT_WEDGE_TIMEOUT_S, REQ_IDS, TOKENS, EngineThread, split_rows
+from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkSender
 from cluster.messages import AnyValue, Bool, Int, List, Map, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, RpcClient, Service
 from cluster.sampling import SamplingParams
@@ -75,7 +80,11 @@ class VerifierService:
         projection: ContextProjection | None = None,
         feature_dtype: torch.dtype | None = None,
         draft_ahead: bool = True,
+        feature_transport: str = "grpc",
+        link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S,
     ) -> None:
+        if feature_transport not in ("grpc", "collective"):
+            raise ValueError(f"feature_transport must be grpc or collective, got {feature_transport!r}")
         if projection is not None:
             if projection.feature_size != engine.target.feature_dim:
                 raise ValueError(
@@ -93,6 +102,8 @@ class VerifierService:
         self._timeout_s = timeout_s
         self._drafters: dict[str, RpcClient] = {}
         self._pushes: set[asyncio.Task[None]] = set()  # feature pushes in flight (strong references)
+        # collective: the rows go over torch.distributed links to the drafters, only metadata over gRPC.
+        self.links = None if feature_transport == "grpc" else LinkSender(engine.target.device, link_timeout_s)
 
     def info(self) -> dict[str, Any]:
         target = self.engine.target
@@ -107,6 +118,8 @@ class VerifierService:
             "eos_token_ids": list(target.eos_token_ids),
             "sps": self.sps,
             "feature_bytes_sent": sum(c.bytes_sent for c in self._drafters.values()),
+            "feature_bytes_collective": 0 if self.links is None else self.links.bytes_sent,
+            "feature_links": 0 if self.links is None else self.links.num_links,
             "running": self.engine.running,  # a restarted scheduler releases what nobody owns any more
             "engine_busy_s": self._thread.busy_total_s,
         }
@@ -171,7 +184,8 @@ class VerifierService:
                 "req_ids": [r.req_id for r in group],
                 "starts": [r.feature_start for r in group],
                 "counts": [int(r.features.shape[0]) for r in group],  # type: ignore[union-attr]
-                "features": features.cpu(),
+                # collective: left on the device for the link (a fresh tensor: cat/projection copied it).
+                "features": features.cpu() if self.links is None else features.contiguous(),
             }
             if projection is not None:
                 messages[address]["projection"] = projection
@@ -192,10 +206,34 @@ class VerifierService:
             task.add_done_callback(self._pushes.discard)
 
     async def _push(self, client: RpcClient, address: str, message: dict[str, Any]) -> None:
+        if self.links is not None:
+            link = await self.links.link_for(address, client)
+            if link is not None:
+                await self._push_over_link(client, address, message, link)
+                return
+            if message["features"].device.type != "cpu":
+                message["features"] = await asyncio.to_thread(message["features"].cpu)
         try:
             await client.call("dspark.Drafter", "AppendContext", message)
         except Exception as exc:  # the drafter died or refused: its requests' next Propose fails, failover follows
             log.warning("context feature push to drafter %s failed: %s", address, exc)
+
+    async def _push_over_link(self, client: RpcClient, address: str, message: dict[str, Any], link: Any) -> None:
+        """Issue the send, then the metadata; any failure ends the link (later pushes go over gRPC) and this
+        push is lost like a failed gRPC one: its requests' next Propose fails and failover re-prefills them."""
+        assert self.links is not None
+        features: torch.Tensor = message.pop("features")
+        seq, sending = self.links.send(link, features)
+        message.update(
+            link=link.link_id, seq=seq, shape=list(features.shape), dtype=str(features.dtype).removeprefix("torch.")
+        )
+        try:
+            work = await sending
+            await client.call("dspark.Drafter", "AppendContext", message)
+            await self.links.complete(link, work, features)
+        except Exception as exc:
+            log.warning("context feature push to drafter %s over its feature link failed: %s", address, exc)
+            self.links.fail(address, link, exc)
 
     async def drain_pushes(self) -> None:
         """Wait for the feature pushes in flight (before closing; tests that read drafter state)."""
@@ -212,6 +250,8 @@ class VerifierService:
 
     async def close(self) -> None:
         await self.drain_pushes()
+        if self.links is not None:
+            await self.links.close(self._drafters)
         for client in self._drafters.values():
             await client.close()
         self._thread.shutdown()
