@@ -18,7 +18,8 @@ The protocol:
   ``seq`` order per link (NCCL ignores tags: metadata overtaking an earlier one waits for its turn), into a buffer
   on its device;
 * any failure on a link (it cannot be built, a send or receive fails or times out, the drafter no longer knows it)
-  ends the link on both sides; the verifier then sends that drafter bytes over gRPC, as with ``grpc``.
+  ends the link on both sides; the verifier then sends that drafter bytes over gRPC, as with ``grpc``, starting
+  with the push that failed.
 
 Every blocking c10d call (store connect, group rendezvous, ``wait``) has the link's timeout, so a lost peer costs at
 most that long, never a hang; a push lost that way fails its requests' next ``Propose`` and failover re-prefills
@@ -229,6 +230,10 @@ class LinkHost:
     def num_links(self) -> int:
         return len(self._links)
 
+    @property
+    def link_ids(self) -> list[str]:
+        return list(self._links)
+
     def close(self) -> None:
         """At shutdown (the server stopped: nobody waits for a turn any more)."""
         for link_id in list(self._links):
@@ -306,14 +311,15 @@ class LinkSender:
         await asyncio.to_thread(link.wait, work)
         self.bytes_sent += tensor.numel() * tensor.element_size()
 
-    def fail(self, address: str, link: _Link, reason: object) -> None:
-        """End a link after any failure on it: that drafter gets bytes over gRPC from now on."""
+    async def fail(self, address: str, link: _Link, reason: object, client: RpcClient) -> None:
+        """End a link after any failure on it, on both sides: that drafter gets bytes over gRPC from now on."""
         if self._links.get(address) is link:
             del self._links[address]
             self._grpc_only.add(address)
             log.warning("feature link to drafter %s failed (%s): its features go over gRPC from now on",
                         address, reason)
         link.close()
+        await _close_remote(client, link.link_id)
 
     @property
     def num_links(self) -> int:

@@ -208,8 +208,7 @@ class VerifierService:
     async def _push(self, client: RpcClient, address: str, message: dict[str, Any]) -> None:
         if self.links is not None:
             link = await self.links.link_for(address, client)
-            if link is not None:
-                await self._push_over_link(client, address, message, link)
+            if link is not None and await self._push_over_link(client, address, message, link):
                 return
             if message["features"].device.type != "cpu":
                 message["features"] = await asyncio.to_thread(message["features"].cpu)
@@ -218,22 +217,25 @@ class VerifierService:
         except Exception as exc:  # the drafter died or refused: its requests' next Propose fails, failover follows
             log.warning("context feature push to drafter %s failed: %s", address, exc)
 
-    async def _push_over_link(self, client: RpcClient, address: str, message: dict[str, Any], link: Any) -> None:
-        """Issue the send, then the metadata; any failure ends the link (later pushes go over gRPC) and this
-        push is lost like a failed gRPC one: its requests' next Propose fails and failover re-prefills them."""
+    async def _push_over_link(self, client: RpcClient, address: str, message: dict[str, Any], link: Any) -> bool:
+        """Issue the send, then the metadata; True when the drafter took the rows. Any failure ends the link
+        (this and later pushes go as bytes over gRPC). Resending is safe: the drafter appends only after its
+        receive succeeded, and an append rewrites rows from its start, so rows it did take are rewritten equal."""
         assert self.links is not None
-        features: torch.Tensor = message.pop("features")
+        features: torch.Tensor = message["features"]
         seq, sending = self.links.send(link, features)
-        message.update(
+        metadata = {k: v for k, v in message.items() if k != "features"}
+        metadata.update(
             link=link.link_id, seq=seq, shape=list(features.shape), dtype=str(features.dtype).removeprefix("torch.")
         )
         try:
             work = await sending
-            await client.call("dspark.Drafter", "AppendContext", message)
+            await client.call("dspark.Drafter", "AppendContext", metadata)
             await self.links.complete(link, work, features)
         except Exception as exc:
-            log.warning("context feature push to drafter %s over its feature link failed: %s", address, exc)
-            self.links.fail(address, link, exc)
+            await self.links.fail(address, link, exc, client)
+            return False
+        return True
 
     async def drain_pushes(self) -> None:
         """Wait for the feature pushes in flight (before closing; tests that read drafter state)."""

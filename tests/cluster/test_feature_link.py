@@ -9,6 +9,7 @@ cannot be built gets its rows as bytes over gRPC, output unchanged. The NCCL bac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -35,6 +36,7 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [16, 17]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 #: Generous: a loaded 2-core machine may take seconds to build a link; the failing cases wait this long at most.
 LINK_TIMEOUT_S = 20.0
+Between = Callable[[list[ServerThread], list[DrafterService]], None]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +53,11 @@ def _target(pair: tuple[Path, Path]) -> TargetModel:
 
 def _run(pair, transport: str, link_hosts: tuple[str | None, str | None] = ("127.0.0.1", "127.0.0.1"),
          feature_dtype: torch.dtype | None = None, link_timeout_s: float = LINK_TIMEOUT_S,
-         advertise: str | None = None):
-    """Greedy generation over two drafter servers and one verifier server; returns tokens and both sides' Info."""
+         advertise: str | None = None, between: Between | None = None):
+    """Greedy generation over two drafter servers and one verifier server; returns tokens and both sides' Info.
+
+    With ``between``, it generates twice and calls ``between`` in the middle (the tokens of both runs are returned).
+    """
     target_dir, draft_dir = pair
     drafters = [
         DrafterService(
@@ -79,6 +84,10 @@ def _run(pair, transport: str, link_hosts: tuple[str | None, str | None] = ("127
         engine = SpeculativeEngine(remote, pool, make_policy("dspark", SPS, pool.block_size))
         try:
             tokens = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+            if between is not None:
+                verifier_server.run(verifier.drain_pushes())
+                between(servers, drafters)
+                tokens += [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
         finally:
             pool.close()
             remote.close()
@@ -163,3 +172,23 @@ def test_a_drafter_without_a_reachable_store_gets_bytes_over_grpc(pair) -> None:
     assert tokens == expected
     assert info["feature_links"] == 0 and info["feature_bytes_collective"] == 0
     assert info["feature_bytes_sent"] > 0
+
+
+def test_a_link_lost_mid_stream_resends_the_push_as_bytes(pair) -> None:
+    """Between two generations the drafters drop their ends of the links (as after a failed receive): the next push
+    over each link is refused (unknown link), resent as bytes over gRPC, and later pushes stay on gRPC; the output
+    never changes and no round fails."""
+    expected = _target(pair).generate(PROMPTS, max_new_tokens=16)
+
+    def drop_links(servers: list[ServerThread], drafters: list[DrafterService]) -> None:
+        async def drop(drafter: DrafterService) -> None:
+            assert drafter.links is not None and drafter.links.num_links == 1
+            for link_id in drafter.links.link_ids:
+                drafter.links.close_link(link_id)
+
+        for server, drafter in zip(servers, drafters, strict=True):
+            server.run(drop(drafter))
+
+    tokens, info, _, _ = _run(pair, "collective", between=drop_links)
+    assert tokens == expected + expected
+    assert info["feature_links"] == 0 and info["feature_bytes_collective"] > 0
