@@ -185,8 +185,11 @@ class VerifierReplica:
             await _leave("verifier", self._replica_id, self._scheduler, self._heartbeat,
                          self.config.scheduler.drain_timeout_s)
         if hasattr(self, "server"):
-            await asyncio.to_thread(self.server.run, self.service.close())  # pushes, feature links, engine
-            await asyncio.to_thread(self.server.stop)
+            try:  # pushes in flight, feature links (each wait on one is bounded by its timeout), engine thread
+                wait_s = 3 * self.config.engine.feature_link_timeout_s
+                await asyncio.to_thread(self.server.run, self.service.close(), wait_s)
+            finally:
+                await asyncio.to_thread(self.server.stop)
 
 
 @serve.deployment(name="Scheduler", num_replicas=1, max_ongoing_requests=1000, health_check_period_s=10)
