@@ -9,6 +9,10 @@ cannot be built gets its rows as bytes over gRPC, output unchanged. The NCCL bac
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from verify_service.engine import VerifyEngine
 from verify_service.rpc_service import VerifierService
 from verify_service.target import TargetModel
 
+REPO = Path(__file__).resolve().parents[2]
 SPS = SPSTable([1, 16, 64], [1000, 900, 500])
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [16, 17]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -192,3 +197,51 @@ def test_a_link_lost_mid_stream_resends_the_push_as_bytes(pair) -> None:
     tokens, info, _, _ = _run(pair, "collective", between=drop_links)
     assert tokens == expected + expected
     assert info["feature_links"] == 0 and info["feature_bytes_collective"] > 0
+
+
+def _start(kind: str, pair, sps: Path) -> subprocess.Popen:
+    target_dir, draft_dir = pair
+    cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--target", str(target_dir), "--draft",
+           str(draft_dir), "--sps", str(sps), "--max-requests", "8", "--max-seq-len", "96", "--device", "cpu",
+           "--dtype", "float32", "--log-level", "warning", "--feature-transport", "collective"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _address(proc: subprocess.Popen) -> str:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("listening on "):
+            return line.split()[-1]
+    raise RuntimeError(f"server exited before listening (code {proc.wait()})")
+
+
+def test_standalone_server_processes_over_collective_links(pair, tmp_path: Path) -> None:
+    """`dspark draft-server` and `verify-server --feature-transport collective` as two processes: the link's ranks
+    live in different processes, as deployed; output equals the target's greedy output."""
+    expected = _target(pair).generate(PROMPTS, max_new_tokens=16)
+    sps = SPS.save(tmp_path / "sps.json")
+    procs = [_start("draft-server", pair, sps), _start("verify-server", pair, sps)]
+    try:
+        drafter, verifier = (_address(p) for p in procs)
+        pool = DrafterPool([drafter])
+        remote = RemoteVerifier(verifier, pool.route_of)
+        pool.require_projection(remote.context_projection, remote.address)
+        engine = SpeculativeEngine(remote, pool, make_policy("dspark", SPS, pool.block_size))
+        try:
+            tokens = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+        finally:
+            pool.close()
+            remote.close()
+        info = SyncRpcClient(verifier).call("dspark.Verifier", "Info", {})
+        assert tokens == expected
+        assert info["feature_links"] == 1 and info["feature_bytes_collective"] > 0
+        assert SyncRpcClient(drafter).call("dspark.Drafter", "Info", {})["feature_links"] == 1
+        procs[1].send_signal(signal.SIGTERM)  # the verifier closes its link on the drafter as it stops
+        assert procs[1].wait(LINK_TIMEOUT_S + 30) == 0
+        assert SyncRpcClient(drafter).call("dspark.Drafter", "Info", {})["feature_links"] == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(60)
