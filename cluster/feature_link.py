@@ -274,15 +274,15 @@ class LinkSender:
         link_id = uuid.uuid4().hex
         link = _Link(link_id, self.device, self.timeout_s)
         try:
-            local = local_address_toward(split_host(address))
+            local = await asyncio.to_thread(local_address_toward, split_host(address))  # may resolve a name
             reply = await client.call(
                 DRAFTER_SERVICE, "OpenLink", {"link_id": link_id, "backend": self.backend, "peer_host": local}
             )
             host, port = reply["store_host"] or split_host(address), int(reply["store_port"])
-            if host != split_host(address):
-                local = local_address_toward(host)
-
             def build() -> None:
+                nonlocal local
+                if host != split_host(address):
+                    local = local_address_toward(host)
                 store = dist.TCPStore(host, port, None, False, timedelta(seconds=self.timeout_s))
                 link.group = build_group(store, link_id, _SENDER, self.backend, local, self.device, self.timeout_s)
 
@@ -300,10 +300,11 @@ class LinkSender:
 
     def send(self, link: _Link, tensor: torch.Tensor) -> tuple[int, asyncio.Future[Any]]:
         """Number the next push of ``link`` and issue its send; the future gives the send's work."""
+        group = link.group
+        if group is None or link.closed:
+            raise RuntimeError(f"feature link {link.link_id} is closed")
         seq = link.next_seq
         link.next_seq += 1
-        group = link.group
-        assert group is not None
         return seq, link.submit(lambda: group.send([tensor], _RECEIVER, 0))
 
     async def complete(self, link: _Link, work: Any, tensor: torch.Tensor) -> None:

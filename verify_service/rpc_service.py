@@ -220,15 +220,16 @@ class VerifierService:
     async def _push_over_link(self, client: RpcClient, address: str, message: dict[str, Any], link: Any) -> bool:
         """Issue the send, then the metadata; True when the drafter took the rows. Any failure ends the link
         (this and later pushes go as bytes over gRPC). Resending is safe: the drafter appends only after its
-        receive succeeded, and an append rewrites rows from its start, so rows it did take are rewritten equal."""
+        receive succeeded, and an append rewrites rows from its start, so rows it did take are rewritten equal (a
+        resend landing after a later push would shorten the context, which the next Propose refuses: failover)."""
         assert self.links is not None
         features: torch.Tensor = message["features"]
-        seq, sending = self.links.send(link, features)
         metadata = {k: v for k, v in message.items() if k != "features"}
-        metadata.update(
-            link=link.link_id, seq=seq, shape=list(features.shape), dtype=str(features.dtype).removeprefix("torch.")
-        )
         try:
+            seq, sending = self.links.send(link, features)
+            metadata.update(
+                link=link.link_id, seq=seq, shape=list(features.shape), dtype=str(features.dtype).removeprefix("torch.")
+            )
             work = await sending
             await client.call("dspark.Drafter", "AppendContext", metadata)
             await self.links.complete(link, work, features)
