@@ -13,18 +13,22 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+import torch.distributed as dist
 from model_factory import PairSpec, write_pair
 
+from cluster.feature_link import build_group
 from cluster.rpc import ServerThread, SyncRpcClient
 from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
-from draft_service.engine import DraftEngine
+from draft_service.engine import ContextItem, DraftEngine, DraftItem
 from draft_service.projection import load_context_projection
 from draft_service.rpc_service import DrafterService
 from scheduler.engine import SpeculativeEngine
@@ -245,3 +249,62 @@ def test_standalone_server_processes_over_collective_links(pair, tmp_path: Path)
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(60)
+
+
+def test_the_drafter_receives_in_sequence_order_and_times_out_on_a_gap(pair) -> None:
+    """A verifier end built by hand: the metadata of push 1 sent (from a thread) alongside that of push 0 still gets
+    push 1's rows, so the drafts equal those of a drafter given the same rows as bytes (gloo would not notice a
+    receive out of order: it fills a buffer of another size without error); a push whose predecessor never comes
+    fails after the link timeout, the link is gone, and the drafter keeps serving."""
+    _, draft_dir = pair
+    service = DrafterService(DraftEngine(load_draft_model(draft_dir), max_requests=4, max_seq_len=64),
+                             link_host="127.0.0.1", link_timeout_s=5.0)
+    server = ServerThread([service.service()])
+    client = SyncRpcClient(server.address, timeout_s=60)
+    width = service.engine.model.config.context_feature_size
+    try:
+        client.call("dspark.Drafter", "AddRequests", {"req_ids": ["a", "b"], "params": [{"temperature": 0.0}] * 2})
+        reply = client.call("dspark.Drafter", "OpenLink", {"link_id": "t", "backend": "gloo", "peer_host": "127.0.0.1"})
+        store = dist.TCPStore("127.0.0.1", reply["store_port"], None, False, timedelta(seconds=LINK_TIMEOUT_S))
+        group = build_group(store, "t", 0, "gloo", "127.0.0.1", torch.device("cpu"), LINK_TIMEOUT_S)
+        rows = [torch.randn(3, width), torch.randn(5, width)]
+        works = [group.send([r], 1, 0) for r in rows]
+        metadata = [{"req_ids": [req], "starts": [0], "counts": [int(r.shape[0])], "link": "t", "seq": seq,
+                     "shape": list(r.shape), "dtype": "float32"} for seq, (req, r) in enumerate(zip("ab", rows,
+                                                                                                 strict=True))]
+        errors: list[BaseException] = []
+
+        def second() -> None:
+            try:
+                client.call("dspark.Drafter", "AppendContext", metadata[1])
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        worker = threading.Thread(target=second)
+        worker.start()
+        client.call("dspark.Drafter", "AppendContext", metadata[0])
+        worker.join(60)
+        assert not errors and not worker.is_alive()
+        for work in works:
+            work.wait()
+        assert (service.engine.context_length("a"), service.engine.context_length("b")) == (3, 5)
+        reference = DraftEngine(load_draft_model(draft_dir), max_requests=4, max_seq_len=64)
+        for req, r in zip("ab", rows, strict=True):
+            reference.add_request(req, SamplingParams(temperature=0.0))
+            reference.append_context([ContextItem(req, 0, r)])
+        items = [DraftItem("a", 7, 3), DraftItem("b", 9, 5)]
+        mine, theirs = service.engine.propose(items), reference.propose(items)
+        assert torch.equal(mine.tokens, theirs.tokens) and torch.equal(mine.topk_probs, theirs.topk_probs)
+        # Push 3 without push 2: refused after the link timeout; the link is closed and forgotten.
+        with pytest.raises(grpc.RpcError) as err:
+            client.call("dspark.Drafter", "AppendContext", {**metadata[0], "seq": 3})
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "never came" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            client.call("dspark.Drafter", "AppendContext", {**metadata[0], "seq": 2})
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown feature link" in err.value.details()
+        assert client.call("dspark.Drafter", "Info", {})["feature_links"] == 0
+        group.shutdown()
+    finally:
+        client.close()
+        server.stop()
+        service.close()
