@@ -141,7 +141,8 @@ class PipelinedEngine(SpeculativeEngine):
             draft_s = time.perf_counter() - t0  # only what the drafting of this group left exposed
         members = self._members[g]
         admitted = self._admit_into(g)
-        verified = [r for r in members.values() if r.req_id not in {a.req_id for a in admitted}]
+        joined = {r.req_id for r in admitted}
+        verified = [r for r in members.values() if r.req_id not in joined]
         drafting = pending is not None and pending.proposal is not None
         t1 = time.perf_counter()
         if pending is None:  # nothing decided ahead (a group's first round, or no other group to overlap)
@@ -153,11 +154,13 @@ class PipelinedEngine(SpeculativeEngine):
             schedule_s += t_decided - t1
         else:
             caps = pending.caps
-            if drafting and proposal is not None:
-                proposal = _rows_of(proposal, pending.req_ids, [r.req_id for r in verified])
-                caps = caps[[pending.req_ids.index(r.req_id) for r in verified]]
-            elif len(verified) != len(pending.req_ids):
-                caps = caps[[pending.req_ids.index(r.req_id) for r in verified]]
+            ids = [r.req_id for r in verified]
+            if ids != pending.req_ids:  # requests aborted since the round was decided drop out
+                row_of = {req_id: row for row, req_id in enumerate(pending.req_ids)}
+                index = [row_of[req_id] for req_id in ids]
+                caps = caps[index]
+                if proposal is not None:
+                    proposal = _rows_of(proposal, index, ids)
         t2 = time.perf_counter()
         lengths = self._lengths(caps, proposal) if drafting else np.zeros(len(verified), dtype=np.int64)
         t3 = time.perf_counter()
@@ -242,17 +245,14 @@ class PipelinedEngine(SpeculativeEngine):
         super().close()
 
 
-def _rows_of(proposal: Proposal, proposed: list[str], wanted: list[str]) -> Proposal:
-    """The proposal's rows of ``wanted`` requests (requests aborted since the block was drafted drop out)."""
-    if proposed == wanted:
-        return proposal
-    index = [proposed.index(r) for r in wanted]
+def _rows_of(proposal: Proposal, index: list[int], req_ids: list[str]) -> Proposal:
+    """Rows ``index`` of a proposal, for ``req_ids``."""
 
     def rows(value: Any) -> Any:
         return None if value is None else value[index]
 
     return Proposal(
-        req_ids=wanted,
+        req_ids=req_ids,
         tokens=proposal.tokens[index],
         confidences=rows(proposal.confidences),
         confidence_logits=rows(proposal.confidence_logits),
