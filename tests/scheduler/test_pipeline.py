@@ -233,3 +233,14 @@ def test_pipelined_over_bucketed_engines_equals_target_greedy(pair: tuple[Path, 
         assert verify.graphs is not None and verify.graphs.replays > 0  # the bucketed path really ran
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("policy", ["dspark-async", "fixed-2"])
+def test_each_group_has_its_own_policy_state(pair: tuple[Path, Path], policy: str) -> None:
+    """dspark-async plans a later round's capacity from this one: with groups, that plan must stay the group's."""
+    engine, target = _local(pair, policy, 2)
+    assert len(engine.policies) == 2 and engine.policies[0] is not engine.policies[1]
+    prompts = [[1 + i, 2 + i, 3] for i in range(8)]
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=18))
+    assert [r.token_ids for r in results] == target.generate(prompts, max_new_tokens=18)
+    engine.close()
