@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 stage "GPU tests" 90 python3 -m pytest -q -x -p no:cacheprovider \
   tests/scheduler/test_engine_graphs.py tests/scheduler/test_graph_capture_guard.py \
   tests/verify_service/test_fused_layers.py tests/kernels/test_kernels_rejection.py \
-  tests/scheduler/test_pipeline.py 2>&1 | tail -n 25 | tee "$out/gpu_tests.log"
+  2>&1 | tail -n 25 | tee "$out/gpu_tests.log"
 stage "kernels" 100 python3 bench/bench_kernels.py --sweep cdf --tune --profile --out "$out/kernels.json"
 stage "host" 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
   2>&1 | tail -n 20 | tee "$out/host.log"
