@@ -371,8 +371,8 @@ def scheduled_policy(
 
 def _gate_counts(engine: SpeculativeEngine) -> tuple[int, int]:
     """(rounds decided, rounds skipped) by the policy's skip-the-draft gate; (0, 0) without one."""
-    gate = getattr(engine.policy, "gate", None)
-    return (gate.decisions, gate.skipped) if gate is not None else (0, 0)
+    gates = [getattr(p, "gate", None) for p in getattr(engine, "policies", [engine.policy])]  # one per group
+    return sum(g.decisions for g in gates if g is not None), sum(g.skipped for g in gates if g is not None)
 
 
 class SharedEngines:

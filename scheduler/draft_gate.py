@@ -22,8 +22,12 @@ likely ones). The per-round prediction costs K array elements whatever the load,
 once: when R drops, the same curve predicts a draft that is cheap next to the verify step and the gate flips
 back to drafting without waiting for new data.
 
-Staleness: a skipped round yields no confidences, so after ``probe_interval - 1`` skipped rounds in a row the
-next round drafts anyway (a probe), refreshing the pool; a round with nothing observed yet always drafts.
+Staleness: a skipped round yields no confidences, so after ``interval - 1`` skipped rounds in a row the next
+round drafts anyway (a probe), refreshing the pool; a round with nothing observed yet always drafts. The interval
+starts at ``probe_interval`` and doubles (up to ``max_probe_interval``) each time the round after a probe skips
+again, i.e. while the refreshed pool keeps confirming that skipping wins (sustained high load, where every probe
+is a slower round); any round that the prediction itself sends to the drafter resets it. Load changes need no
+probe: the prediction follows the number of requests at once.
 
 Why this is lossless: the decision is a function of confidences of rounds that are already verified and
 committed, of the number of running requests and of their caps (counts) -- never of the tokens this round
@@ -60,21 +64,28 @@ class DraftGate:
         no_draft_cost: DraftCost | None = None,
         *,
         probe_interval: int = 8,
+        max_probe_interval: int = 64,
         history_rows: int = 64,
         curve_points: int = 56,
     ) -> None:
         check_sps(sps)
         for name, value in (
             ("probe_interval", probe_interval),
+            ("max_probe_interval", max_probe_interval),
             ("history_rows", history_rows),
             ("curve_points", curve_points),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if max_probe_interval < probe_interval:
+            raise ValueError(f"max_probe_interval ({max_probe_interval}) must be >= probe_interval ({probe_interval})")
         self.sps = sps
         self.draft_cost = draft_cost
         self.no_draft_cost = no_draft_cost if no_draft_cost is not None else DraftCost()
         self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self.interval = probe_interval  # skipped rounds in a row + 1 before a probe (backs off, see the module)
+        self._probed = False  # the last round was a probe
         self.history_rows = history_rows
         self.curve_points = curve_points
         self._curve: np.ndarray | None = None  # Q, sorted survival curve of an average request (descending)
@@ -127,10 +138,17 @@ class DraftGate:
     def should_draft(self, max_lengths: np.ndarray) -> bool:
         """Whether this round runs the drafter (a function of past confidences and counts only)."""
         self.decisions += 1
-        rates = None if self._skipped_in_a_row + 1 >= self.probe_interval else self.predicted_rates(max_lengths)
+        probe = self._skipped_in_a_row + 1 >= self.interval
+        rates = None if probe else self.predicted_rates(max_lengths)
         if rates is None or rates[0] >= rates[1]:
+            if rates is not None:  # the prediction itself chose to draft: probe at the base rate again
+                self.interval = self.probe_interval
+            self._probed = probe
             self._skipped_in_a_row = 0
             return True
+        if self._probed:  # the probe refreshed the pool and skipping still wins: probe less often
+            self.interval = min(2 * self.interval, self.max_probe_interval)
+        self._probed = False
         self._skipped_in_a_row += 1
         self.skipped += 1
         return False

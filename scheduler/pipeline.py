@@ -14,6 +14,10 @@ tick and meanwhile drafts for the next group on the drafter thread. A group's ro
 when the block is requested, from counts and past rounds only), the same single target pass with rejection
 sampling. Only another group's drafting overlaps it, so decoding stays lossless, as in the plain engine.
 
+Each group has its own copy of the policy: what a policy learns from past rounds (the draft gate's confidence
+curve, a measured draft cost, ``dspark-async``'s capacity plan for a later round) describes that group's rounds,
+as it would in a plain engine over the group; :attr:`PipelinedEngine.policy` is the policy of the group at hand.
+
 Every drafter call (admission, ``propose``, context append, release) goes through ONE thread in submission order:
 the draft engine never sees two calls at once, and a group's context is appended before its next block is drafted.
 The verifier is called from the stepping thread only. Worth it where drafting and verifying can really run at the
@@ -23,6 +27,7 @@ one process the two would share the device's stream.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -118,6 +123,8 @@ class PipelinedEngine(SpeculativeEngine):
         if self.draft is not None:
             self.draft = SerialDrafter(self.draft)  # type: ignore[assignment]
         self.num_groups = groups
+        # The policy given serves group 0; the others get copies (their learned state starts empty, as it is).
+        self.policies: list[VerifyPolicy] = [policy, *(copy.deepcopy(policy) for _ in range(groups - 1))]
         self._members: list[dict[str, _Request]] = [{} for _ in range(groups)]
         self._group_of: dict[str, int] = {}
         self._pending: dict[int, _Pending] = {}
@@ -131,6 +138,7 @@ class PipelinedEngine(SpeculativeEngine):
         if g is None:
             return []
         self._turn = (g + 1) % self.num_groups
+        self._use_policy(g)
         t0 = time.perf_counter()
         pending = self._pending.pop(g, None)
         proposal, draft_s, schedule_s = None, 0.0, 0.0
@@ -141,7 +149,8 @@ class PipelinedEngine(SpeculativeEngine):
             draft_s = time.perf_counter() - t0  # only what the drafting of this group left exposed
         members = self._members[g]
         admitted = self._admit_into(g)
-        verified = [r for r in members.values() if r.req_id not in {a.req_id for a in admitted}]
+        joined = {r.req_id for r in admitted}
+        verified = [r for r in members.values() if r.req_id not in joined]
         drafting = pending is not None and pending.proposal is not None
         t1 = time.perf_counter()
         if pending is None:  # nothing decided ahead (a group's first round, or no other group to overlap)
@@ -153,11 +162,13 @@ class PipelinedEngine(SpeculativeEngine):
             schedule_s += t_decided - t1
         else:
             caps = pending.caps
-            if drafting and proposal is not None:
-                proposal = _rows_of(proposal, pending.req_ids, [r.req_id for r in verified])
-                caps = caps[[pending.req_ids.index(r.req_id) for r in verified]]
-            elif len(verified) != len(pending.req_ids):
-                caps = caps[[pending.req_ids.index(r.req_id) for r in verified]]
+            ids = [r.req_id for r in verified]
+            if ids != pending.req_ids:  # requests aborted since the round was decided drop out
+                row_of = {req_id: row for row, req_id in enumerate(pending.req_ids)}
+                index = [row_of[req_id] for req_id in ids]
+                caps = caps[index]
+                if proposal is not None:
+                    proposal = _rows_of(proposal, index, ids)
         t2 = time.perf_counter()
         lengths = self._lengths(caps, proposal) if drafting else np.zeros(len(verified), dtype=np.int64)
         t3 = time.perf_counter()
@@ -166,7 +177,13 @@ class PipelinedEngine(SpeculativeEngine):
         # tensors may be views of the drafter's static outputs, which the next propose overwrites.
         verifies = self._verify_items(verified, lengths, proposal)
         self._request_next_block(g)
+        self._use_policy(g)
         return self._verify_and_commit(admitted, verified, verifies, drafting, draft_s, schedule_s, t3)
+
+    def _use_policy(self, g: int) -> None:
+        """Make group ``g``'s policy the one the round methods of the base engine consult."""
+        self.policy = self.policies[g]
+        self._observe_round = getattr(self.policy, "observe_round", None)
 
     def _next_group(self) -> int | None:
         """The first group from the turn on that has requests, or could admit a waiting one."""
@@ -206,6 +223,7 @@ class PipelinedEngine(SpeculativeEngine):
                 continue
             t0 = time.perf_counter()
             verified = list(members.values())
+            self._use_policy(h)
             caps, drafting = self._plan(verified)
             future = None
             if drafting and self.draft is not None:
@@ -242,17 +260,14 @@ class PipelinedEngine(SpeculativeEngine):
         super().close()
 
 
-def _rows_of(proposal: Proposal, proposed: list[str], wanted: list[str]) -> Proposal:
-    """The proposal's rows of ``wanted`` requests (requests aborted since the block was drafted drop out)."""
-    if proposed == wanted:
-        return proposal
-    index = [proposed.index(r) for r in wanted]
+def _rows_of(proposal: Proposal, index: list[int], req_ids: list[str]) -> Proposal:
+    """Rows ``index`` of a proposal, for ``req_ids``."""
 
     def rows(value: Any) -> Any:
         return None if value is None else value[index]
 
     return Proposal(
-        req_ids=wanted,
+        req_ids=req_ids,
         tokens=proposal.tokens[index],
         confidences=rows(proposal.confidences),
         confidence_logits=rows(proposal.confidence_logits),

@@ -68,13 +68,28 @@ def test_flips_back_when_load_drops() -> None:
 
 
 def test_probe_after_interval_refreshes_the_prediction() -> None:
-    gate = DraftGate(_sps(), DraftCost(fixed_s=8.6e-3), NO_DRAFT, probe_interval=4)
+    gate = DraftGate(_sps(), DraftCost(fixed_s=8.6e-3), NO_DRAFT, probe_interval=4, max_probe_interval=4)
     gate.observe(_flat(128, 0.3))
     decisions = [gate.should_draft(_caps(128)) for _ in range(8)]
     assert decisions == [False, False, False, True, False, False, False, True]
     gate.observe(_flat(128, 0.99))  # the probe round found confident drafts: speculation wins again
     # A long confident block is worth 8.6 ms of drafting at 128 requests in this table.
     assert gate.should_draft(_caps(128))
+
+
+def test_probes_back_off_while_skipping_wins_and_reset_when_drafting_does() -> None:
+    gate = DraftGate(_sps(), LOAD_COST, NO_DRAFT, probe_interval=4, max_probe_interval=16)
+    gate.observe(_flat(128, 0.6))
+    probes = []
+    for round_ in range(60):
+        if gate.should_draft(_caps(128)):
+            probes.append(round_)
+            gate.observe(_flat(128, 0.6))  # each probe confirms: drafting does not pay at this load
+    # Probes at intervals 4, 8, 16, 16, ...: the gaps double up to the cap.
+    assert np.diff(probes).tolist() == [8, 16, 16, 16]
+    assert probes[0] == 3 and gate.interval == 16
+    assert gate.should_draft(_caps(4))  # load dropped: the prediction drafts at once, no probe needed ...
+    assert gate.interval == 4  # ... and the probe interval is back at its base
 
 
 def test_caps_count_zero_cap_requests_skip() -> None:
@@ -121,5 +136,7 @@ def test_bad_arguments() -> None:
         DraftGate(_sps(), DraftCost(), probe_interval=0)
     with pytest.raises(ValueError):
         DraftGate(_sps(), DraftCost(), history_rows=0)
+    with pytest.raises(ValueError, match="max_probe_interval"):
+        DraftGate(_sps(), DraftCost(), probe_interval=8, max_probe_interval=4)
     with pytest.raises(ValueError):
         DraftGate(_sps(), DraftCost()).observe(np.full((2, 3), 1.5))
