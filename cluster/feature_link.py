@@ -78,20 +78,31 @@ def local_address_toward(host: str) -> str:
 def build_group(
     store: dist.Store, link_id: str, rank: int, backend: str, local_host: str, device: torch.device, timeout_s: float
 ) -> dist.ProcessGroup:
-    """One end of a link's process group of size 2; blocks until the other end joins (or ``timeout_s``)."""
+    """One end of a link's process group of size 2; blocks until the other end joins (or ``timeout_s``).
+
+    Both ends then exchange one element: NCCL creates its communicator on the first point-to-point call, which
+    blocks until the peer makes its own; here both ends are building, whereas the first push's send would wait for
+    a receive that the drafter only posts once the push's metadata has arrived."""
     prefixed = dist.PrefixStore(f"feature-link/{link_id}/", store)
     timeout = timedelta(seconds=timeout_s)
+    group: dist.ProcessGroup
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
         options._timeout = timeout
-        return dist.ProcessGroupGloo(prefixed, rank, 2, options)
-    if backend == "nccl":  # not run on a GPU yet (docs/ARCHITECTURE.md "The direct feature path")
-        torch.cuda.set_device(device)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
-    raise ValueError(f"unknown feature link backend {backend!r}")
+        group = dist.ProcessGroupGloo(prefixed, rank, 2, options)
+    elif backend == "nccl":  # not run on a GPU yet (docs/ARCHITECTURE.md "The direct feature path")
+        if device.index is not None:
+            torch.cuda.set_device(device)
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_options)
+    else:
+        raise ValueError(f"unknown feature link backend {backend!r}")
+    probe = torch.zeros(1, device=device if backend == "nccl" else "cpu")
+    work = group.send([probe], _RECEIVER, 0) if rank == _SENDER else group.recv([probe], _SENDER, 0)
+    work.wait(timeout)
+    return group
 
 
 class _Link:

@@ -230,8 +230,13 @@ class VerifierService:
             metadata.update(
                 link=link.link_id, seq=seq, shape=list(features.shape), dtype=str(features.dtype).removeprefix("torch.")
             )
-            work = await sending
-            await client.call("dspark.Drafter", "AppendContext", metadata)
+            # Not one after the other: a send may only return once the drafter receives (NCCL), after the metadata.
+            work, reply = await asyncio.gather(
+                sending, client.call("dspark.Drafter", "AppendContext", metadata), return_exceptions=True
+            )
+            for outcome in (reply, work):
+                if isinstance(outcome, BaseException):
+                    raise outcome
             await self.links.complete(link, work, features)
         except Exception as exc:
             await self.links.fail(address, link, exc, client)
