@@ -63,10 +63,11 @@ def served() -> Iterator[str]:
         initialize_head=True,
         head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1", "object_store_memory": 128 * 2**20},
     )
-    cluster.add_node(num_cpus=1, resources={"draft_pool": 1}, node_ip_address="127.0.0.1",
+    cluster.add_node(wait=False, num_cpus=1, resources={"draft_pool": 1}, node_ip_address="127.0.0.1",
                      object_store_memory=96 * 2**20)
-    cluster.add_node(num_cpus=2, resources={"verify_pool": 1}, node_ip_address="127.0.0.1",
+    cluster.add_node(wait=False, num_cpus=2, resources={"verify_pool": 1}, node_ip_address="127.0.0.1",
                      object_store_memory=96 * 2**20)
+    cluster.wait_for_nodes(timeout=180)  # generous: node start-up on a loaded 2-core machine
     ray.init(address=cluster.address)
     try:
         yield from _deploy()
