@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--policies", nargs="+", default=["autoregressive", "fixed-1", "full", "dspark"])
     p.add_argument("--groups", type=int, nargs="+", default=[1, 2], help="request groups (> 1: pipelined)")
+    p.add_argument("--feature-transport", choices=("grpc", "collective"), default="grpc",
+                   help="processes: context features as gRPC bytes, or over torch.distributed links (NCCL on GPUs)")
     p.add_argument("--prompts-dir", type=Path, required=True)
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mbpp"])
     p.add_argument("--max-tokens", type=int, default=96)
@@ -85,7 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 @contextmanager
-def _server(kind: str, target: Path, drafter: Path, device: str, dtype: str, sps: Path, slots: int) -> Iterator[str]:
+def _server(kind: str, target: Path, drafter: Path, device: str, dtype: str, sps: Path, slots: int,
+            transport: str) -> Iterator[str]:
     """A standalone ``dspark`` server process pinned to ``device``; yields its gRPC address."""
     env = dict(os.environ, PYTHONPATH=".", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if device.startswith("cuda"):
@@ -93,7 +96,7 @@ def _server(kind: str, target: Path, drafter: Path, device: str, dtype: str, sps
         device = "cuda"
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--target", str(target), "--draft", str(drafter),
            "--sps", str(sps), "--max-requests", str(slots), "--max-seq-len", str(MAX_SEQ_LEN), "--device", device,
-           "--dtype", dtype, "--grpc-port", "0", "--log-level", "warning"]
+           "--dtype", dtype, "--grpc-port", "0", "--log-level", "warning", "--feature-transport", transport]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         address = _wait_listening(proc, kind)
@@ -126,7 +129,7 @@ class _Replicas:
             "verifier_busy_s": verifier["engine_busy_s"],
             "scheduler_drafter_bytes": sum(c.bytes_sent + c.bytes_received for c in clients),
             "scheduler_verifier_bytes": self.verifier._client.bytes_sent + self.verifier._client.bytes_received,
-            "feature_bytes": verifier["feature_bytes_sent"],
+            "feature_bytes": verifier["feature_bytes_sent"] + verifier.get("feature_bytes_collective", 0),
         }
 
     def close(self) -> None:
@@ -205,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", *sys.argv]),
         "machine": f"{platform.node()}: {os.cpu_count()} CPUs"
         + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if gpu else ""),
-        "shape": args.shape, "dtype": dtype, "draft_device": args.draft_device, "verify_device": args.verify_device,
+        "shape": args.shape, "dtype": dtype, "feature_transport": args.feature_transport,
+        "draft_device": args.draft_device, "verify_device": args.verify_device,
         "prompts": mix.summary(), "rows": [],
     }
     with tempfile.TemporaryDirectory() as scratch:
@@ -245,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             if "processes" in args.layouts:
                 with (
-                    _server("draft-server", target_dir, draft_dir, args.draft_device, dtype, sps_path, slots) as da,
-                    _server("verify-server", target_dir, draft_dir, args.verify_device, dtype, sps_path, slots) as va,
+                    _server("draft-server", target_dir, draft_dir, args.draft_device, dtype, sps_path, slots,
+                            args.feature_transport) as da,
+                    _server("verify-server", target_dir, draft_dir, args.verify_device, dtype, sps_path, slots,
+                            args.feature_transport) as va,
                 ):
                     pool = DrafterPool([da])
                     remote = RemoteVerifier(va, pool.route_of)

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=["autoregressive", "dspark"])
     p.add_argument("--groups", type=int, nargs="+", default=[1, 2], help="scheduler.request_groups settings")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--feature-transport", choices=("grpc", "collective"), default="grpc",
+                   help="context features as gRPC bytes, or over torch.distributed links (NCCL on GPUs)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of load per level")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -68,7 +70,7 @@ def _free_port() -> int:
 
 
 def serve_config(target: Path, draft: Path, device: str, policy: str, groups: int, port: int,
-                 slots: int) -> dict[str, Any]:
+                 slots: int, transport: str = "grpc") -> dict[str, Any]:
     """deploy/serve_config.gpu.yaml with these models, one replica per pool, no secrets, test-sized limits."""
     config = yaml.safe_load((ROOT / "deploy" / "serve_config.gpu.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
@@ -80,7 +82,7 @@ def serve_config(target: Path, draft: Path, device: str, policy: str, groups: in
                           dtype="bfloat16" if gpu else "float32")
     for pool in ("draft_pool", "verify_pool"):
         args[pool].update(num_gpus=1 if gpu else 0, num_cpus=1)
-    args["engine"].update(max_requests=slots, max_seq_len=1024)
+    args["engine"].update(max_requests=slots, max_seq_len=1024, feature_transport=transport)
     args["scheduler"].update(policy=policy, request_groups=groups)
     args["network"] = {"grpc_timeout_s": 60}
     app["deployments"] = [{"name": name, "num_replicas": 1} for name in ("Verifier", "Drafter")
@@ -141,7 +143,7 @@ def run_setting(args: argparse.Namespace, target: Path, draft: Path, policy: str
     port = _free_port()
     path = scratch / f"serve_{policy}_{groups}.yaml"
     path.write_text(yaml.safe_dump(serve_config(target, draft, args.device, policy, groups, port,
-                                                max(args.concurrency))))
+                                                max(args.concurrency), args.feature_transport)))
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     log = (args.out_dir / f"serve_{policy}_{groups}.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(path)], env=env,
