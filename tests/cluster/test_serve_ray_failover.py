@@ -1,5 +1,6 @@
 """A Verifier replica process is killed while requests stream over HTTP: every client still completes with the
-target's greedy output, with no error and no duplicated or missing text (real multi-node local Ray cluster).
+target's greedy output, with no error and no duplicated or missing text (real multi-node local Ray cluster). The
+deployment uses the collective feature links and two request groups per verifier (both off by default).
 
 Two verifier replicas share the verify pool's node; ``ray.kill`` ends one replica actor (its process, its gRPC
 server and its KV caches) once every client has received text. The scheduler re-prefills the dead replica's
@@ -86,7 +87,10 @@ def _deploy() -> Iterator[str]:
 
     args = {
         "models": {"target": str(DEMO_TARGET), "draft": str(DEMO_DRAFT)},
-        "engine": {"max_requests": 8, "max_seq_len": 256},
+        # The non-default data plane options run here too, under Serve and through a replica's death: the
+        # context features over torch.distributed links (gloo), and pipelined request groups.
+        "engine": {"max_requests": 8, "max_seq_len": 256, "feature_transport": "collective"},
+        "scheduler": {"request_groups": 2},
         "draft_pool": {"resource": "draft_pool", "num_cpus": 0.5},
         "verify_pool": {"resource": "verify_pool", "num_cpus": 0.5},
         "network": {"grpc_timeout_s": 20},
@@ -150,3 +154,11 @@ def test_killing_a_verifier_replica_mid_stream_loses_nothing(served: str) -> Non
     # Serve replaces the dead replica and the replacement registers with the scheduler by heartbeat.
     _wait(lambda: _topology()["verifiers"] == 2 and victims[0] not in _verifier_actors(), 120,
           "a replacement verifier to register")
+    # The features really went over links (the gRPC pushes carried metadata only).
+    from ray import serve
+
+    from cluster.rpc import SyncRpcClient
+
+    address = serve.get_deployment_handle("Drafter", app_name="dspark").address.remote().result(timeout_s=30)
+    with SyncRpcClient(address, timeout_s=30) as drafter:
+        assert drafter.call("dspark.Drafter", "Info", {})["feature_links"] >= 1  # the surviving verifier's
