@@ -12,7 +12,6 @@ drafts the same tokens whatever else shares the batch, on any replica. The engin
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -22,6 +21,7 @@ import torch
 
 from cluster.graphs import DEFAULT_BUCKETS, check_graph_mode
 from cluster.sampling import SamplingParams
+from cluster.slot_lookups import SlotLookups
 from draft_service.graphs import UNIFORM_MAX, DraftGraphRunner
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import sample_block
@@ -109,8 +109,6 @@ class _Entry:
     seed: int
 
 
-_SLOT = operator.attrgetter("slot")
-LOOKUPS_KEPT = 8  # request lists whose lookups are kept (a round driver's request groups, a few at most)
 
 
 class DraftEngine:
@@ -145,7 +143,7 @@ class DraftEngine:
         self.calibration = calibration
         self._requests: dict[str, _Entry] = {}
         # Recent request lookups (entries, slots) by request ids, dropped when a request is added or released.
-        self._lookups: dict[tuple[str, ...], tuple[list[_Entry], np.ndarray]] = {}
+        self._lookups: SlotLookups[_Entry] = SlotLookups()
         # Per context slot, set when a request is added: the bucketed step gathers them with one index.
         self._slot_temperature = np.zeros(self.cache.num_slots, dtype=np.float32)
         self._slot_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # effective top-k, seed
@@ -302,21 +300,9 @@ class DraftEngine:
             return [self._get(req_id) for req_id in req_ids]  # raises UnknownDraftRequestError
 
     def _lookup(self, req_ids: Sequence[str]) -> tuple[list[_Entry], np.ndarray]:
-        """Entries and context slots (int64, read-only) of requests. A round asks for the same requests in the
-        same order several times (propose, then the context append, then the next propose; with request groups,
-        the same few lists in turn): the answers are kept until a request is added or released, so those cost
-        one tuple hash and comparison, not a lookup each."""
-        key = req_ids if type(req_ids) is tuple else tuple(req_ids)
-        found = self._lookups.get(key)
-        if found is not None:
-            return found
-        entries = self._entries(key)
-        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=len(entries))
-        slots.flags.writeable = False
-        if len(self._lookups) >= LOOKUPS_KEPT:
-            self._lookups.clear()
-        self._lookups[key] = entries, slots
-        return entries, slots
+        """Entries and context slots (int64, read-only) of requests, kept per request list
+        (:mod:`cluster.slot_lookups`: a round asks for the same lists several times)."""
+        return self._lookups.get(req_ids, self._entries)
 
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
         """Draft one block for every item in one batched backbone pass plus the sequential head."""

@@ -17,7 +17,6 @@ item never corrupts the running requests.
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -27,6 +26,7 @@ import torch
 
 from cluster.graphs import DEFAULT_BUCKETS, check_graph_mode
 from cluster.sampling import SamplingParams
+from cluster.slot_lookups import SlotLookups
 from kernels.rejection import RejectionOutput, rejection_sample_reference
 from verify_service.graphs import GraphItem, VerifyGraphRunner
 from verify_service.kv_cache import KVCapacityError, NoFreeSlotError
@@ -145,8 +145,6 @@ class _CheckedVerifies:
     any_distribution: bool  # whether some item carries a draft distribution
 
 
-_SLOT = operator.attrgetter("slot")
-LOOKUPS_KEPT = 8  # request lists whose lookups are kept (a round driver's request groups, a few at most)
 _NONE_TYPE = {type(None)}
 
 
@@ -187,7 +185,7 @@ class VerifyEngine:
         self.max_seq_len = max_seq_len
         self._requests: dict[str, _Slot] = {}
         # Recent request lookups (entries, slots) by request ids, dropped when a request is added or released.
-        self._lookups: dict[tuple[str, ...], tuple[list[_Slot], np.ndarray]] = {}
+        self._lookups: SlotLookups[_Slot] = SlotLookups()
         # Sampling parameters per KV slot, set at admission: the bucketed step gathers them with one index.
         self._sampling_float = np.zeros((self.cache.num_slots, 2), dtype=np.float32)  # temperature, top_p
         self._sampling_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # top_k, seed
@@ -329,21 +327,10 @@ class VerifyEngine:
         return _CheckedVerifies(entries, slots, lengths, num_drafts, tokens, any_distribution)
 
     def _lookup(self, req_ids: tuple[str, ...]) -> tuple[list[_Slot], np.ndarray]:
-        """Entries and KV slots (int64, read-only) of a step's verify requests; raises KeyError for an unknown
-        one. Consecutive rounds verify the same requests in the same order (or, with request groups, the same
-        few lists in turn): the answers are kept until a request is added or released, so a steady round
-        costs one tuple hash and comparison, not a lookup per request."""
-        found = self._lookups.get(req_ids)
-        if found is not None:
-            return found
+        """Entries and KV slots (int64, read-only) of a step's verify requests, kept per request list
+        (:mod:`cluster.slot_lookups`); raises KeyError for an unknown one."""
         requests = self._requests
-        entries = [requests[req_id] for req_id in req_ids]
-        slots = np.fromiter(map(_SLOT, entries), dtype=np.int64, count=len(entries))
-        slots.flags.writeable = False
-        if len(self._lookups) >= LOOKUPS_KEPT:
-            self._lookups.clear()
-        self._lookups[req_ids] = entries, slots
-        return entries, slots
+        return self._lookups.get(req_ids, lambda ids: [requests[req_id] for req_id in ids])
 
     def _valid_tokens(
         self,
