@@ -177,8 +177,9 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _wait_healthy(procs: list[subprocess.Popen[str]], url: str) -> None:
-    deadline = time.monotonic() + 300
+def wait_healthy(procs: list[subprocess.Popen], url: str, timeout_s: float = 300.0) -> None:
+    """Poll ``url``/health until 200; fails at once when a server process exits, and after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for proc in procs:
             if proc.poll() is not None:
@@ -191,7 +192,7 @@ def _wait_healthy(procs: list[subprocess.Popen[str]], url: str) -> None:
         time.sleep(0.3)
     for proc in procs:
         proc.kill()
-    raise SystemExit("server did not come up within 300 s")
+    raise SystemExit(f"server did not come up within {timeout_s:.0f} s")
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
@@ -201,7 +202,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
         command += ["--api-key", args.api_key]
     proc = subprocess.Popen(command, cwd=ROOT, text=True)
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy([proc], url)
+    wait_healthy([proc], url)
     return proc, url
 
 
@@ -230,7 +231,7 @@ def start_grpc_servers(args: argparse.Namespace) -> tuple[list[subprocess.Popen[
         command += ["--api-key", args.api_key]
     procs.append(subprocess.Popen(command, cwd=ROOT, text=True, env=env))
     url = f"http://127.0.0.1:{port}"
-    _wait_healthy(procs, url)
+    wait_healthy(procs, url)
     return procs, url
 
 

@@ -36,11 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_http import load_summary, run_load, scrape
+from bench_http import load_summary, run_load, scrape, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = ROOT / "models" / "demo" / "target"
@@ -120,20 +119,6 @@ class GpuSampler:
         return {f"gpu{i}": sum(v) / len(v) for i, v in samples.items()}
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], base: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"dspark serve exited with {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"dspark serve was not healthy after {timeout_s:.0f} s")
-
-
 def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 
@@ -152,7 +137,7 @@ def run_setting(args: argparse.Namespace, target: Path, draft: Path, policy: str
     rows = []
     try:
         started = time.monotonic()
-        _wait_healthy(proc, base, args.startup_timeout)
+        wait_healthy([proc], base, args.startup_timeout)
         print(f"{policy} groups={groups}: healthy after {time.monotonic() - started:.0f} s", flush=True)
         for concurrency in args.concurrency:
             load = argparse.Namespace(model="dspark-demo", api_key=None, concurrency=concurrency,
