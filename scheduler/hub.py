@@ -115,8 +115,9 @@ class SchedulerHub:
             pool = self._pool if self.policy != "autoregressive" else None
             release_stale(address, VERIFIER, self.token, self.timeout_s)
             route_of = pool.route_of if pool is not None else (lambda _req_id: None)
-            verifier = RemoteVerifier(address, route_of, token=self.token, timeout_s=self.timeout_s)
-            verifier.inline_features = pool is not None
+            verifier = RemoteVerifier(
+                address, route_of, token=self.token, timeout_s=self.timeout_s, inline_features=pool is not None
+            )
             if pool is not None:
                 try:
                     pool.require_projection(verifier.context_projection, address)

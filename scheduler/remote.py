@@ -39,6 +39,7 @@ class RemoteVerifier:
         *,
         token: str | None = None,
         timeout_s: float = 60.0,
+        inline_features: bool = True,
     ) -> None:
         self.address = address
         self._client = SyncRpcClient(address, token=token, timeout_s=timeout_s)
@@ -52,8 +53,8 @@ class RemoteVerifier:
         self._route_of = route_of
         self._held: set[str] = set()
         # Whether the round driver wants the context features of requests without a drafter route back (it
-        # appends them itself); a driver without a drafter sets False and the features stay on the replica.
-        self.inline_features = True
+        # appends them itself); a driver without a drafter says False and the features stay on the replica.
+        self.inline_features = inline_features
 
     @property
     def num_free_slots(self) -> int:

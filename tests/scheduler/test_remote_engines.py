@@ -84,8 +84,7 @@ def test_plain_decoding_over_grpc_leaves_the_features_on_the_verifier(services) 
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     received = {}
     for inline in (True, False):
-        remote = RemoteVerifier(servers[2].address, lambda _req_id: None)
-        remote.inline_features = inline
+        remote = RemoteVerifier(servers[2].address, lambda _req_id: None, inline_features=inline)
         engine = SpeculativeEngine(remote, None, make_policy("autoregressive", sps, 1))
         results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
         assert [r.token_ids for r in results] == target.generate(prompts, max_new_tokens=12)
