@@ -49,8 +49,8 @@ class SerialDrafter:
     """A draft engine behind one worker thread: calls run one at a time, in the order they were made.
 
     Every method waits for its call except :meth:`propose_async`, which returns the future of the proposal; calls
-    made meanwhile queue behind it. Attribute reads other than the slot count go to the engine directly (for
-    introspection; they are not ordered with the calls in flight).
+    made meanwhile queue behind it. Attribute reads (the slot count, introspection) go to the engine directly: they
+    are not ordered with the calls in flight.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -61,10 +61,6 @@ class SerialDrafter:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.engine.num_free_slots
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return self._thread.submit(fn, *args).result()
@@ -235,10 +231,13 @@ class PipelinedEngine(SpeculativeEngine):
             return
 
     # --------------------------------------------------------------------------------- request bookkeeping
-    def _free(self, req_id: str) -> None:
+    def _leave_group(self, req_id: str) -> None:
         g = self._group_of.pop(req_id, None)
         if g is not None:
             self._members[g].pop(req_id, None)
+
+    def _free(self, req_id: str) -> None:
+        self._leave_group(req_id)
         super()._free(req_id)
 
     def detach(self, req_ids: Iterable[str] | None = None) -> list[DetachedRequest]:
@@ -249,9 +248,7 @@ class PipelinedEngine(SpeculativeEngine):
         self._pending.clear()
         taken = super().detach(req_ids)
         for req in taken:
-            g = self._group_of.pop(req.req_id, None)
-            if g is not None:
-                self._members[g].pop(req.req_id, None)
+            self._leave_group(req.req_id)
         return taken
 
     def close(self) -> None:
