@@ -1,0 +1,141 @@
+"""Where the draft step's time goes: the captured propose step of the inflated demo drafter, kernel by kernel.
+
+The policy sweep (bench/bench_policies_gpu.py) measures a 2.1 ms draft step at 1 request for the demo drafter
+inflated into the Qwen3-4B shape (2 layers of width 2560, vocabulary 151936, Markov rank 256), several times
+what streaming its weights costs. This script builds the same DraftEngine (CUDA graphs captured), gives R
+requests a context of ``--context`` rows plus one staged per-round append (block + 1 rows, as in a steady round),
+and reports per R: the wall time of ``propose``, the device time of the replay, the weight-streaming floor
+(drafter bytes read per step / copy bandwidth) and a kernel table of one replay (torch.profiler).
+
+GPU:  PYTHONPATH=. python3 bench/profile_draft_gpu.py --out $OUT/draft_profile.json
+CPU:  PYTHONPATH=. python bench/profile_draft_gpu.py --small --device cpu --out /tmp/draft_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.bench_policies_gpu import SMALL_SHAPE, copy_bandwidth
+from bench.profile_verify_gpu import kernel_table
+from cluster.sampling import SamplingParams
+from draft_service.engine import ContextBatch, DraftEngine, DraftItem
+from draft_service.inflate import inflate_pair
+from verify_service.inflate import SHAPES
+
+MODELS = Path(__file__).resolve().parent.parent / "models" / "demo"
+
+
+def drafter_bytes(engine: DraftEngine) -> int:
+    """Bytes of the drafter's parameters a propose step reads at least once (the embedding table excepted:
+    it reads R x (block + 1) rows of it)."""
+    return sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters() if "embed" not in name)
+
+
+def profile_level(engine: DraftEngine, requests: int, context: int, temperature: float, iters: int) -> dict[str, Any]:
+    model, device = engine.model, engine.model.device
+    block = model.block_size
+    width = model.config.context_feature_size
+    ids = [f"r{requests}-{i}" for i in range(requests)]
+    for i, req_id in enumerate(ids):
+        engine.add_request(req_id, SamplingParams(temperature=temperature, seed=i))
+    rows = torch.randn((requests * context, width), dtype=model.dtype, device=device) * 0.1
+    engine.append_context(ContextBatch(ids, [0] * requests, [context] * requests, rows))
+    steady = torch.randn((requests * (block + 1), width), dtype=model.dtype, device=device) * 0.1
+    position = context
+
+    def one_round() -> None:
+        nonlocal position
+        # A steady round: the verifier committed block + 1 rows per request, staged by the bucketed append and
+        # written inside the next propose step's graph; then the drafts of the next block.
+        engine.append_context(ContextBatch(ids, [position] * requests, [block + 1] * requests, steady))
+        position += block + 1
+        engine.propose([DraftItem(req_id, 1, position) for req_id in ids])
+
+    for _ in range(3):
+        one_round()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    walls = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        one_round()
+        walls.append(time.perf_counter() - t0)
+    runner = engine.graphs
+    step = None
+    if runner is not None:
+        size = min(s for s in runner.sizes if s >= requests)
+        step = runner.steps[size]
+    table = kernel_table(one_round) if device.type == "cuda" else None
+    device_ms = None
+    if step is not None and device.type == "cuda":
+        runner.timed = True
+        before = step.time_s
+        for _ in range(iters):
+            one_round()
+        runner.timed = False
+        device_ms = 1000 * (step.time_s - before) / iters  # device time of the replays (mean)
+    for req_id in ids:
+        engine.release(req_id)
+    return {
+        "requests": requests,
+        "temperature": temperature,
+        "propose_wall_ms": 1000 * statistics.median(walls),
+        "device_ms": device_ms,
+        "kernels": table,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a small inflation (CPU smoke test)")
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--context", type=int, default=125, help="context rows per request (the sweep's median)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    shape = SMALL_SHAPE if args.small else SHAPES["qwen3-4b"]
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    pair = inflate_pair(MODELS / "target", MODELS / "draft_dspark", shape, dtype=dtype, device=device, seed=0)
+    assert pair.draft is not None
+    max_requests = max(args.requests)
+    max_seq = args.context + 8 * (pair.draft.block_size + 1) * (args.iters * 3 + 10)
+    graphs = "capture" if device.type == "cuda" else "static"
+    engine = DraftEngine(pair.draft, max_requests, max_seq, draft_top_k=16, graphs=graphs)
+    results: dict[str, Any] = {"device": str(device), "dtype": str(dtype), "shape": "small" if args.small else "4b"}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name()
+        bandwidth = copy_bandwidth(device, 1 << 30)["bytes_per_s"]
+        results["copy_bandwidth_gbps"] = bandwidth / 1e9
+        results["drafter_bytes"] = drafter_bytes(engine)
+        results["floor_ms"] = 1000 * results["drafter_bytes"] / bandwidth
+    levels = []
+    for temperature in args.temperatures:
+        for requests in tqdm(args.requests, desc=f"T={temperature}"):
+            levels.append(profile_level(engine, requests, args.context, temperature, args.iters))
+    results["levels"] = levels
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"drafter weights read per step: {results.get('drafter_bytes', 0) / 2**30:.2f} GiB, "
+          f"floor {results.get('floor_ms', float('nan')):.3f} ms")
+    for level in levels:
+        print(f"T={level['temperature']:.1f} R={level['requests']:4d}: propose wall {level['propose_wall_ms']:.3f} ms")
+        table = level["kernels"]
+        if table:
+            print(f"   {table['kernels']} kernels, {table['kernel_us']:.0f} us of kernel time; top:")
+            for row in table["top"][:10]:
+                print(f"     {row['us']:8.1f} us x{row['count']:4d}  {row['name']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
