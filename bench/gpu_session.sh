@@ -3,10 +3,9 @@
 # time limit so that a slow stage cannot starve the later ones. Run from the repository root on the GPU machine:
 #   bash bench/gpu_session.sh OUT_DIR [POLICY_SWEEP_SECONDS]
 # carrying the prompt sets in .data/prompts (humaneval.jsonl, mbpp.jsonl). Writes, under OUT_DIR:
-# gpu_tests.log, kernels.json, host.log, engine_gpu.json, policies.json, policies.log, policies_*.png; prints each
-# stage's table as it finishes. Pending since 2026-12-01 (no device time was left): the kernels stage measures the
-# inverse-CDF draw (and sweeps its launch sizes), the host stage the third host-time pass with its greedy check of
-# the features view through captured graphs, the policies stage the draft gate's probe backoff.
+# logs.txt (the GPU tests' and the host stage's output), kernels.json, draft_profile.json, engine_gpu.json,
+# policies.json, policies.log and policies_*.png (eight files: what one device call can bring back); prints each
+# stage's table as it finishes.
 set -uo pipefail
 out=${1:?usage: bench/gpu_session.sh OUT_DIR [POLICY_SWEEP_SECONDS]}
 sweep_s=${2:-200}
@@ -20,13 +19,16 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its ex
   echo "=== $name: exit $? after $((SECONDS - t0)) s"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-stage "GPU tests" 90 python3 -m pytest -q -x -p no:cacheprovider \
+stage "GPU tests" 120 python3 -m pytest -q -x -p no:cacheprovider \
   tests/scheduler/test_engine_graphs.py tests/scheduler/test_graph_capture_guard.py \
   tests/verify_service/test_fused_layers.py tests/kernels/test_kernels_rejection.py \
-  2>&1 | tail -n 25 | tee "$out/gpu_tests.log"
-stage "kernels" 100 python3 bench/bench_kernels.py --sweep cdf --tune --profile --out "$out/kernels.json"
+  tests/kernels/test_kernels_markov.py tests/draft_service/test_draft_sampling.py \
+  tests/draft_service/test_draft_slot_attention.py \
+  2>&1 | tail -n 25 | tee "$out/logs.txt"
+stage "kernels" 80 python3 bench/bench_kernels.py --profile --out "$out/kernels.json"
+stage "draft step" 60 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json"
 stage "host" 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
-  2>&1 | tail -n 20 | tee "$out/host.log"
+  2>&1 | tail -n 20 | tee -a "$out/logs.txt"
 stage "engine" 90 python3 -m bench.bench_engine_gpu --requests 1 8 32 128 --rounds 15 --warmup 3 \
   --out "$out/engine_gpu.json"
 stage "policies" $((sweep_s + 30)) python3 bench/bench_policies_gpu.py --prompts-dir .data/prompts \
