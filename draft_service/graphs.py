@@ -293,11 +293,7 @@ class DraftGraphRunner:
 
     def _write_context(self, rows: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """K/V of context rows [n, F] (features, or projected rows) into the cache at (slots[i], positions[i])."""
-        model, cache = self.model, self.cache
-        context = rows if self.projected else model.project_context(rows)
-        for layer_idx, (k, v) in enumerate(model.context_key_values(context, positions)):
-            cache.k[layer_idx, slots, positions] = k.to(cache.k.dtype)
-            cache.v[layer_idx, slots, positions] = v.to(cache.v.dtype)
+        self.model.write_context(self.cache, rows, slots, positions, projected=self.projected)
 
     @torch.no_grad()
     def _append_step(self, size: int) -> tuple[()]:

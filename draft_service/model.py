@@ -17,6 +17,7 @@ pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from draft_service.config import DraftConfig
 from draft_service.context_cache import DraftContextCache
 from draft_service.heads import ConfidenceHead, MarkovHead, build_markov_head
 from kernels.slot_attention import slot_attention_reference
+
+if TYPE_CHECKING:
+    from draft_service.fused import FusedDrafter
 
 ATTENTION_BACKENDS = ("torch", "triton", "reference")
 
@@ -243,6 +247,25 @@ class DSparkDraftModel(nn.Module):
             ConfidenceHead(config.confidence_input_size) if config.enable_confidence_head else None
         )
         self._attention_backend: str | None = None
+        self.fused: bool | None = None  # fused layer kernels for inference: None = on CUDA with the triton backend
+        self._fused: FusedDrafter | None = None
+
+    @property
+    def use_fused(self) -> bool:
+        """Whether the inference paths (context append, ``backbone_slots``) run the fused layer kernels
+        (:mod:`draft_service.fused`); training (``forward_blocks``) always runs the modules."""
+        if self.fused is not None:
+            return self.fused
+        # the fused projections are bias-free (Qwen3's): a drafter with attention bias keeps the modules
+        return self.device.type == "cuda" and self.attention_backend == "triton" and not self.config.attention_bias
+
+    def _fused_drafter(self) -> FusedDrafter:
+        """Built at first use, on the model's device (the modules' projection weights become views of it)."""
+        if self._fused is None:
+            from draft_service.fused import FusedDrafter
+
+            self._fused = FusedDrafter(self)
+        return self._fused
 
     @property
     def attention_backend(self) -> str:
@@ -293,13 +316,38 @@ class DSparkDraftModel(nn.Module):
 
         Exposed separately because the verifier may apply it before shipping (1/m of the bytes on the wire).
         """
+        self._check_feature_width(features)
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    def _check_feature_width(self, features: torch.Tensor) -> None:
         if features.shape[-1] != self.config.context_feature_size:
             raise ValueError(
                 f"context features have width {features.shape[-1]}, expected m*H = "
                 f"{self.config.context_feature_size} (target_layer_ids={list(self.config.target_layer_ids)}, "
                 f"hidden_size={self.config.hidden_size})"
             )
-        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    def write_context(
+        self,
+        cache: DraftContextCache,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        projected: bool = False,
+    ) -> None:
+        """Every draft layer's K/V of context rows [n, m*H] (or [n, H] already projected) into ``cache`` at
+        (slots[i], positions[i]) (device tensors [n]); lengths are the caller's. Unchecked and free of host
+        syncs: the CUDA-graph draft step captures it."""
+        if self.use_fused:
+            fused = self._fused_drafter()
+            context = rows.to(self.dtype) if projected else fused.project_context(rows)
+            fused.write_context(cache, context, slots, positions)
+            return
+        context = rows.to(self.dtype) if projected else self.project_context(rows)
+        for layer_idx, (k, v) in enumerate(self.context_key_values(context, positions)):
+            cache.k[layer_idx, slots, positions] = k.to(cache.k.dtype)
+            cache.v[layer_idx, slots, positions] = v.to(cache.v.dtype)
 
     def context_key_values(
         self, projected: torch.Tensor, positions: torch.Tensor
@@ -341,21 +389,14 @@ class DSparkDraftModel(nn.Module):
             )
         if rows.shape[0] == 0:
             return
-        if projected:
-            if rows.shape[-1] != self.config.hidden_size:
-                raise ValueError(
-                    f"projected context has width {rows.shape[-1]}, expected {self.config.hidden_size}"
-                )
-            ctx = rows.to(self.dtype)
-        else:
-            ctx = self.project_context(rows)
+        if projected and rows.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"projected context has width {rows.shape[-1]}, expected {self.config.hidden_size}")
+        if not projected:
+            self._check_feature_width(rows)
         row_req = torch.repeat_interleave(torch.arange(slots_t.numel()), counts)
         positions = cache.lengths[slots_t][row_req] + (torch.arange(rows.shape[0]) - cu[:-1][row_req])
         dev = cache.device
-        slot_rows, pos_rows = slots_t[row_req].to(dev), positions.to(dev)
-        for layer_idx, (k, v) in enumerate(self.context_key_values(ctx.to(dev), positions.to(dev))):
-            cache.k[layer_idx, slot_rows, pos_rows] = k.to(cache.k.dtype)
-            cache.v[layer_idx, slot_rows, pos_rows] = v.to(cache.v.dtype)
+        self.write_context(cache, rows.to(dev), slots_t[row_req].to(dev), positions.to(dev), projected=projected)
         cache.lengths[slots_t] = new_lengths
 
     # ---- backbone -----------------------------------------------------------------------------------------
@@ -438,6 +479,10 @@ class DSparkDraftModel(nn.Module):
         backend = backend or self.attention_backend
         if backend == "torch":
             raise ValueError("backbone_slots needs a kernel attention backend ('triton' or 'reference')")
+        if self.use_fused:
+            return self._fused_drafter().backbone_slots(
+                x, cos, sin, cache, slots, context_lens, _slot_attention_impl(backend)
+            )
         for layer_idx, layer in enumerate(self.layers):
             x = layer.forward_slots(
                 x, cos, sin, cache.k[layer_idx], cache.v[layer_idx], slots, context_lens, backend

@@ -17,6 +17,8 @@ to the last bit in almost every element. Float32 models compute in float32 throu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -164,10 +166,13 @@ def qk_norm_rope_store(
 ) -> torch.Tensor:
     """q/k RMSNorm + rotary embedding of the fused projection qkv [N, (Hq + 2 Hkv) * D]; writes k and v into one
     layer's cache [S, T, Hkv, D] at (token_slots[i], positions[i]) and returns q [N, Hq, D]. cos, sin: [N, D];
-    qk_norm_weight: [2, D] (q_norm's weight, then k_norm's)."""
+    qk_norm_weight: [2, D] (q_norm's weight, then k_norm's). ``num_heads`` 0: qkv holds k and v only (a drafter's
+    context append: keys normalised, rotated and stored, values stored)."""
     num = qkv.shape[0]
     head_dim = k_cache.shape[-1]
-    q = torch.empty((num, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    # At least one head's room, so that the kernel never gets an empty (null) pointer; returned as [N, Hq, D].
+    q_room = torch.empty((num, max(num_heads, 1), head_dim), dtype=qkv.dtype, device=qkv.device)
+    q = q_room[:, :num_heads]
     if num == 0:
         return q
     if head_dim & (head_dim - 1):
@@ -182,9 +187,9 @@ def qk_norm_rope_store(
         cos,
         sin,
         cos.stride(0),
-        q,
-        q.stride(0),
-        q.stride(1),
+        q_room,
+        q_room.stride(0),
+        q_room.stride(1),
         k_cache,
         v_cache,
         k_cache.stride(0),
@@ -225,3 +230,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
     )
     return out
+
+
+def stack_into_views(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
+    """Stack the Linear weights along the output axis into one tensor (the fused projections' weight) and make
+    each module's weight a view of it, so that nothing is held twice; ``requires_grad`` is kept."""
+    stacked = torch.cat([lin.weight.detach() for lin in linears])
+    offset = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(stacked[offset : offset + rows], requires_grad=lin.weight.requires_grad)
+        offset += rows
+    return stacked

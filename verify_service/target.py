@@ -274,14 +274,16 @@ class TargetModel:
         """Per layer: the q/k/v and gate/up projections as one weight each (built once; the HF modules' weights
         become views into them, so nothing is held twice) and the q/k norm weights side by side."""
         if self._fused_layers is None:
+            from kernels.fused_layer_triton import stack_into_views
+
             layers = []
             for layer in self.hf_model.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 projections = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
                 if any(p.bias is not None for p in projections):
                     raise ValueError("TargetModel: fused layers need bias-free projections (set fused = False)")
-                qkv = _concat_into_views([attn.q_proj, attn.k_proj, attn.v_proj])
-                gate_up = _concat_into_views([mlp.gate_proj, mlp.up_proj])
+                qkv = stack_into_views([attn.q_proj, attn.k_proj, attn.v_proj])
+                gate_up = stack_into_views([mlp.gate_proj, mlp.up_proj])
                 qk_norm = torch.stack([attn.q_norm.weight, attn.k_norm.weight])
                 layers.append(_FusedLayer(qkv, gate_up, qk_norm))
             self._fused_layers = layers
@@ -428,17 +430,6 @@ class _FusedLayer:
     qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]: q_proj, k_proj, v_proj weights stacked
     gate_up: torch.Tensor  # [2 I, H]: gate_proj, up_proj weights stacked
     qk_norm: torch.Tensor  # [2, D]: q_norm, k_norm weights
-
-
-def _concat_into_views(linears: Sequence[torch.nn.Linear]) -> torch.Tensor:
-    """Stack the Linear weights along the output axis into one tensor and make each weight a view of it."""
-    stacked = torch.cat([lin.weight.detach() for lin in linears])
-    offset = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = torch.nn.Parameter(stacked[offset : offset + rows], requires_grad=False)
-        offset += rows
-    return stacked
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
