@@ -138,6 +138,8 @@ class DraftGraphRunner:
         self._padding, self._where_padding = self._host_np.copy(), self._where_np.copy()
         self._upload()
         self._dev_where.copy_(self._host_where, non_blocking=True)
+        if model.use_fused:
+            model.fused_drafter()  # the stacked weights, made before any warm-up or capture
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         self.steps: dict[int, GraphStep] = {}
         self.append_steps: dict[int, GraphStep] = {}

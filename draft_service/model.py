@@ -259,7 +259,7 @@ class DSparkDraftModel(nn.Module):
         # the fused projections are bias-free (Qwen3's): a drafter with attention bias keeps the modules
         return self.device.type == "cuda" and self.attention_backend == "triton" and not self.config.attention_bias
 
-    def _fused_drafter(self) -> FusedDrafter:
+    def fused_drafter(self) -> FusedDrafter:
         """Built at first use, on the model's device (the modules' projection weights become views of it)."""
         if self._fused is None:
             from draft_service.fused import FusedDrafter
@@ -340,7 +340,7 @@ class DSparkDraftModel(nn.Module):
         (slots[i], positions[i]) (device tensors [n]); lengths are the caller's. Unchecked and free of host
         syncs: the CUDA-graph draft step captures it."""
         if self.use_fused:
-            fused = self._fused_drafter()
+            fused = self.fused_drafter()
             context = rows.to(self.dtype) if projected else fused.project_context(rows)
             fused.write_context(cache, context, slots, positions)
             return
@@ -480,7 +480,7 @@ class DSparkDraftModel(nn.Module):
         if backend == "torch":
             raise ValueError("backbone_slots needs a kernel attention backend ('triton' or 'reference')")
         if self.use_fused:
-            return self._fused_drafter().backbone_slots(
+            return self.fused_drafter().backbone_slots(
                 x, cos, sin, cache, slots, context_lens, _slot_attention_impl(backend)
             )
         for layer_idx, layer in enumerate(self.layers):
