@@ -72,8 +72,14 @@ class _MeasuredCost:
 
 
 def _capped(confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
-    """Zero the confidences past each request's cap: a zero survival probability is never admitted."""
+    """Zero the confidences past each request's cap: a zero survival probability is never admitted.
+
+    Usually no cap is below the block (caps bind only in a request's last rounds): then nothing is zeroed and
+    the confidences go on as they are, without building the masked copy (a few us a round at small R).
+    """
     gamma = confidences.shape[1]
+    if max_lengths.size and int(max_lengths.min()) >= gamma:
+        return confidences
     positions = np.arange(gamma)[None, :]
     return np.where(positions < max_lengths[:, None], confidences, 0.0)
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 FORMAT = "dspark-sps/1"
+MEMO_ENTRIES = 64  # derived arrays kept per table (SPSTable.memo), each about 2 * R * gamma floats
 
 Timer = Callable[[Callable[[], object]], float]
 """Runs a thunk once and returns the seconds it took (wall clock by default; CUDA events on GPUs)."""
@@ -101,6 +103,8 @@ class SPSTable:
         self.dtype = dtype
         self._dense = np.empty(0, dtype=np.float64)
         self._dense_step_time = np.empty(0, dtype=np.float64)
+        self._memo: dict[Hashable, Any] = {}
+        self._memo_lock = threading.Lock()
 
     def __repr__(self) -> str:
         points = ", ".join(f"{b}:{s:.4g}" for b, s in zip(self.batch_sizes, self.steps_per_s, strict=True))
@@ -138,6 +142,20 @@ class SPSTable:
         if max_batch_tokens >= self._dense_step_time.size:
             self._grow(max_batch_tokens)
         return self._dense_step_time
+
+    def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()`` cached under ``key``: per-table derivatives the scheduler would otherwise recompute every
+        round (Algorithm 1's price curve for one R and draft cost, the gate's round times). The table never
+        changes after construction, so an entry never goes stale; the oldest go once ``MEMO_ENTRIES`` are held
+        (R and a measured draft cost change while serving)."""
+        value = self._memo.get(key)
+        if value is None:
+            value = build()
+            with self._memo_lock:  # eviction iterates the dict: not while another thread inserts
+                if len(self._memo) >= MEMO_ENTRIES:
+                    del self._memo[next(iter(self._memo))]
+                self._memo[key] = value
+        return value
 
     def to_dict(self) -> dict[str, Any]:
         return {
