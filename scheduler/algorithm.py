@@ -63,7 +63,9 @@ import numpy as np
 from scheduler.sps import SPSTable
 
 _TINY = 2.0**-960
-_minimum, _maximum = np.minimum.reduce, np.maximum.reduce
+# Reductions called as ufunc methods: ndarray.min / sum / cumsum and np.count_nonzero(axis=) wrap them in Python
+# layers that cost more than the work itself on the few hundred elements of a small-R round.
+_minimum, _maximum, _add, _accumulate = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.add.accumulate
 # Fast-path margins (see _every_step_improves): far above float64 rounding (~1e-16 per operation, 3 * n * 1e-16
 # over a sum of n <= _FAST_PATH_MAX_ITEMS survivals), far below any gain that matters to the decision.
 _MARGIN = 1e-9
@@ -134,7 +136,6 @@ def validate_confidences(confidences: np.ndarray) -> np.ndarray:
         raise ValueError(f"confidences must have shape [R, gamma], got shape {conf.shape}")
     if not _is_real(conf.dtype):
         raise ValueError(f"confidences must be real numbers, got dtype {conf.dtype}")
-    # The reductions themselves, not ndarray.min/max (their Python wrappers cost more than a small array).
     if conf.size and not (_minimum(conf, axis=None) >= 0 and _maximum(conf, axis=None) <= 1):  # NaN fails both
         bad = np.argwhere(~((conf >= 0) & (conf <= 1)))[0]
         raise ValueError(
@@ -178,8 +179,9 @@ def _workspace() -> _Workspace:
     return workspace
 
 
-def _survival(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, int]:
-    """Survival probabilities a[r, j] (flat, index j * R + r; below _TINY flushed to 0) and how many are > 0."""
+def _survival(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, int, float]:
+    """Survival probabilities a[r, j] (flat, index j * R + r; below _TINY flushed to 0), how many are > 0 and
+    the smallest of those (1.0 if none). Usually none is below _TINY: one minimum then answers all three."""
     num_requests, gamma = conf.shape
     n = num_requests * gamma
     ws.ensure(n)
@@ -187,30 +189,34 @@ def _survival(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, int]:
     grid = survival.reshape(gamma, num_requests)
     np.copyto(grid, conf.T)
     np.multiply.accumulate(grid, axis=0, out=grid)
+    if n == 0:
+        return survival, 0, 1.0
+    smallest = float(_minimum(survival))
+    if smallest >= _TINY:
+        return survival, n, smallest
     np.copyto(survival, 0.0, where=survival < _TINY)
-    return survival, int(np.count_nonzero(survival))
+    return survival, int(np.count_nonzero(survival)), float(survival.min(initial=1.0, where=survival > 0))
 
 
 def _walk_order(survival: np.ndarray, n_pos: int, ws: _Workspace) -> np.ndarray:
     """The walk: flat indices j * R + r of the n_pos positive survivals in Algorithm 1's order."""
     n = survival.size
     # Key = high bits of ~float_bits(a) (descending a) | flat index j * R + r (position asc, then request
-    # asc).
-    shift = np.uint64(max(1, (n - 1).bit_length()))
+    # asc): the low `shift` bits of ~float_bits(a) are cleared (x & ~low, i.e. (x >> shift) << shift) for the index.
+    low = (1 << max(1, (n - 1).bit_length())) - 1
     keys = ws.keys[:n]
     np.invert(survival.view(np.uint64), out=keys)
-    np.right_shift(keys, shift, out=keys)
-    np.left_shift(keys, shift, out=keys)
+    np.bitwise_and(keys, np.uint64(low ^ 0xFFFF_FFFF_FFFF_FFFF), out=keys)
     np.bitwise_or(keys, ws.index[:n], out=keys)
     keys.sort()
     order = ws.order[:n_pos]
-    np.bitwise_and(keys[:n_pos], np.uint64((1 << int(shift)) - 1), out=order)
+    np.bitwise_and(keys[:n_pos], np.uint64(low), out=order)
     return order.view(np.int64)
 
 
 def _sorted_walk(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, np.ndarray, int]:
     """Survival probabilities (flat, index j * R + r) and the walk order over the n_pos positive ones."""
-    survival, n_pos = _survival(conf, ws)
+    survival, n_pos, _ = _survival(conf, ws)
     return survival, _walk_order(survival, n_pos, ws), n_pos
 
 
@@ -247,11 +253,11 @@ def _prices(sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamm
     return sps.memo(("algorithm1", draft_cost, num_requests, gamma), build)
 
 
-def _every_step_improves(survival: np.ndarray, n_pos: int, num_requests: int, prices: _Prices) -> bool:
+def _every_step_improves(survival: np.ndarray, n_pos: int, smallest: float, num_requests: int, prices: _Prices) -> bool:
     """A sufficient test, without the sort, that Theta strictly improves at EVERY step of the walk as computed.
 
     Then the early stop admits all n_pos positive items (and the global argmax of Theta is the last prefix),
-    whatever their order. Claim: if a_min > (R + S)(1 + m)(G + m), with a_min the smallest positive survival,
+    whatever their order. Claim: if a_min > (R + S)(1 + m)(G + m), with a_min = ``smallest`` positive survival,
     S the sum of all of them, G = growth[n_pos] and m = _MARGIN = 1e-9, every step n = 1..n_pos has
     Theta_n > Theta_{n-1} in float64.
 
@@ -269,17 +275,13 @@ def _every_step_improves(survival: np.ndarray, n_pos: int, num_requests: int, pr
     """
     if n_pos > _FAST_PATH_MAX_ITEMS:
         return False
-    smallest = (
-        _minimum(survival, axis=None) if n_pos == survival.size else survival.min(initial=1.0, where=survival > 0)
-    )
-    bound = (num_requests + float(survival.sum())) * (1.0 + _MARGIN) * (float(prices.growth[n_pos]) + _MARGIN)
+    bound = (num_requests + float(_add(survival))) * (1.0 + _MARGIN) * (float(prices.growth[n_pos]) + _MARGIN)
     return bool(smallest > bound)
 
 
 def _positive_counts(survival: np.ndarray, num_requests: int) -> np.ndarray:
     """l_r when every positive item is admitted: survival is non-increasing in j, so a prefix of each row."""
-    grid = survival.reshape(-1, num_requests)
-    return np.count_nonzero(grid, axis=0).astype(np.int64, copy=False)
+    return _add(survival.reshape(-1, num_requests) > 0, axis=0, dtype=np.int64)
 
 
 def _theta_path(
@@ -290,7 +292,7 @@ def _theta_path(
     theta = ws.theta[: n_pos + 1]
     theta[0] = num_requests
     np.take(survival, order, out=theta[1:])
-    np.cumsum(theta, out=theta)  # tau_n = R + sum of the first n survivals
+    _accumulate(theta, out=theta)  # tau_n = R + sum of the first n survivals (sequentially, in walk order)
     if prices.divide:
         np.divide(theta, prices.factor[: n_pos + 1], out=theta)
     else:
@@ -338,9 +340,9 @@ def schedule_lengths(
     if num_requests == 0 or gamma == 0:
         return np.zeros(num_requests, dtype=np.int64)
     ws = _workspace()
-    survival, n_pos = _survival(conf, ws)
+    survival, n_pos, smallest = _survival(conf, ws)
     prices = _prices(sps, draft_cost, num_requests, gamma)
-    if n_pos == 0 or _every_step_improves(survival, n_pos, num_requests, prices):
+    if n_pos == 0 or _every_step_improves(survival, n_pos, smallest, num_requests, prices):
         return _positive_counts(survival, num_requests)
     order = _walk_order(survival, n_pos, ws)
     theta = _theta_path(survival, order, num_requests, prices, ws)

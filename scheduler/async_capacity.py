@@ -61,7 +61,7 @@ def admit_top_k(confidences: np.ndarray, capacity: int) -> np.ndarray:
     if num_requests == 0 or conf.shape[1] == 0:
         return np.zeros(num_requests, dtype=np.int64)
     ws = _workspace()
-    survival, n_pos = _survival(conf, ws)
+    survival, n_pos, _ = _survival(conf, ws)
     if capacity >= n_pos:  # every positive item fits: no order needed
         return _positive_counts(survival, num_requests)
     return _lengths_of_prefix(_walk_order(survival, n_pos, ws), int(capacity), num_requests, ws)
@@ -81,9 +81,9 @@ def _lengths_and_plan(
     if num_requests == 0 or gamma == 0:
         return np.zeros(num_requests, dtype=np.int64), 0
     ws = _workspace()
-    survival, n_pos = _survival(conf, ws)
+    survival, n_pos, smallest = _survival(conf, ws)
     prices = _prices(sps, draft_cost, num_requests, gamma)
-    if n_pos == 0 or _every_step_improves(survival, n_pos, num_requests, prices):
+    if n_pos == 0 or _every_step_improves(survival, n_pos, smallest, num_requests, prices):
         if capacity is None or capacity >= n_pos:
             return _positive_counts(survival, num_requests), n_pos
         return _lengths_of_prefix(_walk_order(survival, n_pos, ws), capacity, num_requests, ws), n_pos

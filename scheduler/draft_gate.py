@@ -97,9 +97,11 @@ class DraftGate:
         self.decisions = 0  # rounds decided (for reports)
         self.skipped = 0  # rounds that skipped the drafter
 
-    def observe(self, confidences: np.ndarray) -> None:
-        """Fold a drafted round's confidences [R, gamma] (uncapped) into Q."""
-        conf = validate_confidences(confidences).astype(np.float64, copy=False)
+    def observe(self, confidences: np.ndarray, *, validated: bool = False) -> None:
+        """Fold a drafted round's confidences [R, gamma] (uncapped) into Q. ``validated``: the caller has just
+        passed this very array through ``validate_confidences`` (the policies' schedule did), so it is not
+        checked twice in a round."""
+        conf = (confidences if validated else validate_confidences(confidences)).astype(np.float64, copy=False)
         rows, gamma = conf.shape
         if rows == 0 or gamma == 0:
             return
@@ -109,11 +111,12 @@ class DraftGate:
         else:
             weight = min(1.0, rows / self.history_rows)
             self._curve = (1.0 - weight) * self._curve + weight * curve
-        np.cumsum(self._curve, out=self._cumulative[1:])
+        np.add.accumulate(self._curve, out=self._cumulative[1:])  # np.cumsum, without its Python wrapper
 
     def _curve_of(self, conf: np.ndarray) -> np.ndarray:
         """One round's Q: its R * gamma survivals sorted descending, sampled at K evenly spaced ranks."""
-        survival = np.sort(np.cumprod(conf, axis=1), axis=None)
+        survival = np.multiply.accumulate(conf, axis=1).ravel()  # np.cumprod into a fresh array, sorted in place
+        survival.sort()
         return survival[self._sorted_ranks(survival.size)]
 
     def _sorted_ranks(self, size: int) -> np.ndarray:
@@ -132,12 +135,12 @@ class DraftGate:
         if num_requests == 0 or self._curve is None:
             return None
         gamma, points = self._gamma, self.curve_points
-        admissible = int(np.minimum(caps, gamma).clip(min=0).sum()) / (num_requests * gamma)
+        admissible = int(np.add.reduce(np.maximum(np.minimum(caps, gamma), 0))) / (num_requests * gamma)
         steps = round(admissible * points)
         share = num_requests * gamma / points  # drafts admitted per step of the fluid walk
         tau = num_requests + share * self._cumulative[: steps + 1]
         round_time, ar_rate = self._round_times(num_requests, steps)
-        return float((tau / round_time).max()), ar_rate
+        return float(np.maximum.reduce(tau / round_time)), ar_rate
 
     def _round_times(self, num_requests: int, steps: int) -> tuple[np.ndarray, float]:
         """Round time of each step 0..steps of the fluid walk, and Theta_ar: functions of R, the step count, the
