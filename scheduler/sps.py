@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -104,7 +103,6 @@ class SPSTable:
         self._dense = np.empty(0, dtype=np.float64)
         self._dense_step_time = np.empty(0, dtype=np.float64)
         self._memo: dict[Hashable, Any] = {}
-        self._memo_lock = threading.Lock()
 
     def __repr__(self) -> str:
         points = ", ".join(f"{b}:{s:.4g}" for b, s in zip(self.batch_sizes, self.steps_per_s, strict=True))
@@ -146,16 +144,18 @@ class SPSTable:
     def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """``build()`` cached under ``key``: per-table derivatives the scheduler would otherwise recompute every
         round (Algorithm 1's price curve for one R and draft cost, the gate's round times). The table never
-        changes after construction, so an entry never goes stale; the oldest go once ``MEMO_ENTRIES`` are held
-        (R and a measured draft cost change while serving)."""
+        changes after construction, so an entry never goes stale; all go once ``MEMO_ENTRIES`` are held (R and a
+        measured draft cost change while serving, so keys come and go)."""
         value = self._memo.get(key)
         if value is None:
-            value = build()
-            with self._memo_lock:  # eviction iterates the dict: not while another thread inserts
-                if len(self._memo) >= MEMO_ENTRIES:
-                    del self._memo[next(iter(self._memo))]
-                self._memo[key] = value
+            if len(self._memo) >= MEMO_ENTRIES:
+                self._memo.clear()  # atomic, unlike evicting one entry, when several threads schedule at once
+            value = self._memo[key] = build()
         return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled / copied without the memo: it is rebuilt on demand where the table is used."""
+        return {**self.__dict__, "_memo": {}}
 
     def to_dict(self) -> dict[str, Any]:
         return {

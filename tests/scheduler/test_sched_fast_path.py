@@ -8,6 +8,7 @@ must not move a single decision, and where they keep a float (Theta, the gate's 
 
 from __future__ import annotations
 
+import pickle
 from collections import deque
 
 import numpy as np
@@ -284,8 +285,9 @@ def test_price_curves_are_cached_per_table_cost_and_shape() -> None:
     assert algorithm._prices(sps, DraftCost(fixed_s=1e-3), 8, 7) is first  # equal costs share the entry
     assert algorithm._prices(sps, DraftCost(fixed_s=2e-3), 8, 7) is not first
     assert algorithm._prices(sps, DraftCost(fixed_s=1e-3), 9, 7) is not first
-    for r in range(200):  # bounded: old entries go, the answers stay the same
+    for r in range(200):  # bounded: entries go, the answers stay the same
         algorithm._prices(sps, None, r + 1, 7)
     again = algorithm._prices(sps, DraftCost(fixed_s=1e-3), 8, 7)
     np.testing.assert_array_equal(again.factor, first.factor)
     np.testing.assert_array_equal(again.growth, first.growth)
+    assert len(pickle.loads(pickle.dumps(sps))._memo) == 0 < len(sps._memo)  # the memo does not travel
