@@ -160,7 +160,6 @@ class _Workspace:
         self.index = np.arange(cap, dtype=np.uint64)
         self.order = np.empty(cap, dtype=np.uint64)
         self.theta = np.empty(cap + 1, dtype=np.float64)
-        self.round_time = np.empty(cap + 1, dtype=np.float64)
         self.improving = np.empty(cap, dtype=np.bool_)
         self.requests = np.empty(cap, dtype=np.uint64)
 
