@@ -40,6 +40,12 @@ The draft-cost term keeps this property because the round time T_draft(R, B) + 1
 only through the number of admitted items (B = R + n): Theta_n is still a function of the first n items of the
 walk.
 
+Fast path (every step improves): at small R the walk is dominated by fixed per-call costs, and when the SPS
+curve is nearly flat over the batch sizes the round can reach (B = R .. R + n_pos) every positive item improves
+Theta, so the early stop admits all of them and l_r = the number of positive survivals of request r; then the
+sort, the Theta path and the bincount are skipped (:func:`_every_step_improves` states and proves the test).
+The decision is the same as the walk's, bit for bit (tests/scheduler/test_sched_fast_path.py).
+
 Zero survival is never admitted. Survivals below 2^-960 are treated as zero: added to tau >= 1 they round to
 nothing, so Theta could not improve there (SPS is non-increasing in B and the draft cost non-decreasing) and
 the walk would stop at them anyway; flushing them makes zeros sort strictly last. Empty batches (R = 0) return
@@ -57,6 +63,13 @@ import numpy as np
 from scheduler.sps import SPSTable
 
 _TINY = 2.0**-960
+# Reductions called as ufunc methods: ndarray.min / sum / cumsum and np.count_nonzero(axis=) wrap them in Python
+# layers that cost more than the work itself on the few hundred elements of a small-R round.
+_minimum, _maximum, _add, _accumulate = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.add.accumulate
+# Fast-path margins (see _every_step_improves): far above float64 rounding (~1e-16 per operation, 3 * n * 1e-16
+# over a sum of n <= _FAST_PATH_MAX_ITEMS survivals), far below any gain that matters to the decision.
+_MARGIN = 1e-9
+_FAST_PATH_MAX_ITEMS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -104,16 +117,26 @@ class GreedyPath:
     stop: int
 
 
+_real_dtypes: dict[np.dtype, bool] = {}  # dtype -> accepted (np.issubdtype is ~1 us a call, twice per check)
+
+
+def _is_real(dtype: np.dtype) -> bool:
+    real = _real_dtypes.get(dtype)
+    if real is None:
+        real = _real_dtypes[dtype] = dtype != np.bool_ and (
+            np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)
+        )
+    return real
+
+
 def validate_confidences(confidences: np.ndarray) -> np.ndarray:
     """`confidences` as a 2-D real array, or ValueError (NaN, inf, outside [0, 1], bad shape)."""
     conf = np.asarray(confidences)
     if conf.ndim != 2:
         raise ValueError(f"confidences must have shape [R, gamma], got shape {conf.shape}")
-    if conf.dtype == np.bool_ or not (
-        np.issubdtype(conf.dtype, np.floating) or np.issubdtype(conf.dtype, np.integer)
-    ):
+    if not _is_real(conf.dtype):
         raise ValueError(f"confidences must be real numbers, got dtype {conf.dtype}")
-    if conf.size and not (conf.min() >= 0 and conf.max() <= 1):  # NaN fails both comparisons
+    if conf.size and not (_minimum(conf, axis=None) >= 0 and _maximum(conf, axis=None) <= 1):  # NaN fails both
         bad = np.argwhere(~((conf >= 0) & (conf <= 1)))[0]
         raise ValueError(
             f"confidences must be finite and in [0, 1]; got {conf[tuple(bad)]!r} at request {bad[0]}, "
@@ -137,7 +160,6 @@ class _Workspace:
         self.index = np.arange(cap, dtype=np.uint64)
         self.order = np.empty(cap, dtype=np.uint64)
         self.theta = np.empty(cap + 1, dtype=np.float64)
-        self.round_time = np.empty(cap + 1, dtype=np.float64)
         self.improving = np.empty(cap, dtype=np.bool_)
         self.requests = np.empty(cap, dtype=np.uint64)
 
@@ -156,8 +178,9 @@ def _workspace() -> _Workspace:
     return workspace
 
 
-def _sorted_walk(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, np.ndarray, int]:
-    """Survival probabilities (flat, index j * R + r) and the walk order over the n_pos positive ones."""
+def _survival(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, int, float]:
+    """Survival probabilities a[r, j] (flat, index j * R + r; below _TINY flushed to 0), how many are > 0 and
+    the smallest of those (1.0 if none). Usually none is below _TINY: one minimum then answers all three."""
     num_requests, gamma = conf.shape
     n = num_requests * gamma
     ws.ensure(n)
@@ -165,47 +188,114 @@ def _sorted_walk(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, np.ndarr
     grid = survival.reshape(gamma, num_requests)
     np.copyto(grid, conf.T)
     np.multiply.accumulate(grid, axis=0, out=grid)
+    if n == 0:
+        return survival, 0, 1.0
+    smallest = float(_minimum(survival))
+    if smallest >= _TINY:
+        return survival, n, smallest
     np.copyto(survival, 0.0, where=survival < _TINY)
-    n_pos = int(np.count_nonzero(survival))
+    return survival, int(np.count_nonzero(survival)), float(survival.min(initial=1.0, where=survival > 0))
+
+
+def _walk_order(survival: np.ndarray, n_pos: int, ws: _Workspace) -> np.ndarray:
+    """The walk: flat indices j * R + r of the n_pos positive survivals in Algorithm 1's order."""
+    n = survival.size
     # Key = high bits of ~float_bits(a) (descending a) | flat index j * R + r (position asc, then request
-    # asc).
-    shift = np.uint64(max(1, (n - 1).bit_length()))
+    # asc): the low `shift` bits of ~float_bits(a) are cleared (x & ~low, i.e. (x >> shift) << shift) for the index.
+    low = (1 << max(1, (n - 1).bit_length())) - 1
     keys = ws.keys[:n]
     np.invert(survival.view(np.uint64), out=keys)
-    np.right_shift(keys, shift, out=keys)
-    np.left_shift(keys, shift, out=keys)
+    np.bitwise_and(keys, np.uint64(low ^ 0xFFFF_FFFF_FFFF_FFFF), out=keys)
     np.bitwise_or(keys, ws.index[:n], out=keys)
     keys.sort()
     order = ws.order[:n_pos]
-    np.bitwise_and(keys[:n_pos], np.uint64((1 << int(shift)) - 1), out=order)
-    return survival, order.view(np.int64), n_pos
+    np.bitwise_and(keys[:n_pos], np.uint64(low), out=order)
+    return order.view(np.int64)
+
+
+def _sorted_walk(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, np.ndarray, int]:
+    """Survival probabilities (flat, index j * R + r) and the walk order over the n_pos positive ones."""
+    survival, n_pos, _ = _survival(conf, ws)
+    return survival, _walk_order(survival, n_pos, ws), n_pos
+
+
+@dataclass(frozen=True)
+class _Prices:
+    """What the walk of R requests x gamma positions multiplies tau by, for one SPS table and draft cost.
+
+    ``factor[n]`` prices batch B = R + n: Theta_n = tau_n * factor[n] (plain objective, factor = SPS(B)) or
+    tau_n / factor[n] (draft cost, factor = T_draft(R, B) + 1 / SPS(B)). ``growth[n]`` bounds how much the
+    price worsens from B = R to R + n: the largest relative step max_{k<=n} factor ratio - 1 (>= 0, the curve
+    is monotone), what one more token must beat for Theta to improve (see _every_step_improves). Both depend
+    on R, gamma, the table and the draft cost only, so they are built once (SPSTable.memo), not per round.
+    """
+
+    factor: np.ndarray
+    growth: np.ndarray
+    divide: bool
+
+
+def _prices(sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamma: int) -> _Prices:
+    def build() -> _Prices:
+        last_b = num_requests * (gamma + 1)
+        if draft_cost is None:
+            factor = sps.dense(last_b)[num_requests : last_b + 1]
+            ratio = factor[:-1] / factor[1:]  # SPS(B - 1) / SPS(B) >= 1
+        else:
+            batch = np.arange(num_requests, last_b + 1, dtype=np.float64)
+            factor = sps.dense_step_time(last_b)[num_requests : last_b + 1] + draft_cost.seconds(num_requests, batch)
+            ratio = factor[1:] / factor[:-1]  # round time T(B) / T(B - 1) >= 1
+        growth = np.zeros(factor.size)
+        np.maximum.accumulate(ratio - 1.0, out=growth[1:])
+        return _Prices(factor, growth, draft_cost is not None)
+
+    return sps.memo(("algorithm1", draft_cost, num_requests, gamma), build)
+
+
+def _every_step_improves(survival: np.ndarray, n_pos: int, smallest: float, num_requests: int, prices: _Prices) -> bool:
+    """A sufficient test, without the sort, that Theta strictly improves at EVERY step of the walk as computed.
+
+    Then the early stop admits all n_pos positive items (and the global argmax of Theta is the last prefix),
+    whatever their order. Claim: if a_min > (R + S)(1 + m)(G + m), with a_min = ``smallest`` positive survival,
+    S the sum of all of them, G = growth[n_pos] and m = _MARGIN = 1e-9, every step n = 1..n_pos has
+    Theta_n > Theta_{n-1} in float64.
+
+    Proof. Write u = 2^-53, t_k the computed tau after k items (t_0 = R), p_k = factor[k] and
+    g_k = p_{k-1} / p_k - 1 (plain) or p_k / p_{k-1} - 1 (draft cost), so G >= computed g_k >= g_k - 2u(1+g_k).
+    Step n improves in exact arithmetic iff a_n / t_{n-1} > g_n: tau grows by the factor 1 + a_n / t_{n-1}
+    while the price worsens by 1 + g_n. The computed values carry relative errors: t_n = (t_{n-1} + a_n)(1+d)
+    and Theta_k = t_k p_k (1+e) or t_k / p_k (1+e), |d|, |e| <= u, so the computed step improves whenever
+    1 + a_n / t_{n-1} > (1 + g_n)(1 + 4u), which holds if a_n / t_{n-1} > G + 7u(1 + G). Every cumulative sum
+    of non-negative terms is at most R + S (exact) times (1 + n_pos u), and the computed S is within n_pos u
+    of the exact one: t_{n-1} <= (R + S)(1 + 3 n_pos u) < (R + S)(1 + m) for n_pos <= 2^20. With a_n >= a_min:
+    a_n / t_{n-1} > (R + S)(1 + m)(G + m) / ((R + S)(1 + m)) = G + m > G + 7u(1 + G) while G < 1e6 (a larger
+    G cannot pass the test: a_min <= 1 < G * R). Evaluating the test itself in float64 moves each side by a few
+    u relative, well inside m.
+    """
+    if n_pos > _FAST_PATH_MAX_ITEMS:
+        return False
+    bound = (num_requests + float(_add(survival))) * (1.0 + _MARGIN) * (float(prices.growth[n_pos]) + _MARGIN)
+    return bool(smallest > bound)
+
+
+def _positive_counts(survival: np.ndarray, num_requests: int) -> np.ndarray:
+    """l_r when every positive item is admitted: survival is non-increasing in j, so a prefix of each row."""
+    return _add(survival.reshape(-1, num_requests) > 0, axis=0, dtype=np.int64)
 
 
 def _theta_path(
-    survival: np.ndarray,
-    order: np.ndarray,
-    num_requests: int,
-    sps: SPSTable,
-    draft_cost: DraftCost | None,
-    ws: _Workspace,
+    survival: np.ndarray, order: np.ndarray, num_requests: int, prices: _Prices, ws: _Workspace
 ) -> np.ndarray:
     """Theta_n for n = 0..n_pos along the walk (a view into the workspace)."""
     n_pos = order.size
     theta = ws.theta[: n_pos + 1]
     theta[0] = num_requests
     np.take(survival, order, out=theta[1:])
-    np.cumsum(theta, out=theta)  # tau_n = R + sum of the first n survivals
-    last_b = num_requests + n_pos
-    if draft_cost is None:
-        np.multiply(theta, sps.dense(last_b)[num_requests : last_b + 1], out=theta)
+    _accumulate(theta, out=theta)  # tau_n = R + sum of the first n survivals (sequentially, in walk order)
+    if prices.divide:
+        np.divide(theta, prices.factor[: n_pos + 1], out=theta)
     else:
-        round_time = ws.round_time[: n_pos + 1]
-        np.add(
-            sps.dense_step_time(last_b)[num_requests : last_b + 1],
-            draft_cost.seconds(num_requests, np.arange(num_requests, last_b + 1, dtype=np.float64)),
-            out=round_time,
-        )
-        np.divide(theta, round_time, out=theta)
+        np.multiply(theta, prices.factor[: n_pos + 1], out=theta)
     return theta
 
 
@@ -249,8 +339,12 @@ def schedule_lengths(
     if num_requests == 0 or gamma == 0:
         return np.zeros(num_requests, dtype=np.int64)
     ws = _workspace()
-    survival, order, _ = _sorted_walk(conf, ws)
-    theta = _theta_path(survival, order, num_requests, sps, draft_cost, ws)
+    survival, n_pos, smallest = _survival(conf, ws)
+    prices = _prices(sps, draft_cost, num_requests, gamma)
+    if n_pos == 0 or _every_step_improves(survival, n_pos, smallest, num_requests, prices):
+        return _positive_counts(survival, num_requests)
+    order = _walk_order(survival, n_pos, ws)
+    theta = _theta_path(survival, order, num_requests, prices, ws)
     return _lengths_of_prefix(order, _early_stop(theta, ws), num_requests, ws)
 
 
@@ -260,16 +354,17 @@ def greedy_path(
     *,
     draft_cost: DraftCost | None = None,
 ) -> GreedyPath:
-    """The whole walk of Algorithm 1 with Theta for every prefix (copies; for analysis and tests)."""
+    """The whole walk of Algorithm 1 with Theta for every prefix (copies; for analysis and tests; it never
+    takes the fast path, so it is also the reference the fast path is tested against)."""
     conf = validate_confidences(confidences)
     check_sps(sps)
-    num_requests = conf.shape[0]
+    num_requests, gamma = conf.shape
     if num_requests == 0:
         empty = np.zeros(0, dtype=np.int64)
         return GreedyPath(empty, empty, np.zeros(0), np.zeros(1), 0)
     ws = _workspace()
     survival, order, _ = _sorted_walk(conf, ws)
-    theta = _theta_path(survival, order, num_requests, sps, draft_cost, ws)
+    theta = _theta_path(survival, order, num_requests, _prices(sps, draft_cost, num_requests, gamma), ws)
     return GreedyPath(
         requests=order % num_requests,
         positions=order // num_requests + 1,

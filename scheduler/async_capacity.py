@@ -26,12 +26,16 @@ import numpy as np
 
 from scheduler.algorithm import (
     DraftCost,
+    _early_stop,
+    _every_step_improves,
     _lengths_of_prefix,
-    _sorted_walk,
+    _positive_counts,
+    _prices,
+    _survival,
     _theta_path,
+    _walk_order,
     _workspace,
     check_sps,
-    schedule_lengths,
     validate_confidences,
 )
 from scheduler.sps import SPSTable
@@ -43,13 +47,7 @@ def plan_capacity(confidences: np.ndarray, sps: SPSTable, *, draft_cost: DraftCo
     """
     conf = validate_confidences(confidences)
     check_sps(sps)
-    num_requests = conf.shape[0]
-    if num_requests == 0:
-        return 0
-    ws = _workspace()
-    survival, order, _ = _sorted_walk(conf, ws)
-    theta = _theta_path(survival, order, num_requests, sps, draft_cost, ws)
-    return int(theta.argmax())
+    return _lengths_and_plan(conf, sps, draft_cost, None)[1]
 
 
 def admit_top_k(confidences: np.ndarray, capacity: int) -> np.ndarray:
@@ -63,8 +61,37 @@ def admit_top_k(confidences: np.ndarray, capacity: int) -> np.ndarray:
     if num_requests == 0 or conf.shape[1] == 0:
         return np.zeros(num_requests, dtype=np.int64)
     ws = _workspace()
-    _, order, n_pos = _sorted_walk(conf, ws)
-    return _lengths_of_prefix(order, min(int(capacity), n_pos), num_requests, ws)
+    survival, n_pos, _ = _survival(conf, ws)
+    if capacity >= n_pos:  # every positive item fits: no order needed
+        return _positive_counts(survival, num_requests)
+    return _lengths_of_prefix(_walk_order(survival, n_pos, ws), int(capacity), num_requests, ws)
+
+
+def _lengths_and_plan(
+    conf: np.ndarray, sps: SPSTable, draft_cost: DraftCost | None, capacity: int | None
+) -> tuple[np.ndarray, int]:
+    """One round from ONE walk: lengths (top-``capacity`` admission, or Algorithm 1's early stop when
+    ``capacity`` is None) and the capacity planned from the same confidences (global argmax of Theta).
+
+    Both read the same survivals, order and Theta path, which the separate calls would each recompute. When
+    Theta improves at every step (algorithm._every_step_improves), its first maximum is the last prefix, so the
+    plan is n_pos and Algorithm 1 admits every positive item: neither needs the sort.
+    """
+    num_requests, gamma = conf.shape
+    if num_requests == 0 or gamma == 0:
+        return np.zeros(num_requests, dtype=np.int64), 0
+    ws = _workspace()
+    survival, n_pos, smallest = _survival(conf, ws)
+    prices = _prices(sps, draft_cost, num_requests, gamma)
+    if n_pos == 0 or _every_step_improves(survival, n_pos, smallest, num_requests, prices):
+        if capacity is None or capacity >= n_pos:
+            return _positive_counts(survival, num_requests), n_pos
+        return _lengths_of_prefix(_walk_order(survival, n_pos, ws), capacity, num_requests, ws), n_pos
+    order = _walk_order(survival, n_pos, ws)
+    theta = _theta_path(survival, order, num_requests, prices, ws)
+    plan = int(theta.argmax())
+    admitted = _early_stop(theta, ws) if capacity is None else min(capacity, n_pos)
+    return _lengths_of_prefix(order, admitted, num_requests, ws), plan
 
 
 class AsyncCapacityScheduler:
@@ -97,9 +124,7 @@ class AsyncCapacityScheduler:
     def step(self, confidences: np.ndarray) -> np.ndarray:
         """Lengths for this round; then plans the capacity of round t + lag from this round's confidences."""
         conf = validate_confidences(confidences)
-        if len(self._plans) == self.lag:
-            lengths = admit_top_k(conf, self._plans.popleft())
-        else:
-            lengths = schedule_lengths(conf, self.sps, draft_cost=self.draft_cost)
-        self._plans.append(plan_capacity(conf, self.sps, draft_cost=self.draft_cost))
+        capacity = self._plans.popleft() if len(self._plans) == self.lag else None
+        lengths, plan = _lengths_and_plan(conf, self.sps, self.draft_cost, capacity)
+        self._plans.append(plan)
         return lengths

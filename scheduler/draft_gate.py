@@ -91,14 +91,17 @@ class DraftGate:
         self._curve: np.ndarray | None = None  # Q, sorted survival curve of an average request (descending)
         self._cumulative = np.zeros(curve_points + 1)  # 0, Q_1, Q_1 + Q_2, ...
         self._steps = np.arange(curve_points + 1, dtype=np.float64)
+        self._ranks: dict[int, np.ndarray] = {}  # survivals per round -> where Q's ranks sit in their sort
         self._gamma = 0
         self._skipped_in_a_row = 0
         self.decisions = 0  # rounds decided (for reports)
         self.skipped = 0  # rounds that skipped the drafter
 
-    def observe(self, confidences: np.ndarray) -> None:
-        """Fold a drafted round's confidences [R, gamma] (uncapped) into Q."""
-        conf = validate_confidences(confidences).astype(np.float64, copy=False)
+    def observe(self, confidences: np.ndarray, *, validated: bool = False) -> None:
+        """Fold a drafted round's confidences [R, gamma] (uncapped) into Q. ``validated``: the caller has just
+        passed this very array through ``validate_confidences`` (the policies' schedule did), so it is not
+        checked twice in a round."""
+        conf = (confidences if validated else validate_confidences(confidences)).astype(np.float64, copy=False)
         rows, gamma = conf.shape
         if rows == 0 or gamma == 0:
             return
@@ -108,13 +111,22 @@ class DraftGate:
         else:
             weight = min(1.0, rows / self.history_rows)
             self._curve = (1.0 - weight) * self._curve + weight * curve
-        np.cumsum(self._curve, out=self._cumulative[1:])
+        np.add.accumulate(self._curve, out=self._cumulative[1:])  # np.cumsum, without its Python wrapper
 
     def _curve_of(self, conf: np.ndarray) -> np.ndarray:
         """One round's Q: its R * gamma survivals sorted descending, sampled at K evenly spaced ranks."""
-        survival = np.sort(np.cumprod(conf, axis=1), axis=None)[::-1]
-        ranks = ((np.arange(self.curve_points) + 0.5) * (survival.size / self.curve_points)).astype(np.int64)
-        return survival[ranks]
+        survival = np.multiply.accumulate(conf, axis=1).ravel()  # np.cumprod into a fresh array, sorted in place
+        survival.sort()
+        return survival[self._sorted_ranks(survival.size)]
+
+    def _sorted_ranks(self, size: int) -> np.ndarray:
+        """Where the K evenly spaced ranks of a descending order of ``size`` items sit in the ascending sort
+        (the same items as indexing the reversed array; built once per size, not every round)."""
+        ranks = self._ranks.get(size)
+        if ranks is None:
+            descending = ((np.arange(self.curve_points) + 0.5) * (size / self.curve_points)).astype(np.int64)
+            ranks = self._ranks[size] = size - 1 - descending
+        return ranks
 
     def predicted_rates(self, max_lengths: np.ndarray) -> tuple[float, float] | None:
         """(Theta_spec, Theta_ar) in tokens/s for the current caps, or None while nothing was observed."""
@@ -123,17 +135,31 @@ class DraftGate:
         if num_requests == 0 or self._curve is None:
             return None
         gamma, points = self._gamma, self.curve_points
-        admissible = int(np.minimum(caps, gamma).clip(min=0).sum()) / (num_requests * gamma)
+        admissible = int(np.add.reduce(np.maximum(np.minimum(caps, gamma), 0))) / (num_requests * gamma)
         steps = round(admissible * points)
         share = num_requests * gamma / points  # drafts admitted per step of the fluid walk
         tau = num_requests + share * self._cumulative[: steps + 1]
-        batch = num_requests + share * self._steps[: steps + 1]
-        # The verify step at the nearest integer batch (the exactly monotone dense table Algorithm 1 uses).
-        step_time = self.sps.dense_step_time(int(batch[-1]) + 1)
-        round_time = self.draft_cost.seconds(num_requests, batch) + step_time[(batch + 0.5).astype(np.int64)]
-        spec = float((tau / round_time).max())
-        ar_time = float(self.no_draft_cost.seconds(num_requests, num_requests)) + float(step_time[num_requests])
-        return spec, num_requests / ar_time
+        round_time, ar_rate = self._round_times(num_requests, steps)
+        return float(np.maximum.reduce(tau / round_time)), ar_rate
+
+    def _round_times(self, num_requests: int, steps: int) -> tuple[np.ndarray, float]:
+        """Round time of each step 0..steps of the fluid walk, and Theta_ar: functions of R, the step count, the
+        curve's gamma and the two costs only (not of Q), so they are cached on the table (SPSTable.memo) instead
+        of rebuilt every round."""
+        gamma, points = self._gamma, self.curve_points
+        draft_cost, no_draft_cost = self.draft_cost, self.no_draft_cost
+
+        def build() -> tuple[np.ndarray, float]:
+            share = num_requests * gamma / points
+            batch = num_requests + share * self._steps[: steps + 1]
+            # The verify step at the nearest integer batch (the exactly monotone dense table Algorithm 1 uses).
+            step_time = self.sps.dense_step_time(int(batch[-1]) + 1)
+            round_time = draft_cost.seconds(num_requests, batch) + step_time[(batch + 0.5).astype(np.int64)]
+            ar_time = float(no_draft_cost.seconds(num_requests, num_requests)) + float(step_time[num_requests])
+            return round_time, num_requests / ar_time
+
+        key = ("draft_gate", draft_cost, no_draft_cost, num_requests, steps, gamma, points)
+        return self.sps.memo(key, build)
 
     def should_draft(self, max_lengths: np.ndarray) -> bool:
         """Whether this round runs the drafter (a function of past confidences and counts only)."""

@@ -72,8 +72,14 @@ class _MeasuredCost:
 
 
 def _capped(confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
-    """Zero the confidences past each request's cap: a zero survival probability is never admitted."""
+    """Zero the confidences past each request's cap: a zero survival probability is never admitted.
+
+    Usually no cap is below the block (caps bind only in a request's last rounds): then nothing is zeroed and
+    the confidences go on as they are, without building the masked copy (a few us a round at small R).
+    """
     gamma = confidences.shape[1]
+    if max_lengths.size and int(np.minimum.reduce(max_lengths)) >= gamma:
+        return confidences
     positions = np.arange(gamma)[None, :]
     return np.where(positions < max_lengths[:, None], confidences, 0.0)
 
@@ -144,9 +150,10 @@ class DSparkScheduled:
         return self.gate is None or self.gate.should_draft(max_lengths)
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
-        lengths = schedule_lengths(_capped(confidences, max_lengths), self.sps, draft_cost=self._cost.current())
-        if self.gate is not None:
-            self.gate.observe(confidences)  # after the schedule: it validated them
+        capped = _capped(confidences, max_lengths)
+        lengths = schedule_lengths(capped, self.sps, draft_cost=self._cost.current())
+        if self.gate is not None:  # after the schedule: it validated them when no cap bound (the same array)
+            self.gate.observe(confidences, validated=capped is confidences)
         return lengths
 
 
@@ -186,9 +193,10 @@ class DSparkAsync:
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
         self._scheduler.draft_cost = self._cost.current()
-        lengths = self._scheduler.step(_capped(confidences, max_lengths))
-        if self.gate is not None:
-            self.gate.observe(confidences)  # after the schedule: it validated them
+        capped = _capped(confidences, max_lengths)
+        lengths = self._scheduler.step(capped)
+        if self.gate is not None:  # after the schedule: it validated them when no cap bound (the same array)
+            self.gate.observe(confidences, validated=capped is confidences)
         return lengths
 
 

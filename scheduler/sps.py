@@ -24,7 +24,7 @@ import json
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 FORMAT = "dspark-sps/1"
+MEMO_ENTRIES = 64  # derived arrays kept per table (SPSTable.memo), each about 2 * R * gamma floats
 
 Timer = Callable[[Callable[[], object]], float]
 """Runs a thunk once and returns the seconds it took (wall clock by default; CUDA events on GPUs)."""
@@ -101,6 +102,7 @@ class SPSTable:
         self.dtype = dtype
         self._dense = np.empty(0, dtype=np.float64)
         self._dense_step_time = np.empty(0, dtype=np.float64)
+        self._memo: dict[Hashable, Any] = {}
 
     def __repr__(self) -> str:
         points = ", ".join(f"{b}:{s:.4g}" for b, s in zip(self.batch_sizes, self.steps_per_s, strict=True))
@@ -138,6 +140,22 @@ class SPSTable:
         if max_batch_tokens >= self._dense_step_time.size:
             self._grow(max_batch_tokens)
         return self._dense_step_time
+
+    def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()`` cached under ``key``: per-table derivatives the scheduler would otherwise recompute every
+        round (Algorithm 1's price curve for one R and draft cost, the gate's round times). The table never
+        changes after construction, so an entry never goes stale; all go once ``MEMO_ENTRIES`` are held (R and a
+        measured draft cost change while serving, so keys come and go)."""
+        value = self._memo.get(key)
+        if value is None:
+            if len(self._memo) >= MEMO_ENTRIES:
+                self._memo.clear()  # atomic, unlike evicting one entry, when several threads schedule at once
+            value = self._memo[key] = build()
+        return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled / copied without the memo: it is rebuilt on demand where the table is used."""
+        return {**self.__dict__, "_memo": {}}
 
     def to_dict(self) -> dict[str, Any]:
         return {
