@@ -269,6 +269,7 @@ def _markov_impl(backend: str):
     raise ValueError(f"Markov sampler backend must be 'triton' or 'reference', got {backend!r}")
 
 
+@torch.no_grad()
 def sample_block_keyed(
     model: DSparkDraftModel,
     block_hidden: torch.Tensor,

@@ -45,7 +45,9 @@ PARAMS = [
 LENGTHS = [5, 1, 9, 3, 7, 2]
 
 
-def _drafter(root: Path, spec: PairSpec, real_vocab: int | None) -> DSparkDraftModel:
+def _drafter(
+    root: Path, spec: PairSpec, real_vocab: int | None, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> DSparkDraftModel:
     target_dir, draft_dir = write_pair(root, spec)
     if real_vocab is not None:
         for config_file, extra in (
@@ -53,7 +55,7 @@ def _drafter(root: Path, spec: PairSpec, real_vocab: int | None) -> DSparkDraftM
             (draft_dir / "config.json", {REAL_VOCAB_KEY: real_vocab, "mask_token_id": real_vocab - 1}),
         ):
             config_file.write_text(json.dumps(json.loads(config_file.read_text()) | extra))
-    return load_draft_model(draft_dir, target_dir=target_dir)
+    return load_draft_model(draft_dir, target_dir=target_dir, dtype=dtype, device=device)
 
 
 def _propose(drafter: DSparkDraftModel, mode: str) -> tuple[DraftEngine, Proposal]:
@@ -61,28 +63,30 @@ def _propose(drafter: DSparkDraftModel, mode: str) -> tuple[DraftEngine, Proposa
     gen = torch.Generator().manual_seed(1)
     for i, sp in enumerate(PARAMS):
         engine.add_request(f"r{i}", sp)
-    features = [torch.randn(n, drafter.config.context_feature_size, generator=gen) for n in LENGTHS]
+    width = drafter.config.context_feature_size
+    features = [torch.randn(n, width, generator=gen).to(drafter.device, drafter.dtype) for n in LENGTHS]
     engine.append_context([ContextItem(f"r{i}", 0, f) for i, f in enumerate(features)])
     items = [DraftItem(f"r{i}", 11 + 3 * i, n) for i, n in enumerate(LENGTHS)]
     return engine, engine.propose(items)
 
 
-@pytest.mark.parametrize(("spec", "real_vocab"), CASES, ids=[f"{s.name}-{v or 'vocab'}" for s, v in CASES])
-def test_eager_and_bucketed_drafts_are_identical_and_truncated(tmp_path: Path, spec: PairSpec, real_vocab) -> None:
-    drafter = _drafter(tmp_path, spec, real_vocab)
-    (_, off), (_, static) = _propose(drafter, "off"), _propose(drafter, "static")
-    assert torch.equal(off.tokens, static.tokens)
-    assert torch.equal(off.topk_ids, static.topk_ids)
-    torch.testing.assert_close(off.topk_probs, static.topk_probs, atol=1e-5, rtol=1e-5)
-    if off.confidences is not None:
-        np.testing.assert_allclose(off.confidences, static.confidences, atol=1e-5)
-    bs = drafter.block_size
-    ids, probs = off.topk_ids, off.topk_probs
-    assert ids.shape == probs.shape == (len(PARAMS), bs, DRAFT_TOP_K)
-    assert bool((ids < (real_vocab or spec.vocab)).all()) and bool((off.tokens < (real_vocab or spec.vocab)).all())
-    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(len(PARAMS), bs))
-    slot = (ids == off.tokens[..., None]).int().argmax(dim=-1)
-    assert bool((ids.gather(2, slot[..., None])[..., 0] == off.tokens).all()), "a token outside its distribution"
+def _assert_equal(a: Proposal, b: Proposal) -> None:
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.topk_ids, b.topk_ids)
+    torch.testing.assert_close(a.topk_probs, b.topk_probs, atol=1e-5, rtol=1e-5)
+    if a.confidences is not None:
+        np.testing.assert_allclose(a.confidences, b.confidences, atol=1e-5)
+
+
+def _assert_truncated(proposal: Proposal, block_size: int, vocab: int) -> None:
+    """Sparse rows of K distinct ids below ``vocab`` holding the token; a greedy request's point mass at the
+    token's slot; a sampled request's probabilities renormalised over its first k_eff ids, 0 after."""
+    tokens, ids, probs = proposal.tokens, proposal.topk_ids.cpu(), proposal.topk_probs.cpu()
+    assert ids.shape == probs.shape == (len(PARAMS), block_size, DRAFT_TOP_K)
+    assert bool((ids < vocab).all()) and bool((tokens < vocab).all())
+    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(len(PARAMS), block_size))
+    slot = (ids == tokens[..., None]).int().argmax(dim=-1)
+    assert bool((ids.gather(2, slot[..., None])[..., 0] == tokens).all()), "a token outside its distribution"
     for i, sp in enumerate(PARAMS):
         if sp.greedy:  # the point mass at the token's slot
             assert bool((probs[i].gather(1, slot[i][:, None]) == 1).all())
@@ -90,6 +94,29 @@ def test_eager_and_bucketed_drafts_are_identical_and_truncated(tmp_path: Path, s
         k_eff = min(sp.top_k, DRAFT_TOP_K) if sp.top_k else DRAFT_TOP_K
         assert bool((probs[i, :, k_eff:] == 0).all()) and bool((slot[i] < k_eff).all())
         assert len(set(ids[i, 0].tolist())) == DRAFT_TOP_K
+
+
+@pytest.mark.parametrize(("spec", "real_vocab"), CASES, ids=[f"{s.name}-{v or 'vocab'}" for s, v in CASES])
+def test_eager_and_bucketed_drafts_are_identical_and_truncated(tmp_path: Path, spec: PairSpec, real_vocab) -> None:
+    drafter = _drafter(tmp_path, spec, real_vocab)
+    (_, off), (_, static) = _propose(drafter, "off"), _propose(drafter, "static")
+    _assert_equal(off, static)
+    _assert_truncated(off, drafter.block_size, real_vocab or spec.vocab)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_drafts_on_cuda(tmp_path: Path, dtype: torch.dtype) -> None:
+    """The Triton Markov sampler on a padded vocabulary: the captured graph drafts what the eager step drafts
+    (float32; in bf16 the bucket's padded batch may round the lm_head product differently, so only the form is
+    checked there)."""
+    spec, real_vocab = CASES[1]
+    drafter = _drafter(tmp_path, spec, real_vocab, dtype=dtype, device="cuda")
+    (engine, captured), (_, off) = _propose(drafter, "capture"), _propose(drafter, "off")
+    assert engine.sampler_backend == "triton"
+    if dtype == torch.float32:
+        _assert_equal(off, captured)
+    _assert_truncated(captured, drafter.block_size, real_vocab)
 
 
 def test_vanilla_head_drafts_are_the_markov_kernels(tmp_path: Path) -> None:
