@@ -4,7 +4,9 @@ Per request it keeps a slot in the drafter's context cache (the K/V of the proje
 every committed token), so each round only appends the features of newly committed tokens. ``propose`` then runs
 the parallel backbone for all requests at once on ``[anchor, mask, ..., mask]`` and walks the sequential head
 (Markov / gated / RNN) left to right, sampling every draft from a top-K truncated distribution that is returned
-sparse: exactly the distribution the verifier's rejection test needs, at a few kilobytes per round.
+sparse: exactly the distribution the verifier's rejection test needs, at a few kilobytes per round. A vanilla
+Markov head runs as the fused sampler of :mod:`kernels.markov` (Triton on CUDA), eagerly and in the graph step
+alike (``draft_service.sequential_head.sample_block_keyed``).
 
 Randomness is a pure function of (request seed, absolute position) through :mod:`kernels.rng`, so a seeded request
 drafts the same tokens whatever else shares the batch, on any replica. The engine knows nothing of Ray or gRPC.

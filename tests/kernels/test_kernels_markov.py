@@ -111,9 +111,13 @@ def test_sparse_distribution_is_the_renormalised_top_k_and_contains_the_token() 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_per_request_k_eff_truncates_inside_the_top_k_and_equals_the_reference(dtype: torch.dtype) -> None:
     """k_eff[r] keeps the K sorted ids and renormalises over the first k_eff[r] (probability 0 after); the
-    token is one of them (k_eff = 1: the argmax with probability 1); k_eff = K everywhere is no k_eff."""
+    token is one of them (k_eff = 1: the argmax with probability 1); k_eff = K everywhere is no k_eff. The base
+    logits are the real-vocabulary view of a wider (padded) row, as the draft engine passes them."""
     top_k = 7
     inputs = make_inputs(num_req=6, gamma=3, vocab=300, seed=11, dtype=dtype)  # rows 0 and 4 are greedy
+    padded = torch.full((6, 3, 309), 50.0, dtype=dtype, device=DEVICE)  # padded ids would win every race
+    padded[..., :300] = inputs["base_logits"]
+    inputs["base_logits"] = padded[..., :300]
     k_eff = torch.tensor([3, 1, 7, 2, 5, 4], device=DEVICE)
     ref = markov_sample_reference(**inputs, top_k=top_k, return_logits=True, k_eff=k_eff)
     _assert_close(ref, markov_sample_triton(**inputs, top_k=top_k, return_logits=True, k_eff=k_eff))
