@@ -36,11 +36,15 @@ TUNING = {"block_r": 32, "block_v": 128, "topk_block_r": 32, "topk_block_v": 256
 on sm_90); bench/bench_kernels.py --sweep measures others."""
 TOPK_TILE_GROUP = 16
 """Candidate tiles gathered per iteration by the truncated-mode combine step."""
+_RUNTIME_INTS = ["step", "stride_prev", "R"]
+"""Integer arguments compiled as runtime values: by default Triton specialises an int on == 1 and % 16 == 0,
+which would give the draft step one compiled variant per (step 0 / 1 / other) x (R = 1 / % 16 / other) at graph
+warm-up; they only enter masks and scalar offsets."""
 _INT64_MIN = tl.constexpr(-(2**63))
 _INT64_MAX = tl.constexpr(2**63 - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _markov_step_kernel(
     base_ptr,
     stride_br,
@@ -141,7 +145,7 @@ def _markov_step_kernel(
         tl.store(cand_ptr + rows.to(tl.int64) * num_chunks + chunk, tl.max(packed, 1), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["step"])
 def _markov_combine_kernel(
     part_f_ptr,
     part_i_ptr,
