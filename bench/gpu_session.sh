@@ -23,6 +23,7 @@ stage "GPU tests" 120 python3 -m pytest -q -x -p no:cacheprovider \
   tests/scheduler/test_engine_graphs.py tests/scheduler/test_graph_capture_guard.py \
   tests/verify_service/test_fused_layers.py tests/kernels/test_kernels_rejection.py \
   tests/kernels/test_kernels_markov.py tests/draft_service/test_draft_sampling.py \
+  tests/draft_service/test_draft_engine_sampling.py \
   tests/draft_service/test_draft_slot_attention.py tests/draft_service/test_draft_fused.py \
   2>&1 | tail -n 25 | tee "$out/logs.txt"
 stage "kernels" 80 python3 bench/bench_kernels.py --profile --out "$out/kernels.json"

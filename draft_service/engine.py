@@ -4,7 +4,9 @@ Per request it keeps a slot in the drafter's context cache (the K/V of the proje
 every committed token), so each round only appends the features of newly committed tokens. ``propose`` then runs
 the parallel backbone for all requests at once on ``[anchor, mask, ..., mask]`` and walks the sequential head
 (Markov / gated / RNN) left to right, sampling every draft from a top-K truncated distribution that is returned
-sparse: exactly the distribution the verifier's rejection test needs, at a few kilobytes per round.
+sparse: exactly the distribution the verifier's rejection test needs, at a few kilobytes per round. A vanilla
+Markov head runs as the fused sampler of :mod:`kernels.markov` (Triton on CUDA), eagerly and in the graph step
+alike (``draft_service.sequential_head.sample_block_keyed``).
 
 Randomness is a pure function of (request seed, absolute position) through :mod:`kernels.rng`, so a seeded request
 drafts the same tokens whatever else shares the batch, on any replica. The engine knows nothing of Ray or gRPC.
@@ -22,10 +24,9 @@ import torch
 from cluster.graphs import DEFAULT_BUCKETS, check_graph_mode
 from cluster.sampling import SamplingParams
 from cluster.slot_lookups import SlotLookups
-from draft_service.graphs import UNIFORM_MAX, DraftGraphRunner
+from draft_service.graphs import DraftGraphRunner
 from draft_service.model import DSparkDraftModel
-from draft_service.sequential_head import sample_block
-from kernels.rng import STREAM_DRAFT_SAMPLE, uniform
+from draft_service.sequential_head import kernel_backend, sample_block_keyed
 
 
 class UnknownDraftRequestError(KeyError):
@@ -139,7 +140,7 @@ class DraftEngine:
         self.model = model
         self.max_requests = max_requests
         self.cache = model.new_context_cache(max_requests + (graphs != "off"), max_seq_len)
-        self.draft_top_k = min(draft_top_k, model.config.vocab_size)
+        self.draft_top_k = min(draft_top_k, model.real_vocab_size)
         self.calibration = calibration
         self._requests: dict[str, _Entry] = {}
         # Recent request lookups (entries, slots) by request ids, dropped when a request is added or released.
@@ -163,6 +164,12 @@ class DraftEngine:
     @property
     def block_size(self) -> int:
         return self.model.block_size
+
+    @property
+    def sampler_backend(self) -> str:
+        """The fused Markov sampler's backend on the eager path: the graph runner's when there is one (so graphs
+        on / off / static draft the same tokens), else the device's (:func:`kernel_backend`)."""
+        return self.graphs.backend if self.graphs is not None else kernel_backend(self.model.device)
 
     @property
     def has_confidence_head(self) -> bool:
@@ -189,7 +196,7 @@ class DraftEngine:
         self._slot_temperature[slot] = params.temperature
         top_k = params.top_k
         k_eff = min(top_k, self.draft_top_k) if top_k > 0 else self.draft_top_k
-        self._slot_int[slot] = (min(k_eff, self.model.config.vocab_size), params.seed or 0)
+        self._slot_int[slot] = (k_eff, params.seed or 0)
 
     def release(self, req_id: str) -> None:
         """Free the request's context slot (idempotent)."""
@@ -322,21 +329,21 @@ class DraftEngine:
         device = self.model.device
         anchors = torch.tensor([item.anchor for item in items], dtype=torch.int64, device=device)
         positions = torch.tensor([item.position for item in items], dtype=torch.int64)
-        hidden = self.model.draft_block(anchors, positions, [e.slot for e in entries], self.cache)
-        bs = self.block_size
-        seeds = torch.tensor([e.seed for e in entries], dtype=torch.int64)
-        # The k-th draft decides the token at absolute position anchor_position + 1 + k.
-        token_positions = positions[:, None] + 1 + torch.arange(bs)[None, :]
-        uniforms = uniform(seeds[:, None], token_positions, STREAM_DRAFT_SAMPLE, torch.zeros(1, dtype=torch.int64))
-        uniforms = torch.clamp(uniforms, max=UNIFORM_MAX)
-        sample = sample_block(
+        slots = [e.slot for e in entries]
+        hidden = self.model.draft_block(anchors, positions, slots, self.cache)
+        # The per-slot parameters the bucketed step reads too (effective top-k, seed).
+        k_eff, seeds = torch.from_numpy(self._slot_int[slots]).to(device).unbind(1)
+        sample = sample_block_keyed(
             self.model,
             hidden,
             anchors,
-            temperature=torch.tensor([e.params.temperature for e in entries], dtype=torch.float32),
-            top_k=torch.tensor([e.params.top_k for e in entries], dtype=torch.int64),
+            temperature=torch.from_numpy(self._slot_temperature[slots]).to(device),
+            k_eff=k_eff,
+            seeds=seeds,
+            positions=positions.to(device),
             draft_top_k=self.draft_top_k,
-            uniforms=uniforms,
+            backend=self.sampler_backend,
+            validate=True,
         )
         conf_logits = None if sample.confidence_logits is None else sample.confidence_logits.double().cpu().numpy()
         assert sample.topk_ids is not None and sample.topk_probs is not None  # draft_top_k >= 1
@@ -352,7 +359,7 @@ class DraftEngine:
         """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
         assert self.graphs is not None
         num = len(items)
-        vocab = self.model.config.vocab_size
+        vocab = self.model.real_vocab_size
         if min(item_anchors) < 0 or max(item_anchors) >= vocab:
             raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {list(item_anchors)}")
         lengths = self.cache.lengths_np[slots].tolist()

@@ -6,7 +6,7 @@ For a bucket of B requests the step reads its inputs from static device buffers 
 context length, slot, temperature, effective top-k, seed per request; requests r >= R pad the bucket with the
 anchor 0 over the reserved dummy slot, whose context is empty) and runs exactly what the eager
 :meth:`DraftEngine.propose` runs: ``draft_block``'s layers with the context read in place by the slot
-attention kernel, the position-keyed uniforms of :mod:`kernels.rng` and ``sample_block_prepared``. The
+attention kernel and ``sample_block_keyed`` (the fused Markov sampler for a vanilla head). The
 drafted tokens and the raw confidence logits come back in one [B, 2 * bs] float64 tensor (token ids and
 float32 logits are exact in float64), copied to the host once into page-locked memory; the sparse draft
 distributions stay on the device for the verifier, copied out of the static outputs only when some request of
@@ -45,11 +45,7 @@ from cluster.graphs import (
 )
 from draft_service.context_cache import DraftContextCache
 from draft_service.model import DSparkDraftModel
-from draft_service.sequential_head import GREEDY_TEMPERATURE, sample_block_prepared
-from kernels.rng import STREAM_DRAFT_SAMPLE, uniform
-
-UNIFORM_MAX = 1.0 - 2.0**-24
-"""Largest uniform fed to inverse-CDF sampling (the engine clamps the rng's output the same way)."""
+from draft_service.sequential_head import kernel_backend, sample_block_keyed
 
 
 @dataclass(frozen=True)
@@ -79,7 +75,7 @@ class DraftGraphRunner:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         projected: bool = False,
     ) -> None:
-        if not 1 <= draft_top_k <= model.config.vocab_size:
+        if not 1 <= draft_top_k <= model.real_vocab_size:
             raise ValueError("DraftGraphRunner: draft_top_k must be in [1, vocab] (sparse proposals)")
         self.model = model
         self.cache = cache
@@ -87,7 +83,7 @@ class DraftGraphRunner:
         self.draft_top_k = draft_top_k
         self.sizes = bucket_sizes(max_requests, buckets)
         self.device = model.device
-        self.backend = "triton" if self.device.type == "cuda" else "reference"
+        self.backend = kernel_backend(self.device)  # slot attention and the fused Markov sampler
         self.has_confidence = model.confidence_head is not None
         self.timed = False
         top = self.sizes[-1]
@@ -323,26 +319,20 @@ class DraftGraphRunner:
         positions = dev["positions"][:size]
         x, cos, sin = model._block_inputs(anchors, positions)
         hidden = model.backbone_slots(x, cos, sin, self.cache, dev["slots"][:size], positions, self.backend)
-        temps = dev["temperature"][:size]
-        greedy = temps < GREEDY_TEMPERATURE
-        safe_t = torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-        bs = model.block_size
-        token_positions = positions[:, None] + 1 + torch.arange(bs, device=self.device)[None, :]
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        uniforms = uniform(dev["seeds"][:size, None], token_positions, STREAM_DRAFT_SAMPLE, zero)
-        sample = sample_block_prepared(
+        sample = sample_block_keyed(
             model,
             hidden,
             anchors,
-            greedy=greedy,
-            safe_t=safe_t,
+            temperature=dev["temperature"][:size],
             k_eff=dev["k_eff"][:size],
+            seeds=dev["seeds"][:size],
+            positions=positions,
             draft_top_k=self.draft_top_k,
-            uniforms=torch.clamp(uniforms, max=UNIFORM_MAX),
+            backend=self.backend,
         )
         conf = sample.confidence_logits
         if conf is None:
-            conf = torch.zeros((size, bs), dtype=torch.float32, device=self.device)
+            conf = torch.zeros((size, model.block_size), dtype=torch.float32, device=self.device)
         packed = torch.cat([sample.tokens.double(), conf.double()], dim=1)
         assert sample.topk_ids is not None and sample.topk_probs is not None
         return packed, sample.topk_ids, sample.topk_probs

@@ -287,6 +287,12 @@ class DSparkDraftModel(nn.Module):
         return self.config.block_size
 
     @property
+    def real_vocab_size(self) -> int:
+        """The ids the drafter may read or emit: ``config.real_vocab_size`` of an inflated pair, else the whole
+        vocabulary (the rows past it are padding that ``base_logits`` masks)."""
+        return self.config.real_vocab_size or self.config.vocab_size
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
@@ -551,11 +557,24 @@ class DSparkDraftModel(nn.Module):
         head)."""
         if self.confidence_head is None:
             return None
-        features = block_hidden
+        emb = None
         if self.config.confidence_head_with_markov:
             assert self.markov_head is not None
-            emb = self.markov_head.prev_embedding(prev_ids.to(self.device)).to(block_hidden.dtype)
-            features = torch.cat([block_hidden, emb], dim=-1)
+            emb = self.markov_head.prev_embedding(prev_ids.to(self.device))
+        return self.confidence_from_embedding(block_hidden, emb)
+
+    def confidence_from_embedding(
+        self, block_hidden: torch.Tensor, prev_embedding: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Raw confidence logits [...] for hidden [..., H] and W1[x_{k-1}] [..., r] already looked up (the
+        fused Markov sampler returns them for a whole block: one batched product instead of one per step);
+        ``prev_embedding`` is read only when the head takes Markov features."""
+        if self.confidence_head is None:
+            return None
+        features = block_hidden
+        if self.config.confidence_head_with_markov:
+            assert prev_embedding is not None
+            features = torch.cat([block_hidden, prev_embedding.to(block_hidden.dtype)], dim=-1)
         return self.confidence_head(features)
 
     def _check_token_ids(self, ids: torch.Tensor, name: str) -> None:

@@ -10,11 +10,19 @@ Losslessness needs the verifier to see EXACTLY the distribution each draft token
 returned here, dense [R, bs, V] or sparse (top-K ids + renormalised probs) when the drafter truncates (cheap
 on the wire).
 
-Randomness comes in as explicit uniforms [R, bs] (one per drafted position, inverse-CDF sampling), so the
-engine can feed numbers that are a pure function of (request seed, absolute position, stream) from
-``kernels/rng.py`` and get the same draft whatever the batch. A ``torch.Generator`` is accepted for tests and
-single-process use. Inverse-CDF order: the sparse distribution is walked in descending-probability order
-(``topk`` order), the dense one in vocabulary order.
+Two entry points:
+- :func:`sample_block_keyed`, the draft engine's (eager and CUDA-graph steps alike): randomness keyed by
+  (request seed, absolute position) through :mod:`kernels.rng`, so a request drafts the same block whatever the
+  batch; sparse output only. A vanilla Markov head goes through the fused sampler of :mod:`kernels.markov`
+  (Triton on CUDA, its torch reference elsewhere); the gated / RNN heads and a drafter without a Markov head
+  take the torch loop below with uniforms of the same keys.
+- :func:`sample_block`, the generic torch loop (offline evaluation, the reference loop, tests): explicit
+  uniforms [R, bs] (one per drafted position, inverse-CDF sampling) or a ``torch.Generator``, dense or sparse
+  output, ``return_logits``. Inverse-CDF order: the sparse distribution is walked in descending-probability
+  order (``topk`` order), the dense one in vocabulary order.
+The two draw different tokens from the same seed for sampled requests (the fused sampler races Gumbel keys of
+per-token uniforms instead of inverting one CDF), both exact samplers of the same truncated distribution;
+either way verification stays lossless because the verifier receives the distribution the token was drawn from.
 """
 
 from __future__ import annotations
@@ -24,8 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from draft_service.model import DSparkDraftModel
+from kernels.checks import MAX_SPARSE_K
+from kernels.markov import markov_sample_reference
+from kernels.rng import STREAM_DRAFT_SAMPLE, uniform
 
 GREEDY_TEMPERATURE = 1e-5  # below this a request is greedy (DeepSpec's threshold in logits_to_probs)
+UNIFORM_MAX = 1.0 - 2.0**-24
+"""Largest uniform fed to inverse-CDF sampling (the rng's output clamped below 1)."""
 
 
 @dataclass
@@ -39,7 +52,7 @@ class DraftSample:
     the sparse draft distribution (when ``draft_top_k = K > 0``); ids are distinct per row, entries beyond a
     request's own top_k carry probability 0. logits [R, bs, V] float32 or None: corrected logits U_k + B_k
     before temperature (``return_logits=True``). Greedy rows (temperature 0) carry the one-hot distribution of
-    their argmax.
+    their argmax, at the argmax's slot (slot 0, the largest z, in the fused sampler's sparse rows).
     """
 
     tokens: torch.Tensor
@@ -229,4 +242,105 @@ def sample_block_prepared(
         topk_ids=torch.stack(ids_out, dim=1) if K > 0 else None,
         topk_probs=dist if K > 0 else None,
         logits=torch.stack(logits_out, dim=1) if return_logits else None,
+    )
+
+
+def kernel_backend(device: torch.device) -> str:
+    """The fused sampler (and slot attention) the draft steps use on ``device``: 'triton' on CUDA, else
+    'reference' (the kernels' torch twins, same layout; the Triton interpreter is for tests only)."""
+    return "triton" if device.type == "cuda" else "reference"
+
+
+def fuses_markov_head(model: DSparkDraftModel, draft_top_k: int) -> bool:
+    """Whether :func:`sample_block_keyed` samples this drafter with the fused Markov kernel: a vanilla head (the
+    gated and RNN heads mix h_k into the bias, which the kernel does not compute) and K within its sparse
+    width."""
+    head = model.markov_head
+    return head is not None and head.head_type == "vanilla" and 1 <= draft_top_k <= MAX_SPARSE_K
+
+
+def _markov_impl(backend: str):
+    if backend == "triton":
+        from kernels.markov_triton import markov_sample_triton
+
+        return markov_sample_triton
+    if backend == "reference":
+        return markov_sample_reference
+    raise ValueError(f"Markov sampler backend must be 'triton' or 'reference', got {backend!r}")
+
+
+@torch.no_grad()
+def sample_block_keyed(
+    model: DSparkDraftModel,
+    block_hidden: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    k_eff: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    draft_top_k: int,
+    backend: str,
+    validate: bool = False,
+) -> DraftSample:
+    """The draft engine's block sampling for R requests, sparse (``draft_top_k`` = K >= 1 slots per row).
+
+    Device tensors [R]: temperature (float32; below GREEDY_TEMPERATURE = greedy), k_eff (the request's
+    truncation in [1, K]: min(its top_k, K), or K), seeds (int64) and positions (the anchor's absolute position:
+    draft k decides position positions + 1 + k, and its random numbers are keyed by (seed, that position)).
+    ``backend``: 'triton' or 'reference' (:func:`kernel_backend`); the eager and the graph steps pass the same
+    one, so graphs on / off / static draft the same tokens. Nothing here reads a device value on the host
+    unless ``validate`` (the eager path's input checks), so the CUDA-graph draft step captures it.
+
+    A vanilla Markov head goes through :mod:`kernels.markov`: the kernel reads the lm_head output in its
+    storage dtype, cut to the real vocabulary of an inflated pair (padded ids are never sampled nor listed),
+    computes z_k = U_k + W1[x_{k-1}] W2^T in fp32 and draws x_k by a Gumbel-max race over the request's exact
+    top-k_eff with per-token uniforms (:mod:`kernels.markov`'s contract); the sparse rows are (the K largest
+    z, sorted; probabilities renormalised over the first k_eff, 0 after). That is an exact sample of the same
+    truncated softmax the torch loop draws by inverse CDF, from other random numbers, and the returned rows
+    are the distribution it was drawn from: what lossless verification needs. The confidence head then reads
+    [h_k ; W1[x_{k-1}]] for the whole block in one product. Other heads: the torch loop, inverse CDF on the
+    uniforms of the same keys.
+    """
+    bs = block_hidden.shape[1]
+    K = draft_top_k
+    temps = torch.where(temperature < GREEDY_TEMPERATURE, 0.0, temperature)
+    if fuses_markov_head(model, K):
+        head = model.markov_head
+        assert head is not None
+        real = model.real_vocab_size
+        base = model.lm_head(block_hidden)[..., :real]  # a strided view: no float copy of [R, bs, V]
+        out = _markov_impl(backend)(
+            base,
+            anchor_ids,
+            head.markov_w1.weight[:real],
+            head.markov_w2.weight[:real],
+            temps,
+            seeds,
+            positions,
+            top_k=K,
+            validate=validate,
+            k_eff=k_eff,
+        )
+        return DraftSample(
+            tokens=out.tokens,
+            token_probs=out.token_probs,
+            confidence_logits=model.confidence_from_embedding(block_hidden, out.confidence_inputs),
+            topk_ids=out.sparse_ids,
+            topk_probs=out.sparse_probs,
+        )
+    device = block_hidden.device
+    token_positions = positions[:, None] + 1 + torch.arange(bs, device=device)[None, :]
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    uniforms = uniform(seeds[:, None], token_positions, STREAM_DRAFT_SAMPLE, zero)
+    greedy = temps == 0
+    return sample_block_prepared(
+        model,
+        block_hidden,
+        anchor_ids,
+        greedy=greedy,
+        safe_t=torch.where(greedy, torch.ones_like(temps), temps)[:, None],
+        k_eff=k_eff,
+        draft_top_k=K,
+        uniforms=torch.clamp(uniforms, max=UNIFORM_MAX),
     )

@@ -84,6 +84,7 @@ def markov_sample(
     top_k: int = 0,
     return_logits: bool = False,
     validate: bool = True,
+    k_eff: torch.Tensor | None = None,
 ) -> MarkovSample:
     """Draft gamma tokens with the Markov head (:mod:`kernels.markov`): Triton on CUDA, torch elsewhere."""
     impl = markov_sample_triton if base_logits.is_cuda else markov_sample_reference
@@ -98,6 +99,7 @@ def markov_sample(
         top_k=top_k,
         return_logits=return_logits,
         validate=validate,
+        k_eff=k_eff,
     )
 
 

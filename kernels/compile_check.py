@@ -31,7 +31,7 @@ _REJECTION_COMMON = dict(logits_ptr="*bf16", stride_row="i64", cu_ptr="*i64", te
                          num_blocks="i32", group="i32", num_req="i32")  # fmt: skip
 _MARKOV_COMMON = dict(base_ptr="*bf16", stride_br="i64", stride_bk="i64", step="i32", prev_ptr="*i64",
                       stride_prev="i32", w1_ptr="*bf16", w2_ptr="*bf16", temperature_ptr="*fp32",
-                      seeds_ptr="*i64", positions_ptr="*i64", logits_ptr="*fp32", z_ptr="*fp32",
+                      seeds_ptr="*i64", positions_ptr="*i64", k_eff_ptr="*i32", logits_ptr="*fp32", z_ptr="*fp32",
                       stride_lr="i64", stride_lk="i64", part_f_ptr="*fp32", part_i_ptr="*i32", cand_ptr="*i64",
                       tiles_ptr="*i32", buffer_ptr="*i64", tokens_ptr="*i64", probs_ptr="*fp32",
                       sparse_ids_ptr="*i64", sparse_probs_ptr="*fp32", R="i32", V="i32", RANK="i32",

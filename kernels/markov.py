@@ -19,6 +19,10 @@ Semantics shared bit for bit with the Triton kernel (:mod:`kernels.markov_triton
 - ``top_k > 0``: the support is exactly the K largest z (ties broken towards smaller ids, so exactly K tokens,
   unlike the verifier's tie-keeping top-k: the sparse wire format has K slots), ids sorted by descending z.
   The race runs over those K tokens with the same per-token uniforms.
+- ``k_eff`` (optional, [R], each in [1, K]): a request's own truncation inside the K slots. Its support is
+  the first k_eff[r] of the K sorted entries, i.e. its own exact top-k_eff (the first k of an exact top-K are
+  the exact top-k); the race and the renormalisation run over those, and slots k_eff[r]..K-1 keep their ids
+  with probability 0 (the wire format keeps K slots). A greedy request ignores it (the argmax is slot 0).
 The Markov drafter needs no target-side filtering: any proposal distribution keeps verification exact, as
 long as the verifier receives the distribution the token was actually drawn from, which these outputs are.
 """
@@ -63,6 +67,7 @@ def validate_markov_inputs(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     top_k: int,
+    k_eff: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError with a clear message on any malformed input."""
     require(
@@ -102,6 +107,10 @@ def validate_markov_inputs(
         0 <= top_k <= min(vocab, MAX_SPARSE_K),
         f"top_k must be in [0, {min(vocab, MAX_SPARSE_K)}] (0 = full vocabulary), got {top_k}",
     )
+    if k_eff is not None:
+        require(top_k > 0, "k_eff (a per-request truncation inside the top-K) needs top_k > 0")
+        check_vector("k_eff", k_eff, num_req, True, device)
+        require(bool(((k_eff >= 1) & (k_eff <= top_k)).all()), f"k_eff must be in [1, top_k={top_k}]")
 
 
 def confidence_inputs(w1: torch.Tensor, anchor_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -121,13 +130,15 @@ def markov_sample_reference(
     top_k: int = 0,
     return_logits: bool = False,
     validate: bool = True,
+    k_eff: torch.Tensor | None = None,
 ) -> MarkovSample:
     """Torch reference: gamma sequential steps, each a [R, r] x [r, V] product plus sampling, in float32.
 
     ``positions[r]`` is the anchor's absolute position; step k draws the token at position positions + 1 + k.
+    ``k_eff`` [R] (with ``top_k > 0``): per-request truncation inside the K slots (None: K for every request).
     """
     if validate:
-        validate_markov_inputs(base_logits, anchor_ids, w1, w2, temperature, seeds, positions, top_k)
+        validate_markov_inputs(base_logits, anchor_ids, w1, w2, temperature, seeds, positions, top_k, k_eff)
     num_req, gamma, vocab = base_logits.shape
     device = base_logits.device
     w1f = w1.to(torch.float32)
@@ -144,6 +155,8 @@ def markov_sample_reference(
         torch.empty((num_req, gamma, vocab), dtype=torch.float32, device=device) if return_logits else None
     )
     one = torch.ones(num_req, dtype=torch.float32, device=device)
+    if top_k:
+        live = torch.arange(top_k, device=device)[None, :] < (top_k if k_eff is None else k_eff[:, None])
 
     previous = anchor_ids.to(torch.int64)
     for k in range(gamma):
@@ -160,7 +173,7 @@ def markov_sample_reference(
         else:
             top = pack_value_id(canonical(z), vocab_ids[None, :]).topk(top_k, dim=-1).values
             values, ids = unpack_value_id(top)
-            scaled = canonical(values / safe_t)
+            scaled = canonical(values / safe_t).masked_fill(~live, float("-inf"))
             probs = torch.exp(scaled - torch.logsumexp(scaled, dim=-1, keepdim=True))
             noise = torch.log(-torch.log(uniform(seeds, position, STREAM_DRAFT_SAMPLE, ids)))
             winner = torch.where(greedy, 0, (scaled - noise).argmax(dim=-1))

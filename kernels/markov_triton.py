@@ -36,11 +36,15 @@ TUNING = {"block_r": 32, "block_v": 128, "topk_block_r": 32, "topk_block_v": 256
 on sm_90); bench/bench_kernels.py --sweep measures others."""
 TOPK_TILE_GROUP = 16
 """Candidate tiles gathered per iteration by the truncated-mode combine step."""
+_RUNTIME_INTS = ["step", "stride_prev", "R"]
+"""Integer arguments compiled as runtime values: by default Triton specialises an int on == 1 and % 16 == 0,
+which would give the draft step one compiled variant per (step 0 / 1 / other) x (R = 1 / % 16 / other) at graph
+warm-up; they only enter masks and scalar offsets."""
 _INT64_MIN = tl.constexpr(-(2**63))
 _INT64_MAX = tl.constexpr(2**63 - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _markov_step_kernel(
     base_ptr,
     stride_br,
@@ -141,7 +145,7 @@ def _markov_step_kernel(
         tl.store(cand_ptr + rows.to(tl.int64) * num_chunks + chunk, tl.max(packed, 1), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["step"])
 def _markov_combine_kernel(
     part_f_ptr,
     part_i_ptr,
@@ -155,6 +159,7 @@ def _markov_combine_kernel(
     temperature_ptr,
     seeds_ptr,
     positions_ptr,
+    k_eff_ptr,
     tokens_ptr,
     probs_ptr,
     sparse_ids_ptr,
@@ -211,8 +216,9 @@ def _markov_combine_kernel(
         tl.store(probs_ptr + out, prob)
     else:
         _combine_top_k(cand_ptr, z_ptr, stride_lr, stride_lk, tiles_ptr, buffer_ptr, r, step, temp, greedy,
-                       seeds_ptr, positions_ptr, tokens_ptr, probs_ptr, sparse_ids_ptr, sparse_probs_ptr, out, V,
-                       num_chunks, K, TOPK, BLOCK_C, TILE_V, TILE_GROUP, CAPM)  # fmt: skip
+                       seeds_ptr, positions_ptr, tl.load(k_eff_ptr + r), tokens_ptr, probs_ptr, sparse_ids_ptr,
+                       sparse_probs_ptr, out, V, num_chunks, K, TOPK, BLOCK_C, TILE_V, TILE_GROUP,
+                       CAPM)  # fmt: skip
 
 
 @triton.jit
@@ -242,6 +248,7 @@ def _combine_top_k(
     greedy,
     seeds_ptr,
     positions_ptr,
+    k_eff,
     tokens_ptr,
     probs_ptr,
     sparse_ids_ptr,
@@ -256,7 +263,7 @@ def _combine_top_k(
     TILE_GROUP: tl.constexpr,
     CAPM: tl.constexpr,
 ):
-    """Exact top-K of one request's z_k from its tile maxima, then the race over those K tokens.
+    """Exact top-K of one request's z_k from its tile maxima, then the race over its first k_eff of them.
 
     Packed keys are distinct. With L the K-th largest tile maximum, K distinct tokens are >= L, so the K
     largest tokens are all >= L, and every token >= L lies in a tile whose maximum is >= L: one of the K top
@@ -292,7 +299,7 @@ def _combine_top_k(
     tl.debug_barrier()
     slots = tl.arange(0, CAPM)
     ordered = tl.sort(tl.load(buffer + slots, mask=slots < count, other=_INT64_MIN), descending=True)
-    live = slots < K
+    live = slots < k_eff  # the request's own top-k_eff; slots k_eff..K-1 are written with probability 0
     values, ids = tl_unpack_value_id(ordered)
     scaled = tl.where(live, tl_canonical(tl.math.div_rn(values, tl.where(greedy, 1.0, temp))), float("-inf"))
     top_max = tl.max(scaled, 0)
@@ -308,8 +315,8 @@ def _combine_top_k(
     sparse = tl.where(greedy, tl.where(slots == 0, 1.0, 0.0), probs)
     tl.store(tokens_ptr + out, token.to(tl.int64))
     tl.store(probs_ptr + out, prob)
-    tl.store(sparse_ids_ptr + out * K + slots, ids.to(tl.int64), mask=live)
-    tl.store(sparse_probs_ptr + out * K + slots, sparse, mask=live)
+    tl.store(sparse_ids_ptr + out * K + slots, ids.to(tl.int64), mask=slots < K)
+    tl.store(sparse_probs_ptr + out * K + slots, sparse, mask=slots < K)
 
 
 def markov_sample_triton(
@@ -323,10 +330,11 @@ def markov_sample_triton(
     top_k: int = 0,
     return_logits: bool = False,
     validate: bool = True,
+    k_eff: torch.Tensor | None = None,
 ) -> MarkovSample:
     """Triton Markov-head sampling; same signature, semantics and random numbers as the torch reference."""
     if validate:
-        validate_markov_inputs(base_logits, anchor_ids, w1, w2, temperature, seeds, positions, top_k)
+        validate_markov_inputs(base_logits, anchor_ids, w1, w2, temperature, seeds, positions, top_k, k_eff)
     num_req, gamma, vocab = base_logits.shape
     rank = w1.shape[1]
     device = base_logits.device
@@ -348,6 +356,9 @@ def markov_sample_triton(
     seeds64 = seeds.to(torch.int64).contiguous()
     positions64 = positions.to(torch.int64).contiguous()
     anchors = anchor_ids.to(torch.int64).contiguous()
+    if k_eff is None:
+        k_eff = torch.full((num_req,), top_k, dtype=torch.int32, device=device)
+    k_eff32 = k_eff.to(torch.int32).contiguous()
     topk_slots = triton.next_power_of_2(top_k) if top_k else 0
     mode = "topk_" if top_k else ""
     block_r = max(16, min(TUNING[mode + "block_r"], triton.next_power_of_2(num_req)))
@@ -380,7 +391,7 @@ def markov_sample_triton(
         )  # fmt: skip
         _markov_combine_kernel[(num_req,)](
             part_f, part_i, tile_max, z_buf, stride_lr, stride_lk, tiles, buffer, step, temps, seeds64,
-            positions64, tokens, token_probs, sparse_ids if sparse_ids is not None else tokens,
+            positions64, k_eff32, tokens, token_probs, sparse_ids if sparse_ids is not None else tokens,
             sparse_probs if sparse_probs is not None else part_f, vocab, gamma, num_chunks, top_k,
             TOPK=topk_slots, BLOCK_C=triton.next_power_of_2(num_chunks) if top_k else 1024, TILE_V=block_v,
             TILE_GROUP=TOPK_TILE_GROUP, CAPM=capm, num_warps=4, **launch_options(),

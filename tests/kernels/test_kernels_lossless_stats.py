@@ -213,6 +213,30 @@ def test_markov_reference_samples_its_softmax(top_k: int) -> None:
         assert torch.allclose(out.sparse_probs[0, 0].double(), first.topk(top_k).values, rtol=1e-4)
 
 
+def test_markov_k_eff_samples_the_softmax_of_its_own_top_k() -> None:
+    """A per-request k_eff inside top_k = 5: requests with k_eff = 2 draw from the softmax of their top-2, the
+    others (k_eff = 5) from that of their top-5, in one batch."""
+    n, vocab, rank, gamma, temperature, top_k = 20_000, 12, 4, 1, 0.8, 5
+    base, anchors, w1, w2 = _markov_inputs(n, vocab, rank, gamma, seed=33)
+    k_eff = torch.where(torch.arange(n) % 2 == 0, 2, top_k)
+    out = markov_sample_reference(
+        base,
+        anchors,
+        w1,
+        w2,
+        torch.full((n,), temperature),
+        torch.arange(n) * 17 + 5,
+        torch.full((n,), 90),
+        top_k=top_k,
+        k_eff=k_eff,
+    )
+    for k in (2, top_k):
+        rows = k_eff == k
+        expected = _markov_expected(base[0, 0], w1, w2, 3, temperature, k)
+        assert chi_square_p_value(_counts(out.tokens[rows, 0], vocab).numpy(), expected.numpy()) > P_MIN
+        assert torch.allclose(out.token_probs[rows, 0].double(), expected[out.tokens[rows, 0]], rtol=1e-4)
+
+
 def test_markov_triton_samples_its_softmax_and_equals_the_reference() -> None:
     n, vocab, rank, gamma, temperature = 96, 8, 4, 2, 1.2
     base, anchors, w1, w2 = _markov_inputs(n, vocab, rank, gamma, seed=40)

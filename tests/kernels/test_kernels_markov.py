@@ -108,6 +108,39 @@ def test_sparse_distribution_is_the_renormalised_top_k_and_contains_the_token() 
     assert torch.allclose(out.sparse_probs[sampled], expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_request_k_eff_truncates_inside_the_top_k_and_equals_the_reference(dtype: torch.dtype) -> None:
+    """k_eff[r] keeps the K sorted ids and renormalises over the first k_eff[r] (probability 0 after); the
+    token is one of them (k_eff = 1: the argmax with probability 1); k_eff = K everywhere is no k_eff. The base
+    logits are the real-vocabulary view of a wider (padded) row, as the draft engine passes them."""
+    top_k = 7
+    inputs = make_inputs(num_req=6, gamma=3, vocab=300, seed=11, dtype=dtype)  # rows 0 and 4 are greedy
+    padded = torch.full((6, 3, 309), 50.0, dtype=dtype, device=DEVICE)  # padded ids would win every race
+    padded[..., :300] = inputs["base_logits"]
+    inputs["base_logits"] = padded[..., :300]
+    k_eff = torch.tensor([3, 1, 7, 2, 5, 4], device=DEVICE)
+    ref = markov_sample_reference(**inputs, top_k=top_k, return_logits=True, k_eff=k_eff)
+    _assert_close(ref, markov_sample_triton(**inputs, top_k=top_k, return_logits=True, k_eff=k_eff))
+    assert ref.sparse_ids is not None and ref.sparse_probs is not None and ref.logits is not None
+    top_values = ref.logits.topk(top_k, dim=-1).values
+    assert torch.allclose(ref.logits.gather(2, ref.sparse_ids), top_values)
+    live = torch.arange(top_k, device=DEVICE) < k_eff[:, None, None]
+    assert bool((ref.sparse_probs[~live.expand_as(ref.sparse_probs)] == 0).all())
+    slot = (ref.sparse_ids == ref.tokens[..., None]).int().argmax(dim=-1)
+    assert bool((ref.sparse_ids.gather(2, slot[..., None])[..., 0] == ref.tokens).all())
+    assert bool((slot < k_eff[:, None]).all())
+    sampled = inputs["temperature"] > 0
+    t = torch.where(sampled, inputs["temperature"], 1.0)[:, None, None]
+    expected = torch.softmax((top_values / t).masked_fill(~live, float("-inf")), dim=-1)
+    assert torch.allclose(ref.sparse_probs[sampled], expected[sampled], rtol=1e-4, atol=1e-6)
+    assert torch.equal(ref.tokens[1], ref.sparse_ids[1, :, 0]) and bool((ref.token_probs[1] == 1).all())
+    greedy = ~sampled
+    assert bool((ref.sparse_probs[greedy][..., 0] == 1).all()) and bool((ref.token_probs[greedy] == 1).all())
+    for impl in IMPLS.values():
+        full_k = impl(**inputs, top_k=top_k, k_eff=torch.full((6,), top_k, device=DEVICE))
+        _assert_close(impl(**inputs, top_k=top_k), full_k)
+
+
 def test_a_requests_draft_does_not_depend_on_its_batch() -> None:
     inputs = make_inputs(num_req=6, gamma=3, vocab=96, seed=8)
     for impl in IMPLS.values():
@@ -171,6 +204,11 @@ def _bad_cases() -> dict[str, tuple[dict, dict, str]]:
         "top_k too large": ({}, dict(top_k=33), "top_k must be in"),
         "top_k negative": ({}, dict(top_k=-1), "top_k must be in"),
         "top_k float": ({}, dict(top_k=2.0), "top_k must be an int"),
+        "k_eff without top_k": ({}, dict(k_eff=torch.tensor([1, 1], device=DEVICE)), "needs top_k > 0"),
+        "k_eff zero": ({}, dict(top_k=4, k_eff=torch.tensor([0, 2], device=DEVICE)), "k_eff must be in [1, top_k=4]"),
+        "k_eff above top_k": ({}, dict(top_k=4, k_eff=torch.tensor([5, 2], device=DEVICE)), "k_eff must be in"),
+        "k_eff shape": ({}, dict(top_k=4, k_eff=torch.tensor([2], device=DEVICE)), "k_eff must have shape [2]"),
+        "k_eff float": ({}, dict(top_k=4, k_eff=torch.tensor([2.0, 1.0], device=DEVICE)), "k_eff must be an integer"),
     }
 
 
