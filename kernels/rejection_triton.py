@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from kernels import rejection as reference
-from kernels.float_keys import tl_key_to_float, tl_ordered_key
+from kernels.float_keys import tl_key_to_float, tl_ordered_key, tl_pack_value_id
 from kernels.launch import interpreting, launch_options
 from kernels.rejection import RejectionOutput, validate_rejection_inputs
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, tl_row_key, tl_uniform
@@ -77,13 +77,15 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 _BIG = tl.constexpr(2147483647)
 _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
-    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 4,
+    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 4, "select_tile": 4096,
+    "select_warps": 4,
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): for the statistics kernel the vocabulary block per loop
 step, warps and the number of programs a row is split over; for the inverse-CDF masses the blocks per program
-and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference). The statistics
-sizes were set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md); the
-inverse-CDF ones are a first guess awaiting ``--sweep cdf``."""
+and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference); for the threshold
+kernel the tokens per tile of sketch groups read at once (rounded down to whole groups) and warps. The
+statistics sizes were set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md);
+the inverse-CDF and threshold ones are first guesses awaiting ``--sweep cdf select``."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
@@ -92,7 +94,9 @@ CANDIDATES = 2048
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
 _SPARSE = tl.constexpr(PROBS_SPARSE)
-_DONE, _CANDIDATES, _SEARCH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # per-row threshold state
+# per-row threshold state: no filter; candidates to compact; fallback search; tau found from the candidates,
+# whose inverse-CDF blocks are listed in a bitmap (the mass kernel reads only those blocks of the row)
+_DONE, _CANDIDATES, _SEARCH, _LISTED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 
 @triton.jit
@@ -205,7 +209,6 @@ def _row_combine_kernel(
     tau_ptr,
     bound_ptr,
     state_ptr,
-    count_ptr,
     V,
     num_splits,
     BLOCK_SPLITS: tl.constexpr,
@@ -247,41 +250,64 @@ def _row_combine_kernel(
             state = tl.where(j < _BIG, _CANDIDATES, _SEARCH)
             tl.store(bound_ptr + row, tl.sum(tl.where(pos == j, sketch, 0.0), 0))
     tl.store(state_ptr + row, state)
-    tl.store(count_ptr + row, 0)
 
 
 @triton.jit
-def _compact_kernel(
-    logits_ptr,
-    stride_row,
-    row_req_ptr,
-    temperature_ptr,
-    bound_ptr,
-    state_ptr,
-    count_ptr,
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _compact_candidates(
+    row_ptr,
+    sketch_ptr,
     cand_ptr,
+    row,
+    bound,
+    inv_t,
     V,
+    split_size,
+    num_splits,
     BLOCK_V: tl.constexpr,
+    NG: tl.constexpr,
+    W: tl.constexpr,
+    NB: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_SKETCH: tl.constexpr,
     CAP: tl.constexpr,
 ):
-    """Per filtered row: append every token with z >= L to the row's candidates (packed, any order).
+    """Write every token of a filtered row with z >= L to its candidates (packed, any order); returns how many.
 
-    One program per row: only filtered rows work here, and the others exit without a grid of splits."""
-    row = tl.program_id(0)
-    if tl.load(state_ptr + row) == _CANDIDATES:
-        inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + tl.load(row_req_ptr + row)))
-        bound = tl.load(bound_ptr + row)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        counter = count_ptr + row + tl.zeros([BLOCK_V], tl.int32)
-        for start in range(0, V, BLOCK_V):
-            idx = start + tl.arange(0, BLOCK_V)
-            z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-            hit = (idx < V) & (z >= bound)
-            slot = tl.atomic_add(counter, tl.full([BLOCK_V], 1, tl.int32), mask=hit, sem="relaxed")
-            bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
-            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
-            tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, packed, mask=hit & (slot < CAP))
+    Sketch group g of split s holds the W lanes g * W .. g * W + W - 1 of every block of the split, and its sketch
+    value is the largest z among them, so a token with z >= L lies in a group whose sketch value is >= L: only
+    those groups are read (with top-k 50 about 50 of 512, a tenth of the row), GROUPS at a time as one
+    [GROUPS, NB, W] tile (NB >= the blocks per split), all its loads in flight at once. Slots come from a prefix
+    sum over the tile, no atomics; the set written is exactly {z >= L}, whatever the order."""
+    n_sketch = num_splits * NG
+    pos = tl.arange(0, BLOCK_SKETCH)
+    sketch = tl.load(sketch_ptr + row.to(tl.int64) * n_sketch + pos, mask=pos < n_sketch, other=float("-inf"))
+    hit = sketch >= bound
+    rank = tl.cumsum(hit.to(tl.int32), 0) - 1  # of each hit group among the hit groups
+    n_hit = tl.sum(hit.to(tl.int32), 0)
+    slots = tl.arange(0, GROUPS)
+    blocks = tl.arange(0, NB)[None, :, None]
+    lanes = tl.arange(0, W)[None, None, :]
+    base = cand_ptr + row.to(tl.int64) * CAP
+    count = tl.zeros((), tl.int32)
+    for first in range(0, n_hit, GROUPS):
+        want = first + slots
+        group = tl.sum(tl.where(hit[None, :] & (rank[None, :] == want[:, None]), pos[None, :], 0), 1)
+        start = (group // NG) * split_size + (group % NG) * W
+        idx = start[:, None, None] + blocks * BLOCK_V + lanes
+        live = (want < n_hit)[:, None, None] & (blocks * BLOCK_V < split_size) & (idx < V)
+        z = tl.load(row_ptr + idx, mask=live, other=float("-inf")).to(tl.float32) * inv_t
+        take = tl.reshape(live & (z >= bound), [GROUPS * NB * W]).to(tl.int32)
+        slot = count + tl.cumsum(take, 0) - 1
+        packed = tl_pack_value_id(tl.reshape(tl.where(z == 0.0, 0.0, z), [GROUPS * NB * W]),
+                                  tl.reshape(idx, [GROUPS * NB * W]))  # fmt: skip
+        tl.store(base + slot, packed, mask=(take != 0) & (slot < CAP))
+        count += tl.sum(take, 0)
+    return count
 
 
 @triton.jit
@@ -340,13 +366,30 @@ def _search_threshold(
 
 @triton.jit
 def _candidate_threshold(
-    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP: tl.constexpr, SIZE: tl.constexpr
+    cand_ptr,
+    listed_ptr,
+    row,
+    count,
+    z_max,
+    total_all,
+    top_k,
+    top_p,
+    use_k,
+    use_p,
+    num_words,
+    CAP: tl.constexpr,
+    SIZE: tl.constexpr,
+    CDF_BLOCK: tl.constexpr,
+    NW: tl.constexpr,
 ):
     """(found, tau, norm of the kept set) from a row's count <= SIZE candidates, sorted descending.
 
     Top-k: tau_k is the k-th candidate (fewer than k candidates only happens when fewer than k tokens are
     finite, and then the k-th largest z is -inf). Top-p: the crossing of the running mass within the
-    candidates; not found when the mass of all candidates stays below p * total (float rounding)."""
+    candidates; not found when the mass of all candidates stays below p * total (float rounding).
+    When found, also writes the row's inverse-CDF blocks holding a kept candidate as a bitmap of num_words
+    int32 words: every token of positive weight (z >= tau, z finite) is a candidate, since tau >= L, so the
+    other blocks have mass 0 and the mass kernel need not read them."""
     pos = tl.arange(0, SIZE)
     valid = pos < count
     cands = tl.load(cand_ptr + row.to(tl.int64) * CAP + pos, mask=valid, other=_INT64_MIN)
@@ -362,6 +405,12 @@ def _candidate_threshold(
     tau_p = tl.where(use_p & (first < _BIG), tl.sum(tl.where(pos == first, z, 0.0), 0), float("-inf"))
     tau = tl.maximum(tau_k, tau_p)
     found = (first < _BIG) | (use_p == 0)
+    block = (0x7FFFFFFF - (cands & 0xFFFFFFFF).to(tl.int32)) // CDF_BLOCK
+    word = tl.arange(0, NW)
+    bits = tl.where((valid & (z >= tau))[:, None] & ((block // 32)[:, None] == word[None, :]),
+                    1 << (block % 32)[:, None], 0)  # fmt: skip
+    tl.store(listed_ptr + row.to(tl.int64) * num_words + word, tl.reduce(bits, 0, _bit_or),
+             mask=word < tl.where(found, num_words, 0))  # fmt: skip
     return found, tau, tl.sum(tl.where(z >= tau, tl.exp(z - z_max), 0.0), 0)
 
 
@@ -376,16 +425,31 @@ def _threshold_kernel(
     zmax_ptr,
     norm_ptr,
     tau_ptr,
+    bound_ptr,
     state_ptr,
-    count_ptr,
+    sketch_ptr,
     cand_ptr,
+    listed_ptr,
     V,
+    split_size,
+    num_splits,
+    num_words,
     CAP: tl.constexpr,
     SMALL: tl.constexpr,
+    TINY: tl.constexpr,
     BLOCK_S: tl.constexpr,
     NCAND: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    NG: tl.constexpr,
+    W: tl.constexpr,
+    NB: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_SKETCH: tl.constexpr,
+    CDF_BLOCK: tl.constexpr,
+    NW: tl.constexpr,
 ):
-    """Per filtered row: exact tau and normaliser of the kept set, from the sorted candidates or by search."""
+    """Per filtered row: the candidates {z >= L}, then the exact tau and normaliser of the kept set from them
+    sorted, or by the fallback search. A row whose tau comes from the candidates leaves state _LISTED."""
     row = tl.program_id(0)
     state = tl.load(state_ptr + row)
     if state != _DONE:
@@ -394,25 +458,39 @@ def _threshold_kernel(
         z_max = tl.load(zmax_ptr + row)
         total_all = tl.load(norm_ptr + row)
         top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
-        count = tl.load(count_ptr + row)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        count = tl.zeros((), tl.int32)
+        if state == _CANDIDATES:
+            count = _compact_candidates(
+                row_ptr, sketch_ptr, cand_ptr, row, tl.load(bound_ptr + row), inv_t, V, split_size, num_splits,
+                BLOCK_V, NG, W, NB, GROUPS, BLOCK_SKETCH, CAP,
+            )  # fmt: skip
+            tl.debug_barrier()  # the candidates were written by other threads of this program
         if (state == _CANDIDATES) & (count <= CAP):
-            if count <= SMALL:  # the usual case: sort a short buffer
+            if count <= TINY:  # the usual case (top-k 50: about 55 candidates): sort a short buffer
                 found, tau, norm = _candidate_threshold(
-                    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, SMALL
-                )
+                    cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                    CAP, TINY, CDF_BLOCK, NW,
+                )  # fmt: skip
+            elif count <= SMALL:
+                found, tau, norm = _candidate_threshold(
+                    cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                    CAP, SMALL, CDF_BLOCK, NW,
+                )  # fmt: skip
             else:
                 found, tau, norm = _candidate_threshold(
-                    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, CAP
-                )
+                    cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                    CAP, CAP, CDF_BLOCK, NW,
+                )  # fmt: skip
             if found:
                 tl.store(tau_ptr + row, tau)
                 tl.store(norm_ptr + row, norm)
+                tl.store(state_ptr + row, _LISTED)
             else:
                 state = _SEARCH  # the top-p crossing lies below the candidates (float rounding): search
         else:
             state = _SEARCH
         if state == _SEARCH:
-            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
             lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
             hi = tl_ordered_key(z_max)
             if use_k:
@@ -568,18 +646,23 @@ def _cdf_mass_kernel(
     norm_ptr,
     tau_ptr,
     num_acc_ptr,
+    state_ptr,
+    listed_ptr,
     mass_ptr,
     emass_ptr,
     V,
     K,
     num_blocks,
     group,
+    num_words,
     PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Per (sampled request, group of blocks): the residual mass sum w and (with drafts) the kept mass sum e
-    of each block of BLOCK_V ids of its draw row. One exp per token, no random number, no log."""
+    of each block of BLOCK_V ids of its draw row. One exp per token, no random number, no log. A draw row whose
+    kept set is listed (top-k / top-p from the candidates) reads only its listed blocks: the others hold no
+    token of positive weight, so both their sums are 0 without a read."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
     if temp != 0.0:
@@ -597,13 +680,21 @@ def _cdf_mass_kernel(
             live = offs_k < tl.where(bonus, 0, K)
             ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
+        listed = tl.load(state_ptr + sample_row) == _LISTED
         first = tl.program_id(1) * group
         for b in range(first, tl.minimum(first + group, num_blocks)):
-            e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, b * BLOCK_V, V, inv_t,
-                                  z_max, norm, tau, bonus, PROBS, BLOCK_V)  # fmt: skip
-            tl.store(mass_ptr + r * num_blocks + b, tl.sum(w, 0))
-            if PROBS != 0:
-                tl.store(emass_ptr + r * num_blocks + b, tl.sum(e, 0))
+            # an unlisted row reads every block: its "word" is all ones
+            word = tl.load(listed_ptr + sample_row * num_words + b // 32, mask=listed, other=-1)
+            if ((word >> (b % 32)) & 1) != 0:
+                e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, b * BLOCK_V, V,
+                                      inv_t, z_max, norm, tau, bonus, PROBS, BLOCK_V)  # fmt: skip
+                tl.store(mass_ptr + r * num_blocks + b, tl.sum(w, 0))
+                if PROBS != 0:
+                    tl.store(emass_ptr + r * num_blocks + b, tl.sum(e, 0))
+            else:
+                tl.store(mass_ptr + r * num_blocks + b, 0.0)
+                if PROBS != 0:
+                    tl.store(emass_ptr + r * num_blocks + b, 0.0)
 
 
 @triton.jit
@@ -736,6 +827,13 @@ def rejection_sample_triton(
     positions64 = positions.to(torch.int64).contiguous()
     options = launch_options()
 
+    if reference.CDF_BLOCK < 16 or reference.CDF_BLOCK & (reference.CDF_BLOCK - 1):
+        raise ValueError(f"CDF_BLOCK must be a power of two >= 16, got {reference.CDF_BLOCK}")
+    # the reference's inverse-CDF blocks (read at call time, tests change them); a smaller vocabulary is one block
+    cdf_block = _block(reference.CDF_BLOCK, vocab)
+    num_blocks = triton.cdiv(vocab, cdf_block)
+    num_words = triton.cdiv(num_blocks, 32)  # of a row's bitmap of listed blocks
+
     # 1-4: per-row statistics and keep thresholds
     block_v = _block(TUNING["row_block_v"], vocab)
     split_size, num_splits = _splits(vocab, block_v, TUNING["row_splits"])
@@ -753,22 +851,25 @@ def rejection_sample_triton(
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
     z_max, norm, tau, bound = (torch.empty(rows, **f32) for _ in range(4))
     state = torch.empty(rows, dtype=torch.int32, device=device)
-    count = torch.empty(rows, dtype=torch.int32, device=device)  # zeroed by the combine kernel
+    block_sketch = _block(1 << 20, num_splits * groups)
     _row_combine_kernel[(rows,)](
         part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau,
-        bound, state, count, vocab, num_splits, BLOCK_SPLITS=_block(1 << 20, num_splits),
-        BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups, num_warps=4, **options,
+        bound, state, vocab, num_splits, BLOCK_SPLITS=_block(1 << 20, num_splits),
+        BLOCK_SKETCH=block_sketch, NG=groups, num_warps=4, **options,
     )  # fmt: skip
     cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
-    _compact_kernel[(rows,)](
-        logits, logits.stride(0), row_req, temps, bound, state, count, cands, vocab,
-        BLOCK_V=block_v, CAP=cap, num_warps=TUNING["row_warps"], **options,
-    )  # fmt: skip
+    listed = torch.empty((rows, num_words), dtype=torch.int32, device=device)  # read only where _LISTED
+    lanes = block_v // groups
+    blocks_per_split = triton.next_power_of_2(split_size // block_v)
     _threshold_kernel[(rows,)](
-        logits, logits.stride(0), row_req, temps, top_k64, top_p32, z_max, norm, tau, state, count, cands,
-        vocab, CAP=cap, SMALL=min(cap, 256), BLOCK_S=_block(512, vocab),
-        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=8, **options,
+        logits, logits.stride(0), row_req, temps, top_k64, top_p32, z_max, norm, tau, bound, state, sketch,
+        cands, listed, vocab, split_size, num_splits, num_words,
+        CAP=cap, SMALL=min(cap, 256), TINY=min(cap, 64), BLOCK_S=_block(512, vocab),
+        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, BLOCK_V=block_v, NG=groups, W=lanes,
+        NB=blocks_per_split, GROUPS=max(1, TUNING["select_tile"] // (blocks_per_split * lanes)),
+        BLOCK_SKETCH=block_sketch, CDF_BLOCK=cdf_block, NW=triton.next_power_of_2(num_words),
+        num_warps=TUNING["select_warps"], **options,
     )  # fmt: skip
 
     # 5: accept chains
@@ -778,17 +879,13 @@ def rejection_sample_triton(
         argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
 
-    # 6-7: residual / bonus draws by inverse CDF (the reference's blocks: read at call time, tests change them)
-    if reference.CDF_BLOCK < 16 or reference.CDF_BLOCK & (reference.CDF_BLOCK - 1):
-        raise ValueError(f"CDF_BLOCK must be a power of two >= 16, got {reference.CDF_BLOCK}")
-    cdf_block = _block(reference.CDF_BLOCK, vocab)  # a smaller vocabulary is one block in both
-    num_blocks = triton.cdiv(vocab, cdf_block)
+    # 6-7: residual / bonus draws by inverse CDF over the reference's blocks
     group = TUNING["cdf_group"]
     mass = torch.empty((num_req, num_blocks), **f32)
     emass = torch.empty((num_req, num_blocks), **f32) if mode != PROBS_NONE else mass
     _cdf_mass_kernel[(num_req, triton.cdiv(num_blocks, group))](
-        logits, logits.stride(0), probs, width, prob_ids, cu, temps, z_max, norm, tau, num_acc, mass, emass,
-        vocab, width, num_blocks, group,
+        logits, logits.stride(0), probs, width, prob_ids, cu, temps, z_max, norm, tau, num_acc, state, listed,
+        mass, emass, vocab, width, num_blocks, group, num_words,
         PROBS=mode, BLOCK_V=cdf_block, BLOCK_K=block_k, num_warps=TUNING["cdf_warps"], **options,
     )  # fmt: skip
     _cdf_draw_kernel[(num_req,)](
