@@ -47,7 +47,7 @@ _CONFIGS = [
     ("_threshold_kernel", dict(CAP=2048, SMALL=256, TINY=64, BLOCK_S=512, NCAND=16, BLOCK_V=2048, NG=128, W=16,
                                NB=32, GROUPS=8, BLOCK_SKETCH=512, CDF_BLOCK=2048, NW=4), 4),
     *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_K=64), 1) for mode in (0, 1, 2)],
-    *[("_cdf_mass_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_K=64), 4) for mode in (0, 1, 2)],
+    *[("_cdf_mass_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_K=64, GROUP=4), 4) for mode in (0, 1, 2)],
     *[("_cdf_draw_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_NB=128, BLOCK_K=64), 4) for mode in (0, 1, 2)],
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=128, BLOCK_D=64, TOPK=0, STORE_LOGITS=False,
                                  NATIVE_DOT=True), 8),

@@ -589,7 +589,10 @@ def _block_weights(
     probs_row_ptr,
     ids,
     probs,
-    start,
+    idx,
+    live,
+    lo,
+    hi,
     V,
     inv_t,
     z_max,
@@ -597,24 +600,24 @@ def _block_weights(
     tau,
     bonus,
     PROBS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
 ):
-    """(e, w) on ids start .. start + BLOCK_V - 1 of a draw row: the kept weights e = exp(z - max z) (0 off the
-    kept set and past the end) and the residual weights w = max(0, e - Z * p_d) (w = e on the bonus row).
+    """(e, w) on the ids ``idx`` (a tile of any shape, inside lo .. hi - 1) of a draw row: the kept weights
+    e = exp(z - max z) (0 off the kept set, where not ``live`` and past the end) and the residual weights
+    w = max(0, e - Z * p_d) (w = e on the bonus row). Only ``live`` ids are read.
 
     Both draw kernels evaluate the weights with this one function, so the chosen block's recomputed weights
     are bit for bit those whose sum made it chosen (a block of positive mass has a positive entry)."""
-    idx = start + tl.arange(0, BLOCK_V)
-    z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-    e = tl.where((idx < V) & (z >= tau), tl.exp(z - z_max), 0.0)
+    live = live & (idx < V)
+    z = tl.load(row_ptr + idx, mask=live, other=float("-inf")).to(tl.float32) * inv_t
+    e = tl.where(live & (z >= tau), tl.exp(z - z_max), 0.0)
     if PROBS == _DENSE:
-        p_d = tl.load(probs_row_ptr + idx, mask=idx < tl.where(bonus, 0, V), other=0.0)
+        p_d = tl.load(probs_row_ptr + idx, mask=live & (idx < tl.where(bonus, 0, V)), other=0.0)
         w = tl.maximum(e - norm * p_d, 0.0)
     elif PROBS == _SPARSE:
-        # scatter the few sparse entries that fall into this block (usually none or one); duplicates add up
-        here = (ids >= start) & (ids < start + BLOCK_V)
-        p_d = tl.zeros([BLOCK_V], tl.float32)
-        previous = tl.zeros((), tl.int64) + (start - 1)
+        # scatter the few sparse entries that fall into this tile (usually none or one); duplicates add up
+        here = (ids >= lo) & (ids < hi)
+        p_d = tl.zeros_like(e)
+        previous = tl.zeros((), tl.int64) + (lo - 1)
         for _ in range(0, tl.sum(here.to(tl.int32), 0)):
             current = tl.min(tl.where(here & (ids > previous), ids, 2147483647), 0)
             p_d = tl.where(idx == current, tl.sum(tl.where(ids == current, probs, 0.0), 0), p_d)
@@ -658,6 +661,7 @@ def _cdf_mass_kernel(
     PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     """Per (sampled request, group of blocks): the residual mass sum w and (with drafts) the kept mass sum e
     of each block of BLOCK_V ids of its draw row. One exp per token, no random number, no log. A draw row whose
@@ -681,20 +685,20 @@ def _cdf_mass_kernel(
             ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
         listed = tl.load(state_ptr + sample_row) == _LISTED
-        first = tl.program_id(1) * group
-        for b in range(first, tl.minimum(first + group, num_blocks)):
-            # an unlisted row reads every block: its "word" is all ones
-            word = tl.load(listed_ptr + sample_row * num_words + b // 32, mask=listed, other=-1)
-            if ((word >> (b % 32)) & 1) != 0:
-                e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, b * BLOCK_V, V,
-                                      inv_t, z_max, norm, tau, bonus, PROBS, BLOCK_V)  # fmt: skip
-                tl.store(mass_ptr + r * num_blocks + b, tl.sum(w, 0))
-                if PROBS != 0:
-                    tl.store(emass_ptr + r * num_blocks + b, tl.sum(e, 0))
-            else:
-                tl.store(mass_ptr + r * num_blocks + b, 0.0)
-                if PROBS != 0:
-                    tl.store(emass_ptr + r * num_blocks + b, 0.0)
+        # the program's blocks, all read at once as one [GROUP, BLOCK_V] tile (no serial round trips)
+        b = tl.program_id(1) * group + tl.arange(0, GROUP)
+        end = tl.minimum(tl.program_id(1) * group + group, num_blocks)
+        mine = b < end
+        # an unlisted row reads every block: its "words" are all ones
+        word = tl.load(listed_ptr + sample_row * num_words + b // 32, mask=b < tl.where(listed, end, 0), other=-1)
+        read = mine & (((word >> (b % 32)) & 1) != 0)
+        lo = tl.program_id(1) * group * BLOCK_V
+        idx = b[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+        e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, idx, read[:, None], lo,
+                              lo + GROUP * BLOCK_V, V, inv_t, z_max, norm, tau, bonus, PROBS)  # fmt: skip
+        tl.store(mass_ptr + r * num_blocks + b, tl.sum(w, 1), mask=mine)
+        if PROBS != 0:
+            tl.store(emass_ptr + r * num_blocks + b, tl.sum(e, 1), mask=mine)
 
 
 @triton.jit
@@ -747,9 +751,11 @@ def _cdf_draw_kernel(
             ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
         b = _first_positive_crossing(mass, tl.cumsum(mass, 0), tl_uniform(key, zero) * tl.sum(mass, 0), offs)
+        lo = b * BLOCK_V
         e, w = _block_weights(logits_ptr + sample_row * stride_row, probs_ptr + draft_row * stride_probs, ids, probs,
-                              b * BLOCK_V, V, inv_t, tl.load(zmax_ptr + sample_row), tl.load(norm_ptr + sample_row),
-                              tl.load(tau_ptr + sample_row), bonus, PROBS, BLOCK_V)  # fmt: skip
+                              lo + tl.arange(0, BLOCK_V), True, lo, lo + BLOCK_V, V, inv_t,
+                              tl.load(zmax_ptr + sample_row), tl.load(norm_ptr + sample_row),
+                              tl.load(tau_ptr + sample_row), bonus, PROBS)  # fmt: skip
         w = tl.where(fallback, e, w)
         i = _first_positive_crossing(w, tl.cumsum(w, 0), tl_uniform(key, zero + 1) * tl.sum(w, 0),
                                      tl.arange(0, BLOCK_V))  # fmt: skip
@@ -886,7 +892,8 @@ def rejection_sample_triton(
     _cdf_mass_kernel[(num_req, triton.cdiv(num_blocks, group))](
         logits, logits.stride(0), probs, width, prob_ids, cu, temps, z_max, norm, tau, num_acc, state, listed,
         mass, emass, vocab, width, num_blocks, group, num_words,
-        PROBS=mode, BLOCK_V=cdf_block, BLOCK_K=block_k, num_warps=TUNING["cdf_warps"], **options,
+        PROBS=mode, BLOCK_V=cdf_block, BLOCK_K=block_k, GROUP=triton.next_power_of_2(group),
+        num_warps=TUNING["cdf_warps"], **options,
     )  # fmt: skip
     _cdf_draw_kernel[(num_req,)](
         logits, logits.stride(0), probs, width, prob_ids, cu, temps, seeds64, positions64, z_max, norm, tau,
