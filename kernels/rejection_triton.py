@@ -207,15 +207,33 @@ def _row_combine_kernel(
     zmax_ptr,
     norm_ptr,
     tau_ptr,
-    bound_ptr,
     state_ptr,
+    logits_ptr,
+    stride_row,
+    cand_ptr,
+    listed_ptr,
     V,
+    split_size,
     num_splits,
+    num_words,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     NG: tl.constexpr,
+    CAP: tl.constexpr,
+    SMALL: tl.constexpr,
+    TINY: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    NCAND: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    W: tl.constexpr,
+    NB: tl.constexpr,
+    GROUPS: tl.constexpr,
+    CDF_BLOCK: tl.constexpr,
+    NW: tl.constexpr,
 ):
-    """Per row: combine the splits; for a filtered row derive the candidate bound L from the sketch."""
+    """Per row: combine the splits into argmax, or max z and the normaliser; for a filtered row also derive the
+    candidate bound L from the sketch and find the exact tau and the kept set's normaliser (one launch for
+    both: they need nothing from other rows)."""
     row = tl.program_id(0)
     req = tl.load(row_req_ptr + row)
     temp = tl.load(temperature_ptr + req)
@@ -232,23 +250,29 @@ def _row_combine_kernel(
         safe = tl.where(top == float("-inf"), 0.0, top)
         total = tl.sum(tl.load(part_sum_ptr + part, mask=live, other=0.0) * tl.exp(tops - safe), 0)
         tl.store(zmax_ptr + row, top)
-        tl.store(norm_ptr + row, total)
-        tl.store(tau_ptr + row, float("-inf"))
+        tau = tl.full((), float("-inf"), tl.float32)
+        norm = total
         top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
         if use_k | use_p:
             n_sketch = num_splits * NG
             pos = tl.arange(0, BLOCK_SKETCH)
             sketch = tl.load(sketch_ptr + row.to(tl.int64) * n_sketch + pos, mask=pos < n_sketch,
                              other=float("-inf"))  # fmt: skip
-            sketch = tl.sort(sketch, descending=True)
+            ordered = tl.sort(sketch, descending=True)
             if use_k:
                 # the k-th sketch value: k distinct entries are >= it, so it is <= the k-th largest z
                 j = tl.where(top_k <= n_sketch, top_k.to(tl.int32) - 1, _BIG)
             else:
-                mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(sketch - safe), 0.0), 0)
+                mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(ordered - safe), 0.0), 0)
                 j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
-            state = tl.where(j < _BIG, _CANDIDATES, _SEARCH)
-            tl.store(bound_ptr + row, tl.sum(tl.where(pos == j, sketch, 0.0), 0))
+            tau, norm, state = _keep_threshold(
+                logits_ptr + row.to(tl.int64) * stride_row, sketch, cand_ptr, listed_ptr, row, j < _BIG,
+                tl.sum(tl.where(pos == j, ordered, 0.0), 0), tl.math.div_rn(1.0, temp), top, total, top_k, top_p,
+                use_k, use_p, V, split_size, num_splits, num_words, CAP, SMALL, TINY, BLOCK_S, NCAND, BLOCK_V, NG,
+                W, NB, GROUPS, BLOCK_SKETCH, CDF_BLOCK, NW,
+            )  # fmt: skip
+        tl.store(tau_ptr + row, tau)
+        tl.store(norm_ptr + row, norm)
     tl.store(state_ptr + row, state)
 
 
@@ -260,7 +284,7 @@ def _bit_or(a, b):
 @triton.jit
 def _compact_candidates(
     row_ptr,
-    sketch_ptr,
+    sketch,
     cand_ptr,
     row,
     bound,
@@ -283,10 +307,8 @@ def _compact_candidates(
     those groups are read (with top-k 50 about 50 of 512, a tenth of the row), GROUPS at a time as one
     [GROUPS, NB, W] tile (NB >= the blocks per split), all its loads in flight at once. Slots come from a prefix
     sum over the tile, no atomics; the set written is exactly {z >= L}, whatever the order."""
-    n_sketch = num_splits * NG
     pos = tl.arange(0, BLOCK_SKETCH)
-    sketch = tl.load(sketch_ptr + row.to(tl.int64) * n_sketch + pos, mask=pos < n_sketch, other=float("-inf"))
-    hit = sketch >= bound
+    hit = sketch >= bound  # the sketch padding is -inf, below any bound
     rank = tl.cumsum(hit.to(tl.int32), 0) - 1  # of each hit group among the hit groups
     n_hit = tl.sum(hit.to(tl.int32), 0)
     slots = tl.arange(0, GROUPS)
@@ -415,21 +437,21 @@ def _candidate_threshold(
 
 
 @triton.jit
-def _threshold_kernel(
-    logits_ptr,
-    stride_row,
-    row_req_ptr,
-    temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
-    zmax_ptr,
-    norm_ptr,
-    tau_ptr,
-    bound_ptr,
-    state_ptr,
-    sketch_ptr,
+def _keep_threshold(
+    row_ptr,
+    sketch,
     cand_ptr,
     listed_ptr,
+    row,
+    certified,
+    bound,
+    inv_t,
+    z_max,
+    total_all,
+    top_k,
+    top_p,
+    use_k,
+    use_p,
     V,
     split_size,
     num_splits,
@@ -448,62 +470,48 @@ def _threshold_kernel(
     CDF_BLOCK: tl.constexpr,
     NW: tl.constexpr,
 ):
-    """Per filtered row: the candidates {z >= L}, then the exact tau and normaliser of the kept set from them
-    sorted, or by the fallback search. A row whose tau comes from the candidates leaves state _LISTED."""
-    row = tl.program_id(0)
-    state = tl.load(state_ptr + row)
-    if state != _DONE:
-        req = tl.load(row_req_ptr + row)
-        inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + req))
-        z_max = tl.load(zmax_ptr + row)
-        total_all = tl.load(norm_ptr + row)
-        top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        count = tl.zeros((), tl.int32)
-        if state == _CANDIDATES:
-            count = _compact_candidates(
-                row_ptr, sketch_ptr, cand_ptr, row, tl.load(bound_ptr + row), inv_t, V, split_size, num_splits,
-                BLOCK_V, NG, W, NB, GROUPS, BLOCK_SKETCH, CAP,
+    """(tau, normaliser of the kept set, state) of a filtered row: the candidates {z >= L} sorted when the sketch
+    certified L, else (or when they do not settle it) the fallback search. State _LISTED: tau came from the
+    candidates and the row's bitmap of inverse-CDF blocks holding kept tokens is written."""
+    state = tl.full((), _SEARCH, tl.int32)
+    tau = tl.full((), float("-inf"), tl.float32)
+    norm = total_all
+    count = tl.zeros((), tl.int32)
+    if certified:
+        count = _compact_candidates(
+            row_ptr, sketch, cand_ptr, row, bound, inv_t, V, split_size, num_splits,
+            BLOCK_V, NG, W, NB, GROUPS, BLOCK_SKETCH, CAP,
+        )  # fmt: skip
+        tl.debug_barrier()  # the candidates were written by other threads of this program
+    if certified & (count <= CAP):
+        if count <= TINY:  # the usual case (top-k 50: about 55 candidates): sort a short buffer
+            found, tau, norm = _candidate_threshold(
+                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                CAP, TINY, CDF_BLOCK, NW,
             )  # fmt: skip
-            tl.debug_barrier()  # the candidates were written by other threads of this program
-        if (state == _CANDIDATES) & (count <= CAP):
-            if count <= TINY:  # the usual case (top-k 50: about 55 candidates): sort a short buffer
-                found, tau, norm = _candidate_threshold(
-                    cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
-                    CAP, TINY, CDF_BLOCK, NW,
-                )  # fmt: skip
-            elif count <= SMALL:
-                found, tau, norm = _candidate_threshold(
-                    cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
-                    CAP, SMALL, CDF_BLOCK, NW,
-                )  # fmt: skip
-            else:
-                found, tau, norm = _candidate_threshold(
-                    cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
-                    CAP, CAP, CDF_BLOCK, NW,
-                )  # fmt: skip
-            if found:
-                tl.store(tau_ptr + row, tau)
-                tl.store(norm_ptr + row, norm)
-                tl.store(state_ptr + row, _LISTED)
-            else:
-                state = _SEARCH  # the top-p crossing lies below the candidates (float rounding): search
+        elif count <= SMALL:
+            found, tau, norm = _candidate_threshold(
+                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                CAP, SMALL, CDF_BLOCK, NW,
+            )  # fmt: skip
         else:
-            state = _SEARCH
-        if state == _SEARCH:
-            lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
-            hi = tl_ordered_key(z_max)
-            if use_k:
-                lo = _search_threshold(
-                    row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND
-                )
-            if use_p:
-                kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
-                lo = _search_threshold(
-                    row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND
-                )
-            tl.store(tau_ptr + row, tl_key_to_float(lo))
-            tl.store(norm_ptr + row, _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S))
+            found, tau, norm = _candidate_threshold(
+                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                CAP, CAP, CDF_BLOCK, NW,
+            )  # fmt: skip
+        # not found: the top-p crossing lies below the candidates (float rounding): search
+        state = tl.where(found, _LISTED, _SEARCH)
+    if state == _SEARCH:
+        lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
+        hi = tl_ordered_key(z_max)
+        if use_k:
+            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND)
+        if use_p:
+            kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
+            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND)
+        tau = tl_key_to_float(lo)
+        norm = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
+    return tau, norm, state
 
 
 @triton.jit
@@ -840,7 +848,7 @@ def rejection_sample_triton(
     num_blocks = triton.cdiv(vocab, cdf_block)
     num_words = triton.cdiv(num_blocks, 32)  # of a row's bitmap of listed blocks
 
-    # 1-4: per-row statistics and keep thresholds
+    # 1-2: per-row statistics and keep thresholds
     block_v = _block(TUNING["row_block_v"], vocab)
     split_size, num_splits = _splits(vocab, block_v, TUNING["row_splits"])
     groups = min(SKETCH_GROUPS, block_v)
@@ -855,37 +863,31 @@ def rejection_sample_triton(
         vocab, split_size, num_splits, BLOCK_V=block_v, NG=groups, num_warps=TUNING["row_warps"], **options,
     )  # fmt: skip
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
-    z_max, norm, tau, bound = (torch.empty(rows, **f32) for _ in range(4))
+    z_max, norm, tau = (torch.empty(rows, **f32) for _ in range(3))
     state = torch.empty(rows, dtype=torch.int32, device=device)
-    block_sketch = _block(1 << 20, num_splits * groups)
-    _row_combine_kernel[(rows,)](
-        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau,
-        bound, state, vocab, num_splits, BLOCK_SPLITS=_block(1 << 20, num_splits),
-        BLOCK_SKETCH=block_sketch, NG=groups, num_warps=4, **options,
-    )  # fmt: skip
     cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
     listed = torch.empty((rows, num_words), dtype=torch.int32, device=device)  # read only where _LISTED
     lanes = block_v // groups
     blocks_per_split = triton.next_power_of_2(split_size // block_v)
-    _threshold_kernel[(rows,)](
-        logits, logits.stride(0), row_req, temps, top_k64, top_p32, z_max, norm, tau, bound, state, sketch,
-        cands, listed, vocab, split_size, num_splits, num_words,
+    _row_combine_kernel[(rows,)](
+        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, state,
+        logits, logits.stride(0), cands, listed, vocab, split_size, num_splits, num_words,
+        BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups,
         CAP=cap, SMALL=min(cap, 256), TINY=min(cap, 64), BLOCK_S=_block(512, vocab),
-        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, BLOCK_V=block_v, NG=groups, W=lanes,
+        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, BLOCK_V=block_v, W=lanes,
         NB=blocks_per_split, GROUPS=max(1, TUNING["select_tile"] // (blocks_per_split * lanes)),
-        BLOCK_SKETCH=block_sketch, CDF_BLOCK=cdf_block, NW=triton.next_power_of_2(num_words),
-        num_warps=TUNING["select_warps"], **options,
+        CDF_BLOCK=cdf_block, NW=triton.next_power_of_2(num_words), num_warps=TUNING["select_warps"], **options,
     )  # fmt: skip
 
-    # 5: accept chains
+    # 3: accept chains
     block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
     _accept_chain_kernel[(num_req,)](
         logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, seeds64, positions64,
         argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
 
-    # 6-7: residual / bonus draws by inverse CDF over the reference's blocks
+    # 4-5: residual / bonus draws by inverse CDF over the reference's blocks
     group = TUNING["cdf_group"]
     mass = torch.empty((num_req, num_blocks), **f32)
     emass = torch.empty((num_req, num_blocks), **f32) if mode != PROBS_NONE else mass
