@@ -77,7 +77,7 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 _BIG = tl.constexpr(2147483647)
 _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
-    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 4, "select_tile": 4096,
+    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 8, "select_tile": 2048,
     "select_warps": 4,
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): for the statistics kernel the vocabulary block per loop
@@ -210,6 +210,7 @@ def _row_combine_kernel(
     state_ptr,
     logits_ptr,
     stride_row,
+    hits_ptr,
     cand_ptr,
     listed_ptr,
     V,
@@ -226,8 +227,7 @@ def _row_combine_kernel(
     NCAND: tl.constexpr,
     BLOCK_V: tl.constexpr,
     W: tl.constexpr,
-    NB: tl.constexpr,
-    GROUPS: tl.constexpr,
+    CHUNKS: tl.constexpr,
     CDF_BLOCK: tl.constexpr,
     NW: tl.constexpr,
 ):
@@ -266,10 +266,10 @@ def _row_combine_kernel(
                 mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(ordered - safe), 0.0), 0)
                 j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
             tau, norm, state = _keep_threshold(
-                logits_ptr + row.to(tl.int64) * stride_row, sketch, cand_ptr, listed_ptr, row, j < _BIG,
+                logits_ptr + row.to(tl.int64) * stride_row, sketch, hits_ptr, cand_ptr, listed_ptr, row, j < _BIG,
                 tl.sum(tl.where(pos == j, ordered, 0.0), 0), tl.math.div_rn(1.0, temp), top, total, top_k, top_p,
-                use_k, use_p, V, split_size, num_splits, num_words, CAP, SMALL, TINY, BLOCK_S, NCAND, BLOCK_V, NG,
-                W, NB, GROUPS, BLOCK_SKETCH, CDF_BLOCK, NW,
+                use_k, use_p, V, split_size, num_words, CAP, SMALL, TINY, BLOCK_S, NCAND, BLOCK_V, NG,
+                W, CHUNKS, BLOCK_SKETCH, CDF_BLOCK, NW,
             )  # fmt: skip
         tl.store(tau_ptr + row, tau)
         tl.store(norm_ptr + row, norm)
@@ -285,18 +285,17 @@ def _bit_or(a, b):
 def _compact_candidates(
     row_ptr,
     sketch,
+    hits_ptr,
     cand_ptr,
     row,
     bound,
     inv_t,
     V,
     split_size,
-    num_splits,
     BLOCK_V: tl.constexpr,
     NG: tl.constexpr,
     W: tl.constexpr,
-    NB: tl.constexpr,
-    GROUPS: tl.constexpr,
+    CHUNKS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     CAP: tl.constexpr,
 ):
@@ -304,29 +303,30 @@ def _compact_candidates(
 
     Sketch group g of split s holds the W lanes g * W .. g * W + W - 1 of every block of the split, and its sketch
     value is the largest z among them, so a token with z >= L lies in a group whose sketch value is >= L: only
-    those groups are read (with top-k 50 about 50 of 512, a tenth of the row), GROUPS at a time as one
-    [GROUPS, NB, W] tile (NB >= the blocks per split), all its loads in flight at once. Slots come from a prefix
-    sum over the tile, no atomics; the set written is exactly {z >= L}, whatever the order."""
+    those groups are read (with top-k 50 about 50 of 512, a tenth of the row). The hit groups are listed in
+    ``hits_ptr``; their chunks (one group in one block: W contiguous ids) are read CHUNKS at a time as one
+    [CHUNKS, W] tile, all its loads in flight at once. Slots come from a prefix sum over the tile, no atomics;
+    the set written is exactly {z >= L}, whatever the order."""
     pos = tl.arange(0, BLOCK_SKETCH)
     hit = sketch >= bound  # the sketch padding is -inf, below any bound
-    rank = tl.cumsum(hit.to(tl.int32), 0) - 1  # of each hit group among the hit groups
-    n_hit = tl.sum(hit.to(tl.int32), 0)
-    slots = tl.arange(0, GROUPS)
-    blocks = tl.arange(0, NB)[None, :, None]
-    lanes = tl.arange(0, W)[None, None, :]
+    tl.store(hits_ptr + tl.cumsum(hit.to(tl.int32), 0) - 1, pos, mask=hit)
+    tl.debug_barrier()  # the list is read back by other threads of this program
+    blocks = split_size // BLOCK_V  # chunks per group (the last split's ends past V are masked)
+    n_chunks = tl.sum(hit.to(tl.int32), 0) * blocks
+    lanes = tl.arange(0, W)[None, :]
     base = cand_ptr + row.to(tl.int64) * CAP
     count = tl.zeros((), tl.int32)
-    for first in range(0, n_hit, GROUPS):
-        want = first + slots
-        group = tl.sum(tl.where(hit[None, :] & (rank[None, :] == want[:, None]), pos[None, :], 0), 1)
-        start = (group // NG) * split_size + (group % NG) * W
-        idx = start[:, None, None] + blocks * BLOCK_V + lanes
-        live = (want < n_hit)[:, None, None] & (blocks * BLOCK_V < split_size) & (idx < V)
+    for first in range(0, n_chunks, CHUNKS):
+        chunk = first + tl.arange(0, CHUNKS)
+        group = tl.load(hits_ptr + chunk // blocks, mask=chunk < n_chunks, other=0)
+        start = (group // NG) * split_size + (chunk % blocks) * BLOCK_V + (group % NG) * W
+        idx = start[:, None] + lanes
+        live = (chunk < n_chunks)[:, None] & (idx < V)
         z = tl.load(row_ptr + idx, mask=live, other=float("-inf")).to(tl.float32) * inv_t
-        take = tl.reshape(live & (z >= bound), [GROUPS * NB * W]).to(tl.int32)
+        take = tl.reshape(live & (z >= bound), [CHUNKS * W]).to(tl.int32)
         slot = count + tl.cumsum(take, 0) - 1
-        packed = tl_pack_value_id(tl.reshape(tl.where(z == 0.0, 0.0, z), [GROUPS * NB * W]),
-                                  tl.reshape(idx, [GROUPS * NB * W]))  # fmt: skip
+        packed = tl_pack_value_id(tl.reshape(tl.where(z == 0.0, 0.0, z), [CHUNKS * W]),
+                                  tl.reshape(idx, [CHUNKS * W]))  # fmt: skip
         tl.store(base + slot, packed, mask=(take != 0) & (slot < CAP))
         count += tl.sum(take, 0)
     return count
@@ -440,6 +440,7 @@ def _candidate_threshold(
 def _keep_threshold(
     row_ptr,
     sketch,
+    hits_ptr,
     cand_ptr,
     listed_ptr,
     row,
@@ -454,7 +455,6 @@ def _keep_threshold(
     use_p,
     V,
     split_size,
-    num_splits,
     num_words,
     CAP: tl.constexpr,
     SMALL: tl.constexpr,
@@ -464,8 +464,7 @@ def _keep_threshold(
     BLOCK_V: tl.constexpr,
     NG: tl.constexpr,
     W: tl.constexpr,
-    NB: tl.constexpr,
-    GROUPS: tl.constexpr,
+    CHUNKS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     CDF_BLOCK: tl.constexpr,
     NW: tl.constexpr,
@@ -479,8 +478,8 @@ def _keep_threshold(
     count = tl.zeros((), tl.int32)
     if certified:
         count = _compact_candidates(
-            row_ptr, sketch, cand_ptr, row, bound, inv_t, V, split_size, num_splits,
-            BLOCK_V, NG, W, NB, GROUPS, BLOCK_SKETCH, CAP,
+            row_ptr, sketch, hits_ptr + row.to(tl.int64) * BLOCK_SKETCH, cand_ptr, row, bound, inv_t, V, split_size,
+            BLOCK_V, NG, W, CHUNKS, BLOCK_SKETCH, CAP,
         )  # fmt: skip
         tl.debug_barrier()  # the candidates were written by other threads of this program
     if certified & (count <= CAP):
@@ -623,14 +622,15 @@ def _block_weights(
         w = tl.maximum(e - norm * p_d, 0.0)
     elif PROBS == _SPARSE:
         # scatter the few sparse entries that fall into this tile (usually none or one); duplicates add up
+        # (off them p_d = 0 and w = max(e - Z * 0, 0) = e exactly: only their entries are computed)
         here = (ids >= lo) & (ids < hi)
-        p_d = tl.zeros_like(e)
-        previous = tl.zeros((), tl.int64) + (lo - 1)
+        w = e
+        previous = tl.zeros((), tl.int32) + (lo - 1)
         for _ in range(0, tl.sum(here.to(tl.int32), 0)):
             current = tl.min(tl.where(here & (ids > previous), ids, 2147483647), 0)
-            p_d = tl.where(idx == current, tl.sum(tl.where(ids == current, probs, 0.0), 0), p_d)
+            p_d = tl.sum(tl.where(ids == current, probs, 0.0), 0)
+            w = tl.where(idx == current, tl.maximum(w - norm * p_d, 0.0), w)  # w == e there: ids increase
             previous = current
-        w = tl.maximum(e - norm * p_d, 0.0)
     else:
         w = e
     return e, w
@@ -684,13 +684,13 @@ def _cdf_mass_kernel(
         norm = tl.load(norm_ptr + sample_row)
         tau = tl.load(tau_ptr + sample_row)
         row_ptr = logits_ptr + sample_row * stride_row
-        ids = tl.zeros((), tl.int64)
+        ids = tl.zeros((), tl.int32)
         probs = tl.zeros((), tl.float32)
         if PROBS == _SPARSE:
             # the bonus row has no draft distribution: load no sparse entries for it
             offs_k = tl.arange(0, BLOCK_K)
             live = offs_k < tl.where(bonus, 0, K)
-            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1)
+            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1).to(tl.int32)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
         listed = tl.load(state_ptr + sample_row) == _LISTED
         # the program's blocks, all read at once as one [GROUP, BLOCK_V] tile (no serial round trips)
@@ -751,12 +751,12 @@ def _cdf_draw_kernel(
         if PROBS != 0:
             kept = tl.load(emass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
             mass = tl.where(fallback, kept, mass)
-        ids = tl.zeros((), tl.int64)
+        ids = tl.zeros((), tl.int32)
         probs = tl.zeros((), tl.float32)
         if PROBS == _SPARSE:  # loaded before the block is known: the loads overlap the scan
             offs_k = tl.arange(0, BLOCK_K)
             live = offs_k < tl.where(bonus, 0, K)
-            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1)
+            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1).to(tl.int32)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
         b = _first_positive_crossing(mass, tl.cumsum(mass, 0), tl_uniform(key, zero) * tl.sum(mass, 0), offs)
         lo = b * BLOCK_V
@@ -869,15 +869,16 @@ def rejection_sample_triton(
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
     listed = torch.empty((rows, num_words), dtype=torch.int32, device=device)  # read only where _LISTED
     lanes = block_v // groups
-    blocks_per_split = triton.next_power_of_2(split_size // block_v)
+    block_sketch = _block(1 << 20, num_splits * groups)
+    hits = torch.empty((rows, block_sketch), dtype=torch.int32, device=device)  # a filtered row's hit groups
     _row_combine_kernel[(rows,)](
         part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, state,
-        logits, logits.stride(0), cands, listed, vocab, split_size, num_splits, num_words,
-        BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups,
+        logits, logits.stride(0), hits, cands, listed, vocab, split_size, num_splits, num_words,
+        BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_SKETCH=block_sketch, NG=groups,
         CAP=cap, SMALL=min(cap, 256), TINY=min(cap, 64), BLOCK_S=_block(512, vocab),
         NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, BLOCK_V=block_v, W=lanes,
-        NB=blocks_per_split, GROUPS=max(1, TUNING["select_tile"] // (blocks_per_split * lanes)),
-        CDF_BLOCK=cdf_block, NW=triton.next_power_of_2(num_words), num_warps=TUNING["select_warps"], **options,
+        CHUNKS=max(1, TUNING["select_tile"] // lanes), CDF_BLOCK=cdf_block, NW=triton.next_power_of_2(num_words),
+        num_warps=TUNING["select_warps"], **options,
     )  # fmt: skip
 
     # 3: accept chains

@@ -380,8 +380,8 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
 
     top-k 5, top-p 0.3 and (on peaked rows) top-p 0.97 are certified by the sketch (sorted candidates); top-k
     300 (beyond the sketch), top-p 0.97 on flat rows and top-k 40 (more tokens above the bound than candidate
-    slots) take the exact fallback search over the whole row. The candidates are compacted a few sketch groups
-    at a time (several tiles per row)."""
+    slots) take the exact fallback search over the whole row. The candidates are compacted a few (group, block)
+    chunks at a time (several tiles per row)."""
     from kernels import rejection, rejection_triton
 
     monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 128)
@@ -390,7 +390,7 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
     monkeypatch.setitem(rejection_triton.TUNING, "cdf_group", 3)
     monkeypatch.setattr(rejection_triton, "SKETCH_GROUPS", 16)
     monkeypatch.setattr(rejection_triton, "CANDIDATES", 32)
-    monkeypatch.setitem(rejection_triton.TUNING, "select_tile", 32)  # 2 sketch groups per compaction tile
+    monkeypatch.setitem(rejection_triton.TUNING, "select_tile", 32)  # 4 chunks of 8 ids per compaction tile
     batch = make_batch(
         lens=[2, 1, 3, 0, 2, 1],
         vocab=1000,
