@@ -2,8 +2,9 @@
 
 The big tensor is the target logits [N + R, V]; everything else is small. It is read once in full by the
 statistics kernel, plus one row per sampled request by the inverse-CDF masses (about 1/(gamma + 1) more, with a
-dense draft also its draft row) and one block of it by the draw, plus a second read of the rows that use
-top-k / top-p. Launches:
+dense draft also its draft row; for a row filtered by top-k / top-p only the blocks holding kept tokens) and
+one block of it by the draw, plus, for the rows that use top-k / top-p, the lane groups that can hold a token
+above the candidate bound (a tenth of the row with top-k 50). Launches:
 
 1. ``_row_stats_kernel``, programs (row, vocabulary split): every row of every request at once. Greedy rows
    keep a per-lane running argmax; sampled rows a per-lane online (max, sum exp) of z = logits * (1 / T),
@@ -11,22 +12,24 @@ top-k / top-p. Launches:
    only reduced at the end of the split, so the loop is pure streaming. Rows with top-k / top-p also write a
    *sketch*: the maxima of NG disjoint groups of lanes, i.e. NG distinct entries of the split.
 2. ``_row_combine_kernel``, one program per row: combines the splits into argmax, or max z and the
-   normaliser; for filtered rows it turns the sketch into a lower bound L on the keep threshold (below).
-3. ``_compact_kernel``, one program per row, filtered rows only: writes every token with z >= L (as packed
-   (order key, id), see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP slots.
-4. ``_threshold_kernel``, one program per filtered row: sorts the candidates and finds tau exactly (top-k:
-   the k-th value; top-p: the crossing of the cumulative mass in descending order), and the normaliser of
-   the kept set. Rows whose candidates do not certify the answer take the exact fallback search (below).
-5. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
+   normaliser. A filtered row then (same program: it needs nothing from other rows) turns the sketch into a
+   lower bound L on the keep threshold (below), writes every token with z >= L (as packed (order key, id),
+   see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP slots, reading only the sketch groups
+   whose maximum is >= L (``_compact_candidates``), sorts the candidates and finds tau exactly (top-k: the
+   k-th value; top-p: the crossing of the cumulative mass in descending order) and the normaliser of the
+   kept set, plus a bitmap of the inverse-CDF blocks that hold kept tokens. Rows whose candidates do not
+   certify the answer take the exact fallback search (below).
+3. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
    draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
    greedy requests the final argmax token.
-6. ``_cdf_mass_kernel``, programs (sampled request, group of ``cdf_group`` blocks of CDF_BLOCK ids): over the
-   one row the request draws from (the residual row after a rejection, else the bonus row), the mass of each
-   block: sum of w = max(0, e - Z * p_d) with e = exp(z - max z) on kept tokens (z >= tau), and with drafts
-   also the sum of e (for an all-zero residual). One exp per token, no random number and no log; a sparse
-   draft's few ids in a block are scattered into it in id order, a dense draft row is read alongside.
-7. ``_cdf_draw_kernel``, one program per sampled request: scans the block masses with uniform 0 (first block
-   whose running mass exceeds u_0 * total), recomputes that block's weights (the same function as kernel 6,
+4. ``_cdf_mass_kernel``, programs (sampled request, group of ``cdf_group`` blocks of CDF_BLOCK ids, read as
+   one tile): over the one row the request draws from (the residual row after a rejection, else the bonus
+   row), the mass of each block: sum of w = max(0, e - Z * p_d) with e = exp(z - max z) on kept tokens
+   (z >= tau), and with drafts also the sum of e (for an all-zero residual). One exp per token, no random
+   number and no log; a sparse draft's few ids in a block are applied in id order, a dense draft row is read
+   alongside; blocks that the row's bitmap does not list have no kept token and are not read (mass 0).
+5. ``_cdf_draw_kernel``, one program per sampled request: scans the block masses with uniform 0 (first block
+   whose running mass exceeds u_0 * total), recomputes that block's weights (the same function as kernel 4,
    so they are bit for bit those summed) and scans them with uniform 1 against u_1 * the block's mass.
 
 Why the draw is exact: P(block b) = M_b / sum M and P(v | b) = w_v / M_b, so the token follows norm(w) =
@@ -55,7 +58,7 @@ than the sketch, a top-p nucleus wider than the sketch can certify) or when more
 Kernels load in the storage dtype and upcast to float32 before any arithmetic, mask every load, and use a
 single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU.
 Every launch has a static grid and no host reads a device value, so the sampler can be captured in a CUDA
-graph; the launches for filtered rows run always and exit at once when a row has nothing to do.
+graph; the work for filtered rows is in the per-row combine kernel, skipped by rows without filters.
 """
 
 from __future__ import annotations
