@@ -85,10 +85,11 @@ TUNING = {
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): for the statistics kernel the vocabulary block per loop
 step, warps and the number of programs a row is split over; for the inverse-CDF masses the blocks per program
-and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference); for the threshold
-kernel the tokens per tile of sketch groups read at once (rounded down to whole groups) and warps. The
-statistics sizes were set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md);
-the inverse-CDF and threshold ones are first guesses awaiting ``--sweep cdf select``."""
+and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference); for the combine
+kernel (which also compacts and thresholds filtered rows) the ids per compaction tile, read at once (whole
+chunks of one sketch group in one block), and warps. The statistics sizes were set from
+``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md); the inverse-CDF and
+compaction ones are first guesses awaiting ``--sweep cdf select``."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
@@ -97,9 +98,9 @@ CANDIDATES = 2048
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
 _SPARSE = tl.constexpr(PROBS_SPARSE)
-# per-row threshold state: no filter; candidates to compact; fallback search; tau found from the candidates,
-# whose inverse-CDF blocks are listed in a bitmap (the mass kernel reads only those blocks of the row)
-_DONE, _CANDIDATES, _SEARCH, _LISTED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+# per-row threshold state: no filter; tau from the fallback search; tau from the candidates, whose inverse-CDF
+# blocks are listed in a bitmap (the mass kernel reads only those blocks of the row)
+_DONE, _SEARCH, _LISTED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -281,6 +282,7 @@ def _row_combine_kernel(
 
 @triton.jit
 def _bit_or(a, b):
+    """Combine function of a bitwise-or reduction."""
     return a | b
 
 
