@@ -265,7 +265,7 @@ def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool, grou
     if "select" in groups:
         filtered = rejection_call("sampled T=0.8 top-k 50 top-p 0.9, sparse")
         select_variants = [dict(select_tile=t, select_warps=w)
-                           for t, w in ((1024, 4), (2048, 4), (4096, 4), (1024, 8), (2048, 8), (4096, 8))]  # fmt: skip
+                           for t, w in ((2048, 4), (4096, 4), (8192, 4), (4096, 8), (8192, 8), (16384, 8))]  # fmt: skip
         choose(rejection_triton.TUNING, "rejection threshold", select_variants, {"top-k/top-p": filtered})
         del filtered
     if "markov" in groups:

@@ -44,7 +44,8 @@ _SIGNATURES.update({name: _MARKOV_COMMON for name in ("_markov_step_kernel", "_m
 _CONFIGS = [
     ("_row_stats_kernel", dict(BLOCK_V=2048, NG=128), 4),
     ("_row_combine_kernel", dict(BLOCK_SPLITS=16, BLOCK_SKETCH=512, NG=128, CAP=2048, SMALL=256, TINY=64,
-                                 BLOCK_S=512, NCAND=16, BLOCK_V=2048, W=16, CHUNKS=128, CDF_BLOCK=2048, NW=4),
+                                 BLOCK_S=512, NCAND=16, BLOCK_V=2048, W=16, CHUNKS=512, HIT_CHUNKS=16, CDF_BLOCK=2048,
+                                 NW=4),
      4),
     *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_K=64), 1) for mode in (0, 1, 2)],
     *[("_cdf_mass_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_K=64, GROUP=4), 4) for mode in (0, 1, 2)],

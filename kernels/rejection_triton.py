@@ -80,7 +80,7 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 _BIG = tl.constexpr(2147483647)
 _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
-    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 8, "select_tile": 2048,
+    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 8, "select_tile": 8192,
     "select_warps": 4,
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): for the statistics kernel the vocabulary block per loop
@@ -232,6 +232,7 @@ def _row_combine_kernel(
     BLOCK_V: tl.constexpr,
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
+    HIT_CHUNKS: tl.constexpr,
     CDF_BLOCK: tl.constexpr,
     NW: tl.constexpr,
 ):
@@ -273,7 +274,7 @@ def _row_combine_kernel(
                 logits_ptr + row.to(tl.int64) * stride_row, sketch, hits_ptr, cand_ptr, listed_ptr, row, j < _BIG,
                 tl.sum(tl.where(pos == j, ordered, 0.0), 0), tl.math.div_rn(1.0, temp), top, total, top_k, top_p,
                 use_k, use_p, V, split_size, num_words, CAP, SMALL, TINY, BLOCK_S, NCAND, BLOCK_V, NG,
-                W, CHUNKS, BLOCK_SKETCH, CDF_BLOCK, NW,
+                W, CHUNKS, HIT_CHUNKS, BLOCK_SKETCH, CDF_BLOCK, NW,
             )  # fmt: skip
         tl.store(tau_ptr + row, tau)
         tl.store(norm_ptr + row, norm)
@@ -301,6 +302,7 @@ def _compact_candidates(
     NG: tl.constexpr,
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
+    HIT_CHUNKS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     CAP: tl.constexpr,
 ):
@@ -308,10 +310,12 @@ def _compact_candidates(
 
     Sketch group g of split s holds the W lanes g * W .. g * W + W - 1 of every block of the split, and its sketch
     value is the largest z among them, so a token with z >= L lies in a group whose sketch value is >= L: only
-    those groups are read (with top-k 50 about 50 of 512, a tenth of the row). The hit groups are listed in
-    ``hits_ptr``; their chunks (one group in one block: W contiguous ids) are read CHUNKS at a time as one
-    [CHUNKS, W] tile, all its loads in flight at once. Slots come from a prefix sum over the tile, no atomics;
-    the set written is exactly {z >= L}, whatever the order."""
+    those groups are read (with top-k 50 about 50 of 512, a tenth of the row). The hit groups are listed first
+    (``hits_ptr``, BLOCK_SKETCH entries); their chunks (one group in one block: W contiguous ids) are read CHUNKS
+    at a time as one [CHUNKS, W] tile, all its loads in flight at once, and only tested against L there (few
+    registers per id, so many ids in flight). The chunks holding a candidate (a few per tile) are listed
+    (``hits_ptr + BLOCK_SKETCH``) and re-read, HIT_CHUNKS at a time (cache hits), to write their candidates
+    with slots from a prefix sum, no atomics. The set written is exactly {z >= L}, whatever the order."""
     pos = tl.arange(0, BLOCK_SKETCH)
     hit = sketch >= bound  # the sketch padding is -inf, below any bound
     tl.store(hits_ptr + tl.cumsum(hit.to(tl.int32), 0) - 1, pos, mask=hit)
@@ -319,6 +323,7 @@ def _compact_candidates(
     blocks = split_size // BLOCK_V  # chunks per group (the last split's ends past V are masked)
     n_chunks = tl.sum(hit.to(tl.int32), 0) * blocks
     lanes = tl.arange(0, W)[None, :]
+    chunk_list = hits_ptr + BLOCK_SKETCH
     base = cand_ptr + row.to(tl.int64) * CAP
     count = tl.zeros((), tl.int32)
     for first in range(0, n_chunks, CHUNKS):
@@ -328,12 +333,24 @@ def _compact_candidates(
         idx = start[:, None] + lanes
         live = (chunk < n_chunks)[:, None] & (idx < V)
         z = tl.load(row_ptr + idx, mask=live, other=float("-inf")).to(tl.float32) * inv_t
-        take = tl.reshape(live & (z >= bound), [CHUNKS * W]).to(tl.int32)
-        slot = count + tl.cumsum(take, 0) - 1
-        packed = tl_pack_value_id(tl.reshape(tl.where(z == 0.0, 0.0, z), [CHUNKS * W]),
-                                  tl.reshape(idx, [CHUNKS * W]))  # fmt: skip
-        tl.store(base + slot, packed, mask=(take != 0) & (slot < CAP))
-        count += tl.sum(take, 0)
+        held = tl.max((live & (z >= bound)).to(tl.int32), 1)  # chunks holding a candidate
+        n_held = tl.sum(held, 0)
+        if n_held > 0:
+            tl.store(chunk_list + tl.cumsum(held, 0) - 1, start, mask=held != 0)
+            tl.debug_barrier()  # the chunk list is read back by other threads
+            for again in range(0, n_held, HIT_CHUNKS):
+                slot_c = again + tl.arange(0, HIT_CHUNKS)
+                start_c = tl.load(chunk_list + slot_c, mask=slot_c < n_held, other=0)
+                idx_c = start_c[:, None] + lanes
+                live_c = (slot_c < n_held)[:, None] & (idx_c < V)
+                z_c = tl.load(row_ptr + idx_c, mask=live_c, other=float("-inf")).to(tl.float32) * inv_t
+                take = tl.reshape(live_c & (z_c >= bound), [HIT_CHUNKS * W]).to(tl.int32)
+                slot = count + tl.cumsum(take, 0) - 1
+                packed = tl_pack_value_id(tl.reshape(tl.where(z_c == 0.0, 0.0, z_c), [HIT_CHUNKS * W]),
+                                          tl.reshape(idx_c, [HIT_CHUNKS * W]))  # fmt: skip
+                tl.store(base + slot, packed, mask=(take != 0) & (slot < CAP))
+                count += tl.sum(take, 0)
+            tl.debug_barrier()  # the chunk list is rewritten by the next tile
     return count
 
 
@@ -470,6 +487,7 @@ def _keep_threshold(
     NG: tl.constexpr,
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
+    HIT_CHUNKS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     CDF_BLOCK: tl.constexpr,
     NW: tl.constexpr,
@@ -483,8 +501,8 @@ def _keep_threshold(
     count = tl.zeros((), tl.int32)
     if certified:
         count = _compact_candidates(
-            row_ptr, sketch, hits_ptr + row.to(tl.int64) * BLOCK_SKETCH, cand_ptr, row, bound, inv_t, V, split_size,
-            BLOCK_V, NG, W, CHUNKS, BLOCK_SKETCH, CAP,
+            row_ptr, sketch, hits_ptr + row.to(tl.int64) * (BLOCK_SKETCH + CHUNKS), cand_ptr, row, bound, inv_t, V,
+            split_size, BLOCK_V, NG, W, CHUNKS, HIT_CHUNKS, BLOCK_SKETCH, CAP,
         )  # fmt: skip
         tl.debug_barrier()  # the candidates were written by other threads of this program
     if certified & (count <= CAP):
@@ -875,14 +893,16 @@ def rejection_sample_triton(
     listed = torch.empty((rows, num_words), dtype=torch.int32, device=device)  # read only where _LISTED
     lanes = block_v // groups
     block_sketch = _block(1 << 20, num_splits * groups)
-    hits = torch.empty((rows, block_sketch), dtype=torch.int32, device=device)  # a filtered row's hit groups
+    chunks = max(1, TUNING["select_tile"] // lanes)
+    # a filtered row's lists: hit sketch groups, then the chunks of a tile that hold candidates
+    hits = torch.empty((rows, block_sketch + chunks), dtype=torch.int32, device=device)
     _row_combine_kernel[(rows,)](
         part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, state,
         logits, logits.stride(0), hits, cands, listed, vocab, split_size, num_splits, num_words,
         BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_SKETCH=block_sketch, NG=groups,
         CAP=cap, SMALL=min(cap, 256), TINY=min(cap, 64), BLOCK_S=_block(512, vocab),
         NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, BLOCK_V=block_v, W=lanes,
-        CHUNKS=max(1, TUNING["select_tile"] // lanes), CDF_BLOCK=cdf_block, NW=triton.next_power_of_2(num_words),
+        CHUNKS=chunks, HIT_CHUNKS=min(chunks, 16), CDF_BLOCK=cdf_block, NW=triton.next_power_of_2(num_words),
         num_warps=TUNING["select_warps"], **options,
     )  # fmt: skip
 
