@@ -15,7 +15,7 @@ Both implementations run with ``validate=False`` on identical inputs (the input 
 tensors and cost a host sync; their time is reported separately), and the script reports how many requests
 got identical outputs from the two (on GPUs the kernel's exp/log differ from torch's in the last bits, so a
 near-tie may rarely go the other way). ``--sweep [GROUP ...]`` first times other launch sizes of the kernels
-(statistics, cdf, markov; all of them: about a minute more, mostly compilation); ``--tune`` then runs the
+(statistics, cdf, select, markov; all of them: about a minute more, mostly compilation); ``--tune`` then runs the
 benchmark with the fastest ones (recorded under "tuning" in the JSON; the TUNING defaults in the kernel modules
 are set from such a run). ``--only rejection`` skips the Markov sampler; ``--profile`` adds the device time of
 every rejection kernel per setting (torch.profiler, one eager call each).
@@ -218,16 +218,17 @@ def bench_markov(shape: dict, device: torch.device, repeats: int) -> list[dict]:
     return results
 
 
-SWEEP_GROUPS = ("statistics", "cdf", "markov")
+SWEEP_GROUPS = ("statistics", "cdf", "select", "markov")
 
 
 def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool, groups: list[str]) -> list[dict]:
     """Time other launch sizes of the kernels (CUDA-graph replays on GPUs, where launch overhead would hide them).
 
     One group at a time (of ``groups``), the others at their current values: the rejection statistics kernel
-    (greedy plus sampled sparse time), the inverse-CDF mass kernel (sampled sparse plus dense), the Markov
-    truncated mode. With ``keep_best`` each group keeps its fastest variant (the TUNING dicts are updated, so
-    the main benchmark that follows runs with them); otherwise the defaults are restored."""
+    (greedy plus sampled sparse time), the inverse-CDF mass kernel (sampled sparse plus dense), the threshold
+    kernel's compaction tile (top-k / top-p), the Markov truncated mode. With ``keep_best`` each group keeps its
+    fastest variant (the TUNING dicts are updated, so the main benchmark that follows runs with them); otherwise
+    the defaults are restored."""
     from kernels import markov_triton, rejection_triton
 
     measure = partial(graph_timed if device.type == "cuda" else timed, device=device, repeats=repeats)
@@ -261,6 +262,12 @@ def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool, grou
         cdf_variants = [dict(cdf_group=g, cdf_warps=w) for g, w in ((1, 4), (2, 4), (4, 4), (8, 4), (2, 8), (4, 8))]
         choose(rejection_triton.TUNING, "rejection cdf masses", cdf_variants, {"sparse": sparse, "dense": dense})
         del sparse, dense
+    if "select" in groups:
+        filtered = rejection_call("sampled T=0.8 top-k 50 top-p 0.9, sparse")
+        select_variants = [dict(select_tile=t, select_warps=w)
+                           for t, w in ((2048, 4), (4096, 4), (8192, 4), (4096, 8), (8192, 8), (16384, 8))]  # fmt: skip
+        choose(rejection_triton.TUNING, "rejection threshold", select_variants, {"top-k/top-p": filtered})
+        del filtered
     if "markov" in groups:
         args = markov_args(shape, device, 1.0)
         markov = partial(markov_triton.markov_sample_triton, *args, top_k=shape["sparse_k"], validate=False)

@@ -26,9 +26,10 @@ _REJECTION_COMMON = dict(logits_ptr="*bf16", stride_row="i64", cu_ptr="*i64", te
                          prob_ids_ptr="*i64", K="i32", V="i32", row_req_ptr="*i32", top_k_ptr="*i64",
                          top_p_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", part_arg_ptr="*i32",
                          sketch_ptr="*fp32", split_size="i32", num_splits="i32", argmax_ptr="*i32",
-                         bound_ptr="*fp32", state_ptr="*i32", count_ptr="*i32", cand_ptr="*i64",
+                         state_ptr="*i32", cand_ptr="*i64",
                          draft_ids_ptr="*i64", out_ptr="*i64", mass_ptr="*fp32", emass_ptr="*fp32",
-                         num_blocks="i32", group="i32", num_req="i32")  # fmt: skip
+                         num_blocks="i32", group="i32", num_req="i32", listed_ptr="*i32",
+                         num_words="i32", hits_ptr="*i32")  # fmt: skip
 _MARKOV_COMMON = dict(base_ptr="*bf16", stride_br="i64", stride_bk="i64", step="i32", prev_ptr="*i64",
                       stride_prev="i32", w1_ptr="*bf16", w2_ptr="*bf16", temperature_ptr="*fp32",
                       seeds_ptr="*i64", positions_ptr="*i64", k_eff_ptr="*i32", logits_ptr="*fp32", z_ptr="*fp32",
@@ -36,17 +37,18 @@ _MARKOV_COMMON = dict(base_ptr="*bf16", stride_br="i64", stride_bk="i64", step="
                       tiles_ptr="*i32", buffer_ptr="*i64", tokens_ptr="*i64", probs_ptr="*fp32",
                       sparse_ids_ptr="*i64", sparse_probs_ptr="*fp32", R="i32", V="i32", RANK="i32",
                       num_chunks="i32", K="i32", gamma="i32")  # fmt: skip
-_SIGNATURES = {name: _REJECTION_COMMON for name in ("_row_stats_kernel", "_row_combine_kernel", "_compact_kernel",
-               "_threshold_kernel", "_accept_chain_kernel", "_cdf_mass_kernel", "_cdf_draw_kernel")}  # fmt: skip
+_SIGNATURES = {name: _REJECTION_COMMON for name in ("_row_stats_kernel", "_row_combine_kernel", "_accept_chain_kernel",
+               "_cdf_mass_kernel", "_cdf_draw_kernel")}  # fmt: skip
 _SIGNATURES.update({name: _MARKOV_COMMON for name in ("_markov_step_kernel", "_markov_combine_kernel")})
 # (kernel, constexprs, num_warps): the configurations the launchers use at production vocabulary sizes
 _CONFIGS = [
     ("_row_stats_kernel", dict(BLOCK_V=2048, NG=128), 4),
-    ("_row_combine_kernel", dict(BLOCK_SPLITS=16, BLOCK_SKETCH=512, NG=128), 4),
-    ("_compact_kernel", dict(BLOCK_V=2048, CAP=2048), 4),
-    ("_threshold_kernel", dict(CAP=2048, SMALL=256, BLOCK_S=512, NCAND=16), 8),
+    ("_row_combine_kernel", dict(BLOCK_SPLITS=16, BLOCK_SKETCH=512, NG=128, CAP=2048, SMALL=256, TINY=64,
+                                 BLOCK_S=512, NCAND=16, BLOCK_V=2048, W=16, CHUNKS=512, HIT_CHUNKS=16, CDF_BLOCK=2048,
+                                 NW=4),
+     4),
     *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_K=64), 1) for mode in (0, 1, 2)],
-    *[("_cdf_mass_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_K=64), 4) for mode in (0, 1, 2)],
+    *[("_cdf_mass_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_K=64, GROUP=4), 4) for mode in (0, 1, 2)],
     *[("_cdf_draw_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_NB=128, BLOCK_K=64), 4) for mode in (0, 1, 2)],
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=128, BLOCK_D=64, TOPK=0, STORE_LOGITS=False,
                                  NATIVE_DOT=True), 8),

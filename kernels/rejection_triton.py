@@ -2,8 +2,9 @@
 
 The big tensor is the target logits [N + R, V]; everything else is small. It is read once in full by the
 statistics kernel, plus one row per sampled request by the inverse-CDF masses (about 1/(gamma + 1) more, with a
-dense draft also its draft row) and one block of it by the draw, plus a second read of the rows that use
-top-k / top-p. Launches:
+dense draft also its draft row; for a row filtered by top-k / top-p only the blocks holding kept tokens) and
+one block of it by the draw, plus, for the rows that use top-k / top-p, the lane groups that can hold a token
+above the candidate bound (a tenth of the row with top-k 50). Launches:
 
 1. ``_row_stats_kernel``, programs (row, vocabulary split): every row of every request at once. Greedy rows
    keep a per-lane running argmax; sampled rows a per-lane online (max, sum exp) of z = logits * (1 / T),
@@ -11,22 +12,24 @@ top-k / top-p. Launches:
    only reduced at the end of the split, so the loop is pure streaming. Rows with top-k / top-p also write a
    *sketch*: the maxima of NG disjoint groups of lanes, i.e. NG distinct entries of the split.
 2. ``_row_combine_kernel``, one program per row: combines the splits into argmax, or max z and the
-   normaliser; for filtered rows it turns the sketch into a lower bound L on the keep threshold (below).
-3. ``_compact_kernel``, one program per row, filtered rows only: writes every token with z >= L (as packed
-   (order key, id), see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP slots.
-4. ``_threshold_kernel``, one program per filtered row: sorts the candidates and finds tau exactly (top-k:
-   the k-th value; top-p: the crossing of the cumulative mass in descending order), and the normaliser of
-   the kept set. Rows whose candidates do not certify the answer take the exact fallback search (below).
-5. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
+   normaliser. A filtered row then (same program: it needs nothing from other rows) turns the sketch into a
+   lower bound L on the keep threshold (below), writes every token with z >= L (as packed (order key, id),
+   see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP slots, reading only the sketch groups
+   whose maximum is >= L (``_compact_candidates``), sorts the candidates and finds tau exactly (top-k: the
+   k-th value; top-p: the crossing of the cumulative mass in descending order) and the normaliser of the
+   kept set, plus a bitmap of the inverse-CDF blocks that hold kept tokens. Rows whose candidates do not
+   certify the answer take the exact fallback search (below).
+3. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
    draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
    greedy requests the final argmax token.
-6. ``_cdf_mass_kernel``, programs (sampled request, group of ``cdf_group`` blocks of CDF_BLOCK ids): over the
-   one row the request draws from (the residual row after a rejection, else the bonus row), the mass of each
-   block: sum of w = max(0, e - Z * p_d) with e = exp(z - max z) on kept tokens (z >= tau), and with drafts
-   also the sum of e (for an all-zero residual). One exp per token, no random number and no log; a sparse
-   draft's few ids in a block are scattered into it in id order, a dense draft row is read alongside.
-7. ``_cdf_draw_kernel``, one program per sampled request: scans the block masses with uniform 0 (first block
-   whose running mass exceeds u_0 * total), recomputes that block's weights (the same function as kernel 6,
+4. ``_cdf_mass_kernel``, programs (sampled request, group of ``cdf_group`` blocks of CDF_BLOCK ids, read as
+   one tile): over the one row the request draws from (the residual row after a rejection, else the bonus
+   row), the mass of each block: sum of w = max(0, e - Z * p_d) with e = exp(z - max z) on kept tokens
+   (z >= tau), and with drafts also the sum of e (for an all-zero residual). One exp per token, no random
+   number and no log; a sparse draft's few ids in a block are applied in id order, a dense draft row is read
+   alongside; blocks that the row's bitmap does not list have no kept token and are not read (mass 0).
+5. ``_cdf_draw_kernel``, one program per sampled request: scans the block masses with uniform 0 (first block
+   whose running mass exceeds u_0 * total), recomputes that block's weights (the same function as kernel 4,
    so they are bit for bit those summed) and scans them with uniform 1 against u_1 * the block's mass.
 
 Why the draw is exact: P(block b) = M_b / sum M and P(v | b) = w_v / M_b, so the token follows norm(w) =
@@ -55,7 +58,7 @@ than the sketch, a top-p nucleus wider than the sketch can certify) or when more
 Kernels load in the storage dtype and upcast to float32 before any arithmetic, mask every load, and use a
 single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU.
 Every launch has a static grid and no host reads a device value, so the sampler can be captured in a CUDA
-graph; the launches for filtered rows run always and exit at once when a row has nothing to do.
+graph; the work for filtered rows is in the per-row combine kernel, skipped by rows without filters.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ import triton
 import triton.language as tl
 
 from kernels import rejection as reference
-from kernels.float_keys import tl_key_to_float, tl_ordered_key
+from kernels.float_keys import tl_key_to_float, tl_ordered_key, tl_pack_value_id
 from kernels.launch import interpreting, launch_options
 from kernels.rejection import RejectionOutput, validate_rejection_inputs
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, tl_row_key, tl_uniform
@@ -77,13 +80,16 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 _BIG = tl.constexpr(2147483647)
 _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
-    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 4,
+    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 8, "select_tile": 8192,
+    "select_warps": 4,
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): for the statistics kernel the vocabulary block per loop
 step, warps and the number of programs a row is split over; for the inverse-CDF masses the blocks per program
-and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference). The statistics
-sizes were set from ``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md); the
-inverse-CDF ones are a first guess awaiting ``--sweep cdf``."""
+and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference); for the combine
+kernel (which also compacts and thresholds filtered rows) the ids per compaction tile, read at once (whole
+chunks of one sketch group in one block), and warps. The statistics sizes were set from
+``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md); the inverse-CDF and
+compaction ones are first guesses awaiting ``--sweep cdf select``."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
@@ -92,7 +98,9 @@ CANDIDATES = 2048
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
 _SPARSE = tl.constexpr(PROBS_SPARSE)
-_DONE, _CANDIDATES, _SEARCH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # per-row threshold state
+# per-row threshold state: no filter; tau from the fallback search; tau from the candidates, whose inverse-CDF
+# blocks are listed in a bitmap (the mass kernel reads only those blocks of the row)
+_DONE, _SEARCH, _LISTED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -203,16 +211,34 @@ def _row_combine_kernel(
     zmax_ptr,
     norm_ptr,
     tau_ptr,
-    bound_ptr,
     state_ptr,
-    count_ptr,
+    logits_ptr,
+    stride_row,
+    hits_ptr,
+    cand_ptr,
+    listed_ptr,
     V,
+    split_size,
     num_splits,
+    num_words,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     NG: tl.constexpr,
+    CAP: tl.constexpr,
+    SMALL: tl.constexpr,
+    TINY: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    NCAND: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    W: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    HIT_CHUNKS: tl.constexpr,
+    CDF_BLOCK: tl.constexpr,
+    NW: tl.constexpr,
 ):
-    """Per row: combine the splits; for a filtered row derive the candidate bound L from the sketch."""
+    """Per row: combine the splits into argmax, or max z and the normaliser; for a filtered row also derive the
+    candidate bound L from the sketch and find the exact tau and the kept set's normaliser (one launch for
+    both: they need nothing from other rows)."""
     row = tl.program_id(0)
     req = tl.load(row_req_ptr + row)
     temp = tl.load(temperature_ptr + req)
@@ -229,59 +255,103 @@ def _row_combine_kernel(
         safe = tl.where(top == float("-inf"), 0.0, top)
         total = tl.sum(tl.load(part_sum_ptr + part, mask=live, other=0.0) * tl.exp(tops - safe), 0)
         tl.store(zmax_ptr + row, top)
-        tl.store(norm_ptr + row, total)
-        tl.store(tau_ptr + row, float("-inf"))
+        tau = tl.full((), float("-inf"), tl.float32)
+        norm = total
         top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
         if use_k | use_p:
             n_sketch = num_splits * NG
             pos = tl.arange(0, BLOCK_SKETCH)
             sketch = tl.load(sketch_ptr + row.to(tl.int64) * n_sketch + pos, mask=pos < n_sketch,
                              other=float("-inf"))  # fmt: skip
-            sketch = tl.sort(sketch, descending=True)
+            ordered = tl.sort(sketch, descending=True)
             if use_k:
                 # the k-th sketch value: k distinct entries are >= it, so it is <= the k-th largest z
                 j = tl.where(top_k <= n_sketch, top_k.to(tl.int32) - 1, _BIG)
             else:
-                mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(sketch - safe), 0.0), 0)
+                mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(ordered - safe), 0.0), 0)
                 j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
-            state = tl.where(j < _BIG, _CANDIDATES, _SEARCH)
-            tl.store(bound_ptr + row, tl.sum(tl.where(pos == j, sketch, 0.0), 0))
+            tau, norm, state = _keep_threshold(
+                logits_ptr + row.to(tl.int64) * stride_row, sketch, hits_ptr, cand_ptr, listed_ptr, row, j < _BIG,
+                tl.sum(tl.where(pos == j, ordered, 0.0), 0), tl.math.div_rn(1.0, temp), top, total, top_k, top_p,
+                use_k, use_p, V, split_size, num_words, CAP, SMALL, TINY, BLOCK_S, NCAND, BLOCK_V, NG,
+                W, CHUNKS, HIT_CHUNKS, BLOCK_SKETCH, CDF_BLOCK, NW,
+            )  # fmt: skip
+        tl.store(tau_ptr + row, tau)
+        tl.store(norm_ptr + row, norm)
     tl.store(state_ptr + row, state)
-    tl.store(count_ptr + row, 0)
 
 
 @triton.jit
-def _compact_kernel(
-    logits_ptr,
-    stride_row,
-    row_req_ptr,
-    temperature_ptr,
-    bound_ptr,
-    state_ptr,
-    count_ptr,
+def _bit_or(a, b):
+    """Combine function of a bitwise-or reduction."""
+    return a | b
+
+
+@triton.jit
+def _compact_candidates(
+    row_ptr,
+    sketch,
+    hits_ptr,
     cand_ptr,
+    row,
+    bound,
+    inv_t,
     V,
+    split_size,
     BLOCK_V: tl.constexpr,
+    NG: tl.constexpr,
+    W: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    HIT_CHUNKS: tl.constexpr,
+    BLOCK_SKETCH: tl.constexpr,
     CAP: tl.constexpr,
 ):
-    """Per filtered row: append every token with z >= L to the row's candidates (packed, any order).
+    """Write every token of a filtered row with z >= L to its candidates (packed, any order); returns how many.
 
-    One program per row: only filtered rows work here, and the others exit without a grid of splits."""
-    row = tl.program_id(0)
-    if tl.load(state_ptr + row) == _CANDIDATES:
-        inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + tl.load(row_req_ptr + row)))
-        bound = tl.load(bound_ptr + row)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        counter = count_ptr + row + tl.zeros([BLOCK_V], tl.int32)
-        for start in range(0, V, BLOCK_V):
-            idx = start + tl.arange(0, BLOCK_V)
-            z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-            hit = (idx < V) & (z >= bound)
-            slot = tl.atomic_add(counter, tl.full([BLOCK_V], 1, tl.int32), mask=hit, sem="relaxed")
-            bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
-            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-            packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
-            tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, packed, mask=hit & (slot < CAP))
+    Sketch group g of split s holds the W lanes g * W .. g * W + W - 1 of every block of the split, and its sketch
+    value is the largest z among them, so a token with z >= L lies in a group whose sketch value is >= L: only
+    those groups are read (with top-k 50 about 50 of 512, a tenth of the row). The hit groups are listed first
+    (``hits_ptr``, BLOCK_SKETCH entries); their chunks (one group in one block: W contiguous ids) are read CHUNKS
+    at a time as one [CHUNKS, W] tile, all its loads in flight at once, and only tested against L there (few
+    registers per id, so many ids in flight). The chunks holding a candidate (a few per tile) are listed
+    (``hits_ptr + BLOCK_SKETCH``) and re-read, HIT_CHUNKS at a time (cache hits), to write their candidates
+    with slots from a prefix sum, no atomics. The set written is exactly {z >= L}, whatever the order."""
+    pos = tl.arange(0, BLOCK_SKETCH)
+    hit = sketch >= bound  # the sketch padding is -inf, below any bound
+    tl.store(hits_ptr + tl.cumsum(hit.to(tl.int32), 0) - 1, pos, mask=hit)
+    tl.debug_barrier()  # the list is read back by other threads of this program
+    blocks = split_size // BLOCK_V  # chunks per group (the last split's ends past V are masked)
+    n_chunks = tl.sum(hit.to(tl.int32), 0) * blocks
+    lanes = tl.arange(0, W)[None, :]
+    chunk_list = hits_ptr + BLOCK_SKETCH
+    base = cand_ptr + row.to(tl.int64) * CAP
+    count = tl.zeros((), tl.int32)
+    for first in range(0, n_chunks, CHUNKS):
+        chunk = first + tl.arange(0, CHUNKS)
+        group = tl.load(hits_ptr + chunk // blocks, mask=chunk < n_chunks, other=0)
+        start = (group // NG) * split_size + (chunk % blocks) * BLOCK_V + (group % NG) * W
+        idx = start[:, None] + lanes
+        live = (chunk < n_chunks)[:, None] & (idx < V)
+        z = tl.load(row_ptr + idx, mask=live, other=float("-inf")).to(tl.float32) * inv_t
+        held = tl.max((live & (z >= bound)).to(tl.int32), 1)  # chunks holding a candidate
+        n_held = tl.sum(held, 0)
+        if n_held > 0:
+            tl.store(chunk_list + tl.cumsum(held, 0) - 1, start, mask=held != 0)
+            tl.debug_barrier()  # the chunk list is read back by other threads
+            for again in range(0, n_held, HIT_CHUNKS):
+                slot_c = again + tl.arange(0, HIT_CHUNKS)
+                start_c = tl.load(chunk_list + slot_c, mask=slot_c < n_held, other=0)
+                idx_c = start_c[:, None] + lanes
+                live_c = (slot_c < n_held)[:, None] & (idx_c < V)
+                z_c = tl.load(row_ptr + idx_c, mask=live_c, other=float("-inf")).to(tl.float32) * inv_t
+                take = tl.reshape(live_c & (z_c >= bound), [HIT_CHUNKS * W]).to(tl.int32)
+                slot = count + tl.cumsum(take, 0) - 1
+                packed = tl_pack_value_id(tl.reshape(tl.where(z_c == 0.0, 0.0, z_c), [HIT_CHUNKS * W]),
+                                          tl.reshape(idx_c, [HIT_CHUNKS * W]))  # fmt: skip
+                tl.store(base + slot, packed, mask=(take != 0) & (slot < CAP))
+                count += tl.sum(take, 0)
+            tl.debug_barrier()  # the chunk list is rewritten by the next tile
+    return count
 
 
 @triton.jit
@@ -340,13 +410,30 @@ def _search_threshold(
 
 @triton.jit
 def _candidate_threshold(
-    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP: tl.constexpr, SIZE: tl.constexpr
+    cand_ptr,
+    listed_ptr,
+    row,
+    count,
+    z_max,
+    total_all,
+    top_k,
+    top_p,
+    use_k,
+    use_p,
+    num_words,
+    CAP: tl.constexpr,
+    SIZE: tl.constexpr,
+    CDF_BLOCK: tl.constexpr,
+    NW: tl.constexpr,
 ):
     """(found, tau, norm of the kept set) from a row's count <= SIZE candidates, sorted descending.
 
     Top-k: tau_k is the k-th candidate (fewer than k candidates only happens when fewer than k tokens are
     finite, and then the k-th largest z is -inf). Top-p: the crossing of the running mass within the
-    candidates; not found when the mass of all candidates stays below p * total (float rounding)."""
+    candidates; not found when the mass of all candidates stays below p * total (float rounding).
+    When found, also writes the row's inverse-CDF blocks holding a kept candidate as a bitmap of num_words
+    int32 words: every token of positive weight (z >= tau, z finite) is a candidate, since tau >= L, so the
+    other blocks have mass 0 and the mass kernel need not read them."""
     pos = tl.arange(0, SIZE)
     valid = pos < count
     cands = tl.load(cand_ptr + row.to(tl.int64) * CAP + pos, mask=valid, other=_INT64_MIN)
@@ -362,70 +449,91 @@ def _candidate_threshold(
     tau_p = tl.where(use_p & (first < _BIG), tl.sum(tl.where(pos == first, z, 0.0), 0), float("-inf"))
     tau = tl.maximum(tau_k, tau_p)
     found = (first < _BIG) | (use_p == 0)
+    block = (0x7FFFFFFF - (cands & 0xFFFFFFFF).to(tl.int32)) // CDF_BLOCK
+    word = tl.arange(0, NW)
+    bits = tl.where((valid & (z >= tau))[:, None] & ((block // 32)[:, None] == word[None, :]),
+                    1 << (block % 32)[:, None], 0)  # fmt: skip
+    tl.store(listed_ptr + row.to(tl.int64) * num_words + word, tl.reduce(bits, 0, _bit_or),
+             mask=word < tl.where(found, num_words, 0))  # fmt: skip
     return found, tau, tl.sum(tl.where(z >= tau, tl.exp(z - z_max), 0.0), 0)
 
 
 @triton.jit
-def _threshold_kernel(
-    logits_ptr,
-    stride_row,
-    row_req_ptr,
-    temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
-    zmax_ptr,
-    norm_ptr,
-    tau_ptr,
-    state_ptr,
-    count_ptr,
+def _keep_threshold(
+    row_ptr,
+    sketch,
+    hits_ptr,
     cand_ptr,
+    listed_ptr,
+    row,
+    certified,
+    bound,
+    inv_t,
+    z_max,
+    total_all,
+    top_k,
+    top_p,
+    use_k,
+    use_p,
     V,
+    split_size,
+    num_words,
     CAP: tl.constexpr,
     SMALL: tl.constexpr,
+    TINY: tl.constexpr,
     BLOCK_S: tl.constexpr,
     NCAND: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    NG: tl.constexpr,
+    W: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    HIT_CHUNKS: tl.constexpr,
+    BLOCK_SKETCH: tl.constexpr,
+    CDF_BLOCK: tl.constexpr,
+    NW: tl.constexpr,
 ):
-    """Per filtered row: exact tau and normaliser of the kept set, from the sorted candidates or by search."""
-    row = tl.program_id(0)
-    state = tl.load(state_ptr + row)
-    if state != _DONE:
-        req = tl.load(row_req_ptr + row)
-        inv_t = tl.math.div_rn(1.0, tl.load(temperature_ptr + req))
-        z_max = tl.load(zmax_ptr + row)
-        total_all = tl.load(norm_ptr + row)
-        top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
-        count = tl.load(count_ptr + row)
-        if (state == _CANDIDATES) & (count <= CAP):
-            if count <= SMALL:  # the usual case: sort a short buffer
-                found, tau, norm = _candidate_threshold(
-                    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, SMALL
-                )
-            else:
-                found, tau, norm = _candidate_threshold(
-                    cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, CAP
-                )
-            if found:
-                tl.store(tau_ptr + row, tau)
-                tl.store(norm_ptr + row, norm)
-            else:
-                state = _SEARCH  # the top-p crossing lies below the candidates (float rounding): search
+    """(tau, normaliser of the kept set, state) of a filtered row: the candidates {z >= L} sorted when the sketch
+    certified L, else (or when they do not settle it) the fallback search. State _LISTED: tau came from the
+    candidates and the row's bitmap of inverse-CDF blocks holding kept tokens is written."""
+    state = tl.full((), _SEARCH, tl.int32)
+    tau = tl.full((), float("-inf"), tl.float32)
+    norm = total_all
+    count = tl.zeros((), tl.int32)
+    if certified:
+        count = _compact_candidates(
+            row_ptr, sketch, hits_ptr + row.to(tl.int64) * (BLOCK_SKETCH + CHUNKS), cand_ptr, row, bound, inv_t, V,
+            split_size, BLOCK_V, NG, W, CHUNKS, HIT_CHUNKS, BLOCK_SKETCH, CAP,
+        )  # fmt: skip
+        tl.debug_barrier()  # the candidates were written by other threads of this program
+    if certified & (count <= CAP):
+        if count <= TINY:  # the usual case (top-k 50: about 55 candidates): sort a short buffer
+            found, tau, norm = _candidate_threshold(
+                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                CAP, TINY, CDF_BLOCK, NW,
+            )  # fmt: skip
+        elif count <= SMALL:
+            found, tau, norm = _candidate_threshold(
+                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                CAP, SMALL, CDF_BLOCK, NW,
+            )  # fmt: skip
         else:
-            state = _SEARCH
-        if state == _SEARCH:
-            row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-            lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
-            hi = tl_ordered_key(z_max)
-            if use_k:
-                lo = _search_threshold(
-                    row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND
-                )
-            if use_p:
-                kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
-                lo = _search_threshold(
-                    row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND
-                )
-            tl.store(tau_ptr + row, tl_key_to_float(lo))
-            tl.store(norm_ptr + row, _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S))
+            found, tau, norm = _candidate_threshold(
+                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                CAP, CAP, CDF_BLOCK, NW,
+            )  # fmt: skip
+        # not found: the top-p crossing lies below the candidates (float rounding): search
+        state = tl.where(found, _LISTED, _SEARCH)
+    if state == _SEARCH:
+        lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
+        hi = tl_ordered_key(z_max)
+        if use_k:
+            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND)
+        if use_p:
+            kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
+            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND)
+        tau = tl_key_to_float(lo)
+        norm = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
+    return tau, norm, state
 
 
 @triton.jit
@@ -511,7 +619,10 @@ def _block_weights(
     probs_row_ptr,
     ids,
     probs,
-    start,
+    idx,
+    live,
+    lo,
+    hi,
     V,
     inv_t,
     z_max,
@@ -519,29 +630,30 @@ def _block_weights(
     tau,
     bonus,
     PROBS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
 ):
-    """(e, w) on ids start .. start + BLOCK_V - 1 of a draw row: the kept weights e = exp(z - max z) (0 off the
-    kept set and past the end) and the residual weights w = max(0, e - Z * p_d) (w = e on the bonus row).
+    """(e, w) on the ids ``idx`` (a tile of any shape, inside lo .. hi - 1) of a draw row: the kept weights
+    e = exp(z - max z) (0 off the kept set, where not ``live`` and past the end) and the residual weights
+    w = max(0, e - Z * p_d) (w = e on the bonus row). Only ``live`` ids are read.
 
     Both draw kernels evaluate the weights with this one function, so the chosen block's recomputed weights
     are bit for bit those whose sum made it chosen (a block of positive mass has a positive entry)."""
-    idx = start + tl.arange(0, BLOCK_V)
-    z = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-    e = tl.where((idx < V) & (z >= tau), tl.exp(z - z_max), 0.0)
+    live = live & (idx < V)
+    z = tl.load(row_ptr + idx, mask=live, other=float("-inf")).to(tl.float32) * inv_t
+    e = tl.where(live & (z >= tau), tl.exp(z - z_max), 0.0)
     if PROBS == _DENSE:
-        p_d = tl.load(probs_row_ptr + idx, mask=idx < tl.where(bonus, 0, V), other=0.0)
+        p_d = tl.load(probs_row_ptr + idx, mask=live & (idx < tl.where(bonus, 0, V)), other=0.0)
         w = tl.maximum(e - norm * p_d, 0.0)
     elif PROBS == _SPARSE:
-        # scatter the few sparse entries that fall into this block (usually none or one); duplicates add up
-        here = (ids >= start) & (ids < start + BLOCK_V)
-        p_d = tl.zeros([BLOCK_V], tl.float32)
-        previous = tl.zeros((), tl.int64) + (start - 1)
+        # scatter the few sparse entries that fall into this tile (usually none or one); duplicates add up
+        # (off them p_d = 0 and w = max(e - Z * 0, 0) = e exactly: only their entries are computed)
+        here = (ids >= lo) & (ids < hi)
+        w = e
+        previous = tl.zeros((), tl.int32) + (lo - 1)
         for _ in range(0, tl.sum(here.to(tl.int32), 0)):
             current = tl.min(tl.where(here & (ids > previous), ids, 2147483647), 0)
-            p_d = tl.where(idx == current, tl.sum(tl.where(ids == current, probs, 0.0), 0), p_d)
+            p_d = tl.sum(tl.where(ids == current, probs, 0.0), 0)
+            w = tl.where(idx == current, tl.maximum(w - norm * p_d, 0.0), w)  # w == e there: ids increase
             previous = current
-        w = tl.maximum(e - norm * p_d, 0.0)
     else:
         w = e
     return e, w
@@ -568,18 +680,24 @@ def _cdf_mass_kernel(
     norm_ptr,
     tau_ptr,
     num_acc_ptr,
+    state_ptr,
+    listed_ptr,
     mass_ptr,
     emass_ptr,
     V,
     K,
     num_blocks,
     group,
+    num_words,
     PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     """Per (sampled request, group of blocks): the residual mass sum w and (with drafts) the kept mass sum e
-    of each block of BLOCK_V ids of its draw row. One exp per token, no random number, no log."""
+    of each block of BLOCK_V ids of its draw row. One exp per token, no random number, no log. A draw row whose
+    kept set is listed (top-k / top-p from the candidates) reads only its listed blocks: the others hold no
+    token of positive weight, so both their sums are 0 without a read."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
     if temp != 0.0:
@@ -589,21 +707,29 @@ def _cdf_mass_kernel(
         norm = tl.load(norm_ptr + sample_row)
         tau = tl.load(tau_ptr + sample_row)
         row_ptr = logits_ptr + sample_row * stride_row
-        ids = tl.zeros((), tl.int64)
+        ids = tl.zeros((), tl.int32)
         probs = tl.zeros((), tl.float32)
         if PROBS == _SPARSE:
             # the bonus row has no draft distribution: load no sparse entries for it
             offs_k = tl.arange(0, BLOCK_K)
             live = offs_k < tl.where(bonus, 0, K)
-            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1)
+            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1).to(tl.int32)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
-        first = tl.program_id(1) * group
-        for b in range(first, tl.minimum(first + group, num_blocks)):
-            e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, b * BLOCK_V, V, inv_t,
-                                  z_max, norm, tau, bonus, PROBS, BLOCK_V)  # fmt: skip
-            tl.store(mass_ptr + r * num_blocks + b, tl.sum(w, 0))
-            if PROBS != 0:
-                tl.store(emass_ptr + r * num_blocks + b, tl.sum(e, 0))
+        listed = tl.load(state_ptr + sample_row) == _LISTED
+        # the program's blocks, all read at once as one [GROUP, BLOCK_V] tile (no serial round trips)
+        b = tl.program_id(1) * group + tl.arange(0, GROUP)
+        end = tl.minimum(tl.program_id(1) * group + group, num_blocks)
+        mine = b < end
+        # an unlisted row reads every block: its "words" are all ones
+        word = tl.load(listed_ptr + sample_row * num_words + b // 32, mask=b < tl.where(listed, end, 0), other=-1)
+        read = mine & (((word >> (b % 32)) & 1) != 0)
+        lo = tl.program_id(1) * group * BLOCK_V
+        idx = b[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+        e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, idx, read[:, None], lo,
+                              lo + GROUP * BLOCK_V, V, inv_t, z_max, norm, tau, bonus, PROBS)  # fmt: skip
+        tl.store(mass_ptr + r * num_blocks + b, tl.sum(w, 1), mask=mine)
+        if PROBS != 0:
+            tl.store(emass_ptr + r * num_blocks + b, tl.sum(e, 1), mask=mine)
 
 
 @triton.jit
@@ -648,17 +774,19 @@ def _cdf_draw_kernel(
         if PROBS != 0:
             kept = tl.load(emass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
             mass = tl.where(fallback, kept, mass)
-        ids = tl.zeros((), tl.int64)
+        ids = tl.zeros((), tl.int32)
         probs = tl.zeros((), tl.float32)
         if PROBS == _SPARSE:  # loaded before the block is known: the loads overlap the scan
             offs_k = tl.arange(0, BLOCK_K)
             live = offs_k < tl.where(bonus, 0, K)
-            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1)
+            ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1).to(tl.int32)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
         b = _first_positive_crossing(mass, tl.cumsum(mass, 0), tl_uniform(key, zero) * tl.sum(mass, 0), offs)
+        lo = b * BLOCK_V
         e, w = _block_weights(logits_ptr + sample_row * stride_row, probs_ptr + draft_row * stride_probs, ids, probs,
-                              b * BLOCK_V, V, inv_t, tl.load(zmax_ptr + sample_row), tl.load(norm_ptr + sample_row),
-                              tl.load(tau_ptr + sample_row), bonus, PROBS, BLOCK_V)  # fmt: skip
+                              lo + tl.arange(0, BLOCK_V), True, lo, lo + BLOCK_V, V, inv_t,
+                              tl.load(zmax_ptr + sample_row), tl.load(norm_ptr + sample_row),
+                              tl.load(tau_ptr + sample_row), bonus, PROBS)  # fmt: skip
         w = tl.where(fallback, e, w)
         i = _first_positive_crossing(w, tl.cumsum(w, 0), tl_uniform(key, zero + 1) * tl.sum(w, 0),
                                      tl.arange(0, BLOCK_V))  # fmt: skip
@@ -736,7 +864,14 @@ def rejection_sample_triton(
     positions64 = positions.to(torch.int64).contiguous()
     options = launch_options()
 
-    # 1-4: per-row statistics and keep thresholds
+    if reference.CDF_BLOCK < 16 or reference.CDF_BLOCK & (reference.CDF_BLOCK - 1):
+        raise ValueError(f"CDF_BLOCK must be a power of two >= 16, got {reference.CDF_BLOCK}")
+    # the reference's inverse-CDF blocks (read at call time, tests change them); a smaller vocabulary is one block
+    cdf_block = _block(reference.CDF_BLOCK, vocab)
+    num_blocks = triton.cdiv(vocab, cdf_block)
+    num_words = triton.cdiv(num_blocks, 32)  # of a row's bitmap of listed blocks
+
+    # 1-2: per-row statistics and keep thresholds
     block_v = _block(TUNING["row_block_v"], vocab)
     split_size, num_splits = _splits(vocab, block_v, TUNING["row_splits"])
     groups = min(SKETCH_GROUPS, block_v)
@@ -751,45 +886,42 @@ def rejection_sample_triton(
         vocab, split_size, num_splits, BLOCK_V=block_v, NG=groups, num_warps=TUNING["row_warps"], **options,
     )  # fmt: skip
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
-    z_max, norm, tau, bound = (torch.empty(rows, **f32) for _ in range(4))
+    z_max, norm, tau = (torch.empty(rows, **f32) for _ in range(3))
     state = torch.empty(rows, dtype=torch.int32, device=device)
-    count = torch.empty(rows, dtype=torch.int32, device=device)  # zeroed by the combine kernel
-    _row_combine_kernel[(rows,)](
-        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau,
-        bound, state, count, vocab, num_splits, BLOCK_SPLITS=_block(1 << 20, num_splits),
-        BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups, num_warps=4, **options,
-    )  # fmt: skip
     cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
-    _compact_kernel[(rows,)](
-        logits, logits.stride(0), row_req, temps, bound, state, count, cands, vocab,
-        BLOCK_V=block_v, CAP=cap, num_warps=TUNING["row_warps"], **options,
-    )  # fmt: skip
-    _threshold_kernel[(rows,)](
-        logits, logits.stride(0), row_req, temps, top_k64, top_p32, z_max, norm, tau, state, count, cands,
-        vocab, CAP=cap, SMALL=min(cap, 256), BLOCK_S=_block(512, vocab),
-        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, num_warps=8, **options,
+    listed = torch.empty((rows, num_words), dtype=torch.int32, device=device)  # read only where _LISTED
+    lanes = block_v // groups
+    block_sketch = _block(1 << 20, num_splits * groups)
+    chunks = max(1, TUNING["select_tile"] // lanes)
+    # a filtered row's lists: hit sketch groups, then the chunks of a tile that hold candidates
+    hits = torch.empty((rows, block_sketch + chunks), dtype=torch.int32, device=device)
+    _row_combine_kernel[(rows,)](
+        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, state,
+        logits, logits.stride(0), hits, cands, listed, vocab, split_size, num_splits, num_words,
+        BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_SKETCH=block_sketch, NG=groups,
+        CAP=cap, SMALL=min(cap, 256), TINY=min(cap, 64), BLOCK_S=_block(512, vocab),
+        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, BLOCK_V=block_v, W=lanes,
+        CHUNKS=chunks, HIT_CHUNKS=min(chunks, 16), CDF_BLOCK=cdf_block, NW=triton.next_power_of_2(num_words),
+        num_warps=TUNING["select_warps"], **options,
     )  # fmt: skip
 
-    # 5: accept chains
+    # 3: accept chains
     block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
     _accept_chain_kernel[(num_req,)](
         logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, seeds64, positions64,
         argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
 
-    # 6-7: residual / bonus draws by inverse CDF (the reference's blocks: read at call time, tests change them)
-    if reference.CDF_BLOCK < 16 or reference.CDF_BLOCK & (reference.CDF_BLOCK - 1):
-        raise ValueError(f"CDF_BLOCK must be a power of two >= 16, got {reference.CDF_BLOCK}")
-    cdf_block = _block(reference.CDF_BLOCK, vocab)  # a smaller vocabulary is one block in both
-    num_blocks = triton.cdiv(vocab, cdf_block)
+    # 4-5: residual / bonus draws by inverse CDF over the reference's blocks
     group = TUNING["cdf_group"]
     mass = torch.empty((num_req, num_blocks), **f32)
     emass = torch.empty((num_req, num_blocks), **f32) if mode != PROBS_NONE else mass
     _cdf_mass_kernel[(num_req, triton.cdiv(num_blocks, group))](
-        logits, logits.stride(0), probs, width, prob_ids, cu, temps, z_max, norm, tau, num_acc, mass, emass,
-        vocab, width, num_blocks, group,
-        PROBS=mode, BLOCK_V=cdf_block, BLOCK_K=block_k, num_warps=TUNING["cdf_warps"], **options,
+        logits, logits.stride(0), probs, width, prob_ids, cu, temps, z_max, norm, tau, num_acc, state, listed,
+        mass, emass, vocab, width, num_blocks, group, num_words,
+        PROBS=mode, BLOCK_V=cdf_block, BLOCK_K=block_k, GROUP=triton.next_power_of_2(group),
+        num_warps=TUNING["cdf_warps"], **options,
     )  # fmt: skip
     _cdf_draw_kernel[(num_req,)](
         logits, logits.stride(0), probs, width, prob_ids, cu, temps, seeds64, positions64, z_max, norm, tau,

@@ -380,7 +380,8 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
 
     top-k 5, top-p 0.3 and (on peaked rows) top-p 0.97 are certified by the sketch (sorted candidates); top-k
     300 (beyond the sketch), top-p 0.97 on flat rows and top-k 40 (more tokens above the bound than candidate
-    slots) take the exact fallback search over the whole row."""
+    slots) take the exact fallback search over the whole row. The candidates are compacted a few (group, block)
+    chunks at a time (several tiles per row)."""
     from kernels import rejection, rejection_triton
 
     monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 128)
@@ -389,6 +390,7 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
     monkeypatch.setitem(rejection_triton.TUNING, "cdf_group", 3)
     monkeypatch.setattr(rejection_triton, "SKETCH_GROUPS", 16)
     monkeypatch.setattr(rejection_triton, "CANDIDATES", 32)
+    monkeypatch.setitem(rejection_triton.TUNING, "select_tile", 32)  # 4 chunks of 8 ids per compaction tile
     batch = make_batch(
         lens=[2, 1, 3, 0, 2, 1],
         vocab=1000,
@@ -406,13 +408,14 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
     _assert_same(batch.run(rejection_sample_reference), batch.run(rejection_sample_triton))
 
 
-@pytest.mark.parametrize("sparse_k", [0, 8])
-def test_triton_equals_reference_across_inverse_cdf_blocks(monkeypatch, sparse_k: int) -> None:
+@pytest.mark.parametrize(("sparse_k", "cdf_block"), [(0, 64), (8, 64), (8, 16)])
+def test_triton_equals_reference_across_inverse_cdf_blocks(monkeypatch, sparse_k: int, cdf_block: int) -> None:
     """Draws over many inverse-CDF blocks, one of them entirely -inf (mass 0, never chosen); filtered requests
-    keep a few tokens, so most of their blocks have mass 0 too."""
+    keep a few tokens, so most of their blocks have mass 0 too (and are not read: with 16-id blocks their
+    bitmap of listed blocks spans two words)."""
     from kernels import rejection
 
-    monkeypatch.setattr(rejection, "CDF_BLOCK", 64)
+    monkeypatch.setattr(rejection, "CDF_BLOCK", cdf_block)
     n = 14
     gen = torch.Generator().manual_seed(32)
     batch = make_batch(lens=torch.randint(0, 4, (n,), generator=gen).tolist(), vocab=700,
