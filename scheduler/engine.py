@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -36,6 +37,7 @@ from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_
 from verify_service.engine import PrefillItem, StepResults, VerifyEngine, VerifyItem
 
 logger = logging.getLogger(__name__)
+_NEW_TOKENS = operator.attrgetter("new_token_ids")
 
 
 class RequestRejectedError(ValueError):
@@ -298,12 +300,18 @@ class SpeculativeEngine:
         if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
             if self.draft is not None and results.features is not None:
                 self.draft.append_context(
-                    ContextBatch(results.req_ids, results.feature_starts, results.feature_counts, results.features)
+                    ContextBatch(
+                        results.req_ids,
+                        results.feature_starts,
+                        results.feature_counts,
+                        results.features,
+                        results.arrays,
+                    )
                 )
             commit = self._commit
             outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
-            verified_counts = np.array(results.num_drafts, dtype=np.int64)
-            accepted_counts = np.array(results.num_accepted, dtype=np.int64)
+            # The step's own lists (made for this round, changed by nobody): the metrics keep them as they are.
+            verified_counts, accepted_counts = results.num_drafts, results.num_accepted
         else:
             if self.draft is not None:
                 contexts = [
@@ -326,8 +334,8 @@ class SpeculativeEngine:
             count = len(verified_results)
             verified_counts = np.fromiter((res.num_drafts for res in verified_results), np.int64, count)
             accepted_counts = np.fromiter((res.num_accepted for res in verified_results), np.int64, count)
-        if verified_counts.size:
-            num_out = sum(len(o.new_token_ids) for o in outputs)
+        if len(verified_counts):
+            num_out = sum(map(len, map(_NEW_TOKENS, outputs)))
             self.metrics.record_round(verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out)
             if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
                 self._observe_round(len(verified), drafting, draft_s, schedule_s + time.perf_counter() - t3)

@@ -96,6 +96,7 @@ class StepResults(Sequence[StepResult]):
         feature_starts: list[int],
         features: torch.Tensor | None,
         feature_counts: list[int] | None = None,
+        arrays: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.num_drafts = num_drafts
@@ -104,6 +105,8 @@ class StepResults(Sequence[StepResult]):
         self.feature_starts = feature_starts
         self.features = features  # the committed rows of every request back to back (1 + num_accepted each)
         self.feature_counts = [1 + a for a in num_accepted] if feature_counts is None else feature_counts
+        # (feature_starts, feature_counts) as int64 arrays, when the step has them (a local drafter takes them).
+        self.arrays = arrays
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -137,6 +140,7 @@ class _Slot:
 class _CheckedVerifies:
     """What validating a step's verify items found out, reused by the run (no second lookup per request)."""
 
+    req_ids: tuple[str, ...]
     entries: list[_Slot]
     slots: np.ndarray  # int64 [R]
     lengths: np.ndarray  # int64 [R]: cached length = the anchor's position
@@ -191,6 +195,9 @@ class VerifyEngine:
         self._sampling_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # top_k, seed
         self._sampling_float[:, 1] = 1.0
         self._slot_greedy = np.ones(self.cache.num_slots, dtype=bool)
+        # The last request list's gathered sampling parameters: (its read-only slots array, (float [R, 2] and
+        # int [R, 2] read-only, all greedy)); a kept lookup's slots array is the same object every round.
+        self._kept_sampling: tuple[np.ndarray, tuple[np.ndarray, np.ndarray, bool]] | None = None
         if use_triton is None:
             use_triton = target.device.type == "cuda"
         self._sampler = _triton_sampler() if use_triton else rejection_sample_reference
@@ -241,6 +248,7 @@ class VerifyEngine:
         entry = self._requests.pop(req_id, None)
         if entry is not None:
             self._lookups.clear()
+            self._kept_sampling = None
             self.cache.free(entry.slot)
 
     def _get(self, req_id: str) -> _Slot:
@@ -262,7 +270,7 @@ class VerifyEngine:
         checked = self._validate(prefills, verifies)
         bucketed = self._bucketed(prefills, verifies, checked)
         if bucketed and not prefills:
-            return self._run_bucketed(prefills, verifies, checked)
+            return self._run_bucketed(prefills, verifies, checked, bucketed if bucketed is not True else None)
         new_slots = self._allocate(prefills)
         try:
             if bucketed:
@@ -310,7 +318,7 @@ class VerifyEngine:
         num = len(verifies)
         if not num:
             empty = np.zeros(0, dtype=np.int64)
-            return _CheckedVerifies([], empty, empty, empty, empty, False)
+            return _CheckedVerifies((), [], empty, empty, empty, empty, False)
         req_ids, anchors, drafts, _, dists, positions = zip(*verifies, strict=True)  # NamedTuples: one transposition
         try:
             entries, slots = self._lookup(req_ids)
@@ -324,13 +332,28 @@ class VerifyEngine:
             self._check_verifies_one_by_one(verifies)
             tokens = np.array([*anchors, *itertools.chain.from_iterable(drafts)], dtype=np.int64)
         any_distribution = not set(map(type, dists)) <= _NONE_TYPE  # C-level: no generator step per item
-        return _CheckedVerifies(entries, slots, lengths, num_drafts, tokens, any_distribution)
+        return _CheckedVerifies(req_ids, entries, slots, lengths, num_drafts, tokens, any_distribution)
 
     def _lookup(self, req_ids: tuple[str, ...]) -> tuple[list[_Slot], np.ndarray]:
         """Entries and KV slots (int64, read-only) of a step's verify requests, kept per request list
         (:mod:`cluster.slot_lookups`); raises KeyError for an unknown one."""
         requests = self._requests
         return self._lookups.get(req_ids, lambda ids: [requests[req_id] for req_id in ids])
+
+    def _slot_sampling(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(temperature, top_p) float32 [R, 2], (top_k, seed) int64 [R, 2] (both read-only) of the slots, and
+        whether all are greedy; kept for a kept lookup's (read-only) slots array until a request is added or
+        released (the only changes of the per-slot parameters). Read-only: the graph runner then keeps the
+        staged copy of them too."""
+        kept = self._kept_sampling
+        if kept is not None and kept[0] is slots:
+            return kept[1]
+        sampling_float, sampling_int = self._sampling_float[slots], self._sampling_int[slots]
+        sampling_float.flags.writeable = sampling_int.flags.writeable = False
+        derived = (sampling_float, sampling_int, bool(self._slot_greedy[slots].all()))
+        if not slots.flags.writeable:
+            self._kept_sampling = (slots, derived)
+        return derived
 
     def _valid_tokens(
         self,
@@ -352,9 +375,8 @@ class VerifyEngine:
                 return None
         elif positions != held:
             return None
-        greedy_slots = self._slot_greedy[slots]
-        if not greedy_slots.all():
-            for v, greedy in zip(verifies, greedy_slots.tolist(), strict=True):
+        if not self._slot_sampling(slots)[2]:
+            for v, greedy in zip(verifies, self._slot_greedy[slots].tolist(), strict=True):
                 if greedy or not len(v.draft_tokens):
                     continue
                 if v.draft_prob_ids is None or v.draft_probs is None:
@@ -400,6 +422,7 @@ class VerifyEngine:
             slot = self.cache.allocate()
             self._requests[p.req_id] = _Slot(slot, params, params.seed or 0, params.greedy)
             self._lookups.clear()
+            self._kept_sampling = None
             self._sampling_float[slot] = (params.temperature, params.top_p)
             self._sampling_int[slot] = (params.top_k, params.seed or 0)
             self._slot_greedy[slot] = params.greedy
@@ -450,11 +473,12 @@ class VerifyEngine:
 
     def _bucketed(
         self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], checked: _CheckedVerifies
-    ) -> bool:
+    ) -> bool | tuple[int, int]:
+        """Whether the step takes the graph path (for a verify-only step without distributions: its bucket)."""
         if self.graphs is None:
             return False
-        if not prefills and not checked.any_distribution:  # the common round: array checks only
-            return self.graphs.fits_verify(checked.num_drafts, 0)
+        if not prefills and not checked.any_distribution:  # the common round: array checks only, its bucket
+            return self.graphs.verify_bucket(checked.num_drafts, 0) or False
         widths = [
             int(v.draft_probs.shape[1])
             for v in verifies
@@ -465,7 +489,11 @@ class VerifyEngine:
         return self.graphs.fits(lengths, max(widths, default=0))
 
     def _run_bucketed(
-        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], checked: _CheckedVerifies
+        self,
+        prefills: Sequence[PrefillItem],
+        verifies: Sequence[VerifyItem],
+        checked: _CheckedVerifies,
+        key: tuple[int, int] | None = None,
     ) -> Sequence[StepResult]:
         """A step through the ragged graph runner (same results as ``_run``): :class:`StepResults` for a
         verify-only step, a list (prefills first) when prompts join; the prefills' slots are allocated already."""
@@ -473,7 +501,7 @@ class VerifyEngine:
         slots = checked.slots
         num_drafts = checked.num_drafts.tolist()
         if not prefills:
-            return self._run_bucketed_verify(verifies, checked, num_drafts)
+            return self._run_bucketed_verify(verifies, checked, num_drafts, key)
         lengths = checked.lengths.tolist()
         sampling_float = self._sampling_float[slots].tolist()
         sampling_int = self._sampling_int[slots].tolist()
@@ -516,35 +544,40 @@ class VerifyEngine:
         return results
 
     def _run_bucketed_verify(
-        self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies, num_drafts: list[int]
+        self,
+        verifies: Sequence[VerifyItem],
+        checked: _CheckedVerifies,
+        num_drafts: list[int],
+        key: tuple[int, int] | None = None,
     ) -> StepResults:
         """A verify-only step through the graph runner straight from the checked arrays (the common round)."""
         assert self.graphs is not None
         slots = checked.slots
+        sampling_float, sampling_int, all_greedy = self._slot_sampling(slots)
         sampled = []
-        if not bool(self._slot_greedy[slots].all()):
+        if not all_greedy:
             sampled = [
                 (r, v.draft_prob_ids, v.draft_probs)
                 for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True))
                 if not e.greedy and v.draft_probs is not None and len(v.draft_tokens)
             ]
         accepted, tokens, kept = self.graphs.run_verify(
-            slots,
-            checked.lengths,
-            checked.tokens,
-            checked.num_drafts,
-            self._sampling_float[slots],
-            self._sampling_int[slots],
-            sampled,
+            slots, checked.lengths, checked.tokens, checked.num_drafts, sampling_float, sampling_int, sampled, key
         )
         if bool(((accepted < 0) | (accepted > checked.num_drafts)).any()):
             raise RuntimeError(f"the verify step accepted {accepted.tolist()} of {num_drafts} drafts")
         counts = accepted + 1  # committed rows: the anchor and the accepted drafts
         # The slots are this step's (allocated, distinct) and each had room for all its drafts (validated).
         self.cache.set_lengths(slots, checked.lengths + counts)
-        req_ids = [v.req_id for v in verifies]
         return StepResults(
-            req_ids, num_drafts, accepted.tolist(), tokens, checked.lengths.tolist(), kept, counts.tolist()
+            list(checked.req_ids),
+            num_drafts,
+            accepted.tolist(),
+            tokens,
+            checked.lengths.tolist(),
+            kept,
+            counts.tolist(),
+            (checked.lengths, counts),
         )
 
     def _sample(
