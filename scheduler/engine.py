@@ -34,10 +34,12 @@ from draft_service.engine import ContextBatch, ContextItem, DraftEngine, DraftIt
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
-from verify_service.engine import PrefillItem, StepResults, VerifyEngine, VerifyItem
+from verify_service.engine import PrefillItem, StepResults, VerifyBatch, VerifyEngine, VerifyItem
 
 logger = logging.getLogger(__name__)
 _NEW_TOKENS = operator.attrgetter("new_token_ids")
+_ANCHOR = operator.attrgetter("anchor")
+_POSITION = operator.attrgetter("position")
 
 
 class RequestRejectedError(ValueError):
@@ -341,30 +343,24 @@ class SpeculativeEngine:
                 self._observe_round(len(verified), drafting, draft_s, schedule_s + time.perf_counter() - t3)
         return outputs
 
-    def _verify_items(self, verified: list[_Request], lengths: np.ndarray, proposal: object) -> list[VerifyItem]:
-        """Each running request's anchor and its first lengths[r] drafts (with their distribution if sampled)."""
+    def _verify_items(self, verified: list[_Request], lengths: np.ndarray, proposal: object) -> Sequence[VerifyItem]:
+        """Each running request's anchor and its first lengths[r] drafts (with their distribution if sampled):
+        a :class:`VerifyBatch` (arrays, no item per request) when there is a proposal."""
         if proposal is None:
             return [VerifyItem(r.req_id, r.anchor, (), None, None, r.position) for r in verified]
-        # One conversion for the whole block (per-request tensor slicing costs microseconds each).
-        draft_tokens = proposal.tokens.tolist()  # type: ignore[attr-defined]
-        block = self.block_size
-        num_drafts = lengths.tolist()
-        # Every request as greedy first (one comprehension, positional fields: the cheapest NamedTuple build),
-        # then the sampled ones get their draft distributions (row views, one unbind for all).
-        items = [
-            VerifyItem(r.req_id, r.anchor, drafts if n == block else drafts[:n], None, None, r.position)
-            for r, n, drafts in zip(verified, num_drafts, draft_tokens, strict=True)
-        ]
+        num = len(verified)
+        num_drafts = np.array(lengths, dtype=np.int64)  # a copy: the items outlive the policy's call
         sampled = [i for i, r in enumerate(verified) if not r.greedy and num_drafts[i]]
-        if sampled:
-            prob_ids = proposal.topk_ids.unbind(0)  # type: ignore[attr-defined]
-            probs = proposal.topk_probs.unbind(0)  # type: ignore[attr-defined]
-            for i in sampled:
-                n, ids, p = num_drafts[i], prob_ids[i], probs[i]
-                if n < block:
-                    ids, p = ids[:n], p[:n]
-                items[i] = items[i]._replace(draft_prob_ids=ids, draft_probs=p)
-        return items
+        return VerifyBatch(
+            [r.req_id for r in verified],
+            np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num),
+            np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
+            np.asarray(proposal.tokens.numpy(), dtype=np.int64),  # type: ignore[attr-defined]
+            num_drafts,
+            sampled,
+            proposal.topk_ids,  # type: ignore[attr-defined]
+            proposal.topk_probs,  # type: ignore[attr-defined]
+        )
 
     def _admit(self, limit: int | None = None) -> list[_Request]:
         """Move waiting requests (at most ``limit``) into the running set while both engines have free slots."""

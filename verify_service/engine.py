@@ -63,6 +63,77 @@ class VerifyItem(NamedTuple):
     position: int | None = None
 
 
+class VerifyBatch(Sequence[VerifyItem]):
+    """The verify items of several requests in array form, standing for the list of :class:`VerifyItem` it
+    holds: a local verifier reads the arrays (no item, list or conversion per request), anyone else indexes or
+    iterates it like that list (the items are made once, on first use).
+
+    Request i: ``anchors[i]`` at ``positions[i]`` and its first ``num_drafts[i]`` drafts of ``drafts[i]``
+    (int64 [R] / [R] / [R, gamma] / [R]); ``sampled`` lists the requests whose drafts come with their
+    distribution, rows of ``topk_ids`` / ``topk_probs`` [R, gamma, K] (the rest: None, as a greedy request's)."""
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        anchors: np.ndarray,
+        positions: np.ndarray,
+        drafts: np.ndarray,
+        num_drafts: np.ndarray,
+        sampled: Sequence[int] = (),
+        topk_ids: torch.Tensor | None = None,
+        topk_probs: torch.Tensor | None = None,
+    ) -> None:
+        if num_drafts.size and not 0 <= int(num_drafts.min()) <= int(num_drafts.max()) <= drafts.shape[1]:
+            raise ValueError(f"draft counts {num_drafts.tolist()} outside [0, {drafts.shape[1]}]")
+        if sampled and (topk_ids is None or topk_probs is None):
+            raise ValueError("sampled requests need the draft distributions")
+        self.req_ids = req_ids
+        self.anchors = anchors
+        self.positions = positions
+        self.drafts = drafts
+        self.num_drafts = num_drafts
+        self.sampled = sampled
+        self.topk_ids = topk_ids
+        self.topk_probs = topk_probs
+        self._items: list[VerifyItem] | None = None
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def items(self) -> list[VerifyItem]:
+        """The items (made once): draft tokens as lists of ints, distributions as row views."""
+        if self._items is None:
+            block = self.drafts.shape[1]
+            num_drafts = self.num_drafts.tolist()
+            items = [
+                VerifyItem(req_id, anchor, drafts if n == block else drafts[:n], None, None, position)
+                for req_id, anchor, drafts, n, position in zip(
+                    self.req_ids,
+                    self.anchors.tolist(),
+                    self.drafts.tolist(),
+                    num_drafts,
+                    self.positions.tolist(),
+                    strict=True,
+                )
+            ]
+            if self.sampled:
+                assert self.topk_ids is not None and self.topk_probs is not None
+                prob_ids, probs = self.topk_ids.unbind(0), self.topk_probs.unbind(0)
+                for i in self.sampled:
+                    n, ids, p = num_drafts[i], prob_ids[i], probs[i]
+                    if n < block:
+                        ids, p = ids[:n], p[:n]
+                    items[i] = items[i]._replace(draft_prob_ids=ids, draft_probs=p)
+            self._items = items
+        return self._items
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.items()[index]
+
+    def __iter__(self):
+        return iter(self.items())
+
+
 class StepResult(NamedTuple):
     """What one request got from a step.
 
@@ -283,7 +354,7 @@ class VerifyEngine:
 
     def _validate(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> _CheckedVerifies:
         req_ids = [item.req_id for item in prefills]
-        req_ids += [item.req_id for item in verifies]
+        req_ids += verifies.req_ids if isinstance(verifies, VerifyBatch) else [item.req_id for item in verifies]
         if len(set(req_ids)) != len(req_ids):
             seen: set[str] = set()
             for req_id in req_ids:
@@ -319,6 +390,8 @@ class VerifyEngine:
         if not num:
             empty = np.zeros(0, dtype=np.int64)
             return _CheckedVerifies((), [], empty, empty, empty, empty, False)
+        if isinstance(verifies, VerifyBatch):
+            return self._check_verify_batch(verifies)
         req_ids, anchors, drafts, _, dists, positions = zip(*verifies, strict=True)  # NamedTuples: one transposition
         try:
             entries, slots = self._lookup(req_ids)
@@ -333,6 +406,40 @@ class VerifyEngine:
             tokens = np.array([*anchors, *itertools.chain.from_iterable(drafts)], dtype=np.int64)
         any_distribution = not set(map(type, dists)) <= _NONE_TYPE  # C-level: no generator step per item
         return _CheckedVerifies(req_ids, entries, slots, lengths, num_drafts, tokens, any_distribution)
+
+    def _check_verify_batch(self, batch: VerifyBatch) -> _CheckedVerifies:
+        """:meth:`_check_verifies` of items in array form: the same checks on the arrays; on any doubt the
+        item-by-item check of the items it stands for raises the first error exactly as for a list."""
+        req_ids = tuple(batch.req_ids)
+        try:
+            entries, slots = self._lookup(req_ids)
+        except KeyError:
+            self._check_verifies_one_by_one(batch)  # raises UnknownRequestError
+            raise
+        lengths = self.cache.lengths_unchecked(slots)
+        num_drafts = batch.num_drafts
+        tokens = None
+        if (
+            int((lengths + num_drafts).max()) < self.cache.max_seq_len  # the anchor needs a row too
+            and np.array_equal(batch.positions, lengths)
+            and self._distributions_fit(batch, slots)
+        ):
+            drafts = batch.drafts
+            if int(num_drafts.min()) == drafts.shape[1]:
+                drafts = drafts.reshape(-1)
+            else:
+                drafts = drafts[np.arange(drafts.shape[1]) < num_drafts[:, None]]  # row after row
+            tokens = np.concatenate((batch.anchors, drafts)).astype(np.int64, copy=False)
+            if int(tokens.min()) < 0 or int(tokens.max()) >= self.target.vocab_size:
+                tokens = None
+        if tokens is None:
+            self._check_verifies_one_by_one(batch)
+            items = batch.items()
+            tokens = np.array(
+                [*(v.anchor for v in items), *itertools.chain.from_iterable(v.draft_tokens for v in items)],
+                dtype=np.int64,
+            )
+        return _CheckedVerifies(req_ids, entries, slots, lengths, num_drafts, tokens, bool(batch.sampled))
 
     def _lookup(self, req_ids: tuple[str, ...]) -> tuple[list[_Slot], np.ndarray]:
         """Entries and KV slots (int64, read-only) of a step's verify requests, kept per request list
@@ -375,15 +482,8 @@ class VerifyEngine:
                 return None
         elif positions != held:
             return None
-        if not self._slot_sampling(slots)[2]:
-            for v, greedy in zip(verifies, self._slot_greedy[slots].tolist(), strict=True):
-                if greedy or not len(v.draft_tokens):
-                    continue
-                if v.draft_prob_ids is None or v.draft_probs is None:
-                    return None
-                shape = v.draft_prob_ids.shape
-                if shape[:1] != (len(v.draft_tokens),) or v.draft_probs.shape != shape:
-                    return None
+        if not self._distributions_fit(verifies, slots):
+            return None
         flat = [*anchors, *itertools.chain.from_iterable(drafts)]  # one list: typed, then converted in C
         if not all(kind is int or _is_int_type(kind) for kind in set(map(type, flat))):
             return None
@@ -394,6 +494,20 @@ class VerifyEngine:
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.target.vocab_size:
             return None
         return tokens
+
+    def _distributions_fit(self, verifies: Sequence[VerifyItem], slots: np.ndarray) -> bool:
+        """Whether every sampled request's drafts come with a distribution of their shape (all greedy: yes)."""
+        if self._slot_sampling(slots)[2]:
+            return True
+        for v, greedy in zip(verifies, self._slot_greedy[slots].tolist(), strict=True):
+            if greedy or not len(v.draft_tokens):
+                continue
+            if v.draft_prob_ids is None or v.draft_probs is None:
+                return False
+            shape = v.draft_prob_ids.shape
+            if shape[:1] != (len(v.draft_tokens),) or v.draft_probs.shape != shape:
+                return False
+        return True
 
     def _check_verifies_one_by_one(self, verifies: Sequence[VerifyItem]) -> None:
         vocab = self.target.vocab_size
