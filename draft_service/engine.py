@@ -91,6 +91,32 @@ class DraftItem(NamedTuple):
     position: int
 
 
+class DraftBatch(Sequence[DraftItem]):
+    """Draft items of several requests in array form (request ids, anchors and positions, int64 [R]), standing
+    for the list of :class:`DraftItem` it holds: a local drafter reads the arrays, anyone else indexes or
+    iterates it like that list (the items are made once, on first use)."""
+
+    def __init__(self, req_ids: list[str], anchors: np.ndarray, positions: np.ndarray) -> None:
+        self.req_ids = req_ids
+        self.anchors = anchors
+        self.positions = positions
+        self._items: list[DraftItem] | None = None
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def items(self) -> list[DraftItem]:
+        if self._items is None:
+            self._items = list(map(DraftItem, self.req_ids, self.anchors.tolist(), self.positions.tolist()))
+        return self._items
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.items()[index]
+
+    def __iter__(self):
+        return iter(self.items())
+
+
 @dataclass(frozen=True)
 class Proposal:
     """One round's drafts for R requests (rows in the order of the ``propose`` call).
@@ -345,12 +371,21 @@ class DraftEngine:
         """Draft one block for every item in one batched backbone pass plus the sequential head."""
         if not items:
             raise ValueError("propose needs at least one request")
-        req_ids, item_anchors, item_positions = zip(*items, strict=True)  # NamedTuples: one transposition
-        entries, slots = self._lookup(req_ids)
+        if isinstance(items, DraftBatch):
+            req_ids, anchors, positions = items.req_ids, items.anchors, items.positions
+            entries, slots = self._lookup(req_ids)
+        else:
+            req_ids, item_anchors, item_positions = zip(*items, strict=True)  # NamedTuples: one transposition
+            entries, slots = self._lookup(req_ids)
+            anchors = positions = None
         if self.graphs is not None and len(items) <= self.graphs.max_requests:
             # No grad-mode switch here: the graph step runs under no_grad itself (see VerifyEngine.step).
-            return self._propose_bucketed(items, slots, item_anchors, item_positions)
-        return self._propose_eager(items, entries)
+            num = len(items)
+            if anchors is None:
+                anchors = np.fromiter(item_anchors, dtype=np.int64, count=num)
+                positions = np.fromiter(item_positions, dtype=np.int64, count=num)
+            return self._propose_bucketed(req_ids, slots, anchors, positions)
+        return self._propose_eager(items.items() if isinstance(items, DraftBatch) else items, entries)
 
     @torch.no_grad()
     def _propose_eager(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
@@ -377,34 +412,29 @@ class DraftEngine:
         )
         conf_logits = None if sample.confidence_logits is None else sample.confidence_logits.double().cpu().numpy()
         assert sample.topk_ids is not None and sample.topk_probs is not None  # draft_top_k >= 1
-        return self._proposal(items, sample.tokens.cpu(), conf_logits, sample.topk_ids, sample.topk_probs)
+        req_ids = [item.req_id for item in items]
+        return self._proposal(req_ids, sample.tokens.cpu(), conf_logits, sample.topk_ids, sample.topk_probs)
 
     def _propose_bucketed(
         self,
-        items: Sequence[DraftItem],
+        req_ids: Sequence[str],
         slots: np.ndarray,
-        item_anchors: Sequence[int],
-        item_positions: Sequence[int],
+        anchors: np.ndarray,
+        positions: np.ndarray,
     ) -> Proposal:
         """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
         assert self.graphs is not None
-        num = len(items)
         vocab = self.model.config.vocab_size
-        if min(item_anchors) < 0 or max(item_anchors) >= vocab:
-            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {list(item_anchors)}")
-        lengths = self.cache.lengths_np[slots].tolist()
-        if lengths != list(item_positions):
+        if int(anchors.min()) < 0 or int(anchors.max()) >= vocab:
+            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {anchors.tolist()}")
+        lengths = self.cache.lengths_np[slots]
+        if not bool((lengths == positions).all()):
             raise ValueError(
-                f"context cache lengths {lengths} must equal anchor positions {list(item_positions)}: append "
+                f"context cache lengths {lengths.tolist()} must equal anchor positions {positions.tolist()}: append "
                 f"the context rows 0..start-1 before drafting"
             )
-        out = self.graphs.run(
-            np.fromiter(item_anchors, dtype=np.int64, count=num),
-            np.fromiter(item_positions, dtype=np.int64, count=num),
-            slots,
-            *self._slot_sampling(slots),
-        )
-        return self._proposal(items, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
+        out = self.graphs.run(anchors, positions, slots, *self._slot_sampling(slots))
+        return self._proposal(req_ids, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
 
     def _slot_sampling(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Temperature (float32 [R]) and effective top-k and seed (int64 [R, 2]) of the slots, read-only; kept for
@@ -420,7 +450,7 @@ class DraftEngine:
 
     def _proposal(
         self,
-        items: Sequence[DraftItem],
+        req_ids: Sequence[str],
         tokens: torch.Tensor,
         conf_logits: np.ndarray | None,
         topk_ids: torch.Tensor,
@@ -434,7 +464,7 @@ class DraftEngine:
                 else 1.0 / (1.0 + np.exp(-conf_logits))
             )
         return Proposal(
-            req_ids=[item.req_id for item in items],
+            req_ids=list(req_ids),
             tokens=tokens,
             confidences=confidences,
             confidence_logits=conf_logits,

@@ -30,7 +30,7 @@ from enum import Enum
 import numpy as np
 
 from cluster.sampling import SamplingParams
-from draft_service.engine import ContextBatch, ContextItem, DraftEngine, DraftItem, Proposal
+from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEngine, Proposal
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
@@ -255,13 +255,19 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         caps, drafting = self._plan(verified)
         t_decided = time.perf_counter()
-        proposal = None
+        proposal = batch = None
         if drafting and self.draft is not None:
-            proposal = self.draft.propose([DraftItem(r.req_id, r.anchor, r.position) for r in verified])
+            num = len(verified)
+            batch = DraftBatch(
+                [r.req_id for r in verified],
+                np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num),
+                np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
+            )
+            proposal = self.draft.propose(batch)
         t1 = time.perf_counter()
         lengths = self._lengths(caps, proposal)
         t2 = time.perf_counter()
-        verifies = self._verify_items(verified, lengths, proposal)
+        verifies = self._verify_items(verified, lengths, proposal, batch)
         return self._verify_and_commit(
             admitted, verified, verifies, drafting, t1 - t_decided, (t_decided - t0) + (t2 - t1), t2
         )
@@ -343,18 +349,27 @@ class SpeculativeEngine:
                 self._observe_round(len(verified), drafting, draft_s, schedule_s + time.perf_counter() - t3)
         return outputs
 
-    def _verify_items(self, verified: list[_Request], lengths: np.ndarray, proposal: object) -> Sequence[VerifyItem]:
+    def _verify_items(
+        self, verified: list[_Request], lengths: np.ndarray, proposal: object, drafted: DraftBatch | None = None
+    ) -> Sequence[VerifyItem]:
         """Each running request's anchor and its first lengths[r] drafts (with their distribution if sampled):
-        a :class:`VerifyBatch` (arrays, no item per request) when there is a proposal."""
+        a :class:`VerifyBatch` (arrays, no item per request) when there is a proposal; ``drafted``: the
+        requests' ids, anchors and positions as the drafter got them, if known (the same arrays)."""
         if proposal is None:
             return [VerifyItem(r.req_id, r.anchor, (), None, None, r.position) for r in verified]
         num = len(verified)
+        if drafted is None:
+            drafted = DraftBatch(
+                [r.req_id for r in verified],
+                np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num),
+                np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
+            )
         num_drafts = np.array(lengths, dtype=np.int64)  # a copy: the items outlive the policy's call
         sampled = [i for i, r in enumerate(verified) if not r.greedy and num_drafts[i]]
         return VerifyBatch(
-            [r.req_id for r in verified],
-            np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num),
-            np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
+            drafted.req_ids,
+            drafted.anchors,
+            drafted.positions,
             np.asarray(proposal.tokens.numpy(), dtype=np.int64),  # type: ignore[attr-defined]
             num_drafts,
             sampled,
