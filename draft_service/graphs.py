@@ -131,6 +131,7 @@ class DraftGraphRunner:
         self._staged_offsets = np.zeros(num_slots, dtype=np.int64)
         self._staged_starts = np.zeros(num_slots, dtype=np.int64)
         self._staged_rows = 0
+        self._row_views: dict[int, torch.Tensor] = {}  # context_rows[:n] by n
         self._unsettled: list[GraphStep] = []  # append steps run since the last propose (their timing pending)
         # The last step's bucket, per-request-list arrays (kept when read-only and passed again) and whether
         # some request samples: see run.
@@ -177,7 +178,9 @@ class DraftGraphRunner:
         are written by the next propose step (or :meth:`flush`). ``total``: counts.sum(), if known."""
         self.flush()
         num = int(counts.sum()) if total is None else total
-        rows = self.context_rows[:num]
+        rows = self._row_views.get(num)
+        if rows is None:  # a view per row count, made once (a slice is a torch call every round)
+            rows = self._row_views[num] = self.context_rows[:num]
         first = features[0]
         if len(features) == 1 and first.shape == rows.shape:
             rows.copy_(first)  # the round's rows in one tensor (converted if need be): one device copy

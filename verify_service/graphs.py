@@ -170,6 +170,7 @@ class VerifyGraphRunner:
         # hold them from the last verify-only step as long as nothing else packed a step since.
         self._kept_layout: tuple | None = None
         self._kept_slots: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._row_views: dict[tuple[int, int], dict[int, torch.Tensor]] = {}  # see _first_rows
         self.dev = split_views(self._dev_int, self._int_fields) | split_views(self._dev_float, self._float_fields)
         # Page-locked result rows (accepted count, emitted tokens) and per chunk bucket a view of its first rows,
         # made once: the step's one device -> host copy lands there (no allocation, no pageable staging).
@@ -306,8 +307,19 @@ class VerifyGraphRunner:
         result = self._copy_result(key, packed)[:num]
         accepted = result[:, 0].copy()
         emitted = [row[1 : 2 + row[0]] for row in result.tolist()]
-        kept = None if features is None else features[: num + int(accepted.sum())]
+        kept = None if features is None else self._first_rows(key, features, num + int(accepted.sum()))
         return accepted, emitted, kept
+
+    def _first_rows(self, key: tuple[int, int], features: torch.Tensor, num: int) -> torch.Tensor:
+        """``features[:num]``; of a captured step's static output, a view made once per (bucket, rows) (a
+        slice is a torch call every round, a dictionary look-up is not)."""
+        if self.steps[key].graph is None:  # eager: fresh outputs every step
+            return features[:num]
+        views = self._row_views.setdefault(key, {})
+        view = views.get(num)
+        if view is None:
+            view = views[num] = features[:num]
+        return view
 
     def _verify_layout_for(
         self, key: tuple[int, int], num_drafts: np.ndarray
