@@ -97,6 +97,8 @@ class DraftBatch(Sequence[DraftItem]):
     iterates it like that list (the items are made once, on first use)."""
 
     def __init__(self, req_ids: list[str], anchors: np.ndarray, positions: np.ndarray) -> None:
+        if anchors.dtype != np.int64 or positions.dtype != np.int64:
+            raise ValueError("a draft batch takes int64 arrays")
         self.req_ids = req_ids
         self.anchors = anchors
         self.positions = positions

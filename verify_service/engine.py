@@ -83,6 +83,8 @@ class VerifyBatch(Sequence[VerifyItem]):
         topk_ids: torch.Tensor | None = None,
         topk_probs: torch.Tensor | None = None,
     ) -> None:
+        if any(a.dtype != np.int64 for a in (anchors, positions, drafts, num_drafts)) or drafts.ndim != 2:
+            raise ValueError("a verify batch takes int64 arrays (drafts [R, gamma])")
         if num_drafts.size and not 0 <= int(num_drafts.min()) <= int(num_drafts.max()) <= drafts.shape[1]:
             raise ValueError(f"draft counts {num_drafts.tolist()} outside [0, {drafts.shape[1]}]")
         if sampled and (topk_ids is None or topk_probs is None):
@@ -421,7 +423,7 @@ class VerifyEngine:
         tokens = None
         if (
             int((lengths + num_drafts).max()) < self.cache.max_seq_len  # the anchor needs a row too
-            and np.array_equal(batch.positions, lengths)
+            and bool((batch.positions == lengths).all())  # same shape: one entry per request
             and self._distributions_fit(batch, slots)
         ):
             drafts = batch.drafts
@@ -429,8 +431,8 @@ class VerifyEngine:
                 drafts = drafts.reshape(-1)
             else:
                 drafts = drafts[np.arange(drafts.shape[1]) < num_drafts[:, None]]  # row after row
-            tokens = np.concatenate((batch.anchors, drafts)).astype(np.int64, copy=False)
-            if int(tokens.min()) < 0 or int(tokens.max()) >= self.target.vocab_size:
+            tokens = np.concatenate((batch.anchors, drafts))
+            if int(tokens.view(np.uint64).max()) >= self.target.vocab_size:  # a negative id is huge as uint64
                 tokens = None
         if tokens is None:
             self._check_verifies_one_by_one(batch)
