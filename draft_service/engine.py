@@ -375,18 +375,17 @@ class DraftEngine:
             raise ValueError("propose needs at least one request")
         if isinstance(items, DraftBatch):
             req_ids, anchors, positions = items.req_ids, items.anchors, items.positions
-            entries, slots = self._lookup(req_ids)
         else:
             req_ids, item_anchors, item_positions = zip(*items, strict=True)  # NamedTuples: one transposition
-            entries, slots = self._lookup(req_ids)
             anchors = positions = None
+        entries, slots, distinct = self._lookups.get_distinct(req_ids, self._entries)
         if self.graphs is not None and len(items) <= self.graphs.max_requests:
             # No grad-mode switch here: the graph step runs under no_grad itself (see VerifyEngine.step).
             num = len(items)
             if anchors is None:
                 anchors = np.fromiter(item_anchors, dtype=np.int64, count=num)
                 positions = np.fromiter(item_positions, dtype=np.int64, count=num)
-            return self._propose_bucketed(req_ids, slots, anchors, positions)
+            return self._propose_bucketed(req_ids, slots, anchors, positions, distinct)
         return self._propose_eager(items.items() if isinstance(items, DraftBatch) else items, entries)
 
     @torch.no_grad()
@@ -423,11 +422,12 @@ class DraftEngine:
         slots: np.ndarray,
         anchors: np.ndarray,
         positions: np.ndarray,
+        distinct: bool,
     ) -> Proposal:
         """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
         assert self.graphs is not None
         vocab = self.model.config.vocab_size
-        if int(anchors.min()) < 0 or int(anchors.max()) >= vocab:
+        if int(anchors.view(np.uint64).max()) >= vocab:  # a negative id is huge as uint64
             raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {anchors.tolist()}")
         lengths = self.cache.lengths_np[slots]
         if not bool((lengths == positions).all()):
@@ -435,7 +435,7 @@ class DraftEngine:
                 f"context cache lengths {lengths.tolist()} must equal anchor positions {positions.tolist()}: append "
                 f"the context rows 0..start-1 before drafting"
             )
-        out = self.graphs.run(anchors, positions, slots, *self._slot_sampling(slots))
+        out = self.graphs.run(anchors, positions, slots, *self._slot_sampling(slots), distinct=distinct)
         return self._proposal(req_ids, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
 
     def _slot_sampling(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -245,10 +245,12 @@ class DraftGraphRunner:
         slots: np.ndarray,
         temperatures: np.ndarray,
         k_eff_and_seeds: np.ndarray,
+        distinct: bool = False,
     ) -> BucketedDraft:
         """Draft for R requests: anchor, anchor position and slot (int64 [R] each), temperature (float32 [R]),
-        effective top-k (in [1, draft_top_k]) and seed (int64 [R, 2]). Validated by the caller: anchors in the
-        vocabulary, each slot holding exactly ``positions[r]`` context rows."""
+        effective top-k (in [1, draft_top_k]) and seed (int64 [R, 2]); ``distinct``: the slots are known to be.
+        Validated by the caller: anchors in the vocabulary, each slot holding exactly ``positions[r]`` context
+        rows."""
         num = len(anchors)
         size = pick_bucket(num, self.sizes)
         if size is None:
@@ -256,9 +258,13 @@ class DraftGraphRunner:
         appended = None
         if self._staged_rows:
             appended = self._staged_counts[slots]
-            left = self._staged_counts.copy()
-            left[slots] = 0
-            if left.any():  # staged rows of a request outside this batch: write them all first
+            if distinct:  # _staged_rows is the sum of all staged counts
+                outside = int(appended.sum()) != self._staged_rows
+            else:
+                left = self._staged_counts.copy()
+                left[slots] = 0
+                outside = bool(left.any())
+            if outside:  # staged rows of a request outside this batch: write them all first
                 self.flush()
                 appended = None
         host = self.host

@@ -680,7 +680,8 @@ class VerifyEngine:
         accepted, tokens, kept = self.graphs.run_verify(
             slots, checked.lengths, checked.tokens, checked.num_drafts, sampling_float, sampling_int, sampled, key
         )
-        if bool(((accepted < 0) | (accepted > checked.num_drafts)).any()):
+        # As uint64 a negative count is huge (the draft counts are >= 0): one comparison checks 0 <= a <= n.
+        if bool((accepted.view(np.uint64) > checked.num_drafts.view(np.uint64)).any()):
             raise RuntimeError(f"the verify step accepted {accepted.tolist()} of {num_drafts} drafts")
         counts = accepted + 1  # committed rows: the anchor and the accepted drafts
         # The slots are this step's (allocated, distinct) and each had room for all its drafts (validated).

@@ -360,10 +360,12 @@ class VerifyGraphRunner:
         """Write the fields that depend on the requests' slots (slots, each row's slot, sampling parameters)
         over the kept layout, unless they are the last step's read-only arrays again."""
         kept = self._kept_slots
-        arrays = (slots, sampling_float, sampling_int)
         if (
             kept is not None
-            and all(a is b and not a.flags.writeable for a, b in zip(arrays, kept, strict=True))
+            and slots is kept[0]
+            and sampling_float is kept[1]
+            and sampling_int is kept[2]
+            and not (slots.flags.writeable or sampling_float.flags.writeable or sampling_int.flags.writeable)
         ):
             return
         num_chunks, num_rows = key
@@ -375,7 +377,7 @@ class VerifyGraphRunner:
         host["slots"][:num_chunks] = all_slots[:num_chunks]
         self._float_params[:, :num] = sampling_float.T
         self._int_params[:, :num] = sampling_int.T
-        self._kept_slots = arrays
+        self._kept_slots = (slots, sampling_float, sampling_int)
 
     def _copy_result(self, key: tuple[int, int], packed: torch.Tensor) -> np.ndarray:
         """The step's one device -> host copy, into the page-locked result rows; a blocking copy on the stream
