@@ -9,7 +9,10 @@ before their slots fill up, so any number of rounds can be timed at R requests.
 
 GPU (``--device cuda``): the real captured graphs; host time = wall time of a plain round - the device time of
 the replays (CUDA events, measured in timed rounds alternating with the plain ones), as in
-bench/bench_engine_gpu.py; the host time within the timed rounds (events included) is printed after it. With
+bench/bench_engine_gpu.py; the host time within the timed rounds (events included) is printed after it, then the
+two medians it is made of (plain round wall, device time in the graphs: that script's ``plain_total_ms`` and
+``in_graphs_ms``). The setup is not that script's (24-token prompts, max_seq_len 256, requests restarted every
+few dozen rounds, 200 + 200 rounds): ``--prompt-tokens 96 --max-seq-len 456`` give its prompts and slots. With
 ``--profile``, cProfile over the same rounds says where that host time goes (cProfile itself slows Python
 down: read the split, not the totals).
 
@@ -136,6 +139,7 @@ def host_round_us(
     rounds: int,
     profiler: cProfile.Profile | None,
     counter: CallCounter | None = None,
+    medians: dict[str, float] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Host microseconds (outside the graph steps) of each of ``rounds`` rounds with len(prompts) requests, and
     the same within timed rounds (the step times' own measurement included).
@@ -188,6 +192,8 @@ def host_round_us(
     if not cuda:
         return timed_hosts, timed_hosts
     device = statistics.median(in_graph_times)
+    if medians is not None:  # what bench_engine_gpu reports as plain_total_ms and in_graphs_ms
+        medians.update(wall_us=1e6 * statistics.median(plain_walls), in_graphs_us=1e6 * device)
     return [1e6 * (wall - device) for wall in plain_walls], timed_hosts
 
 
@@ -245,13 +251,17 @@ def main(argv: list[str] | None = None) -> int:
     for num in args.requests:
         prompts = code_prompts(tokenizer, num, args.prompt_tokens, seed=num)
         host_round_us(engine, prompts, 20, None)  # warm-up
-        times, timed = host_round_us(engine, prompts, args.rounds, None)
+        medians: dict[str, float] = {}
+        times, timed = host_round_us(engine, prompts, args.rounds, None, medians=medians)
         line = (
             f"R={num:4d}: host us per round median {statistics.median(times):8.1f}  mean {statistics.fmean(times):8.1f}"
             f"  min {min(times):8.1f}  ({args.rounds} rounds)"
         )
         if cuda:
-            line += f"  timed rounds: median {statistics.median(timed):8.1f}"
+            line += (
+                f"  timed rounds: median {statistics.median(timed):8.1f}  (plain round wall {medians['wall_us']:.1f},"
+                f" in graphs {medians['in_graphs_us']:.1f})"
+            )
         print(line)
         if args.count_calls:  # a separate pass: the counting must not count in the times above
             counter = CallCounter()

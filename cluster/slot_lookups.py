@@ -31,13 +31,20 @@ class SlotLookups(Generic[E]):
 
     def __init__(self, kept: int = LOOKUPS_KEPT) -> None:
         self._kept = kept
-        self._answers: dict[tuple[str, ...], tuple[list[E], np.ndarray]] = {}
+        self._answers: dict[tuple[str, ...], tuple[list[E], np.ndarray, bool]] = {}
 
     def get(
         self, req_ids: Sequence[str], entries_of: Callable[[tuple[str, ...]], list[E]]
     ) -> tuple[list[E], np.ndarray]:
         """The kept answer for exactly this list, else ``entries_of(req_ids)`` (which may raise for an unknown
         request: nothing is kept then) and their slots."""
+        entries, slots, _ = self.get_distinct(req_ids, entries_of)
+        return entries, slots
+
+    def get_distinct(
+        self, req_ids: Sequence[str], entries_of: Callable[[tuple[str, ...]], list[E]]
+    ) -> tuple[list[E], np.ndarray, bool]:
+        """:meth:`get`, and whether the list names every request once (checked once per list)."""
         key = req_ids if type(req_ids) is tuple else tuple(req_ids)
         found = self._answers.get(key)
         if found is not None:
@@ -47,8 +54,8 @@ class SlotLookups(Generic[E]):
         slots.flags.writeable = False
         if len(self._answers) >= self._kept:
             self._answers.clear()
-        self._answers[key] = entries, slots
-        return entries, slots
+        answer = self._answers[key] = entries, slots, len(set(key)) == len(key)
+        return answer
 
     def clear(self) -> None:
         """A request was added or released: every kept answer may be stale."""

@@ -55,11 +55,20 @@ class ContextBatch(Sequence[ContextItem]):
     for the list of :class:`ContextItem` it holds: a local drafter takes the tensor whole, anyone else indexes
     or iterates it like that list (features as views)."""
 
-    def __init__(self, req_ids: list[str], starts: list[int], counts: list[int], features: torch.Tensor) -> None:
+    def __init__(
+        self,
+        req_ids: list[str],
+        starts: list[int],
+        counts: list[int],
+        features: torch.Tensor,
+        arrays: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         self.req_ids = req_ids
         self.starts = starts
         self.counts = counts
         self.features = features
+        # (starts, counts) as int64 arrays when the sender has them (a verify step does): no conversion here.
+        self.arrays = arrays
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -81,6 +90,34 @@ class DraftItem(NamedTuple):
     req_id: str
     anchor: int
     position: int
+
+
+class DraftBatch(Sequence[DraftItem]):
+    """Draft items of several requests in array form (request ids, anchors and positions, int64 [R]), standing
+    for the list of :class:`DraftItem` it holds: a local drafter reads the arrays, anyone else indexes or
+    iterates it like that list (the items are made once, on first use)."""
+
+    def __init__(self, req_ids: list[str], anchors: np.ndarray, positions: np.ndarray) -> None:
+        if anchors.dtype != np.int64 or positions.dtype != np.int64:
+            raise ValueError("a draft batch takes int64 arrays")
+        self.req_ids = req_ids
+        self.anchors = anchors
+        self.positions = positions
+        self._items: list[DraftItem] | None = None
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def items(self) -> list[DraftItem]:
+        if self._items is None:
+            self._items = list(map(DraftItem, self.req_ids, self.anchors.tolist(), self.positions.tolist()))
+        return self._items
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.items()[index]
+
+    def __iter__(self):
+        return iter(self.items())
 
 
 @dataclass(frozen=True)
@@ -148,6 +185,9 @@ class DraftEngine:
         # Per context slot, set when a request is added: the bucketed step gathers them with one index.
         self._slot_temperature = np.zeros(self.cache.num_slots, dtype=np.float32)
         self._slot_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # effective top-k, seed
+        # The last request list's gathered per-slot arrays (read-only): (its read-only slots array, (temperature,
+        # top-k and seed)), until a request is added or released (the only changes of the per-slot values).
+        self._kept_sampling: tuple[np.ndarray, tuple[np.ndarray, np.ndarray]] | None = None
         self.graphs: DraftGraphRunner | None = None
         if graphs != "off":
             self.graphs = DraftGraphRunner(
@@ -193,6 +233,7 @@ class DraftEngine:
         slot = self.cache.allocate()
         self._requests[req_id] = _Entry(slot, params, params.seed or 0)
         self._lookups.clear()
+        self._kept_sampling = None
         self._slot_temperature[slot] = params.temperature
         top_k = params.top_k
         k_eff = min(top_k, self.draft_top_k) if top_k > 0 else self.draft_top_k
@@ -203,6 +244,7 @@ class DraftEngine:
         entry = self._requests.pop(req_id, None)
         if entry is not None:
             self._lookups.clear()
+            self._kept_sampling = None
             if self.graphs is not None:
                 self.graphs.drop(entry.slot)
             self.cache.release(entry.slot)
@@ -226,36 +268,57 @@ class DraftEngine:
         config = self.model.config
         width = config.hidden_size if projected else config.context_feature_size
         if isinstance(items, ContextBatch) and items.features.ndim == 2 and items.features.shape[1] == width:
-            req_ids, item_starts, counts = items.req_ids, items.starts, np.array(items.counts, dtype=np.int64)
+            req_ids = items.req_ids
+            if items.arrays is not None:
+                starts, counts = items.arrays
+            else:
+                starts = np.array(items.starts, dtype=np.int64)
+                counts = np.array(items.counts, dtype=np.int64)
             features = [items.features]
-            if int(counts.sum()) != items.features.shape[0] or bool((counts < 0).any()):
+            total = int(counts.sum())
+            if total != items.features.shape[0] or int(counts.min()) < 0:
                 raise ValueError(f"context batch: counts {items.counts} do not cover {items.features.shape[0]} rows")
-        else:
-            req_ids, item_starts, features = zip(*items, strict=True)  # NamedTuples: one transposition
-            counts = np.fromiter(
-                (s[0] if len(s) == 2 and s[1] == width else -1 for s in [f.shape for f in features]),
-                dtype=np.int64,
-                count=num,
-            )
+            _, slots, distinct = self._lookups.get_distinct(req_ids, self._entries)
+            held = self.cache.lengths_np[slots]
+            if bool((starts > held).any()):
+                self._check_context(items, held, counts, width)
+            if (
+                self.graphs is not None
+                and self.graphs.projected == projected
+                and self._append_bucketed(req_ids, slots, starts, counts, features, total, distinct)
+            ):
+                return
+            self._append_eager(slots, starts, counts, features, projected)
+            return
+        req_ids, item_starts, features = zip(*items, strict=True)  # NamedTuples: one transposition
+        counts = np.fromiter(
+            (s[0] if len(s) == 2 and s[1] == width else -1 for s in [f.shape for f in features]),
+            dtype=np.int64,
+            count=num,
+        )
         slots = self._lookup(req_ids)[1]
         starts = np.fromiter(item_starts, dtype=np.int64, count=num)
         held = self.cache.lengths_np[slots]
         if bool((counts < 0).any()) or bool((starts > held).any()):
-            for item, length, count in zip(items, held.tolist(), counts.tolist(), strict=True):
-                if item.start > length:
-                    raise ValueError(f"request {item.req_id!r}: context rows from {length} to {item.start} are missing")
-                if count < 0:
-                    raise ValueError(
-                        f"request {item.req_id!r}: context features must be [n, {width}], "
-                        f"got {tuple(item.features.shape)}"
-                    )
+            self._check_context(items, held, counts, width)
         if (
             self.graphs is not None
             and self.graphs.projected == projected
-            and self._append_bucketed(req_ids, slots, starts, counts, features)
+            and self._append_bucketed(req_ids, slots, starts, counts, features, int(counts.sum()))
         ):
             return
         self._append_eager(slots, starts, counts, features, projected)
+
+    @staticmethod
+    def _check_context(items: Sequence[ContextItem], held: np.ndarray, counts: np.ndarray, width: int) -> None:
+        """Raise the first error of context items the array checks found wrong (a gap, a wrong row width)."""
+        for item, length, count in zip(items, held.tolist(), counts.tolist(), strict=True):
+            if item.start > length:
+                raise ValueError(f"request {item.req_id!r}: context rows from {length} to {item.start} are missing")
+            if count < 0:
+                raise ValueError(
+                    f"request {item.req_id!r}: context features must be [n, {width}], got {tuple(item.features.shape)}"
+                )
 
     @torch.no_grad()
     def _append_eager(
@@ -281,21 +344,23 @@ class DraftEngine:
         starts: np.ndarray,
         counts: np.ndarray,
         features: Sequence[torch.Tensor],
+        total: int,
+        distinct: bool | None = None,
     ) -> bool:
         """Append through the graph runner when the rows fit its buckets (the per-round appends; prefills do
-        not). Checks everything before writing. Returns whether it did."""
+        not). ``total``: counts.sum(); ``distinct``: whether the request ids are (None: not known). Checks
+        everything before writing. Returns whether it did."""
         assert self.graphs is not None
-        total = int(counts.sum())
         if not 0 < total <= self.graphs.max_append_rows:
             return False
-        if len(set(slots.tolist())) != slots.size:
+        if not distinct and len(set(slots.tolist())) != slots.size:
             raise ValueError(f"duplicate requests in one context append: {list(req_ids)}")
         ends = starts + counts
         if bool((ends > self.cache.max_seq_len).any()):
             raise ValueError(
                 f"context cache overflow: lengths {ends.tolist()} exceed max_seq_len {self.cache.max_seq_len}"
             )
-        self.graphs.append(slots, starts, counts, features)
+        self.graphs.append(slots, starts, counts, features, total)
         self.cache.lengths_np[slots] = ends
         return True
 
@@ -315,12 +380,20 @@ class DraftEngine:
         """Draft one block for every item in one batched backbone pass plus the sequential head."""
         if not items:
             raise ValueError("propose needs at least one request")
-        req_ids, item_anchors, item_positions = zip(*items, strict=True)  # NamedTuples: one transposition
-        entries, slots = self._lookup(req_ids)
+        if isinstance(items, DraftBatch):
+            req_ids, anchors, positions = items.req_ids, items.anchors, items.positions
+        else:
+            req_ids, item_anchors, item_positions = zip(*items, strict=True)  # NamedTuples: one transposition
+            anchors = positions = None
+        entries, slots, distinct = self._lookups.get_distinct(req_ids, self._entries)
         if self.graphs is not None and len(items) <= self.graphs.max_requests:
             # No grad-mode switch here: the graph step runs under no_grad itself (see VerifyEngine.step).
-            return self._propose_bucketed(items, slots, item_anchors, item_positions)
-        return self._propose_eager(items, entries)
+            num = len(items)
+            if anchors is None:
+                anchors = np.fromiter(item_anchors, dtype=np.int64, count=num)
+                positions = np.fromiter(item_positions, dtype=np.int64, count=num)
+            return self._propose_bucketed(req_ids, slots, anchors, positions, distinct)
+        return self._propose_eager(items.items() if isinstance(items, DraftBatch) else items, entries)
 
     @torch.no_grad()
     def _propose_eager(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
@@ -347,39 +420,46 @@ class DraftEngine:
         )
         conf_logits = None if sample.confidence_logits is None else sample.confidence_logits.double().cpu().numpy()
         assert sample.topk_ids is not None and sample.topk_probs is not None  # draft_top_k >= 1
-        return self._proposal(items, sample.tokens.cpu(), conf_logits, sample.topk_ids, sample.topk_probs)
+        req_ids = [item.req_id for item in items]
+        return self._proposal(req_ids, sample.tokens.cpu(), conf_logits, sample.topk_ids, sample.topk_probs)
 
     def _propose_bucketed(
         self,
-        items: Sequence[DraftItem],
+        req_ids: Sequence[str],
         slots: np.ndarray,
-        item_anchors: Sequence[int],
-        item_positions: Sequence[int],
+        anchors: np.ndarray,
+        positions: np.ndarray,
+        distinct: bool,
     ) -> Proposal:
         """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
         assert self.graphs is not None
-        num = len(items)
         vocab = self.model.real_vocab_size
-        if min(item_anchors) < 0 or max(item_anchors) >= vocab:
-            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {list(item_anchors)}")
-        lengths = self.cache.lengths_np[slots].tolist()
-        if lengths != list(item_positions):
+        if int(anchors.view(np.uint64).max()) >= vocab:  # a negative id is huge as uint64
+            raise ValueError(f"anchor_ids outside the vocabulary [0, {vocab}): {anchors.tolist()}")
+        lengths = self.cache.lengths_np[slots]
+        if not bool((lengths == positions).all()):
             raise ValueError(
-                f"context cache lengths {lengths} must equal anchor positions {list(item_positions)}: append "
+                f"context cache lengths {lengths.tolist()} must equal anchor positions {positions.tolist()}: append "
                 f"the context rows 0..start-1 before drafting"
             )
-        out = self.graphs.run(
-            np.fromiter(item_anchors, dtype=np.int64, count=num),
-            np.fromiter(item_positions, dtype=np.int64, count=num),
-            slots,
-            self._slot_temperature[slots],
-            self._slot_int[slots],
-        )
-        return self._proposal(items, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
+        out = self.graphs.run(anchors, positions, slots, *self._slot_sampling(slots), distinct=distinct)
+        return self._proposal(req_ids, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
+
+    def _slot_sampling(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Temperature (float32 [R]) and effective top-k and seed (int64 [R, 2]) of the slots, read-only; kept for
+        a kept lookup's (read-only) slots array, so that the graph runner keeps its staged copy too."""
+        kept = self._kept_sampling
+        if kept is not None and kept[0] is slots:
+            return kept[1]
+        temperature, ints = self._slot_temperature[slots], self._slot_int[slots]
+        temperature.flags.writeable = ints.flags.writeable = False
+        if not slots.flags.writeable:
+            self._kept_sampling = (slots, (temperature, ints))
+        return temperature, ints
 
     def _proposal(
         self,
-        items: Sequence[DraftItem],
+        req_ids: Sequence[str],
         tokens: torch.Tensor,
         conf_logits: np.ndarray | None,
         topk_ids: torch.Tensor,
@@ -393,7 +473,7 @@ class DraftEngine:
                 else 1.0 / (1.0 + np.exp(-conf_logits))
             )
         return Proposal(
-            req_ids=[item.req_id for item in items],
+            req_ids=list(req_ids),
             tokens=tokens,
             confidences=confidences,
             confidence_logits=conf_logits,

@@ -127,6 +127,11 @@ class DraftGraphRunner:
         self._staged_offsets = np.zeros(num_slots, dtype=np.int64)
         self._staged_starts = np.zeros(num_slots, dtype=np.int64)
         self._staged_rows = 0
+        self._row_views: dict[int, torch.Tensor] = {}  # context_rows[:n] by n
+        self._unsettled: list[GraphStep] = []  # append steps run since the last propose (their timing pending)
+        # The last step's bucket, per-request-list arrays (kept when read-only and passed again) and whether
+        # some request samples: see run.
+        self._kept_fields: tuple[int, tuple[np.ndarray, ...], bool] | None = None
         self._fill_padding(top)
         self._fill_append_padding(rows)
         # The staging buffers with every field at its padding value: one copy resets them before each step.
@@ -158,15 +163,22 @@ class DraftGraphRunner:
         return self.sizes[-1] * self.append_width
 
     def append(
-        self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray, features: Sequence[torch.Tensor]
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        features: Sequence[torch.Tensor],
+        total: int | None = None,
     ) -> None:
         """Stage the K/V writes of context rows (the concatenation of ``features``, [n, F] with n <=
         max_append_rows): request i's ``counts[i]`` rows (at most block_size + 1) go to slot ``slots[i]`` (distinct)
         from position ``starts[i]`` on. The caller validated them and updates the host-side lengths; the rows
-        are written by the next propose step (or :meth:`flush`)."""
+        are written by the next propose step (or :meth:`flush`). ``total``: counts.sum(), if known."""
         self.flush()
-        num = int(counts.sum())
-        rows = self.context_rows[:num]
+        num = int(counts.sum()) if total is None else total
+        rows = self._row_views.get(num)
+        if rows is None:  # a view per row count, made once (a slice is a torch call every round)
+            rows = self._row_views[num] = self.context_rows[:num]
         first = features[0]
         if len(features) == 1 and first.shape == rows.shape:
             rows.copy_(first)  # the round's rows in one tensor (converted if need be): one device copy
@@ -213,7 +225,10 @@ class DraftGraphRunner:
         where[half : half + num] = positions
         self._dev_where.copy_(self._host_where, non_blocking=True)
         self._where_fence.copies_issued()
-        self.append_steps[size](self.timed)  # its device time is settled after the next propose's wait
+        step = self.append_steps[size]
+        step(self.timed)  # its device time is settled after the next propose's wait
+        if step not in self._unsettled:
+            self._unsettled.append(step)
 
     def _fill_append_padding(self, rows: int) -> None:
         where = self._host_where.numpy()
@@ -228,10 +243,12 @@ class DraftGraphRunner:
         slots: np.ndarray,
         temperatures: np.ndarray,
         k_eff_and_seeds: np.ndarray,
+        distinct: bool = False,
     ) -> BucketedDraft:
         """Draft for R requests: anchor, anchor position and slot (int64 [R] each), temperature (float32 [R]),
-        effective top-k (in [1, draft_top_k]) and seed (int64 [R, 2]). Validated by the caller: anchors in the
-        vocabulary, each slot holding exactly ``positions[r]`` context rows."""
+        effective top-k (in [1, draft_top_k]) and seed (int64 [R, 2]); ``distinct``: the slots are known to be.
+        Validated by the caller: anchors in the vocabulary, each slot holding exactly ``positions[r]`` context
+        rows."""
         num = len(anchors)
         size = pick_bucket(num, self.sizes)
         if size is None:
@@ -239,19 +256,38 @@ class DraftGraphRunner:
         appended = None
         if self._staged_rows:
             appended = self._staged_counts[slots]
-            left = self._staged_counts.copy()
-            left[slots] = 0
-            if left.any():  # staged rows of a request outside this batch: write them all first
+            if distinct:  # _staged_rows is the sum of all staged counts
+                outside = int(appended.sum()) != self._staged_rows
+            else:
+                left = self._staged_counts.copy()
+                left[slots] = 0
+                outside = bool(left.any())
+            if outside:  # staged rows of a request outside this batch: write them all first
                 self.flush()
                 appended = None
-        np.copyto(self._host_np, self._padding)
         host = self.host
+        per_list = (slots, temperatures, k_eff_and_seeds)
+        kept = self._kept_fields
+        if (
+            kept is not None
+            and kept[0] == size
+            and all(a is b and not a.flags.writeable for a, b in zip(per_list, kept[1], strict=True))
+        ):
+            # The same request list as the last step (an engine's kept read-only arrays): the staging buffer
+            # still holds its padding rows and per-request fields; only the per-round ones are written.
+            sampled = kept[2]
+            if appended is None:
+                host["append_counts"][:num] = 0
+        else:
+            np.copyto(self._host_np, self._padding)
+            host["slots"][:num] = slots
+            host["temperature"][:num] = temperatures
+            host["k_eff"][:num] = k_eff_and_seeds[:, 0]
+            host["seeds"][:num] = k_eff_and_seeds[:, 1]
+            sampled = bool(temperatures.any())
+            self._kept_fields = (size, per_list, sampled)
         host["anchors"][:num] = anchors
         host["positions"][:num] = positions
-        host["slots"][:num] = slots
-        host["temperature"][:num] = temperatures
-        host["k_eff"][:num] = k_eff_and_seeds[:, 0]
-        host["seeds"][:num] = k_eff_and_seeds[:, 1]
         if appended is not None:
             host["append_counts"][:num] = appended
             host["append_offsets"][:num] = self._staged_offsets[slots]
@@ -262,12 +298,13 @@ class DraftGraphRunner:
         step = self.steps[size]
         packed, topk_ids, topk_probs = step(self.timed)
         ids, probs = (topk_ids, topk_probs) if num == size else (topk_ids[:num], topk_probs[:num])
-        if temperatures.any():  # start the device-side copies before waiting on the host copy
+        if sampled:  # start the device-side copies before waiting on the host copy
             ids, probs = ids.clone(), probs.clone()
         self._result_views[size].copy_(packed)  # the one device -> host copy (and wait) of the step
         step.settle_timing()
-        for done in self.append_steps.values():
+        for done in self._unsettled:
             done.settle_timing()
+        self._unsettled.clear()
         bs = self.model.block_size
         result = self._result_np[:num]
         tokens = torch.from_numpy(result[:, :bs].astype(np.int64))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -29,13 +30,16 @@ from enum import Enum
 import numpy as np
 
 from cluster.sampling import SamplingParams
-from draft_service.engine import ContextBatch, ContextItem, DraftEngine, DraftItem, Proposal
+from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEngine, Proposal
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
-from verify_service.engine import PrefillItem, StepResults, VerifyEngine, VerifyItem
+from verify_service.engine import PrefillItem, StepResults, VerifyBatch, VerifyEngine, VerifyItem
 
 logger = logging.getLogger(__name__)
+_NEW_TOKENS = operator.attrgetter("new_token_ids")
+_ANCHOR = operator.attrgetter("anchor")
+_POSITION = operator.attrgetter("position")
 
 
 class RequestRejectedError(ValueError):
@@ -251,13 +255,19 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         caps, drafting = self._plan(verified)
         t_decided = time.perf_counter()
-        proposal = None
+        proposal = batch = None
         if drafting and self.draft is not None:
-            proposal = self.draft.propose([DraftItem(r.req_id, r.anchor, r.position) for r in verified])
+            num = len(verified)
+            batch = DraftBatch(
+                [r.req_id for r in verified],
+                np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num),
+                np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
+            )
+            proposal = self.draft.propose(batch)
         t1 = time.perf_counter()
         lengths = self._lengths(caps, proposal)
         t2 = time.perf_counter()
-        verifies = self._verify_items(verified, lengths, proposal)
+        verifies = self._verify_items(verified, lengths, proposal, batch)
         return self._verify_and_commit(
             admitted, verified, verifies, drafting, t1 - t_decided, (t_decided - t0) + (t2 - t1), t2
         )
@@ -298,12 +308,18 @@ class SpeculativeEngine:
         if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
             if self.draft is not None and results.features is not None:
                 self.draft.append_context(
-                    ContextBatch(results.req_ids, results.feature_starts, results.feature_counts, results.features)
+                    ContextBatch(
+                        results.req_ids,
+                        results.feature_starts,
+                        results.feature_counts,
+                        results.features,
+                        results.arrays,
+                    )
                 )
             commit = self._commit
             outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
-            verified_counts = np.array(results.num_drafts, dtype=np.int64)
-            accepted_counts = np.array(results.num_accepted, dtype=np.int64)
+            # The step's own lists (made for this round, changed by nobody): the metrics keep them as they are.
+            verified_counts, accepted_counts = results.num_drafts, results.num_accepted
         else:
             if self.draft is not None:
                 contexts = [
@@ -326,37 +342,40 @@ class SpeculativeEngine:
             count = len(verified_results)
             verified_counts = np.fromiter((res.num_drafts for res in verified_results), np.int64, count)
             accepted_counts = np.fromiter((res.num_accepted for res in verified_results), np.int64, count)
-        if verified_counts.size:
-            num_out = sum(len(o.new_token_ids) for o in outputs)
+        if len(verified_counts):
+            num_out = sum(map(len, map(_NEW_TOKENS, outputs)))
             self.metrics.record_round(verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out)
             if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
                 self._observe_round(len(verified), drafting, draft_s, schedule_s + time.perf_counter() - t3)
         return outputs
 
-    def _verify_items(self, verified: list[_Request], lengths: np.ndarray, proposal: object) -> list[VerifyItem]:
-        """Each running request's anchor and its first lengths[r] drafts (with their distribution if sampled)."""
+    def _verify_items(
+        self, verified: list[_Request], lengths: np.ndarray, proposal: object, drafted: DraftBatch | None = None
+    ) -> Sequence[VerifyItem]:
+        """Each running request's anchor and its first lengths[r] drafts (with their distribution if sampled):
+        a :class:`VerifyBatch` (arrays, no item per request) when there is a proposal; ``drafted``: the
+        requests' ids, anchors and positions as the drafter got them, if known (the same arrays)."""
         if proposal is None:
             return [VerifyItem(r.req_id, r.anchor, (), None, None, r.position) for r in verified]
-        # One conversion for the whole block (per-request tensor slicing costs microseconds each).
-        draft_tokens = proposal.tokens.tolist()  # type: ignore[attr-defined]
-        block = self.block_size
-        num_drafts = lengths.tolist()
-        # Every request as greedy first (one comprehension, positional fields: the cheapest NamedTuple build),
-        # then the sampled ones get their draft distributions (row views, one unbind for all).
-        items = [
-            VerifyItem(r.req_id, r.anchor, drafts if n == block else drafts[:n], None, None, r.position)
-            for r, n, drafts in zip(verified, num_drafts, draft_tokens, strict=True)
-        ]
+        num = len(verified)
+        if drafted is None:
+            drafted = DraftBatch(
+                [r.req_id for r in verified],
+                np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num),
+                np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
+            )
+        num_drafts = np.array(lengths, dtype=np.int64)  # a copy: the items outlive the policy's call
         sampled = [i for i, r in enumerate(verified) if not r.greedy and num_drafts[i]]
-        if sampled:
-            prob_ids = proposal.topk_ids.unbind(0)  # type: ignore[attr-defined]
-            probs = proposal.topk_probs.unbind(0)  # type: ignore[attr-defined]
-            for i in sampled:
-                n, ids, p = num_drafts[i], prob_ids[i], probs[i]
-                if n < block:
-                    ids, p = ids[:n], p[:n]
-                items[i] = items[i]._replace(draft_prob_ids=ids, draft_probs=p)
-        return items
+        return VerifyBatch(
+            drafted.req_ids,
+            drafted.anchors,
+            drafted.positions,
+            np.asarray(proposal.tokens.numpy(), dtype=np.int64),  # type: ignore[attr-defined]
+            num_drafts,
+            sampled,
+            proposal.topk_ids,  # type: ignore[attr-defined]
+            proposal.topk_probs,  # type: ignore[attr-defined]
+        )
 
     def _admit(self, limit: int | None = None) -> list[_Request]:
         """Move waiting requests (at most ``limit``) into the running set while both engines have free slots."""

@@ -9,6 +9,7 @@ budget chosen by the scheduler and the split of round time into draft, schedule 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,59 +71,99 @@ class MetricsSnapshot:
 
 
 class EngineMetrics:
-    """Accumulates per-round numbers. Single-threaded: the round driver owns it."""
+    """Accumulates per-round numbers. Single-threaded: the round driver owns it.
+
+    A round only keeps its two count arrays; the token and per-position counts are made from the kept rounds
+    in one pass when read, or every ``FOLD_ROUNDS`` rounds (a few array operations per round add up: this runs
+    every round)."""
+
+    FOLD_ROUNDS = 256
 
     def __init__(self, block_size: int, window: int = 256) -> None:
         self.block_size = block_size
         self.rounds = 0
         self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
         self.num_output_tokens = 0
-        self.accepted_per_position = np.zeros(block_size, dtype=np.int64)
-        self.verified_per_position = np.zeros(block_size, dtype=np.int64)
+        self._num_draft_tokens = 0
+        self._num_accepted_tokens = 0
+        self._accepted_per_position = np.zeros(block_size, dtype=np.int64)
+        self._verified_per_position = np.zeros(block_size, dtype=np.int64)
         # Position k was "reached" when it was verified and every earlier draft was accepted.
-        self.reached_per_position = np.zeros(block_size, dtype=np.int64)
+        self._reached_per_position = np.zeros(block_size, dtype=np.int64)
         self._positions = np.arange(block_size)[None, :]
+        self._kept: list[tuple[Sequence[int], Sequence[int]]] = []  # rounds not folded into the counts yet
         self.draft_time_s = 0.0
         self.schedule_time_s = 0.0
         self.verify_time_s = 0.0
-        self.verify_tokens = 0
         self._recent_rounds: deque[float] = deque(maxlen=window)
 
     def record_round(
         self,
-        verified: np.ndarray,
-        accepted: np.ndarray,
+        verified: np.ndarray | Sequence[int],
+        accepted: np.ndarray | Sequence[int],
         draft_s: float,
         schedule_s: float,
         verify_s: float,
         output_tokens: int,
     ) -> None:
-        """Record one round over R requests: ``verified[r]`` draft tokens sent, ``accepted[r]`` of them accepted."""
-        verified = np.asarray(verified, dtype=np.int64)[:, None]
-        accepted = np.asarray(accepted, dtype=np.int64)[:, None]
-        num_draft_tokens = int(verified.sum())
+        """Record one round over R requests: ``verified[r]`` draft tokens sent, ``accepted[r]`` of them accepted.
+        Both are kept (not copied) until the next fold: pass arrays or lists nobody changes afterwards."""
         self.rounds += 1
-        self.num_drafts += verified.shape[0]
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += int(accepted.sum())
+        self.num_drafts += len(verified)
         self.num_output_tokens += output_tokens
-        positions = self._positions
-        verified_past = verified > positions
-        # One reduction for the three per-position counts (this runs every round).
-        counts = np.concatenate(
-            (verified_past, accepted > positions, verified_past & (accepted >= positions)), axis=1
-        ).sum(axis=0)
-        bs = self.block_size
-        self.verified_per_position += counts[:bs]
-        self.accepted_per_position += counts[bs : 2 * bs]
-        self.reached_per_position += counts[2 * bs :]
+        kept = self._kept
+        kept.append((verified, accepted))
+        if len(kept) >= self.FOLD_ROUNDS:
+            self._fold()
         self.draft_time_s += draft_s
         self.schedule_time_s += schedule_s
         self.verify_time_s += verify_s
-        self.verify_tokens += num_draft_tokens + verified.shape[0]
         self._recent_rounds.append(draft_s + schedule_s + verify_s)
+
+    def _fold(self) -> None:
+        """Add the kept rounds to the token and per-position counts (one pass over all of them)."""
+        if not self._kept:
+            return
+        verified = np.concatenate([np.asarray(v, dtype=np.int64) for v, _ in self._kept])[:, None]
+        accepted = np.concatenate([np.asarray(a, dtype=np.int64) for _, a in self._kept])[:, None]
+        self._kept.clear()
+        self._num_draft_tokens += int(verified.sum())
+        self._num_accepted_tokens += int(accepted.sum())
+        positions = self._positions
+        verified_past = verified > positions
+        self._verified_per_position += verified_past.sum(axis=0)
+        self._accepted_per_position += (accepted > positions).sum(axis=0)
+        self._reached_per_position += (verified_past & (accepted >= positions)).sum(axis=0)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        self._fold()
+        return self._num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        self._fold()
+        return self._num_accepted_tokens
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens verified in all: every request's anchor and its drafts, every round."""
+        return self.num_draft_tokens + self.num_drafts
+
+    @property
+    def accepted_per_position(self) -> np.ndarray:
+        self._fold()
+        return self._accepted_per_position
+
+    @property
+    def verified_per_position(self) -> np.ndarray:
+        self._fold()
+        return self._verified_per_position
+
+    @property
+    def reached_per_position(self) -> np.ndarray:
+        self._fold()
+        return self._reached_per_position
 
     def snapshot(self, running: int = 0, waiting: int = 0) -> MetricsSnapshot:
         return MetricsSnapshot(

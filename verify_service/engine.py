@@ -63,6 +63,79 @@ class VerifyItem(NamedTuple):
     position: int | None = None
 
 
+class VerifyBatch(Sequence[VerifyItem]):
+    """The verify items of several requests in array form, standing for the list of :class:`VerifyItem` it
+    holds: a local verifier reads the arrays (no item, list or conversion per request), anyone else indexes or
+    iterates it like that list (the items are made once, on first use).
+
+    Request i: ``anchors[i]`` at ``positions[i]`` and its first ``num_drafts[i]`` drafts of ``drafts[i]``
+    (int64 [R] / [R] / [R, gamma] / [R]); ``sampled`` lists the requests whose drafts come with their
+    distribution, rows of ``topk_ids`` / ``topk_probs`` [R, gamma, K] (the rest: None, as a greedy request's)."""
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        anchors: np.ndarray,
+        positions: np.ndarray,
+        drafts: np.ndarray,
+        num_drafts: np.ndarray,
+        sampled: Sequence[int] = (),
+        topk_ids: torch.Tensor | None = None,
+        topk_probs: torch.Tensor | None = None,
+    ) -> None:
+        if any(a.dtype != np.int64 for a in (anchors, positions, drafts, num_drafts)) or drafts.ndim != 2:
+            raise ValueError("a verify batch takes int64 arrays (drafts [R, gamma])")
+        if num_drafts.size and not 0 <= int(num_drafts.min()) <= int(num_drafts.max()) <= drafts.shape[1]:
+            raise ValueError(f"draft counts {num_drafts.tolist()} outside [0, {drafts.shape[1]}]")
+        if sampled and (topk_ids is None or topk_probs is None):
+            raise ValueError("sampled requests need the draft distributions")
+        self.req_ids = req_ids
+        self.anchors = anchors
+        self.positions = positions
+        self.drafts = drafts
+        self.num_drafts = num_drafts
+        self.sampled = sampled
+        self.topk_ids = topk_ids
+        self.topk_probs = topk_probs
+        self._items: list[VerifyItem] | None = None
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def items(self) -> list[VerifyItem]:
+        """The items (made once): draft tokens as lists of ints, distributions as row views."""
+        if self._items is None:
+            block = self.drafts.shape[1]
+            num_drafts = self.num_drafts.tolist()
+            items = [
+                VerifyItem(req_id, anchor, drafts if n == block else drafts[:n], None, None, position)
+                for req_id, anchor, drafts, n, position in zip(
+                    self.req_ids,
+                    self.anchors.tolist(),
+                    self.drafts.tolist(),
+                    num_drafts,
+                    self.positions.tolist(),
+                    strict=True,
+                )
+            ]
+            if self.sampled:
+                assert self.topk_ids is not None and self.topk_probs is not None
+                prob_ids, probs = self.topk_ids.unbind(0), self.topk_probs.unbind(0)
+                for i in self.sampled:
+                    n, ids, p = num_drafts[i], prob_ids[i], probs[i]
+                    if n < block:
+                        ids, p = ids[:n], p[:n]
+                    items[i] = items[i]._replace(draft_prob_ids=ids, draft_probs=p)
+            self._items = items
+        return self._items
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.items()[index]
+
+    def __iter__(self):
+        return iter(self.items())
+
+
 class StepResult(NamedTuple):
     """What one request got from a step.
 
@@ -96,6 +169,7 @@ class StepResults(Sequence[StepResult]):
         feature_starts: list[int],
         features: torch.Tensor | None,
         feature_counts: list[int] | None = None,
+        arrays: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.req_ids = req_ids
         self.num_drafts = num_drafts
@@ -104,6 +178,8 @@ class StepResults(Sequence[StepResult]):
         self.feature_starts = feature_starts
         self.features = features  # the committed rows of every request back to back (1 + num_accepted each)
         self.feature_counts = [1 + a for a in num_accepted] if feature_counts is None else feature_counts
+        # (feature_starts, feature_counts) as int64 arrays, when the step has them (a local drafter takes them).
+        self.arrays = arrays
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -137,6 +213,7 @@ class _Slot:
 class _CheckedVerifies:
     """What validating a step's verify items found out, reused by the run (no second lookup per request)."""
 
+    req_ids: tuple[str, ...]
     entries: list[_Slot]
     slots: np.ndarray  # int64 [R]
     lengths: np.ndarray  # int64 [R]: cached length = the anchor's position
@@ -191,6 +268,9 @@ class VerifyEngine:
         self._sampling_int = np.zeros((self.cache.num_slots, 2), dtype=np.int64)  # top_k, seed
         self._sampling_float[:, 1] = 1.0
         self._slot_greedy = np.ones(self.cache.num_slots, dtype=bool)
+        # The last request list's gathered sampling parameters: (its read-only slots array, (float [R, 2] and
+        # int [R, 2] read-only, all greedy)); a kept lookup's slots array is the same object every round.
+        self._kept_sampling: tuple[np.ndarray, tuple[np.ndarray, np.ndarray, bool]] | None = None
         if use_triton is None:
             use_triton = target.device.type == "cuda"
         self._sampler = _triton_sampler() if use_triton else rejection_sample_reference
@@ -241,6 +321,7 @@ class VerifyEngine:
         entry = self._requests.pop(req_id, None)
         if entry is not None:
             self._lookups.clear()
+            self._kept_sampling = None
             self.cache.free(entry.slot)
 
     def _get(self, req_id: str) -> _Slot:
@@ -262,7 +343,7 @@ class VerifyEngine:
         checked = self._validate(prefills, verifies)
         bucketed = self._bucketed(prefills, verifies, checked)
         if bucketed and not prefills:
-            return self._run_bucketed(prefills, verifies, checked)
+            return self._run_bucketed(prefills, verifies, checked, bucketed if bucketed is not True else None)
         new_slots = self._allocate(prefills)
         try:
             if bucketed:
@@ -275,7 +356,7 @@ class VerifyEngine:
 
     def _validate(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> _CheckedVerifies:
         req_ids = [item.req_id for item in prefills]
-        req_ids += [item.req_id for item in verifies]
+        req_ids += verifies.req_ids if isinstance(verifies, VerifyBatch) else [item.req_id for item in verifies]
         if len(set(req_ids)) != len(req_ids):
             seen: set[str] = set()
             for req_id in req_ids:
@@ -310,7 +391,9 @@ class VerifyEngine:
         num = len(verifies)
         if not num:
             empty = np.zeros(0, dtype=np.int64)
-            return _CheckedVerifies([], empty, empty, empty, empty, False)
+            return _CheckedVerifies((), [], empty, empty, empty, empty, False)
+        if isinstance(verifies, VerifyBatch):
+            return self._check_verify_batch(verifies)
         req_ids, anchors, drafts, _, dists, positions = zip(*verifies, strict=True)  # NamedTuples: one transposition
         try:
             entries, slots = self._lookup(req_ids)
@@ -324,13 +407,62 @@ class VerifyEngine:
             self._check_verifies_one_by_one(verifies)
             tokens = np.array([*anchors, *itertools.chain.from_iterable(drafts)], dtype=np.int64)
         any_distribution = not set(map(type, dists)) <= _NONE_TYPE  # C-level: no generator step per item
-        return _CheckedVerifies(entries, slots, lengths, num_drafts, tokens, any_distribution)
+        return _CheckedVerifies(req_ids, entries, slots, lengths, num_drafts, tokens, any_distribution)
+
+    def _check_verify_batch(self, batch: VerifyBatch) -> _CheckedVerifies:
+        """:meth:`_check_verifies` of items in array form: the same checks on the arrays; on any doubt the
+        item-by-item check of the items it stands for raises the first error exactly as for a list."""
+        req_ids = tuple(batch.req_ids)
+        try:
+            entries, slots = self._lookup(req_ids)
+        except KeyError:
+            self._check_verifies_one_by_one(batch)  # raises UnknownRequestError
+            raise
+        lengths = self.cache.lengths_unchecked(slots)
+        num_drafts = batch.num_drafts
+        tokens = None
+        if (
+            int((lengths + num_drafts).max()) < self.cache.max_seq_len  # the anchor needs a row too
+            and bool((batch.positions == lengths).all())  # same shape: one entry per request
+            and self._distributions_fit(batch, slots)
+        ):
+            drafts = batch.drafts
+            if int(num_drafts.min()) == drafts.shape[1]:
+                drafts = drafts.reshape(-1)
+            else:
+                drafts = drafts[np.arange(drafts.shape[1]) < num_drafts[:, None]]  # row after row
+            tokens = np.concatenate((batch.anchors, drafts))
+            if int(tokens.view(np.uint64).max()) >= self.target.vocab_size:  # a negative id is huge as uint64
+                tokens = None
+        if tokens is None:
+            self._check_verifies_one_by_one(batch)
+            items = batch.items()
+            tokens = np.array(
+                [*(v.anchor for v in items), *itertools.chain.from_iterable(v.draft_tokens for v in items)],
+                dtype=np.int64,
+            )
+        return _CheckedVerifies(req_ids, entries, slots, lengths, num_drafts, tokens, bool(batch.sampled))
 
     def _lookup(self, req_ids: tuple[str, ...]) -> tuple[list[_Slot], np.ndarray]:
         """Entries and KV slots (int64, read-only) of a step's verify requests, kept per request list
         (:mod:`cluster.slot_lookups`); raises KeyError for an unknown one."""
         requests = self._requests
         return self._lookups.get(req_ids, lambda ids: [requests[req_id] for req_id in ids])
+
+    def _slot_sampling(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(temperature, top_p) float32 [R, 2], (top_k, seed) int64 [R, 2] (both read-only) of the slots, and
+        whether all are greedy; kept for a kept lookup's (read-only) slots array until a request is added or
+        released (the only changes of the per-slot parameters). Read-only: the graph runner then keeps the
+        staged copy of them too."""
+        kept = self._kept_sampling
+        if kept is not None and kept[0] is slots:
+            return kept[1]
+        sampling_float, sampling_int = self._sampling_float[slots], self._sampling_int[slots]
+        sampling_float.flags.writeable = sampling_int.flags.writeable = False
+        derived = (sampling_float, sampling_int, bool(self._slot_greedy[slots].all()))
+        if not slots.flags.writeable:
+            self._kept_sampling = (slots, derived)
+        return derived
 
     def _valid_tokens(
         self,
@@ -352,16 +484,8 @@ class VerifyEngine:
                 return None
         elif positions != held:
             return None
-        greedy_slots = self._slot_greedy[slots]
-        if not greedy_slots.all():
-            for v, greedy in zip(verifies, greedy_slots.tolist(), strict=True):
-                if greedy or not len(v.draft_tokens):
-                    continue
-                if v.draft_prob_ids is None or v.draft_probs is None:
-                    return None
-                shape = v.draft_prob_ids.shape
-                if shape[:1] != (len(v.draft_tokens),) or v.draft_probs.shape != shape:
-                    return None
+        if not self._distributions_fit(verifies, slots):
+            return None
         flat = [*anchors, *itertools.chain.from_iterable(drafts)]  # one list: typed, then converted in C
         if not all(kind is int or _is_int_type(kind) for kind in set(map(type, flat))):
             return None
@@ -372,6 +496,20 @@ class VerifyEngine:
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.target.vocab_size:
             return None
         return tokens
+
+    def _distributions_fit(self, verifies: Sequence[VerifyItem], slots: np.ndarray) -> bool:
+        """Whether every sampled request's drafts come with a distribution of their shape (all greedy: yes)."""
+        if self._slot_sampling(slots)[2]:
+            return True
+        for v, greedy in zip(verifies, self._slot_greedy[slots].tolist(), strict=True):
+            if greedy or not len(v.draft_tokens):
+                continue
+            if v.draft_prob_ids is None or v.draft_probs is None:
+                return False
+            shape = v.draft_prob_ids.shape
+            if shape[:1] != (len(v.draft_tokens),) or v.draft_probs.shape != shape:
+                return False
+        return True
 
     def _check_verifies_one_by_one(self, verifies: Sequence[VerifyItem]) -> None:
         vocab = self.target.vocab_size
@@ -400,6 +538,7 @@ class VerifyEngine:
             slot = self.cache.allocate()
             self._requests[p.req_id] = _Slot(slot, params, params.seed or 0, params.greedy)
             self._lookups.clear()
+            self._kept_sampling = None
             self._sampling_float[slot] = (params.temperature, params.top_p)
             self._sampling_int[slot] = (params.top_k, params.seed or 0)
             self._slot_greedy[slot] = params.greedy
@@ -450,11 +589,12 @@ class VerifyEngine:
 
     def _bucketed(
         self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], checked: _CheckedVerifies
-    ) -> bool:
+    ) -> bool | tuple[int, int]:
+        """Whether the step takes the graph path (for a verify-only step without distributions: its bucket)."""
         if self.graphs is None:
             return False
-        if not prefills and not checked.any_distribution:  # the common round: array checks only
-            return self.graphs.fits_verify(checked.num_drafts, 0)
+        if not prefills and not checked.any_distribution:  # the common round: array checks only, its bucket
+            return self.graphs.verify_bucket(checked.num_drafts, 0) or False
         widths = [
             int(v.draft_probs.shape[1])
             for v in verifies
@@ -465,7 +605,11 @@ class VerifyEngine:
         return self.graphs.fits(lengths, max(widths, default=0))
 
     def _run_bucketed(
-        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], checked: _CheckedVerifies
+        self,
+        prefills: Sequence[PrefillItem],
+        verifies: Sequence[VerifyItem],
+        checked: _CheckedVerifies,
+        key: tuple[int, int] | None = None,
     ) -> Sequence[StepResult]:
         """A step through the ragged graph runner (same results as ``_run``): :class:`StepResults` for a
         verify-only step, a list (prefills first) when prompts join; the prefills' slots are allocated already."""
@@ -473,7 +617,7 @@ class VerifyEngine:
         slots = checked.slots
         num_drafts = checked.num_drafts.tolist()
         if not prefills:
-            return self._run_bucketed_verify(verifies, checked, num_drafts)
+            return self._run_bucketed_verify(verifies, checked, num_drafts, key)
         lengths = checked.lengths.tolist()
         sampling_float = self._sampling_float[slots].tolist()
         sampling_int = self._sampling_int[slots].tolist()
@@ -516,35 +660,41 @@ class VerifyEngine:
         return results
 
     def _run_bucketed_verify(
-        self, verifies: Sequence[VerifyItem], checked: _CheckedVerifies, num_drafts: list[int]
+        self,
+        verifies: Sequence[VerifyItem],
+        checked: _CheckedVerifies,
+        num_drafts: list[int],
+        key: tuple[int, int] | None = None,
     ) -> StepResults:
         """A verify-only step through the graph runner straight from the checked arrays (the common round)."""
         assert self.graphs is not None
         slots = checked.slots
+        sampling_float, sampling_int, all_greedy = self._slot_sampling(slots)
         sampled = []
-        if not bool(self._slot_greedy[slots].all()):
+        if not all_greedy:
             sampled = [
                 (r, v.draft_prob_ids, v.draft_probs)
                 for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True))
                 if not e.greedy and v.draft_probs is not None and len(v.draft_tokens)
             ]
         accepted, tokens, kept = self.graphs.run_verify(
-            slots,
-            checked.lengths,
-            checked.tokens,
-            checked.num_drafts,
-            self._sampling_float[slots],
-            self._sampling_int[slots],
-            sampled,
+            slots, checked.lengths, checked.tokens, checked.num_drafts, sampling_float, sampling_int, sampled, key
         )
-        if bool(((accepted < 0) | (accepted > checked.num_drafts)).any()):
+        # As uint64 a negative count is huge (the draft counts are >= 0): one comparison checks 0 <= a <= n.
+        if bool((accepted.view(np.uint64) > checked.num_drafts.view(np.uint64)).any()):
             raise RuntimeError(f"the verify step accepted {accepted.tolist()} of {num_drafts} drafts")
         counts = accepted + 1  # committed rows: the anchor and the accepted drafts
         # The slots are this step's (allocated, distinct) and each had room for all its drafts (validated).
         self.cache.set_lengths(slots, checked.lengths + counts)
-        req_ids = [v.req_id for v in verifies]
         return StepResults(
-            req_ids, num_drafts, accepted.tolist(), tokens, checked.lengths.tolist(), kept, counts.tolist()
+            list(checked.req_ids),
+            num_drafts,
+            accepted.tolist(),
+            tokens,
+            checked.lengths.tolist(),
+            kept,
+            counts.tolist(),
+            (checked.lengths, counts),
         )
 
     def _sample(

@@ -166,6 +166,11 @@ class VerifyGraphRunner:
         assert names[names.index("top_k") + 1] == "seeds"
         self._int_params = self._host_int.numpy()[top_k_at : top_k_at + 2 * (top_a + 1)].reshape(2, top_a + 1)
         self._arange = np.arange(self.max_rows + 1, dtype=np.int64)
+        # run_verify's kept staging fields (see _verify_layout_for, _verify_slot_fields): the host buffers still
+        # hold them from the last verify-only step as long as nothing else packed a step since.
+        self._kept_layout: tuple | None = None
+        self._kept_slots: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._row_views: dict[tuple[int, int], dict[int, torch.Tensor]] = {}  # see _first_rows
         self.dev = split_views(self._dev_int, self._int_fields) | split_views(self._dev_float, self._float_fields)
         # Page-locked result rows (accepted count, emitted tokens) and per chunk bucket a view of its first rows,
         # made once: the step's one device -> host copy lands there (no allocation, no pageable staging).
@@ -216,9 +221,14 @@ class VerifyGraphRunner:
 
     def fits_verify(self, num_drafts: np.ndarray, max_dist_width: int) -> bool:
         """:meth:`fits` for verify items only, from their draft counts (int64 [R]): no per-item Python."""
+        return self.verify_bucket(num_drafts, max_dist_width) is not None
+
+    def verify_bucket(self, num_drafts: np.ndarray, max_dist_width: int) -> tuple[int, int] | None:
+        """The bucket of a verify-only step from its draft counts (int64 [R]), or None when it does not fit
+        (what :meth:`fits_verify` says); :meth:`run_verify` takes it (no second look-up)."""
         if not num_drafts.size or max_dist_width > self.draft_top_k or int(num_drafts.max()) >= self.width:
-            return False
-        return self.bucket(num_drafts.size, num_drafts.size + int(num_drafts.sum())) is not None
+            return None
+        return self.bucket(num_drafts.size, num_drafts.size + int(num_drafts.sum()))
 
     @property
     def step_time_s(self) -> float:
@@ -261,35 +271,113 @@ class VerifyGraphRunner:
         sampling_float: np.ndarray,
         sampling_int: np.ndarray,
         dists: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+        key: tuple[int, int] | None = None,
     ) -> tuple[np.ndarray, list[list[int]], torch.Tensor | None]:
         """A verify-only step from arrays (the common round, without per-item Python): request r's anchor
         ``tokens[r]`` and its ``num_drafts[r]`` drafts (``tokens[R:]``: every request's drafts back to back) at
         slot ``slots[r]`` from position ``starts[r]``, (temperature, top_p) float32 [R, 2], (top_k, seed) int64
-        [R, 2], sparse draft distributions (r, ids, probs) of the requests that sample. Returns accepted counts
-        (int64 [R]), emitted tokens and the committed features (1 + accepted rows per request, back to back).
+        [R, 2], sparse draft distributions (r, ids, probs) of the requests that sample; ``key``: the bucket
+        :meth:`verify_bucket` gave for ``num_drafts``, if known. Returns accepted counts (int64 [R]), emitted
+        tokens and the committed features (1 + accepted rows per request, back to back).
+
+        Read-only ``slots``, ``sampling_float`` and ``sampling_int`` (an engine's kept per-request-list arrays)
+        passed again as the same objects are taken as unchanged: their fields are not rewritten.
 
         The features are a view of the step's output, not a copy: with captured graphs the next step overwrites
         them, so they must be consumed (copied, or read by work queued on the device) before the next step."""
         num = slots.size
-        lens = num_drafts + 1
-        total = int(lens.sum())
-        key = self.bucket(num, total)
-        if key is None or int(lens.max()) > self.width:
-            raise ValueError(f"{num} verify chunks / {total} rows do not fit a bucket")
-        ids = np.empty(total, dtype=np.int64)
-        anchor_rows = np.cumsum(lens) - lens
-        is_anchor = np.zeros(total, dtype=bool)
-        is_anchor[anchor_rows] = True
+        if key is None:
+            key = self.verify_bucket(num_drafts, 0)
+            if key is None:
+                lens = num_drafts + 1
+                raise ValueError(f"{num} verify chunks / {int(lens.sum())} rows do not fit a bucket")
+        anchor_rows, draft_rows, row_chunk, row_k = self._verify_layout_for(key, num_drafts)
+        self._verify_slot_fields(key, row_chunk.size, slots, sampling_float, sampling_int)
+        # What changes every round: the tokens, the positions and the starts (the rest is the kept layout).
+        host = self.host
+        ids = host["ids"]
         ids[anchor_rows] = tokens[:num]
-        ids[~is_anchor] = tokens[num:]
-        self._pack_layout(slots, starts, lens, ids, -1, sampling_float, sampling_int, *key, drafts=tokens[num:])
-        dist_rows, dist_ids, dist_probs = self._pack_dists(dists, lens)
+        drafts = tokens[num:]
+        ids[draft_rows] = drafts
+        host["drafts"][: drafts.size] = drafts
+        np.add(starts[row_chunk], row_k, out=host["positions"][: row_k.size])
+        host["starts"][:num] = starts
+        dist_rows, dist_ids, dist_probs = self._pack_dists(dists, num_drafts + 1) if dists else (0, [], [])
         packed, features = self._replay(key, dist_rows, dist_ids, dist_probs)
         result = self._copy_result(key, packed)[:num]
         accepted = result[:, 0].copy()
         emitted = [row[1 : 2 + row[0]] for row in result.tolist()]
-        kept = None if features is None else features[: num + int(accepted.sum())]
+        kept = None if features is None else self._first_rows(key, features, num + int(accepted.sum()))
         return accepted, emitted, kept
+
+    def _first_rows(self, key: tuple[int, int], features: torch.Tensor, num: int) -> torch.Tensor:
+        """``features[:num]``; of a captured step's static output, a view made once per (bucket, rows) (a
+        slice is a torch call every round, a dictionary look-up is not)."""
+        if self.steps[key].graph is None:  # eager: fresh outputs every step
+            return features[:num]
+        views = self._row_views.setdefault(key, {})
+        view = views.get(num)
+        if view is None:
+            view = views[num] = features[:num]
+        return view
+
+    def _verify_layout_for(
+        self, key: tuple[int, int], num_drafts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Write the fields of a verify-only step that only depend on its bucket and draft counts (row and
+        chunk layout, padding, the sink), unless the last verify-only step had the same (kept: a steady round
+        verifies the same counts); returns the anchors' rows, the drafts' rows and each real row's chunk and
+        offset in it. :meth:`_pack_layout` (the other steps) forgets the kept layout."""
+        counts = num_drafts.tobytes()
+        kept = self._kept_layout
+        if kept is not None and kept[0] == key and kept[1] == counts:
+            return kept[2]
+        self._kept_layout = self._kept_slots = None
+        num = num_drafts.size
+        lens = num_drafts + 1
+        total = int(lens.sum())
+        # Placeholders for what the callers write over it: tokens and starts (run_verify), slots and sampling
+        # parameters (_verify_slot_fields).
+        zeros = np.zeros((num, 2), dtype=np.int64)
+        self._pack_layout(
+            zeros[:, 0], zeros[:, 0], lens, np.zeros(total, dtype=np.int64), -1, zeros.astype(np.float32), zeros, *key
+        )
+        row_chunk = self.host["row_chunk"][:total].copy()
+        row_k = self.host["row_k"][:total].copy()
+        is_anchor = row_k == 0
+        layout = (np.flatnonzero(is_anchor), np.flatnonzero(~is_anchor), row_chunk, row_k)
+        self._kept_layout = (key, counts, layout)
+        return layout
+
+    def _verify_slot_fields(
+        self,
+        key: tuple[int, int],
+        num_real_rows: int,
+        slots: np.ndarray,
+        sampling_float: np.ndarray,
+        sampling_int: np.ndarray,
+    ) -> None:
+        """Write the fields that depend on the requests' slots (slots, each row's slot, sampling parameters)
+        over the kept layout, unless they are the last step's read-only arrays again."""
+        kept = self._kept_slots
+        if (
+            kept is not None
+            and slots is kept[0]
+            and sampling_float is kept[1]
+            and sampling_int is kept[2]
+            and not (slots.flags.writeable or sampling_float.flags.writeable or sampling_int.flags.writeable)
+        ):
+            return
+        num_chunks, num_rows = key
+        num = slots.size
+        host = self.host
+        all_slots = np.full(num_chunks + 1, self.dummy_slot, dtype=np.int64)
+        all_slots[:num] = slots
+        host["token_slots"][:num_rows] = all_slots[host["row_chunk"][:num_rows]]
+        host["slots"][:num_chunks] = all_slots[:num_chunks]
+        self._float_params[:, :num] = sampling_float.T
+        self._int_params[:, :num] = sampling_int.T
+        self._kept_slots = (slots, sampling_float, sampling_int)
 
     def _copy_result(self, key: tuple[int, int], packed: torch.Tensor) -> np.ndarray:
         """The step's one device -> host copy, into the page-locked result rows; a blocking copy on the stream
@@ -368,6 +456,7 @@ class VerifyGraphRunner:
         top_p) float32 [n, 2] and ``int_params`` (top_k, seed) int64 [n, 2], None when there are no real chunks;
         ``drafts``, when known, the ids of every row but the chunks' first ones), then one-row padding chunks,
         then the sink, into the host buffers. Few array operations: this runs every round."""
+        self._kept_layout = self._kept_slots = None  # run_verify's kept fields are overwritten
         host = self.host
         real = lens.size
         num_real_rows = ids.size

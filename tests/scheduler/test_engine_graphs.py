@@ -437,3 +437,58 @@ def test_cuda_graphs_equal_eager(tmp_path: Path, dtype: torch.dtype) -> None:
     assert _generate(target, drafter, "capture", 1.0) == _generate(target, drafter, "static", 1.0)
     assert _generate(target, drafter, "capture", 0.0, 40) == greedy["off"]
     assert _generate(target, drafter, "capture", 1.0, 40) == _generate(target, drafter, "static", 1.0, 40)
+
+
+def _batch_and_items(anchors, positions, drafts, num_drafts):
+    from verify_service.engine import VerifyBatch
+
+    batch = VerifyBatch(
+        [f"r{i}" for i in range(len(anchors))],
+        np.array(anchors, dtype=np.int64),
+        np.array(positions, dtype=np.int64),
+        np.array(drafts, dtype=np.int64),
+        np.array(num_drafts, dtype=np.int64),
+    )
+    items = [
+        VerifyItem(f"r{i}", a, d[:n], None, None, p)
+        for i, (a, p, d, n) in enumerate(zip(anchors, positions, drafts, num_drafts, strict=True))
+    ]
+    return batch, items
+
+
+def test_verify_batch_equals_its_items(pair) -> None:
+    """A VerifyBatch (the round driver's arrays) gives a verifier exactly what the list of its items gives:
+    the same results, and for a bad batch the same error (stale position, token outside the vocabulary, no
+    room in the slot), raised before anything changes."""
+    target, _ = pair
+    seq = 24
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 127, size=n).tolist() for n in (3, 9, seq - 6)]
+    params = [SamplingParams(temperature=0.0)] * 3
+    on_batch, anchors = _prefilled(target, "static", prompts, params, seq)
+    on_items, _ = _prefilled(target, "static", prompts, params, seq)
+    positions = [len(p) for p in prompts]
+    drafts = rng.integers(0, 127, size=(3, 5)).tolist()
+    batch, items = _batch_and_items(anchors, positions, drafts, [5, 2, 0])
+    assert list(batch) == items and batch[1] == items[1] and len(batch) == 3
+    got_batch, got_items = on_batch.step([], batch), on_items.step([], items)
+    assert [(r.req_id, r.tokens, r.num_accepted, r.feature_start) for r in got_batch] == [
+        (r.req_id, r.tokens, r.num_accepted, r.feature_start) for r in got_items
+    ]
+    torch.testing.assert_close(got_batch.features, got_items.features)
+    positions = [p + 1 + r.num_accepted for p, r in zip(positions, got_batch, strict=True)]
+    anchors = [r.tokens[-1] for r in got_batch]
+    bad = [
+        (anchors, [positions[0] - 1, *positions[1:]], drafts, [1, 1, 1]),  # a stale round
+        (anchors, positions, [[*drafts[0][:4], 128], *drafts[1:]], [5, 0, 0]),  # outside the vocabulary
+        (anchors, positions, drafts, [0, 0, 5]),  # request 2 has no room for 5 drafts
+    ]
+    for case in bad:
+        batch, items = _batch_and_items(*case)
+        errors = []
+        for engine, verifies in ((on_batch, batch), (on_items, items)):
+            with pytest.raises(Exception) as info:
+                engine.step([], verifies)
+            errors.append((type(info.value), str(info.value)))
+        assert errors[0] == errors[1]
+    assert [on_batch.context_length(f"r{i}") for i in range(3)] == positions

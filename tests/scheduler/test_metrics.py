@@ -27,3 +27,29 @@ def test_round_counters_and_conditional_acceptance() -> None:
 def test_request_tau_includes_bonus() -> None:
     r = RequestMetrics(verified=[3, 3], accepted=[3, 1])
     assert r.tau == 3.0 and r.mean_verify_budget == 3.0
+
+
+def test_counts_folded_across_many_rounds_equal_direct_counts() -> None:
+    """Rounds are kept and folded into the counts in batches: the counts equal a direct per-round count
+    whenever read (before, at and after a fold), whether rounds come as arrays or lists."""
+    rng = np.random.default_rng(3)
+    m = EngineMetrics(block_size=5)
+    verified_all, accepted_all = [], []
+    for i in range(2 * EngineMetrics.FOLD_ROUNDS + 7):
+        verified = rng.integers(0, 6, size=int(rng.integers(1, 9)))
+        accepted = np.minimum(verified, rng.integers(0, 6, size=verified.size))
+        verified_all += verified.tolist()
+        accepted_all += accepted.tolist()
+        if i % 2:
+            m.record_round(verified.tolist(), accepted.tolist(), 0.0, 0.0, 0.0, output_tokens=1)
+        else:
+            m.record_round(verified, accepted, 0.0, 0.0, 0.0, output_tokens=1)
+        if i in (3, EngineMetrics.FOLD_ROUNDS - 1, EngineMetrics.FOLD_ROUNDS + 1) or i % 97 == 0:
+            v, a = np.array(verified_all)[:, None], np.array(accepted_all)[:, None]
+            k = np.arange(5)[None, :]
+            s = m.snapshot()
+            assert s.num_draft_tokens == sum(verified_all) and s.num_accepted_tokens == sum(accepted_all)
+            assert s.verified_per_position == tuple((v > k).sum(axis=0).tolist())
+            assert s.accepted_per_position == tuple((a > k).sum(axis=0).tolist())
+            assert s.reached_per_position == tuple(((v > k) & (a >= k)).sum(axis=0).tolist())
+            assert s.verify_tokens_per_round == (sum(verified_all) + len(verified_all)) / (i + 1)
