@@ -29,6 +29,7 @@ stage "GPU tests" 120 python3 -m pytest -q -x -p no:cacheprovider \
 stage "kernels" 80 python3 bench/bench_kernels.py --profile --out "$out/kernels.json"
 stage "draft step" 60 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json"
 stage "host" 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
+  --prompt-tokens 96 --max-seq-len 456 \
   2>&1 | tail -n 20 | tee -a "$out/logs.txt"
 stage "engine" 90 python3 -m bench.bench_engine_gpu --requests 1 8 32 128 --rounds 15 --warmup 3 \
   --out "$out/engine_gpu.json"
