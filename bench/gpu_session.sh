@@ -26,7 +26,7 @@ stage "GPU tests" 120 python3 -m pytest -q -x -p no:cacheprovider \
   tests/draft_service/test_draft_engine_sampling.py \
   tests/draft_service/test_draft_slot_attention.py tests/draft_service/test_draft_fused.py \
   2>&1 | tail -n 25 | tee "$out/logs.txt"
-stage "kernels" 80 python3 bench/bench_kernels.py --profile --out "$out/kernels.json"
+stage "kernels" 100 python3 bench/bench_kernels.py --sweep cdf select --tune --profile --out "$out/kernels.json"
 stage "draft step" 60 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json"
 stage "host" 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
   --prompt-tokens 96 --max-seq-len 456 \
