@@ -38,7 +38,7 @@ from scheduler.algorithm import (
     check_sps,
     validate_confidences,
 )
-from scheduler.sps import SPSTable
+from scheduler.sps import SPSSource, SPSTable, check_sps_source
 
 
 def plan_capacity(confidences: np.ndarray, sps: SPSTable, *, draft_cost: DraftCost | None = None) -> int:
@@ -102,8 +102,8 @@ class AsyncCapacityScheduler:
     driver.
     """
 
-    def __init__(self, sps: SPSTable, *, lag: int = 2, draft_cost: DraftCost | None = None) -> None:
-        check_sps(sps)
+    def __init__(self, sps: SPSSource, *, lag: int = 2, draft_cost: DraftCost | None = None) -> None:
+        check_sps_source(sps)
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
             raise ValueError(f"lag must be an integer >= 1 (0 = biased retrospective search), got {lag!r}")
         self.sps = sps
@@ -125,6 +125,6 @@ class AsyncCapacityScheduler:
         """Lengths for this round; then plans the capacity of round t + lag from this round's confidences."""
         conf = validate_confidences(confidences)
         capacity = self._plans.popleft() if len(self._plans) == self.lag else None
-        lengths, plan = _lengths_and_plan(conf, self.sps, self.draft_cost, capacity)
+        lengths, plan = _lengths_and_plan(conf, self.sps.table_for(conf.shape[0]), self.draft_cost, capacity)
         self._plans.append(plan)
         return lengths

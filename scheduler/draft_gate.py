@@ -20,7 +20,8 @@ B_n = R + n * R * gamma / K and tau_n = R + (R * gamma / K) * (Q_1 + ... + Q_n),
 mean(min(cap_r, gamma)) / gamma of the curve can be admitted (caps remove the last positions, the least
 likely ones). The per-round prediction costs K array elements whatever the load, and it follows the load at
 once: when R drops, the same curve predicts a draft that is cheap next to the verify step and the gate flips
-back to drafting without waiting for new data.
+back to drafting without waiting for new data. Both rates price the verify step with the SPS table of the
+round's R (the one token table, or R's table of a :class:`scheduler.sps.RequestSPS`).
 
 Staleness: a skipped round yields no confidences, so after ``interval - 1`` skipped rounds in a row the next
 round drafts anyway (a probe), refreshing the pool; a round with nothing observed yet always drafts. The interval
@@ -45,8 +46,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.algorithm import DraftCost, check_sps, validate_confidences
-from scheduler.sps import SPSTable
+from scheduler.algorithm import DraftCost, validate_confidences
+from scheduler.sps import SPSSource, check_sps_source
 
 
 class DraftGate:
@@ -59,7 +60,7 @@ class DraftGate:
 
     def __init__(
         self,
-        sps: SPSTable,
+        sps: SPSSource,
         draft_cost: DraftCost,
         no_draft_cost: DraftCost | None = None,
         *,
@@ -68,7 +69,7 @@ class DraftGate:
         history_rows: int = 64,
         curve_points: int = 56,
     ) -> None:
-        check_sps(sps)
+        check_sps_source(sps)
         for name, value in (
             ("probe_interval", probe_interval),
             ("max_probe_interval", max_probe_interval),
@@ -145,7 +146,8 @@ class DraftGate:
     def _round_times(self, num_requests: int, steps: int) -> tuple[np.ndarray, float]:
         """Round time of each step 0..steps of the fluid walk, and Theta_ar: functions of R, the step count, the
         curve's gamma and the two costs only (not of Q), so they are cached on the table (SPSTable.memo) instead
-        of rebuilt every round."""
+        of rebuilt every round. Both kinds of round run with R requests, so both are priced by R's table."""
+        table = self.sps.table_for(num_requests)
         gamma, points = self._gamma, self.curve_points
         draft_cost, no_draft_cost = self.draft_cost, self.no_draft_cost
 
@@ -153,13 +155,13 @@ class DraftGate:
             share = num_requests * gamma / points
             batch = num_requests + share * self._steps[: steps + 1]
             # The verify step at the nearest integer batch (the exactly monotone dense table Algorithm 1 uses).
-            step_time = self.sps.dense_step_time(int(batch[-1]) + 1)
+            step_time = table.dense_step_time(int(batch[-1]) + 1)
             round_time = draft_cost.seconds(num_requests, batch) + step_time[(batch + 0.5).astype(np.int64)]
             ar_time = float(no_draft_cost.seconds(num_requests, num_requests)) + float(step_time[num_requests])
             return round_time, num_requests / ar_time
 
         key = ("draft_gate", draft_cost, no_draft_cost, num_requests, steps, gamma, points)
-        return self.sps.memo(key, build)
+        return table.memo(key, build)
 
     def should_draft(self, max_lengths: np.ndarray) -> bool:
         """Whether this round runs the drafter (a function of past confidences and counts only)."""

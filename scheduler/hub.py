@@ -33,7 +33,7 @@ from scheduler.metrics import MetricsSnapshot
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
-from scheduler.sps import SPSTable
+from scheduler.sps import load_sps
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class SchedulerHub:
                     verifier.close()
                     raise
             block_size = pool.block_size if pool is not None else 0
-            policy = make_policy(self.policy, SPSTable.from_dict(sps), block_size, self.draft_cost)
+            policy = make_policy(self.policy, load_sps(sps), block_size, self.draft_cost)
             options: dict[str, Any] = {
                 "decode": self.decode,
                 "eos_token_ids": self.eos_token_ids or verifier.eos_token_ids,

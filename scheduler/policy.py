@@ -21,7 +21,7 @@ from scheduler.algorithm import DraftCost, schedule_lengths
 from scheduler.async_capacity import AsyncCapacityScheduler
 from scheduler.draft_cost_estimate import OnlineDraftCost
 from scheduler.draft_gate import DraftGate
-from scheduler.sps import SPSTable
+from scheduler.sps import SPSSource, check_sps_source
 
 
 class VerifyPolicy(Protocol):
@@ -120,7 +120,9 @@ class DSparkScheduled:
 
     With a ``gate`` (:class:`scheduler.draft_gate.DraftGate`) a round may also skip the drafter when a plain
     target round is predicted to deliver more tokens per second (high load, expensive draft). The draft cost is
-    fixed (``draft_cost``) or measured while serving (``estimator``, fed by :meth:`observe_round`).
+    fixed (``draft_cost``) or measured while serving (``estimator``, fed by :meth:`observe_round`). ``sps``: one
+    token table, or tables by request count (:class:`scheduler.sps.RequestSPS`: each round prices its verify
+    step with the table of its own R).
     """
 
     name = "dspark"
@@ -128,11 +130,12 @@ class DSparkScheduled:
 
     def __init__(
         self,
-        sps: SPSTable,
+        sps: SPSSource,
         draft_cost: DraftCost | None = None,
         gate: DraftGate | None = None,
         estimator: OnlineDraftCost | None = None,
     ) -> None:
+        check_sps_source(sps)
         self.sps = sps
         self.gate = gate
         self._cost = _MeasuredCost(draft_cost, gate, estimator)
@@ -151,7 +154,8 @@ class DSparkScheduled:
 
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
         capped = _capped(confidences, max_lengths)
-        lengths = schedule_lengths(capped, self.sps, draft_cost=self._cost.current())
+        table = self.sps.table_for(capped.shape[0])
+        lengths = schedule_lengths(capped, table, draft_cost=self._cost.current())
         if self.gate is not None:  # after the schedule: it validated them when no cap bound (the same array)
             self.gate.observe(confidences, validated=capped is confidences)
         return lengths
@@ -170,7 +174,7 @@ class DSparkAsync:
 
     def __init__(
         self,
-        sps: SPSTable,
+        sps: SPSSource,
         lag: int = 2,
         draft_cost: DraftCost | None = None,
         gate: DraftGate | None = None,
@@ -203,7 +207,7 @@ class DSparkAsync:
 DRAFT_COSTS = ("none", "measured")
 
 
-def make_policy(spec: str, sps: SPSTable | None, block_size: int, draft_cost: str = "none") -> VerifyPolicy:
+def make_policy(spec: str, sps: SPSSource | None, block_size: int, draft_cost: str = "none") -> VerifyPolicy:
     """Build a policy from its config name: ``autoregressive``, ``fixed-N``, ``full``, ``dspark``, ``dspark-async``.
 
     ``draft_cost``: ``none`` (Algorithm 1's plain objective, never skips the drafter) or ``measured`` (the

@@ -16,6 +16,12 @@ Rules (documented behaviour, not accidents):
 - Persistence: JSON keyed by model, device and dtype; loading a table that was measured for something else
   warns with `SPSTableMismatchWarning` (the numbers are still usable as a rough prior, but the user should
   know).
+
+SPS by request count (`RequestSPS`): a step's cost depends on how many requests share its B tokens, not on B
+alone (each request adds its own KV reads and attention). A token table profiled with few requests verifying
+long chunks prices a step of 128 requests verifying 1-2 tokens each 2-2.5x too low, so `RequestSPS` holds one
+table per profiled request count R, each over B = R * (1 .. block + 1), and a round looks its table up by its
+own R (`table_for`). Both types answer `table_for`, so the scheduler takes either (`SPSSource`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import json
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 FORMAT = "dspark-sps/1"
+BY_REQUESTS_FORMAT = "dspark-sps-by-requests/1"
 MEMO_ENTRIES = 64  # derived arrays kept per table (SPSTable.memo), each about 2 * R * gamma floats
 
 Timer = Callable[[Callable[[], object]], float]
@@ -120,6 +128,10 @@ class SPSTable:
 
     def __call__(self, batch_tokens: int | np.ndarray) -> np.ndarray:
         return self.steps_per_second(batch_tokens)
+
+    def table_for(self, num_requests: int) -> SPSTable:
+        """The table for a round of ``num_requests`` requests: this one (a token table ignores R)."""
+        return self
 
     def _grow(self, max_batch_tokens: int) -> None:
         size = 1 << max(10, int(max_batch_tokens).bit_length())
@@ -218,6 +230,72 @@ class SPSTable:
                 stacklevel=2,
             )
         return table
+
+
+class RequestSPS:
+    """SPS tables by request count: ``tables[R]`` is SPS(B) of steps where R requests share the B tokens.
+
+    ``table_for(R)`` returns the table of the smallest profiled count >= R (a step of fewer requests is not
+    slower, so the price errs high, never low), or of the largest count when R exceeds them all.
+    """
+
+    def __init__(self, tables: Mapping[int, SPSTable]) -> None:
+        if not isinstance(tables, Mapping) or not tables:
+            raise ValueError("SPS by request count needs at least one (request count, SPSTable) pair")
+        for count, table in tables.items():
+            if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+                raise ValueError(f"request counts must be integers >= 1, got {count!r}")
+            if not isinstance(table, SPSTable):
+                raise ValueError(f"the table for R={count} must be an SPSTable, got {type(table).__name__}")
+        self.request_counts: tuple[int, ...] = tuple(sorted(int(c) for c in tables))
+        self.tables: dict[int, SPSTable] = {int(c): tables[c] for c in self.request_counts}
+
+    def __repr__(self) -> str:
+        return f"RequestSPS({self.tables!r})"
+
+    def table_for(self, num_requests: int) -> SPSTable:
+        """The table profiled at the smallest request count >= ``num_requests`` (the largest if none is)."""
+        index = min(bisect_left(self.request_counts, num_requests), len(self.request_counts) - 1)
+        return self.tables[self.request_counts[index]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": BY_REQUESTS_FORMAT,
+            "tables": [{"requests": c, "sps": self.tables[c].to_dict()} for c in self.request_counts],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RequestSPS:
+        if not isinstance(data, dict) or data.get("format") != BY_REQUESTS_FORMAT:
+            raise ValueError(f"not SPS tables by request count (expected format {BY_REQUESTS_FORMAT!r})")
+        entries = data.get("tables")
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise ValueError("SPS by request count JSON needs a list of {requests, sps} objects under 'tables'")
+        try:
+            counts = [e["requests"] for e in entries]
+            tables = {c: SPSTable.from_dict(e["sps"]) for c, e in zip(counts, entries, strict=True)}
+        except KeyError as missing:
+            raise ValueError(f"SPS by request count JSON entry lacks {missing}") from None
+        if len(tables) != len(counts):
+            raise ValueError(f"SPS by request count JSON repeats a request count: {counts}")
+        return cls(tables)
+
+
+SPSSource = SPSTable | RequestSPS
+"""What the scheduler prices verify steps with: one token table, or tables by request count."""
+
+
+def check_sps_source(sps: object) -> None:
+    """Raises ValueError unless ``sps`` is an SPSTable or a RequestSPS."""
+    if not isinstance(sps, (SPSTable, RequestSPS)):
+        raise ValueError(f"sps must be an SPSTable or a RequestSPS, got {type(sps).__name__}")
+
+
+def load_sps(data: dict[str, Any]) -> SPSSource:
+    """An SPS JSON object of either format (a token table, or tables by request count)."""
+    if isinstance(data, dict) and data.get("format") == BY_REQUESTS_FORMAT:
+        return RequestSPS.from_dict(data)
+    return SPSTable.from_dict(data)
 
 
 def wall_clock_timer(thunk: Callable[[], object]) -> float:

@@ -7,19 +7,21 @@ can run at startup before any request arrives.
 
 Two flavours: :func:`profile_target_sps` times eager ``TargetModel.forward`` passes; :func:`profile_graph_sps`
 times the verify engine's own graph-path step (:mod:`verify_service.graphs`), the step a graph-mode engine runs.
+:func:`profile_graph_sps_by_requests` times the same step at fixed request counts R (R requests verifying 1 ..
+chunk tokens each), the tables by request count the scheduler prices a round of R requests with.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from cluster.sampling import SamplingParams
-from scheduler.sps import SPSTable, cuda_event_timer, default_batch_grid, profile_sps, wall_clock_timer
+from scheduler.sps import RequestSPS, SPSTable, cuda_event_timer, default_batch_grid, profile_sps, wall_clock_timer
 from verify_service.engine import PrefillItem, VerifyEngine
 from verify_service.graphs import GraphItem
 from verify_service.target import TargetModel
@@ -110,6 +112,53 @@ def graph_verify_items(
     return items, ids
 
 
+def _run_graph_verify(engine: VerifyEngine, step: Sequence[GraphItem]) -> None:
+    """One graph-path verify step of ``step``: the verify-only path a round takes (arrays, greedy requests)."""
+    assert engine.graphs is not None
+    engine.graphs.run_verify(
+        np.array([i.slot for i in step], dtype=np.int64),
+        np.array([i.start for i in step], dtype=np.int64),
+        np.array([i.tokens[0] for i in step] + [t for i in step for t in i.tokens[1:]], dtype=np.int64),
+        np.array([len(i.tokens) - 1 for i in step], dtype=np.int64),
+        np.tile(np.array([0.0, 1.0], dtype=np.float32), (len(step), 1)),
+        np.zeros((len(step), 2), dtype=np.int64),
+        [],
+    )
+
+
+def _profile_graph_steps(
+    engine: VerifyEngine, run_step: Callable[[int], None], sizes: list[int], warmup: int, repeats: int
+) -> tuple[SPSTable, list[float]]:
+    """SPS(B) of ``run_step(B)`` by the wall clock, and the median device time of its replays per B."""
+    runner = engine.graphs
+    assert runner is not None
+    table = profile_sps(
+        run_step,
+        sizes,
+        model=str(engine.target.config.name_or_path or "target"),
+        device=str(engine.target.device),
+        dtype=str(engine.target.dtype).removeprefix("torch."),
+        warmup=warmup,
+        repeats=repeats,
+        timer=wall_clock_timer,
+        progress=False,
+    )
+    device_times: list[float] = []
+    try:
+        for b in sizes:
+            times = []
+            for _ in range(repeats):
+                before = runner.step_time_s
+                runner.timed = True
+                run_step(b)
+                runner.timed = False
+                times.append(runner.step_time_s - before)
+            device_times.append(statistics.median(times))
+    finally:
+        runner.timed = False
+    return table, device_times
+
+
 def profile_graph_sps(
     engine: VerifyEngine,
     *,
@@ -122,51 +171,56 @@ def profile_graph_sps(
     """SPS(B) of the engine's own graph-path verify step (host packing, replay and result copy: what a round
     pays), and the device time of the replays alone (seconds, median per B). The runner never advances the
     slots, so a step repeats exactly; the scratch requests are released after."""
-    runner = engine.graphs
-    if runner is None:
+    if engine.graphs is None:
         raise ValueError("profile_graph_sps needs a VerifyEngine with graphs on")
     sizes = sorted(int(b) for b in batch_sizes)
     items, ids = graph_verify_items(engine, max(sizes), chunk, context)
-    device_times: list[float] = []
 
     def run_step(batch_tokens: int) -> None:
         num = -(-batch_tokens // chunk)
         last = batch_tokens - (num - 1) * chunk
-        step = [*items[: num - 1], dataclasses.replace(items[num - 1], tokens=items[num - 1].tokens[:last])]
-        # the verify-only path a round takes: arrays, greedy requests
-        runner.run_verify(
-            np.array([i.slot for i in step], dtype=np.int64),
-            np.array([i.start for i in step], dtype=np.int64),
-            np.array([i.tokens[0] for i in step] + [t for i in step for t in i.tokens[1:]], dtype=np.int64),
-            np.array([len(i.tokens) - 1 for i in step], dtype=np.int64),
-            np.tile(np.array([0.0, 1.0], dtype=np.float32), (num, 1)),
-            np.zeros((num, 2), dtype=np.int64),
-            [],
+        _run_graph_verify(
+            engine, [*items[: num - 1], dataclasses.replace(items[num - 1], tokens=items[num - 1].tokens[:last])]
         )
 
     try:
-        table = profile_sps(
-            run_step,
-            sizes,
-            model=str(engine.target.config.name_or_path or "target"),
-            device=str(engine.target.device),
-            dtype=str(engine.target.dtype).removeprefix("torch."),
-            warmup=warmup,
-            repeats=repeats,
-            timer=wall_clock_timer,
-            progress=False,
-        )
-        for b in sizes:
-            times = []
-            for _ in range(repeats):
-                before = runner.step_time_s
-                runner.timed = True
-                run_step(b)
-                runner.timed = False
-                times.append(runner.step_time_s - before)
-            device_times.append(statistics.median(times))
+        return _profile_graph_steps(engine, run_step, sizes, warmup, repeats)
     finally:
-        runner.timed = False
         for req_id in ids:
             engine.release(req_id)
-    return table, device_times
+
+
+def profile_graph_sps_by_requests(
+    engine: VerifyEngine,
+    *,
+    chunk: int,
+    request_counts: Sequence[int],
+    context: int = 64,
+    warmup: int = 2,
+    repeats: int = 7,
+) -> tuple[RequestSPS, dict[int, list[float]]]:
+    """SPS tables by request count of the engine's graph-path verify step: for every R, the step where R
+    requests each verify the anchor and l drafts (B = R * (l + 1), l = 0 .. chunk - 1), as
+    :func:`profile_graph_sps` times it; and the replays' device times per R (seconds, one per B). The cost of a
+    step of B tokens depends on R too (each request reads its own KV), which a token table cannot tell apart."""
+    if engine.graphs is None:
+        raise ValueError("profile_graph_sps_by_requests needs a VerifyEngine with graphs on")
+    counts = sorted({int(r) for r in request_counts})
+    if not counts or counts[0] < 1:
+        raise ValueError(f"request counts must be >= 1, got {list(request_counts)}")
+    items, ids = graph_verify_items(engine, counts[-1] * chunk, chunk, context)
+    tables: dict[int, SPSTable] = {}
+    device_times: dict[int, list[float]] = {}
+    try:
+        for r in counts:
+
+            def run_step(batch_tokens: int, r: int = r) -> None:
+                rows = batch_tokens // r
+                _run_graph_verify(engine, [dataclasses.replace(i, tokens=i.tokens[:rows]) for i in items[:r]])
+
+            sizes = [r * rows for rows in range(1, chunk + 1)]
+            tables[r], device_times[r] = _profile_graph_steps(engine, run_step, sizes, warmup, repeats)
+    finally:
+        for req_id in ids:
+            engine.release(req_id)
+    return RequestSPS(tables), device_times
