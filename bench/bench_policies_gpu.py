@@ -9,6 +9,9 @@ qwen3-4b shape (function-preserving, see docs/COST_REALISTIC.md), so every step 
    context of typical length, CUDA-event timed), B up to 128 * (block + 1), saved with the results; the same
    measurements give the verify step time against the memory-bandwidth floor (weights + KV bytes / bandwidth),
    and after the sweep the same step for <= 32 requests is replayed as a CUDA graph (the GPU's own time);
+   with graphs on and ``--sps-by-requests on`` (the default) also SPS tables by request count, one per
+   concurrency level R (R requests verifying 1 .. block + 1 tokens each), which the scheduled policies price
+   their rounds with (a step of B tokens costs more when more requests share it: scheduler.sps.RequestSPS);
 3. plain transformers ``generate`` of the inflated target at 1 request (greedy, tokens/s), the baseline;
 4. for every concurrency level and policy, closed-loop continuous batching: ``concurrency`` requests in flight,
    a new one (next prompt of the mix) as soon as one finishes; after a warm-up, a fixed time window is measured.
@@ -72,12 +75,12 @@ from scheduler.algorithm import DraftCost
 from scheduler.draft_gate import DraftGate
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import DSparkAsync, DSparkScheduled, VerifyPolicy, make_policy
-from scheduler.sps import SPSMonotonicityWarning, SPSTable, default_batch_grid
+from scheduler.sps import SPSMonotonicityWarning, SPSSource, SPSTable, default_batch_grid
 from scheduler.sts import STSCalibration
 from verify_service.attention import CachedAttentionMetadata
 from verify_service.engine import VerifyEngine
 from verify_service.inflate import SHAPES, Qwen3Shape
-from verify_service.profiling import profile_graph_sps, profile_target_sps
+from verify_service.profiling import profile_graph_sps, profile_graph_sps_by_requests, profile_target_sps
 from verify_service.target import TargetModel
 
 POLICIES = ("autoregressive", "fixed-1", "full", "dspark", "dspark-async")
@@ -356,7 +359,7 @@ def hf_generate_baseline(target: TargetModel, prompt: list[int], max_new_tokens:
 
 # ------------------------------------------------------------------------------------------------- the cell
 def scheduled_policy(
-    policy: str, sps: SPSTable, draft_cost: DraftCost, no_draft_cost: DraftCost | None = None
+    policy: str, sps: SPSSource, draft_cost: DraftCost, no_draft_cost: DraftCost | None = None
 ) -> VerifyPolicy:
     """dspark / dspark-async with the whole-round objective (the round time outside the verify step); with
     ``no_draft_cost`` (the round time outside the verify step of a round without drafts) they may also skip the
@@ -823,7 +826,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds from start by which the sweep ends (cells shrink to fit); default 420, --small 100",
     )
     parser.add_argument("--reserve-s", type=float, default=10.0, help="kept for plots and the table")
-    parser.add_argument("--hf-repeats", type=int, default=2)
+    parser.add_argument("--hf-repeats", type=int, default=2, help="0: skip the transformers generate baseline")
     parser.add_argument(
         "--graphs",
         default=None,
@@ -849,6 +852,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="scheduled policies with measured draft costs: may skip the drafter in rounds where a plain target "
         "round is predicted to be faster (no-draft round time outside the verify step = schedule + host ms of the "
         "same level's autoregressive cell); off: always draft",
+    )
+    parser.add_argument(
+        "--sps-by-requests",
+        default="on",
+        choices=["on", "off"],
+        help="scheduled policies price a round of R requests with an SPS table profiled at R requests (one per "
+        "concurrency level, graph step only); off: the token table (ceil(B / (block + 1)) requests per step)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs of every cell (interleaved), for error bars")
     parser.add_argument("--bandwidth-mib", type=int, default=1024)
@@ -1012,6 +1022,27 @@ def main(argv: list[str] | None = None) -> int:
             for f in floor_rows
         )
     )
+    scheduling_sps: SPSSource = sps  # what the scheduled policies price verify steps with
+    results["sps_by_requests"] = None
+    if args.sps_by_requests == "on" and runner is None:
+        report.log("SPS by request count needs the graph step (--graphs static/capture): the token table is used")
+    elif args.sps_by_requests == "on":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SPSMonotonicityWarning)
+            scheduling_sps, by_device = profile_graph_sps_by_requests(
+                engines.verify, chunk=block + 1, request_counts=args.concurrency, context=context
+            )
+        results["sps_by_requests"] = scheduling_sps.to_dict()
+        results["sps_by_requests_device_step_s"] = {str(r): times for r, times in by_device.items()}
+        report.log(
+            "SPS by request count: "
+            + "; ".join(
+                f"R={r}: "
+                + ", ".join(f"B={b} {1000 / s:.2f}" for b, s in zip(t.batch_sizes, t.measured_steps_per_s, strict=True))
+                + " ms"
+                for r, t in scheduling_sps.tables.items()
+            )
+        )
     report.save()
 
     def engine_for(
@@ -1020,9 +1051,9 @@ def main(argv: list[str] | None = None) -> int:
         return SpeculativeEngine(
             engines.verify,
             engines.draft,
-            scheduled_policy(policy, sps, draft_cost, no_draft_cost)
+            scheduled_policy(policy, scheduling_sps, draft_cost, no_draft_cost)
             if draft_cost is not None
-            else make_policy(policy, sps, block),
+            else make_policy(policy, scheduling_sps, block),
             eos_token_ids=target.eos_token_ids,
             max_running=concurrency,
         )
@@ -1041,13 +1072,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4. plain transformers generate at 1 request
     baseline = None
-    try:
-        baseline = hf_generate_baseline(target, mix.token_ids[0], mix.max_tokens[0], args.hf_repeats)
-        results["hf_generate"] = {k: v for k, v in baseline.items() if k != "tokens"}
-        report.log(f"HF generate, 1 request: {baseline['tokens_per_s']:.1f} tokens/s ({baseline['new_tokens']} tokens)")
-    except Exception as error:
-        report.log(f"HF generate FAILED: {error!r}\n{traceback.format_exc(limit=6)}")
-        results.setdefault("errors", []).append({"stage": "hf generate", "error": repr(error)})
+    if args.hf_repeats < 1:
+        report.log("HF generate: skipped (--hf-repeats 0)")
+    else:
+        try:
+            baseline = hf_generate_baseline(target, mix.token_ids[0], mix.max_tokens[0], args.hf_repeats)
+            results["hf_generate"] = {k: v for k, v in baseline.items() if k != "tokens"}
+            report.log(
+                f"HF generate, 1 request: {baseline['tokens_per_s']:.1f} tokens/s ({baseline['new_tokens']} tokens)"
+            )
+        except Exception as error:
+            report.log(f"HF generate FAILED: {error!r}\n{traceback.format_exc(limit=6)}")
+            results.setdefault("errors", []).append({"stage": "hf generate", "error": repr(error)})
     report.save()
 
     # 5. the sweep
