@@ -15,7 +15,7 @@ import torch
 from cluster.config import AppConfig
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
-from scheduler.sps import SPSTable
+from scheduler.sps import SPSSource, load_sps_file
 from scheduler.sts import STSCalibration
 from verify_service.engine import VerifyEngine
 from verify_service.profiling import profile_target_sps
@@ -78,10 +78,11 @@ def build_draft_engine(config: AppConfig) -> DraftEngine:
     )
 
 
-def load_or_profile_sps(config: AppConfig, verify: VerifyEngine, block_size: int) -> SPSTable:
-    """The SPS table for this verifier: from the configured file, else profiled now (seconds on CPU)."""
+def load_or_profile_sps(config: AppConfig, verify: VerifyEngine, block_size: int) -> SPSSource:
+    """The SPS table(s) for this verifier: from the configured file (a token table or tables by request count),
+    else a token table profiled now (seconds on CPU)."""
     if config.models.sps:
-        return SPSTable.load(config.models.sps)
+        return load_sps_file(config.models.sps)
     logger.info("profiling SPS(B) of the target (no models.sps configured)")
     max_tokens = config.engine.max_requests * (block_size + 1)
     return profile_target_sps(verify.target, chunk=block_size + 1, max_batch_tokens=max_tokens, progress=False)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cluster.backend import LocalBackend
-    from scheduler.sps import SPSTable
+    from scheduler.sps import SPSSource, SPSTable
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,12 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
         help="dspark policies: charge no draft time, or the draft time measured while serving (and skip drafting "
         "when a plain round is faster)",
     )
-    parser.add_argument("--sps", type=Path, default=None, help="SPS table JSON (default: a built-in conservative one)")
+    parser.add_argument(
+        "--sps",
+        type=Path,
+        default=None,
+        help="SPS JSON: a token table or tables by request count (default: a built-in conservative table)",
+    )
     parser.add_argument("--max-requests", type=int, default=16, help="KV / context slots (concurrent requests)")
     parser.add_argument(
         "--max-seq-len",
@@ -99,7 +104,7 @@ def load_local_backend(
     *,
     policy: str = "dspark",
     draft_cost: str = "none",
-    sps: SPSTable | None = None,
+    sps: SPSSource | None = None,
     max_requests: int = 16,
     max_seq_len: int | None = None,
     draft_top_k: int = 16,
@@ -171,7 +176,7 @@ def run_local(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from cluster.http_app import build_app
-    from scheduler.sps import SPSTable
+    from scheduler.sps import load_sps_file
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -181,7 +186,7 @@ def run_local(args: argparse.Namespace) -> int:
         DEFAULT_MODEL_NAME if Path(args.target).resolve() == DEFAULT_TARGET else Path(args.target).name
     )
     try:
-        sps = SPSTable.load(args.sps) if args.sps is not None else None
+        sps = load_sps_file(args.sps) if args.sps is not None else None
         backend = load_local_backend(
             args.target,
             args.draft,

@@ -298,6 +298,17 @@ def load_sps(data: dict[str, Any]) -> SPSSource:
     return SPSTable.from_dict(data)
 
 
+def load_sps_file(path: str | Path) -> SPSSource:
+    """An SPS JSON file of either format (``SPSTable.load`` for a token table, so its checks still apply)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if isinstance(data, dict) and data.get("format") == BY_REQUESTS_FORMAT:
+        return RequestSPS.from_dict(data)
+    return SPSTable.load(path)
+
+
 def wall_clock_timer(thunk: Callable[[], object]) -> float:
     """Seconds `thunk()` took by `time.perf_counter` (right for CPU steps and synchronising GPU steps)."""
     start = time.perf_counter()

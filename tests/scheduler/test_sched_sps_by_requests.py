@@ -11,7 +11,7 @@ from scheduler.algorithm import DraftCost
 from scheduler.async_capacity import AsyncCapacityScheduler, plan_capacity
 from scheduler.draft_gate import DraftGate
 from scheduler.policy import DSparkAsync, DSparkScheduled, make_policy
-from scheduler.sps import RequestSPS, SPSTable, check_sps_source, load_sps
+from scheduler.sps import RequestSPS, SPSTable, check_sps_source, load_sps, load_sps_file
 
 GAMMA = 7
 COST = DraftCost(fixed_s=2.3e-3, per_request_s=0.01e-3)
@@ -62,6 +62,17 @@ def test_json_round_trip() -> None:
         assert loaded.tables[count].to_dict() == by_requests.tables[count].to_dict()
     token = load_sps(json.loads(json.dumps(_token_table().to_dict())))
     assert isinstance(token, SPSTable) and token.to_dict() == _token_table().to_dict()
+
+
+def test_files_of_either_format_load(tmp_path) -> None:
+    (tmp_path / "by_requests.json").write_text(json.dumps(RequestSPS({4: _flat(), 64: _steep()}).to_dict()))
+    loaded = load_sps_file(tmp_path / "by_requests.json")
+    assert isinstance(loaded, RequestSPS) and loaded.request_counts == (4, 64)
+    token = load_sps_file(_token_table().save(tmp_path / "token.json"))
+    assert isinstance(token, SPSTable) and token.to_dict() == _token_table().to_dict()
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_sps_file(tmp_path / "broken.json")
 
 
 def test_bad_input() -> None:
