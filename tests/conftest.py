@@ -25,6 +25,9 @@ _interpret_triton_without_cuda()
 # machine's routable address when a driver connects (both are read when ray is first imported).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# A loaded 2-core machine can take longer than Ray's default 30 s to bring a node's GCS up (seen once in a
+# failover test while other jobs ran): wait for the port file (and the connect) up to 120 s instead.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 ROOT = Path(__file__).resolve().parents[1]
 # DSPARK_SHARED_DIR overrides the location, e.g. for a git worktree whose parent folder has no shared/.
