@@ -15,6 +15,7 @@ training, which uses the module path, still sees ordinary parameters).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -96,7 +97,7 @@ class FusedDrafter:
         cache: DraftContextCache,
         slots: torch.Tensor,
         context_lens: torch.Tensor,
-        attention,
+        attention: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
         """:meth:`DSparkDraftModel.backbone_slots` through the fused kernels: x [R, bs, H] -> [R, bs, H] (final
         norm applied). ``attention`` is the slot attention implementation (block mode)."""
