@@ -8,7 +8,7 @@
 # stage's table as it finishes.
 set -uo pipefail
 out=${1:?usage: bench/gpu_session.sh OUT_DIR [POLICY_SWEEP_SECONDS]}
-sweep_s=${2:-200}  # 2026-12-01: the stages before the sweep took ~290 s with these limits
+sweep_s=${2:-200}  # 2026-12-01: the stages before the sweep took ~310 s (two of them at their limits)
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its exit code, never abort the session
