@@ -2,36 +2,44 @@
 # Every GPU measurement of the project in ONE device call, most important checks first, each stage with its own
 # time limit so that a slow stage cannot starve the later ones. Run from the repository root on the GPU machine:
 #   bash bench/gpu_session.sh OUT_DIR [POLICY_SWEEP_SECONDS]
-# carrying the prompt sets in .data/prompts (humaneval.jsonl, mbpp.jsonl). Writes, under OUT_DIR:
-# logs.txt (the GPU tests' and the host stage's output), kernels.json, draft_profile.json, engine_gpu.json,
-# policies.json, policies.log and policies_*.png (eight files: what one device call can bring back); prints each
-# stage's table as it finishes.
+#   STAGES="kernels verify grpc policies" bash bench/gpu_session.sh OUT_DIR 240   # a subset, in this order
+# carrying the prompt sets in .data/prompts (humaneval.jsonl, mbpp.jsonl). Stages (default: tests kernels draft
+# host engine policies) and what they write under OUT_DIR: tests and host -> logs.txt, kernels -> kernels.json,
+# draft -> draft_profile.json, verify -> profile_verify.json, engine -> engine_gpu.json, grpc (issue 8's CPU
+# benchmark on this machine's CPUs, a core per process) -> grpc_overhead.json, policies -> policies.json,
+# policies.log, policies_*.png. One device call brings back at most eight files: choose the stages accordingly.
+# Prints each stage's table as it finishes.
 set -uo pipefail
 out=${1:?usage: bench/gpu_session.sh OUT_DIR [POLICY_SWEEP_SECONDS]}
 sweep_s=${2:-200}  # 2026-12-01: the stages before the sweep took ~310 s (two of them at their limits)
+stages=" ${STAGES:-tests kernels draft host engine policies} "
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its exit code, never abort the session
   local name=$1 limit=$2; shift 2
+  [[ $stages == *" $name "* ]] || return 0
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s)"
   timeout "$limit" "$@"
   echo "=== $name: exit $? after $((SECONDS - t0)) s"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-stage "GPU tests" 120 python3 -m pytest -q -x -p no:cacheprovider \
+stage tests 120 python3 -m pytest -q -x -p no:cacheprovider \
   tests/scheduler/test_engine_graphs.py tests/scheduler/test_graph_capture_guard.py \
   tests/verify_service/test_fused_layers.py tests/kernels/test_kernels_rejection.py \
   tests/draft_service/test_draft_sampling.py \
   tests/draft_service/test_draft_engine_sampling.py \
   tests/draft_service/test_draft_slot_attention.py tests/draft_service/test_draft_fused.py \
   2>&1 | tail -n 25 | tee "$out/logs.txt"
-stage "kernels" 150 python3 bench/bench_kernels.py --sweep cdf select --tune --profile --out "$out/kernels.json"
-stage "draft step" 60 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json"
-stage "host" 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
+stage kernels 200 python3 bench/bench_kernels.py --sweep cdf select --tune --profile --out "$out/kernels.json"
+stage draft 60 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json"
+stage host 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
   --prompt-tokens 96 --max-seq-len 456 \
   2>&1 | tail -n 20 | tee -a "$out/logs.txt"
-stage "engine" 90 python3 -m bench.bench_engine_gpu --requests 1 8 32 128 --rounds 15 --warmup 3 \
+stage verify 90 python3 bench/profile_verify_gpu.py --fused-only --out-dir "$out"
+stage grpc 90 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 python3 bench/bench_grpc_overhead.py --concurrency 8 \
+  --max-tokens 64 --repeats 21 --sps docs/benchmarks/sps_cpu_demo.json --out "$out/grpc_overhead.json"
+stage engine 90 python3 -m bench.bench_engine_gpu --requests 1 8 32 128 --rounds 15 --warmup 3 \
   --out "$out/engine_gpu.json"
-stage "policies" $((sweep_s + 30)) python3 bench/bench_policies_gpu.py --prompts-dir .data/prompts \
+stage policies $((sweep_s + 30)) python3 bench/bench_policies_gpu.py --prompts-dir .data/prompts \
   --out-dir "$out" --time-limit-s "$sweep_s" --repeats 2 --warmup-s 1 --measure-s 8
