@@ -97,7 +97,7 @@ def _run(
 
 
 def _start_server(kind: str, drafter: Path, sps_path: Path, args: argparse.Namespace) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=".", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--draft", str(drafter),
            "--sps", str(sps_path), "--max-requests", str(args.concurrency), "--max-seq-len", "512", "--device", "cpu",
            "--dtype", "float32", "--log-level", "warning", "--context-projection", args.context_projection,

@@ -80,7 +80,7 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 _BIG = tl.constexpr(2147483647)
 _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
-    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 4, "cdf_warps": 8, "select_tile": 8192,
+    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 1, "cdf_warps": 4, "select_tile": 8192,
     "select_warps": 4,
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): for the statistics kernel the vocabulary block per loop
@@ -88,8 +88,9 @@ step, warps and the number of programs a row is split over; for the inverse-CDF 
 and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference); for the combine
 kernel (which also compacts and thresholds filtered rows) the ids per compaction tile, read at once (whole
 chunks of one sketch group in one block), and warps. The statistics sizes were set from
-``bench/bench_kernels.py --sweep --tune`` on an H200 (docs/benchmarks/kernels.md); the inverse-CDF and
-compaction ones are first guesses awaiting ``--sweep cdf select``."""
+``bench/bench_kernels.py --sweep --tune`` on an H200, the inverse-CDF and compaction ones from ``--sweep cdf
+select --tune`` there (2026-12-01: one block per program, 4 warps, 0.328 ms against 0.391 ms with 4 blocks; the
+compaction tile hardly matters, 8192 ids the fastest; docs/benchmarks/kernels.md)."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
