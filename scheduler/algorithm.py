@@ -55,6 +55,7 @@ an empty length array; gamma = 0 returns zeros.
 from __future__ import annotations
 
 import math
+import struct
 import threading
 from dataclasses import dataclass
 
@@ -70,6 +71,11 @@ _minimum, _maximum, _add, _accumulate = np.minimum.reduce, np.maximum.reduce, np
 # over a sum of n <= _FAST_PATH_MAX_ITEMS survivals), far below any gain that matters to the decision.
 _MARGIN = 1e-9
 _FAST_PATH_MAX_ITEMS = 1 << 20
+# Up to this many items (R * gamma) the walk runs on Python floats (_schedule_scalar): a round of 1-8 requests
+# is then a few dozen float operations instead of ~25 numpy calls, whose fixed cost (1-5 us each, more when the
+# caches are cold between GPU steps) is the whole schedule time there.
+_SCALAR_MAX_ITEMS = 64
+_FLIP = 0xFFFF_FFFF_FFFF_FFFF
 
 
 @dataclass(frozen=True)
@@ -317,6 +323,69 @@ def _lengths_of_prefix(order: np.ndarray, count: int, num_requests: int, ws: _Wo
     return np.bincount(requests.view(np.int64), minlength=num_requests)
 
 
+def _scalar_prices(
+    sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamma: int
+) -> tuple[list[float], list[float], bool]:
+    """:func:`_prices` as Python lists (factor, growth, divide), for the scalar walk; memoised alike."""
+
+    def build() -> tuple[list[float], list[float], bool]:
+        prices = _prices(sps, draft_cost, num_requests, gamma)
+        return prices.factor.tolist(), prices.growth.tolist(), prices.divide
+
+    return sps.memo(("algorithm1-scalar", draft_cost, num_requests, gamma), build)
+
+
+def _schedule_scalar(
+    conf: np.ndarray, sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamma: int
+) -> np.ndarray:
+    """Algorithm 1 for 0 < R * gamma <= _SCALAR_MAX_ITEMS on Python floats, deciding exactly what the
+    vectorised path decides: the same IEEE operations in the same order (survival products along each row in
+    float64, tau summed sequentially along the walk, Theta = tau * or / the same factors), the same packed sort
+    key (survival bits above ``shift``, then the flat index j * R + r) and the same sufficient every-step test
+    (its S is summed in another order, within the rounding its proof allows: a pass is as sound, and a failed
+    test only means the walk runs and finds the same answer). ``conf``: a real 2-D array whose values are
+    checked here (outside [0, 1] or NaN: validate_confidences raises the vectorised path's error)."""
+    survival = [0.0] * (num_requests * gamma)  # flat, index j * R + r, as the vectorised path lays it out
+    n_pos, total, smallest = 0, 0.0, 1.0
+    for r, row in enumerate(conf.tolist()):
+        a = 1.0
+        for j, c in enumerate(row):
+            if not 0.0 <= c <= 1.0:  # NaN fails too
+                validate_confidences(conf)  # raises the error the vectorised path raises
+            a = float(c) if j == 0 else a * c
+            if a >= _TINY:
+                survival[j * num_requests + r] = a
+                n_pos += 1
+                total += a
+                smallest = min(smallest, a)
+    check_sps(sps)
+    if n_pos == 0:
+        return np.zeros(num_requests, dtype=np.int64)
+    factor, growth, divide = _scalar_prices(sps, draft_cost, num_requests, gamma)
+    counts = [0] * num_requests
+    if smallest > (num_requests + total) * (1.0 + _MARGIN) * (growth[n_pos] + _MARGIN):
+        for index, a in enumerate(survival):  # every step improves: admit every positive item
+            if a > 0.0:
+                counts[index % num_requests] += 1
+        return np.array(counts, dtype=np.int64)
+    n = len(survival)
+    shift = max(1, (n - 1).bit_length())
+    low = (1 << shift) - 1
+    bits = struct.unpack(f"{n}Q", struct.pack(f"{n}d", *survival))
+    keys = sorted((((b ^ _FLIP) >> shift) << shift) | i for i, b in enumerate(bits))
+    tau = float(num_requests)
+    previous = tau / factor[0] if divide else tau * factor[0]
+    for step, key in enumerate(keys[:n_pos], 1):  # the walk, up to its early stop
+        index = key & low
+        tau += survival[index]
+        theta = tau / factor[step] if divide else tau * factor[step]
+        if not theta > previous:
+            break
+        previous = theta
+        counts[index % num_requests] += 1
+    return np.array(counts, dtype=np.int64)
+
+
 def check_sps(sps: SPSTable) -> None:
     if not isinstance(sps, SPSTable):
         raise ValueError(f"sps must be an SPSTable, got {type(sps).__name__}")
@@ -333,7 +402,10 @@ def schedule_lengths(
     The verify batch then holds B = sum_r (1 + l_r) tokens. Raises ValueError on NaN / out-of-range
     confidences or a non-SPSTable; R = 0 gives an empty array.
     """
-    conf = validate_confidences(confidences)
+    conf = np.asarray(confidences)
+    if conf.ndim == 2 and 0 < conf.size <= _SCALAR_MAX_ITEMS and _is_real(conf.dtype):
+        return _schedule_scalar(conf, sps, draft_cost, *conf.shape)
+    conf = validate_confidences(conf)
     check_sps(sps)
     num_requests, gamma = conf.shape
     if num_requests == 0 or gamma == 0:

@@ -253,8 +253,9 @@ def test_policy_rounds_decide_exactly_as_before(policy_cls: type, rounds: list[n
         ref_gate.observe(conf)
 
 
-def test_fast_path_is_taken_on_flat_tables_and_refused_when_tau_cannot_move() -> None:
+def test_fast_path_is_taken_on_flat_tables_and_refused_when_tau_cannot_move(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast path really runs on the common small-R round, and a walk that stops is never shortcut."""
+    monkeypatch.setattr(algorithm, "_SCALAR_MAX_ITEMS", 0)  # the vectorised path, even for these small rounds
     calls: list[bool] = []
     original = algorithm._every_step_improves
 
@@ -291,3 +292,36 @@ def test_price_curves_are_cached_per_table_cost_and_shape() -> None:
     np.testing.assert_array_equal(again.factor, first.factor)
     np.testing.assert_array_equal(again.growth, first.growth)
     assert len(pickle.loads(pickle.dumps(sps))._memo) == 0 < len(sps._memo)  # the memo does not travel
+
+
+@settings(max_examples=1500, deadline=None)
+@given(confidences(max_requests=9), st.sampled_from(TABLES), st.sampled_from(COSTS))
+def test_scalar_walk_decides_exactly_as_the_vectorised_one(
+    conf: np.ndarray, sps: SPSTable, cost: DraftCost | None
+) -> None:
+    """Rounds of up to 64 items take the Python-float walk; forced through the numpy walk they decide the same."""
+    small = conf[:, : max(1, min(conf.shape[1], 64 // conf.shape[0]))]
+    assert small.size <= algorithm._SCALAR_MAX_ITEMS
+    scalar = schedule_lengths(small, sps, draft_cost=cost)
+    original = algorithm._SCALAR_MAX_ITEMS
+    algorithm._SCALAR_MAX_ITEMS = 0
+    try:
+        vectorised = schedule_lengths(small, sps, draft_cost=cost)
+    finally:
+        algorithm._SCALAR_MAX_ITEMS = original
+    assert scalar.dtype == vectorised.dtype == np.int64
+    np.testing.assert_array_equal(scalar, vectorised)
+    np.testing.assert_array_equal(
+        schedule_lengths(small.astype(np.float32), sps, draft_cost=cost),
+        ref_schedule(small.astype(np.float32), sps, cost),
+    )
+
+
+@pytest.mark.parametrize("bad", [np.nan, -0.1, 1.5, np.inf])
+def test_scalar_walk_rejects_bad_confidences_like_the_vectorised_one(bad: float) -> None:
+    conf = np.full((2, 7), 0.9)
+    conf[1, 3] = bad
+    with pytest.raises(ValueError, match=r"confidences must be finite and in \[0, 1\].*request 1, position 4"):
+        schedule_lengths(conf, TABLES[0])
+    with pytest.raises(ValueError, match="sps must be an SPSTable"):
+        schedule_lengths(np.full((2, 7), 0.9), "not a table")  # type: ignore[arg-type]
