@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _server(kind: str, target: Path, drafter: Path, device: str, dtype: str, sps: Path, slots: int,
             transport: str) -> Iterator[str]:
     """A standalone ``dspark`` server process pinned to ``device``; yields its gRPC address."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    path = os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))  # keep a carried site tree
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if device.startswith("cuda"):
         env["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] or "0"
         device = "cuda"

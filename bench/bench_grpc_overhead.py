@@ -97,7 +97,8 @@ def _run(
 
 
 def _start_server(kind: str, drafter: Path, sps_path: Path, args: argparse.Namespace) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
+    path = os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))  # keep a carried site tree
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--draft", str(drafter),
            "--sps", str(sps_path), "--max-requests", str(args.concurrency), "--max-seq-len", "512", "--device", "cpu",
            "--dtype", "float32", "--log-level", "warning", "--context-projection", args.context_projection,
@@ -107,10 +108,12 @@ def _start_server(kind: str, drafter: Path, sps_path: Path, args: argparse.Names
 
 def _wait_listening(proc: subprocess.Popen, what: str) -> str:
     assert proc.stdout is not None
+    seen: list[str] = []
     for line in proc.stdout:
         if line.startswith("listening on "):
             return line.split()[-1]
-    raise RuntimeError(f"{what} exited before listening (code {proc.wait()})")
+        seen = [*seen[-29:], line]
+    raise RuntimeError(f"{what} exited before listening (code {proc.wait()}); its last output:\n{''.join(seen)}")
 
 
 class _Wire:

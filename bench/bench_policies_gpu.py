@@ -372,6 +372,13 @@ def scheduled_policy(
     raise ValueError(f"{policy!r} is not a scheduled policy")
 
 
+def verify_scale(times: list[tuple[float, float]]) -> float:
+    """Measured / predicted verify time over the calibrating cells of one level ((measured, predicted) ms per
+    round each): the factor their SPS table is off by under this load (1.0 without such cells)."""
+    measured, predicted = sum(t[0] for t in times), sum(t[1] for t in times)
+    return measured / predicted if measured > 0 and predicted > 0 else 1.0
+
+
 def _gate_counts(engine: SpeculativeEngine) -> tuple[int, int]:
     """(rounds decided, rounds skipped) by the policy's skip-the-draft gate; (0, 0) without one."""
     gates = [getattr(p, "gate", None) for p in getattr(engine, "policies", [engine.policy])]  # one per group
@@ -860,6 +867,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="scheduled policies price a round of R requests with an SPS table profiled at R requests (one per "
         "concurrency level, graph step only); off: the token table (ceil(B / (block + 1)) requests per step)",
     )
+    parser.add_argument(
+        "--verify-calibration",
+        default="on",
+        choices=["on", "off"],
+        help="scheduled policies scale their SPS tables by measured / predicted verify time of the same level's "
+        "autoregressive and full cells (the profile's steps are idle ones: under load, longer contexts and "
+        "joining prompts' prefill make every step slower; the draft cost is measured from those cells alike)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of every cell (interleaved), for error bars")
     parser.add_argument("--bandwidth-mib", type=int, default=1024)
     parser.add_argument(
@@ -1046,12 +1061,16 @@ def main(argv: list[str] | None = None) -> int:
     report.save()
 
     def engine_for(
-        policy: str, concurrency: int, draft_cost: DraftCost | None = None, no_draft_cost: DraftCost | None = None
+        policy: str,
+        concurrency: int,
+        draft_cost: DraftCost | None = None,
+        no_draft_cost: DraftCost | None = None,
+        verify_scale: float = 1.0,
     ) -> SpeculativeEngine:
         return SpeculativeEngine(
             engines.verify,
             engines.draft,
-            scheduled_policy(policy, scheduling_sps, draft_cost, no_draft_cost)
+            scheduled_policy(policy, scheduling_sps.scaled(verify_scale), draft_cost, no_draft_cost)
             if draft_cost is not None
             else make_policy(policy, scheduling_sps, block),
             eos_token_ids=target.eos_token_ids,
@@ -1092,6 +1111,8 @@ def main(argv: list[str] | None = None) -> int:
     reference: dict[int, dict[int, list[int]]] = {}
     overheads: dict[tuple[int, int], DraftCost] = {}
     no_draft_overheads: dict[tuple[int, int], DraftCost] = {}
+    # Measured and predicted verify ms per round of the calibrating cells, by (level, repeat).
+    verify_times: dict[tuple[int, int], list[tuple[float, float]]] = {}
     bar = tqdm(plan, desc="cells", unit="cell", disable=not sys.stderr.isatty())
     for n, (concurrency, repeat, policy) in enumerate(bar):
         budget = cell_budget(args, deadline, time.perf_counter(), len(plan) - n)
@@ -1105,7 +1126,10 @@ def main(argv: list[str] | None = None) -> int:
             cost = overheads.get((concurrency, repeat)) if policy in SCHEDULED_POLICIES else None
             # Without an autoregressive cell at this level the no-draft round counts its verify step only.
             no_draft = no_draft_overheads.get((concurrency, repeat), DraftCost()) if args.draft_skip == "on" else None
-            engine = engine_for(policy, concurrency, cost, no_draft if cost is not None else None)
+            scale = verify_scale(verify_times.get((concurrency, repeat), []))
+            if args.verify_calibration == "off" or policy not in SCHEDULED_POLICIES:
+                scale = 1.0
+            engine = engine_for(policy, concurrency, cost, no_draft if cost is not None else None, scale)
             row, outputs = run_cell(engine, policy, mix, concurrency, budget, args.temperature)
             if not engines.idle():
                 raise RuntimeError("the cell left requests behind in the engines")
@@ -1118,6 +1142,12 @@ def main(argv: list[str] | None = None) -> int:
         row["repeat"] = repeat
         row["draft_cost_s"] = None if cost is None else cost.fixed_s
         row["no_draft_cost_s"] = None if cost is None or no_draft is None else no_draft.fixed_s
+        row["verify_scale"] = scale
+        if policy in ("autoregressive", OVERHEAD_SOURCE) and row["rounds"]:
+            predicted = 1000 / float(
+                scheduling_sps.table_for(concurrency).steps_per_second(row["verify_tokens_per_round"])
+            )
+            verify_times.setdefault((concurrency, repeat), []).append((row["verify_ms"], predicted))
         if args.draft_cost == "measured" and policy == OVERHEAD_SOURCE:
             # Algorithm 1's whole-round objective needs the round time outside the verify step at this load.
             overhead = (row["draft_ms"] + row["schedule_ms"] + row["other_host_ms"]) / 1000

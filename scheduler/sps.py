@@ -27,6 +27,7 @@ own R (`table_for`). Both types answer `table_for`, so the scheduler takes eithe
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 import warnings
@@ -132,6 +133,22 @@ class SPSTable:
     def table_for(self, num_requests: int) -> SPSTable:
         """The table for a round of ``num_requests`` requests: this one (a token table ignores R)."""
         return self
+
+    def scaled(self, factor: float) -> SPSTable:
+        """The same curve for steps ``factor`` times as long (steps/s divided by it): a table profiled on idle
+        requests, calibrated to the verify times measured under load (longer contexts, joining prompts'
+        prefill in the same pass), which the profile's shape describes but not its scale."""
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"SPS scale factor must be a finite number > 0, got {factor!r}")
+        with warnings.catch_warnings():  # a non-monotone measurement warned when this table was built
+            warnings.simplefilter("ignore", SPSMonotonicityWarning)
+            return SPSTable(
+                self.batch_sizes,
+                self.measured_steps_per_s / factor,
+                model=self.model,
+                device=self.device,
+                dtype=self.dtype,
+            )
 
     def _grow(self, max_batch_tokens: int) -> None:
         size = 1 << max(10, int(max_batch_tokens).bit_length())
@@ -258,6 +275,10 @@ class RequestSPS:
         index = min(bisect_left(self.request_counts, num_requests), len(self.request_counts) - 1)
         return self.tables[self.request_counts[index]]
 
+    def scaled(self, factor: float) -> RequestSPS:
+        """Every table scaled alike (:meth:`SPSTable.scaled`)."""
+        return RequestSPS({count: table.scaled(factor) for count, table in self.tables.items()})
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": BY_REQUESTS_FORMAT,
@@ -336,9 +357,7 @@ def cuda_event_timer(device: Any = None) -> Timer:
 def default_batch_grid(max_batch_tokens: int, *, min_batch_tokens: int = 1) -> list[int]:
     """Powers of two and their 1.5x midpoints in [min, max], plus max: dense where step time bends."""
     if min_batch_tokens < 1 or max_batch_tokens < min_batch_tokens:
-        raise ValueError(
-            f"need 1 <= min_batch_tokens <= max_batch_tokens, got {min_batch_tokens}, {max_batch_tokens}"
-        )
+        raise ValueError(f"need 1 <= min_batch_tokens <= max_batch_tokens, got {min_batch_tokens}, {max_batch_tokens}")
     grid = {min_batch_tokens, max_batch_tokens}
     power = 1
     while power <= max_batch_tokens:

@@ -161,3 +161,17 @@ def test_make_policy_accepts_tables_by_request_count() -> None:
             policy = make_policy(spec, by_requests, GAMMA, cost)
             assert policy.should_draft(_caps(8))
             assert policy.lengths(_confidences(8, 2), _caps(8)).shape == (8,)
+
+
+def test_scaled_tables_price_steps_factor_times_longer() -> None:
+    table = SPSTable([1, 8, 64], [300.0, 280.0, 200.0], model="m", device="d", dtype="bf16")
+    slow = table.scaled(1.5)
+    np.testing.assert_allclose(slow.steps_per_s, table.steps_per_s / 1.5)
+    assert (slow.model, slow.device, slow.dtype) == ("m", "d", "bf16")
+    np.testing.assert_allclose(slow.dense_step_time(64)[:65], 1.5 * table.dense_step_time(64)[:65])
+    by_requests = RequestSPS({1: table, 8: table.scaled(0.5)}).scaled(2.0)
+    assert by_requests.request_counts == (1, 8)
+    np.testing.assert_allclose(by_requests.table_for(8).steps_per_s, table.steps_per_s)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), "2"):
+        with pytest.raises(ValueError, match="scale factor"):
+            table.scaled(bad)  # type: ignore[arg-type]
