@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from kernels import rejection as reference
-from kernels.float_keys import tl_key_to_float, tl_ordered_key, tl_pack_value_id
+from kernels.float_keys import tl_key_to_float, tl_ordered_key, tl_pack_value_id, tl_unpack_value_id
 from kernels.launch import interpreting, launch_options
 from kernels.rejection import RejectionOutput, validate_rejection_inputs
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, tl_row_key, tl_uniform
@@ -80,21 +80,28 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 _BIG = tl.constexpr(2147483647)
 _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
-    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 1, "cdf_warps": 4, "select_tile": 8192,
-    "select_warps": 4,
+    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 1, "cdf_warps": 4, "select_tile": 512,
+    "select_warps": 1,
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): for the statistics kernel the vocabulary block per loop
 step, warps and the number of programs a row is split over; for the inverse-CDF masses the blocks per program
 and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference); for the combine
 kernel (which also compacts and thresholds filtered rows) the ids per compaction tile, read at once (whole
 chunks of one sketch group in one block), and warps. The statistics sizes were set from
-``bench/bench_kernels.py --sweep --tune`` on an H200, the inverse-CDF and compaction ones from ``--sweep cdf
-select --tune`` there (2026-12-01: one block per program, 4 warps, 0.328 ms against 0.391 ms with 4 blocks; the
-compaction tile hardly matters, 8192 ids the fastest; docs/benchmarks/kernels.md)."""
+``bench/bench_kernels.py --sweep --tune`` on an H200, the inverse-CDF ones from ``--sweep cdf select --tune``
+there (2026-12-01: one block per program, 4 warps, 0.328 ms against 0.391 ms with 4 blocks). The combine kernel
+runs one warp per row with 512-id tiles (16 ids per thread: ptxas gives it 113 registers, so about 17 rows are
+in flight per SM where the 4-warp program with 8192-id tiles had 164 registers and 3 rows; its per-row phases
+are serial round trips and in-warp sorts, so more rows in flight is what hides them); set by reasoning and
+ptxas counts, not yet measured (``--sweep select`` times 1, 2 and 4 warps)."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
 """Candidate slots per filtered row: rows with more tokens above the bound take the fallback search."""
+SORTED_TIERS = (64, 256)
+"""Candidate counts sorted in registers (two sort sizes: most top-k 50 rows have 50-64 candidates); a row with
+more candidates searches its candidate buffer instead (a sort of CANDIDATES int64 would set the register count
+of every program of the combine kernel, filtered or not)."""
 
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
@@ -215,7 +222,6 @@ def _row_combine_kernel(
     state_ptr,
     logits_ptr,
     stride_row,
-    hits_ptr,
     cand_ptr,
     listed_ptr,
     V,
@@ -229,11 +235,11 @@ def _row_combine_kernel(
     SMALL: tl.constexpr,
     TINY: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     NCAND: tl.constexpr,
     BLOCK_V: tl.constexpr,
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
-    HIT_CHUNKS: tl.constexpr,
     CDF_BLOCK: tl.constexpr,
     NW: tl.constexpr,
 ):
@@ -260,22 +266,12 @@ def _row_combine_kernel(
         norm = total
         top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
         if use_k | use_p:
-            n_sketch = num_splits * NG
-            pos = tl.arange(0, BLOCK_SKETCH)
-            sketch = tl.load(sketch_ptr + row.to(tl.int64) * n_sketch + pos, mask=pos < n_sketch,
-                             other=float("-inf"))  # fmt: skip
-            ordered = tl.sort(sketch, descending=True)
-            if use_k:
-                # the k-th sketch value: k distinct entries are >= it, so it is <= the k-th largest z
-                j = tl.where(top_k <= n_sketch, top_k.to(tl.int32) - 1, _BIG)
-            else:
-                mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(ordered - safe), 0.0), 0)
-                j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
+            certified, bound, n_hit, groups = _sketch_bound(sketch_ptr, row, num_splits * NG, safe, total, top_k,
+                                                            top_p, use_k, BLOCK_SKETCH)  # fmt: skip
             tau, norm, state = _keep_threshold(
-                logits_ptr + row.to(tl.int64) * stride_row, sketch, hits_ptr, cand_ptr, listed_ptr, row, j < _BIG,
-                tl.sum(tl.where(pos == j, ordered, 0.0), 0), tl.math.div_rn(1.0, temp), top, total, top_k, top_p,
-                use_k, use_p, V, split_size, num_words, CAP, SMALL, TINY, BLOCK_S, NCAND, BLOCK_V, NG,
-                W, CHUNKS, HIT_CHUNKS, BLOCK_SKETCH, CDF_BLOCK, NW,
+                logits_ptr + row.to(tl.int64) * stride_row, groups, n_hit, cand_ptr, listed_ptr, row, certified,
+                bound, tl.math.div_rn(1.0, temp), top, total, top_k, top_p, use_k, use_p, V, split_size, num_words,
+                CAP, SMALL, TINY, BLOCK_S, BLOCK_C, NCAND, BLOCK_V, NG, W, CHUNKS, BLOCK_SKETCH, CDF_BLOCK, NW,
             )  # fmt: skip
         tl.store(tau_ptr + row, tau)
         tl.store(norm_ptr + row, norm)
@@ -289,10 +285,34 @@ def _bit_or(a, b):
 
 
 @triton.jit
+def _sketch_bound(sketch_ptr, row, n_sketch, safe, total, top_k, top_p, use_k, BLOCK_SKETCH: tl.constexpr):
+    """(certified, L, n_hit, groups) of a filtered row from its sketch (module doc): L = the k-th sketch value
+    (top-k) or the first whose prefix mass reaches p * Z (top-p only); not certified when there is none.
+
+    The sketch is sorted as packed (value, entry) keys, so the n_hit entries >= L (the hit groups, which hold
+    every token >= L) are the sorted prefix: ``groups`` lists their entry numbers (sketch group g of split s is
+    entry s * NG + g) first, in registers, for the compaction to gather from without a memory round trip."""
+    pos = tl.arange(0, BLOCK_SKETCH)
+    live = pos < n_sketch
+    sketch = tl.load(sketch_ptr + row.to(tl.int64) * n_sketch + pos, mask=live, other=float("-inf"))
+    values, groups = tl_unpack_value_id(tl.sort(tl_pack_value_id(tl.where(sketch == 0.0, 0.0, sketch), pos),
+                                                descending=True))  # fmt: skip
+    if use_k:
+        # the k-th sketch value: k distinct entries are >= it, so it is <= the k-th largest z
+        j = tl.where(top_k <= n_sketch, top_k.to(tl.int32) - 1, _BIG)
+    else:
+        mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(values - safe), 0.0), 0)
+        j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
+    bound = tl.sum(tl.where(pos == j, values, 0.0), 0)
+    # the padding (-inf, the last entries of the sorted order) is not counted even when L = -inf
+    return j < _BIG, bound, tl.sum((live & (sketch >= bound)).to(tl.int32), 0), groups
+
+
+@triton.jit
 def _compact_candidates(
     row_ptr,
-    sketch,
-    hits_ptr,
+    groups,
+    n_hit,
     cand_ptr,
     row,
     bound,
@@ -303,7 +323,6 @@ def _compact_candidates(
     NG: tl.constexpr,
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
-    HIT_CHUNKS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     CAP: tl.constexpr,
 ):
@@ -311,94 +330,87 @@ def _compact_candidates(
 
     Sketch group g of split s holds the W lanes g * W .. g * W + W - 1 of every block of the split, and its sketch
     value is the largest z among them, so a token with z >= L lies in a group whose sketch value is >= L: only
-    those groups are read (with top-k 50 about 50 of 512, a tenth of the row). The hit groups are listed first
-    (``hits_ptr``, BLOCK_SKETCH entries); their chunks (one group in one block: W contiguous ids) are read CHUNKS
-    at a time as one [CHUNKS, W] tile, all its loads in flight at once, and only tested against L there (few
-    registers per id, so many ids in flight). The chunks holding a candidate (a few per tile) are listed
-    (``hits_ptr + BLOCK_SKETCH``) and re-read, HIT_CHUNKS at a time (cache hits), to write their candidates
-    with slots from a prefix sum, no atomics. The set written is exactly {z >= L}, whatever the order."""
-    pos = tl.arange(0, BLOCK_SKETCH)
-    hit = sketch >= bound  # the sketch padding is -inf, below any bound
-    tl.store(hits_ptr + tl.cumsum(hit.to(tl.int32), 0) - 1, pos, mask=hit)
-    tl.debug_barrier()  # the list is read back by other threads of this program
+    those n_hit groups (``groups[:n_hit]``) are read (with top-k 50 about 50 of 512, a tenth of the row). Their
+    chunks (one group in one block: W contiguous ids) are read CHUNKS at a time as one [CHUNKS, W] tile, all its
+    loads in flight at once, the chunk's group gathered from the register list; a tile's tokens >= L are written
+    straight from it with slots from a prefix sum over the tile (no atomics, no second read). The set written is
+    exactly {z >= L}, whatever the order."""
     blocks = split_size // BLOCK_V  # chunks per group (the last split's ends past V are masked)
-    n_chunks = tl.sum(hit.to(tl.int32), 0) * blocks
+    n_chunks = n_hit * blocks
     lanes = tl.arange(0, W)[None, :]
-    chunk_list = hits_ptr + BLOCK_SKETCH
     base = cand_ptr + row.to(tl.int64) * CAP
     count = tl.zeros((), tl.int32)
     for first in range(0, n_chunks, CHUNKS):
         chunk = first + tl.arange(0, CHUNKS)
-        group = tl.load(hits_ptr + chunk // blocks, mask=chunk < n_chunks, other=0)
-        start = (group // NG) * split_size + (chunk % blocks) * BLOCK_V + (group % NG) * W
+        hit = chunk // blocks
+        group = tl.gather(groups, tl.minimum(hit, BLOCK_SKETCH - 1), 0)
+        start = (group // NG) * split_size + (chunk - hit * blocks) * BLOCK_V + (group % NG) * W
         idx = start[:, None] + lanes
         live = (chunk < n_chunks)[:, None] & (idx < V)
         z = tl.load(row_ptr + idx, mask=live, other=float("-inf")).to(tl.float32) * inv_t
-        held = tl.max((live & (z >= bound)).to(tl.int32), 1)  # chunks holding a candidate
-        n_held = tl.sum(held, 0)
-        if n_held > 0:
-            tl.store(chunk_list + tl.cumsum(held, 0) - 1, start, mask=held != 0)
-            tl.debug_barrier()  # the chunk list is read back by other threads
-            for again in range(0, n_held, HIT_CHUNKS):
-                slot_c = again + tl.arange(0, HIT_CHUNKS)
-                start_c = tl.load(chunk_list + slot_c, mask=slot_c < n_held, other=0)
-                idx_c = start_c[:, None] + lanes
-                live_c = (slot_c < n_held)[:, None] & (idx_c < V)
-                z_c = tl.load(row_ptr + idx_c, mask=live_c, other=float("-inf")).to(tl.float32) * inv_t
-                take = tl.reshape(live_c & (z_c >= bound), [HIT_CHUNKS * W]).to(tl.int32)
-                slot = count + tl.cumsum(take, 0) - 1
-                packed = tl_pack_value_id(tl.reshape(tl.where(z_c == 0.0, 0.0, z_c), [HIT_CHUNKS * W]),
-                                          tl.reshape(idx_c, [HIT_CHUNKS * W]))  # fmt: skip
-                tl.store(base + slot, packed, mask=(take != 0) & (slot < CAP))
-                count += tl.sum(take, 0)
-            tl.debug_barrier()  # the chunk list is rewritten by the next tile
+        take = tl.reshape(live & (z >= bound), [CHUNKS * W]).to(tl.int32)
+        n_take = tl.sum(take, 0)
+        if n_take > 0:  # most tiles of a tight bound hold a few candidates, some none
+            slot = count + tl.cumsum(take, 0) - 1
+            packed = tl_pack_value_id(tl.reshape(tl.where(z == 0.0, 0.0, z), [CHUNKS * W]),
+                                      tl.reshape(idx, [CHUNKS * W]))  # fmt: skip
+            tl.store(base + slot, packed, mask=(take != 0) & (slot < CAP))
+            count += n_take
     return count
 
 
 @triton.jit
-def _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S: tl.constexpr):
-    """sum of exp(z - z_max) over tokens whose order key is >= lo."""
-    acc = tl.zeros([BLOCK_S], tl.float32)
-    for start in range(0, V, BLOCK_S):
-        idx = start + tl.arange(0, BLOCK_S)
-        mask = idx < V
-        z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+def _tile_keys(ptr, start, n, inv_t, FROM_CANDS: tl.constexpr, BLOCK: tl.constexpr):
+    """(order keys, z, mask) of entries start .. start + BLOCK - 1 (of n) of a row's logits (z = logits * (1 / T),
+    canonical) or, FROM_CANDS, of its packed candidates (z decoded from the key: the same float)."""
+    idx = start + tl.arange(0, BLOCK)
+    mask = idx < n
+    if FROM_CANDS:
+        key = (tl.load(ptr + idx, mask=mask, other=0) >> 32).to(tl.int32)
+        z = tl_key_to_float(key)
+    else:
+        z = tl.load(ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
         z = tl.where(z == 0.0, 0.0, z)
-        bits = z.to(tl.int32, bitcast=True)
-        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        key = tl_ordered_key(z)
+    return key, z, mask
+
+
+@triton.jit
+def _mass_at_least(ptr, n, inv_t, z_max, lo, FROM_CANDS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """sum of exp(z - z_max) over the entries (row tokens or candidates) whose order key is >= lo."""
+    acc = tl.zeros([BLOCK_S], tl.float32)
+    for start in range(0, n, BLOCK_S):
+        key, z, mask = _tile_keys(ptr, start, n, inv_t, FROM_CANDS, BLOCK_S)
         acc += tl.where(mask & (key >= lo), tl.exp(z - z_max), 0.0)
     return tl.sum(acc, 0)
 
 
 @triton.jit
 def _search_threshold(
-    row_ptr,
-    V,
+    ptr,
+    n,
     inv_t,
     z_max,
     lo,
     hi,
     target,
     USE_MASS: tl.constexpr,
+    FROM_CANDS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     NCAND: tl.constexpr,
 ):
-    """Largest int32 key t in [lo, hi] with f(t) >= target, f(t) = count or mass of {key(z) >= t}.
+    """Largest int32 key t in [lo, hi] with f(t) >= target, f(t) = count or mass of {key(z) >= t} over a row's
+    tokens or (FROM_CANDS) its candidates.
 
-    Requires f(lo) >= target (not re-checked) and f non-increasing; NCAND candidates per pass over the row.
+    Requires f(lo) >= target (not re-checked) and f non-increasing; NCAND candidates per pass over the entries.
     """
     j = tl.arange(0, NCAND).to(tl.int64)
     while lo < hi:
         step = (hi.to(tl.int64) - lo.to(tl.int64) + NCAND - 1) // NCAND
         cand = tl.minimum(lo.to(tl.int64) + 1 + j * step, hi.to(tl.int64) + 1).to(tl.int32)
         acc = tl.zeros([NCAND], tl.float32)
-        for start in range(0, V, BLOCK_S):
-            idx = start + tl.arange(0, BLOCK_S)
-            mask = idx < V
-            z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-            z = tl.where(z == 0.0, 0.0, z)
-            bits = z.to(tl.int32, bitcast=True)
-            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        for start in range(0, n, BLOCK_S):
+            key, z, mask = _tile_keys(ptr, start, n, inv_t, FROM_CANDS, BLOCK_S)
             w = tl.where(mask, tl.exp(z - z_max) if USE_MASS else 1.0, 0.0)
             hit = key[:, None] >= cand[None, :]
             acc += tl.sum(tl.where(hit, w[:, None], 0.0), axis=0)
@@ -460,10 +472,61 @@ def _candidate_threshold(
 
 
 @triton.jit
+def _candidate_search(
+    cand_ptr,
+    listed_ptr,
+    row,
+    count,
+    bound,
+    z_max,
+    total_all,
+    top_k,
+    top_p,
+    use_k,
+    use_p,
+    num_words,
+    CAP: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    NCAND: tl.constexpr,
+    CDF_BLOCK: tl.constexpr,
+    NW: tl.constexpr,
+):
+    """(found, tau, norm of the kept set) from a row's count <= CAP candidates, too many to sort in registers:
+    the fallback's searches (top-k by count, then top-p by mass inside the top-k set), run over the candidate
+    buffer instead of the row (every candidate is >= L, so the searches start at key(L); tau_k is the k-th
+    candidate, tau_p the largest value whose mass of candidates >= it reaches p times the top-k mass, as
+    in the sorted tiers). Not found when the mass of all candidates stays below p * total (top-p alone, float
+    rounding). When found, writes the bitmap of listed blocks as :func:`_candidate_threshold` does, tile by tile."""
+    cands = cand_ptr + row.to(tl.int64) * CAP
+    lo = tl_ordered_key(tl.where(bound == 0.0, 0.0, bound))  # f(lo) = every candidate
+    hi = tl_ordered_key(z_max)
+    if use_k:
+        lo = _search_threshold(cands, count, 1.0, z_max, lo, hi, top_k.to(tl.float32), False, True, BLOCK_C, NCAND)
+    found = use_p == 0
+    if use_p:
+        kept = _mass_at_least(cands, count, 1.0, z_max, lo, True, BLOCK_C)
+        target = top_p * tl.where(use_k, kept, total_all)
+        found = kept >= target
+        if found:
+            lo = _search_threshold(cands, count, 1.0, z_max, lo, hi, target, True, True, BLOCK_C, NCAND)
+    word = tl.arange(0, NW)
+    bits = tl.zeros([NW], tl.int32)
+    for start in range(0, count, BLOCK_C):
+        idx = start + tl.arange(0, BLOCK_C)
+        packed = tl.load(cands + idx, mask=idx < count, other=_INT64_MIN)
+        block = (0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)) // CDF_BLOCK
+        kept_here = ((idx < count) & ((packed >> 32).to(tl.int32) >= lo))[:, None]
+        bits = bits | tl.reduce(tl.where(kept_here & ((block // 32)[:, None] == word[None, :]),
+                                         1 << (block % 32)[:, None], 0), 0, _bit_or)  # fmt: skip
+    tl.store(listed_ptr + row.to(tl.int64) * num_words + word, bits, mask=word < tl.where(found, num_words, 0))
+    return found, tl_key_to_float(lo), _mass_at_least(cands, count, 1.0, z_max, lo, True, BLOCK_C)
+
+
+@triton.jit
 def _keep_threshold(
     row_ptr,
-    sketch,
-    hits_ptr,
+    groups,
+    n_hit,
     cand_ptr,
     listed_ptr,
     row,
@@ -483,28 +546,27 @@ def _keep_threshold(
     SMALL: tl.constexpr,
     TINY: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     NCAND: tl.constexpr,
     BLOCK_V: tl.constexpr,
     NG: tl.constexpr,
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
-    HIT_CHUNKS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     CDF_BLOCK: tl.constexpr,
     NW: tl.constexpr,
 ):
-    """(tau, normaliser of the kept set, state) of a filtered row: the candidates {z >= L} sorted when the sketch
-    certified L, else (or when they do not settle it) the fallback search. State _LISTED: tau came from the
-    candidates and the row's bitmap of inverse-CDF blocks holding kept tokens is written."""
+    """(tau, normaliser of the kept set, state) of a filtered row: the candidates {z >= L} when the sketch
+    certified L (sorted in registers up to SMALL of them, else searched in their buffer), else (or when they
+    do not settle it) the fallback search over the row. State _LISTED: tau came from the candidates and the
+    row's bitmap of inverse-CDF blocks holding kept tokens is written."""
     state = tl.full((), _SEARCH, tl.int32)
     tau = tl.full((), float("-inf"), tl.float32)
     norm = total_all
     count = tl.zeros((), tl.int32)
     if certified:
-        count = _compact_candidates(
-            row_ptr, sketch, hits_ptr + row.to(tl.int64) * (BLOCK_SKETCH + CHUNKS), cand_ptr, row, bound, inv_t, V,
-            split_size, BLOCK_V, NG, W, CHUNKS, HIT_CHUNKS, BLOCK_SKETCH, CAP,
-        )  # fmt: skip
+        count = _compact_candidates(row_ptr, groups, n_hit, cand_ptr, row, bound, inv_t, V, split_size, BLOCK_V, NG,
+                                    W, CHUNKS, BLOCK_SKETCH, CAP)  # fmt: skip
         tl.debug_barrier()  # the candidates were written by other threads of this program
     if certified & (count <= CAP):
         if count <= TINY:  # the usual case (top-k 50: about 55 candidates): sort a short buffer
@@ -517,10 +579,10 @@ def _keep_threshold(
                 cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
                 CAP, SMALL, CDF_BLOCK, NW,
             )  # fmt: skip
-        else:
-            found, tau, norm = _candidate_threshold(
-                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
-                CAP, CAP, CDF_BLOCK, NW,
+        else:  # a sort of up to CAP int64 would size every program's registers: search the buffer instead
+            found, tau, norm = _candidate_search(
+                cand_ptr, listed_ptr, row, count, bound, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                CAP, BLOCK_C, NCAND, CDF_BLOCK, NW,
             )  # fmt: skip
         # not found: the top-p crossing lies below the candidates (float rounding): search
         state = tl.where(found, _LISTED, _SEARCH)
@@ -528,12 +590,13 @@ def _keep_threshold(
         lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
         hi = tl_ordered_key(z_max)
         if use_k:
-            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND)
+            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, False, BLOCK_S,
+                                   NCAND)  # fmt: skip
         if use_p:
-            kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
-            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND)
+            kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, False, BLOCK_S)
+            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, False, BLOCK_S, NCAND)
         tau = tl_key_to_float(lo)
-        norm = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
+        norm = _mass_at_least(row_ptr, V, inv_t, z_max, lo, False, BLOCK_S)
     return tau, norm, state
 
 
@@ -893,18 +956,17 @@ def rejection_sample_triton(
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
     listed = torch.empty((rows, num_words), dtype=torch.int32, device=device)  # read only where _LISTED
     lanes = block_v // groups
-    block_sketch = _block(1 << 20, num_splits * groups)
-    chunks = max(1, TUNING["select_tile"] // lanes)
-    # a filtered row's lists: hit sketch groups, then the chunks of a tile that hold candidates
-    hits = torch.empty((rows, block_sketch + chunks), dtype=torch.int32, device=device)
+    warps = TUNING["select_warps"]
+    # the searches' [rows, NCAND] tiles: 64 entries per thread on GPUs; the interpreter wants few, big tiles
+    search_rows = 512 if interpreting() else 128 * warps
     _row_combine_kernel[(rows,)](
         part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, state,
-        logits, logits.stride(0), hits, cands, listed, vocab, split_size, num_splits, num_words,
-        BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_SKETCH=block_sketch, NG=groups,
-        CAP=cap, SMALL=min(cap, 256), TINY=min(cap, 64), BLOCK_S=_block(512, vocab),
-        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, BLOCK_V=block_v, W=lanes,
-        CHUNKS=chunks, HIT_CHUNKS=min(chunks, 16), CDF_BLOCK=cdf_block, NW=triton.next_power_of_2(num_words),
-        num_warps=TUNING["select_warps"], **options,
+        logits, logits.stride(0), cands, listed, vocab, split_size, num_splits, num_words,
+        BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups,
+        CAP=cap, SMALL=min(cap, SORTED_TIERS[1]), TINY=min(cap, SORTED_TIERS[0]), BLOCK_S=_block(search_rows, vocab),
+        BLOCK_C=_block(search_rows, cap), NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU,
+        BLOCK_V=block_v, W=lanes, CHUNKS=max(1, TUNING["select_tile"] // lanes), CDF_BLOCK=cdf_block,
+        NW=triton.next_power_of_2(num_words), num_warps=warps, **options,
     )  # fmt: skip
 
     # 3: accept chains
