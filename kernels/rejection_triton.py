@@ -247,24 +247,27 @@ def _row_combine_kernel(
     candidate bound L from the sketch and find the exact tau and the kept set's normaliser (one launch for
     both: they need nothing from other rows)."""
     row = tl.program_id(0)
+    # every load that needs only the row, then every one that needs only its request, is issued before any
+    # branch: two dependent round trips (a greedy row's sums, a sampled row's arguments are read and unused)
     req = tl.load(row_req_ptr + row)
-    temp = tl.load(temperature_ptr + req)
     offs = tl.arange(0, BLOCK_SPLITS)
     live = offs < num_splits
     part = row * num_splits + offs
     tops = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + part, mask=live, other=0.0)
+    args = tl.load(part_arg_ptr + part, mask=live, other=_BIG)
+    temp = tl.load(temperature_ptr + req)
+    top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
     top = tl.max(tops, 0)
     state = tl.full((), _DONE, tl.int32)
     if temp == 0.0:
-        args = tl.load(part_arg_ptr + part, mask=live, other=_BIG)
         tl.store(argmax_ptr + row, tl.min(tl.where(live & (tops == top), args, _BIG), 0))
     else:
         safe = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.sum(tl.load(part_sum_ptr + part, mask=live, other=0.0) * tl.exp(tops - safe), 0)
+        total = tl.sum(sums * tl.exp(tops - safe), 0)
         tl.store(zmax_ptr + row, top)
         tau = tl.full((), float("-inf"), tl.float32)
         norm = total
-        top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
         if use_k | use_p:
             certified, bound, n_hit, groups = _sketch_bound(sketch_ptr, row, num_splits * NG, safe, total, top_k,
                                                             top_p, use_k, BLOCK_SKETCH)  # fmt: skip
@@ -764,9 +767,9 @@ def _cdf_mass_kernel(
     token of positive weight, so both their sums are 0 without a read."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
+    sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)  # in the round trip of temp
     if temp != 0.0:
         inv_t = tl.math.div_rn(1.0, temp)
-        sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)
         z_max = tl.load(zmax_ptr + sample_row)
         norm = tl.load(norm_ptr + sample_row)
         tau = tl.load(tau_ptr + sample_row)
@@ -784,8 +787,10 @@ def _cdf_mass_kernel(
         b = tl.program_id(1) * group + tl.arange(0, GROUP)
         end = tl.minimum(tl.program_id(1) * group + group, num_blocks)
         mine = b < end
-        # an unlisted row reads every block: its "words" are all ones
-        word = tl.load(listed_ptr + sample_row * num_words + b // 32, mask=b < tl.where(listed, end, 0), other=-1)
+        # read in the round trip of the state (an unlisted row's words are stale and replaced): an unlisted row
+        # reads every block, its "words" are all ones
+        word = tl.load(listed_ptr + sample_row * num_words + b // 32, mask=mine, other=-1)
+        word = tl.where(listed, word, -1)
         read = mine & (((word >> (b % 32)) & 1) != 0)
         lo = tl.program_id(1) * group * BLOCK_V
         idx = b[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
@@ -825,18 +830,22 @@ def _cdf_draw_kernel(
     """Per sampled request: the block by its running mass (uniform 0), then the token inside it by its running
     weight (uniform 1); p_t (the kept masses and weights) when the residual is all zero."""
     r = tl.program_id(0)
+    # the loads that need only the request share the round trip of temp (a greedy request's are unused)
     temp = tl.load(temperature_ptr + r)
+    sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)
+    position = tl.load(positions_ptr + r) + 1 + tl.load(num_acc_ptr + r)
+    seed = tl.load(seeds_ptr + r)
+    offs = tl.arange(0, BLOCK_NB)
+    mass = tl.load(mass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
+    kept = mass
+    if PROBS != 0:
+        kept = tl.load(emass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
     if temp != 0.0:
         inv_t = tl.math.div_rn(1.0, temp)
-        sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)
-        position = tl.load(positions_ptr + r) + 1 + tl.load(num_acc_ptr + r)
-        key = tl_row_key(tl.load(seeds_ptr + r), position, _TARGET)
+        key = tl_row_key(seed, position, _TARGET)
         zero = tl.full((), 0, tl.int32)
-        offs = tl.arange(0, BLOCK_NB)
-        mass = tl.load(mass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
         fallback = tl.sum(mass, 0) <= 0.0
         if PROBS != 0:
-            kept = tl.load(emass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
             mass = tl.where(fallback, kept, mass)
         ids = tl.zeros((), tl.int32)
         probs = tl.zeros((), tl.float32)
