@@ -47,7 +47,7 @@ _CONFIGS = [
                                    BLOCK_S=128 * warps, BLOCK_C=128 * warps, NCAND=16, BLOCK_V=2048, W=16,
                                    CHUNKS=chunks, CDF_BLOCK=2048, NW=4), warps)
       for chunks, warps in ((32, 1), (64, 2), (256, 4))],  # the default and the sweep's ends (select_tile / 16)
-    *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_K=64), 1) for mode in (0, 1, 2)],
+    *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_K=64, BLOCK_D=8), 1) for mode in (0, 1, 2)],
     *[("_cdf_mass_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_K=64, GROUP=4), 4) for mode in (0, 1, 2)],
     *[("_cdf_draw_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_NB=128, BLOCK_K=64), 4) for mode in (0, 1, 2)],
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=128, BLOCK_D=64, TOPK=0, STORE_LOGITS=False,

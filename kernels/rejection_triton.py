@@ -98,6 +98,9 @@ SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
 """Candidate slots per filtered row: rows with more tokens above the bound take the fallback search."""
+ACCEPT_DRAFTS = 8
+"""Drafts the accept chain tests at once (the usual gamma; fewer with wide sparse rows, whose [drafts, K] tile of
+draft ids is read at once)."""
 SORTED_TIERS = (64, 256)
 """Candidate counts sorted in registers (two sort sizes: most top-k 50 rows have 50-64 candidates); a row with
 more candidates searches its candidate buffer instead (a sort of CANDIDATES int64 would set the register count
@@ -624,8 +627,13 @@ def _accept_chain_kernel(
     K,
     PROBS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """Per request: accept drafts left to right until the first rejection; greedy requests finish here."""
+    """Per request: accept drafts left to right until the first rejection; greedy requests finish here.
+
+    BLOCK_D drafts are tested at once (their loads in flight together, one dependent round trip for the target
+    logit at each draft token): the count is that of the leading run of accepted drafts, and the drafts after
+    a rejection, tested but dropped, change nothing, since every test reads its own uniform."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
     d0 = tl.load(cu_ptr + r)
@@ -635,38 +643,46 @@ def _accept_chain_kernel(
     position = tl.load(positions_ptr + r)
     greedy = temp == 0.0
     inv_t = tl.math.div_rn(1.0, tl.where(greedy, 1.0, temp))
+    offs_d = tl.arange(0, BLOCK_D)
     offs_k = tl.arange(0, BLOCK_K)
     zero = tl.full((), 0, tl.int32)
     n_acc = tl.full((), 0, tl.int32)
     alive = tl.full((), 1, tl.int32)
-    for k in range(0, num_draft):
-        row = row0 + k
-        j = d0 + k
-        x = tl.load(draft_ids_ptr + j)
-        if greedy:
-            accepted = x == tl.load(argmax_ptr + row)
-        else:
-            z = tl.load(logits_ptr + row * stride_row + x).to(tl.float32) * inv_t
-            z = tl.where(z == 0.0, 0.0, z)
-            p_t = tl.where(
-                z >= tl.load(tau_ptr + row),
-                tl.math.div_rn(tl.exp(z - tl.load(zmax_ptr + row)), tl.load(norm_ptr + row)),
-                0.0,
-            )
-            if PROBS == _DENSE:
-                p_d = tl.load(probs_ptr + j * stride_probs + x)
-            elif PROBS == _SPARSE:
-                ids = tl.load(prob_ids_ptr + j * stride_probs + offs_k, mask=offs_k < K, other=-1)
-                probs = tl.load(probs_ptr + j * stride_probs + offs_k, mask=offs_k < K, other=0.0)
-                p_d = tl.sum(tl.where(ids == x, probs, 0.0), 0)
+    for first in range(0, num_draft, BLOCK_D):
+        if alive == 1:  # the drafts after a rejection are not tested
+            k = first + offs_d
+            live = k < num_draft
+            row = row0 + k
+            j = d0 + k
+            x = tl.load(draft_ids_ptr + j, mask=live, other=0)
+            if greedy:
+                accepted = x == tl.load(argmax_ptr + row, mask=live, other=-1)
             else:
-                p_d = tl.full((), 0.0, tl.float32)
-            u = tl_uniform(tl_row_key(seed, position + 1 + k, _ACCEPT), zero)
-            accepted = u * p_d < p_t
-        alive = alive & accepted.to(tl.int32)
-        n_acc += alive
-        if alive == 1:
-            tl.store(out_ptr + row, x)
+                z = tl.load(logits_ptr + row * stride_row + x, mask=live, other=0.0).to(tl.float32) * inv_t
+                z = tl.where(z == 0.0, 0.0, z)
+                p_t = tl.where(
+                    z >= tl.load(tau_ptr + row, mask=live, other=0.0),
+                    tl.math.div_rn(tl.exp(z - tl.load(zmax_ptr + row, mask=live, other=0.0)),
+                                   tl.load(norm_ptr + row, mask=live, other=1.0)),
+                    0.0,
+                )  # fmt: skip
+                if PROBS == _DENSE:
+                    p_d = tl.load(probs_ptr + j * stride_probs + x, mask=live, other=0.0)
+                elif PROBS == _SPARSE:
+                    entry = j[:, None] * stride_probs + offs_k[None, :]
+                    in_row = live[:, None] & (offs_k < K)[None, :]
+                    ids = tl.load(prob_ids_ptr + entry, mask=in_row, other=-1)
+                    probs = tl.load(probs_ptr + entry, mask=in_row, other=0.0)
+                    p_d = tl.sum(tl.where(ids == x[:, None], probs, 0.0), 1)
+                else:
+                    p_d = tl.zeros([BLOCK_D], tl.float32)
+                u = tl_uniform(tl_row_key(seed, position + 1 + k, _ACCEPT), zero)
+                accepted = u * p_d < p_t
+            rejected = tl.min(tl.where(live & (accepted == 0), k, _BIG), 0)
+            kept = tl.minimum(rejected, num_draft)  # drafts before the first rejection (or all of them)
+            tl.store(out_ptr + row, x, mask=live & (k < kept))
+            n_acc = tl.minimum(kept, first + BLOCK_D)
+            alive = (rejected == _BIG).to(tl.int32)
     tl.store(num_acc_ptr + r, n_acc.to(tl.int64))
     if greedy:
         tl.store(out_ptr + row0 + n_acc, tl.load(argmax_ptr + row0 + n_acc).to(tl.int64))
@@ -982,7 +998,9 @@ def rejection_sample_triton(
     block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
     _accept_chain_kernel[(num_req,)](
         logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, seeds64, positions64,
-        argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
+        argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k,
+        BLOCK_D=max(1, min(ACCEPT_DRAFTS, 512 // block_k if mode == PROBS_SPARSE else ACCEPT_DRAFTS)), num_warps=1,
+        **options,
     )  # fmt: skip
 
     # 4-5: residual / bonus draws by inverse CDF over the reference's blocks

@@ -387,7 +387,7 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
     from kernels import rejection, rejection_triton
 
     monkeypatch.setattr(rejection_triton, "SORTED_TIERS", tiers)
-
+    monkeypatch.setattr(rejection_triton, "ACCEPT_DRAFTS", 2)  # the chains of 3 drafts take two steps
     monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 128)
     monkeypatch.setitem(rejection_triton.TUNING, "row_splits", 4)
     monkeypatch.setattr(rejection, "CDF_BLOCK", 128)  # 8 inverse-CDF blocks (the reference cuts the same)
@@ -416,13 +416,14 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
 def test_triton_equals_reference_on_drafts_at_the_keep_threshold(monkeypatch, tiers) -> None:
     """Every draft is the token just inside or just outside its row's top-k / top-p kept set, so an accept test
     sees a threshold off by one token (p_t > 0 against p_t = 0). Candidates sorted in registers, and (tiers (1,
-    2)) searched in their buffer for all but the smallest counts."""
+    2)) searched in their buffer for all but the smallest counts. The accept chain tests 2 drafts at a time."""
     from kernels import rejection, rejection_triton
 
     monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 128)
     monkeypatch.setattr(rejection_triton, "SKETCH_GROUPS", 16)
     monkeypatch.setattr(rejection_triton, "CANDIDATES", 64)
     monkeypatch.setattr(rejection_triton, "SORTED_TIERS", tiers)
+    monkeypatch.setattr(rejection_triton, "ACCEPT_DRAFTS", 2)  # chains of 3 drafts in two steps
     n = 12
     batch = make_batch(lens=[3] * n, vocab=1000, temperature=[0.7 + 0.1 * (r % 7) for r in range(n)],
                        top_k=[3 + r if r % 3 else 0 for r in range(n)],
