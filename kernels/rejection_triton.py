@@ -11,17 +11,22 @@ above the candidate bound (a tenth of the row with top-k 50). Launches:
    updated with one exp per token (``exp(min - max)`` serves both the rescale and the new term). Lanes are
    only reduced at the end of the split, so the loop is pure streaming. Rows with top-k / top-p also write a
    *sketch*: the maxima of NG disjoint groups of lanes, i.e. NG distinct entries of the split.
-2. ``_row_combine_kernel``, one program per row: combines the splits into argmax, or max z and the
-   normaliser. A filtered row then (same program: it needs nothing from other rows) turns the sketch into a
-   lower bound L on the keep threshold (below), writes every token with z >= L (as packed (order key, id),
-   see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP slots, reading only the sketch groups
-   whose maximum is >= L (``_compact_candidates``), sorts the candidates and finds tau exactly (top-k: the
-   k-th value; top-p: the crossing of the cumulative mass in descending order) and the normaliser of the
-   kept set, plus a bitmap of the inverse-CDF blocks that hold kept tokens. Rows whose candidates do not
-   certify the answer take the exact fallback search (below).
+2. ``_row_combine_kernel``, one program (by default one warp) per row: combines the splits into argmax, or
+   max z and the normaliser. A filtered row then (same program: it needs nothing from other rows) turns the
+   sketch, sorted as packed (value, entry) keys, into a lower bound L on the keep threshold (below) and the
+   list of sketch groups whose maximum is >= L (the sorted prefix, kept in registers), writes every token with
+   z >= L (as packed (order key, id), see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP
+   slots, reading only those groups (``_compact_candidates``: each tile's candidates are written from the
+   tile itself), and finds tau exactly (top-k: the k-th value; top-p: the crossing of the cumulative mass in
+   descending order) and the normaliser of the kept set, plus a bitmap of the inverse-CDF blocks that hold
+   kept tokens: up to SORTED_TIERS[1] candidates are sorted in registers, more are searched in their buffer
+   (``_candidate_search``, the fallback's searches over the candidates only). Rows whose candidates do not
+   certify the answer take the exact fallback search over the row (below). The program's phases are serial
+   round trips and in-warp sorts; one warp per row keeps the register count low (about 113), so many rows are
+   in flight per SM to hide them.
 3. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
-   draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
-   greedy requests the final argmax token.
+   draft tokens, one uniform each) up to the first rejection, ACCEPT_DRAFTS drafts tested at once; writes
+   the accepted drafts, the count, and for greedy requests the final argmax token.
 4. ``_cdf_mass_kernel``, programs (sampled request, group of ``cdf_group`` blocks of CDF_BLOCK ids, read as
    one tile): over the one row the request draws from (the residual row after a rejection, else the bonus
    row), the mass of each block: sum of w = max(0, e - Z * p_d) with e = exp(z - max z) on kept tokens
@@ -51,9 +56,11 @@ applied inside that set, so tau >= tau_k >= L. Without top-k, L = s_j for the fi
 mass sum_{i<=j} exp(s_i - max z) reaches p * Z: the mass of {z >= s_j} is at least that prefix, hence the
 top-p threshold tau_p (the largest t with mass(z >= t) >= p * Z) is >= L. So {z >= L} contains every kept
 token; sorting it gives tau_k as its k-th value and tau_p at the crossing of the running mass, exactly the
-reference's definitions. A row falls back to the exact search over the whole row (as slow as it sounds: a
-16-ary search on the int32 order keys, <= 8 passes per threshold) when the bound does not exist (k larger
-than the sketch, a top-p nucleus wider than the sketch can certify) or when more than CAP tokens are >= L.
+reference's definitions (searching it gives the same: the largest key with k candidates at or above it, the
+largest with mass p * Z at or above it). A row falls back to the exact search over the whole row (as slow as
+it sounds: a 16-ary search on the int32 order keys, <= 8 passes per threshold) when the bound does not exist (k
+larger than the sketch, a top-p nucleus wider than the sketch can certify) or when more than CAP tokens are
+>= L.
 
 Kernels load in the storage dtype and upcast to float32 before any arithmetic, mask every load, and use a
 single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU.
