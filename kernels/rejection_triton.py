@@ -2,9 +2,8 @@
 
 The big tensor is the target logits [N + R, V]; everything else is small. It is read once in full by the
 statistics kernel, plus one row per sampled request by the inverse-CDF masses (about 1/(gamma + 1) more, with a
-dense draft also its draft row; for a row filtered by top-k / top-p only the blocks holding kept tokens) and
-one block of it by the draw, plus, for the rows that use top-k / top-p, the lane groups that can hold a token
-above the candidate bound (a tenth of the row with top-k 50). Launches:
+dense draft also its draft row) and one block of it by the draw, plus, for the rows that use top-k / top-p,
+the lane groups that can hold a token above the candidate bound (a tenth of the row with top-k 50). Launches:
 
 1. ``_row_stats_kernel``, programs (row, vocabulary split): every row of every request at once. Greedy rows
    keep a per-lane running argmax; sampled rows a per-lane online (max, sum exp) of z = logits * (1 / T),
@@ -18,12 +17,11 @@ above the candidate bound (a tenth of the row with top-k 50). Launches:
    z >= L (as packed (order key, id), see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP
    slots, reading only those groups (``_compact_candidates``: each tile's candidates are written from the
    tile itself), and finds tau exactly (top-k: the k-th value; top-p: the crossing of the cumulative mass in
-   descending order) and the normaliser of the kept set, plus a bitmap of the inverse-CDF blocks that hold
-   kept tokens: up to SORTED_TIERS[1] candidates are sorted in registers, more are searched in their buffer
-   (``_candidate_search``, the fallback's searches over the candidates only). Rows whose candidates do not
-   certify the answer take the exact fallback search over the row (below). The program's phases are serial
-   round trips and in-warp sorts; one warp per row keeps the register count low (about 113), so many rows are
-   in flight per SM to hide them.
+   descending order) and the normaliser of the kept set: up to SORTED_TIERS[1] candidates are sorted in
+   registers, more are searched in their buffer (``_candidate_search``, the fallback's searches over the
+   candidates only). Rows whose candidates do not certify the answer take the exact fallback search over the
+   row (below). The program's phases are serial round trips and in-warp sorts; one warp per row keeps the
+   register count low (about 113), so many rows are in flight per SM to hide them.
 3. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
    draft tokens, one uniform each) up to the first rejection, ACCEPT_DRAFTS drafts tested at once; writes
    the accepted drafts, the count, and for greedy requests the final argmax token.
@@ -32,7 +30,10 @@ above the candidate bound (a tenth of the row with top-k 50). Launches:
    row), the mass of each block: sum of w = max(0, e - Z * p_d) with e = exp(z - max z) on kept tokens
    (z >= tau), and with drafts also the sum of e (for an all-zero residual). One exp per token, no random
    number and no log; a sparse draft's few ids in a block are applied in id order, a dense draft row is read
-   alongside; blocks that the row's bitmap does not list have no kept token and are not read (mass 0).
+   alongside. Every block of the row is read, filtered or not, in the round trip of the row's statistics:
+   skipping the blocks without kept tokens (a bitmap from the combine kernel, 2026-12-01) cost a dependent
+   round trip per program and saved nothing measurable (the kernel is latency bound: 51 us filtered, 53 us
+   with every block read, on the H200).
 5. ``_cdf_draw_kernel``, one program per sampled request: scans the block masses with uniform 0 (first block
    whose running mass exceeds u_0 * total), recomputes that block's weights (the same function as kernel 4,
    so they are bit for bit those summed) and scans them with uniform 1 against u_1 * the block's mass.
@@ -116,9 +117,6 @@ of every program of the combine kernel, filtered or not)."""
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
 _SPARSE = tl.constexpr(PROBS_SPARSE)
-# per-row threshold state: no filter; tau from the fallback search; tau from the candidates, whose inverse-CDF
-# blocks are listed in a bitmap (the mass kernel reads only those blocks of the row)
-_DONE, _SEARCH, _LISTED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -229,15 +227,12 @@ def _row_combine_kernel(
     zmax_ptr,
     norm_ptr,
     tau_ptr,
-    state_ptr,
     logits_ptr,
     stride_row,
     cand_ptr,
-    listed_ptr,
     V,
     split_size,
     num_splits,
-    num_words,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     NG: tl.constexpr,
@@ -250,8 +245,6 @@ def _row_combine_kernel(
     BLOCK_V: tl.constexpr,
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
-    CDF_BLOCK: tl.constexpr,
-    NW: tl.constexpr,
 ):
     """Per row: combine the splits into argmax, or max z and the normaliser; for a filtered row also derive the
     candidate bound L from the sketch and find the exact tau and the kept set's normaliser (one launch for
@@ -269,7 +262,6 @@ def _row_combine_kernel(
     temp = tl.load(temperature_ptr + req)
     top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
     top = tl.max(tops, 0)
-    state = tl.full((), _DONE, tl.int32)
     if temp == 0.0:
         tl.store(argmax_ptr + row, tl.min(tl.where(live & (tops == top), args, _BIG), 0))
     else:
@@ -281,20 +273,13 @@ def _row_combine_kernel(
         if use_k | use_p:
             certified, bound, n_hit, groups = _sketch_bound(sketch_ptr, row, num_splits * NG, safe, total, top_k,
                                                             top_p, use_k, BLOCK_SKETCH)  # fmt: skip
-            tau, norm, state = _keep_threshold(
-                logits_ptr + row.to(tl.int64) * stride_row, groups, n_hit, cand_ptr, listed_ptr, row, certified,
-                bound, tl.math.div_rn(1.0, temp), top, total, top_k, top_p, use_k, use_p, V, split_size, num_words,
-                CAP, SMALL, TINY, BLOCK_S, BLOCK_C, NCAND, BLOCK_V, NG, W, CHUNKS, BLOCK_SKETCH, CDF_BLOCK, NW,
+            tau, norm = _keep_threshold(
+                logits_ptr + row.to(tl.int64) * stride_row, groups, n_hit, cand_ptr, row, certified, bound,
+                tl.math.div_rn(1.0, temp), top, total, top_k, top_p, use_k, use_p, V, split_size, CAP, SMALL, TINY,
+                BLOCK_S, BLOCK_C, NCAND, BLOCK_V, NG, W, CHUNKS, BLOCK_SKETCH,
             )  # fmt: skip
         tl.store(tau_ptr + row, tau)
         tl.store(norm_ptr + row, norm)
-    tl.store(state_ptr + row, state)
-
-
-@triton.jit
-def _bit_or(a, b):
-    """Combine function of a bitwise-or reduction."""
-    return a | b
 
 
 @triton.jit
@@ -437,7 +422,6 @@ def _search_threshold(
 @triton.jit
 def _candidate_threshold(
     cand_ptr,
-    listed_ptr,
     row,
     count,
     z_max,
@@ -446,20 +430,14 @@ def _candidate_threshold(
     top_p,
     use_k,
     use_p,
-    num_words,
     CAP: tl.constexpr,
     SIZE: tl.constexpr,
-    CDF_BLOCK: tl.constexpr,
-    NW: tl.constexpr,
 ):
     """(found, tau, norm of the kept set) from a row's count <= SIZE candidates, sorted descending.
 
     Top-k: tau_k is the k-th candidate (fewer than k candidates only happens when fewer than k tokens are
     finite, and then the k-th largest z is -inf). Top-p: the crossing of the running mass within the
-    candidates; not found when the mass of all candidates stays below p * total (float rounding).
-    When found, also writes the row's inverse-CDF blocks holding a kept candidate as a bitmap of num_words
-    int32 words: every token of positive weight (z >= tau, z finite) is a candidate, since tau >= L, so the
-    other blocks have mass 0 and the mass kernel need not read them."""
+    candidates; not found when the mass of all candidates stays below p * total (float rounding)."""
     pos = tl.arange(0, SIZE)
     valid = pos < count
     cands = tl.load(cand_ptr + row.to(tl.int64) * CAP + pos, mask=valid, other=_INT64_MIN)
@@ -475,19 +453,12 @@ def _candidate_threshold(
     tau_p = tl.where(use_p & (first < _BIG), tl.sum(tl.where(pos == first, z, 0.0), 0), float("-inf"))
     tau = tl.maximum(tau_k, tau_p)
     found = (first < _BIG) | (use_p == 0)
-    block = (0x7FFFFFFF - (cands & 0xFFFFFFFF).to(tl.int32)) // CDF_BLOCK
-    word = tl.arange(0, NW)
-    bits = tl.where((valid & (z >= tau))[:, None] & ((block // 32)[:, None] == word[None, :]),
-                    1 << (block % 32)[:, None], 0)  # fmt: skip
-    tl.store(listed_ptr + row.to(tl.int64) * num_words + word, tl.reduce(bits, 0, _bit_or),
-             mask=word < tl.where(found, num_words, 0))  # fmt: skip
     return found, tau, tl.sum(tl.where(z >= tau, tl.exp(z - z_max), 0.0), 0)
 
 
 @triton.jit
 def _candidate_search(
     cand_ptr,
-    listed_ptr,
     row,
     count,
     bound,
@@ -497,19 +468,16 @@ def _candidate_search(
     top_p,
     use_k,
     use_p,
-    num_words,
     CAP: tl.constexpr,
     BLOCK_C: tl.constexpr,
     NCAND: tl.constexpr,
-    CDF_BLOCK: tl.constexpr,
-    NW: tl.constexpr,
 ):
     """(found, tau, norm of the kept set) from a row's count <= CAP candidates, too many to sort in registers:
     the fallback's searches (top-k by count, then top-p by mass inside the top-k set), run over the candidate
     buffer instead of the row (every candidate is >= L, so the searches start at key(L); tau_k is the k-th
     candidate, tau_p the largest value whose mass of candidates >= it reaches p times the top-k mass, as
     in the sorted tiers). Not found when the mass of all candidates stays below p * total (top-p alone, float
-    rounding). When found, writes the bitmap of listed blocks as :func:`_candidate_threshold` does, tile by tile."""
+    rounding)."""
     cands = cand_ptr + row.to(tl.int64) * CAP
     lo = tl_ordered_key(tl.where(bound == 0.0, 0.0, bound))  # f(lo) = every candidate
     hi = tl_ordered_key(z_max)
@@ -522,16 +490,6 @@ def _candidate_search(
         found = kept >= target
         if found:
             lo = _search_threshold(cands, count, 1.0, z_max, lo, hi, target, True, True, BLOCK_C, NCAND)
-    word = tl.arange(0, NW)
-    bits = tl.zeros([NW], tl.int32)
-    for start in range(0, count, BLOCK_C):
-        idx = start + tl.arange(0, BLOCK_C)
-        packed = tl.load(cands + idx, mask=idx < count, other=_INT64_MIN)
-        block = (0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)) // CDF_BLOCK
-        kept_here = ((idx < count) & ((packed >> 32).to(tl.int32) >= lo))[:, None]
-        bits = bits | tl.reduce(tl.where(kept_here & ((block // 32)[:, None] == word[None, :]),
-                                         1 << (block % 32)[:, None], 0), 0, _bit_or)  # fmt: skip
-    tl.store(listed_ptr + row.to(tl.int64) * num_words + word, bits, mask=word < tl.where(found, num_words, 0))
     return found, tl_key_to_float(lo), _mass_at_least(cands, count, 1.0, z_max, lo, True, BLOCK_C)
 
 
@@ -541,7 +499,6 @@ def _keep_threshold(
     groups,
     n_hit,
     cand_ptr,
-    listed_ptr,
     row,
     certified,
     bound,
@@ -554,7 +511,6 @@ def _keep_threshold(
     use_p,
     V,
     split_size,
-    num_words,
     CAP: tl.constexpr,
     SMALL: tl.constexpr,
     TINY: tl.constexpr,
@@ -566,14 +522,11 @@ def _keep_threshold(
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
-    CDF_BLOCK: tl.constexpr,
-    NW: tl.constexpr,
 ):
-    """(tau, normaliser of the kept set, state) of a filtered row: the candidates {z >= L} when the sketch
+    """(tau, normaliser of the kept set) of a filtered row: from the candidates {z >= L} when the sketch
     certified L (sorted in registers up to SMALL of them, else searched in their buffer), else (or when they
-    do not settle it) the fallback search over the row. State _LISTED: tau came from the candidates and the
-    row's bitmap of inverse-CDF blocks holding kept tokens is written."""
-    state = tl.full((), _SEARCH, tl.int32)
+    do not settle it) by the fallback search over the row."""
+    search = tl.full((), 1, tl.int32)
     tau = tl.full((), float("-inf"), tl.float32)
     norm = total_all
     count = tl.zeros((), tl.int32)
@@ -584,22 +537,19 @@ def _keep_threshold(
     if certified & (count <= CAP):
         if count <= TINY:  # the usual case (top-k 50: about 55 candidates): sort a short buffer
             found, tau, norm = _candidate_threshold(
-                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
-                CAP, TINY, CDF_BLOCK, NW,
+                cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, TINY,
             )  # fmt: skip
         elif count <= SMALL:
             found, tau, norm = _candidate_threshold(
-                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
-                CAP, SMALL, CDF_BLOCK, NW,
+                cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, SMALL,
             )  # fmt: skip
         else:  # a sort of up to CAP int64 would size every program's registers: search the buffer instead
             found, tau, norm = _candidate_search(
-                cand_ptr, listed_ptr, row, count, bound, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
-                CAP, BLOCK_C, NCAND, CDF_BLOCK, NW,
+                cand_ptr, row, count, bound, z_max, total_all, top_k, top_p, use_k, use_p, CAP, BLOCK_C, NCAND,
             )  # fmt: skip
         # not found: the top-p crossing lies below the candidates (float rounding): search
-        state = tl.where(found, _LISTED, _SEARCH)
-    if state == _SEARCH:
+        search = tl.where(found, 0, 1)
+    if search == 1:
         lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
         hi = tl_ordered_key(z_max)
         if use_k:
@@ -610,7 +560,7 @@ def _keep_threshold(
             lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, False, BLOCK_S, NCAND)
         tau = tl_key_to_float(lo)
         norm = _mass_at_least(row_ptr, V, inv_t, z_max, lo, False, BLOCK_S)
-    return tau, norm, state
+    return tau, norm
 
 
 @triton.jit
@@ -770,24 +720,20 @@ def _cdf_mass_kernel(
     norm_ptr,
     tau_ptr,
     num_acc_ptr,
-    state_ptr,
-    listed_ptr,
     mass_ptr,
     emass_ptr,
     V,
     K,
     num_blocks,
     group,
-    num_words,
     PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     """Per (sampled request, group of blocks): the residual mass sum w and (with drafts) the kept mass sum e
-    of each block of BLOCK_V ids of its draw row. One exp per token, no random number, no log. A draw row whose
-    kept set is listed (top-k / top-p from the candidates) reads only its listed blocks: the others hold no
-    token of positive weight, so both their sums are 0 without a read."""
+    of each block of BLOCK_V ids of its draw row. One exp per token, no random number, no log. Two dependent
+    round trips: the request's chain, then the draw row's statistics, sparse entries and blocks together."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
     sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)  # in the round trip of temp
@@ -805,19 +751,13 @@ def _cdf_mass_kernel(
             live = offs_k < tl.where(bonus, 0, K)
             ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1).to(tl.int32)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
-        listed = tl.load(state_ptr + sample_row) == _LISTED
-        # the program's blocks, all read at once as one [GROUP, BLOCK_V] tile (no serial round trips)
+        # the program's blocks, all read at once as one [GROUP, BLOCK_V] tile, in the round trip of the row's
+        # statistics (the loads need only the draw row)
         b = tl.program_id(1) * group + tl.arange(0, GROUP)
-        end = tl.minimum(tl.program_id(1) * group + group, num_blocks)
-        mine = b < end
-        # read in the round trip of the state (an unlisted row's words are stale and replaced): an unlisted row
-        # reads every block, its "words" are all ones
-        word = tl.load(listed_ptr + sample_row * num_words + b // 32, mask=mine, other=-1)
-        word = tl.where(listed, word, -1)
-        read = mine & (((word >> (b % 32)) & 1) != 0)
+        mine = b < tl.minimum(tl.program_id(1) * group + group, num_blocks)
         lo = tl.program_id(1) * group * BLOCK_V
         idx = b[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-        e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, idx, read[:, None], lo,
+        e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, idx, mine[:, None], lo,
                               lo + GROUP * BLOCK_V, V, inv_t, z_max, norm, tau, bonus, PROBS)  # fmt: skip
         tl.store(mass_ptr + r * num_blocks + b, tl.sum(w, 1), mask=mine)
         if PROBS != 0:
@@ -965,7 +905,6 @@ def rejection_sample_triton(
     # the reference's inverse-CDF blocks (read at call time, tests change them); a smaller vocabulary is one block
     cdf_block = _block(reference.CDF_BLOCK, vocab)
     num_blocks = triton.cdiv(vocab, cdf_block)
-    num_words = triton.cdiv(num_blocks, 32)  # of a row's bitmap of listed blocks
 
     # 1-2: per-row statistics and keep thresholds
     block_v = _block(TUNING["row_block_v"], vocab)
@@ -983,22 +922,19 @@ def rejection_sample_triton(
     )  # fmt: skip
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
     z_max, norm, tau = (torch.empty(rows, **f32) for _ in range(3))
-    state = torch.empty(rows, dtype=torch.int32, device=device)
     cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
-    listed = torch.empty((rows, num_words), dtype=torch.int32, device=device)  # read only where _LISTED
     lanes = block_v // groups
     warps = TUNING["select_warps"]
     # the searches' [rows, NCAND] tiles: 64 entries per thread on GPUs; the interpreter wants few, big tiles
     search_rows = 512 if interpreting() else 128 * warps
     _row_combine_kernel[(rows,)](
-        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, state,
-        logits, logits.stride(0), cands, listed, vocab, split_size, num_splits, num_words,
+        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau,
+        logits, logits.stride(0), cands, vocab, split_size, num_splits,
         BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups,
         CAP=cap, SMALL=min(cap, SORTED_TIERS[1]), TINY=min(cap, SORTED_TIERS[0]), BLOCK_S=_block(search_rows, vocab),
         BLOCK_C=_block(search_rows, cap), NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU,
-        BLOCK_V=block_v, W=lanes, CHUNKS=max(1, TUNING["select_tile"] // lanes), CDF_BLOCK=cdf_block,
-        NW=triton.next_power_of_2(num_words), num_warps=warps, **options,
+        BLOCK_V=block_v, W=lanes, CHUNKS=max(1, TUNING["select_tile"] // lanes), num_warps=warps, **options,
     )  # fmt: skip
 
     # 3: accept chains
@@ -1015,8 +951,8 @@ def rejection_sample_triton(
     mass = torch.empty((num_req, num_blocks), **f32)
     emass = torch.empty((num_req, num_blocks), **f32) if mode != PROBS_NONE else mass
     _cdf_mass_kernel[(num_req, triton.cdiv(num_blocks, group))](
-        logits, logits.stride(0), probs, width, prob_ids, cu, temps, z_max, norm, tau, num_acc, state, listed,
-        mass, emass, vocab, width, num_blocks, group, num_words,
+        logits, logits.stride(0), probs, width, prob_ids, cu, temps, z_max, norm, tau, num_acc, mass, emass,
+        vocab, width, num_blocks, group,
         PROBS=mode, BLOCK_V=cdf_block, BLOCK_K=block_k, GROUP=triton.next_power_of_2(group),
         num_warps=TUNING["cdf_warps"], **options,
     )  # fmt: skip

@@ -445,8 +445,7 @@ def test_triton_equals_reference_on_drafts_at_the_keep_threshold(monkeypatch, ti
 @pytest.mark.parametrize(("sparse_k", "cdf_block"), [(0, 64), (8, 64), (8, 16)])
 def test_triton_equals_reference_across_inverse_cdf_blocks(monkeypatch, sparse_k: int, cdf_block: int) -> None:
     """Draws over many inverse-CDF blocks, one of them entirely -inf (mass 0, never chosen); filtered requests
-    keep a few tokens, so most of their blocks have mass 0 too (and are not read: with 16-id blocks their
-    bitmap of listed blocks spans two words)."""
+    keep a few tokens, so most of their blocks have mass 0 too."""
     from kernels import rejection
 
     monkeypatch.setattr(rejection, "CDF_BLOCK", cdf_block)
