@@ -41,8 +41,8 @@ stage verify 150 python3 bench/profile_verify_gpu.py --fused-only --out-dir "$ou
 # .gpu-ray/pydantic-py312.tar.xz (pydantic, pydantic_core, annotated_types, typing_inspection from the Ray Serve tree
 # of ../shared/wheels) for this stage.
 [[ -f .gpu-ray/pydantic-py312.tar.xz ]] && mkdir -p /tmp/pyd && tar xJf .gpu-ray/pydantic-py312.tar.xz -C /tmp/pyd
-stage grpc 90 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/pyd python3 bench/bench_grpc_overhead.py --concurrency 8 \
-  --max-tokens 64 --repeats 21 --sps docs/benchmarks/sps_cpu_demo.json --out "$out/grpc_overhead.json" \
+stage grpc 150 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/pyd python3 bench/bench_grpc_overhead.py --concurrency 8 \
+  --max-tokens 64 --repeats "${GRPC_REPEATS:-21}" --sps docs/benchmarks/sps_cpu_demo.json --out "$out/grpc_overhead.json" \
   2>&1 | tail -n 40 | tee -a "$out/logs.txt"
 stage engine 90 python3 -m bench.bench_engine_gpu --requests 1 8 32 128 --rounds 15 --warmup 3 \
   --out "$out/engine_gpu.json"
