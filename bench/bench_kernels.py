@@ -225,10 +225,10 @@ def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool, grou
     """Time other launch sizes of the kernels (CUDA-graph replays on GPUs, where launch overhead would hide them).
 
     One group at a time (of ``groups``), the others at their current values: the rejection statistics kernel
-    (greedy plus sampled sparse time), the inverse-CDF mass kernel (sampled sparse plus dense), the combine
-    kernel's compaction tile and warps (top-k / top-p), the Markov truncated mode. With ``keep_best`` each group
-    keeps its fastest variant (the TUNING dicts are updated, so the main benchmark that follows runs with them);
-    otherwise the defaults are restored."""
+    (greedy plus sampled sparse time), the inverse-CDF mass kernel (sampled sparse plus dense), the threshold
+    kernel's compaction tile (top-k / top-p), the Markov truncated mode. With ``keep_best`` each group keeps its
+    fastest variant (the TUNING dicts are updated, so the main benchmark that follows runs with them); otherwise
+    the defaults are restored."""
     from kernels import markov_triton, rejection_triton
 
     measure = partial(graph_timed if device.type == "cuda" else timed, device=device, repeats=repeats)
@@ -265,7 +265,7 @@ def sweep(shape: dict, device: torch.device, repeats: int, keep_best: bool, grou
     if "select" in groups:
         filtered = rejection_call("sampled T=0.8 top-k 50 top-p 0.9, sparse")
         select_variants = [dict(select_tile=t, select_warps=w)
-                           for t, w in ((512, 1), (1024, 1), (1024, 2), (2048, 2), (2048, 4), (4096, 4))]  # fmt: skip
+                           for t, w in ((2048, 4), (4096, 4), (8192, 4), (4096, 8), (8192, 8), (16384, 8))]  # fmt: skip
         choose(rejection_triton.TUNING, "rejection threshold", select_variants, {"top-k/top-p": filtered})
         del filtered
     if "markov" in groups:

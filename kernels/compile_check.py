@@ -26,9 +26,10 @@ _REJECTION_COMMON = dict(logits_ptr="*bf16", stride_row="i64", cu_ptr="*i64", te
                          prob_ids_ptr="*i64", K="i32", V="i32", row_req_ptr="*i32", top_k_ptr="*i64",
                          top_p_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", part_arg_ptr="*i32",
                          sketch_ptr="*fp32", split_size="i32", num_splits="i32", argmax_ptr="*i32",
-                         cand_ptr="*i64",
+                         state_ptr="*i32", cand_ptr="*i64",
                          draft_ids_ptr="*i64", out_ptr="*i64", mass_ptr="*fp32", emass_ptr="*fp32",
-                         num_blocks="i32", group="i32", num_req="i32")  # fmt: skip
+                         num_blocks="i32", group="i32", num_req="i32", listed_ptr="*i32",
+                         num_words="i32", hits_ptr="*i32")  # fmt: skip
 _MARKOV_COMMON = dict(base_ptr="*bf16", stride_br="i64", stride_bk="i64", step="i32", prev_ptr="*i64",
                       stride_prev="i32", w1_ptr="*bf16", w2_ptr="*bf16", temperature_ptr="*fp32",
                       seeds_ptr="*i64", positions_ptr="*i64", k_eff_ptr="*i32", logits_ptr="*fp32", z_ptr="*fp32",
@@ -42,11 +43,11 @@ _SIGNATURES.update({name: _MARKOV_COMMON for name in ("_markov_step_kernel", "_m
 # (kernel, constexprs, num_warps): the configurations the launchers use at production vocabulary sizes
 _CONFIGS = [
     ("_row_stats_kernel", dict(BLOCK_V=2048, NG=128), 4),
-    *[("_row_combine_kernel", dict(BLOCK_SPLITS=16, BLOCK_SKETCH=512, NG=128, CAP=2048, SMALL=256, TINY=64,
-                                   BLOCK_S=128 * warps, BLOCK_C=128 * warps, NCAND=16, BLOCK_V=2048, W=16,
-                                   CHUNKS=chunks), warps)
-      for chunks, warps in ((32, 1), (64, 2), (256, 4))],  # the default and the sweep's ends (select_tile / 16)
-    *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_K=64, BLOCK_D=8), 1) for mode in (0, 1, 2)],
+    ("_row_combine_kernel", dict(BLOCK_SPLITS=16, BLOCK_SKETCH=512, NG=128, CAP=2048, SMALL=256, TINY=64,
+                                 BLOCK_S=512, NCAND=16, BLOCK_V=2048, W=16, CHUNKS=512, HIT_CHUNKS=16, CDF_BLOCK=2048,
+                                 NW=4),
+     4),
+    *[("_accept_chain_kernel", dict(PROBS=mode, BLOCK_K=64), 1) for mode in (0, 1, 2)],
     *[("_cdf_mass_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_K=64, GROUP=4), 4) for mode in (0, 1, 2)],
     *[("_cdf_draw_kernel", dict(PROBS=mode, BLOCK_V=2048, BLOCK_NB=128, BLOCK_K=64), 4) for mode in (0, 1, 2)],
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=128, BLOCK_D=64, TOPK=0, STORE_LOGITS=False,

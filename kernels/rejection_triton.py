@@ -2,38 +2,32 @@
 
 The big tensor is the target logits [N + R, V]; everything else is small. It is read once in full by the
 statistics kernel, plus one row per sampled request by the inverse-CDF masses (about 1/(gamma + 1) more, with a
-dense draft also its draft row) and one block of it by the draw, plus, for the rows that use top-k / top-p,
-the lane groups that can hold a token above the candidate bound (a tenth of the row with top-k 50). Launches:
+dense draft also its draft row; for a row filtered by top-k / top-p only the blocks holding kept tokens) and
+one block of it by the draw, plus, for the rows that use top-k / top-p, the lane groups that can hold a token
+above the candidate bound (a tenth of the row with top-k 50). Launches:
 
 1. ``_row_stats_kernel``, programs (row, vocabulary split): every row of every request at once. Greedy rows
    keep a per-lane running argmax; sampled rows a per-lane online (max, sum exp) of z = logits * (1 / T),
    updated with one exp per token (``exp(min - max)`` serves both the rescale and the new term). Lanes are
    only reduced at the end of the split, so the loop is pure streaming. Rows with top-k / top-p also write a
    *sketch*: the maxima of NG disjoint groups of lanes, i.e. NG distinct entries of the split.
-2. ``_row_combine_kernel``, one program (by default one warp) per row: combines the splits into argmax, or
-   max z and the normaliser. A filtered row then (same program: it needs nothing from other rows) turns the
-   sketch, sorted as packed (value, entry) keys, into a lower bound L on the keep threshold (below) and the
-   list of sketch groups whose maximum is >= L (the sorted prefix, kept in registers), writes every token with
-   z >= L (as packed (order key, id), see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP
-   slots, reading only those groups (``_compact_candidates``: each tile's candidates are written from the
-   tile itself), and finds tau exactly (top-k: the k-th value; top-p: the crossing of the cumulative mass in
-   descending order) and the normaliser of the kept set: up to SORTED_TIERS[1] candidates are sorted in
-   registers, more are searched in their buffer (``_candidate_search``, the fallback's searches over the
-   candidates only). Rows whose candidates do not certify the answer take the exact fallback search over the
-   row (below). The program's phases are serial round trips and in-warp sorts; one warp per row keeps the
-   register count low (about 113), so many rows are in flight per SM to hide them.
+2. ``_row_combine_kernel``, one program per row: combines the splits into argmax, or max z and the
+   normaliser. A filtered row then (same program: it needs nothing from other rows) turns the sketch into a
+   lower bound L on the keep threshold (below), writes every token with z >= L (as packed (order key, id),
+   see :mod:`kernels.float_keys`) to a per-row candidate buffer of CAP slots, reading only the sketch groups
+   whose maximum is >= L (``_compact_candidates``), sorts the candidates and finds tau exactly (top-k: the
+   k-th value; top-p: the crossing of the cumulative mass in descending order) and the normaliser of the
+   kept set, plus a bitmap of the inverse-CDF blocks that hold kept tokens. Rows whose candidates do not
+   certify the answer take the exact fallback search (below).
 3. ``_accept_chain_kernel``, one program per request: the short accept chain from scalars (p_t and p_d at the
-   draft tokens, one uniform each) up to the first rejection, ACCEPT_DRAFTS drafts tested at once; writes
-   the accepted drafts, the count, and for greedy requests the final argmax token.
+   draft tokens, one uniform each) up to the first rejection; writes the accepted drafts, the count, and for
+   greedy requests the final argmax token.
 4. ``_cdf_mass_kernel``, programs (sampled request, group of ``cdf_group`` blocks of CDF_BLOCK ids, read as
    one tile): over the one row the request draws from (the residual row after a rejection, else the bonus
    row), the mass of each block: sum of w = max(0, e - Z * p_d) with e = exp(z - max z) on kept tokens
    (z >= tau), and with drafts also the sum of e (for an all-zero residual). One exp per token, no random
    number and no log; a sparse draft's few ids in a block are applied in id order, a dense draft row is read
-   alongside. Every block of the row is read, filtered or not, in the round trip of the row's statistics:
-   skipping the blocks without kept tokens (a bitmap from the combine kernel, 2026-12-01) cost a dependent
-   round trip per program and saved nothing measurable (the kernel is latency bound: 51 us filtered, 53 us
-   with every block read, on the H200).
+   alongside; blocks that the row's bitmap does not list have no kept token and are not read (mass 0).
 5. ``_cdf_draw_kernel``, one program per sampled request: scans the block masses with uniform 0 (first block
    whose running mass exceeds u_0 * total), recomputes that block's weights (the same function as kernel 4,
    so they are bit for bit those summed) and scans them with uniform 1 against u_1 * the block's mass.
@@ -57,11 +51,9 @@ applied inside that set, so tau >= tau_k >= L. Without top-k, L = s_j for the fi
 mass sum_{i<=j} exp(s_i - max z) reaches p * Z: the mass of {z >= s_j} is at least that prefix, hence the
 top-p threshold tau_p (the largest t with mass(z >= t) >= p * Z) is >= L. So {z >= L} contains every kept
 token; sorting it gives tau_k as its k-th value and tau_p at the crossing of the running mass, exactly the
-reference's definitions (searching it gives the same: the largest key with k candidates at or above it, the
-largest with mass p * Z at or above it). A row falls back to the exact search over the whole row (as slow as
-it sounds: a 16-ary search on the int32 order keys, <= 8 passes per threshold) when the bound does not exist (k
-larger than the sketch, a top-p nucleus wider than the sketch can certify) or when more than CAP tokens are
->= L.
+reference's definitions. A row falls back to the exact search over the whole row (as slow as it sounds: a
+16-ary search on the int32 order keys, <= 8 passes per threshold) when the bound does not exist (k larger
+than the sketch, a top-p nucleus wider than the sketch can certify) or when more than CAP tokens are >= L.
 
 Kernels load in the storage dtype and upcast to float32 before any arithmetic, mask every load, and use a
 single launch configuration (no autotuning), so that they also run under ``TRITON_INTERPRET=1`` on CPU.
@@ -76,7 +68,7 @@ import triton
 import triton.language as tl
 
 from kernels import rejection as reference
-from kernels.float_keys import tl_key_to_float, tl_ordered_key, tl_pack_value_id, tl_unpack_value_id
+from kernels.float_keys import tl_key_to_float, tl_ordered_key, tl_pack_value_id
 from kernels.launch import interpreting, launch_options
 from kernels.rejection import RejectionOutput, validate_rejection_inputs
 from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, tl_row_key, tl_uniform
@@ -88,35 +80,28 @@ _NCAND_INTERPRETER = 256  # numpy does not care about tile size, but every pass 
 _BIG = tl.constexpr(2147483647)
 _INT64_MIN = tl.constexpr(-(2**63))
 TUNING = {
-    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 1, "cdf_warps": 4, "select_tile": 512,
-    "select_warps": 1,
+    "row_block_v": 2048, "row_warps": 4, "row_splits": 4, "cdf_group": 1, "cdf_warps": 4, "select_tile": 8192,
+    "select_warps": 4,
 }  # fmt: skip
 """Launch sizes (one fixed configuration, no autotuning): for the statistics kernel the vocabulary block per loop
 step, warps and the number of programs a row is split over; for the inverse-CDF masses the blocks per program
 and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the reference); for the combine
 kernel (which also compacts and thresholds filtered rows) the ids per compaction tile, read at once (whole
 chunks of one sketch group in one block), and warps. The statistics sizes were set from
-``bench/bench_kernels.py --sweep --tune`` on an H200, the inverse-CDF ones from ``--sweep cdf select --tune``
-there (2026-12-01: one block per program, 4 warps, 0.328 ms against 0.391 ms with 4 blocks). The combine kernel
-runs one warp per row with 512-id tiles (16 ids per thread: ptxas gives it 113 registers, so about 17 rows are
-in flight per SM where the 4-warp program with 8192-id tiles had 164 registers and 3 rows; its per-row phases
-are serial round trips and in-warp sorts, so more rows in flight is what hides them); set by reasoning and
-ptxas counts, not yet measured (``--sweep select`` times 1, 2 and 4 warps)."""
+``bench/bench_kernels.py --sweep --tune`` on an H200, the inverse-CDF and compaction ones from ``--sweep cdf
+select --tune`` there (2026-12-01: one block per program, 4 warps, 0.328 ms against 0.391 ms with 4 blocks; the
+compaction tile hardly matters, 8192 ids the fastest; docs/benchmarks/kernels.md)."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048
 """Candidate slots per filtered row: rows with more tokens above the bound take the fallback search."""
-ACCEPT_DRAFTS = 8
-"""Drafts the accept chain tests at once (the usual gamma; fewer with wide sparse rows, whose [drafts, K] tile of
-draft ids is read at once)."""
-SORTED_TIERS = (64, 256)
-"""Candidate counts sorted in registers (two sort sizes: most top-k 50 rows have 50-64 candidates); a row with
-more candidates searches its candidate buffer instead (a sort of CANDIDATES int64 would set the register count
-of every program of the combine kernel, filtered or not)."""
 
 PROBS_NONE, PROBS_DENSE, PROBS_SPARSE = 0, 1, 2  # how the draft distribution arrives (kernel constexpr)
 _DENSE = tl.constexpr(PROBS_DENSE)
 _SPARSE = tl.constexpr(PROBS_SPARSE)
+# per-row threshold state: no filter; tau from the fallback search; tau from the candidates, whose inverse-CDF
+# blocks are listed in a bitmap (the mass kernel reads only those blocks of the row)
+_DONE, _SEARCH, _LISTED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -227,12 +212,16 @@ def _row_combine_kernel(
     zmax_ptr,
     norm_ptr,
     tau_ptr,
+    state_ptr,
     logits_ptr,
     stride_row,
+    hits_ptr,
     cand_ptr,
+    listed_ptr,
     V,
     split_size,
     num_splits,
+    num_words,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     NG: tl.constexpr,
@@ -240,77 +229,70 @@ def _row_combine_kernel(
     SMALL: tl.constexpr,
     TINY: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    BLOCK_C: tl.constexpr,
     NCAND: tl.constexpr,
     BLOCK_V: tl.constexpr,
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
+    HIT_CHUNKS: tl.constexpr,
+    CDF_BLOCK: tl.constexpr,
+    NW: tl.constexpr,
 ):
     """Per row: combine the splits into argmax, or max z and the normaliser; for a filtered row also derive the
     candidate bound L from the sketch and find the exact tau and the kept set's normaliser (one launch for
     both: they need nothing from other rows)."""
     row = tl.program_id(0)
-    # every load that needs only the row, then every one that needs only its request, is issued before any
-    # branch: two dependent round trips (a greedy row's sums, a sampled row's arguments are read and unused)
     req = tl.load(row_req_ptr + row)
+    temp = tl.load(temperature_ptr + req)
     offs = tl.arange(0, BLOCK_SPLITS)
     live = offs < num_splits
     part = row * num_splits + offs
     tops = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
-    sums = tl.load(part_sum_ptr + part, mask=live, other=0.0)
-    args = tl.load(part_arg_ptr + part, mask=live, other=_BIG)
-    temp = tl.load(temperature_ptr + req)
-    top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
     top = tl.max(tops, 0)
+    state = tl.full((), _DONE, tl.int32)
     if temp == 0.0:
+        args = tl.load(part_arg_ptr + part, mask=live, other=_BIG)
         tl.store(argmax_ptr + row, tl.min(tl.where(live & (tops == top), args, _BIG), 0))
     else:
         safe = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.sum(sums * tl.exp(tops - safe), 0)
+        total = tl.sum(tl.load(part_sum_ptr + part, mask=live, other=0.0) * tl.exp(tops - safe), 0)
         tl.store(zmax_ptr + row, top)
         tau = tl.full((), float("-inf"), tl.float32)
         norm = total
+        top_k, top_p, use_k, use_p = _filters(top_k_ptr, top_p_ptr, req, V)
         if use_k | use_p:
-            certified, bound, n_hit, groups = _sketch_bound(sketch_ptr, row, num_splits * NG, safe, total, top_k,
-                                                            top_p, use_k, BLOCK_SKETCH)  # fmt: skip
-            tau, norm = _keep_threshold(
-                logits_ptr + row.to(tl.int64) * stride_row, groups, n_hit, cand_ptr, row, certified, bound,
-                tl.math.div_rn(1.0, temp), top, total, top_k, top_p, use_k, use_p, V, split_size, CAP, SMALL, TINY,
-                BLOCK_S, BLOCK_C, NCAND, BLOCK_V, NG, W, CHUNKS, BLOCK_SKETCH,
+            n_sketch = num_splits * NG
+            pos = tl.arange(0, BLOCK_SKETCH)
+            sketch = tl.load(sketch_ptr + row.to(tl.int64) * n_sketch + pos, mask=pos < n_sketch,
+                             other=float("-inf"))  # fmt: skip
+            ordered = tl.sort(sketch, descending=True)
+            if use_k:
+                # the k-th sketch value: k distinct entries are >= it, so it is <= the k-th largest z
+                j = tl.where(top_k <= n_sketch, top_k.to(tl.int32) - 1, _BIG)
+            else:
+                mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(ordered - safe), 0.0), 0)
+                j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
+            tau, norm, state = _keep_threshold(
+                logits_ptr + row.to(tl.int64) * stride_row, sketch, hits_ptr, cand_ptr, listed_ptr, row, j < _BIG,
+                tl.sum(tl.where(pos == j, ordered, 0.0), 0), tl.math.div_rn(1.0, temp), top, total, top_k, top_p,
+                use_k, use_p, V, split_size, num_words, CAP, SMALL, TINY, BLOCK_S, NCAND, BLOCK_V, NG,
+                W, CHUNKS, HIT_CHUNKS, BLOCK_SKETCH, CDF_BLOCK, NW,
             )  # fmt: skip
         tl.store(tau_ptr + row, tau)
         tl.store(norm_ptr + row, norm)
+    tl.store(state_ptr + row, state)
 
 
 @triton.jit
-def _sketch_bound(sketch_ptr, row, n_sketch, safe, total, top_k, top_p, use_k, BLOCK_SKETCH: tl.constexpr):
-    """(certified, L, n_hit, groups) of a filtered row from its sketch (module doc): L = the k-th sketch value
-    (top-k) or the first whose prefix mass reaches p * Z (top-p only); not certified when there is none.
-
-    The sketch is sorted as packed (value, entry) keys, so the n_hit entries >= L (the hit groups, which hold
-    every token >= L) are the sorted prefix: ``groups`` lists their entry numbers (sketch group g of split s is
-    entry s * NG + g) first, in registers, for the compaction to gather from without a memory round trip."""
-    pos = tl.arange(0, BLOCK_SKETCH)
-    live = pos < n_sketch
-    sketch = tl.load(sketch_ptr + row.to(tl.int64) * n_sketch + pos, mask=live, other=float("-inf"))
-    values, groups = tl_unpack_value_id(tl.sort(tl_pack_value_id(tl.where(sketch == 0.0, 0.0, sketch), pos),
-                                                descending=True))  # fmt: skip
-    if use_k:
-        # the k-th sketch value: k distinct entries are >= it, so it is <= the k-th largest z
-        j = tl.where(top_k <= n_sketch, top_k.to(tl.int32) - 1, _BIG)
-    else:
-        mass = tl.cumsum(tl.where(pos < n_sketch, tl.exp(values - safe), 0.0), 0)
-        j = tl.min(tl.where(mass >= top_p * total, pos, _BIG), 0)
-    bound = tl.sum(tl.where(pos == j, values, 0.0), 0)
-    # the padding (-inf, the last entries of the sorted order) is not counted even when L = -inf
-    return j < _BIG, bound, tl.sum((live & (sketch >= bound)).to(tl.int32), 0), groups
+def _bit_or(a, b):
+    """Combine function of a bitwise-or reduction."""
+    return a | b
 
 
 @triton.jit
 def _compact_candidates(
     row_ptr,
-    groups,
-    n_hit,
+    sketch,
+    hits_ptr,
     cand_ptr,
     row,
     bound,
@@ -321,6 +303,7 @@ def _compact_candidates(
     NG: tl.constexpr,
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
+    HIT_CHUNKS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
     CAP: tl.constexpr,
 ):
@@ -328,87 +311,94 @@ def _compact_candidates(
 
     Sketch group g of split s holds the W lanes g * W .. g * W + W - 1 of every block of the split, and its sketch
     value is the largest z among them, so a token with z >= L lies in a group whose sketch value is >= L: only
-    those n_hit groups (``groups[:n_hit]``) are read (with top-k 50 about 50 of 512, a tenth of the row). Their
-    chunks (one group in one block: W contiguous ids) are read CHUNKS at a time as one [CHUNKS, W] tile, all its
-    loads in flight at once, the chunk's group gathered from the register list; a tile's tokens >= L are written
-    straight from it with slots from a prefix sum over the tile (no atomics, no second read). The set written is
-    exactly {z >= L}, whatever the order."""
+    those groups are read (with top-k 50 about 50 of 512, a tenth of the row). The hit groups are listed first
+    (``hits_ptr``, BLOCK_SKETCH entries); their chunks (one group in one block: W contiguous ids) are read CHUNKS
+    at a time as one [CHUNKS, W] tile, all its loads in flight at once, and only tested against L there (few
+    registers per id, so many ids in flight). The chunks holding a candidate (a few per tile) are listed
+    (``hits_ptr + BLOCK_SKETCH``) and re-read, HIT_CHUNKS at a time (cache hits), to write their candidates
+    with slots from a prefix sum, no atomics. The set written is exactly {z >= L}, whatever the order."""
+    pos = tl.arange(0, BLOCK_SKETCH)
+    hit = sketch >= bound  # the sketch padding is -inf, below any bound
+    tl.store(hits_ptr + tl.cumsum(hit.to(tl.int32), 0) - 1, pos, mask=hit)
+    tl.debug_barrier()  # the list is read back by other threads of this program
     blocks = split_size // BLOCK_V  # chunks per group (the last split's ends past V are masked)
-    n_chunks = n_hit * blocks
+    n_chunks = tl.sum(hit.to(tl.int32), 0) * blocks
     lanes = tl.arange(0, W)[None, :]
+    chunk_list = hits_ptr + BLOCK_SKETCH
     base = cand_ptr + row.to(tl.int64) * CAP
     count = tl.zeros((), tl.int32)
     for first in range(0, n_chunks, CHUNKS):
         chunk = first + tl.arange(0, CHUNKS)
-        hit = chunk // blocks
-        group = tl.gather(groups, tl.minimum(hit, BLOCK_SKETCH - 1), 0)
-        start = (group // NG) * split_size + (chunk - hit * blocks) * BLOCK_V + (group % NG) * W
+        group = tl.load(hits_ptr + chunk // blocks, mask=chunk < n_chunks, other=0)
+        start = (group // NG) * split_size + (chunk % blocks) * BLOCK_V + (group % NG) * W
         idx = start[:, None] + lanes
         live = (chunk < n_chunks)[:, None] & (idx < V)
         z = tl.load(row_ptr + idx, mask=live, other=float("-inf")).to(tl.float32) * inv_t
-        take = tl.reshape(live & (z >= bound), [CHUNKS * W]).to(tl.int32)
-        n_take = tl.sum(take, 0)
-        if n_take > 0:  # most tiles of a tight bound hold a few candidates, some none
-            slot = count + tl.cumsum(take, 0) - 1
-            packed = tl_pack_value_id(tl.reshape(tl.where(z == 0.0, 0.0, z), [CHUNKS * W]),
-                                      tl.reshape(idx, [CHUNKS * W]))  # fmt: skip
-            tl.store(base + slot, packed, mask=(take != 0) & (slot < CAP))
-            count += n_take
+        held = tl.max((live & (z >= bound)).to(tl.int32), 1)  # chunks holding a candidate
+        n_held = tl.sum(held, 0)
+        if n_held > 0:
+            tl.store(chunk_list + tl.cumsum(held, 0) - 1, start, mask=held != 0)
+            tl.debug_barrier()  # the chunk list is read back by other threads
+            for again in range(0, n_held, HIT_CHUNKS):
+                slot_c = again + tl.arange(0, HIT_CHUNKS)
+                start_c = tl.load(chunk_list + slot_c, mask=slot_c < n_held, other=0)
+                idx_c = start_c[:, None] + lanes
+                live_c = (slot_c < n_held)[:, None] & (idx_c < V)
+                z_c = tl.load(row_ptr + idx_c, mask=live_c, other=float("-inf")).to(tl.float32) * inv_t
+                take = tl.reshape(live_c & (z_c >= bound), [HIT_CHUNKS * W]).to(tl.int32)
+                slot = count + tl.cumsum(take, 0) - 1
+                packed = tl_pack_value_id(tl.reshape(tl.where(z_c == 0.0, 0.0, z_c), [HIT_CHUNKS * W]),
+                                          tl.reshape(idx_c, [HIT_CHUNKS * W]))  # fmt: skip
+                tl.store(base + slot, packed, mask=(take != 0) & (slot < CAP))
+                count += tl.sum(take, 0)
+            tl.debug_barrier()  # the chunk list is rewritten by the next tile
     return count
 
 
 @triton.jit
-def _tile_keys(ptr, start, n, inv_t, FROM_CANDS: tl.constexpr, BLOCK: tl.constexpr):
-    """(order keys, z, mask) of entries start .. start + BLOCK - 1 (of n) of a row's logits (z = logits * (1 / T),
-    canonical) or, FROM_CANDS, of its packed candidates (z decoded from the key: the same float)."""
-    idx = start + tl.arange(0, BLOCK)
-    mask = idx < n
-    if FROM_CANDS:
-        key = (tl.load(ptr + idx, mask=mask, other=0) >> 32).to(tl.int32)
-        z = tl_key_to_float(key)
-    else:
-        z = tl.load(ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        z = tl.where(z == 0.0, 0.0, z)
-        key = tl_ordered_key(z)
-    return key, z, mask
-
-
-@triton.jit
-def _mass_at_least(ptr, n, inv_t, z_max, lo, FROM_CANDS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """sum of exp(z - z_max) over the entries (row tokens or candidates) whose order key is >= lo."""
+def _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S: tl.constexpr):
+    """sum of exp(z - z_max) over tokens whose order key is >= lo."""
     acc = tl.zeros([BLOCK_S], tl.float32)
-    for start in range(0, n, BLOCK_S):
-        key, z, mask = _tile_keys(ptr, start, n, inv_t, FROM_CANDS, BLOCK_S)
+    for start in range(0, V, BLOCK_S):
+        idx = start + tl.arange(0, BLOCK_S)
+        mask = idx < V
+        z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        z = tl.where(z == 0.0, 0.0, z)
+        bits = z.to(tl.int32, bitcast=True)
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
         acc += tl.where(mask & (key >= lo), tl.exp(z - z_max), 0.0)
     return tl.sum(acc, 0)
 
 
 @triton.jit
 def _search_threshold(
-    ptr,
-    n,
+    row_ptr,
+    V,
     inv_t,
     z_max,
     lo,
     hi,
     target,
     USE_MASS: tl.constexpr,
-    FROM_CANDS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     NCAND: tl.constexpr,
 ):
-    """Largest int32 key t in [lo, hi] with f(t) >= target, f(t) = count or mass of {key(z) >= t} over a row's
-    tokens or (FROM_CANDS) its candidates.
+    """Largest int32 key t in [lo, hi] with f(t) >= target, f(t) = count or mass of {key(z) >= t}.
 
-    Requires f(lo) >= target (not re-checked) and f non-increasing; NCAND candidates per pass over the entries.
+    Requires f(lo) >= target (not re-checked) and f non-increasing; NCAND candidates per pass over the row.
     """
     j = tl.arange(0, NCAND).to(tl.int64)
     while lo < hi:
         step = (hi.to(tl.int64) - lo.to(tl.int64) + NCAND - 1) // NCAND
         cand = tl.minimum(lo.to(tl.int64) + 1 + j * step, hi.to(tl.int64) + 1).to(tl.int32)
         acc = tl.zeros([NCAND], tl.float32)
-        for start in range(0, n, BLOCK_S):
-            key, z, mask = _tile_keys(ptr, start, n, inv_t, FROM_CANDS, BLOCK_S)
+        for start in range(0, V, BLOCK_S):
+            idx = start + tl.arange(0, BLOCK_S)
+            mask = idx < V
+            z = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+            z = tl.where(z == 0.0, 0.0, z)
+            bits = z.to(tl.int32, bitcast=True)
+            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
             w = tl.where(mask, tl.exp(z - z_max) if USE_MASS else 1.0, 0.0)
             hit = key[:, None] >= cand[None, :]
             acc += tl.sum(tl.where(hit, w[:, None], 0.0), axis=0)
@@ -422,6 +412,7 @@ def _search_threshold(
 @triton.jit
 def _candidate_threshold(
     cand_ptr,
+    listed_ptr,
     row,
     count,
     z_max,
@@ -430,14 +421,20 @@ def _candidate_threshold(
     top_p,
     use_k,
     use_p,
+    num_words,
     CAP: tl.constexpr,
     SIZE: tl.constexpr,
+    CDF_BLOCK: tl.constexpr,
+    NW: tl.constexpr,
 ):
     """(found, tau, norm of the kept set) from a row's count <= SIZE candidates, sorted descending.
 
     Top-k: tau_k is the k-th candidate (fewer than k candidates only happens when fewer than k tokens are
     finite, and then the k-th largest z is -inf). Top-p: the crossing of the running mass within the
-    candidates; not found when the mass of all candidates stays below p * total (float rounding)."""
+    candidates; not found when the mass of all candidates stays below p * total (float rounding).
+    When found, also writes the row's inverse-CDF blocks holding a kept candidate as a bitmap of num_words
+    int32 words: every token of positive weight (z >= tau, z finite) is a candidate, since tau >= L, so the
+    other blocks have mass 0 and the mass kernel need not read them."""
     pos = tl.arange(0, SIZE)
     valid = pos < count
     cands = tl.load(cand_ptr + row.to(tl.int64) * CAP + pos, mask=valid, other=_INT64_MIN)
@@ -453,52 +450,22 @@ def _candidate_threshold(
     tau_p = tl.where(use_p & (first < _BIG), tl.sum(tl.where(pos == first, z, 0.0), 0), float("-inf"))
     tau = tl.maximum(tau_k, tau_p)
     found = (first < _BIG) | (use_p == 0)
+    block = (0x7FFFFFFF - (cands & 0xFFFFFFFF).to(tl.int32)) // CDF_BLOCK
+    word = tl.arange(0, NW)
+    bits = tl.where((valid & (z >= tau))[:, None] & ((block // 32)[:, None] == word[None, :]),
+                    1 << (block % 32)[:, None], 0)  # fmt: skip
+    tl.store(listed_ptr + row.to(tl.int64) * num_words + word, tl.reduce(bits, 0, _bit_or),
+             mask=word < tl.where(found, num_words, 0))  # fmt: skip
     return found, tau, tl.sum(tl.where(z >= tau, tl.exp(z - z_max), 0.0), 0)
-
-
-@triton.jit
-def _candidate_search(
-    cand_ptr,
-    row,
-    count,
-    bound,
-    z_max,
-    total_all,
-    top_k,
-    top_p,
-    use_k,
-    use_p,
-    CAP: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    NCAND: tl.constexpr,
-):
-    """(found, tau, norm of the kept set) from a row's count <= CAP candidates, too many to sort in registers:
-    the fallback's searches (top-k by count, then top-p by mass inside the top-k set), run over the candidate
-    buffer instead of the row (every candidate is >= L, so the searches start at key(L); tau_k is the k-th
-    candidate, tau_p the largest value whose mass of candidates >= it reaches p times the top-k mass, as
-    in the sorted tiers). Not found when the mass of all candidates stays below p * total (top-p alone, float
-    rounding)."""
-    cands = cand_ptr + row.to(tl.int64) * CAP
-    lo = tl_ordered_key(tl.where(bound == 0.0, 0.0, bound))  # f(lo) = every candidate
-    hi = tl_ordered_key(z_max)
-    if use_k:
-        lo = _search_threshold(cands, count, 1.0, z_max, lo, hi, top_k.to(tl.float32), False, True, BLOCK_C, NCAND)
-    found = use_p == 0
-    if use_p:
-        kept = _mass_at_least(cands, count, 1.0, z_max, lo, True, BLOCK_C)
-        target = top_p * tl.where(use_k, kept, total_all)
-        found = kept >= target
-        if found:
-            lo = _search_threshold(cands, count, 1.0, z_max, lo, hi, target, True, True, BLOCK_C, NCAND)
-    return found, tl_key_to_float(lo), _mass_at_least(cands, count, 1.0, z_max, lo, True, BLOCK_C)
 
 
 @triton.jit
 def _keep_threshold(
     row_ptr,
-    groups,
-    n_hit,
+    sketch,
+    hits_ptr,
     cand_ptr,
+    listed_ptr,
     row,
     certified,
     bound,
@@ -511,56 +478,63 @@ def _keep_threshold(
     use_p,
     V,
     split_size,
+    num_words,
     CAP: tl.constexpr,
     SMALL: tl.constexpr,
     TINY: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    BLOCK_C: tl.constexpr,
     NCAND: tl.constexpr,
     BLOCK_V: tl.constexpr,
     NG: tl.constexpr,
     W: tl.constexpr,
     CHUNKS: tl.constexpr,
+    HIT_CHUNKS: tl.constexpr,
     BLOCK_SKETCH: tl.constexpr,
+    CDF_BLOCK: tl.constexpr,
+    NW: tl.constexpr,
 ):
-    """(tau, normaliser of the kept set) of a filtered row: from the candidates {z >= L} when the sketch
-    certified L (sorted in registers up to SMALL of them, else searched in their buffer), else (or when they
-    do not settle it) by the fallback search over the row."""
-    search = tl.full((), 1, tl.int32)
+    """(tau, normaliser of the kept set, state) of a filtered row: the candidates {z >= L} sorted when the sketch
+    certified L, else (or when they do not settle it) the fallback search. State _LISTED: tau came from the
+    candidates and the row's bitmap of inverse-CDF blocks holding kept tokens is written."""
+    state = tl.full((), _SEARCH, tl.int32)
     tau = tl.full((), float("-inf"), tl.float32)
     norm = total_all
     count = tl.zeros((), tl.int32)
     if certified:
-        count = _compact_candidates(row_ptr, groups, n_hit, cand_ptr, row, bound, inv_t, V, split_size, BLOCK_V, NG,
-                                    W, CHUNKS, BLOCK_SKETCH, CAP)  # fmt: skip
+        count = _compact_candidates(
+            row_ptr, sketch, hits_ptr + row.to(tl.int64) * (BLOCK_SKETCH + CHUNKS), cand_ptr, row, bound, inv_t, V,
+            split_size, BLOCK_V, NG, W, CHUNKS, HIT_CHUNKS, BLOCK_SKETCH, CAP,
+        )  # fmt: skip
         tl.debug_barrier()  # the candidates were written by other threads of this program
     if certified & (count <= CAP):
         if count <= TINY:  # the usual case (top-k 50: about 55 candidates): sort a short buffer
             found, tau, norm = _candidate_threshold(
-                cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, TINY,
+                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                CAP, TINY, CDF_BLOCK, NW,
             )  # fmt: skip
         elif count <= SMALL:
             found, tau, norm = _candidate_threshold(
-                cand_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, CAP, SMALL,
+                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                CAP, SMALL, CDF_BLOCK, NW,
             )  # fmt: skip
-        else:  # a sort of up to CAP int64 would size every program's registers: search the buffer instead
-            found, tau, norm = _candidate_search(
-                cand_ptr, row, count, bound, z_max, total_all, top_k, top_p, use_k, use_p, CAP, BLOCK_C, NCAND,
+        else:
+            found, tau, norm = _candidate_threshold(
+                cand_ptr, listed_ptr, row, count, z_max, total_all, top_k, top_p, use_k, use_p, num_words,
+                CAP, CAP, CDF_BLOCK, NW,
             )  # fmt: skip
         # not found: the top-p crossing lies below the candidates (float rounding): search
-        search = tl.where(found, 0, 1)
-    if search == 1:
+        state = tl.where(found, _LISTED, _SEARCH)
+    if state == _SEARCH:
         lo = tl_ordered_key(tl.full((), float("-inf"), tl.float32))  # f(lo) = every token
         hi = tl_ordered_key(z_max)
         if use_k:
-            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, False, BLOCK_S,
-                                   NCAND)  # fmt: skip
+            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_k.to(tl.float32), False, BLOCK_S, NCAND)
         if use_p:
-            kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, False, BLOCK_S)
-            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, False, BLOCK_S, NCAND)
+            kept_mass = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
+            lo = _search_threshold(row_ptr, V, inv_t, z_max, lo, hi, top_p * kept_mass, True, BLOCK_S, NCAND)
         tau = tl_key_to_float(lo)
-        norm = _mass_at_least(row_ptr, V, inv_t, z_max, lo, False, BLOCK_S)
-    return tau, norm
+        norm = _mass_at_least(row_ptr, V, inv_t, z_max, lo, BLOCK_S)
+    return tau, norm, state
 
 
 @triton.jit
@@ -584,13 +558,8 @@ def _accept_chain_kernel(
     K,
     PROBS: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
 ):
-    """Per request: accept drafts left to right until the first rejection; greedy requests finish here.
-
-    BLOCK_D drafts are tested at once (their loads in flight together, one dependent round trip for the target
-    logit at each draft token): the count is that of the leading run of accepted drafts, and the drafts after
-    a rejection, tested but dropped, change nothing, since every test reads its own uniform."""
+    """Per request: accept drafts left to right until the first rejection; greedy requests finish here."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
     d0 = tl.load(cu_ptr + r)
@@ -600,46 +569,38 @@ def _accept_chain_kernel(
     position = tl.load(positions_ptr + r)
     greedy = temp == 0.0
     inv_t = tl.math.div_rn(1.0, tl.where(greedy, 1.0, temp))
-    offs_d = tl.arange(0, BLOCK_D)
     offs_k = tl.arange(0, BLOCK_K)
     zero = tl.full((), 0, tl.int32)
     n_acc = tl.full((), 0, tl.int32)
     alive = tl.full((), 1, tl.int32)
-    for first in range(0, num_draft, BLOCK_D):
-        if alive == 1:  # the drafts after a rejection are not tested
-            k = first + offs_d
-            live = k < num_draft
-            row = row0 + k
-            j = d0 + k
-            x = tl.load(draft_ids_ptr + j, mask=live, other=0)
-            if greedy:
-                accepted = x == tl.load(argmax_ptr + row, mask=live, other=-1)
+    for k in range(0, num_draft):
+        row = row0 + k
+        j = d0 + k
+        x = tl.load(draft_ids_ptr + j)
+        if greedy:
+            accepted = x == tl.load(argmax_ptr + row)
+        else:
+            z = tl.load(logits_ptr + row * stride_row + x).to(tl.float32) * inv_t
+            z = tl.where(z == 0.0, 0.0, z)
+            p_t = tl.where(
+                z >= tl.load(tau_ptr + row),
+                tl.math.div_rn(tl.exp(z - tl.load(zmax_ptr + row)), tl.load(norm_ptr + row)),
+                0.0,
+            )
+            if PROBS == _DENSE:
+                p_d = tl.load(probs_ptr + j * stride_probs + x)
+            elif PROBS == _SPARSE:
+                ids = tl.load(prob_ids_ptr + j * stride_probs + offs_k, mask=offs_k < K, other=-1)
+                probs = tl.load(probs_ptr + j * stride_probs + offs_k, mask=offs_k < K, other=0.0)
+                p_d = tl.sum(tl.where(ids == x, probs, 0.0), 0)
             else:
-                z = tl.load(logits_ptr + row * stride_row + x, mask=live, other=0.0).to(tl.float32) * inv_t
-                z = tl.where(z == 0.0, 0.0, z)
-                p_t = tl.where(
-                    z >= tl.load(tau_ptr + row, mask=live, other=0.0),
-                    tl.math.div_rn(tl.exp(z - tl.load(zmax_ptr + row, mask=live, other=0.0)),
-                                   tl.load(norm_ptr + row, mask=live, other=1.0)),
-                    0.0,
-                )  # fmt: skip
-                if PROBS == _DENSE:
-                    p_d = tl.load(probs_ptr + j * stride_probs + x, mask=live, other=0.0)
-                elif PROBS == _SPARSE:
-                    entry = j[:, None] * stride_probs + offs_k[None, :]
-                    in_row = live[:, None] & (offs_k < K)[None, :]
-                    ids = tl.load(prob_ids_ptr + entry, mask=in_row, other=-1)
-                    probs = tl.load(probs_ptr + entry, mask=in_row, other=0.0)
-                    p_d = tl.sum(tl.where(ids == x[:, None], probs, 0.0), 1)
-                else:
-                    p_d = tl.zeros([BLOCK_D], tl.float32)
-                u = tl_uniform(tl_row_key(seed, position + 1 + k, _ACCEPT), zero)
-                accepted = u * p_d < p_t
-            rejected = tl.min(tl.where(live & (accepted == 0), k, _BIG), 0)
-            kept = tl.minimum(rejected, num_draft)  # drafts before the first rejection (or all of them)
-            tl.store(out_ptr + row, x, mask=live & (k < kept))
-            n_acc = tl.minimum(kept, first + BLOCK_D)
-            alive = (rejected == _BIG).to(tl.int32)
+                p_d = tl.full((), 0.0, tl.float32)
+            u = tl_uniform(tl_row_key(seed, position + 1 + k, _ACCEPT), zero)
+            accepted = u * p_d < p_t
+        alive = alive & accepted.to(tl.int32)
+        n_acc += alive
+        if alive == 1:
+            tl.store(out_ptr + row, x)
     tl.store(num_acc_ptr + r, n_acc.to(tl.int64))
     if greedy:
         tl.store(out_ptr + row0 + n_acc, tl.load(argmax_ptr + row0 + n_acc).to(tl.int64))
@@ -720,25 +681,29 @@ def _cdf_mass_kernel(
     norm_ptr,
     tau_ptr,
     num_acc_ptr,
+    state_ptr,
+    listed_ptr,
     mass_ptr,
     emass_ptr,
     V,
     K,
     num_blocks,
     group,
+    num_words,
     PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     """Per (sampled request, group of blocks): the residual mass sum w and (with drafts) the kept mass sum e
-    of each block of BLOCK_V ids of its draw row. One exp per token, no random number, no log. Two dependent
-    round trips: the request's chain, then the draw row's statistics, sparse entries and blocks together."""
+    of each block of BLOCK_V ids of its draw row. One exp per token, no random number, no log. A draw row whose
+    kept set is listed (top-k / top-p from the candidates) reads only its listed blocks: the others hold no
+    token of positive weight, so both their sums are 0 without a read."""
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
-    sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)  # in the round trip of temp
     if temp != 0.0:
         inv_t = tl.math.div_rn(1.0, temp)
+        sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)
         z_max = tl.load(zmax_ptr + sample_row)
         norm = tl.load(norm_ptr + sample_row)
         tau = tl.load(tau_ptr + sample_row)
@@ -751,13 +716,17 @@ def _cdf_mass_kernel(
             live = offs_k < tl.where(bonus, 0, K)
             ids = tl.load(prob_ids_ptr + draft_row * stride_probs + offs_k, mask=live, other=-1).to(tl.int32)
             probs = tl.load(probs_ptr + draft_row * stride_probs + offs_k, mask=live, other=0.0)
-        # the program's blocks, all read at once as one [GROUP, BLOCK_V] tile, in the round trip of the row's
-        # statistics (the loads need only the draw row)
+        listed = tl.load(state_ptr + sample_row) == _LISTED
+        # the program's blocks, all read at once as one [GROUP, BLOCK_V] tile (no serial round trips)
         b = tl.program_id(1) * group + tl.arange(0, GROUP)
-        mine = b < tl.minimum(tl.program_id(1) * group + group, num_blocks)
+        end = tl.minimum(tl.program_id(1) * group + group, num_blocks)
+        mine = b < end
+        # an unlisted row reads every block: its "words" are all ones
+        word = tl.load(listed_ptr + sample_row * num_words + b // 32, mask=b < tl.where(listed, end, 0), other=-1)
+        read = mine & (((word >> (b % 32)) & 1) != 0)
         lo = tl.program_id(1) * group * BLOCK_V
         idx = b[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-        e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, idx, mine[:, None], lo,
+        e, w = _block_weights(row_ptr, probs_ptr + draft_row * stride_probs, ids, probs, idx, read[:, None], lo,
                               lo + GROUP * BLOCK_V, V, inv_t, z_max, norm, tau, bonus, PROBS)  # fmt: skip
         tl.store(mass_ptr + r * num_blocks + b, tl.sum(w, 1), mask=mine)
         if PROBS != 0:
@@ -793,22 +762,18 @@ def _cdf_draw_kernel(
     """Per sampled request: the block by its running mass (uniform 0), then the token inside it by its running
     weight (uniform 1); p_t (the kept masses and weights) when the residual is all zero."""
     r = tl.program_id(0)
-    # the loads that need only the request share the round trip of temp (a greedy request's are unused)
     temp = tl.load(temperature_ptr + r)
-    sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)
-    position = tl.load(positions_ptr + r) + 1 + tl.load(num_acc_ptr + r)
-    seed = tl.load(seeds_ptr + r)
-    offs = tl.arange(0, BLOCK_NB)
-    mass = tl.load(mass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
-    kept = mass
-    if PROBS != 0:
-        kept = tl.load(emass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
     if temp != 0.0:
         inv_t = tl.math.div_rn(1.0, temp)
-        key = tl_row_key(seed, position, _TARGET)
+        sample_row, draft_row, bonus = _draw_row(cu_ptr, num_acc_ptr, r)
+        position = tl.load(positions_ptr + r) + 1 + tl.load(num_acc_ptr + r)
+        key = tl_row_key(tl.load(seeds_ptr + r), position, _TARGET)
         zero = tl.full((), 0, tl.int32)
+        offs = tl.arange(0, BLOCK_NB)
+        mass = tl.load(mass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
         fallback = tl.sum(mass, 0) <= 0.0
         if PROBS != 0:
+            kept = tl.load(emass_ptr + r * num_blocks + offs, mask=offs < num_blocks, other=0.0)
             mass = tl.where(fallback, kept, mass)
         ids = tl.zeros((), tl.int32)
         probs = tl.zeros((), tl.float32)
@@ -905,6 +870,7 @@ def rejection_sample_triton(
     # the reference's inverse-CDF blocks (read at call time, tests change them); a smaller vocabulary is one block
     cdf_block = _block(reference.CDF_BLOCK, vocab)
     num_blocks = triton.cdiv(vocab, cdf_block)
+    num_words = triton.cdiv(num_blocks, 32)  # of a row's bitmap of listed blocks
 
     # 1-2: per-row statistics and keep thresholds
     block_v = _block(TUNING["row_block_v"], vocab)
@@ -922,28 +888,30 @@ def rejection_sample_triton(
     )  # fmt: skip
     argmax = torch.empty(rows, dtype=torch.int32, device=device)
     z_max, norm, tau = (torch.empty(rows, **f32) for _ in range(3))
+    state = torch.empty(rows, dtype=torch.int32, device=device)
     cap = min(CANDIDATES, _block(1 << 30, vocab))  # a row never has more candidates than tokens
     cands = torch.empty((rows, cap), dtype=torch.int64, device=device)
+    listed = torch.empty((rows, num_words), dtype=torch.int32, device=device)  # read only where _LISTED
     lanes = block_v // groups
-    warps = TUNING["select_warps"]
-    # the searches' [rows, NCAND] tiles: 64 entries per thread on GPUs; the interpreter wants few, big tiles
-    search_rows = 512 if interpreting() else 128 * warps
+    block_sketch = _block(1 << 20, num_splits * groups)
+    chunks = max(1, TUNING["select_tile"] // lanes)
+    # a filtered row's lists: hit sketch groups, then the chunks of a tile that hold candidates
+    hits = torch.empty((rows, block_sketch + chunks), dtype=torch.int32, device=device)
     _row_combine_kernel[(rows,)](
-        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau,
-        logits, logits.stride(0), cands, vocab, split_size, num_splits,
-        BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_SKETCH=_block(1 << 20, num_splits * groups), NG=groups,
-        CAP=cap, SMALL=min(cap, SORTED_TIERS[1]), TINY=min(cap, SORTED_TIERS[0]), BLOCK_S=_block(search_rows, vocab),
-        BLOCK_C=_block(search_rows, cap), NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU,
-        BLOCK_V=block_v, W=lanes, CHUNKS=max(1, TUNING["select_tile"] // lanes), num_warps=warps, **options,
+        part_max, part_sum, part_arg, sketch, row_req, temps, top_k64, top_p32, argmax, z_max, norm, tau, state,
+        logits, logits.stride(0), hits, cands, listed, vocab, split_size, num_splits, num_words,
+        BLOCK_SPLITS=_block(1 << 20, num_splits), BLOCK_SKETCH=block_sketch, NG=groups,
+        CAP=cap, SMALL=min(cap, 256), TINY=min(cap, 64), BLOCK_S=_block(512, vocab),
+        NCAND=_NCAND_INTERPRETER if interpreting() else _NCAND_GPU, BLOCK_V=block_v, W=lanes,
+        CHUNKS=chunks, HIT_CHUNKS=min(chunks, 16), CDF_BLOCK=cdf_block, NW=triton.next_power_of_2(num_words),
+        num_warps=TUNING["select_warps"], **options,
     )  # fmt: skip
 
     # 3: accept chains
     block_k = _block(1024, width) if mode == PROBS_SPARSE else 16
     _accept_chain_kernel[(num_req,)](
         logits, logits.stride(0), ids, probs, width, prob_ids, cu, temps, seeds64, positions64,
-        argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k,
-        BLOCK_D=max(1, min(ACCEPT_DRAFTS, 512 // block_k if mode == PROBS_SPARSE else ACCEPT_DRAFTS)), num_warps=1,
-        **options,
+        argmax, z_max, norm, tau, out, num_acc, width, PROBS=mode, BLOCK_K=block_k, num_warps=1, **options,
     )  # fmt: skip
 
     # 4-5: residual / bonus draws by inverse CDF over the reference's blocks
@@ -951,8 +919,8 @@ def rejection_sample_triton(
     mass = torch.empty((num_req, num_blocks), **f32)
     emass = torch.empty((num_req, num_blocks), **f32) if mode != PROBS_NONE else mass
     _cdf_mass_kernel[(num_req, triton.cdiv(num_blocks, group))](
-        logits, logits.stride(0), probs, width, prob_ids, cu, temps, z_max, norm, tau, num_acc, mass, emass,
-        vocab, width, num_blocks, group,
+        logits, logits.stride(0), probs, width, prob_ids, cu, temps, z_max, norm, tau, num_acc, state, listed,
+        mass, emass, vocab, width, num_blocks, group, num_words,
         PROBS=mode, BLOCK_V=cdf_block, BLOCK_K=block_k, GROUP=triton.next_power_of_2(group),
         num_warps=TUNING["cdf_warps"], **options,
     )  # fmt: skip

@@ -373,21 +373,17 @@ def test_an_empty_batch_returns_empty_outputs(impl: str) -> None:
     assert out.num_accepted.shape == (0,) and out.output_tokens.shape == (0,)
 
 
-@pytest.mark.parametrize(("peaked", "tiers"), [(False, (64, 256)), (True, (64, 256)), (False, (1, 2)),
-                                               (True, (4, 8))])  # fmt: skip
-def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, peaked: bool, tiers) -> None:
+@pytest.mark.parametrize("peaked", [False, True])
+def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, peaked: bool) -> None:
     """Small launch sizes give several vocabulary splits per row and several inverse-CDF blocks per draw; the
     filters cover both threshold paths.
 
-    top-k 5, top-p 0.3 and (on peaked rows) top-p 0.97 are certified by the sketch (candidates, sorted when
-    they fit the sorted tiers, else searched in their buffer: the small tiers send most rows there); top-k
+    top-k 5, top-p 0.3 and (on peaked rows) top-p 0.97 are certified by the sketch (sorted candidates); top-k
     300 (beyond the sketch), top-p 0.97 on flat rows and top-k 40 (more tokens above the bound than candidate
     slots) take the exact fallback search over the whole row. The candidates are compacted a few (group, block)
     chunks at a time (several tiles per row)."""
     from kernels import rejection, rejection_triton
 
-    monkeypatch.setattr(rejection_triton, "SORTED_TIERS", tiers)
-    monkeypatch.setattr(rejection_triton, "ACCEPT_DRAFTS", 2)  # the chains of 3 drafts take two steps
     monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 128)
     monkeypatch.setitem(rejection_triton.TUNING, "row_splits", 4)
     monkeypatch.setattr(rejection, "CDF_BLOCK", 128)  # 8 inverse-CDF blocks (the reference cuts the same)
@@ -412,40 +408,11 @@ def test_triton_equals_reference_across_splits_and_threshold_paths(monkeypatch, 
     _assert_same(batch.run(rejection_sample_reference), batch.run(rejection_sample_triton))
 
 
-@pytest.mark.parametrize("tiers", [(64, 256), (1, 2)])
-def test_triton_equals_reference_on_drafts_at_the_keep_threshold(monkeypatch, tiers) -> None:
-    """Every draft is the token just inside or just outside its row's top-k / top-p kept set, so an accept test
-    sees a threshold off by one token (p_t > 0 against p_t = 0). Candidates sorted in registers, and (tiers (1,
-    2)) searched in their buffer for all but the smallest counts. The accept chain tests 2 drafts at a time."""
-    from kernels import rejection, rejection_triton
-
-    monkeypatch.setitem(rejection_triton.TUNING, "row_block_v", 128)
-    monkeypatch.setattr(rejection_triton, "SKETCH_GROUPS", 16)
-    monkeypatch.setattr(rejection_triton, "CANDIDATES", 64)
-    monkeypatch.setattr(rejection_triton, "SORTED_TIERS", tiers)
-    monkeypatch.setattr(rejection_triton, "ACCEPT_DRAFTS", 2)  # chains of 3 drafts in two steps
-    n = 12
-    batch = make_batch(lens=[3] * n, vocab=1000, temperature=[0.7 + 0.1 * (r % 7) for r in range(n)],
-                       top_k=[3 + r if r % 3 else 0 for r in range(n)],
-                       top_p=[0.8 if r % 2 else 1.0 for r in range(n)], seed=41)  # fmt: skip
-    lens = torch.tensor([3] * n)
-    rows = torch.arange(3 * n) + torch.arange(3 * n) // 3
-    req = torch.repeat_interleave(torch.arange(n), lens)
-    z = batch.target_logits.cpu()[rows] * rejection.inverse_temperature(batch.temperature.cpu()[req])[:, None]
-    tau = rejection.filter_thresholds(z, batch.top_k.cpu()[req], batch.top_p.cpu()[req])
-    kept = z >= tau[:, None]
-    inside = torch.where(kept, z, float("inf")).argmin(dim=1)  # the smallest kept token
-    outside = torch.where(kept, float("-inf"), z).argmax(dim=1)  # the largest dropped token
-    batch.draft_token_ids = torch.where(torch.arange(3 * n) % 2 == 0, inside, outside).to(DEVICE)
-    ref = batch.run(rejection_sample_reference)
-    assert 0 < int(ref.num_accepted.sum()) < 3 * n  # both outcomes occur
-    _assert_same(ref, batch.run(rejection_sample_triton))
-
-
 @pytest.mark.parametrize(("sparse_k", "cdf_block"), [(0, 64), (8, 64), (8, 16)])
 def test_triton_equals_reference_across_inverse_cdf_blocks(monkeypatch, sparse_k: int, cdf_block: int) -> None:
     """Draws over many inverse-CDF blocks, one of them entirely -inf (mass 0, never chosen); filtered requests
-    keep a few tokens, so most of their blocks have mass 0 too."""
+    keep a few tokens, so most of their blocks have mass 0 too (and are not read: with 16-id blocks their
+    bitmap of listed blocks spans two words)."""
     from kernels import rejection
 
     monkeypatch.setattr(rejection, "CDF_BLOCK", cdf_block)
