@@ -101,6 +101,14 @@ class DraftCost:
             if not (ok and math.isfinite(value) and value >= 0):
                 raise ValueError(f"DraftCost.{name} must be a finite number >= 0, got {value!r}")
 
+    def scaled(self, factor: float) -> DraftCost:
+        """Every term times ``factor`` (finite, > 0). Dividing both round costs by k prices the verify step k
+        times as long: Theta = tau / (T_draft + k / SPS) = k * tau / (T_draft / k + 1 / SPS), a constant factor
+        that changes no comparison Algorithm 1 or the draft gate makes (scheduler.draft_cost_estimate)."""
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"DraftCost scale factor must be a finite number > 0, got {factor!r}")
+        return DraftCost(self.fixed_s * factor, self.per_request_s * factor, self.per_token_s * factor)
+
     def seconds(self, num_requests: int, batch_tokens: np.ndarray) -> np.ndarray:
         """Draft time for each candidate batch size (vectorised over B)."""
         return self.fixed_s + self.per_request_s * num_requests + self.per_token_s * np.asarray(batch_tokens)

@@ -16,6 +16,16 @@ dropped, and least squares on the rest gives the coefficients (clamped to >= 0, 
 is reported before ``min_rounds`` drafted rounds (``draft_cost`` is None): the policy then uses the plain
 objective and never skips, exactly the behaviour without an estimate.
 
+Verify-time calibration: the SPS table is profiled at startup on idle steps (R requests over a short context,
+nothing joining), while under load every verify step is slower: longer contexts, joining prompts prefilled in
+the same pass. Measured on an H200 at 128 concurrent requests, steps took 1.6x what the table said; priced that
+cheap, the verify step's share of a round looks small next to the measured host and draft time, and the draft
+gate's choice between drafting and a plain round flipped on noise (docs/benchmarks/policies.md). Rounds that
+report their verify seconds and the table's prediction for them give ``verify_scale`` k = the median ratio of
+the window (1.0 until ``min_rounds`` such rounds; quantised to 1/32 octave so that the scheduler's per-table
+caches see few distinct costs). A policy prices the verify step k times as long by dividing both round costs
+by k (:meth:`scheduler.algorithm.DraftCost.scaled`: Theta only changes by a constant factor).
+
 Why this keeps decoding lossless: the estimate is a function of wall-clock timings and request counts of rounds
 that already finished, never of token values, so a policy that uses it still decides each round from the past
 and counts only (and Algorithm 1's allowed dependence on the current confidences); see :mod:`scheduler.policy`.
@@ -60,11 +70,28 @@ class OnlineDraftCost:
         self._cost: DraftCost | None = None
         self._no_draft = DraftCost()
         self._plain_dirty = False
+        self._verify_ratios: deque[float] = deque(maxlen=window)  # measured / predicted verify seconds
+        self._scale = 1.0
+        self._verify_dirty = False
 
-    def observe(self, num_requests: int, drafted: bool, draft_s: float, other_s: float) -> None:
-        """One finished round: R running requests, whether it drafted, its draft and other host seconds."""
+    def observe(
+        self,
+        num_requests: int,
+        drafted: bool,
+        draft_s: float,
+        other_s: float,
+        verify_s: float | None = None,
+        predicted_verify_s: float | None = None,
+    ) -> None:
+        """One finished round: R running requests, whether it drafted, its draft and other host seconds, and
+        optionally its verify seconds with the SPS table's prediction for that step (for ``verify_scale``)."""
         if num_requests < 1 or not (math.isfinite(draft_s) and math.isfinite(other_s)):
             return
+        if verify_s is not None and predicted_verify_s is not None:
+            ratio = verify_s / predicted_verify_s if predicted_verify_s > 0 else math.nan
+            if math.isfinite(ratio) and ratio > 0:
+                self._verify_ratios.append(ratio)
+                self._verify_dirty = True
         if drafted:
             self._drafted.append((int(num_requests), max(draft_s, 0.0) + max(other_s, 0.0)))
             self._since_fit += 1
@@ -89,6 +116,21 @@ class OnlineDraftCost:
             self._no_draft = DraftCost(fixed_s=float(np.median(self._plain)))
             self._plain_dirty = False
         return self._no_draft
+
+    @property
+    def verify_rounds(self) -> int:
+        """Rounds in the window that reported their verify time (for reports and tests)."""
+        return len(self._verify_ratios)
+
+    @property
+    def verify_scale(self) -> float:
+        """Measured / predicted verify time (window median, 1/32-octave steps); 1.0 before ``min_rounds``."""
+        if self._verify_dirty:
+            self._verify_dirty = False
+            if len(self._verify_ratios) >= self.min_rounds:
+                median = float(np.median(self._verify_ratios))
+                self._scale = 2.0 ** (round(32 * math.log2(median)) / 32)
+        return self._scale
 
     def _fit(self) -> DraftCost:
         data = np.array(self._drafted, dtype=np.float64)

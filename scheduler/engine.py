@@ -132,7 +132,9 @@ class SpeculativeEngine:
         self.draft = draft if policy.uses_drafter else None
         self.policy = policy
         # Past rounds' wall-clock timings only (never token values): feeding them back keeps the policy causal.
-        self._observe_round: Callable[[int, bool, float, float], None] | None = getattr(policy, "observe_round", None)
+        self._observe_round: Callable[[int, bool, float, float, float, int], None] | None = getattr(
+            policy, "observe_round", None
+        )
         self.decode = decode
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_running = max_running
@@ -346,7 +348,9 @@ class SpeculativeEngine:
             num_out = sum(map(len, map(_NEW_TOKENS, outputs)))
             self.metrics.record_round(verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out)
             if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
-                self._observe_round(len(verified), drafting, draft_s, schedule_s + time.perf_counter() - t3)
+                other_s = schedule_s + time.perf_counter() - t3
+                verify_tokens = len(verified) + int(np.add.reduce(verified_counts))  # anchors + drafts
+                self._observe_round(len(verified), drafting, draft_s, other_s, t3 - t2, verify_tokens)
         return outputs
 
     def _verify_items(

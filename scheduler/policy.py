@@ -37,15 +37,18 @@ class VerifyPolicy(Protocol):
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray: ...
 
 
-#: The scheduled policies also have ``observe_round(num_requests, drafted, draft_s, other_s)``, which the round
-#: driver calls after every round when present (a measured draft cost learns from it); the others need no timings.
+#: The scheduled policies also have ``observe_round(num_requests, drafted, draft_s, other_s, verify_s,
+#: verify_tokens)``, which the round driver calls after every round when present (a measured draft cost and the
+#: verify-time calibration learn from it); the others need no timings.
 
 
 class _MeasuredCost:
     """The draft cost a scheduled policy uses this round: fixed, or measured online by an estimator.
 
     With an ``estimator`` the cost is its current estimate (None while it warms up: the plain objective, and a
-    gate that never skips), pushed into the gate before each decision together with the no-draft overhead.
+    gate that never skips), pushed into the gate before each decision together with the no-draft overhead, both
+    divided by the estimator's verify scale k (verify steps measured k times as long as the SPS table says are
+    priced so: :meth:`DraftCost.scaled`).
     """
 
     def __init__(
@@ -56,19 +59,44 @@ class _MeasuredCost:
         self.fixed = draft_cost
         self.gate = gate
         self.estimator = estimator
+        # (estimate, no-draft overhead, scale) -> their scaled versions: the costs change every few rounds only.
+        self._scaled: tuple[DraftCost | None, DraftCost, float, DraftCost | None, DraftCost] | None = None
 
     def current(self) -> DraftCost | None:
         if self.estimator is None:
             return self.fixed
-        cost = self.estimator.draft_cost
+        cost, no_draft, scale = self.estimator.draft_cost, self.estimator.no_draft_cost, self.estimator.verify_scale
+        kept = self._scaled
+        if kept is None or kept[0] is not cost or kept[1] is not no_draft or kept[2] != scale:
+            inverse = 1.0 / scale
+            kept = self._scaled = (
+                cost,
+                no_draft,
+                scale,
+                None if cost is None else cost if scale == 1.0 else cost.scaled(inverse),
+                no_draft if scale == 1.0 else no_draft.scaled(inverse),
+            )
         if self.gate is not None:
-            self.gate.draft_cost = cost if cost is not None else DraftCost()  # zero cost: the gate never skips
-            self.gate.no_draft_cost = self.estimator.no_draft_cost
-        return cost
+            self.gate.draft_cost = kept[3] if kept[3] is not None else DraftCost()  # zero cost: never skips
+            self.gate.no_draft_cost = kept[4]
+        return kept[3]
 
-    def observe_round(self, num_requests: int, drafted: bool, draft_s: float, other_s: float) -> None:
-        if self.estimator is not None:
-            self.estimator.observe(num_requests, drafted, draft_s, other_s)
+    def observe_round(
+        self,
+        sps: SPSSource,
+        num_requests: int,
+        drafted: bool,
+        draft_s: float,
+        other_s: float,
+        verify_s: float | None,
+        verify_tokens: int | None,
+    ) -> None:
+        if self.estimator is None:
+            return
+        predicted = None
+        if verify_s is not None and verify_tokens is not None and verify_tokens >= 1:
+            predicted = float(sps.table_for(num_requests).dense_step_time(verify_tokens)[verify_tokens])
+        self.estimator.observe(num_requests, drafted, draft_s, other_s, verify_s, predicted)
 
 
 def _capped(confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
@@ -144,9 +172,18 @@ class DSparkScheduled:
     def draft_cost(self) -> DraftCost | None:
         return self._cost.current()
 
-    def observe_round(self, num_requests: int, drafted: bool, draft_s: float, other_s: float) -> None:
-        """After a round: its timings, for a measured draft cost (a no-op with a fixed one)."""
-        self._cost.observe_round(num_requests, drafted, draft_s, other_s)
+    def observe_round(
+        self,
+        num_requests: int,
+        drafted: bool,
+        draft_s: float,
+        other_s: float,
+        verify_s: float | None = None,
+        verify_tokens: int | None = None,
+    ) -> None:
+        """After a round: its timings (and its verify step's seconds and tokens, anchors + drafts), for a
+        measured draft cost and verify-time calibration (a no-op with a fixed cost)."""
+        self._cost.observe_round(self.sps, num_requests, drafted, draft_s, other_s, verify_s, verify_tokens)
 
     def should_draft(self, max_lengths: np.ndarray) -> bool:
         self._cost.current()  # refreshes the gate's costs
@@ -181,12 +218,22 @@ class DSparkAsync:
         estimator: OnlineDraftCost | None = None,
     ) -> None:
         self._scheduler = AsyncCapacityScheduler(sps, lag=lag, draft_cost=draft_cost)
+        self.sps = sps
         self.gate = gate
         self._cost = _MeasuredCost(draft_cost, gate, estimator)
 
-    def observe_round(self, num_requests: int, drafted: bool, draft_s: float, other_s: float) -> None:
-        """After a round: its timings, for a measured draft cost (a no-op with a fixed one)."""
-        self._cost.observe_round(num_requests, drafted, draft_s, other_s)
+    def observe_round(
+        self,
+        num_requests: int,
+        drafted: bool,
+        draft_s: float,
+        other_s: float,
+        verify_s: float | None = None,
+        verify_tokens: int | None = None,
+    ) -> None:
+        """After a round: its timings (and its verify step's seconds and tokens, anchors + drafts), for a
+        measured draft cost and verify-time calibration (a no-op with a fixed cost)."""
+        self._cost.observe_round(self.sps, num_requests, drafted, draft_s, other_s, verify_s, verify_tokens)
 
     def should_draft(self, max_lengths: np.ndarray) -> bool:
         self._scheduler.draft_cost = self._cost.current()

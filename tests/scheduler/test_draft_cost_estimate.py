@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import AppConfig
-from scheduler.algorithm import DraftCost
+from scheduler.algorithm import DraftCost, schedule_lengths
 from scheduler.draft_cost_estimate import OnlineDraftCost
 from scheduler.policy import DSparkAsync, DSparkScheduled, FixedLength, make_policy
 from scheduler.sps import SPSTable
@@ -153,3 +153,58 @@ def test_config_setting_defaults_to_none_and_rejects_unknown_values() -> None:
     assert AppConfig.from_args({"scheduler": {"draft_cost": "measured"}}).scheduler.draft_cost == "measured"
     with pytest.raises(ValidationError, match=r"scheduler\.draft_cost\n  Input should be 'none' or 'measured'"):
         AppConfig.from_args({"scheduler": {"draft_cost": "fast"}})
+
+
+def test_verify_scale_is_the_robust_measured_over_predicted_ratio() -> None:
+    estimator = OnlineDraftCost(min_rounds=8)
+    for _ in range(7):
+        estimator.observe(128, True, 2e-3, 1e-3, verify_s=16e-3, predicted_verify_s=10e-3)
+    assert estimator.verify_scale == 1.0 and estimator.verify_rounds == 7  # warming up
+    estimator.observe(128, False, 0.0, 1e-3, verify_s=16e-3, predicted_verify_s=10e-3)  # plain rounds count too
+    assert estimator.verify_scale == pytest.approx(1.6, rel=0.012)  # 1/32-octave steps: within 1.1%
+    for _ in range(3):  # a few prefill-heavy or paused rounds do not move the median
+        estimator.observe(128, True, 2e-3, 1e-3, verify_s=200e-3, predicted_verify_s=10e-3)
+    assert estimator.verify_scale == pytest.approx(1.6, rel=0.012)
+    for bad in ((None, 10e-3), (16e-3, None), (16e-3, 0.0), (float("nan"), 10e-3), (-1.0, 10e-3)):
+        estimator.observe(128, True, 2e-3, 1e-3, verify_s=bad[0], predicted_verify_s=bad[1])
+    assert estimator.verify_rounds == 11
+
+
+@pytest.mark.parametrize("spec", ["dspark", "dspark-async"])
+def test_policies_price_verify_steps_at_their_measured_scale(spec: str) -> None:
+    """Verify steps measured 1.6x the table: both round costs the policy and its gate use are divided by the
+    scale, which prices the verify step 1.6x as long (Theta changes by a constant factor only)."""
+    sps = _sps()
+    policy = make_policy(spec, sps, GAMMA, draft_cost="measured")
+    predicted = float(sps.dense_step_time(128 * 3)[128 * 3])
+    for drafted in [True] * 12 + [False]:
+        policy.observe_round(128, drafted, 2e-3 if drafted else 0.0, 1e-3, 1.6 * predicted, 128 * 3)
+    estimator = policy._cost.estimator
+    scale = estimator.verify_scale
+    assert scale == pytest.approx(1.6, rel=0.012)
+    assert policy._cost.current() == estimator.draft_cost.scaled(1 / scale)
+    assert policy.gate.draft_cost == estimator.draft_cost.scaled(1 / scale)
+    assert policy.gate.no_draft_cost == estimator.no_draft_cost.scaled(1 / scale)
+
+
+def test_scaled_draft_cost_decides_as_a_scaled_table() -> None:
+    """Algorithm 1 with both costs divided by k on the profiled table decides as with the table's steps k times
+    as long and the costs as measured (the constant factor of Theta), on many random rounds."""
+    rng = np.random.default_rng(7)
+    sps, cost = _sps(), DraftCost(fixed_s=2.3e-3, per_request_s=4e-6)
+    for k in (0.8, 1.25, 1.6, 2.5):
+        slow = sps.scaled(k)
+        for _ in range(300):
+            r = int(rng.integers(1, 160))
+            conf = rng.beta(5.0, 1.2, size=(r, GAMMA))
+            np.testing.assert_array_equal(
+                schedule_lengths(conf, sps, draft_cost=cost.scaled(1 / k)),
+                schedule_lengths(conf, slow, draft_cost=cost),
+            )
+
+
+def test_draft_cost_scaled_rejects_bad_factors() -> None:
+    assert DraftCost(1e-3, 2e-6, 3e-7).scaled(2.0) == DraftCost(2e-3, 4e-6, 6e-7)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="scale factor"):
+            DraftCost(1e-3).scaled(bad)

@@ -52,6 +52,9 @@ def test_measured_draft_cost_over_grpc_is_lossless(tmp_path_factory: pytest.Temp
         policy = hub._groups["v0"].backend.engine.policy
         assert isinstance(policy, DSparkScheduled) and policy.gate is not None
         assert policy.draft_cost is not None  # learned from the rounds over gRPC
+        estimator = policy._cost.estimator
+        assert estimator is not None and estimator.verify_rounds >= estimator.min_rounds  # verify times arrive
+        assert estimator.verify_scale > 0
     finally:
         hub.close()
         for server in servers:
