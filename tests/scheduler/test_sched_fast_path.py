@@ -295,12 +295,13 @@ def test_price_curves_are_cached_per_table_cost_and_shape() -> None:
 
 
 @settings(max_examples=1500, deadline=None)
-@given(confidences(max_requests=9), st.sampled_from(TABLES), st.sampled_from(COSTS))
+@given(confidences(max_requests=6), st.sampled_from(TABLES), st.sampled_from(COSTS))
 def test_scalar_walk_decides_exactly_as_the_vectorised_one(
     conf: np.ndarray, sps: SPSTable, cost: DraftCost | None
 ) -> None:
-    """Rounds of up to 64 items take the Python-float walk; forced through the numpy walk they decide the same."""
-    small = conf[:, : max(1, min(conf.shape[1], 64 // conf.shape[0]))]
+    """Small rounds take the Python-float walk; forced through the numpy walk they decide the same."""
+    limit = algorithm._SCALAR_MAX_ITEMS
+    small = conf[: min(conf.shape[0], limit), : max(1, min(conf.shape[1], limit // min(conf.shape[0], limit)))]
     assert small.size <= algorithm._SCALAR_MAX_ITEMS
     scalar = schedule_lengths(small, sps, draft_cost=cost)
     original = algorithm._SCALAR_MAX_ITEMS
