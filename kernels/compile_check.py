@@ -59,28 +59,60 @@ _CONFIGS = [
 ]  # fmt: skip
 
 
+def _skinny_signature(dtype: str, split: bool) -> dict[str, str]:
+    """The skinny GEMM's argument types: without a split the partial and counter pointers are the output's."""
+    return dict(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", y_ptr=f"*{dtype}", part_ptr="*fp32" if split else f"*{dtype}",
+                count_ptr="*i32" if split else f"*{dtype}", M="i32", N="i32", K="i32", stride_xm="i32",
+                stride_wn="i32", stride_ym="i32", up_offset="i32", blocks_per_split="i32", num_m_tiles="i32")  # fmt: skip
+
+
+def _skinny(block_m: int, split: int, gated: bool = False, residual: bool = False, even: bool = True,
+            dtype: str = "bf16", block_n: int = 64, block_k: int = 128, warps: int = 4, stages: int = 4):
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, GATED=gated, RESIDUAL=residual,
+                      EVEN=even, NATIVE_DOT=dtype != "fp32")  # fmt: skip
+    return ("_skinny_gemm_kernel", constexprs, warps, stages, _skinny_signature(dtype, split > 1), _SKINNY_ALIGNED)
+
+
+# Arguments the launcher specialises as multiples of 16 (aligned pointers; the Qwen3 shapes' N, K and strides):
+# the W and x loads are vectorised and pipelined only with that knowledge, as they are at run time.
+_SKINNY_ALIGNED = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "N", "K", "stride_xm", "stride_wn",
+                   "stride_ym", "up_offset")  # fmt: skip
+
+
+# (kernel, constexprs, num_warps, num_stages, signature, 16-divisible arguments) of kernels/skinny_gemm_triton.py: the Qwen3-4B shapes'
+# default launches (QKV / gate_up split 4-5, o_proj / down_proj with the residual add split 3-13), the sweep's
+# extremes (no split; 256-wide K steps; 8 warps, 3 stages) and a float32 model's IEEE dot
+_SKINNY_CONFIGS = [
+    _skinny(16, 5), _skinny(64, 4), _skinny(16, 1, block_k=256), _skinny(64, 1, warps=8, stages=3),
+    _skinny(16, 13, residual=True), _skinny(64, 3, residual=True), _skinny(16, 1, residual=True, block_n=32),
+    _skinny(16, 5, gated=True), _skinny(64, 2, gated=True), _skinny(32, 1, gated=True, even=False),
+    _skinny(16, 2, dtype="fp32", even=False), _skinny(16, 1, gated=True, dtype="fp32", even=False),
+]  # fmt: skip
+
+
 def compile_all(arch: int) -> list[str]:
     """Compile every configuration for ``sm_<arch>`` (raises on the first failure); one line per kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import markov_triton, rejection_triton
+    from kernels import markov_triton, rejection_triton, skinny_gemm_triton
 
     target = GPUTarget("cuda", arch, 32)
+    runs = [(name, constexprs, warps, 3, _SIGNATURES[name], ()) for name, constexprs, warps in _CONFIGS]
     lines = []
-    for name, constexprs, num_warps in _CONFIGS:
-        fn = getattr(rejection_triton, name, None) or getattr(markov_triton, name)
-        signature = {
-            arg: "constexpr" if arg in constexprs else _SIGNATURES[name][arg] for arg in fn.arg_names
-        }
+    for name, constexprs, num_warps, num_stages, types, aligned in runs + _SKINNY_CONFIGS:
+        fn = next(getattr(m, name) for m in (rejection_triton, markov_triton, skinny_gemm_triton) if hasattr(m, name))
+        signature = {arg: "constexpr" if arg in constexprs else types[arg] for arg in fn.arg_names}
+        attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in aligned}
         start = time.perf_counter()
         triton.compile(
-            ASTSource(fn, signature, constexprs),
+            ASTSource(fn, signature, constexprs, attrs),
             target=target,
-            options={"num_warps": num_warps, "enable_fp_fusion": False},
+            options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": False},
         )
-        lines.append(f"{name} {constexprs} warps={num_warps}: ok in {time.perf_counter() - start:.1f}s")
+        lines.append(f"{name} {constexprs} warps={num_warps} stages={num_stages}: "
+                     f"ok in {time.perf_counter() - start:.1f}s")  # fmt: skip
     return lines
 
 

@@ -1,0 +1,320 @@
+"""Skinny weight GEMMs for the target's verify step: ``y = x @ W^T`` with few rows, streamed at memory bandwidth.
+
+A verify step multiplies 8..64 token rows by each weight matrix once. At that height the GEMM does ~M/4 flops
+per weight byte, so its time is the time to read W: the kernel's job is to keep every SM streaming W. cuBLAS
+picks tile shapes for square problems and reaches ~70% of the copy bandwidth on these shapes (issue 11); here:
+
+* the weight tile is the MMA's tall operand (``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T``: "swap AB"), so a
+  16-row x costs no padding of W's reads, and W is loaded in wide contiguous rows of BLOCK_K elements, software
+  pipelined over ``num_stages`` shared-memory buffers, with an evict-first hint (W is read once; x and the
+  split partials stay in L2);
+* narrow outputs (o_proj and down_proj: N = 2560 at K = 4096 / 9728) are split along K into SPLIT programs per
+  output tile, so that enough programs fill the SMs; each writes its fp32 partial tile, and the last program
+  of a tile to finish (an arrival counter, reset by that program) sums the partials in split order (the result
+  does not depend on which program came last) and writes the output: one launch, deterministic;
+* epilogues fold the ops that follow: ``residual += y`` in place (down_proj / o_proj with the residual add of
+  the next norm), and for the stacked gate/up weight ``silu(gate) * up`` (the [M, I] activation is written
+  directly, the [M, 2I] projection never is).
+
+Numerics follow the modules op by op: the fp32 accumulator is rounded to the model dtype as torch's linear
+returns it, then the epilogue ops round as torch rounds each op's result (``silu`` then the product; the
+residual sum). Only the order of the fp32 dot-product sums differs from cuBLAS. Float32 models compute in
+float32 (IEEE dot, no TF32). Every kernel has a torch reference of the same signature (``*_reference``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import interpreting, launch_options
+
+MAX_ROWS = 64
+"""The target uses these kernels for steps of at most this many token rows (larger ones go to cuBLAS)."""
+
+_SHARED_MEMORY = 220 * 1024  # per SM on sm_90, as the launch heuristic budgets it
+
+COUNTER_SLOTS = 1 << 16
+"""Arrival counters per workspace: one per output tile of a split launch (int32, 256 KiB)."""
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """One launch configuration: output rows of W per program, K elements per step, K splits, warps, stages."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split: int = 1
+    warps: int = 4
+    stages: int = 4
+
+
+# (N out, K, gated, BLOCK_M) -> config, from bench/bench_skinny_gemm.py --sweep on the GPU; shapes not listed
+# use default_config. Empty until the H200 sweep has run (issue 11).
+TUNING: dict[tuple[int, int, bool, int], SkinnyConfig] = {}
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    up_offset,
+    blocks_per_split,
+    num_m_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    GATED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    EVEN: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+):
+    # Program 0 axis: output tiles, M tiles of one N tile adjacent (they read the same W tile, from L2 when
+    # several run at once); axis 1: the K split.
+    tile = tl.program_id(0)
+    pid_m = tile % num_m_tiles
+    pid_n = tile // num_m_tiles
+    pid_k = tl.program_id(1)
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok_m = rows_m < M
+    ok_n = rows_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_lo = pid_k * blocks_per_split * BLOCK_K
+    k_hi = tl.minimum(k_lo + blocks_per_split * BLOCK_K, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + offs_k
+        ok_k = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=ok_m[:, None] & ok_k[None, :], other=0.0)
+        if EVEN:
+            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=ok_n[:, None] & ok_k[None, :], other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
+        if NATIVE_DOT:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        if GATED:
+            up_rows = w_rows + up_offset * stride_wn
+            if EVEN:
+                u = tl.load(up_rows + ks[None, :], eviction_policy="evict_first")
+            else:
+                u = tl.load(up_rows + ks[None, :], mask=ok_n[:, None] & ok_k[None, :], other=0.0,
+                            eviction_policy="evict_first")  # fmt: skip
+            if NATIVE_DOT:
+                acc_up = tl.dot(u, tl.trans(x), acc_up)
+            else:
+                acc_up = tl.dot(u.to(tl.float32), tl.trans(x.to(tl.float32)), acc_up, input_precision="ieee")
+
+    # [BLOCK_N, BLOCK_M] tile of y^T: element (n, m) is y[m, n]
+    y_tile = y_ptr + rows_m.to(tl.int64)[None, :] * stride_ym + rows_n[:, None]
+    ok = ok_n[:, None] & ok_m[None, :]
+    finish = True
+    if SPLIT > 1:
+        # Write this split's partial(s); the tile's last arrival sums them in split order.
+        parts_per_split: tl.constexpr = 2 if GATED else 1
+        tile_elems: tl.constexpr = BLOCK_N * BLOCK_M
+        cell = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        base = part_ptr + tile.to(tl.int64) * (SPLIT * parts_per_split * tile_elems)
+        mine = base + pid_k * (parts_per_split * tile_elems)
+        tl.store(mine + cell, acc)
+        if GATED:
+            tl.store(mine + tile_elems + cell, acc_up)
+        tl.debug_barrier()  # every thread's partial is written before the arrival (released by the atomic)
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        finish = arrived == SPLIT - 1
+        if finish:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT):
+                part = base + s * (parts_per_split * tile_elems)
+                acc += tl.load(part + cell, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part + tile_elems + cell, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    if finish:
+        dtype = y_ptr.dtype.element_ty
+        y = acc.to(dtype).to(tl.float32)  # the projection as torch's linear returns it
+        if GATED:
+            up = acc_up.to(dtype).to(tl.float32)
+            y = (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32) * up  # act_fn(gate) * up, as HF's MLP
+        if RESIDUAL:
+            y = tl.load(y_tile, mask=ok, other=0.0).to(tl.float32) + y
+        tl.store(y_tile, y.to(dtype), mask=ok)
+
+
+def default_config(m: int, n: int, k: int, gated: bool, num_sms: int) -> SkinnyConfig:
+    """A launch for shapes the sweep has not covered: 64-row W tiles of 128 K elements, 4 stages, split along K
+    just enough that every SM gets a program and the programs come close to whole waves over the SMs (as many
+    resident per SM as shared memory holds), without programs of under 4 K steps (pipeline warm-up) or much
+    partial-sum traffic."""
+    block_m = _block_m(m)
+    cfg = SkinnyConfig(block_n=64, block_k=128, warps=4, stages=4)
+    stage_bytes = ((2 if gated else 1) * cfg.block_n + block_m) * cfg.block_k * 2
+    slots = num_sms * max(1, min(4, _SHARED_MEMORY // (cfg.stages * stage_bytes)))
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, block_m)
+    k_blocks = triton.cdiv(k, cfg.block_k)
+    best, best_score = 1, -1.0
+    for blocks in range(k_blocks, 0, -1):  # fewest splits first
+        split = triton.cdiv(k_blocks, blocks)
+        programs = tiles * split
+        if programs < num_sms and blocks > 1:  # an SM without a program streams nothing
+            continue
+        fill = programs / (triton.cdiv(programs, slots) * slots)
+        partial_traffic = 4 * block_m * split / (2 * k)  # fp32 partial bytes per weight byte
+        score = fill * min(1.0, blocks / 4) / (1 + 0.25 * partial_traffic)
+        if score > best_score + 0.02:
+            best, best_score = split, score
+    return SkinnyConfig(block_n=cfg.block_n, block_k=cfg.block_k, split=best, warps=cfg.warps, stages=cfg.stages)
+
+
+def _block_m(m: int) -> int:
+    return max(16, min(MAX_ROWS, triton.next_power_of_2(max(m, 1))))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H200's; the interpreter does not care
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def new_counters(device: torch.device | str) -> torch.Tensor:
+    """A zeroed arrival-counter buffer for split launches. The kernels leave it zeroed, so it is reused forever;
+    launches that may run concurrently (different streams) need separate buffers."""
+    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+
+
+def _default_counters(device: torch.device) -> torch.Tensor:
+    """This process's shared buffer per device, made on first use (never during a CUDA graph capture: a buffer
+    from the graph's private pool could be handed out again once the graph is gone)."""
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny GEMM: pass counters=new_counters(device), or run once before capturing")
+        _COUNTERS[device] = new_counters(device)
+    return _COUNTERS[device]
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    n: int,
+    gated: bool,
+    residual: bool,
+    counters: torch.Tensor | None,
+    config: SkinnyConfig | None,
+) -> None:
+    m, k = x.shape
+    if m == 0 or n == 0:
+        return
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("skinny GEMM: x, weight and the output need a contiguous last axis")
+    if weight.shape[-1] != k or x.dtype != weight.dtype or out.dtype != x.dtype:
+        raise ValueError(f"skinny GEMM: x {tuple(x.shape)} {x.dtype} does not fit weight "
+                         f"{tuple(weight.shape)} {weight.dtype} / output {out.dtype}")  # fmt: skip
+    block_m = _block_m(m)
+    cfg = config or TUNING.get((n, k, gated, block_m)) or default_config(m, n, k, gated, _num_sms(x.device))
+    num_m_tiles = triton.cdiv(m, block_m)
+    tiles = triton.cdiv(n, cfg.block_n) * num_m_tiles
+    k_blocks = triton.cdiv(k, cfg.block_k)
+    blocks_per_split = triton.cdiv(k_blocks, cfg.split)
+    split = triton.cdiv(k_blocks, blocks_per_split)  # no empty splits
+    if split > 1:
+        if tiles > COUNTER_SLOTS:
+            raise ValueError(f"skinny GEMM: {tiles} output tiles exceed the {COUNTER_SLOTS} arrival counters")
+        counters = counters if counters is not None else _default_counters(x.device)
+        parts = torch.empty(tiles * split * (2 if gated else 1) * cfg.block_n * block_m,
+                            dtype=torch.float32, device=x.device)  # fmt: skip
+    else:
+        counters = parts = out  # unused (never dereferenced without a split)
+    even = k % cfg.block_k == 0 and n % cfg.block_n == 0
+    native = x.dtype != torch.float32 and not interpreting()
+    _skinny_gemm_kernel[(tiles, split)](
+        x, weight, out, parts, counters,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), n if gated else 0, blocks_per_split, num_m_tiles,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, GATED=gated, RESIDUAL=residual,
+        EVEN=even, NATIVE_DOT=native, num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(),
+    )  # fmt: skip
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    *,
+    counters: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """``x @ weight^T`` (torch.nn.functional.linear without bias) for x [M, K], weight [N, K] -> [M, N].
+
+    With ``residual`` [M, N]: ``residual += x @ weight^T`` in place (the product rounded to the dtype first, as
+    ``residual + linear(x, weight)`` rounds), and residual is returned. ``counters``: see :func:`new_counters`."""
+    n = weight.shape[0]
+    out = residual if residual is not None else torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    if residual is not None and residual.shape != (x.shape[0], n):
+        raise ValueError(f"skinny_linear: residual {tuple(residual.shape)} is not [{x.shape[0]}, {n}]")
+    _launch(x, weight, out, n, False, residual is not None, counters, config)
+    return out
+
+
+def skinny_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    *,
+    counters: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """:func:`skinny_linear` in torch (``counters`` and ``config`` are ignored)."""
+    y = torch.nn.functional.linear(x, weight)
+    return y if residual is None else residual.add_(y)
+
+
+def skinny_gate_up_silu(
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    *,
+    counters: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """``silu(x @ gate^T) * (x @ up^T)`` for the stacked weight [2I, K] (gate rows first) -> [M, I]: HF's
+    ``act_fn(gate_proj(x)) * up_proj(x)`` in one kernel, without writing the [M, 2I] projection."""
+    two_i = gate_up_weight.shape[0]
+    if two_i % 2:
+        raise ValueError(f"skinny_gate_up_silu: the stacked weight needs an even row count, got {two_i}")
+    out = torch.empty((x.shape[0], two_i // 2), dtype=x.dtype, device=x.device)
+    _launch(x, gate_up_weight, out, two_i // 2, True, False, counters, config)
+    return out
+
+
+def skinny_gate_up_silu_reference(
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    *,
+    counters: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """:func:`skinny_gate_up_silu` in torch (``counters`` and ``config`` are ignored)."""
+    gate, up = torch.nn.functional.linear(x, gate_up_weight).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
