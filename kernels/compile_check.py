@@ -63,7 +63,8 @@ def _skinny_signature(dtype: str, split: bool) -> dict[str, str]:
     """The skinny GEMM's argument types: without a split the partial and counter pointers are the output's."""
     return dict(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", y_ptr=f"*{dtype}", part_ptr="*fp32" if split else f"*{dtype}",
                 count_ptr="*i32" if split else f"*{dtype}", M="i32", N="i32", K="i32", stride_xm="i32",
-                stride_wn="i32", stride_ym="i32", up_offset="i32", blocks_per_split="i32", num_m_tiles="i32")  # fmt: skip
+                stride_wn="i32", stride_ym="i32", up_offset="i32", blocks_per_split="i32",
+                num_m_tiles="i32")  # fmt: skip
 
 
 def _skinny(block_m: int, split: int, gated: bool = False, residual: bool = False, even: bool = True,
@@ -79,9 +80,9 @@ _SKINNY_ALIGNED = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "N", "K",
                    "stride_ym", "up_offset")  # fmt: skip
 
 
-# (kernel, constexprs, num_warps, num_stages, signature, 16-divisible arguments) of kernels/skinny_gemm_triton.py: the Qwen3-4B shapes'
-# default launches (QKV / gate_up split 4-5, o_proj / down_proj with the residual add split 3-13), the sweep's
-# extremes (no split; 256-wide K steps; 8 warps, 3 stages) and a float32 model's IEEE dot
+# (kernel, constexprs, num_warps, num_stages, signature, 16-divisible arguments) of kernels/skinny_gemm_triton.py:
+# the Qwen3-4B shapes' default launches (QKV / gate_up split 4-5, o_proj / down_proj with the residual add split
+# 3-13), the sweep's extremes (no split; 256-wide K steps; 8 warps, 3 stages) and a float32 model's IEEE dot
 _SKINNY_CONFIGS = [
     _skinny(16, 5), _skinny(64, 4), _skinny(16, 1, block_k=256), _skinny(64, 1, warps=8, stages=3),
     _skinny(16, 13, residual=True), _skinny(64, 3, residual=True), _skinny(16, 1, residual=True, block_n=32),
