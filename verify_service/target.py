@@ -90,6 +90,10 @@ class TargetModel:
         self._attention_backend: str | None = None
         self.fused: bool | None = None  # fused layer kernels: None = on CUDA with the triton backend
         self._fused_layers: list[_FusedLayer] | None = None
+        # Opt-in (off until measured on the GPU): the fused path's weight GEMMs and LM head run the skinny Triton
+        # GEMMs (kernels/skinny_gemm_triton.py) for passes of at most MAX_ROWS tokens; larger ones use cuBLAS.
+        self.skinny_gemm = False
+        self._skinny_counters: torch.Tensor | None = None
 
     @property
     def attention_backend(self) -> str:
@@ -301,11 +305,13 @@ class TargetModel:
         attention, o_proj, add+norm, one gate/up matmul, silu*up, down_proj (the residual add of the down
         projection is done by the next layer's add+norm). Same values as the HF-module path, op by op."""
         from kernels.fused_layer_triton import add_rms_norm, qk_norm_rope_store, silu_mul
+        from kernels.skinny_gemm_triton import MAX_ROWS, skinny_gate_up_silu, skinny_linear
 
         fused = self._fused()
         logits_rows, feature_rows = _selected_rows(input_ids, logits_rows, feature_rows)
         hf = self.hf_model.model
         num_tokens = input_ids.shape[0]
+        counters = self._skinny_workspace() if self.skinny_gemm and num_tokens <= MAX_ROWS else None
         last = self.num_layers - 1
         x = hf.embed_tokens(input_ids).contiguous()  # the residual stream, updated in place from here on
         cos, sin = hf.rotary_emb(x, meta.positions[None])
@@ -320,7 +326,10 @@ class TargetModel:
             h = add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)  # x += the previous layer's MLP
             if index - 1 in self.feature_layer_ids and index > 0:
                 collected[index - 1] = x[feature_rows]
-            qkv = torch.nn.functional.linear(h, weights.qkv)
+            if counters is None:
+                qkv = torch.nn.functional.linear(h, weights.qkv)
+            else:
+                qkv = skinny_linear(h, weights.qkv, counters=counters)
             q = qk_norm_rope_store(
                 qkv,
                 weights.qk_norm,
@@ -336,17 +345,44 @@ class TargetModel:
             )
             o = varlen_cached_attention(q, cache.k[index], cache.v[index], meta, attn.scaling)
             norm = layer.post_attention_layernorm
-            h = add_rms_norm(x, attn.o_proj(o.reshape(num_tokens, -1)), norm.weight, norm.variance_epsilon)
-            delta = layer.mlp.down_proj(silu_mul(torch.nn.functional.linear(h, weights.gate_up)))
+            if counters is None:
+                h = add_rms_norm(x, attn.o_proj(o.reshape(num_tokens, -1)), norm.weight, norm.variance_epsilon)
+                delta = layer.mlp.down_proj(silu_mul(torch.nn.functional.linear(h, weights.gate_up)))
+            else:  # the residual adds happen in the projections' epilogues, x updated in place
+                skinny_linear(o.reshape(num_tokens, -1), attn.o_proj.weight, x, counters=counters)
+                h = add_rms_norm(x, None, norm.weight, norm.variance_epsilon)
+                act = skinny_gate_up_silu(h, weights.gate_up, counters=counters)
+                skinny_linear(act, layer.mlp.down_proj.weight, x, counters=counters)
+                delta = None
         h = add_rms_norm(x, delta, hf.norm.weight, hf.norm.variance_epsilon)  # x: the last layer's output
         if last in self.feature_layer_ids:
             collected[last] = h[feature_rows]
-        return self._output(h[logits_rows], collected)
+        normed = h[logits_rows]
+        if counters is not None and normed.shape[0] <= MAX_ROWS:
+            return self._output(normed, collected, skinny_linear(normed, self.lm_head_weight, counters=counters))
+        return self._output(normed, collected)
 
-    def _output(self, normed: torch.Tensor, collected: dict[int, torch.Tensor]) -> TargetOutput:
+    def _skinny_workspace(self) -> torch.Tensor:
+        """The skinny GEMMs' arrival counters (this model's own, zeroed once; the kernels leave them zeroed),
+        after checking that the projections they replace have no bias."""
+        if self._skinny_counters is None:
+            from kernels.skinny_gemm_triton import new_counters
+
+            hf = self.hf_model
+            modules = [hf.lm_head] + [m for layer in hf.model.layers for m in (layer.self_attn.o_proj,
+                                                                                layer.mlp.down_proj)]  # fmt: skip
+            if any(m.bias is not None for m in modules):
+                raise ValueError("TargetModel: skinny GEMMs need bias-free projections (set skinny_gemm = False)")
+            self._skinny_counters = new_counters(self.device)
+        return self._skinny_counters
+
+    def _output(
+        self, normed: torch.Tensor, collected: dict[int, torch.Tensor], projected: torch.Tensor | None = None
+    ) -> TargetOutput:
         """Both layer paths end alike: logits of the final-normed rows (padded vocabulary ids never win) and the
-        chosen layers' rows concatenated in ``feature_layer_ids`` order."""
-        logits = self.hf_model.lm_head(normed).float()
+        chosen layers' rows concatenated in ``feature_layer_ids`` order. ``projected``: the LM head's output
+        for ``normed`` when the caller already computed it (the skinny GEMM)."""
+        logits = (self.hf_model.lm_head(normed) if projected is None else projected).float()
         if self.vocab_size < self.logits_width:
             logits[:, self.vocab_size :] = float("-inf")
         features = None

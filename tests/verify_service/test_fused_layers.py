@@ -26,6 +26,7 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> tuple[TargetModel, Targ
     plain = TargetModel.from_pretrained(Path(target_dir), feature_layer_ids=(-1, 0, 2), device=DEVICE)
     fused = TargetModel.from_pretrained(Path(target_dir), feature_layer_ids=(-1, 0, 2), device=DEVICE)
     plain.fused, fused.fused = False, True
+    assert not plain.skinny_gemm and not fused.skinny_gemm  # opt-in: off by default
     return plain, fused
 
 
@@ -61,3 +62,54 @@ def test_fused_generate_equals_the_module_path(targets: tuple[TargetModel, Targe
     # the projections are views into the fused weights: the HF modules still compute the same
     layer = fused.hf_model.model.layers[0]
     assert layer.self_attn.q_proj.weight.data_ptr() == fused._fused()[0].qkv.data_ptr()
+
+
+@pytest.fixture(scope="module")
+def skinny(tmp_path_factory: pytest.TempPathFactory) -> tuple[TargetModel, TargetModel]:
+    """The fused path with cuBLAS projections and with the skinny Triton GEMMs (kernels/skinny_gemm_triton.py)."""
+    spec = PairSpec(vocab=128, hidden=32, target_layers=3, block_size=5, target_layer_ids=(-1, 1), seed=11)
+    target_dir, _ = write_pair(tmp_path_factory.mktemp("skinny"), spec)
+    off, on = (TargetModel.from_pretrained(Path(target_dir), feature_layer_ids=(0, 2), device=DEVICE) for _ in "ab")
+    off.fused = on.fused = True
+    on.skinny_gemm = True
+    return off, on
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_skinny_gemms_give_the_same_forward(
+    skinny: tuple[TargetModel, TargetModel], split: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Logits, features and K/V of the switched-on path equal the switched-off one's (float32 on CPU: up to the
+    order of the fp32 sums), with and without splitting K (the tiny model's K is one default K step); a pass of
+    more than MAX_ROWS tokens falls back to cuBLAS."""
+    import kernels.skinny_gemm_triton as skinny_module
+
+    config = skinny_module.SkinnyConfig(block_n=16, block_k=16, split=split)
+    monkeypatch.setattr(skinny_module, "default_config", lambda *args: config)
+    on = skinny[1]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 1, 70)]
+    outs = []
+    for target in skinny:
+        cache = target.new_kv_cache(3, 90)
+        slots = [cache.allocate() for _ in prompts]
+        first = target.forward(cache, target.prepare(cache, list(zip(slots[:2], prompts[:2], strict=True))))
+        long = target.forward(cache, target.prepare(cache, [(slots[2], prompts[2])]))  # 70 rows: cuBLAS
+        chunks = [(slots[0], [5, 6, 7, 8]), (slots[1], [9]), (slots[2], [3, 4])]
+        verify = target.forward(cache, target.prepare(cache, chunks), logits_rows=torch.tensor([0, 4, 6]))
+        outs.append(((first, long, verify), cache, slots))
+    assert on._skinny_counters is not None and int(on._skinny_counters.abs().sum()) == 0
+    (steps_off, cache_off, slots_off), (steps_on, cache_on, slots_on) = outs
+    for a, b in zip(steps_off, steps_on, strict=True):
+        torch.testing.assert_close(a.logits, b.logits, **TOL)
+        torch.testing.assert_close(a.features, b.features, **TOL)
+    for sa, sb in zip(slots_off, slots_on, strict=True):
+        n = cache_off.length(sa)
+        torch.testing.assert_close(cache_off.k[:, sa, :n], cache_on.k[:, sb, :n], **TOL)
+        torch.testing.assert_close(cache_off.v[:, sa, :n], cache_on.v[:, sb, :n], **TOL)
+
+
+def test_skinny_gemms_give_the_same_greedy_generation(skinny: tuple[TargetModel, TargetModel]) -> None:
+    off, on = skinny
+    prompts = [[1, 2, 3], [7] * 11, [100, 3]]
+    assert on.generate(prompts, 12) == off.generate(prompts, 12)
