@@ -7,7 +7,9 @@
 # host engine policies) and what they write under OUT_DIR: tests and host -> logs.txt, kernels -> kernels.json,
 # draft -> draft_profile.json, verify -> profile_verify.json, engine -> engine_gpu.json, grpc (issue 8's CPU
 # benchmark on this machine's CPUs, a core per process) -> grpc_overhead.json, policies -> policies.json,
-# policies.log, policies_*.png. One device call brings back at most eight files: choose the stages accordingly.
+# policies.log, policies_*.png, gemm (issue 11's skinny weight GEMMs vs cuBLAS, with a launch sweep; not a default
+# stage) -> gemm.json; SKINNY=1 adds TargetModel.skinny_gemm to the verify stage (exactness, numerics, step times).
+# One device call brings back at most eight files: choose the stages accordingly.
 # Prints each stage's table as it finishes.
 set -uo pipefail
 out=${1:?usage: bench/gpu_session.sh OUT_DIR [POLICY_SWEEP_SECONDS]}
@@ -30,13 +32,16 @@ stage tests 120 python3 -m pytest -q -x -p no:cacheprovider \
   tests/draft_service/test_draft_sampling.py \
   tests/draft_service/test_draft_engine_sampling.py \
   tests/draft_service/test_draft_slot_attention.py tests/draft_service/test_draft_fused.py \
+  tests/kernels/test_kernels_skinny_gemm.py \
   2>&1 | tail -n 25 | tee "$out/logs.txt"
 stage kernels 200 python3 bench/bench_kernels.py --sweep cdf select --tune --profile --out "$out/kernels.json"
 stage draft 60 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json"
 stage host 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
   --prompt-tokens 96 --max-seq-len 456 \
   2>&1 | tail -n 20 | tee -a "$out/logs.txt"
-stage verify 150 python3 bench/profile_verify_gpu.py --fused-only --out-dir "$out"
+stage gemm 300 python3 bench/bench_skinny_gemm.py --sweep --sweep-time-s 150 --out "$out/gemm.json"
+stage verify $((150 + ${SKINNY:-0} * 60)) python3 bench/profile_verify_gpu.py --fused-only ${SKINNY:+--skinny-gemm} \
+  --out-dir "$out"
 # The standalone servers validate their flags with pydantic, which the GPU image lacks: carry
 # .gpu-ray/pydantic-py312.tar.xz (pydantic, pydantic_core, annotated_types, typing_inspection from the Ray Serve tree
 # of ../shared/wheels) for this stage.

@@ -12,7 +12,11 @@ breakdown, and the step time against the memory-bandwidth floor, fused layer ker
    torch.profiler kernel table of the same step run eagerly (mode static: the kernels the graph holds).
 4. The SPS curve of the graph step (fused): B = 1 .. 256 and a step with a joining 160-token prompt.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/profile_verify_gpu.py --out-dir $OUT
+``--skinny-gemm`` adds the fused layers with the skinny Triton GEMMs (``TargetModel.skinny_gemm``,
+kernels/skinny_gemm_triton.py) to 1 (greedy through captured graphs equals the target), 2 and 3 (rows with
+"skinny": true), so that their step time is measured against the same floor as the cuBLAS path's.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/profile_verify_gpu.py --out-dir $OUT [--fused-only] [--skinny-gemm]
 CPU smoke (small shape, static mode, no profiler table): add --small.
 """
 
@@ -60,7 +64,7 @@ def log(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- 1. exactness
-def exactness(device: torch.device, mode: str) -> dict[str, Any]:
+def exactness(device: torch.device, mode: str, skinny: bool = False) -> dict[str, Any]:
     drafter = load_draft_model(DEMO_DRAFTER, target_dir=DEMO_TARGET, device=device)
     target = TargetModel.from_pretrained(DEMO_TARGET, feature_layer_ids=drafter.config.target_layer_ids, device=device)
     sps = SPSTable([1, 8, 16, 32, 64, 128, 256], [1000, 990, 960, 900, 700, 450, 250])
@@ -68,8 +72,8 @@ def exactness(device: torch.device, mode: str) -> dict[str, Any]:
     prompts = [rng.integers(3, 4000, size=int(rng.integers(2, 60))).tolist() for _ in range(16)]
     max_tokens = [int(rng.integers(4, 40)) for _ in range(16)]
 
-    def run(graphs: str, temperature: float, fused: bool) -> list[list[int]]:
-        target.fused = fused
+    def run(graphs: str, temperature: float, fused: bool, skinny_gemm: bool = False) -> list[list[int]]:
+        target.fused, target.skinny_gemm = fused, skinny_gemm
         verify = VerifyEngine(
             target,
             12,
@@ -93,7 +97,7 @@ def exactness(device: torch.device, mode: str) -> dict[str, Any]:
             for out in engine.step():
                 outputs[out.req_id].extend(out.new_token_ids)
         replays = 0 if verify.graphs is None else verify.graphs.replays
-        log(f"exactness run graphs={graphs} T={temperature} fused={fused}: {replays} graph steps")
+        log(f"exactness run graphs={graphs} T={temperature} fused={fused} skinny={skinny_gemm}: {replays} graph steps")
         return [outputs[r] for r in order]
 
     target.fused = False  # the oracle: HF modules, eager
@@ -104,9 +108,11 @@ def exactness(device: torch.device, mode: str) -> dict[str, Any]:
         mode: run(mode, 0.0, fused),
         f"{mode}_unfused": run(mode, 0.0, False),
     }
+    if skinny and fused:
+        greedy[f"{mode}_skinny"] = run(mode, 0.0, True, skinny_gemm=True)
     sampled_graph = run(mode, 1.0, fused)
     sampled_static = run("static", 1.0, fused)
-    target.fused = None
+    target.fused, target.skinny_gemm = None, False
     return {
         "greedy_equal_target": {k: v == expected for k, v in greedy.items()},
         "sampled_graph_equals_static": sampled_graph == sampled_static,
@@ -115,28 +121,33 @@ def exactness(device: torch.device, mode: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------- 2. fused numerics
-def fused_numerics(target: TargetModel, context: int) -> dict[str, Any]:
+def fused_numerics(target: TargetModel, context: int, skinny: bool = False) -> dict[str, Any]:
     cache = target.new_kv_cache(8, context + 16)
     slots = [cache.allocate() for _ in range(8)]
     gen = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, target.vocab_size, (8, context), generator=gen).tolist()
     none = torch.empty(0, dtype=torch.int64, device=target.device)
     outs = {}
-    for fused in (False, True):
-        target.fused = fused
+    for variant in ("modules", "fused", "skinny") if skinny else ("modules", "fused"):
+        target.fused, target.skinny_gemm = variant != "modules", variant == "skinny"
         for s in slots:
             cache.truncate(s, 0)
         target.forward(cache, target.prepare(cache, list(zip(slots, prompts, strict=True))), logits_rows=none)
-        chunk = target.prepare(cache, [(s, prompts[i][:8]) for i, s in enumerate(slots)])
-        outs[fused] = target.forward(cache, chunk).logits[:, : target.vocab_size]
-    target.fused = None
-    a, b = outs[False], outs[True]
-    return {
+        chunk = target.prepare(cache, [(s, prompts[i][:8]) for i, s in enumerate(slots)])  # 64 rows: skinny
+        outs[variant] = target.forward(cache, chunk).logits[:, : target.vocab_size]
+    target.fused, target.skinny_gemm = None, False
+    a, b = outs["modules"], outs["fused"]
+    result = {
         "max_abs_logit_diff": float((a - b).abs().max()),
         "logit_scale": float(a.abs().max()),
         "argmax_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
         "rows": a.shape[0],
     }
+    if skinny:
+        c = outs["skinny"]
+        result["skinny_max_abs_logit_diff"] = float((a - c).abs().max())
+        result["skinny_argmax_agreement"] = float((a.argmax(-1) == c.argmax(-1)).float().mean())
+    return result
 
 
 # ----------------------------------------------------------------------------------- 3. step vs the floor
@@ -164,14 +175,21 @@ def kernel_table(fn, rows: int = 14) -> dict[str, Any]:
 
 
 def steps_vs_floor(
-    target: TargetModel, block: int, context: int, bandwidth: float, mode: str, fused: bool, profile: bool
+    target: TargetModel,
+    block: int,
+    context: int,
+    bandwidth: float,
+    mode: str,
+    fused: bool,
+    profile: bool,
+    skinny: bool = False,
 ) -> list[dict[str, Any]]:
-    target.fused = fused
+    target.fused, target.skinny_gemm = fused, skinny
     t0 = time.perf_counter()
     engine = VerifyEngine(target, 32, context + 2 * (block + 1), graphs=mode, max_drafts=block, graph_buckets=BUCKETS)
     runner = engine.graphs
     assert runner is not None
-    log(f"fused={fused}: {len(runner.steps)} graphs built in {time.perf_counter() - t0:.1f} s")
+    log(f"fused={fused} skinny={skinny}: {len(runner.steps)} graphs built in {time.perf_counter() - t0:.1f} s")
     items, ids = graph_verify_items(engine, 32 * (block + 1), block + 1, context)
     weights, kv_token = weight_bytes(target), kv_bytes_per_token(target)
     rows = []
@@ -192,6 +210,7 @@ def steps_vs_floor(
             floor = floor_seconds(weights, kv_token, r, context + block + 1, bandwidth)
             row = {
                 "fused": fused,
+                "skinny": skinny,
                 "requests": r,
                 "batch_tokens": r * (block + 1),
                 "device_ms": 1000 * statistics.median(devices),
@@ -211,8 +230,8 @@ def steps_vs_floor(
                 row["profile"] = kernel_table(eager)
             rows.append(row)
             log(
-                f"fused={fused} R={r}: device {row['device_ms']:.2f} ms, wall {row['wall_ms']:.2f} ms, floor "
-                f"{row['floor_ms']:.2f} ms ({row['ratio']:.2f}x)"
+                f"fused={fused} skinny={skinny} R={r}: device {row['device_ms']:.2f} ms, "
+                f"wall {row['wall_ms']:.2f} ms, floor {row['floor_ms']:.2f} ms ({row['ratio']:.2f}x)"
                 + (
                     f", {row['profile']['kernels']} kernels {row['profile']['kernel_us'] / 1000:.2f} ms"
                     if "profile" in row
@@ -223,11 +242,11 @@ def steps_vs_floor(
         for req_id in ids:
             engine.release(req_id)
         runner.timed = False
-    if fused:
+    if fused and not skinny:
         rows.append({"sps": sps_curve(engine, block, context)})
     del engine
     torch.cuda.empty_cache() if target.device.type == "cuda" else None
-    target.fused = None
+    target.fused, target.skinny_gemm = None, False
     return rows
 
 
@@ -287,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=264, help="cached tokens per request (the sweep's median)")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--fused-only", action="store_true", help="time the fused layers only (not the HF modules)")
+    parser.add_argument("--skinny-gemm", action="store_true", help="also the fused layers with the skinny Triton GEMMs")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.small
@@ -299,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(results, indent=1))
 
     try:
-        results["exactness"] = exactness(device, mode)
+        results["exactness"] = exactness(device, mode, args.skinny_gemm)
         log(f"exactness: {results['exactness']}")
     except Exception as error:  # one shot on the device: keep going with the timings
         results["exactness_error"] = repr(error)
@@ -312,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     del pair
     context = min(args.context, 64) if args.small else args.context
     if cuda:
-        results["fused_numerics"] = fused_numerics(target, context)
+        results["fused_numerics"] = fused_numerics(target, context, args.skinny_gemm)
         log(f"fused numerics: {results['fused_numerics']}")
     bandwidth = copy_bandwidth(device, 2**30 if cuda else 2**24)["bytes_per_s"]
     results["copy_bandwidth_GBps"] = bandwidth / 1e9
@@ -320,27 +340,29 @@ def main(argv: list[str] | None = None) -> int:
     log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, weights {results['weights_GB']:.2f} GB")
     save()
     results["steps"] = []
-    for fused in ((True,) if args.fused_only else (True, False)) if cuda else (False,):
+    variants = [(True, False)] if args.fused_only else [(True, False), (False, False)]
+    variants = (variants + [(True, True)] * args.skinny_gemm) if cuda else [(False, False)]
+    for fused, skinny in variants:
         try:
-            results["steps"] += steps_vs_floor(target, block, context, bandwidth, mode, fused, profile=True)
+            results["steps"] += steps_vs_floor(target, block, context, bandwidth, mode, fused, True, skinny)
         except Exception as error:
-            results.setdefault("errors", []).append(f"fused={fused}: {error!r}")
-            log(f"steps fused={fused} FAILED: {error!r}")
+            results.setdefault("errors", []).append(f"fused={fused} skinny={skinny}: {error!r}")
+            log(f"steps fused={fused} skinny={skinny} FAILED: {error!r}")
         save()
     # the table
-    print("\nR   fused  device ms  wall ms  floor ms  ratio  kernels  kernel ms")
+    print("\nR   fused  skinny  device ms  wall ms  floor ms  ratio  kernels  kernel ms")
     for row in results["steps"]:
         if "requests" not in row:
             continue
         prof = row.get("profile", {})
         print(
-            f"{row['requests']:<3} {row['fused']!s:<6} {row['device_ms']:9.2f} {row['wall_ms']:8.2f} "
-            f"{row['floor_ms']:9.2f} {row['ratio']:6.2f} {prof.get('kernels', 0):8} "
+            f"{row['requests']:<3} {row['fused']!s:<6} {row['skinny']!s:<7} {row['device_ms']:9.2f} "
+            f"{row['wall_ms']:8.2f} {row['floor_ms']:9.2f} {row['ratio']:6.2f} {prof.get('kernels', 0):8} "
             f"{prof.get('kernel_us', 0) / 1000:9.2f}"
         )
     for row in results["steps"]:
         if "profile" in row and row["requests"] in (1, 32):
-            print(f"-- top kernels, fused={row['fused']} R={row['requests']}:")
+            print(f"-- top kernels, fused={row['fused']} skinny={row['skinny']} R={row['requests']}:")
             for k in row["profile"]["top"][:10]:
                 print(f"   {k['us']:9.1f} us  x{k['count']:<5} {k['name']}")
     print(f"exactness: {results.get('exactness', results.get('exactness_error'))}")

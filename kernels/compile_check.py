@@ -82,10 +82,10 @@ _SKINNY_ALIGNED = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "N", "K",
 
 # (kernel, constexprs, num_warps, num_stages, signature, 16-divisible arguments) of kernels/skinny_gemm_triton.py:
 # the Qwen3-4B shapes' default launches (QKV / gate_up split 4-5, o_proj / down_proj with the residual add split
-# 3-13), the sweep's extremes (no split; 256-wide K steps; 8 warps, 3 stages) and a float32 model's IEEE dot
+# 6-13), the sweep's extremes (no split; 256-wide K steps; 8 warps, 3 stages) and a float32 model's IEEE dot
 _SKINNY_CONFIGS = [
     _skinny(16, 5), _skinny(64, 4), _skinny(16, 1, block_k=256), _skinny(64, 1, warps=8, stages=3),
-    _skinny(16, 13, residual=True), _skinny(64, 3, residual=True), _skinny(16, 1, residual=True, block_n=32),
+    _skinny(16, 13, residual=True), _skinny(64, 6, residual=True), _skinny(16, 1, residual=True, block_n=32),
     _skinny(16, 5, gated=True), _skinny(64, 2, gated=True), _skinny(32, 1, gated=True, even=False),
     _skinny(16, 2, dtype="fp32", even=False), _skinny(16, 1, gated=True, dtype="fp32", even=False),
 ]  # fmt: skip

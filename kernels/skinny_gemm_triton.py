@@ -24,6 +24,7 @@ float32 (IEEE dot, no TF32). Every kernel has a torch reference of the same sign
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +162,7 @@ def _skinny_gemm_kernel(
         tl.store(y_tile, y.to(dtype), mask=ok)
 
 
+@functools.cache  # called per launch: eager steps must not pay the search every time
 def default_config(m: int, n: int, k: int, gated: bool, num_sms: int) -> SkinnyConfig:
     """A launch for shapes the sweep has not covered: 64-row W tiles of 128 K elements, 4 stages, split along K
     just enough that every SM gets a program and the programs come close to whole waves over the SMs (as many
@@ -190,6 +192,7 @@ def _block_m(m: int) -> int:
     return max(16, min(MAX_ROWS, triton.next_power_of_2(max(m, 1))))
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
