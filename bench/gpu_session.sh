@@ -39,7 +39,7 @@ stage draft 60 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json
 stage host 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
   --prompt-tokens 96 --max-seq-len 456 \
   2>&1 | tail -n 20 | tee -a "$out/logs.txt"
-stage gemm 300 python3 bench/bench_skinny_gemm.py --sweep --sweep-time-s 150 --out "$out/gemm.json"
+stage gemm 270 python3 bench/bench_skinny_gemm.py --sweep --sweep-time-s 150 --out "$out/gemm.json"
 stage verify $((150 + ${SKINNY:-0} * 60)) python3 bench/profile_verify_gpu.py --fused-only ${SKINNY:+--skinny-gemm} \
   --out-dir "$out"
 # The standalone servers validate their flags with pydantic, which the GPU image lacks: carry

@@ -87,7 +87,8 @@ _SKINNY_CONFIGS = [
     _skinny(16, 5), _skinny(64, 4), _skinny(16, 1, block_k=256), _skinny(64, 1, warps=8, stages=3),
     _skinny(16, 13, residual=True), _skinny(64, 6, residual=True), _skinny(16, 1, residual=True, block_n=32),
     _skinny(16, 5, gated=True), _skinny(64, 2, gated=True), _skinny(32, 1, gated=True, even=False),
-    _skinny(16, 2, dtype="fp32", even=False), _skinny(16, 1, gated=True, dtype="fp32", even=False),
+    _skinny(16, 2, dtype="fp32", even=False, block_k=64), _skinny(64, 1, gated=True, dtype="fp32", even=False,
+                                                                 block_k=64),
 ]  # fmt: skip
 
 

@@ -53,8 +53,8 @@ class SkinnyConfig:
     stages: int = 4
 
 
-# (N out, K, gated, BLOCK_M) -> config, from bench/bench_skinny_gemm.py --sweep on the GPU; shapes not listed
-# use default_config. Empty until the H200 sweep has run (issue 11).
+# (N out, K, gated, BLOCK_M) -> config of bf16 launches, from bench/bench_skinny_gemm.py --sweep on the GPU;
+# shapes not listed (and float32 models) use default_config. Empty until the H200 sweep has run (issue 11).
 TUNING: dict[tuple[int, int, bool, int], SkinnyConfig] = {}
 
 
@@ -163,14 +163,16 @@ def _skinny_gemm_kernel(
 
 
 @functools.cache  # called per launch: eager steps must not pay the search every time
-def default_config(m: int, n: int, k: int, gated: bool, num_sms: int) -> SkinnyConfig:
-    """A launch for shapes the sweep has not covered: 64-row W tiles of 128 K elements, 4 stages, split along K
-    just enough that every SM gets a program and the programs come close to whole waves over the SMs (as many
-    resident per SM as shared memory holds), without programs of under 4 K steps (pipeline warm-up) or much
-    partial-sum traffic."""
+def default_config(m: int, n: int, k: int, gated: bool, num_sms: int, elem_bytes: int = 2) -> SkinnyConfig:
+    """A launch for shapes the sweep has not covered: 64-row W tiles of 128 K elements (64 for float32), up to 4
+    stages as shared memory allows, split along K just enough that every SM gets a program and the programs come
+    close to whole waves over the SMs (as many resident per SM as shared memory holds), without programs of under
+    4 K steps (pipeline warm-up) or much partial-sum traffic."""
     block_m = _block_m(m)
-    cfg = SkinnyConfig(block_n=64, block_k=128, warps=4, stages=4)
-    stage_bytes = ((2 if gated else 1) * cfg.block_n + block_m) * cfg.block_k * 2
+    block_n, block_k = 64, 128 if elem_bytes <= 2 else 64
+    stage_bytes = ((2 if gated else 1) * block_n + block_m) * block_k * elem_bytes
+    stages = max(1, min(4, _SHARED_MEMORY // stage_bytes))
+    cfg = SkinnyConfig(block_n=block_n, block_k=block_k, warps=4, stages=stages)
     slots = num_sms * max(1, min(4, _SHARED_MEMORY // (cfg.stages * stage_bytes)))
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, block_m)
     k_blocks = triton.cdiv(k, cfg.block_k)
@@ -237,7 +239,9 @@ def _launch(
         raise ValueError(f"skinny GEMM: x {tuple(x.shape)} {x.dtype} does not fit weight "
                          f"{tuple(weight.shape)} {weight.dtype} / output {out.dtype}")  # fmt: skip
     block_m = _block_m(m)
-    cfg = config or TUNING.get((n, k, gated, block_m)) or default_config(m, n, k, gated, _num_sms(x.device))
+    elem = x.element_size()
+    tuned = TUNING.get((n, k, gated, block_m)) if elem == 2 else None  # swept in bf16
+    cfg = config or tuned or default_config(m, n, k, gated, _num_sms(x.device), elem)
     num_m_tiles = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n) * num_m_tiles
     k_blocks = triton.cdiv(k, cfg.block_k)
