@@ -364,9 +364,13 @@ class TargetModel:
 
     def _skinny_workspace(self) -> torch.Tensor:
         """The skinny GEMMs' arrival counters (this model's own, zeroed once; the kernels leave them zeroed),
-        after checking that the projections they replace have no bias."""
+        after checking that the projections they replace have no bias. Made on an eager pass (GraphStep warms up
+        before it captures): zeroed inside a capture, they would hold garbage until the first replay."""
         if self._skinny_counters is None:
             from kernels.skinny_gemm_triton import new_counters
+
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("TargetModel: run a skinny-GEMM pass eagerly before capturing it in a graph")
 
             hf = self.hf_model
             modules = [hf.lm_head] + [m for layer in hf.model.layers for m in (layer.self_attn.o_proj,
