@@ -12,8 +12,9 @@ call on each of several copies of the weight, together >= 4x the L2 cache, so th
 from HBM as in the 36-layer model (a single 21 MB o_proj weight would otherwise stay in the 50 MB L2).
 
 ``--sweep`` first searches launch configurations per projection and row bucket (coordinate descent: the K split,
-then the tile shape, then warps x stages, from the default) and runs the table with the fastest, recorded under
-"tuning" in the JSON and printed as ``TUNING`` entries for kernels/skinny_gemm_triton.py.
+then the tile shape, then warps x stages, then TMA or cp.async loads of W, from the default) and runs the table
+with the fastest, recorded under "tuning" in the JSON and printed as ``TUNING`` entries for
+kernels/skinny_gemm_triton.py.
 
 GPU (about a minute; --sweep adds up to --sweep-time-s, mostly compilation):
     python bench/bench_skinny_gemm.py [--sweep] --out gemm.json
@@ -168,6 +169,7 @@ def sweep_configs(problem: Problem, device: torch.device, repeats: int, deadline
         lambda cfg: [replace(cfg, block_n=bn, block_k=bk, split=min(cfg.split, -(-case.k // bk)))
                      for bn, bk in ((32, 128), (64, 64), (64, 256), (128, 128))],
         lambda cfg: [replace(cfg, warps=w, stages=s) for w, s in ((4, 3), (4, 5), (8, 4))],
+        lambda cfg: [replace(cfg, tma=not cfg.tma)],  # W by TMA copies instead of cp.async vectors
     ]  # fmt: skip
     best_ms = measure(best)
     for axis in axes:
@@ -254,18 +256,19 @@ def main() -> None:
         for t in results["tuning"]:
             c = t["config"]
             print(f"    {tuple(t['key'])}: SkinnyConfig(block_n={c['block_n']}, block_k={c['block_k']}, "
-                  f"split={c['split']}, warps={c['warps']}, stages={c['stages']}),  # {t['case']} M={t['m']}: "
+                  f"split={c['split']}, warps={c['warps']}, stages={c['stages']}, tma={c['tma']}),  "
+                  f"# {t['case']} M={t['m']}: "
                   f"{t['ms'] * 1e3:.1f} us")  # fmt: skip
     print(f"\ndevice: {results['device']}  copy bandwidth: {copy_gbps:.0f} GB/s (read+write)  "
           f"torch {torch.__version__}  triton {triton.__version__}")  # fmt: skip
     print(f"{'case':<13} {'M':>4} {'torch us':>9} {'triton us':>9} {'speedup':>7} {'torch %copy':>11} "
-          f"{'triton %copy':>12} {'max|diff|':>9}  config (block_n, block_k, split, warps, stages)")  # fmt: skip
+          f"{'triton %copy':>12} {'max|diff|':>9}  config (block_n, block_k, split, warps, stages, tma)")  # fmt: skip
     for r in results["results"]:
         c = r["config"]
         print(f"{r['case']:<13} {r['m']:>4} {r['torch_ms'] * 1e3:>9.1f} {r['triton_ms'] * 1e3:>9.1f} "
               f"{r['speedup']:>6.2f}x {100 * r['torch_fraction_of_copy']:>10.0f}% "
               f"{100 * r['triton_fraction_of_copy']:>11.0f}% {r['max_abs_diff']:>9.2g}  "
-              f"({c['block_n']}, {c['block_k']}, {c['split']}, {c['warps']}, {c['stages']})")  # fmt: skip
+              f"({c['block_n']}, {c['block_k']}, {c['split']}, {c['warps']}, {c['stages']}, {c['tma']})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -68,10 +68,16 @@ def _skinny_signature(dtype: str, split: bool) -> dict[str, str]:
 
 
 def _skinny(block_m: int, split: int, gated: bool = False, residual: bool = False, even: bool = True,
-            dtype: str = "bf16", block_n: int = 64, block_k: int = 128, warps: int = 4, stages: int = 4):
+            dtype: str = "bf16", block_n: int = 64, block_k: int = 128, warps: int = 4, stages: int = 4,
+            tma: bool = False):  # fmt: skip
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, GATED=gated, RESIDUAL=residual,
-                      EVEN=even, NATIVE_DOT=dtype != "fp32")  # fmt: skip
-    return ("_skinny_gemm_kernel", constexprs, warps, stages, _skinny_signature(dtype, split > 1), _SKINNY_ALIGNED)
+                      EVEN=even, NATIVE_DOT=dtype != "fp32", TMA=tma)  # fmt: skip
+    types = _skinny_signature(dtype, split > 1)
+    aligned = _SKINNY_ALIGNED
+    if tma:  # W as a host tensor descriptor with [BLOCK_N, BLOCK_K] blocks
+        types["w_ptr"] = f"tensordesc<{dtype}[{block_n}, {block_k}]>"
+        aligned = tuple(arg for arg in aligned if arg != "w_ptr")
+    return ("_skinny_gemm_kernel", constexprs, warps, stages, types, aligned)
 
 
 # Arguments the launcher specialises as multiples of 16 (aligned pointers; the Qwen3 shapes' N, K and strides):
@@ -82,11 +88,13 @@ _SKINNY_ALIGNED = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "N", "K",
 
 # (kernel, constexprs, num_warps, num_stages, signature, 16-divisible arguments) of kernels/skinny_gemm_triton.py:
 # the Qwen3-4B shapes' default launches (QKV / gate_up split 4-5, o_proj / down_proj with the residual add split
-# 6-13), the sweep's extremes (no split; 256-wide K steps; 8 warps, 3 stages) and a float32 model's IEEE dot
+# 6-13), the sweep's extremes (no split; 256-wide K steps; 8 warps, 3 stages), W by TMA, and a float32 model's
+# IEEE dot
 _SKINNY_CONFIGS = [
     _skinny(16, 5), _skinny(64, 4), _skinny(16, 1, block_k=256), _skinny(64, 1, warps=8, stages=3),
     _skinny(16, 13, residual=True), _skinny(64, 6, residual=True), _skinny(16, 1, residual=True, block_n=32),
     _skinny(16, 5, gated=True), _skinny(64, 2, gated=True), _skinny(32, 1, gated=True, even=False),
+    _skinny(16, 5, tma=True), _skinny(16, 13, residual=True, tma=True), _skinny(64, 2, gated=True, tma=True),
     _skinny(16, 2, dtype="fp32", even=False, block_k=64), _skinny(64, 1, gated=True, dtype="fp32", even=False,
                                                                  block_k=64),
 ]  # fmt: skip

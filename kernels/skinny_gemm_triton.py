@@ -5,9 +5,10 @@ per weight byte, so its time is the time to read W: the kernel's job is to keep 
 picks tile shapes for square problems and reaches ~70% of the copy bandwidth on these shapes (issue 11); here:
 
 * the weight tile is the MMA's tall operand (``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T``: "swap AB"), so a
-  16-row x costs no padding of W's reads, and W is loaded in wide contiguous rows of BLOCK_K elements, software
-  pipelined over ``num_stages`` shared-memory buffers, with an evict-first hint (W is read once; x and the
-  split partials stay in L2);
+  16-row x costs no padding of W's reads, and W is loaded in wide contiguous rows of BLOCK_K elements (16-byte
+  cp.async vectors with an evict-first hint, W being read once while x and the split partials stay in L2; or,
+  ``tma=True``, one TMA copy per tile from a host tensor descriptor), software pipelined over ``num_stages``
+  shared-memory buffers;
 * narrow outputs (o_proj and down_proj: N = 2560 at K = 4096 / 9728) are split along K into SPLIT programs per
   output tile, so that enough programs fill the SMs; each writes its fp32 partial tile, and the last program
   of a tile to finish (an arrival counter, reset by that program) sums the partials in split order (the result
@@ -31,6 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host tensor descriptors: launches with tma=True are refused
+    TensorDescriptor = None
+
 from kernels.launch import interpreting, launch_options
 
 MAX_ROWS = 64
@@ -44,18 +50,35 @@ COUNTER_SLOTS = 1 << 16
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """One launch configuration: output rows of W per program, K elements per step, K splits, warps, stages."""
+    """One launch configuration: output rows of W per program, K elements per step, K splits, warps, stages,
+    and whether W is read by TMA (a host tensor descriptor) instead of cp.async vector loads."""
 
     block_n: int = 64
     block_k: int = 128
     split: int = 1
     warps: int = 4
     stages: int = 4
+    tma: bool = False
 
 
 # (N out, K, gated, BLOCK_M) -> config of bf16 launches, from bench/bench_skinny_gemm.py --sweep on the GPU;
 # shapes not listed (and float32 models) use default_config. Empty until the H200 sweep has run (issue 11).
 TUNING: dict[tuple[int, int, bool, int], SkinnyConfig] = {}
+
+
+@triton.jit
+def _w_tile(w_ptr, row0, rows, ok_rows, k0, ks, ok_k, stride_wn, TMA: tl.constexpr, EVEN: tl.constexpr):
+    """W[row0 : row0 + BLOCK_N, k0 : k0 + BLOCK_K]: one TMA copy of a tensor descriptor, or 16-byte vector
+    loads (unmasked when the shape tiles evenly), evict-first either way (W is read once)."""
+    if TMA:
+        w = w_ptr.load([row0, k0])  # out-of-range rows / columns read as zero
+    else:
+        ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+        if EVEN:
+            w = tl.load(ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(ptrs, mask=ok_rows[:, None] & ok_k[None, :], other=0.0, eviction_policy="evict_first")
+    return w
 
 
 @triton.jit
@@ -82,7 +105,9 @@ def _skinny_gemm_kernel(
     RESIDUAL: tl.constexpr,
     EVEN: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
+    # w_ptr: a pointer, or with TMA a tensor descriptor of W [rows, K] with blocks [BLOCK_N, BLOCK_K].
     # Program 0 axis: output tiles, M tiles of one N tile adjacent (they read the same W tile, from L2 when
     # several run at once); axis 1: the K split.
     tile = tl.program_id(0)
@@ -94,7 +119,6 @@ def _skinny_gemm_kernel(
     ok_m = rows_m < M
     ok_n = rows_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -104,22 +128,14 @@ def _skinny_gemm_kernel(
         ks = k0 + offs_k
         ok_k = ks < K
         x = tl.load(x_rows + ks[None, :], mask=ok_m[:, None] & ok_k[None, :], other=0.0)
-        if EVEN:
-            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + ks[None, :], mask=ok_n[:, None] & ok_k[None, :], other=0.0,
-                        eviction_policy="evict_first")  # fmt: skip
+        w = _w_tile(w_ptr, pid_n * BLOCK_N, rows_n, ok_n, k0, ks, ok_k, stride_wn, TMA, EVEN)
         if NATIVE_DOT:
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         if GATED:
-            up_rows = w_rows + up_offset * stride_wn
-            if EVEN:
-                u = tl.load(up_rows + ks[None, :], eviction_policy="evict_first")
-            else:
-                u = tl.load(up_rows + ks[None, :], mask=ok_n[:, None] & ok_k[None, :], other=0.0,
-                            eviction_policy="evict_first")  # fmt: skip
+            u = _w_tile(w_ptr, up_offset + pid_n * BLOCK_N, up_offset + rows_n, ok_n, k0, ks, ok_k, stride_wn, TMA,
+                        EVEN)  # fmt: skip
             if NATIVE_DOT:
                 acc_up = tl.dot(u, tl.trans(x), acc_up)
             else:
@@ -257,11 +273,16 @@ def _launch(
         counters = parts = out  # unused (never dereferenced without a split)
     even = k % cfg.block_k == 0 and n % cfg.block_n == 0
     native = x.dtype != torch.float32 and not interpreting()
+    w_arg = weight
+    if cfg.tma:
+        if TensorDescriptor is None:
+            raise RuntimeError(f"skinny GEMM: this Triton ({triton.__version__}) has no host tensor descriptors")
+        w_arg = TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.block_k])
     _skinny_gemm_kernel[(tiles, split)](
-        x, weight, out, parts, counters,
+        x, w_arg, out, parts, counters,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), n if gated else 0, blocks_per_split, num_m_tiles,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, GATED=gated, RESIDUAL=residual,
-        EVEN=even, NATIVE_DOT=native, num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(),
+        EVEN=even, NATIVE_DOT=native, TMA=cfg.tma, num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(),
     )  # fmt: skip
 
 

@@ -25,8 +25,9 @@ CASES = [
     (5, 96, 200, SkinnyConfig(block_n=32, block_k=64, split=3)),
     (16, 40, 256, SkinnyConfig(block_n=16, block_k=32, split=4)),
     (70, 48, 96, SkinnyConfig(block_n=16, block_k=32, split=2)),
+    (5, 96, 200, SkinnyConfig(block_n=32, block_k=64, split=3, tma=True)),  # W through a tensor descriptor
 ]
-IDS = [f"m{m}-n{n}-k{k}-split{c.split}" for m, n, k, c in CASES]
+IDS = [f"m{m}-n{n}-k{k}-split{c.split}" + "-tma" * c.tma for m, n, k, c in CASES]
 
 
 def _inputs(m: int, n: int, k: int, dtype: torch.dtype, rows: int | None = None, seed: int = 0):
