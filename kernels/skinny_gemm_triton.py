@@ -69,7 +69,7 @@ TUNING: dict[tuple[int, int, bool, int], SkinnyConfig] = {}
 @triton.jit
 def _w_tile(w_ptr, row0, rows, ok_rows, k0, ks, ok_k, stride_wn, TMA: tl.constexpr, EVEN: tl.constexpr):
     """W[row0 : row0 + BLOCK_N, k0 : k0 + BLOCK_K]: one TMA copy of a tensor descriptor, or 16-byte vector
-    loads (unmasked when the shape tiles evenly), evict-first either way (W is read once)."""
+    loads (unmasked when the shape tiles evenly) with an evict-first hint (W is read once)."""
     if TMA:
         w = w_ptr.load([row0, k0])  # out-of-range rows / columns read as zero
     else:
