@@ -39,7 +39,7 @@ stage host 75 python3 -m bench.profile_engine_host --device cuda --requests 32 1
 stage verify 150 python3 bench/profile_verify_gpu.py --fused-only --out-dir "$out"
 # The standalone servers validate their flags with pydantic, which the GPU image lacks: carry
 # .gpu-ray/pydantic-py312.tar.xz (pydantic, pydantic_core, annotated_types, typing_inspection from the Ray Serve tree
-# of ../shared/wheels) for this stage.
+# of ../shared/wheels; `bash bench/make_gpu_pydantic.sh` builds it) for this stage.
 [[ -f .gpu-ray/pydantic-py312.tar.xz ]] && mkdir -p /tmp/pyd && tar xJf .gpu-ray/pydantic-py312.tar.xz -C /tmp/pyd
 stage grpc 150 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/pyd python3 bench/bench_grpc_overhead.py --concurrency 8 \
   --max-tokens 64 --repeats "${GRPC_REPEATS:-21}" --sps docs/benchmarks/sps_cpu_demo.json --out "$out/grpc_overhead.json" \
