@@ -6,7 +6,9 @@
 # carrying the prompt sets in .data/prompts (humaneval.jsonl, mbpp.jsonl). Stages (default: tests kernels draft
 # host engine policies) and what they write under OUT_DIR: tests and host -> logs.txt, kernels -> kernels.json,
 # draft -> draft_profile.json, verify -> profile_verify.json, engine -> engine_gpu.json, grpc (issue 8's CPU
-# benchmark on this machine's CPUs, a core per process) -> grpc_overhead.json, policies -> policies.json,
+# benchmark on this machine's CPUs, a core per process) -> grpc_overhead.json, disagg (issue 12's single-GPU
+# shape: drafter and verifier as separate server processes on this one GPU, against both in one process; needs
+# the pydantic tree too) -> disagg.json, disagg_throughput.png, policies -> policies.json,
 # policies.log, policies_*.png. One device call brings back at most eight files: choose the stages accordingly.
 # Prints each stage's table as it finishes.
 set -uo pipefail
@@ -44,6 +46,9 @@ stage verify 150 python3 bench/profile_verify_gpu.py --fused-only --out-dir "$ou
 stage grpc 150 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/pyd python3 bench/bench_grpc_overhead.py --concurrency 8 \
   --max-tokens 64 --repeats "${GRPC_REPEATS:-21}" --sps docs/benchmarks/sps_cpu_demo.json --out "$out/grpc_overhead.json" \
   2>&1 | tail -n 40 | tee -a "$out/logs.txt"
+stage disagg 240 env PYTHONPATH=.:/tmp/pyd python3 bench/bench_disagg.py --shape qwen3-4b --draft-device cuda:0 \
+  --verify-device cuda:0 --prompts-dir .data/prompts --out-dir "$out" --concurrency 1 8 32 \
+  --policies autoregressive full dspark --groups 1 2 --warmup-s 1 --measure-s 5 2>&1 | tail -n 40 | tee -a "$out/logs.txt"
 stage engine 90 python3 -m bench.bench_engine_gpu --requests 1 8 32 128 --rounds 15 --warmup 3 \
   --out "$out/engine_gpu.json"
 stage policies $((sweep_s + 30)) python3 bench/bench_policies_gpu.py --prompts-dir .data/prompts \
