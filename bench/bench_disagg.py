@@ -82,13 +82,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--measure-s", type=float, default=8.0)
     p.add_argument("--sps", type=Path, default=None, help="SPS table JSON (default: profiled on the verify device)")
+    p.add_argument("--graphs", choices=("off", "static", "capture"), default="off",
+                   help="engine steps in both layouts (the servers get the same flag): eager (off, the default: the "
+                   "profiled SPS table is an eager one), bucketed steps eagerly (static) or as CUDA graphs (capture)")
     p.add_argument("--out-dir", type=Path, required=True)
     return p.parse_args(argv)
 
 
 @contextmanager
 def _server(kind: str, target: Path, drafter: Path, device: str, dtype: str, sps: Path, slots: int,
-            transport: str) -> Iterator[str]:
+            transport: str, graphs: str) -> Iterator[str]:
     """A standalone ``dspark`` server process pinned to ``device``; yields its gRPC address."""
     path = os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))  # keep a carried site tree
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -97,7 +100,8 @@ def _server(kind: str, target: Path, drafter: Path, device: str, dtype: str, sps
         device = "cuda"
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--target", str(target), "--draft", str(drafter),
            "--sps", str(sps), "--max-requests", str(slots), "--max-seq-len", str(MAX_SEQ_LEN), "--device", device,
-           "--dtype", dtype, "--grpc-port", "0", "--log-level", "warning", "--feature-transport", transport]
+           "--dtype", dtype, "--grpc-port", "0", "--log-level", "warning", "--feature-transport", transport,
+           "--graphs", graphs]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         address = _wait_listening(proc, kind)
@@ -240,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         print(HEADER, flush=True)
         with tqdm(total=cells, desc="cells", unit="cell") as bar:
             if "colocated" in args.layouts:
-                verify = VerifyEngine(target, slots, MAX_SEQ_LEN, max_drafts=block)
-                draft = DraftEngine(drafter, slots, MAX_SEQ_LEN, calibration=load_calibration(drafter_dir))
+                verify = VerifyEngine(target, slots, MAX_SEQ_LEN, max_drafts=block, graphs=args.graphs,
+                                      graph_prefill_rows=0 if args.graphs == "off" else 512)
+                draft = DraftEngine(drafter, slots, MAX_SEQ_LEN, calibration=load_calibration(drafter_dir),
+                                    graphs=args.graphs)
                 results["rows"] += _cells(
                     "colocated", lambda p, g: _driver(verify, draft, p, sps, block, g, eos), args, mix, None, bar)
                 del verify, draft
@@ -251,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             if "processes" in args.layouts:
                 with (
                     _server("draft-server", target_dir, draft_dir, args.draft_device, dtype, sps_path, slots,
-                            args.feature_transport) as da,
+                            args.feature_transport, args.graphs) as da,
                     _server("verify-server", target_dir, draft_dir, args.verify_device, dtype, sps_path, slots,
-                            args.feature_transport) as va,
+                            args.feature_transport, args.graphs) as va,
                 ):
                     pool = DrafterPool([da])
                     remote = RemoteVerifier(va, pool.route_of)

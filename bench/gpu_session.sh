@@ -6,7 +6,9 @@
 # carrying the prompt sets in .data/prompts (humaneval.jsonl, mbpp.jsonl). Stages (default: tests kernels draft
 # host engine policies) and what they write under OUT_DIR: tests and host -> logs.txt, kernels -> kernels.json,
 # draft -> draft_profile.json, verify -> profile_verify.json, engine -> engine_gpu.json, grpc (issue 8's CPU
-# benchmark on this machine's CPUs, a core per process) -> grpc_overhead.json, policies -> policies.json,
+# benchmark on this machine's CPUs, a core per process) -> grpc_overhead.json, disagg (issue 12's single-GPU
+# shape: drafter and verifier as separate server processes on this one GPU, against both in one process; needs
+# the pydantic tree too) -> disagg.json, disagg_throughput.png, policies -> policies.json,
 # policies.log, policies_*.png, gemm (issue 11's skinny weight GEMMs vs cuBLAS, with a launch sweep; not a default
 # stage) -> gemm.json; SKINNY=1 adds TargetModel.skinny_gemm to the verify stage (exactness, numerics, step times).
 # One device call brings back at most eight files: choose the stages accordingly.
@@ -44,11 +46,14 @@ stage verify $((150 + ${SKINNY:-0} * 60)) python3 bench/profile_verify_gpu.py --
   --out-dir "$out"
 # The standalone servers validate their flags with pydantic, which the GPU image lacks: carry
 # .gpu-ray/pydantic-py312.tar.xz (pydantic, pydantic_core, annotated_types, typing_inspection from the Ray Serve tree
-# of ../shared/wheels) for this stage.
+# of ../shared/wheels; `bash bench/make_gpu_pydantic.sh` builds it) for this stage.
 [[ -f .gpu-ray/pydantic-py312.tar.xz ]] && mkdir -p /tmp/pyd && tar xJf .gpu-ray/pydantic-py312.tar.xz -C /tmp/pyd
 stage grpc 150 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/pyd python3 bench/bench_grpc_overhead.py --concurrency 8 \
   --max-tokens 64 --repeats "${GRPC_REPEATS:-21}" --sps docs/benchmarks/sps_cpu_demo.json --out "$out/grpc_overhead.json" \
   2>&1 | tail -n 40 | tee -a "$out/logs.txt"
+stage disagg 240 env PYTHONPATH=.:/tmp/pyd python3 bench/bench_disagg.py --shape qwen3-4b --draft-device cuda:0 \
+  --verify-device cuda:0 --prompts-dir .data/prompts --out-dir "$out" --concurrency 1 8 32 \
+  --policies autoregressive full dspark --groups 1 2 --warmup-s 1 --measure-s 5 2>&1 | tail -n 40 | tee -a "$out/logs.txt"
 stage engine 90 python3 -m bench.bench_engine_gpu --requests 1 8 32 128 --rounds 15 --warmup 3 \
   --out "$out/engine_gpu.json"
 stage policies $((sweep_s + 30)) python3 bench/bench_policies_gpu.py --prompts-dir .data/prompts \

@@ -18,7 +18,7 @@ from draft_service.engine import DraftEngine
 from scheduler.sps import SPSSource, load_sps_file
 from scheduler.sts import STSCalibration
 from verify_service.engine import VerifyEngine
-from verify_service.profiling import profile_target_sps
+from verify_service.profiling import profile_graph_sps_by_requests, profile_target_sps
 from verify_service.target import TargetModel
 
 if TYPE_CHECKING:
@@ -39,6 +39,23 @@ def draft_layer_ids(config: AppConfig) -> tuple[int, ...]:
     return tuple(DraftConfig.from_json(Path(config.models.draft) / "config.json").target_layer_ids)
 
 
+def graph_mode(config: AppConfig) -> str:
+    """The engines' step mode: ``engine.graphs``, with ``auto`` = capture on CUDA, off elsewhere."""
+    mode = config.engine.graphs
+    if mode == "auto":
+        return "capture" if torch.device(config.models.device).type == "cuda" else "off"
+    return mode
+
+
+def drafter_block_size(config: AppConfig) -> int:
+    """The drafter's block size gamma (1 without a drafter: verify items are then the anchor alone)."""
+    if config.models.draft is None:
+        return 1
+    from draft_service.config import DraftConfig
+
+    return DraftConfig.from_json(Path(config.models.draft) / "config.json").block_size
+
+
 def build_verify_engine(config: AppConfig) -> VerifyEngine:
     target = TargetModel.from_pretrained(
         config.models.target,
@@ -46,7 +63,18 @@ def build_verify_engine(config: AppConfig) -> VerifyEngine:
         dtype=_DTYPES[config.models.dtype],
         device=config.models.device,
     )
-    return VerifyEngine(target, config.engine.max_requests, config.engine.max_seq_len)
+    graphs = graph_mode(config)
+    if graphs == "off":
+        return VerifyEngine(target, config.engine.max_requests, config.engine.max_seq_len)
+    return VerifyEngine(
+        target,
+        config.engine.max_requests,
+        config.engine.max_seq_len,
+        graphs=graphs,
+        max_drafts=drafter_block_size(config),
+        draft_top_k=config.engine.draft_top_k,
+        graph_prefill_rows=config.engine.graph_prefill_rows,
+    )
 
 
 def verifier_projects(config: AppConfig) -> bool:
@@ -75,14 +103,27 @@ def build_draft_engine(config: AppConfig) -> DraftEngine:
         draft_top_k=config.engine.draft_top_k,
         calibration=calibration,
         projected_context=verifier_projects(config),
+        graphs=graph_mode(config),
     )
+
+
+def profiled_request_counts(max_requests: int) -> list[int]:
+    """The request counts a bucketed verifier profiles SPS tables at: powers of two below ``max_requests``, and
+    ``max_requests`` itself (a round of R requests is priced with the table of the smallest count >= R)."""
+    return sorted({*(1 << i for i in range(max(max_requests, 1).bit_length()) if 1 << i < max_requests), max_requests})
 
 
 def load_or_profile_sps(config: AppConfig, verify: VerifyEngine, block_size: int) -> SPSSource:
     """The SPS table(s) for this verifier: from the configured file (a token table or tables by request count),
-    else a token table profiled now (seconds on CPU)."""
+    else profiled now: with bucketed steps (graphs) tables by request count of the step the engine runs, else a
+    token table of eager target passes (seconds on CPU)."""
     if config.models.sps:
         return load_sps_file(config.models.sps)
+    if verify.graphs is not None:
+        counts = profiled_request_counts(config.engine.max_requests)
+        logger.info("profiling SPS(B) of the graph step at %s requests (no models.sps configured)", counts)
+        tables, _ = profile_graph_sps_by_requests(verify, chunk=block_size + 1, request_counts=counts)
+        return tables
     logger.info("profiling SPS(B) of the target (no models.sps configured)")
     max_tokens = config.engine.max_requests * (block_size + 1)
     return profile_target_sps(verify.target, chunk=block_size + 1, max_batch_tokens=max_tokens, progress=False)
@@ -94,15 +135,11 @@ def build_verifier_service(config: AppConfig) -> VerifierService:
     The same for a Ray Serve replica and a standalone ``dspark verify-server``; the table travels in the
     service's ``Info`` so a scheduler learns it with the replica's address.
     """
-    from draft_service.config import DraftConfig
     from draft_service.projection import load_context_projection
     from verify_service.rpc_service import VerifierService
 
     engine = build_verify_engine(config)
-    block = 1
-    if config.models.draft is not None:
-        block = DraftConfig.from_json(Path(config.models.draft) / "config.json").block_size
-    sps = load_or_profile_sps(config, engine, block).to_dict()
+    sps = load_or_profile_sps(config, engine, drafter_block_size(config)).to_dict()
     projection = None
     if verifier_projects(config):
         assert config.models.draft is not None

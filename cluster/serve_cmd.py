@@ -61,7 +61,7 @@ def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
             "device": args.device or "cpu",
             "dtype": args.dtype or "float32",
         },
-        "engine": {"max_requests": args.max_requests, "draft_top_k": args.draft_top_k},
+        "engine": {"max_requests": args.max_requests, "draft_top_k": args.draft_top_k, "graphs": args.graphs},
         "scheduler": {"policy": args.policy, "draft_cost": args.draft_cost},
         "network": {"api_key": args.api_key},
     }

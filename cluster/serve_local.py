@@ -70,6 +70,13 @@ def add_local_arguments(parser: argparse.ArgumentParser) -> None:
         help="slot length = max prompt + completion tokens (default: the target's context, at most 2048)",
     )
     parser.add_argument("--draft-top-k", type=int, default=16, help="draft distribution support sent to the verifier")
+    parser.add_argument(
+        "--graphs",
+        choices=("auto", "capture", "static", "off"),
+        default="auto",
+        help="verify / draft steps: CUDA graphs of bucketed steps (capture), the same steps eagerly (static), "
+        "eager (off); auto: capture on CUDA, off on CPU",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on GPU")
     parser.add_argument(
@@ -112,6 +119,7 @@ def load_local_backend(
     dtype: str = "float32",
     model_name: str = DEFAULT_MODEL_NAME,
     tokenizer: Any = None,
+    graphs: str = "auto",
 ) -> LocalBackend:
     """Load the models, build the engines and start a :class:`LocalBackend` (its loop thread runs from here).
 
@@ -142,17 +150,19 @@ def load_local_backend(
     target_model = TargetModel.from_pretrained(target, feature_ids, dtype=torch_dtype, device=device)
     if max_seq_len is None:
         max_seq_len = min(target_model.max_context_len, 2048)
-    verify = VerifyEngine(target_model, max_requests=max_requests, max_seq_len=max_seq_len)
+    if graphs == "auto":
+        graphs = "capture" if torch.device(device).type == "cuda" else "off"
+    block_size = 1 if draft_model is None else draft_model.config.block_size
+    bucketed = {} if graphs == "off" else {"graphs": graphs, "max_drafts": block_size, "draft_top_k": draft_top_k}
+    verify = VerifyEngine(target_model, max_requests=max_requests, max_seq_len=max_seq_len, **bucketed)
     drafter = None
-    block_size = 1
     if draft_model is not None:
         from scheduler.sts import STSCalibration
 
         sts_path = Path(draft) / "sts.json"  # type: ignore[arg-type]
         calibration = STSCalibration.load(sts_path) if sts_path.exists() else None
         drafter = DraftEngine(draft_model, max_requests=max_requests, max_seq_len=max_seq_len,
-                              draft_top_k=draft_top_k, calibration=calibration)
-        block_size = drafter.block_size
+                              draft_top_k=draft_top_k, calibration=calibration, graphs=graphs)
     if sps is None and policy.startswith("dspark"):
         logger.warning(
             "no --sps table given: policy %s uses the built-in conservative default (flat to 8 tokens, then "
@@ -196,6 +206,7 @@ def run_local(args: argparse.Namespace) -> int:
             max_requests=args.max_requests,
             max_seq_len=args.max_seq_len,
             draft_top_k=args.draft_top_k,
+            graphs=args.graphs,
             device=device,
             dtype=dtype,
             model_name=model_name,

@@ -143,7 +143,27 @@ class FixedLength:
         return np.minimum(np.minimum(self.n, confidences.shape[1]), max_lengths).astype(np.int64)
 
 
-class DSparkScheduled:
+class _LearnsRoundCosts:
+    """What both scheduled policies share: the round driver reports every finished round to them."""
+
+    sps: SPSSource
+    _cost: _MeasuredCost
+
+    def observe_round(
+        self,
+        num_requests: int,
+        drafted: bool,
+        draft_s: float,
+        other_s: float,
+        verify_s: float | None = None,
+        verify_tokens: int | None = None,
+    ) -> None:
+        """After a round: its timings (and its verify step's seconds and tokens, anchors + drafts), for a
+        measured draft cost and verify-time calibration (a no-op with a fixed cost)."""
+        self._cost.observe_round(self.sps, num_requests, drafted, draft_s, other_s, verify_s, verify_tokens)
+
+
+class DSparkScheduled(_LearnsRoundCosts):
     """Algorithm 1: global greedy admission by prefix survival probability with the causal early stop.
 
     With a ``gate`` (:class:`scheduler.draft_gate.DraftGate`) a round may also skip the drafter when a plain
@@ -172,19 +192,6 @@ class DSparkScheduled:
     def draft_cost(self) -> DraftCost | None:
         return self._cost.current()
 
-    def observe_round(
-        self,
-        num_requests: int,
-        drafted: bool,
-        draft_s: float,
-        other_s: float,
-        verify_s: float | None = None,
-        verify_tokens: int | None = None,
-    ) -> None:
-        """After a round: its timings (and its verify step's seconds and tokens, anchors + drafts), for a
-        measured draft cost and verify-time calibration (a no-op with a fixed cost)."""
-        self._cost.observe_round(self.sps, num_requests, drafted, draft_s, other_s, verify_s, verify_tokens)
-
     def should_draft(self, max_lengths: np.ndarray) -> bool:
         self._cost.current()  # refreshes the gate's costs
         return self.gate is None or self.gate.should_draft(max_lengths)
@@ -198,7 +205,7 @@ class DSparkScheduled:
         return lengths
 
 
-class DSparkAsync:
+class DSparkAsync(_LearnsRoundCosts):
     """The asynchronous variant: capacity planned from an earlier round, current round admits the top-K.
 
     With a ``gate`` a round may skip the drafter (as :class:`DSparkScheduled`); a skipped round drops the
@@ -221,19 +228,6 @@ class DSparkAsync:
         self.sps = sps
         self.gate = gate
         self._cost = _MeasuredCost(draft_cost, gate, estimator)
-
-    def observe_round(
-        self,
-        num_requests: int,
-        drafted: bool,
-        draft_s: float,
-        other_s: float,
-        verify_s: float | None = None,
-        verify_tokens: int | None = None,
-    ) -> None:
-        """After a round: its timings (and its verify step's seconds and tokens, anchors + drafts), for a
-        measured draft cost and verify-time calibration (a no-op with a fixed cost)."""
-        self._cost.observe_round(self.sps, num_requests, drafted, draft_s, other_s, verify_s, verify_tokens)
 
     def should_draft(self, max_lengths: np.ndarray) -> bool:
         self._scheduler.draft_cost = self._cost.current()
