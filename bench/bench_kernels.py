@@ -32,9 +32,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -47,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout: use this checkout's kernels
     sys.path.insert(0, str(ROOT))
 
+from bench.timing import copy_bandwidth, graph_timed, timed  # noqa: E402
+
 FULL = dict(requests=256, gamma=8, vocab=151936, sparse_k=64, markov_requests=128, markov_gamma=7, rank=256)
 SMALL = dict(requests=4, gamma=3, vocab=256, sparse_k=8, markov_requests=4, markov_gamma=2, rank=16)
 REJECTION_SETTINGS = {
@@ -57,48 +57,6 @@ REJECTION_SETTINGS = {
 }
 REJECTION_ARGS = ("target_logits", "draft_token_ids", "draft_probs", "cu_draft_lens", "temperature", "top_k",
                   "top_p", "seeds", "positions")  # fmt: skip
-
-
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
-    """Median time of ``fn`` in milliseconds (CUDA events on GPU, wall clock on CPU)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
-
-
-def graph_timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median time of one replay of ``fn`` captured in a CUDA graph, as the engines run the samplers."""
-    fn()  # compile outside the capture
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return timed(graph.replay, device, repeats)
-
-
-def copy_bandwidth(num_bytes: int, device: torch.device, repeats: int) -> float:
-    """Device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    ms = timed(partial(dst.copy_, src), device, repeats)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
 def rejection_inputs(shape: dict, device: torch.device, setting: tuple, seed: int) -> dict[str, Any]:

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +41,8 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout: use this checkout's kernels
     sys.path.insert(0, str(ROOT))
+
+from bench.timing import copy_bandwidth, graph_timed, timed  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -65,26 +66,6 @@ SMALL = [Case("qkv", 96, 64), Case("o_proj", 64, 128), Case("gate_up+silu", 64, 
 ROWS = [8, 16, 32, 64, 256]
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on GPU, wall clock on CPU)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
-
-
 def per_call_ms(fn: Callable[[int], object], copies: int, device: torch.device, repeats: int) -> float:
     """Milliseconds per call of ``fn(i)`` over the weight copies i = 0..copies-1, replayed from one CUDA graph
     (eager on CPU)."""
@@ -94,24 +75,7 @@ def per_call_ms(fn: Callable[[int], object], copies: int, device: torch.device, 
 
     if device.type != "cuda":
         return timed(run_all, device, repeats, warmup=1) / copies
-    run_all()  # compile and allocate outside the capture
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        run_all()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_all()
-    return timed(graph.replay, device, repeats) / copies
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> float:
-    """Device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    ms = timed(lambda: dst.copy_(src), device, repeats)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+    return graph_timed(run_all, device, repeats) / copies
 
 
 class Problem:
@@ -209,7 +173,7 @@ def main() -> None:
     rows = args.rows or ([4, 16] if args.small else ROWS)
     repeats = args.repeats or (20 if device.type == "cuda" else 1)
     min_bytes = 0 if args.small else args.min_mib * 2**20
-    copy_gbps = copy_bandwidth(device, 64 * 2**20 if args.small else 1024 * 2**20, repeats)
+    copy_gbps = copy_bandwidth(64 * 2**20 if args.small else 1024 * 2**20, device, repeats)
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "repeats": repeats, "min_weight_bytes": min_bytes,
