@@ -5,10 +5,10 @@ StepResults columns and the per-R SPS profile are the ones a GPU replica uses; g
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
+from hub_client import generate_all
 from model_factory import PairSpec, write_pair
 
 from cluster.config import AppConfig
@@ -62,17 +62,7 @@ def test_bucketed_services_over_grpc_decode_the_targets_greedy_output(tmp_path: 
         hub.register_drafter("d0", servers[0].address)
         hub.register_verifier("v0", servers[1].address, sps)
         prompts = [[1 + i, 2 * i + 3, 7, 11 + i, 5 * i % 17 + 1][: 3 + i % 3] for i in range(6)]
-
-        async def run_all() -> list[list[int]]:
-            async def one(i: int) -> list[int]:
-                tokens: list[int] = []
-                async for delta in hub.generate(f"r{i}", prompts[i], GREEDY):
-                    tokens.extend(delta.token_ids)
-                return tokens
-
-            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
-
-        got = asyncio.run(run_all())
+        got = generate_all(hub, prompts, GREEDY)
         model = TargetModel.from_pretrained(target_dir)
         expected = model.generate(prompts, max_new_tokens=GREEDY.max_tokens)
         assert got == [e[: GREEDY.max_tokens] for e in expected]

@@ -3,9 +3,8 @@ includes the drafter's round trip; greedy output stays the target's while the es
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from hub_client import generate_all
 from model_factory import PairSpec, write_pair
 
 from cluster.rpc import ServerThread
@@ -36,17 +35,7 @@ def test_measured_draft_cost_over_grpc_is_lossless(tmp_path_factory: pytest.Temp
         hub.register_drafter("d0", servers[0].address)
         hub.register_verifier("v0", servers[1].address, SPS)
         prompts = [[1 + i, 2 * i + 3, 7, 11 + i] for i in range(6)]
-
-        async def run_all() -> list[list[int]]:
-            async def one(i: int) -> list[int]:
-                tokens: list[int] = []
-                async for delta in hub.generate(f"r{i}", prompts[i], GREEDY):
-                    tokens.extend(delta.token_ids)
-                return tokens
-
-            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
-
-        got = asyncio.run(run_all())
+        got = generate_all(hub, prompts, GREEDY)
         expected = target.generate(prompts, max_new_tokens=GREEDY.max_tokens)
         assert got == [e[: GREEDY.max_tokens] for e in expected]
         policy = hub._groups["v0"].backend.engine.policy
