@@ -73,7 +73,7 @@ _MARGIN = 1e-9
 _FAST_PATH_MAX_ITEMS = 1 << 20
 # Up to this many items (R * gamma) the walk runs on Python floats (_schedule_scalar): a round of 1-3 requests
 # is then a few dozen float operations instead of ~25 numpy calls, whose fixed cost is the whole schedule time
-# there (dev CPU, gamma 7, warm: 3.0 against 6.7 us at R = 1, even at R = 4, 17.7 against 9.5 us at R = 8).
+# there; the numpy walk is faster from R = 4 at gamma 7 (docs/benchmarks/scheduler.md, "Python-float walk").
 _SCALAR_MAX_ITEMS = 24
 _FLIP = 0xFFFF_FFFF_FFFF_FFFF
 
