@@ -33,6 +33,14 @@ def check_graph_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
+def resolve_graph_mode(mode: str, device: torch.device | str) -> str:
+    """A configured step mode with ``auto`` resolved: CUDA graphs on a GPU (a small model's eager step is
+    launch-bound there), eager steps elsewhere; any other mode as it is."""
+    if mode != "auto":
+        return mode
+    return "capture" if torch.device(device).type == "cuda" else "off"
+
+
 def bucket_sizes(max_requests: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> tuple[int, ...]:
     """The bucket sizes used for an engine holding up to ``max_requests``: the given sizes below it, and
     ``max_requests`` itself as the top bucket (so every admissible batch has a bucket)."""

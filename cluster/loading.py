@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cluster.config import AppConfig
+from cluster.graphs import resolve_graph_mode
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from scheduler.sps import SPSSource, load_sps_file
@@ -41,10 +42,7 @@ def draft_layer_ids(config: AppConfig) -> tuple[int, ...]:
 
 def graph_mode(config: AppConfig) -> str:
     """The engines' step mode: ``engine.graphs``, with ``auto`` = capture on CUDA, off elsewhere."""
-    mode = config.engine.graphs
-    if mode == "auto":
-        return "capture" if torch.device(config.models.device).type == "cuda" else "off"
-    return mode
+    return resolve_graph_mode(config.engine.graphs, config.models.device)
 
 
 def drafter_block_size(config: AppConfig) -> int:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cluster.backend import LocalBackend
+    from cluster.graphs import resolve_graph_mode
     from scheduler.sps import SPSSource, SPSTable
 
 logger = logging.getLogger(__name__)
@@ -150,8 +151,7 @@ def load_local_backend(
     target_model = TargetModel.from_pretrained(target, feature_ids, dtype=torch_dtype, device=device)
     if max_seq_len is None:
         max_seq_len = min(target_model.max_context_len, 2048)
-    if graphs == "auto":
-        graphs = "capture" if torch.device(device).type == "cuda" else "off"
+    graphs = resolve_graph_mode(graphs, device)
     block_size = 1 if draft_model is None else draft_model.config.block_size
     bucketed = {} if graphs == "off" else {"graphs": graphs, "max_drafts": block_size, "draft_top_k": draft_top_k}
     verify = VerifyEngine(target_model, max_requests=max_requests, max_seq_len=max_seq_len, **bucketed)
