@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cluster.backend import LocalBackend
-    from cluster.graphs import resolve_graph_mode
     from scheduler.sps import SPSSource, SPSTable
 
 logger = logging.getLogger(__name__)
@@ -130,6 +129,7 @@ def load_local_backend(
     import torch
 
     from cluster.backend import LocalBackend
+    from cluster.graphs import resolve_graph_mode
     from draft_service.checkpoint import load_draft_model
     from draft_service.engine import DraftEngine
     from scheduler.engine import SpeculativeEngine
