@@ -43,7 +43,7 @@ stage host 75 python3 -m bench.profile_engine_host --device cuda --requests 32 1
   2>&1 | tail -n 20 | tee -a "$out/logs.txt"
 stage gemm 270 python3 bench/bench_skinny_gemm.py --sweep --sweep-time-s 150 --out "$out/gemm.json"
 stage verify $((150 + ${SKINNY:-0} * 60)) python3 bench/profile_verify_gpu.py --fused-only ${SKINNY:+--skinny-gemm} \
-  --out-dir "$out"
+  --skinny-tuning "$out/gemm.json" --out-dir "$out"  # the gemm stage's swept launches, when it ran first
 # The standalone servers validate their flags with pydantic, which the GPU image lacks: carry
 # .gpu-ray/pydantic-py312.tar.xz (pydantic, pydantic_core, annotated_types, typing_inspection from the Ray Serve tree
 # of ../shared/wheels; `bash bench/make_gpu_pydantic.sh` builds it) for this stage.

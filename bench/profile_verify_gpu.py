@@ -307,12 +307,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--fused-only", action="store_true", help="time the fused layers only (not the HF modules)")
     parser.add_argument("--skinny-gemm", action="store_true", help="also the fused layers with the skinny Triton GEMMs")
+    parser.add_argument("--skinny-tuning", type=Path, default=None,
+                        help="launches swept by bench/bench_skinny_gemm.py --sweep --out FILE (its JSON), used "
+                        "before the TUNING table")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.small
     device = torch.device("cuda" if cuda else "cpu")
     mode = "capture" if cuda else "static"
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
+    if args.skinny_tuning is not None and args.skinny_tuning.exists():
+        from kernels.skinny_gemm_triton import load_tuning
+
+        results["skinny_tuning_entries"] = load_tuning(args.skinny_tuning)
+        log(f"skinny tuning: {results['skinny_tuning_entries']} swept launches from {args.skinny_tuning}")
     out = args.out_dir / "profile_verify.json"
 
     def save() -> None:

@@ -26,7 +26,9 @@ float32 (IEEE dot, no TF32). Every kernel has a torch reference of the same sign
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -64,6 +66,17 @@ class SkinnyConfig:
 # (N out, K, gated, BLOCK_M) -> config of bf16 launches, from bench/bench_skinny_gemm.py --sweep on the GPU;
 # shapes not listed (and float32 models) use default_config. Empty until the H200 sweep has run (issue 11).
 TUNING: dict[tuple[int, int, bool, int], SkinnyConfig] = {}
+
+
+def load_tuning(path: str | Path) -> int:
+    """Add the swept launches of a ``bench/bench_skinny_gemm.py --sweep --out FILE`` result to :data:`TUNING`
+    (its ``tuning`` list), so that a run measures the GPU's own best launches before they are pasted into the
+    table; returns how many entries were loaded. Plain JSON: nothing executable is read."""
+    entries = json.loads(Path(path).read_text()).get("tuning", [])
+    for entry in entries:
+        n, k, gated, block_m = entry["key"]
+        TUNING[(int(n), int(k), bool(gated), int(block_m))] = SkinnyConfig(**entry["config"])
+    return len(entries)
 
 
 @triton.jit

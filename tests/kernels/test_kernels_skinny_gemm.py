@@ -5,12 +5,17 @@ arrival counters zeroed for the next launch."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 import torch
 
+from kernels import skinny_gemm_triton
 from kernels.skinny_gemm_triton import (
     SkinnyConfig,
     default_config,
+    load_tuning,
     new_counters,
     skinny_gate_up_silu,
     skinny_gate_up_silu_reference,
@@ -116,6 +121,22 @@ def test_default_launch_fills_the_sms(n: int, k: int, gated: bool, m: int) -> No
     k_blocks = -(-k // config.block_k)
     assert -(-n // config.block_n) * config.split >= 132
     assert (config.split - 1) * -(-k_blocks // config.split) < k_blocks
+
+
+def test_swept_launches_load_from_the_benchmark_json(tmp_path, monkeypatch) -> None:
+    """A sweep's JSON (bench/bench_skinny_gemm.py --out) fills TUNING, and a tuned shape launches with its entry:
+    the result still equals the reference."""
+    monkeypatch.setattr(skinny_gemm_triton, "TUNING", {})
+    config = SkinnyConfig(block_n=16, block_k=32, split=2, warps=2, stages=2)
+    sweep = {"tuning": [{"case": "o_proj", "m": 8, "key": [48, 96, False, 16], "config": asdict(config), "ms": 0.1}]}
+    path = tmp_path / "gemm.json"
+    path.write_text(json.dumps(sweep))
+    assert load_tuning(path) == 1
+    assert {(48, 96, False, 16): config} == skinny_gemm_triton.TUNING
+    x, w = _inputs(8, 48, 96, torch.bfloat16)
+    tuned = skinny_linear(x, w)
+    assert torch.equal(tuned, skinny_linear(x, w, config=config))  # same launch, same sum order
+    torch.testing.assert_close(tuned, skinny_linear_reference(x, w), atol=7e-2, rtol=3e-2)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the arrival counters' memory ordering only matters on a GPU")
