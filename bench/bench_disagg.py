@@ -50,15 +50,16 @@ from tqdm import tqdm
 from bench.bench_grpc_overhead import _wait_listening
 from bench.bench_policies_gpu import SMALL_SHAPE, CellBudget, load_prompt_mix, plot_throughput, run_cell
 from bench.engine_setup import DEMO_TARGET, demo_drafter, load_calibration, load_pair, tokenizer_for
+from cluster.loading import profiled_request_counts
 from cluster.rpc import SyncRpcClient
 from draft_service.engine import DraftEngine
 from scheduler.engine import SpeculativeEngine
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
-from scheduler.sps import SPSTable
+from scheduler.sps import SPSSource, load_sps_file
 from verify_service.engine import VerifyEngine
-from verify_service.profiling import profile_target_sps
+from verify_service.profiling import profile_graph_sps_by_requests, profile_target_sps
 
 MAX_SEQ_LEN = 1024
 
@@ -83,8 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--measure-s", type=float, default=8.0)
     p.add_argument("--sps", type=Path, default=None, help="SPS table JSON (default: profiled on the verify device)")
     p.add_argument("--graphs", choices=("off", "static", "capture"), default="off",
-                   help="engine steps in both layouts (the servers get the same flag): eager (off, the default: the "
-                   "profiled SPS table is an eager one), bucketed steps eagerly (static) or as CUDA graphs (capture)")
+                   help="engine steps in both layouts (the servers get the same flag): eager (off, the default), "
+                   "bucketed steps eagerly (static) or as CUDA graphs (capture); without --sps the SPS table is "
+                   "profiled on the step that runs (by request count for bucketed steps, as the servers do)")
     p.add_argument("--out-dir", type=Path, required=True)
     return p.parse_args(argv)
 
@@ -142,7 +144,7 @@ class _Replicas:
             probe.close()
 
 
-def _driver(verify: Any, draft: Any, policy: str, sps: SPSTable, block: int, groups: int,
+def _driver(verify: Any, draft: Any, policy: str, sps: SPSSource, block: int, groups: int,
             eos: tuple[int, ...]) -> SpeculativeEngine:
     policy_ = make_policy(policy, sps, block)
     draft = draft if policy_.uses_drafter else None
@@ -154,8 +156,9 @@ def _driver(verify: Any, draft: Any, policy: str, sps: SPSTable, block: int, gro
 
 
 def _cells(layout: str, make: Callable[[str, int], SpeculativeEngine], args: argparse.Namespace, mix: Any,
-           counters: _Replicas | None, bar: tqdm) -> list[dict[str, Any]]:
-    rows = []
+           counters: _Replicas | None, bar: tqdm, sink: Callable[[dict[str, Any]], None]) -> None:
+    """Every (groups, policy, concurrency) cell of one layout; each row goes to ``sink`` as soon as it is
+    measured (a device call cut short keeps the cells it finished)."""
     for groups in args.groups:
         for policy in args.policies:
             if groups > 1 and policy == "autoregressive":
@@ -174,11 +177,10 @@ def _cells(layout: str, make: Callable[[str, int], SpeculativeEngine], args: arg
                     row["verifier_busy_fraction"] = (after["verifier_busy_s"] - before["verifier_busy_s"]) / wall
                     for key in ("scheduler_drafter_bytes", "scheduler_verifier_bytes", "feature_bytes"):
                         row[f"{key}_per_round"] = (after[key] - before[key]) / rounds
-                rows.append(row)
+                sink(row)
                 bar.update()
                 bar.write(_line(row))
             engine.close()
-    return rows
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -232,26 +234,36 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copy(drafter_dir / "sts.json", draft_dir / "sts.json")
         target, drafter = load_pair(target_dir, draft_dir, args.verify_device, getattr(torch, dtype))
         slots = max(args.concurrency)
-        if args.sps is not None:
-            sps = SPSTable.load(args.sps)
-        else:
-            sps = profile_target_sps(target, chunk=drafter.block_size + 1,
-                                     max_batch_tokens=slots * (drafter.block_size + 1), context=256)
-        sps_path = sps.save(args.out_dir / "sps_disagg.json")
         block, eos = drafter.block_size, tuple(target.eos_token_ids)
+        verify = VerifyEngine(target, slots, MAX_SEQ_LEN, max_drafts=block, graphs=args.graphs,
+                              graph_prefill_rows=0 if args.graphs == "off" else 512)
+        sps: SPSSource
+        if args.sps is not None:
+            sps = load_sps_file(args.sps)
+        elif verify.graphs is not None:  # the steps run as graphs: price them as the servers profile them
+            sps, _ = profile_graph_sps_by_requests(verify, chunk=block + 1,
+                                                   request_counts=profiled_request_counts(slots))
+        else:
+            sps = profile_target_sps(target, chunk=block + 1, max_batch_tokens=slots * (block + 1), context=256)
+        sps_path = args.out_dir / "sps_disagg.json"
+        sps_path.write_text(json.dumps(sps.to_dict(), indent=1) + "\n")
+        out = args.out_dir / "disagg.json"
+
+        def sink(row: dict[str, Any]) -> None:
+            results["rows"].append(row)
+            out.write_text(json.dumps(results, indent=1) + "\n")
+
         cells = len(args.layouts) * len(args.concurrency) * sum(
             1 for g in args.groups for p in args.policies if not (g > 1 and p == "autoregressive"))
         print(HEADER, flush=True)
         with tqdm(total=cells, desc="cells", unit="cell") as bar:
             if "colocated" in args.layouts:
-                verify = VerifyEngine(target, slots, MAX_SEQ_LEN, max_drafts=block, graphs=args.graphs,
-                                      graph_prefill_rows=0 if args.graphs == "off" else 512)
                 draft = DraftEngine(drafter, slots, MAX_SEQ_LEN, calibration=load_calibration(drafter_dir),
                                     graphs=args.graphs)
-                results["rows"] += _cells(
-                    "colocated", lambda p, g: _driver(verify, draft, p, sps, block, g, eos), args, mix, None, bar)
-                del verify, draft
-            del target, drafter
+                _cells("colocated", lambda p, g, v=verify, d=draft: _driver(v, d, p, sps, block, g, eos), args, mix,
+                       None, bar, sink)
+                del draft
+            del verify, target, drafter
             if gpu:
                 torch.cuda.empty_cache()
             if "processes" in args.layouts:
@@ -265,13 +277,12 @@ def main(argv: list[str] | None = None) -> int:
                     remote = RemoteVerifier(va, pool.route_of)
                     pool.require_projection(remote.context_projection, va)
                     counters = _Replicas(pool, remote, da, va)
-                    results["rows"] += _cells(
-                        "processes", lambda p, g: _driver(remote, pool, p, sps, block, g, eos), args, mix, counters,
-                        bar)
+                    _cells("processes", lambda p, g: _driver(remote, pool, p, sps, block, g, eos), args, mix,
+                           counters, bar, sink)
                     counters.close()
                     pool.close()
                     remote.close()
-    (args.out_dir / "disagg.json").write_text(json.dumps(results, indent=1) + "\n")
+    out.write_text(json.dumps(results, indent=1) + "\n")
     plot_throughput(results["rows"], None, args.out_dir / "disagg_throughput.png",
                     f"demo pair ({args.shape}), drafter {args.draft_device}, verifier {args.verify_device}",
                     series=lambda c: f"{c['layout']}, {c['policy']}" + (f", {c['groups']} groups" if c["groups"] > 1

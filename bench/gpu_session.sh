@@ -51,9 +51,10 @@ stage verify $((150 + ${SKINNY:-0} * 60)) python3 bench/profile_verify_gpu.py --
 stage grpc 150 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 PYTHONPATH=.:/tmp/pyd python3 bench/bench_grpc_overhead.py --concurrency 8 \
   --max-tokens 64 --repeats "${GRPC_REPEATS:-21}" --sps docs/benchmarks/sps_cpu_demo.json --out "$out/grpc_overhead.json" \
   2>&1 | tail -n 40 | tee -a "$out/logs.txt"
-stage disagg 240 env PYTHONPATH=.:/tmp/pyd python3 bench/bench_disagg.py --shape qwen3-4b --draft-device cuda:0 \
-  --verify-device cuda:0 --prompts-dir .data/prompts --out-dir "$out" --concurrency 1 8 32 \
-  --policies autoregressive full dspark --groups 1 2 --warmup-s 1 --measure-s 5 2>&1 | tail -n 40 | tee -a "$out/logs.txt"
+stage disagg 540 env PYTHONPATH=.:/tmp/pyd python3 bench/bench_disagg.py --shape qwen3-4b --draft-device cuda:0 \
+  --verify-device cuda:0 --prompts-dir .data/prompts --out-dir "$out" --concurrency 1 8 32 128 --graphs capture \
+  --policies autoregressive fixed-1 full dspark --groups 1 2 --warmup-s 1 --measure-s 3 2>&1 | tail -n 70 \
+  | tee -a "$out/logs.txt"
 stage engine 90 python3 -m bench.bench_engine_gpu --requests 1 8 32 128 --rounds 15 --warmup 3 \
   --out "$out/engine_gpu.json"
 stage policies $((sweep_s + 30)) python3 bench/bench_policies_gpu.py --prompts-dir .data/prompts \

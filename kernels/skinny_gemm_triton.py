@@ -42,7 +42,8 @@ except ImportError:  # a Triton without host tensor descriptors: launches with t
 from kernels.launch import interpreting, launch_options
 
 MAX_ROWS = 64
-"""The target uses these kernels for steps of at most this many token rows (larger ones go to cuBLAS)."""
+"""The tallest row tile (BLOCK_M): a pass of more rows runs several M tiles. The target uses the kernels for
+passes of at most FASTER_ROWS rows."""
 
 _SHARED_MEMORY = 220 * 1024  # per SM on sm_90, as the launch heuristic budgets it
 
@@ -63,9 +64,21 @@ class SkinnyConfig:
     tma: bool = False
 
 
-# (N out, K, gated, BLOCK_M) -> config of bf16 launches, from bench/bench_skinny_gemm.py --sweep on the GPU;
-# shapes not listed (and float32 models) use default_config. Empty until the H200 sweep has run (issue 11).
-TUNING: dict[tuple[int, int, bool, int], SkinnyConfig] = {}
+FASTER_ROWS = 16
+"""Passes of at most this many token rows use the skinny GEMMs when :class:`~verify_service.target.TargetModel`
+has ``skinny_gemm`` on: the H200 sweep (docs/benchmarks/kernels.md, "Skinny weight GEMMs") measured them
+1.07-1.18x cuBLAS at 8 and 16 rows with the launches below, about even at 64 and slower at 32 (an unswept row
+bucket), so larger passes stay on cuBLAS."""
+
+# (N out, K, gated, BLOCK_M) -> config of bf16 launches: the fastest of `bench/bench_skinny_gemm.py --sweep` on an
+# H200 (2026-12-01, the Qwen3-4B projections the fused layers launch, swept at M = 8: the 16-row bucket that
+# FASTER_ROWS admits). Shapes not listed (and float32 models) use default_config.
+TUNING: dict[tuple[int, int, bool, int], SkinnyConfig] = {
+    (6144, 2560, False, 16): SkinnyConfig(block_n=64, block_k=256, split=1, warps=4, stages=4),  # qkv: 10.2 us
+    (2560, 4096, False, 16): SkinnyConfig(block_n=64, block_k=128, split=4, warps=4, stages=4, tma=True),  # o_proj: 9.2
+    (2560, 9728, False, 16): SkinnyConfig(block_n=128, block_k=128, split=4, warps=4, stages=5),  # down_proj: 16.7
+    (9728, 2560, True, 16): SkinnyConfig(block_n=64, block_k=64, split=1, warps=4, stages=4),  # gate_up+silu: 28.6
+}
 
 
 def load_tuning(path: str | Path) -> int:

@@ -26,7 +26,7 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> tuple[TargetModel, Targ
     plain = TargetModel.from_pretrained(Path(target_dir), feature_layer_ids=(-1, 0, 2), device=DEVICE)
     fused = TargetModel.from_pretrained(Path(target_dir), feature_layer_ids=(-1, 0, 2), device=DEVICE)
     plain.fused, fused.fused = False, True
-    assert not plain.skinny_gemm and not fused.skinny_gemm  # opt-in: off by default
+    fused.skinny_gemm = False  # cuBLAS projections here; the skinny GEMMs (on by default) are tested below
     return plain, fused
 
 
@@ -71,7 +71,8 @@ def skinny(tmp_path_factory: pytest.TempPathFactory) -> tuple[TargetModel, Targe
     target_dir, _ = write_pair(tmp_path_factory.mktemp("skinny"), spec)
     off, on = (TargetModel.from_pretrained(Path(target_dir), feature_layer_ids=(0, 2), device=DEVICE) for _ in "ab")
     off.fused = on.fused = True
-    on.skinny_gemm = True
+    assert on.skinny_gemm  # on by default (used by the fused path, i.e. on CUDA, for passes of <= FASTER_ROWS)
+    off.skinny_gemm = False
     return off, on
 
 
@@ -81,7 +82,7 @@ def test_skinny_gemms_give_the_same_forward(
 ) -> None:
     """Logits, features and K/V of the switched-on path equal the switched-off one's (float32 on CPU: up to the
     order of the fp32 sums), with and without splitting K (the tiny model's K is one default K step); a pass of
-    more than MAX_ROWS tokens falls back to cuBLAS."""
+    more than FASTER_ROWS tokens falls back to cuBLAS."""
     import kernels.skinny_gemm_triton as skinny_module
 
     config = skinny_module.SkinnyConfig(block_n=16, block_k=16, split=split)
