@@ -1,6 +1,6 @@
-"""Slot attention: the Triton kernel (on CUDA, or through TRITON_INTERPRET=1 on CPU) equals its torch reference,
-and both equal a naive float64 loop, for verify chunks, long prefill chunks, drafter blocks, GQA and padded
-layouts."""
+"""Slot attention: the Triton kernel (on CUDA, or through TRITON_INTERPRET=1 on CPU), in one pass and with its
+keys split across programs plus the combine, equals its torch reference, and all equal a naive float64 loop, for
+verify chunks, long prefill chunks, drafter blocks, GQA, padded layouts and empty splits."""
 
 from __future__ import annotations
 
