@@ -108,10 +108,11 @@ def sweep_configs(problem: Problem, device: torch.device, repeats: int, deadline
     fail to compile (shared memory) or disagree with torch are skipped. Returns (best, its ms, every timing)."""
     from dataclasses import replace
 
-    from kernels.skinny_gemm_triton import _block_m, _num_sms, default_config
+    from kernels.launch import num_sms
+    from kernels.skinny_gemm_triton import _block_m, default_config
 
     case, m = problem.case, problem.m
-    best = default_config(m, case.n, case.k, case.gated, _num_sms(device))
+    best = default_config(m, case.n, case.k, case.gated, num_sms(device))
     tried: dict[Any, float | None] = {}
     tolerance = float(problem.torch_call(0).float().abs().max()) * 2**-6  # 4 bf16 ulps of the largest output
 
@@ -166,6 +167,7 @@ def main() -> None:
     import triton
 
     from kernels import skinny_gemm_triton as skinny
+    from kernels.launch import num_sms
 
     cases = SMALL if args.small else FULL
     if args.cases:
@@ -200,7 +202,7 @@ def main() -> None:
         triton_ms = per_call_ms(problem.triton_call, problem.copies, device, repeats)
         block_m = skinny._block_m(m)
         config = skinny.TUNING.get((case.n, case.k, case.gated, block_m)) or skinny.default_config(
-            m, case.n, case.k, case.gated, skinny._num_sms(device))
+            m, case.n, case.k, case.gated, num_sms(device))
         torch_gbps, triton_gbps = (problem.weight_bytes / (ms * 1e-3) / 1e9 for ms in (torch_ms, triton_ms))
         results["results"].append({
             "case": case.name, "n": case.n, "k": case.k, "gated": case.gated, "m": m,

@@ -39,7 +39,7 @@ try:
 except ImportError:  # a Triton without host tensor descriptors: launches with tma=True are refused
     TensorDescriptor = None
 
-from kernels.launch import interpreting, launch_options
+from kernels.launch import interpreting, launch_options, num_sms
 
 MAX_ROWS = 64
 """The tallest row tile (BLOCK_M): a pass of more rows runs several M tiles. The target uses the kernels for
@@ -236,13 +236,6 @@ def _block_m(m: int) -> int:
     return max(16, min(MAX_ROWS, triton.next_power_of_2(max(m, 1))))
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H200's; the interpreter does not care
-
-
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -283,7 +276,7 @@ def _launch(
     block_m = _block_m(m)
     elem = x.element_size()
     tuned = TUNING.get((n, k, gated, block_m)) if elem == 2 else None  # swept in bf16
-    cfg = config or tuned or default_config(m, n, k, gated, _num_sms(x.device), elem)
+    cfg = config or tuned or default_config(m, n, k, gated, num_sms(x.device), elem)
     num_m_tiles = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n) * num_m_tiles
     k_blocks = triton.cdiv(k, cfg.block_k)

@@ -7,6 +7,17 @@ with an online softmax (flash-attention style), first from the slot's cache row,
 request's own block rows. Loop bounds come from the device tensors (context and chunk lengths), so the grid is
 fixed by (R, Hkv, max_query_len) alone: CUDA-graph capturable for a bucketed batch size.
 
+Split keys (flash-decoding) for small grids: a verify step of one request (8 query rows, Qwen3-4B's 8 kv heads)
+is 8 programs on an H200's 132 SMs, each streaming its ~264 keys serially, so the kernel is bound by one
+program's latency, not by the ~1 MB it reads. With ``kv_splits`` S > 1 each (request, kv head, row block) gets S
+programs, split s taking a contiguous run of the request's key tiles (counted in the kernel from the device
+context length, so the grid still depends on host shapes only); each writes its unnormalised partial (running
+max m_s, normaliser l_s, accumulator acc_s, in float32) and a second small kernel combines them exactly:
+``M = max_s m_s``, ``out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s``. That is the same softmax as
+the single pass, differing only in the order of the float32 sums. S = 1 is the single-pass kernel alone. The
+default S (:func:`default_kv_splits`) fills the SMs from the launch shape only, keeping CUDA-graph capture
+valid.
+
 Float32 inputs use IEEE fp32 dots (no TF32), so the result matches the torch reference to float rounding;
 bf16 / fp16 inputs use native dots with float32 accumulation and probabilities rounded to the input dtype for
 the second product, as flash-attention does. A single launch configuration (no autotuning) keeps it runnable
@@ -19,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import num_sms
 from kernels.slot_attention import validate_slot_attention_inputs
 
 
@@ -53,6 +65,9 @@ def _slot_attention_kernel(
     o_ptr,
     stride_on,
     stride_oh,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
     slots_ptr,
     ctx_ptr,
     qstart_ptr,
@@ -67,10 +82,13 @@ def _slot_attention_kernel(
     CAUSAL_CACHE: tl.constexpr,
     CAUSAL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     r = tl.program_id(0)
     kv_head = tl.program_id(1)
-    m_block = tl.program_id(2)
+    # Axis 2 folds the row block and the key split (Triton grids have three axes).
+    m_block = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     q_len = tl.load(qlen_ptr + r).to(tl.int32)
     ctx = tl.load(ctx_ptr + r).to(tl.int32)
     q_start = tl.load(qstart_ptr + r).to(tl.int64)
@@ -96,12 +114,19 @@ def _slot_attention_kernel(
     # Programs whose rows are all padding skip the key loops (their output rows stay zero).
     active = m_block * BLOCK_M < q_len * G
     num_cached = tl.where(active, ctx, 0) if HAS_BLOCK else tl.where(active, ctx + q_len, 0)
+    if SPLITS == 1:
+        lo = 0
+        hi = num_cached
+    else:  # this split's contiguous run of key tiles [split * per, (split + 1) * per), possibly empty
+        per = tl.cdiv(tl.cdiv(num_cached, BLOCK_N), SPLITS) * BLOCK_N
+        lo = tl.minimum(split * per, num_cached)
+        hi = tl.minimum(lo + per, num_cached)
 
     kc_base = kc_ptr + slot * stride_cs + kv_head * stride_ch
     vc_base = vc_ptr + slot * stride_cs + kv_head * stride_ch
-    for start in range(0, num_cached, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
-        t_ok = t < num_cached
+        t_ok = t < hi
         offs = t[:, None].to(tl.int64) * stride_ct + dims[None, :]
         tile_mask = t_ok[:, None] & dim_ok[None, :]
         k_tile = tl.load(kc_base + offs, mask=tile_mask, other=0.0)
@@ -112,7 +137,8 @@ def _slot_attention_kernel(
         m_i, l_i, acc = _online_update(q, k_tile, v_tile, visible, scale, m_i, l_i, acc, IEEE)
 
     if HAS_BLOCK:
-        num_block = tl.where(active, q_len, 0)
+        # The block's own keys go to the last split, whose run of cache tiles is the shortest.
+        num_block = tl.where(active & (split == SPLITS - 1), q_len, 0)
         for start in range(0, num_block, BLOCK_N):
             i = start + tl.arange(0, BLOCK_N)
             i_ok = i < num_block
@@ -125,12 +151,126 @@ def _slot_attention_kernel(
                 visible = visible & (i[None, :] <= qi[:, None])
             m_i, l_i, acc = _online_update(q, k_tile, v_tile, visible, scale, m_i, l_i, acc, IEEE)
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            o_ptr + q_rows[:, None] * stride_on + head[:, None] * stride_oh + dims[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+    else:
+        # Max and normaliser of every row, padding and empty splits too (neutral: -inf, 0); the accumulator only
+        # of rows that saw a key, the only ones the combine reads it for.
+        part = _partial_index(r, kv_head, m_block, tl.num_programs(2) // SPLITS, split, SPLITS) * BLOCK_M
+        part += tl.arange(0, BLOCK_M)
+        tl.store(part_m_ptr + part, m_i)
+        tl.store(part_l_ptr + part, l_i)
+        seen = m_i > float("-inf")
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=seen[:, None])
+
+
+@triton.jit
+def _partial_index(r, kv_head, m_block, num_m_blocks, split, SPLITS: tl.constexpr):
+    """Index of one split's partial tile in the workspaces [R, Hkv, row blocks, SPLITS] (x BLOCK_M [x BLOCK_D])."""
+    tile = (r.to(tl.int64) * tl.num_programs(1) + kv_head) * num_m_blocks + m_block
+    return tile * SPLITS + split
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    o_ptr,
+    stride_on,
+    stride_oh,
+    qstart_ptr,
+    qlen_ptr,
+    D,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    CHUNK_M: tl.constexpr,
+    CHUNK_D: tl.constexpr,
+):
+    """out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s with M = max_s m_s, for CHUNK_M rows x CHUNK_D dims of
+    one (request, kv head, row block) per program: small chunks give the combine many programs, each with its
+    SPLITS loads in flight at once, instead of one program reading all splits of a whole tile."""
+    r = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    d_chunks: tl.constexpr = BLOCK_D // CHUNK_D
+    m_chunks: tl.constexpr = BLOCK_M // CHUNK_M
+    row_chunk = tl.program_id(2) // d_chunks
+    m_block = row_chunk // m_chunks
+    rows = (row_chunk % m_chunks) * CHUNK_M + tl.arange(0, CHUNK_M)  # within the row block
+    dims = (tl.program_id(2) % d_chunks) * CHUNK_D + tl.arange(0, CHUNK_D)
+    q_len = tl.load(qlen_ptr + r).to(tl.int32)
+    q_start = tl.load(qstart_ptr + r).to(tl.int64)
+    m = m_block * BLOCK_M + rows
+    qi = m // G
+    head = kv_head * G + m % G
+    row_ok = qi < q_len
+    first = _partial_index(r, kv_head, m_block, tl.num_programs(2) // (d_chunks * m_chunks), 0, SPLITS)
+
+    m_max = tl.full([CHUNK_M], float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        m_s = tl.load(part_m_ptr + (first + s) * BLOCK_M + rows, mask=row_ok, other=float("-inf"))
+        m_max = tl.maximum(m_max, m_s)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row with no key at all: every weight is 0
+    l_sum = tl.zeros([CHUNK_M], tl.float32)
+    acc = tl.zeros([CHUNK_M, CHUNK_D], tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = (first + s) * BLOCK_M + rows
+        m_s = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"))
+        seen = m_s > float("-inf")
+        weight = tl.exp(tl.where(seen, m_s - m_safe, float("-inf")))
+        l_sum += weight * tl.load(part_l_ptr + part, mask=seen, other=0.0)
+        acc_s = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=seen[:, None], other=0.0)
+        acc += weight[:, None] * acc_s
+    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+    q_rows = q_start + qi.to(tl.int64)
     tl.store(
         o_ptr + q_rows[:, None] * stride_on + head[:, None] * stride_oh + dims[None, :],
         out.to(o_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
+        mask=row_ok[:, None] & (dims < D)[None, :],
     )
+
+
+MAX_KV_SPLITS = 16
+"""Most key splits the default picks: beyond it the partials' traffic outgrows what the extra programs save."""
+COMBINE_CHUNK_M = 16
+COMBINE_CHUNK_D = 32
+"""Rows x dims of the partials one combine program merges (R=1 on Qwen3-4B: 64 programs of 16 x 32)."""
+
+
+def default_kv_splits(num_programs: int, max_key_tiles: int, num_sms: int) -> int:
+    """Key splits that fill the SMs from host-known shapes only (the grid must not depend on context lengths,
+    or a captured CUDA graph would be wrong on replay): none once the single-pass grid covers every SM, else
+    enough to give each SM about one program, at most MAX_KV_SPLITS and at most the key tiles a slot holds."""
+    if num_programs >= num_sms:
+        return 1
+    return max(1, min(num_sms // max(num_programs, 1), MAX_KV_SPLITS, max_key_tiles))
+
+
+def _tile_shape(rows_per_request: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D) of a launch: a request's stacked query rows, keys per step, head dims."""
+    block_m = max(16, min(64, triton.next_power_of_2(rows_per_request)))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return block_m, 64 if block_d <= 64 else 32, block_d
+
+
+def launch_kv_splits(
+    num_req: int, num_kv_heads: int, rows_per_request: int, head_dim: int, max_len: int, device: torch.device
+) -> int:
+    """The key splits ``kv_splits=None`` launches with: :func:`default_kv_splits` of the launch's grid on CUDA,
+    1 elsewhere (the interpreter gains nothing from more programs; tests pass kv_splits explicitly).
+    rows_per_request: max_query_len x query heads per kv head; max_len: the cache's positions per slot."""
+    if device.type != "cuda":
+        return 1
+    block_m, block_n, _ = _tile_shape(rows_per_request, head_dim)
+    programs = num_req * num_kv_heads * triton.cdiv(rows_per_request, block_m)
+    return default_kv_splits(programs, triton.cdiv(max_len, block_n), num_sms(device))
 
 
 def slot_attention_triton(
@@ -148,12 +288,18 @@ def slot_attention_triton(
     v_block: torch.Tensor | None = None,
     causal: bool = True,
     validate: bool = True,
+    kv_splits: int | None = None,
 ) -> torch.Tensor:
-    """Triton slot attention; signature and semantics of :func:`kernels.slot_attention.slot_attention_reference`."""
+    """Triton slot attention; signature and semantics of :func:`kernels.slot_attention.slot_attention_reference`.
+
+    ``kv_splits``: programs per (request, kv head, row block), each taking a contiguous run of the key tiles
+    (then a combine kernel); None: :func:`launch_kv_splits`."""
     if validate:
         validate_slot_attention_inputs(
             q, k_cache, v_cache, slots, context_lens, query_starts, query_lens, max_query_len, k_block, v_block
         )
+    if kv_splits is not None and kv_splits < 1:
+        raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -170,11 +316,17 @@ def slot_attention_triton(
     else:
         k_block, v_block = k_cache, v_cache  # not read (HAS_BLOCK is off); any valid pointer will do
     rows_per_request = max_query_len * group
-    block_m = max(16, min(64, triton.next_power_of_2(rows_per_request)))
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 64 if block_d <= 64 else 32
-    grid = (num_req, num_kv_heads, triton.cdiv(rows_per_request, block_m))
-    _slot_attention_kernel[grid](
+    block_m, block_n, block_d = _tile_shape(rows_per_request, head_dim)
+    num_m_blocks = triton.cdiv(rows_per_request, block_m)
+    if kv_splits is None:
+        kv_splits = launch_kv_splits(num_req, num_kv_heads, rows_per_request, head_dim, k_cache.shape[1], q.device)
+    if kv_splits > 1:  # fresh per call: inside a captured graph each launch gets its own pool memory
+        num_partials = num_req * num_kv_heads * num_m_blocks * kv_splits * block_m
+        workspace = torch.empty(num_partials * (2 + block_d), dtype=torch.float32, device=q.device)
+        part_m, part_l, part_acc = workspace.split([num_partials, num_partials, num_partials * block_d])
+    else:
+        part_m = part_l = part_acc = out  # not read (SPLITS is 1)
+    _slot_attention_kernel[(num_req, num_kv_heads, num_m_blocks * kv_splits)](
         q,
         q.stride(0),
         q.stride(1),
@@ -190,6 +342,9 @@ def slot_attention_triton(
         out,
         out.stride(0),
         out.stride(1),
+        part_m,
+        part_l,
+        part_acc,
         slots,
         context_lens,
         query_starts,
@@ -204,6 +359,28 @@ def slot_attention_triton(
         CAUSAL_CACHE=causal and not has_block,
         CAUSAL_BLOCK=causal and has_block,
         IEEE=q.dtype == torch.float32,
+        SPLITS=kv_splits,
         num_warps=4,
     )
+    if kv_splits > 1:
+        chunk_m, chunk_d = min(block_m, COMBINE_CHUNK_M), min(block_d, COMBINE_CHUNK_D)
+        combine_grid = (num_req, num_kv_heads, num_m_blocks * (block_m // chunk_m) * (block_d // chunk_d))
+        _combine_splits_kernel[combine_grid](
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            query_starts,
+            query_lens,
+            head_dim,
+            G=group,
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            SPLITS=kv_splits,
+            CHUNK_M=chunk_m,
+            CHUNK_D=chunk_d,
+            num_warps=4,
+        )
     return out

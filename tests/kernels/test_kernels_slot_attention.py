@@ -1,9 +1,10 @@
-"""Slot attention: the Triton kernel (on CUDA, or through TRITON_INTERPRET=1 on CPU) equals its torch reference,
-and both equal a naive float64 loop, for verify chunks, long prefill chunks, drafter blocks, GQA and padded
-layouts."""
+"""Slot attention: the Triton kernel (on CUDA, or through TRITON_INTERPRET=1 on CPU), in one pass and with its
+keys split across programs plus the combine, equals its torch reference, and all equal a naive float64 loop, for
+verify chunks, long prefill chunks, drafter blocks, GQA, padded layouts and empty splits."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -13,9 +14,12 @@ import pytest
 import torch
 
 from kernels.slot_attention import slot_attention_reference
-from kernels.slot_attention_triton import slot_attention_triton
+from kernels.slot_attention_triton import MAX_KV_SPLITS, default_kv_splits, launch_kv_splits, slot_attention_triton
 
-IMPLS = [slot_attention_reference, slot_attention_triton]
+# The Triton kernel in one pass (kv_splits=1) and with its keys split across 3 programs plus the combine kernel.
+IMPLS = [slot_attention_reference, functools.partial(slot_attention_triton, kv_splits=1),
+         functools.partial(slot_attention_triton, kv_splits=3)]  # fmt: skip
+IDS = ["reference", "triton", "triton-split3"]
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D = 8
@@ -44,15 +48,15 @@ def naive(q, k_cache, v_cache, layout, scale, k_block=None, v_block=None, causal
     return out
 
 
-def make(layout, num_rows, num_heads, num_kv_heads, num_slots=6, max_len=160, seed=0):
+def make(layout, num_rows, num_heads, num_kv_heads, num_slots=6, max_len=160, seed=0, dim=D):
     gen = torch.Generator().manual_seed(seed)
     # Large stale values everywhere: any key read past its bound spoils the result.
-    k_cache = torch.randn(num_slots, max_len, num_kv_heads, D, generator=gen) * 1e3
-    v_cache = torch.randn(num_slots, max_len, num_kv_heads, D, generator=gen) * 1e3
+    k_cache = torch.randn(num_slots, max_len, num_kv_heads, dim, generator=gen) * 1e3
+    v_cache = torch.randn(num_slots, max_len, num_kv_heads, dim, generator=gen) * 1e3
     for slot, ctx, _, n in layout:
-        k_cache[slot, : ctx + n] = torch.randn(ctx + n, num_kv_heads, D, generator=gen)
-        v_cache[slot, : ctx + n] = torch.randn(ctx + n, num_kv_heads, D, generator=gen)
-    q = torch.randn(num_rows, num_heads, D, generator=gen)
+        k_cache[slot, : ctx + n] = torch.randn(ctx + n, num_kv_heads, dim, generator=gen)
+        v_cache[slot, : ctx + n] = torch.randn(ctx + n, num_kv_heads, dim, generator=gen)
+    q = torch.randn(num_rows, num_heads, dim, generator=gen)
     control = [torch.tensor([entry[i] for entry in layout], dtype=torch.int64, device=DEVICE) for i in range(4)]
     return q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), control
 
@@ -63,7 +67,7 @@ def test_conftest_selected_the_interpreter() -> None:
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 2), (8, 2)])
-@pytest.mark.parametrize("impl", IMPLS, ids=["reference", "triton"])
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
 def test_causal_cache_mode_mixed_chunks(impl, num_heads: int, num_kv_heads: int) -> None:
     # (slot, context, start row, length): verify chunks, an anchor-only decode step, a prefill longer than one
     # query tile and one key tile, a chunked-prefill continuation; rows 45..47 belong to no request.
@@ -76,7 +80,7 @@ def test_causal_cache_mode_mixed_chunks(impl, num_heads: int, num_kv_heads: int)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("impl", IMPLS, ids=["reference", "triton"])
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
 def test_block_mode_drafter_layout(impl, causal: bool) -> None:
     # The drafter: R blocks of bs rows at consecutive offsets, context only from the cache (0 allowed).
     bs = 5
@@ -103,7 +107,7 @@ def test_block_mode_drafter_layout(impl, causal: bool) -> None:
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLS, ids=["reference", "triton"])
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
 def test_padded_bucket_layout(impl) -> None:
     """The CUDA-graph layout: every request owns gamma + 1 rows, only query_len of them are real."""
     width = 4
@@ -117,18 +121,61 @@ def test_padded_bucket_layout(impl) -> None:
     assert bool((out[~real] == 0).all()), "padding rows and empty requests stay zero"
 
 
-def test_triton_equals_reference_on_a_float16_cache() -> None:
+@pytest.mark.parametrize("kv_splits", [1, 3])
+def test_triton_equals_reference_on_a_float16_cache(kv_splits: int) -> None:
     layout = [(0, 17, 0, 5), (1, 3, 5, 2)]
     q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 7, 4, 2, seed=3)
     q, k_cache, v_cache = q.half(), k_cache.half(), v_cache.half()
     args = (q, k_cache, v_cache, slots, ctx, starts, lens, D**-0.5)
-    got = slot_attention_triton(*args, max_query_len=5)
+    got = slot_attention_triton(*args, max_query_len=5, kv_splits=kv_splits)
     want = slot_attention_reference(*args, max_query_len=5)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("impl", IMPLS, ids=["reference", "triton"])
+@pytest.mark.parametrize(("mode", "kv_splits", "dim"), [
+    ("cache", 2, D), ("cache", 3, D), ("cache", 8, D), ("cache", 3, 64), ("block-causal", 3, D),
+    ("block-causal", 8, D), ("block", 2, D), ("block", 3, D), ("block", 3, 64)])  # fmt: skip
+def test_split_keys_over_many_tiles(mode: str, kv_splits: int, dim: int) -> None:
+    """Key splits over contexts of several 64-key tiles: splits of several tiles, a split whose tiles a query
+    only partly sees, a request with context 0 and fewer key tiles than splits (empty splits), GQA groups of 3,
+    in drafter mode the block's keys merged with the cache splits, and (dim 64) a combine in two dim chunks."""
+    # 8 tiles (3 splits: 3 + 3 + 2), 4 tiles, a one-tile request (context 0), a decode step after 383 keys
+    layout = [(1, 500, 0, 6), (0, 200, 6, 3), (4, 0, 9, 7), (2, 383, 20, 1)]
+    q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 24, 6, 2, max_len=520, seed=4, dim=dim)
+    block = mode != "cache"
+    gen = torch.Generator().manual_seed(8)
+    k_block = torch.randn(24, 2, dim, generator=gen).to(DEVICE) if block else None
+    v_block = torch.randn(24, 2, dim, generator=gen).to(DEVICE) if block else None
+    causal = mode != "block"
+    out = slot_attention_triton(q, k_cache, v_cache, slots, ctx, starts, lens, 0.25, max_query_len=7,
+                                k_block=k_block, v_block=v_block, causal=causal, kv_splits=kv_splits)  # fmt: skip
+    expected = naive(q, k_cache, v_cache, layout, 0.25, k_block, v_block, causal)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+    assert bool((out[16:20] == 0).all()) and bool((out[21:] == 0).all()), "rows of no request stay zero"
+
+
+def test_default_kv_splits_fill_the_sms_only_for_small_grids() -> None:
+    # Qwen3-4B verify of 1 request: 8 query rows x 4 heads per kv head = one 32-row block, 8 kv heads, head_dim
+    # 128 (32-key tiles), a 4096-position cache; 132 SMs (H200)
+    tiles = 4096 // 32
+    assert default_kv_splits(1 * 8 * 1, tiles, 132) == MAX_KV_SPLITS
+    assert default_kv_splits(8 * 8 * 1, tiles, 132) == 2
+    assert default_kv_splits(32 * 8 * 1, tiles, 132) == 1
+    assert default_kv_splits(132, tiles, 132) == 1
+    assert default_kv_splits(8, 3, 132) == 3, "no more splits than a slot has key tiles"
+    assert default_kv_splits(100, tiles, 132) == 1
+    assert launch_kv_splits(1, 8, 32, 128, 4096, torch.device("cpu")) == 1, "the interpreter runs one pass"
+
+
+def test_kv_splits_must_be_positive() -> None:
+    layout = [(0, 4, 0, 2)]
+    q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 2, 4, 2, num_slots=2, max_len=8)
+    with pytest.raises(ValueError, match="kv_splits must be >= 1"):
+        slot_attention_triton(q, k_cache, v_cache, slots, ctx, starts, lens, 1.0, max_query_len=2, kv_splits=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS[:2], ids=IDS[:2])
 def test_bad_input_is_a_clear_value_error(impl) -> None:
     layout = [(0, 4, 0, 2)]
     q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 2, 4, 2, num_slots=2, max_len=8)
@@ -151,21 +198,35 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.slot_attention_triton import _slot_attention_kernel
+from kernels.slot_attention_triton import (COMBINE_CHUNK_D, COMBINE_CHUNK_M, _combine_splits_kernel,
+                                           _slot_attention_kernel)
 
 pointers = ("q_ptr", "kc_ptr", "vc_ptr", "kb_ptr", "vb_ptr", "o_ptr")
+partials = ("part_m_ptr", "part_l_ptr", "part_acc_ptr")
 ints = ("stride_qn", "stride_qh", "stride_cs", "stride_ct", "stride_ch", "stride_bn", "stride_bh",
         "stride_on", "stride_oh", "D")
 controls = ("slots_ptr", "ctx_ptr", "qstart_ptr", "qlen_ptr")
-for dtype, has_block in (("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)):
-    signature = {name: "*" + dtype for name in pointers} | {name: "i32" for name in ints}
-    signature |= {name: "*i64" for name in controls} | {"scale": "fp32"}
-    constants = dict(G=2, BLOCK_M=32, BLOCK_N=64, BLOCK_D=64, HAS_BLOCK=has_block, CAUSAL_CACHE=not has_block,
-                     CAUSAL_BLOCK=False, IEEE=dtype == "fp32")
+target = GPUTarget("cuda", 90, 32)
+# (dtype, drafter block, key splits, head_dim block): the last two, Qwen3-4B's verify (split) and drafter
+for dtype, has_block, splits, block_d in (("fp32", False, 1, 64), ("fp32", True, 1, 64), ("bf16", False, 1, 64),
+                                          ("bf16", True, 1, 64), ("bf16", False, 16, 128), ("bf16", True, 3, 128)):
+    partial_type = "*fp32" if splits > 1 else "*" + dtype
+    signature = {name: "*" + dtype for name in pointers} | {name: partial_type for name in partials}
+    signature |= {name: "i32" for name in ints} | {name: "*i64" for name in controls} | {"scale": "fp32"}
+    constants = dict(G=4, BLOCK_M=32, BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d, HAS_BLOCK=has_block,
+                     CAUSAL_CACHE=not has_block,
+                     CAUSAL_BLOCK=False, IEEE=dtype == "fp32", SPLITS=splits)
     signature |= {name: "constexpr" for name in constants}
     source = ASTSource(fn=_slot_attention_kernel, signature=signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    assert compiled.asm["cubin"], (dtype, has_block)
+    assert triton.compile(source, target=target).asm["cubin"], (dtype, has_block, splits)
+    if splits > 1:
+        signature = {name: "*fp32" for name in partials} | {"o_ptr": "*" + dtype, "stride_on": "i32",
+                     "stride_oh": "i32", "qstart_ptr": "*i64", "qlen_ptr": "*i64", "D": "i32"}
+        constants = dict(G=4, BLOCK_M=32, BLOCK_D=block_d, SPLITS=splits, CHUNK_M=COMBINE_CHUNK_M,
+                         CHUNK_D=COMBINE_CHUNK_D)
+        signature |= {name: "constexpr" for name in constants}
+        source = ASTSource(fn=_combine_splits_kernel, signature=signature, constexprs=constants)
+        assert triton.compile(source, target=target).asm["cubin"], ("combine", dtype, splits)
 print("compiled")
 """
 
