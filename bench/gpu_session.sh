@@ -9,7 +9,8 @@
 # benchmark on this machine's CPUs, a core per process) -> grpc_overhead.json, disagg (issue 12's single-GPU
 # shape: drafter and verifier as separate server processes on this one GPU, against both in one process; needs
 # the pydantic tree too) -> disagg.json, disagg_throughput.png, policies -> policies.json,
-# policies.log, policies_*.png, gemm (issue 11's skinny weight GEMMs vs cuBLAS, with a launch sweep; not a default
+# policies.log, policies_*.png, attention (the slot attention's split keys vs one pass; not a default stage) ->
+# slot_attention.json, gemm (issue 11's skinny weight GEMMs vs cuBLAS, with a launch sweep; not a default
 # stage) -> gemm.json; SKINNY=1 adds TargetModel.skinny_gemm to the verify stage (exactness, numerics, step times).
 # One device call brings back at most eight files: choose the stages accordingly.
 # Prints each stage's table as it finishes.
@@ -28,9 +29,10 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its ex
   echo "=== $name: exit $? after $((SECONDS - t0)) s"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-stage tests 120 python3 -m pytest -q -x -p no:cacheprovider \
+stage tests ${TESTS_S:-120} python3 -m pytest -q -x -p no:cacheprovider \
   tests/scheduler/test_engine_graphs.py tests/scheduler/test_graph_capture_guard.py \
-  tests/verify_service/test_fused_layers.py tests/kernels/test_kernels_rejection.py \
+  tests/verify_service/test_fused_layers.py tests/kernels/test_kernels_slot_attention.py \
+  tests/kernels/test_kernels_rejection.py \
   tests/draft_service/test_draft_sampling.py \
   tests/draft_service/test_draft_engine_sampling.py \
   tests/draft_service/test_draft_slot_attention.py tests/draft_service/test_draft_fused.py \
@@ -41,6 +43,7 @@ stage draft 60 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json
 stage host 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
   --prompt-tokens 96 --max-seq-len 456 \
   2>&1 | tail -n 20 | tee -a "$out/logs.txt"
+stage attention 90 python3 bench/bench_slot_attention.py --requests 1 2 4 8 32 --out "$out/slot_attention.json"
 stage gemm 270 python3 bench/bench_skinny_gemm.py --sweep --sweep-time-s 150 --out "$out/gemm.json"
 stage verify $((150 + ${SKINNY:-0} * 60)) python3 bench/profile_verify_gpu.py --fused-only ${SKINNY:+--skinny-gemm} \
   --skinny-tuning "$out/gemm.json" --out-dir "$out"  # the gemm stage's swept launches, when it ran first
