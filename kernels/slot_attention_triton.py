@@ -237,8 +237,10 @@ def _combine_splits_kernel(
     )
 
 
-MAX_KV_SPLITS = 16
-"""Most key splits the default picks: beyond it the partials' traffic outgrows what the extra programs save."""
+MAX_KV_SPLITS = 8
+"""Most key splits the default picks: beyond it the partials' traffic and the combine outgrow what the extra
+programs save (H200, Qwen3-4B verify of 1 request over 264 keys, bench/bench_slot_attention.py: 14.3 us in one
+pass, 9.0 us with 8 splits, 9.3 us with 16; docs/benchmarks/kernels.md)."""
 COMBINE_CHUNK_M = 16
 COMBINE_CHUNK_D = 32
 """Rows x dims of the partials one combine program merges (R=1 on Qwen3-4B: 64 programs of 16 x 32)."""
