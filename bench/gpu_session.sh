@@ -29,15 +29,21 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its ex
   echo "=== $name: exit $? after $((SECONDS - t0)) s"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-stage tests ${TESTS_S:-120} python3 -m pytest -q -x -p no:cacheprovider \
-  tests/scheduler/test_engine_graphs.py tests/scheduler/test_graph_capture_guard.py \
-  tests/verify_service/test_fused_layers.py tests/kernels/test_kernels_slot_attention.py \
-  tests/kernels/test_kernels_rejection.py \
-  tests/draft_service/test_draft_sampling.py \
-  tests/draft_service/test_draft_engine_sampling.py \
-  tests/draft_service/test_draft_slot_attention.py tests/draft_service/test_draft_fused.py \
-  tests/kernels/test_kernels_skinny_gemm.py \
-  2>&1 | tail -n 25 | tee "$out/logs.txt"
+# The GPU tests, file by file (a summary line each, so a stage cut by its limit still says which files passed);
+# TESTS="file ..." picks files.
+gpu_tests=${TESTS:-"tests/scheduler/test_engine_graphs.py tests/scheduler/test_graph_capture_guard.py
+  tests/verify_service/test_fused_layers.py tests/kernels/test_kernels_slot_attention.py
+  tests/kernels/test_kernels_rejection.py tests/draft_service/test_draft_sampling.py
+  tests/draft_service/test_draft_engine_sampling.py tests/draft_service/test_draft_slot_attention.py
+  tests/draft_service/test_draft_fused.py tests/kernels/test_kernels_skinny_gemm.py"}
+run_tests() {
+  local f
+  for f in $gpu_tests; do
+    echo "$f: $(python3 -m pytest -q -x -p no:cacheprovider "$f" 2>&1 | tail -n 1)"
+  done
+}
+stage tests ${TESTS_S:-120} bash -c "$(declare -f run_tests); gpu_tests='$gpu_tests'; run_tests" 2>&1 \
+  | tee "$out/logs.txt"
 stage kernels 200 python3 bench/bench_kernels.py --sweep cdf select --tune --profile --out "$out/kernels.json"
 stage draft 60 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json"
 stage host 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
