@@ -239,6 +239,21 @@ class DraftEngine:
         k_eff = min(top_k, self.draft_top_k) if top_k > 0 else self.draft_top_k
         self._slot_int[slot] = (k_eff, params.seed or 0)
 
+    def add_requests(self, requests: Sequence[tuple[str, SamplingParams]]) -> int:
+        """:meth:`add_request` for each in order, until one does not fit (no free slot, or a duplicate id);
+        returns how many were added (the round driver admits that prefix, the rest wait)."""
+        for added, (req_id, params) in enumerate(requests):
+            try:
+                self.add_request(req_id, params)
+            except ValueError:
+                return added
+        return len(requests)
+
+    def release_many(self, req_ids: Sequence[str]) -> None:
+        """:meth:`release` for each (the round driver frees a round's finished requests together)."""
+        for req_id in req_ids:
+            self.release(req_id)
+
     def release(self, req_id: str) -> None:
         """Free the request's context slot (idempotent)."""
         entry = self._requests.pop(req_id, None)

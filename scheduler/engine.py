@@ -142,6 +142,7 @@ class SpeculativeEngine:
         self.metrics = EngineMetrics(max(self.block_size, 1))
         self._waiting: deque[_Request] = deque()
         self._running: dict[str, _Request] = {}
+        self._finished: list[str] = []  # requests finished this round: released together at its end
         self._ids = itertools.count()
 
     # ----------------------------------------------------------------------------------------------- requests
@@ -236,15 +237,24 @@ class SpeculativeEngine:
         return self.metrics.snapshot(running=len(self._running), waiting=len(self._waiting))
 
     def _free(self, req_id: str) -> None:
-        # A release that fails (the replica died) must not fail the round: the finished request's tokens are
-        # committed already, and the dead replica's cache went with it.
+        self._free_many([req_id])
+
+    def _release_finished(self) -> None:
+        if self._finished:
+            finished, self._finished = self._finished, []
+            self._free_many(finished)
+
+    def _free_many(self, req_ids: list[str]) -> None:
+        """Release requests on both engines, in one call each (over gRPC: one round trip per replica, not per
+        request). A release that fails (the replica died) must not fail the round: the finished requests'
+        tokens are committed already, and the dead replica's cache went with it."""
         for engine in (self.verify, self.draft):
             if engine is None:
                 continue
             try:
-                engine.release(req_id)
+                engine.release_many(req_ids)
             except Exception as error:
-                logger.warning("releasing %s failed (%s); its replica's failover cleans up", req_id, error)
+                logger.warning("releasing %s failed (%s); its replica's failover cleans up", req_ids, error)
 
     # --------------------------------------------------------------------------------------------- the round
     def step(self) -> list[RequestOutput]:
@@ -307,43 +317,48 @@ class SpeculativeEngine:
             raise RuntimeError(
                 f"the verifier returned {len(results)} results for {len(admitted) + len(verified)} requests"
             )
-        if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
-            if self.draft is not None and results.features is not None:
-                self.draft.append_context(
-                    ContextBatch(
-                        results.req_ids,
-                        results.feature_starts,
-                        results.feature_counts,
-                        results.features,
-                        results.arrays,
+        try:
+            if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
+                if self.draft is not None and results.features is not None:
+                    self.draft.append_context(
+                        ContextBatch(
+                            results.req_ids,
+                            results.feature_starts,
+                            results.feature_counts,
+                            results.features,
+                            results.arrays,
+                        )
                     )
-                )
-            commit = self._commit
-            outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
-            # The step's own lists (made for this round, changed by nobody): the metrics keep them as they are.
-            verified_counts, accepted_counts = results.num_drafts, results.num_accepted
-        else:
-            if self.draft is not None:
-                contexts = [
-                    ContextItem(r.req_id, r.feature_start, r.features) for r in results if r.features is not None
+                commit = self._commit
+                outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
+                # The step's own lists (made for this round, changed by nobody): the metrics keep them as they are.
+                verified_counts, accepted_counts = results.num_drafts, results.num_accepted
+            else:
+                if self.draft is not None:
+                    contexts = [
+                        ContextItem(r.req_id, r.feature_start, r.features) for r in results if r.features is not None
+                    ]
+                    self.draft.append_context(contexts)
+                for req, res in zip([*admitted, *verified], results, strict=True):  # prefills first, then verifies
+                    if res.req_id != req.req_id:
+                        raise RuntimeError(
+                            f"the verifier answered for {res.req_id!r} where {req.req_id!r} was expected"
+                        )
+                commit = self._commit
+                outputs = [
+                    commit(r, res.tokens, res.num_drafts, res.num_accepted, True)
+                    for r, res in zip(admitted, results[: len(admitted)], strict=True)
                 ]
-                self.draft.append_context(contexts)
-            for req, res in zip([*admitted, *verified], results, strict=True):  # prefills first, then verifies
-                if res.req_id != req.req_id:
-                    raise RuntimeError(f"the verifier answered for {res.req_id!r} where {req.req_id!r} was expected")
-            commit = self._commit
-            outputs = [
-                commit(r, res.tokens, res.num_drafts, res.num_accepted, True)
-                for r, res in zip(admitted, results[: len(admitted)], strict=True)
-            ]
-            verified_results = results[len(admitted) :]
-            outputs += [
-                commit(r, res.tokens, res.num_drafts, res.num_accepted)
-                for r, res in zip(verified, verified_results, strict=True)
-            ]
-            count = len(verified_results)
-            verified_counts = np.fromiter((res.num_drafts for res in verified_results), np.int64, count)
-            accepted_counts = np.fromiter((res.num_accepted for res in verified_results), np.int64, count)
+                verified_results = results[len(admitted) :]
+                outputs += [
+                    commit(r, res.tokens, res.num_drafts, res.num_accepted)
+                    for r, res in zip(verified, verified_results, strict=True)
+                ]
+                count = len(verified_results)
+                verified_counts = np.fromiter((res.num_drafts for res in verified_results), np.int64, count)
+                accepted_counts = np.fromiter((res.num_accepted for res in verified_results), np.int64, count)
+        finally:  # the finished requests' slots, also when a commit failed part-way
+            self._release_finished()
         if len(verified_counts):
             num_out = sum(map(len, map(_NEW_TOKENS, outputs)))
             self.metrics.record_round(verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out)
@@ -391,14 +406,12 @@ class SpeculativeEngine:
             free = min(free, self.draft.num_free_slots)
         if self.max_running is not None:
             free = min(free, self.max_running - len(self._running))
-        while self._waiting and len(admitted) < free:
-            req = self._waiting[0]
-            if self.draft is not None:
-                try:
-                    self.draft.add_request(req.req_id, req.params)
-                except ValueError:
-                    # A drafter shared with other verifier groups filled up meanwhile: retry next round.
-                    break
+        candidates = list(itertools.islice(self._waiting, max(free, 0)))
+        if self.draft is not None and candidates:
+            # One call for the round's joiners (over gRPC: one AddRequests per drafter replica); a drafter shared
+            # with other verifier groups may have filled up meanwhile: it takes a prefix, the rest retry next round.
+            candidates = candidates[: self.draft.add_requests([(r.req_id, r.params) for r in candidates])]
+        for req in candidates:
             self._waiting.popleft()
             self._running[req.req_id] = req
             admitted.append(req)
@@ -489,7 +502,7 @@ class SpeculativeEngine:
             return RequestOutput(req.req_id, new, text, False, None, len(req.prompt), num_output)
         metrics.finish_time = time.perf_counter()
         self._running.pop(req.req_id, None)
-        self._free(req.req_id)
+        self._finished.append(req.req_id)  # released with the round's other finishers (_release_finished)
         return RequestOutput(req.req_id, new, text, True, finish, len(req.prompt), num_output, metrics)
 
     # ------------------------------------------------------------------------------------------ convenience

@@ -68,8 +68,14 @@ class SerialDrafter:
     def add_request(self, req_id: str, params: Any) -> None:
         self._call(self.engine.add_request, req_id, params)
 
+    def add_requests(self, requests: Sequence[tuple[str, Any]]) -> int:
+        return self._call(self.engine.add_requests, requests)
+
     def release(self, req_id: str) -> None:
         self._call(self.engine.release, req_id)
+
+    def release_many(self, req_ids: Sequence[str]) -> None:
+        self._call(self.engine.release_many, req_ids)
 
     def append_context(self, items: Any) -> None:
         # Waited for: the verifier's next step may overwrite the buffers these features live in. Nothing to
@@ -236,9 +242,10 @@ class PipelinedEngine(SpeculativeEngine):
         if g is not None:
             self._members[g].pop(req_id, None)
 
-    def _free(self, req_id: str) -> None:
-        self._leave_group(req_id)
-        super()._free(req_id)
+    def _free_many(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._leave_group(req_id)
+        super()._free_many(req_ids)
 
     def detach(self, req_ids: Iterable[str] | None = None) -> list[DetachedRequest]:
         """As :meth:`SpeculativeEngine.detach`; rounds decided ahead are dropped (their blocks finish first)."""

@@ -9,6 +9,7 @@ the owning drafter (the ``routes`` of a ``Step``), so only control data passes t
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,8 @@ import torch
 from cluster.rpc import SyncRpcClient
 from draft_service.engine import ContextItem, DraftItem, Proposal
 from verify_service.engine import PrefillItem, StepResult, VerifyItem
+
+logger = logging.getLogger(__name__)
 
 DRAFTER = "dspark.Drafter"
 VERIFIER = "dspark.Verifier"
@@ -67,6 +70,13 @@ class RemoteVerifier:
         if req_id in self._held:
             self._held.discard(req_id)
             self._client.call(VERIFIER, "Release", {"req_ids": [req_id]})
+
+    def release_many(self, req_ids: Sequence[str]) -> None:
+        """Release the ones this side holds in one call (a round's finished requests)."""
+        held = [r for r in req_ids if r in self._held]
+        if held:
+            self._held.difference_update(held)
+            self._client.call(VERIFIER, "Release", {"req_ids": held})
 
     def release_all(self, req_ids: Sequence[str]) -> None:
         """Release on the replica whether or not this side thinks it holds them: after a failed round the
@@ -283,31 +293,66 @@ class DrafterPool:
         return req_id in self._owner or req_id in self._detached
 
     def add_request(self, req_id: str, params: Any) -> None:
+        if self.add_requests([(req_id, params)]) != 1:
+            raise ValueError("no drafter has a free context slot")
+
+    def add_requests(self, requests: Sequence[tuple[str, Any]]) -> int:
+        """Place new requests (each on the accepting drafter with the most free slots, in order, until none has
+        one) with one ``AddRequests`` call per drafter; returns how many were placed (a prefix of
+        ``requests``). While no drafter is there at all they join detached (degraded mode). A failed call
+        places none of them: the others' are released again, best effort, and the error is raised."""
         with self._lock:
             if not self._capacity:
-                self._detached.add(req_id)
-                return
+                self._detached.update(r for r, _ in requests)
+                return len(requests)
             accepting = [a for a in self._capacity if a not in self._draining]
             if not accepting:
                 raise ValueError("no drafter replica is accepting requests (all are draining)")
-            address = max(accepting, key=lambda a: self._capacity[a] - self._load(a))
-            if self._capacity[address] - self._load(address) <= 0:
-                raise ValueError("no drafter has a free context slot")
-            self._owner[req_id] = address
+            free = {a: self._capacity[a] - self._load(a) for a in accepting}
+            groups: dict[str, list[tuple[str, Any]]] = {}
+            placed = 0
+            for req_id, params in requests:
+                address = max(accepting, key=free.__getitem__)
+                if free[address] <= 0:
+                    break
+                free[address] -= 1
+                self._owner[req_id] = address
+                groups.setdefault(address, []).append((req_id, params))
+                placed += 1
+        done: list[str] = []
         try:
-            self._clients[address].call(DRAFTER, "AddRequests", {"req_ids": [req_id], "params": [params.to_dict()]})
+            for address, group in groups.items():
+                message = {"req_ids": [r for r, _ in group], "params": [p.to_dict() for _, p in group]}
+                self._clients[address].call(DRAFTER, "AddRequests", message)
+                done.append(address)
         except Exception:
             with self._lock:
-                self._owner.pop(req_id, None)
+                for group in groups.values():
+                    for req_id, _ in group:
+                        self._owner.pop(req_id, None)
+            for address in done:
+                try:
+                    self._clients[address].call(DRAFTER, "Release", {"req_ids": [r for r, _ in groups[address]]})
+                except Exception as error:  # the replica is failing too: its failover cleans up
+                    logger.warning("undoing AddRequests on %s failed (%s)", address, error)
             raise
+        return placed
 
     def release(self, req_id: str) -> None:
+        self.release_many([req_id])
+
+    def release_many(self, req_ids: Sequence[str]) -> None:
+        """Free requests on their drafters, one ``Release`` call per drafter."""
+        groups: dict[str, list[str]] = {}
         with self._lock:
-            self._detached.discard(req_id)
-            address = self._owner.pop(req_id, None)
-            client = self._clients.get(address) if address is not None else None
-        if client is not None:  # None: its drafter was removed, and its caches with it
-            client.call(DRAFTER, "Release", {"req_ids": [req_id]})
+            for req_id in req_ids:
+                self._detached.discard(req_id)
+                address = self._owner.pop(req_id, None)
+                if address is not None and address in self._clients:  # else its drafter went, caches and all
+                    groups.setdefault(address, []).append(req_id)
+            clients = {a: self._clients[a] for a in groups}
+        for address, ids in groups.items():
+            clients[address].call(DRAFTER, "Release", {"req_ids": ids})
 
     def append_context(self, items: Sequence[ContextItem]) -> None:
         """Only for features the verifier returned inline (no direct route): forwarded to the owners."""

@@ -315,6 +315,11 @@ class VerifyEngine:
         """Tokens held in the request's KV slot (the anchor's position)."""
         return self.cache.length(self._get(req_id).slot)
 
+    def release_many(self, req_ids: Sequence[str]) -> None:
+        """:meth:`release` for each (the round driver frees a round's finished requests together)."""
+        for req_id in req_ids:
+            self.release(req_id)
+
     def release(self, req_id: str) -> None:
         """Free the request's slot at once (finish, abort, disconnect). Unknown ids are ignored: release is
         idempotent so that an abort racing a natural finish is harmless."""

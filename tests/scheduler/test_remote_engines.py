@@ -94,3 +94,54 @@ def test_plain_decoding_over_grpc_leaves_the_features_on_the_verifier(services) 
     before = verifier._thread.busy_total_s
     SyncRpcClient(servers[2].address).call("dspark.Verifier", "Info", {})
     assert verifier.info()["engine_busy_s"] == pytest.approx(before) and before > 0
+
+
+def _count_calls(client: SyncRpcClient, counts: dict[str, int]) -> None:
+    """Count the methods a real client calls (each call still goes to its server)."""
+    call = client.call
+
+    def counted(service: str, method: str, message: dict) -> dict:
+        counts[method] = counts.get(method, 0) + 1
+        return call(service, method, message)
+
+    client.call = counted  # type: ignore[method-assign]
+
+
+def test_joining_and_finishing_requests_cost_one_call_per_replica_per_round(services) -> None:
+    """A round's joiners are placed with one AddRequests per drafter and its finishers freed with one Release
+    per replica (over gRPC each call is a round trip: per request they dominated the host time at 128 requests),
+    and the output is still the target's greedy output."""
+    servers, drafters, verifier, target = services
+    pool = DrafterPool([s.address for s in servers[:2]])
+    remote = RemoteVerifier(servers[2].address, pool.route_of)
+    drafter_calls: dict[str, int] = {}
+    verifier_calls: dict[str, int] = {}
+    for client in pool._clients.values():
+        _count_calls(client, drafter_calls)
+    _count_calls(remote._client, verifier_calls)
+    engine = SpeculativeEngine(remote, pool, make_policy("full", None, pool.block_size))
+    prompts = [[1 + i, 2 + i, 3] for i in range(8)]
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert [r.token_ids for r in results] == target.generate(prompts, max_new_tokens=4)
+    assert drafter_calls["AddRequests"] == 2  # 8 joiners in the first round, 4 on each drafter
+    rounds = engine.snapshot().rounds + 1  # + the prefill round
+    assert verifier_calls["Release"] <= rounds < len(prompts)
+    assert drafter_calls["Release"] <= 2 * rounds
+    assert all(d.engine.num_free_slots == 4 for d in drafters) and verifier.engine.num_free_slots == 8
+    pool.close()
+    remote.close()
+
+
+def test_drafter_pool_places_a_prefix_when_slots_run_out(services) -> None:
+    servers, drafters, _, _ = services
+    pool = DrafterPool([s.address for s in servers[:2]])
+    params = SamplingParams(temperature=0.0, max_tokens=4).with_seed()
+    requests = [(f"r{i}", params) for i in range(10)]
+    assert pool.add_requests(requests) == 8  # 4 + 4 slots
+    assert [pool.has(r) for r, _ in requests] == [True] * 8 + [False] * 2
+    assert sorted(d.engine.num_free_slots for d in drafters) == [0, 0]
+    pool.release_many(["r0", "r1", "r2", "nobody"])
+    assert sum(d.engine.num_free_slots for d in drafters) == 3 and not pool.has("r0")
+    pool.release_many([r for r, _ in requests])
+    assert all(d.engine.num_free_slots == 4 for d in drafters)
+    pool.close()
