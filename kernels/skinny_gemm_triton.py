@@ -70,6 +70,17 @@ has ``skinny_gemm`` on: the H200 sweep (docs/benchmarks/kernels.md, "Skinny weig
 1.07-1.18x cuBLAS at 8 and 16 rows with the launches below, about even at 64 and slower at 32 (an unswept row
 bucket), so larger passes stay on cuBLAS."""
 
+@functools.cache
+def tuned_for(device: torch.device) -> bool:
+    """Whether the target uses these kernels on ``device`` (with ``skinny_gemm`` on): Hopper GPUs (compute
+    capability 9.x: where FASTER_ROWS and TUNING were measured, and the only ones with the TMA copies some
+    TUNING launches use) and the CPU interpreter (tests). Other GPUs keep cuBLAS until a sweep there says
+    otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] == 9
+    return interpreting()
+
+
 # (N out, K, gated, BLOCK_M) -> config of bf16 launches: the fastest of `bench/bench_skinny_gemm.py --sweep` on an
 # H200 (2026-12-01, the Qwen3-4B projections the fused layers launch, swept at M = 8: the 16-row bucket that
 # FASTER_ROWS admits). Shapes not listed (and float32 models) use default_config.

@@ -91,8 +91,9 @@ class TargetModel:
         self.fused: bool | None = None  # fused layer kernels: None = on CUDA with the triton backend
         self._fused_layers: list[_FusedLayer] | None = None
         # The fused path's (CUDA's) weight GEMMs and LM head run the skinny Triton GEMMs
-        # (kernels/skinny_gemm_triton.py) for passes of at most FASTER_ROWS tokens, where the H200 measured them
-        # faster than cuBLAS (R = 1 verify step 3.65 -> 3.40 ms); larger passes use cuBLAS. False: cuBLAS always.
+        # (kernels/skinny_gemm_triton.py) for passes of at most FASTER_ROWS tokens on Hopper GPUs, where the H200
+        # measured them faster than cuBLAS (R = 1 verify step 3.65 -> 3.40 ms); larger passes and other GPUs use
+        # cuBLAS (skinny_gemm_triton.tuned_for). False: cuBLAS always.
         self.skinny_gemm = True
         self._skinny_counters: torch.Tensor | None = None
 
@@ -306,13 +307,14 @@ class TargetModel:
         attention, o_proj, add+norm, one gate/up matmul, silu*up, down_proj (the residual add of the down
         projection is done by the next layer's add+norm). Same values as the HF-module path, op by op."""
         from kernels.fused_layer_triton import add_rms_norm, qk_norm_rope_store, silu_mul
-        from kernels.skinny_gemm_triton import FASTER_ROWS, skinny_gate_up_silu, skinny_linear
+        from kernels.skinny_gemm_triton import FASTER_ROWS, skinny_gate_up_silu, skinny_linear, tuned_for
 
         fused = self._fused()
         logits_rows, feature_rows = _selected_rows(input_ids, logits_rows, feature_rows)
         hf = self.hf_model.model
         num_tokens = input_ids.shape[0]
-        counters = self._skinny_workspace() if self.skinny_gemm and num_tokens <= FASTER_ROWS else None
+        skinny = self.skinny_gemm and num_tokens <= FASTER_ROWS and tuned_for(self.device)
+        counters = self._skinny_workspace() if skinny else None
         last = self.num_layers - 1
         x = hf.embed_tokens(input_ids).contiguous()  # the residual stream, updated in place from here on
         cos, sin = hf.rotary_emb(x, meta.positions[None])
