@@ -34,7 +34,7 @@ from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEng
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
-from verify_service.engine import PrefillItem, StepResults, VerifyBatch, VerifyEngine, VerifyItem
+from verify_service.engine import PrefillItem, StepResult, StepResults, VerifyBatch, VerifyEngine, VerifyItem
 
 logger = logging.getLogger(__name__)
 _NEW_TOKENS = operator.attrgetter("new_token_ids")
@@ -318,45 +318,7 @@ class SpeculativeEngine:
                 f"the verifier returned {len(results)} results for {len(admitted) + len(verified)} requests"
             )
         try:
-            if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
-                if self.draft is not None and results.features is not None:
-                    self.draft.append_context(
-                        ContextBatch(
-                            results.req_ids,
-                            results.feature_starts,
-                            results.feature_counts,
-                            results.features,
-                            results.arrays,
-                        )
-                    )
-                commit = self._commit
-                outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
-                # The step's own lists (made for this round, changed by nobody): the metrics keep them as they are.
-                verified_counts, accepted_counts = results.num_drafts, results.num_accepted
-            else:
-                if self.draft is not None:
-                    contexts = [
-                        ContextItem(r.req_id, r.feature_start, r.features) for r in results if r.features is not None
-                    ]
-                    self.draft.append_context(contexts)
-                for req, res in zip([*admitted, *verified], results, strict=True):  # prefills first, then verifies
-                    if res.req_id != req.req_id:
-                        raise RuntimeError(
-                            f"the verifier answered for {res.req_id!r} where {req.req_id!r} was expected"
-                        )
-                commit = self._commit
-                outputs = [
-                    commit(r, res.tokens, res.num_drafts, res.num_accepted, True)
-                    for r, res in zip(admitted, results[: len(admitted)], strict=True)
-                ]
-                verified_results = results[len(admitted) :]
-                outputs += [
-                    commit(r, res.tokens, res.num_drafts, res.num_accepted)
-                    for r, res in zip(verified, verified_results, strict=True)
-                ]
-                count = len(verified_results)
-                verified_counts = np.fromiter((res.num_drafts for res in verified_results), np.int64, count)
-                accepted_counts = np.fromiter((res.num_accepted for res in verified_results), np.int64, count)
+            outputs, verified_counts, accepted_counts = self._commit_results(admitted, verified, results)
         finally:  # the finished requests' slots, also when a commit failed part-way
             self._release_finished()
         if len(verified_counts):
@@ -367,6 +329,52 @@ class SpeculativeEngine:
                 verify_tokens = len(verified) + int(np.add.reduce(verified_counts))  # anchors + drafts
                 self._observe_round(len(verified), drafting, draft_s, other_s, t3 - t2, verify_tokens)
         return outputs
+
+    def _commit_results(
+        self, admitted: list[_Request], verified: list[_Request], results: Sequence[StepResult] | StepResults
+    ) -> tuple[list[RequestOutput], Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]:
+        """Append the step's context features to the drafter and commit every request's tokens; returns the
+        outputs and the verified / accepted draft counts of the verify items."""
+        if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
+            if self.draft is not None and results.features is not None:
+                self.draft.append_context(
+                    ContextBatch(
+                        results.req_ids,
+                        results.feature_starts,
+                        results.feature_counts,
+                        results.features,
+                        results.arrays,
+                    )
+                )
+            commit = self._commit
+            outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
+            # The step's own lists (made for this round, changed by nobody): the metrics keep them as they are.
+            verified_counts, accepted_counts = results.num_drafts, results.num_accepted
+        else:
+            if self.draft is not None:
+                contexts = [
+                    ContextItem(r.req_id, r.feature_start, r.features) for r in results if r.features is not None
+                ]
+                self.draft.append_context(contexts)
+            for req, res in zip([*admitted, *verified], results, strict=True):  # prefills first, then verifies
+                if res.req_id != req.req_id:
+                    raise RuntimeError(
+                        f"the verifier answered for {res.req_id!r} where {req.req_id!r} was expected"
+                    )
+            commit = self._commit
+            outputs = [
+                commit(r, res.tokens, res.num_drafts, res.num_accepted, True)
+                for r, res in zip(admitted, results[: len(admitted)], strict=True)
+            ]
+            verified_results = results[len(admitted) :]
+            outputs += [
+                commit(r, res.tokens, res.num_drafts, res.num_accepted)
+                for r, res in zip(verified, verified_results, strict=True)
+            ]
+            count = len(verified_results)
+            verified_counts = np.fromiter((res.num_drafts for res in verified_results), np.int64, count)
+            accepted_counts = np.fromiter((res.num_accepted for res in verified_results), np.int64, count)
+        return outputs, verified_counts, accepted_counts
 
     def _verify_items(
         self, verified: list[_Request], lengths: np.ndarray, proposal: object, drafted: DraftBatch | None = None
