@@ -34,6 +34,7 @@ and counts only (and Algorithm 1's allowed dependence on the current confidences
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 import numpy as np
@@ -114,7 +115,7 @@ class OnlineDraftCost:
     def no_draft_cost(self) -> DraftCost:
         """The overhead of a round that skips the drafter (robust median of the window), 0 until one is seen."""
         if self._plain_dirty:
-            self._no_draft = DraftCost(fixed_s=float(np.median(self._plain)))
+            self._no_draft = DraftCost(fixed_s=statistics.median(self._plain))
             self._plain_dirty = False
         return self._no_draft
 
@@ -134,11 +135,14 @@ class OnlineDraftCost:
                                                             or self._scale_unset):  # fmt: skip
             self._verify_new = 0
             self._scale_unset = False
-            median = float(np.median(self._verify_ratios))
+            median = statistics.median(self._verify_ratios)  # a sort of <= window floats: cheaper cold than numpy
             self._scale = 2.0 ** (round(32 * math.log2(median)) / 32)
         return self._scale
 
     def _fit(self) -> DraftCost:
+        load = self._drafted[0][0]
+        if all(r == load for r, _ in self._drafted):  # the usual steady load: no slope to fit
+            return _fit_one_load([t for _, t in self._drafted], self.outlier_mads)
         data = np.array(self._drafted, dtype=np.float64)
         r, t = data[:, 0], data[:, 1]
         slope, intercept = _theil_sen(r, t)
@@ -149,11 +153,22 @@ class OnlineDraftCost:
         return _nonnegative_least_squares(r[keep], t[keep])
 
 
+def _fit_one_load(times: list[float], outlier_mads: float) -> DraftCost:
+    """What ``_fit`` computes when every round had the same R (slope 0; the rounds within ``outlier_mads``
+    robust sigmas of the median kept; their mean), on Python floats: a refit runs between model steps with the
+    CPU's caches cold, where this costs a third of the dozen numpy calls on 64 numbers it replaces
+    (bench/bench_sched_in_engine.py, docs/benchmarks/scheduler.md)."""
+    median = statistics.median(times)
+    residual = [t - median for t in times]
+    center = statistics.median(residual)
+    spread = _MAD_TO_SIGMA * statistics.median([abs(e - center) for e in residual])
+    bound = outlier_mads * spread + 1e-9 * (1.0 + median)
+    kept = [t for t, e in zip(times, residual, strict=True) if abs(e) <= bound]
+    return DraftCost(fixed_s=max(math.fsum(kept) / len(kept), 0.0))
+
+
 def _theil_sen(r: np.ndarray, t: np.ndarray) -> tuple[float, float]:
-    """(slope, intercept) of the Theil-Sen line; slope 0 when every round had the same R (checked first: the
-    usual steady load, where the pairwise slopes would cost ~50 us of host time for nothing)."""
-    if r.min() == r.max():
-        return 0.0, float(np.median(t))
+    """(slope, intercept) of the Theil-Sen line; slope 0 when every round had the same R."""
     i, j = np.triu_indices(r.size, k=1)
     dr = r[j] - r[i]
     distinct = dr != 0

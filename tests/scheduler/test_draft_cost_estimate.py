@@ -54,6 +54,26 @@ def test_ignores_outliers() -> None:
     assert cost.per_request_s == pytest.approx(0.03e-3, rel=1e-6)
 
 
+def test_one_load_fit_ignores_outliers_like_the_general_fit() -> None:
+    """Every round at the same R (steady load: the Python-float fit): stalled rounds are dropped and the cost is
+    the inliers' mean, as the numpy fit of mixed loads computes it (checked on the same times at two loads,
+    where the general fit's per-request term takes the difference)."""
+    rng = np.random.default_rng(3)
+    times = [1.0e-3 * float(rng.normal(1.0, 0.01)) * (25.0 if i % 9 == 4 else 1.0) for i in range(64)]
+    inliers = [t for i, t in enumerate(times) if i % 9 != 4]
+    steady = OnlineDraftCost()
+    for t in times:
+        steady.observe(32, True, t, 0.0)
+    assert steady.draft_cost.fixed_s == pytest.approx(sum(inliers) / len(inliers), rel=1e-12)
+    assert steady.draft_cost.per_request_s == 0.0
+    mixed = OnlineDraftCost()
+    for i, t in enumerate(times):  # the same times, every other round at R = 33 costing 1 us more
+        r = 32 + i % 2
+        mixed.observe(r, True, t + 1e-6 * (r - 32), 0.0)
+    cost = mixed.draft_cost
+    assert cost.seconds(32, 0) == pytest.approx(sum(inliers) / len(inliers), rel=0.02)
+
+
 def test_warm_up_reports_nothing_and_plain_rounds_do_not_count() -> None:
     estimator = OnlineDraftCost(min_rounds=4)
     assert estimator.draft_cost is None
