@@ -68,6 +68,7 @@ import torch
 from tqdm import tqdm
 
 from bench.engine_setup import DEMO_TARGET, ROOT, chat_prompts, load_calibration, tokenizer_for
+from bench.timing import timed
 from cluster.sampling import SamplingParams
 from draft_service.engine import DraftEngine
 from draft_service.inflate import inflate_pair
@@ -219,24 +220,9 @@ def _sync(device: torch.device) -> None:
 
 
 def time_device(fn: Callable[[], object], device: torch.device, *, warmup: int, repeats: int) -> float:
-    """Median seconds of ``fn`` on the device (CUDA events on GPUs, wall clock elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000.0)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``fn`` on the device (:func:`bench.timing.timed`: CUDA events on GPUs, wall clock
+    elsewhere)."""
+    return timed(fn, device, repeats, warmup) / 1e3
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int) -> dict[str, float]:
