@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ray_start import start_local_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -41,17 +42,12 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
 def served() -> Iterator[dict]:
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1", "object_store_memory": 128 * 2**20},
+    cluster, (draft_node, verify_node) = start_local_cluster(
+        head={"num_cpus": 2, "object_store_memory": 128 * 2**20},
+        workers=[{"num_cpus": 1, "resources": {"draft_pool": 1}, "object_store_memory": 96 * 2**20},
+                 {"num_cpus": 1, "resources": {"verify_pool": 1}, "object_store_memory": 96 * 2**20}],
     )
-    draft_node = cluster.add_node(wait=False, num_cpus=1, resources={"draft_pool": 1}, node_ip_address="127.0.0.1",
-                                  object_store_memory=96 * 2**20)
-    verify_node = cluster.add_node(wait=False, num_cpus=1, resources={"verify_pool": 1}, node_ip_address="127.0.0.1",
-                                   object_store_memory=96 * 2**20)
-    cluster.wait_for_nodes(timeout=180)  # generous: node start-up on a loaded 2-core machine
     ray.init(address=cluster.address)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

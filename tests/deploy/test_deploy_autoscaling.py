@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from ray_start import init_local_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -131,8 +132,7 @@ def deployed() -> Iterator[str]:
     from ray.serve._private import api as serve_private_api
     from ray.serve.schema import ServeDeploySchema
 
-    ray.init(
-        _node_ip_address="127.0.0.1",
+    init_local_ray(
         num_cpus=4,  # logical: 2 verifiers + drafter + scheduler + ingress at 0.5 each
         resources={"draft_pool": 1, "verify_pool": 1},
         object_store_memory=128 * 2**20,

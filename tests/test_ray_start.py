@@ -1,0 +1,85 @@
+"""The Ray test-cluster starter retries only Ray's node start-up timeout and kills only Ray's stray children."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+from ray_start import ATTEMPTS, kill_stray_ray_children, start_with_retry
+
+TIMEOUT = Exception("The current node timed out during startup. This could happen because ...")
+
+
+def test_a_node_start_timeout_is_retried_after_cleanup() -> None:
+    calls: list[str] = []
+
+    def start() -> str:
+        calls.append("start")
+        if calls.count("start") < ATTEMPTS:
+            raise TIMEOUT
+        return "cluster"
+
+    assert start_with_retry(start, lambda: calls.append("cleanup")) == "cluster"
+    assert calls == ["start", "cleanup"] * (ATTEMPTS - 1) + ["start"]
+
+
+def test_the_last_timeout_and_any_other_error_are_raised() -> None:
+    def always_times_out() -> None:
+        raise TIMEOUT
+
+    cleanups: list[int] = []
+    with pytest.raises(Exception, match="timed out during startup"):
+        start_with_retry(always_times_out, lambda: cleanups.append(1))
+    assert len(cleanups) == ATTEMPTS - 1
+
+    def broken() -> None:
+        raise ValueError("bad resources")
+
+    with pytest.raises(ValueError, match="bad resources"):
+        start_with_retry(broken, lambda: cleanups.append(1))
+    assert len(cleanups) == ATTEMPTS - 1  # no cleanup, no retry
+
+
+def test_only_children_running_rays_code_are_killed() -> None:
+    sleeper = "import time; time.sleep(120)"
+    ray_dir = str(Path(ray.__file__).parent)
+    ray_like = subprocess.Popen([sys.executable, "-c", sleeper, ray_dir])
+    other = subprocess.Popen([sys.executable, "-c", sleeper])
+    try:
+        assert ray_like.pid in kill_stray_ray_children()
+        assert not Path(f"/proc/{ray_like.pid}").exists()  # killed and reaped
+        assert other.poll() is None
+    finally:
+        for process in (ray_like, other):
+            process.kill()
+            process.wait(timeout=30)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_real_node_start_timeout_is_recovered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first node's raylet never shows up in the GCS (its lookup is made to fail), so Ray gives up after its
+    30 s; the starter kills that node's processes and the second start gives a working one-node cluster."""
+    import ray._private.services as services
+    from ray_start import init_local_ray
+
+    real_get_node = services.get_node
+    lookups = {"failed": 0}
+
+    def get_node_failing_for_the_first_node(gcs_address: str, node_id: str):
+        if lookups.setdefault("first", node_id) == node_id:
+            lookups["failed"] += 1
+            raise RuntimeError("node info not available (test)")
+        return real_get_node(gcs_address, node_id)
+
+    monkeypatch.setattr(services, "get_node", get_node_failing_for_the_first_node)
+    init_local_ray(num_cpus=1, object_store_memory=96 * 2**20, include_dashboard=False)
+    try:
+        assert lookups["failed"] > 1  # the first start ran into Ray's node wait
+        assert ray.get(ray.remote(lambda: 42).remote(), timeout=120) == 42
+        assert len(ray.nodes()) == 1  # the first attempt's GCS and raylet are gone, not a second cluster
+    finally:
+        ray.shutdown()
