@@ -16,6 +16,11 @@ dropped, and least squares on the rest gives the coefficients (clamped to >= 0, 
 is reported before ``min_rounds`` drafted rounds (``draft_cost`` is None): the policy then uses the plain
 objective and never skips, exactly the behaviour without an estimate.
 
+A refit that moves no coefficient by more than ``keep_within`` (1%, far inside the noise of wall-clock round
+timings) keeps the previous DraftCost object: the scheduler's caches (Algorithm 1's price curves and the gate's
+round times, keyed by the cost; the gate's last prediction, kept while its cost objects stay the same) then
+survive a refit instead of being rebuilt every ``refit_interval`` rounds.
+
 Verify-time calibration: the SPS table is profiled at startup on idle steps (R requests over a short context,
 nothing joining), while under load every verify step is slower: longer contexts, joining prompts prefilled in
 the same pass. Measured on an H200 at 128 concurrent requests, steps took 1.6x what the table said; priced that
@@ -53,7 +58,13 @@ class OnlineDraftCost:
     """
 
     def __init__(
-        self, *, window: int = 64, min_rounds: int = 8, refit_interval: int = 4, outlier_mads: float = 4.0
+        self,
+        *,
+        window: int = 64,
+        min_rounds: int = 8,
+        refit_interval: int = 4,
+        outlier_mads: float = 4.0,
+        keep_within: float = 0.01,
     ) -> None:
         for name, value in (("window", window), ("min_rounds", min_rounds), ("refit_interval", refit_interval)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -62,6 +73,10 @@ class OnlineDraftCost:
             raise ValueError(f"min_rounds ({min_rounds}) must not exceed window ({window})")
         if not (isinstance(outlier_mads, (int, float)) and math.isfinite(outlier_mads) and outlier_mads > 0):
             raise ValueError(f"outlier_mads must be a finite number > 0, got {outlier_mads!r}")
+        if not (isinstance(keep_within, (int, float)) and 0 <= keep_within < 1):
+            raise ValueError(f"keep_within must be a number in [0, 1), got {keep_within!r}")
+        self.keep_within = float(keep_within)
+        self.observed = 0  # rounds taken in: readers cache what they derived from the estimates until it moves
         self.min_rounds = min_rounds
         self.refit_interval = refit_interval
         self.outlier_mads = float(outlier_mads)
@@ -89,6 +104,7 @@ class OnlineDraftCost:
         optionally its verify seconds with the SPS table's prediction for that step (for ``verify_scale``)."""
         if num_requests < 1 or not (math.isfinite(draft_s) and math.isfinite(other_s)):
             return
+        self.observed += 1
         if verify_s is not None and predicted_verify_s is not None:
             ratio = verify_s / predicted_verify_s if predicted_verify_s > 0 else math.nan
             if math.isfinite(ratio) and ratio > 0:
@@ -107,7 +123,9 @@ class OnlineDraftCost:
         if len(self._drafted) < self.min_rounds:
             return None
         if self._cost is None or self._since_fit >= self.refit_interval:
-            self._cost = self._fit()
+            fitted = self._fit()
+            if self._cost is None or not _within(fitted, self._cost, self.keep_within):
+                self._cost = fitted
             self._since_fit = 0
         return self._cost
 
@@ -115,7 +133,9 @@ class OnlineDraftCost:
     def no_draft_cost(self) -> DraftCost:
         """The overhead of a round that skips the drafter (robust median of the window), 0 until one is seen."""
         if self._plain_dirty:
-            self._no_draft = DraftCost(fixed_s=statistics.median(self._plain))
+            fitted = DraftCost(fixed_s=statistics.median(self._plain))
+            if not _within(fitted, self._no_draft, self.keep_within):
+                self._no_draft = fitted
             self._plain_dirty = False
         return self._no_draft
 
@@ -151,6 +171,15 @@ class OnlineDraftCost:
         # The floor keeps exact (noise-free) data from rejecting every round over rounding error.
         keep = np.abs(residual) <= self.outlier_mads * spread + 1e-9 * (1.0 + float(np.median(t)))
         return _nonnegative_least_squares(r[keep], t[keep])
+
+
+def _within(new: DraftCost, old: DraftCost, fraction: float) -> bool:
+    """Every coefficient of ``new`` within ``fraction`` (relative) of ``old``'s."""
+    return all(
+        abs(a - b) <= fraction * max(abs(a), abs(b))
+        for a, b in ((new.fixed_s, old.fixed_s), (new.per_request_s, old.per_request_s),
+                     (new.per_token_s, old.per_token_s))
+    )  # fmt: skip
 
 
 def _fit_one_load(times: list[float], outlier_mads: float) -> DraftCost:

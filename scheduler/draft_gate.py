@@ -30,6 +30,16 @@ again, i.e. while the refreshed pool keeps confirming that skipping wins (sustai
 is a slower round); any round that the prediction itself sends to the drafter resets it. Load changes need no
 probe: the prediction follows the number of requests at once.
 
+Cost per round: a round's confidences are only queued by ``observe`` (a copy); they are folded into Q, in
+arrival order and by the same operations, when a prediction needs Q. And a prediction is only made when the
+last one might have changed its answer: after a prediction to draft with ratio m = Theta_spec / Theta_ar, every
+later fold multiplies Q by (1 - w) and adds non-negative terms, so each tau_n, and with it Theta_spec, is at
+least prod(1 - w) of its value then, while Theta_ar is fixed by R and the costs. As long as R, the step count,
+gamma and both cost objects are unchanged and m * prod(1 - w) > 1 (with a 1e-9 margin for rounding), the full
+prediction would draft too, so the round drafts without it (the same decision, found without the ~20 numpy
+calls it costs between two model steps). At one request (w = 1/64) and m ~ 2.4, that is one prediction in ~55
+rounds; from ``history_rows`` rows a round (w = 1) every round predicts, as before.
+
 Why this is lossless: the decision is a function of confidences of rounds that are already verified and
 committed, of the number of running requests and of their caps (counts) -- never of the tokens this round
 will verify, which do not exist yet when it is made. Given everything that happened before the round, either
@@ -91,6 +101,11 @@ class DraftGate:
         self.curve_points = curve_points
         self._curve: np.ndarray | None = None  # Q, sorted survival curve of an average request (descending)
         self._cumulative = np.zeros(curve_points + 1)  # 0, Q_1, Q_1 + Q_2, ...
+        self._pending: list[np.ndarray] = []  # observed confidences not yet folded into Q (oldest first)
+        # The last prediction to draft: (R, steps, gamma, draft cost, no-draft cost, Theta_spec / Theta_ar), and
+        # the factor prod(1 - w) of the rounds observed since, a lower bound of Q's change (module docstring).
+        self._drafted_at: tuple[int, int, int, DraftCost, DraftCost, float] | None = None
+        self._decay = 1.0
         self._steps = np.arange(curve_points + 1, dtype=np.float64)
         self._ranks: dict[int, np.ndarray] = {}  # survivals per round -> where Q's ranks sit in their sort
         self._gamma = 0
@@ -99,19 +114,40 @@ class DraftGate:
         self.skipped = 0  # rounds that skipped the drafter
 
     def observe(self, confidences: np.ndarray, *, validated: bool = False) -> None:
-        """Fold a drafted round's confidences [R, gamma] (uncapped) into Q. ``validated``: the caller has just
+        """Queue a drafted round's confidences [R, gamma] (uncapped) for Q. ``validated``: the caller has just
         passed this very array through ``validate_confidences`` (the policies' schedule did), so it is not
         checked twice in a round."""
-        conf = (confidences if validated else validate_confidences(confidences)).astype(np.float64, copy=False)
+        conf = confidences if validated else validate_confidences(confidences)
         rows, gamma = conf.shape
         if rows == 0 or gamma == 0:
             return
-        curve = self._curve_of(conf)
-        if self._curve is None or gamma != self._gamma:
-            self._curve, self._gamma = curve, gamma
-        else:
-            weight = min(1.0, rows / self.history_rows)
-            self._curve = (1.0 - weight) * self._curve + weight * curve
+        weight = min(1.0, rows / self.history_rows)
+        if weight >= 1.0:  # this round replaces Q outright: the queued ones no longer matter
+            self._pending.clear()
+        self._pending.append(conf.astype(np.float64))  # a copy: the caller may reuse its buffer
+        self._decay = 0.0 if gamma != self._gamma else self._decay * (1.0 - weight)
+        if len(self._pending) >= self.history_rows:  # bounded memory when no prediction asks for Q
+            self._fold()
+
+    @property
+    def curve(self) -> np.ndarray | None:
+        """Q, the sorted survival curve of an average request (every observed round folded in), or None."""
+        if self._pending:
+            self._fold()
+        return self._curve
+
+    def _fold(self) -> None:
+        """Fold the queued rounds into Q, oldest first: each replaces Q (the first round, a new gamma) or enters
+        its row-weighted exponential average."""
+        for conf in self._pending:
+            rows, gamma = conf.shape
+            curve = self._curve_of(conf)
+            if self._curve is None or gamma != self._gamma:
+                self._curve, self._gamma = curve, gamma
+            else:
+                weight = min(1.0, rows / self.history_rows)
+                self._curve = (1.0 - weight) * self._curve + weight * curve
+        self._pending.clear()
         np.add.accumulate(self._curve, out=self._cumulative[1:])  # np.cumsum, without its Python wrapper
 
     def _curve_of(self, conf: np.ndarray) -> np.ndarray:
@@ -131,17 +167,30 @@ class DraftGate:
 
     def predicted_rates(self, max_lengths: np.ndarray) -> tuple[float, float] | None:
         """(Theta_spec, Theta_ar) in tokens/s for the current caps, or None while nothing was observed."""
-        caps = np.asarray(max_lengths, dtype=np.int64)
-        num_requests = int(caps.size)
-        if num_requests == 0 or self._curve is None:
+        if self.curve is None:
             return None
-        gamma, points = self._gamma, self.curve_points
-        admissible = int(np.add.reduce(np.maximum(np.minimum(caps, gamma), 0))) / (num_requests * gamma)
-        steps = round(admissible * points)
-        share = num_requests * gamma / points  # drafts admitted per step of the fluid walk
+        walk = self._walk_size(max_lengths)
+        if walk is None:
+            return None
+        num_requests, steps = walk
+        share = num_requests * self._gamma / self.curve_points  # drafts admitted per step of the fluid walk
         tau = num_requests + share * self._cumulative[: steps + 1]
         round_time, ar_rate = self._round_times(num_requests, steps)
         return float(np.maximum.reduce(tau / round_time)), ar_rate
+
+    def _walk_size(self, max_lengths: np.ndarray) -> tuple[int, int] | None:
+        """(R, steps of the fluid walk the caps admit), or None for no request. Caps are counts, so a few of
+        them are summed on Python ints (the same integer as numpy's, without its per-call cost)."""
+        caps = np.asarray(max_lengths, dtype=np.int64)
+        num_requests = int(caps.size)
+        if num_requests == 0:
+            return None
+        gamma = self._gamma
+        if num_requests <= 16:
+            admitted = sum(min(max(c, 0), gamma) for c in caps.tolist())
+        else:
+            admitted = int(np.add.reduce(np.maximum(np.minimum(caps, gamma), 0)))
+        return num_requests, round(admitted / (num_requests * gamma) * self.curve_points)
 
     def _round_times(self, num_requests: int, steps: int) -> tuple[np.ndarray, float]:
         """Round time of each step 0..steps of the fluid walk, and Theta_ar: functions of R, the step count, the
@@ -166,10 +215,16 @@ class DraftGate:
     def should_draft(self, max_lengths: np.ndarray) -> bool:
         """Whether this round runs the drafter (a function of past confidences and counts only)."""
         self.decisions += 1
-        probe = self._skipped_in_a_row + 1 >= self.interval
-        rates = None if probe else self.predicted_rates(max_lengths)
-        if rates is None or rates[0] >= rates[1]:
-            if rates is not None:  # the prediction itself chose to draft: probe at the base rate again
+        if self._skipped_in_a_row + 1 >= self.interval:
+            probe, predicted, draft = True, False, True
+        elif self._still_drafts(max_lengths):
+            probe, predicted, draft = False, True, True
+        else:
+            rates = self.predicted_rates(max_lengths)
+            self._remember(max_lengths, rates)
+            probe, predicted, draft = False, rates is not None, rates is None or rates[0] >= rates[1]
+        if draft:
+            if predicted:  # the prediction itself chose to draft: probe at the base rate again
                 self.interval = self.probe_interval
             self._probed = probe
             self._skipped_in_a_row = 0
@@ -180,3 +235,23 @@ class DraftGate:
         self._skipped_in_a_row += 1
         self.skipped += 1
         return False
+
+    def _remember(self, max_lengths: np.ndarray, rates: tuple[float, float] | None) -> None:
+        """Keep a prediction to draft (and what it was made for) so later rounds can reuse its answer."""
+        self._drafted_at = None
+        if rates is not None and rates[0] > rates[1] > 0.0:
+            num_requests, steps = self._walk_size(max_lengths)  # not None: rates were predicted
+            ratio = rates[0] / rates[1]
+            self._drafted_at = (num_requests, steps, self._gamma, self.draft_cost, self.no_draft_cost, ratio)
+            self._decay = 1.0
+
+    def _still_drafts(self, max_lengths: np.ndarray) -> bool:
+        """Whether the last prediction to draft provably still holds (module docstring: m * prod(1 - w) > 1
+        for the same R, steps, gamma and cost objects), so the full prediction would draft too."""
+        last = self._drafted_at
+        if last is None or last[3] is not self.draft_cost or last[4] is not self.no_draft_cost:
+            return False
+        if last[5] * self._decay <= 1.0 + 1e-9:
+            return False
+        walk = self._walk_size(max_lengths)
+        return walk is not None and walk == (last[0], last[1]) and last[2] == self._gamma

@@ -42,6 +42,9 @@ class VerifyPolicy(Protocol):
 #: verify-time calibration learn from it); the others need no timings.
 
 
+_ZERO_COST = DraftCost()  # one object: the gate reuses a prediction only while its cost objects stay the same
+
+
 class _MeasuredCost:
     """The draft cost a scheduled policy uses this round: fixed, or measured online by an estimator.
 
@@ -61,10 +64,14 @@ class _MeasuredCost:
         self.estimator = estimator
         # (estimate, no-draft overhead, scale) -> their scaled versions: the costs change every few rounds only.
         self._scaled: tuple[DraftCost | None, DraftCost, float, DraftCost | None, DraftCost] | None = None
+        self._observed = -1  # the estimator's round count when ``_scaled`` was last checked
 
     def current(self) -> DraftCost | None:
         if self.estimator is None:
             return self.fixed
+        if self.estimator.observed == self._observed and self._scaled is not None:
+            return self._scaled[3]  # no round since the last call (it is called twice a round): same costs
+        self._observed = self.estimator.observed
         cost, no_draft, scale = self.estimator.draft_cost, self.estimator.no_draft_cost, self.estimator.verify_scale
         kept = self._scaled
         if kept is None or kept[0] is not cost or kept[1] is not no_draft or kept[2] != scale:
@@ -77,7 +84,7 @@ class _MeasuredCost:
                 no_draft if scale == 1.0 else no_draft.scaled(inverse),
             )
         if self.gate is not None:
-            self.gate.draft_cost = kept[3] if kept[3] is not None else DraftCost()  # zero cost: never skips
+            self.gate.draft_cost = kept[3] if kept[3] is not None else _ZERO_COST  # never skips
             self.gate.no_draft_cost = kept[4]
         return kept[3]
 

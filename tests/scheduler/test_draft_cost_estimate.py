@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from cluster.config import AppConfig
 from scheduler.algorithm import DraftCost, schedule_lengths
 from scheduler.draft_cost_estimate import OnlineDraftCost
+from scheduler.draft_gate import DraftGate
 from scheduler.policy import DSparkAsync, DSparkScheduled, FixedLength, make_policy
 from scheduler.sps import SPSTable
 
@@ -116,8 +117,49 @@ def test_ignores_empty_and_non_finite_rounds() -> None:
     assert estimator.draft_cost is None
 
 
+def test_a_refit_within_keep_within_keeps_the_estimate_object() -> None:
+    """Round-to-round noise does not renew the estimate (the scheduler's caches are keyed by it); a real change
+    does, and the plain rounds' overhead follows the same rule."""
+    estimator = OnlineDraftCost(min_rounds=4, refit_interval=1, window=8)
+    for t in (1.000e-3, 1.002e-3, 0.998e-3, 1.001e-3):
+        estimator.observe(8, True, t, 0.0)
+    first = estimator.draft_cost
+    assert first is not None and first.fixed_s == pytest.approx(1.00025e-3)
+    estimator.observe(8, True, 1.004e-3, 0.0)  # moves the fit by ~0.1%
+    assert estimator.draft_cost is first
+    for _ in range(8):
+        estimator.observe(8, True, 1.5e-3, 0.0)  # the drafter got slower
+    assert estimator.draft_cost is not first and estimator.draft_cost.fixed_s == pytest.approx(1.5e-3)
+    estimator.observe(8, False, 0.0, 2.0e-4)
+    plain = estimator.no_draft_cost
+    estimator.observe(8, False, 0.0, 2.01e-4)
+    assert estimator.no_draft_cost is plain
+    for _ in range(3):
+        estimator.observe(8, False, 0.0, 3.0e-4)
+    assert estimator.no_draft_cost.fixed_s == pytest.approx(3.0e-4)
+    exact = OnlineDraftCost(window=1, min_rounds=1, refit_interval=1, keep_within=0.0)  # fit = the last round
+    exact.observe(8, True, 1.0e-3, 0.0)
+    kept = exact.draft_cost
+    exact.observe(8, True, 1.0e-3, 0.0)
+    assert exact.draft_cost is kept  # an identical fit keeps it even at 0
+    exact.observe(8, True, 1.1e-3, 0.0)
+    assert exact.draft_cost is not kept
+
+
+def test_policies_read_the_estimate_once_a_round() -> None:
+    """should_draft and lengths in one round see the same cost object; the next round's report can move it."""
+    estimator = OnlineDraftCost(min_rounds=1, refit_interval=1)
+    policy = DSparkScheduled(_sps(), gate=DraftGate(_sps(), DraftCost()), estimator=estimator)
+    policy.observe_round(4, True, 1e-3, 1e-4)
+    assert policy.draft_cost is policy.draft_cost is policy.gate.draft_cost
+    assert policy.draft_cost.fixed_s == pytest.approx(1.1e-3)
+    policy.observe_round(4, True, 3e-3, 1e-4)
+    assert policy.draft_cost.fixed_s == pytest.approx(2.1e-3) and policy.gate.draft_cost is policy.draft_cost
+
+
 def test_bad_arguments() -> None:
-    for kwargs in ({"window": 0}, {"min_rounds": 0}, {"refit_interval": 0}, {"window": 4, "min_rounds": 5}):
+    for kwargs in ({"window": 0}, {"min_rounds": 0}, {"refit_interval": 0}, {"window": 4, "min_rounds": 5},
+                   {"keep_within": 1.0}, {"keep_within": -0.1}, {"keep_within": float("nan")}):  # fmt: skip
         with pytest.raises(ValueError):
             OnlineDraftCost(**kwargs)
     with pytest.raises(ValueError, match="outlier_mads"):

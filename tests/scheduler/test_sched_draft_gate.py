@@ -104,10 +104,32 @@ def test_curve_is_a_row_weighted_average_of_recent_rounds() -> None:
     gate = DraftGate(_sps(), LOAD_COST, NO_DRAFT, history_rows=10)
     gate.observe(_flat(4, 0.1))
     gate.observe(_flat(10, 0.9))  # a round of >= history_rows requests replaces the curve
-    assert gate._curve == pytest.approx(DraftGate(_sps(), LOAD_COST, NO_DRAFT)._curve_of(_flat(10, 0.9)))
+    assert gate.curve == pytest.approx(DraftGate(_sps(), LOAD_COST, NO_DRAFT)._curve_of(_flat(10, 0.9)))
     gate.observe(_flat(5, 0.5))  # half the weight
     expected = 0.5 * gate._curve_of(_flat(10, 0.9)) + 0.5 * gate._curve_of(_flat(5, 0.5))
-    assert gate._curve == pytest.approx(expected)
+    assert gate.curve == pytest.approx(expected)
+
+
+def test_a_steady_load_reuses_the_prediction_to_draft_until_it_may_no_longer_hold() -> None:
+    """One request, drafting clearly wins (m ~ 2): the gate predicts about once per ln(m) / -ln(1 - 1/64)
+    rounds instead of every round; a new cost object or another cap forces a prediction at once.
+    (tests/scheduler/test_sched_fast_path.py checks that the decisions equal predicting every round.)"""
+    gate = DraftGate(_sps(), DraftCost(fixed_s=1e-3), NO_DRAFT)
+    predictions = []
+    predict = gate.predicted_rates
+    gate.predicted_rates = lambda caps: predictions.append(caps.copy()) or predict(caps)  # type: ignore[method-assign]
+    gate.observe(_flat(1, 0.8))
+    for _ in range(200):
+        assert gate.should_draft(_caps(1))
+        gate.observe(_flat(1, 0.8))
+    spec, ar = predict(_caps(1))
+    assert spec / ar > 1.5
+    assert 1 <= len(predictions) <= 200 * np.log(1 - 1 / 64) / -np.log(spec / ar) + 2
+    before = len(predictions)
+    gate.should_draft(np.array([3]))  # another cap: fewer steps of the walk
+    gate.draft_cost = DraftCost(fixed_s=1e-3)  # a refit's new object, even of the same value
+    gate.should_draft(np.array([3]))
+    assert len(predictions) == before + 2
 
 
 def test_prediction_from_one_row_pool_scales_to_many_requests() -> None:
