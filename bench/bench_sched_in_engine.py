@@ -18,6 +18,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {
         "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, torch {torch.__version__}",
-        "command": "python -m bench.bench_sched_in_engine " + " ".join(argv or []),
+        "command": " ".join(["python -m bench.bench_sched_in_engine", *(sys.argv[1:] if argv is None else argv)]),
         "schedule_us_per_round": {k: [1e6 * s for s in v] for k, v in per_round.items()},
         "parts_us_per_round": {label: 1e6 * t / rounds for label, (t, _) in totals.items()},
         "parts_calls_per_round": {label: n / rounds for label, (_, n) in totals.items()},
