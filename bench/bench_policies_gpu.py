@@ -365,10 +365,11 @@ def verify_scale(times: list[tuple[float, float]]) -> float:
     return measured / predicted if measured > 0 and predicted > 0 else 1.0
 
 
-def _gate_counts(engine: SpeculativeEngine) -> tuple[int, int]:
-    """(rounds decided, rounds skipped) by the policy's skip-the-draft gate; (0, 0) without one."""
-    gates = [getattr(p, "gate", None) for p in getattr(engine, "policies", [engine.policy])]  # one per group
-    return sum(g.decisions for g in gates if g is not None), sum(g.skipped for g in gates if g is not None)
+def _gate_counts(engine: SpeculativeEngine) -> tuple[int, int, int]:
+    """(rounds decided, rounds skipped, full predictions made) by the policy's skip-the-draft gate; zeros
+    without one."""
+    gates = [g for g in (getattr(p, "gate", None) for p in getattr(engine, "policies", [engine.policy])) if g]
+    return tuple(sum(getattr(g, name) for g in gates) for name in ("decisions", "skipped", "predictions"))
 
 
 class SharedEngines:
@@ -551,6 +552,8 @@ def run_cell(
         "graph_step_fraction": graph_steps / rounds,  # verify steps on the graph path (the rest ran eagerly)
         # Rounds whose drafter the skip-the-draft gate skipped (plain target rounds), of the rounds it decided.
         "skipped_round_fraction": (gate_after[1] - gate_before[1]) / decided if decided else 0.0,
+        # Rounds in which the gate made a full prediction (the others reused its last prediction to draft).
+        "predicted_round_fraction": (gate_after[2] - gate_before[2]) / decided if decided else 0.0,
     }
     return row, outputs
 

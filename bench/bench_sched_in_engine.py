@@ -77,18 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [list(range(10, 60))]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
-    def run(spec: str, draft_cost: str) -> tuple[float, int]:
+    def run(spec: str, draft_cost: str) -> tuple[float, int, int]:
+        """(schedule seconds per round, rounds, full predictions of the draft gate) of one repeat."""
         engine = SpeculativeEngine(verify, draft, policy.make_policy(spec, sps, drafter.block_size, draft_cost))
         for _ in range(args.requests_per_repeat):
             engine.generate(prompt, params)
         snapshot = engine.snapshot()
-        return snapshot.schedule_time_s / snapshot.rounds, snapshot.rounds
+        gate = getattr(engine.policy, "gate", None)
+        return snapshot.schedule_time_s / snapshot.rounds, snapshot.rounds, gate.predictions if gate else 0
 
     run("full", "none")  # warm-up: kernels, allocator, imports
     per_round: dict[str, list[float]] = defaultdict(list)
     for _ in tqdm(range(args.repeats), desc="repeats", unit="repeat"):
         for spec, draft_cost in POLICIES:
-            seconds, _ = run(spec, draft_cost)
+            seconds, _, _ = run(spec, draft_cost)
             per_round[f"{spec} (draft cost {draft_cost})"].append(seconds)
 
     # Where the measured-cost policy's time goes: its calls wrapped with timers, one more set of runs.
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for owner, name, label in PARTS:
         setattr(owner, name, _timed(getattr(owner, name), totals[label]))
     try:
-        rounds = sum(run("dspark", "measured")[1] for _ in range(args.repeats))
+        measured = [run("dspark", "measured") for _ in range(args.repeats)]
+        rounds = sum(m[1] for m in measured)
     finally:
         for owner, name, fn in originals:
             setattr(owner, name, fn)
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "schedule_us_per_round": {k: [1e6 * s for s in v] for k, v in per_round.items()},
         "parts_us_per_round": {label: 1e6 * t / rounds for label, (t, _) in totals.items()},
         "parts_calls_per_round": {label: n / rounds for label, (_, n) in totals.items()},
+        "gate_predictions_per_round": sum(m[2] for m in measured) / rounds,
     }
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'dspark (draft cost measured): part':<40} {'us / round':>10} {'calls / round':>14}")
     for label, value in results["parts_us_per_round"].items():
         print(f"{label:<40} {value:>10.1f} {results['parts_calls_per_round'][label]:>14.2f}")
+    print(f"draft gate: full predictions per round {results['gate_predictions_per_round']:.3f} (the others reuse one)")
     return 0
 
 

@@ -112,6 +112,7 @@ class DraftGate:
         self._skipped_in_a_row = 0
         self.decisions = 0  # rounds decided (for reports)
         self.skipped = 0  # rounds that skipped the drafter
+        self.predictions = 0  # rounds that made a full prediction (the others reused one or probed)
 
     def observe(self, confidences: np.ndarray, *, validated: bool = False) -> None:
         """Queue a drafted round's confidences [R, gamma] (uncapped) for Q. ``validated``: the caller has just
@@ -221,6 +222,7 @@ class DraftGate:
             probe, predicted, draft = False, True, True
         else:
             rates = self.predicted_rates(max_lengths)
+            self.predictions += 1
             self._remember(max_lengths, rates)
             probe, predicted, draft = False, rates is not None, rates is None or rates[0] >= rates[1]
         if draft:

@@ -125,6 +125,7 @@ def test_a_steady_load_reuses_the_prediction_to_draft_until_it_may_no_longer_hol
     spec, ar = predict(_caps(1))
     assert spec / ar > 1.5
     assert 1 <= len(predictions) <= 200 * np.log(1 - 1 / 64) / -np.log(spec / ar) + 2
+    assert gate.predictions == len(predictions) and gate.decisions == 200
     before = len(predictions)
     gate.should_draft(np.array([3]))  # another cap: fewer steps of the walk
     gate.draft_cost = DraftCost(fixed_s=1e-3)  # a refit's new object, even of the same value
