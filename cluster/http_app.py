@@ -275,6 +275,12 @@ class _SpecDecodeCollector:
         yield per_pos
         yield per_pos_conditional
         yield counter("dspark_rounds", "Engine rounds (one target verify pass each).", s.rounds)
+        yield counter(
+            "dspark_rounds_without_draft",
+            "Rounds that ran no drafter: the autoregressive policy, or the draft gate judged a plain target round "
+            "faster (high load).",
+            s.rounds_without_draft,
+        )
         yield counter("dspark_output_tokens", "Tokens emitted by the engine.", s.num_output_tokens)
         yield counter("dspark_draft_seconds", "Time spent drafting.", s.draft_time_s)
         yield counter("dspark_schedule_seconds", "Time spent choosing verification lengths.", s.schedule_time_s)

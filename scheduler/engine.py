@@ -323,7 +323,9 @@ class SpeculativeEngine:
             self._release_finished()
         if len(verified_counts):
             num_out = sum(map(len, map(_NEW_TOKENS, outputs)))
-            self.metrics.record_round(verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out)
+            self.metrics.record_round(
+                verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out, drafted=drafting
+            )
             if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
                 other_s = schedule_s + time.perf_counter() - t3
                 verify_tokens = len(verified) + int(np.add.reduce(verified_counts))  # anchors + drafts

@@ -350,6 +350,7 @@ def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         running=sum(s.running for s in snapshots),
         waiting=sum(s.waiting for s in snapshots),
         recent_round_s=max(s.recent_round_s for s in snapshots),
+        rounds_without_draft=sum(s.rounds_without_draft for s in snapshots),
     )
 
 

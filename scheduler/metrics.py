@@ -55,6 +55,8 @@ class MetricsSnapshot:
     running: int
     waiting: int
     recent_round_s: float
+    # Rounds that ran no drafter: the autoregressive policy, or the draft gate judged a plain target round faster.
+    rounds_without_draft: int = 0
 
     @property
     def tau(self) -> float:
@@ -82,6 +84,7 @@ class EngineMetrics:
     def __init__(self, block_size: int, window: int = 256) -> None:
         self.block_size = block_size
         self.rounds = 0
+        self.rounds_without_draft = 0
         self.num_drafts = 0
         self.num_output_tokens = 0
         self._num_draft_tokens = 0
@@ -105,10 +108,14 @@ class EngineMetrics:
         schedule_s: float,
         verify_s: float,
         output_tokens: int,
+        drafted: bool = True,
     ) -> None:
-        """Record one round over R requests: ``verified[r]`` draft tokens sent, ``accepted[r]`` of them accepted.
-        Both are kept (not copied) until the next fold: pass arrays or lists nobody changes afterwards."""
+        """Record one round over R requests: ``verified[r]`` draft tokens sent, ``accepted[r]`` of them accepted;
+        ``drafted``: whether the drafter ran. Both arrays are kept (not copied) until the next fold: pass arrays
+        or lists nobody changes afterwards."""
         self.rounds += 1
+        if not drafted:
+            self.rounds_without_draft += 1
         self.num_drafts += len(verified)
         self.num_output_tokens += output_tokens
         kept = self._kept
@@ -182,4 +189,5 @@ class EngineMetrics:
             running=running,
             waiting=waiting,
             recent_round_s=float(np.median(self._recent_rounds)) if self._recent_rounds else 0.0,
+            rounds_without_draft=self.rounds_without_draft,
         )

@@ -280,6 +280,7 @@ def test_metrics_have_spec_decode_counters(server: Server) -> None:
     per_pos = {s.labels["position"]: s.value for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"]}
     assert sorted(per_pos) == ["0", "1", "2", "3"] and sum(per_pos.values()) == accepted
     assert value("dspark_rounds") > 0 and value("dspark_verify_seconds") > 0 and value("dspark_draft_seconds") > 0
+    assert 0 <= value("dspark_rounds_without_draft") < value("dspark_rounds")
     assert value("dspark_tau") >= 1.0 and value("dspark_verify_tokens_per_round") >= 1.0
     assert value("vllm:prompt_tokens") > 0 and value("vllm:generation_tokens") > 0
     assert value("vllm:request_success", finished_reason="length") > 0

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from scheduler.hub import merge_snapshots, snapshot_from_dict, snapshot_to_dict
 from scheduler.metrics import EngineMetrics, RequestMetrics
 
 
@@ -22,6 +23,9 @@ def test_round_counters_and_conditional_acceptance() -> None:
     cond = s.conditional_acceptance
     assert cond[:3] == (1.0, 1.0, 0.0) and math.isnan(cond[3])
     assert s.verify_tokens_per_round == 7
+    assert s.rounds_without_draft == 0
+    m.record_round(np.array([0, 0]), np.array([0, 0]), 0.0, 0.0, 0.02, output_tokens=2, drafted=False)
+    assert m.snapshot().rounds_without_draft == 1 and m.snapshot().rounds == 2
 
 
 def test_request_tau_includes_bonus() -> None:
@@ -53,3 +57,19 @@ def test_counts_folded_across_many_rounds_equal_direct_counts() -> None:
             assert s.accepted_per_position == tuple((a > k).sum(axis=0).tolist())
             assert s.reached_per_position == tuple(((v > k) & (a >= k)).sum(axis=0).tolist())
             assert s.verify_tokens_per_round == (sum(verified_all) + len(verified_all)) / (i + 1)
+
+
+def test_verifier_groups_snapshots_merge_and_cross_the_wire_as_dicts() -> None:
+    """The hub sums its verifier groups' counters, and snapshots travel as plain dicts (msgpack, no pickle)."""
+    a, b = EngineMetrics(block_size=3), EngineMetrics(block_size=3)
+    a.record_round([3], [1], 0.01, 0.001, 0.02, output_tokens=2)
+    b.record_round([0, 0], [0, 0], 0.0, 0.001, 0.02, output_tokens=2, drafted=False)
+    b.record_round([2, 1], [2, 0], 0.01, 0.001, 0.02, output_tokens=5)
+    merged = merge_snapshots([a.snapshot(running=1), b.snapshot(running=2)])
+    assert (merged.rounds, merged.rounds_without_draft, merged.num_drafts, merged.running) == (3, 1, 5, 3)
+    assert merged.accepted_per_position == (2, 1, 0) and merged.num_output_tokens == 9
+    assert snapshot_from_dict(snapshot_to_dict(merged)) == merged
+    older = snapshot_to_dict(merged)
+    del older["rounds_without_draft"]  # a peer from before the counter existed
+    assert snapshot_from_dict(older).rounds_without_draft == 0
+    assert merge_snapshots([]).rounds_without_draft == 0

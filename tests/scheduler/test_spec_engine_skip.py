@@ -88,7 +88,10 @@ def test_greedy_equals_target_while_the_gate_flips_with_load(random_pair: tuple[
     assert gate.skipped > 0 and gate.skipped < gate.decisions and flips >= 4, gate.log
     # Low load drafted, high load skipped (outside probes).
     assert any(d for r, d in gate.log if r <= 3) and any(not d for r, d in gate.log if r >= 10), gate.log
-    assert engine.snapshot().num_accepted_tokens > 0
+    snapshot = engine.snapshot()
+    assert snapshot.num_accepted_tokens > 0
+    # Every skip is a round without draft (/metrics: dspark_rounds_without_draft); prefill-only steps aren't rounds.
+    assert snapshot.rounds_without_draft == gate.skipped
 
 
 @pytest.fixture(scope="module")
