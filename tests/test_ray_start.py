@@ -83,3 +83,37 @@ def test_a_real_node_start_timeout_is_recovered(monkeypatch: pytest.MonkeyPatch)
         assert len(ray.nodes()) == 1  # the first attempt's GCS and raylet are gone, not a second cluster
     finally:
         ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_worker_node_start_timeout_restarts_the_whole_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first worker node never registers: the cluster (head included) is shut down, the worker's processes are
+    killed, and the second attempt gives a head and a worker with its pool resource."""
+    import ray._private.services as services
+    from ray_start import start_local_cluster
+
+    real_get_node = services.get_node
+    seen: list[str] = []
+
+    def get_node_failing_for_the_first_worker(gcs_address: str, node_id: str):
+        if node_id not in seen:
+            seen.append(node_id)
+        if len(seen) >= 2 and node_id == seen[1]:  # seen[0] is the first head
+            raise RuntimeError("node info not available (test)")
+        return real_get_node(gcs_address, node_id)
+
+    monkeypatch.setattr(services, "get_node", get_node_failing_for_the_first_worker)
+    cluster, (worker,) = start_local_cluster(
+        head={"num_cpus": 1, "object_store_memory": 96 * 2**20},
+        workers=[{"num_cpus": 1, "resources": {"draft_pool": 1}, "object_store_memory": 96 * 2**20}],
+    )
+    try:
+        assert len(seen) >= 4  # two heads and two workers were started
+        ray.init(address=cluster.address)
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        assert len(alive) == 2 and any(n["Resources"].get("draft_pool") == 1 for n in alive)
+        assert worker.node_id in {n["NodeID"] for n in alive}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
