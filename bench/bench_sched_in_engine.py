@@ -35,7 +35,7 @@ from scheduler import draft_cost_estimate, draft_gate, policy
 from scheduler.engine import SpeculativeEngine
 from verify_service.engine import VerifyEngine
 
-POLICIES = (("full", "none"), ("dspark", "none"), ("dspark", "measured"))
+POLICIES = (("full", "none"), ("dspark", "none"), ("dspark", "measured"), ("dspark-async", "measured"))
 # The scheduled policy's per-round calls, timed where they run: (owner, method name, label).
 PARTS = (
     (policy._MeasuredCost, "current", "draft cost: current estimate"),

@@ -346,13 +346,31 @@ def _scalar_prices(
 def _schedule_scalar(
     conf: np.ndarray, sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamma: int
 ) -> np.ndarray:
-    """Algorithm 1 for 0 < R * gamma <= _SCALAR_MAX_ITEMS on Python floats, deciding exactly what the
-    vectorised path decides: the same IEEE operations in the same order (survival products along each row in
-    float64, tau summed sequentially along the walk, Theta = tau * or / the same factors), the same packed sort
-    key (survival bits above ``shift``, then the flat index j * R + r) and the same sufficient every-step test
-    (its S is summed in another order, within the rounding its proof allows: a pass is as sound, and a failed
-    test only means the walk runs and finds the same answer). ``conf``: a real 2-D array whose values are
-    checked here (outside [0, 1] or NaN: validate_confidences raises the vectorised path's error)."""
+    """Algorithm 1 for 0 < R * gamma <= _SCALAR_MAX_ITEMS on Python floats (:func:`scalar_round`)."""
+    return scalar_round(conf, sps, draft_cost, num_requests, gamma, None, plan=False)[0]
+
+
+def scalar_round(
+    conf: np.ndarray,
+    sps: SPSTable,
+    draft_cost: DraftCost | None,
+    num_requests: int,
+    gamma: int,
+    capacity: int | None,
+    *,
+    plan: bool,
+) -> tuple[np.ndarray, int]:
+    """One small round's walk (0 < R * gamma <= _SCALAR_MAX_ITEMS) on Python floats: the lengths (Algorithm 1's
+    early stop, or with ``capacity`` its first ``capacity`` items: the asynchronous variant's admission) and, with
+    ``plan``, the first argmax of Theta over all prefixes (the asynchronous variant's capacity plan; else 0).
+
+    It decides exactly what the vectorised paths decide: the same IEEE operations in the same order (survival
+    products along each row in float64, tau summed sequentially along the walk, Theta = tau * or / the same
+    factors), the same packed sort key (survival bits above ``shift``, then the flat index j * R + r) and the same
+    sufficient every-step test (its S is summed in another order, within the rounding its proof allows: a pass is
+    as sound, and a failed test only means the walk runs and finds the same answer). ``conf``: a real 2-D array
+    whose values are checked here (outside [0, 1] or NaN: validate_confidences raises the vectorised path's
+    error)."""
     survival = [0.0] * (num_requests * gamma)  # flat, index j * R + r, as the vectorised path lays it out
     n_pos, total, smallest = 0, 0.0, 1.0
     for r, row in enumerate(conf.tolist()):
@@ -368,30 +386,42 @@ def _schedule_scalar(
                 smallest = min(smallest, a)
     check_sps(sps)
     if n_pos == 0:
-        return np.zeros(num_requests, dtype=np.int64)
+        return np.zeros(num_requests, dtype=np.int64), 0
     factor, growth, divide = _scalar_prices(sps, draft_cost, num_requests, gamma)
     counts = [0] * num_requests
-    if smallest > (num_requests + total) * (1.0 + _MARGIN) * (growth[n_pos] + _MARGIN):
-        for index, a in enumerate(survival):  # every step improves: admit every positive item
+    improves = smallest > (num_requests + total) * (1.0 + _MARGIN) * (growth[n_pos] + _MARGIN)
+    if improves and (capacity is None or capacity >= n_pos):  # admit every positive item; Theta peaks last
+        for index, a in enumerate(survival):
             if a > 0.0:
                 counts[index % num_requests] += 1
-        return np.array(counts, dtype=np.int64)
+        return np.array(counts, dtype=np.int64), n_pos
     n = len(survival)
     shift = max(1, (n - 1).bit_length())
     low = (1 << shift) - 1
     bits = struct.unpack(f"{n}Q", struct.pack(f"{n}d", *survival))
-    keys = sorted((((b ^ _FLIP) >> shift) << shift) | i for i, b in enumerate(bits))
+    walk = [key & low for key in sorted((((b ^ _FLIP) >> shift) << shift) | i for i, b in enumerate(bits))]
+    if capacity is not None:  # top-capacity admission (and the plan, if asked, from the same walk below)
+        for index in walk[: min(capacity, n_pos)]:
+            counts[index % num_requests] += 1
+        if improves or not plan:
+            return np.array(counts, dtype=np.int64), n_pos if improves else 0
     tau = float(num_requests)
-    previous = tau / factor[0] if divide else tau * factor[0]
-    for step, key in enumerate(keys[:n_pos], 1):  # the walk, up to its early stop
-        index = key & low
+    previous = best = tau / factor[0] if divide else tau * factor[0]
+    best_step, stopped = 0, capacity is not None
+    for step, index in enumerate(walk[:n_pos], 1):  # the walk: up to its early stop, or all of it for the plan
         tau += survival[index]
         theta = tau / factor[step] if divide else tau * factor[step]
-        if not theta > previous:
-            break
-        previous = theta
-        counts[index % num_requests] += 1
-    return np.array(counts, dtype=np.int64)
+        if theta > best:
+            best, best_step = theta, step
+        if not stopped:
+            if theta > previous:
+                previous = theta
+                counts[index % num_requests] += 1
+            else:
+                stopped = True
+                if not plan:
+                    break
+    return np.array(counts, dtype=np.int64), best_step if plan else 0
 
 
 def check_sps(sps: SPSTable) -> None:

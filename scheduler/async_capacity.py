@@ -24,10 +24,12 @@ from collections import deque
 
 import numpy as np
 
+from scheduler import algorithm
 from scheduler.algorithm import (
     DraftCost,
     _early_stop,
     _every_step_improves,
+    _is_real,
     _lengths_of_prefix,
     _positive_counts,
     _prices,
@@ -36,6 +38,7 @@ from scheduler.algorithm import (
     _walk_order,
     _workspace,
     check_sps,
+    scalar_round,
     validate_confidences,
 )
 from scheduler.sps import SPSSource, SPSTable, check_sps_source
@@ -122,9 +125,21 @@ class AsyncCapacityScheduler:
         self._plans.clear()
 
     def step(self, confidences: np.ndarray) -> np.ndarray:
-        """Lengths for this round; then plans the capacity of round t + lag from this round's confidences."""
-        conf = validate_confidences(confidences)
-        capacity = self._plans.popleft() if len(self._plans) == self.lag else None
-        lengths, plan = _lengths_and_plan(conf, self.sps.table_for(conf.shape[0]), self.draft_cost, capacity)
+        """Lengths for this round; then plans the capacity of round t + lag from this round's confidences.
+
+        A round of at most ``_SCALAR_MAX_ITEMS`` drafts (1-3 requests) walks on Python floats, as Algorithm 1
+        does there (:func:`scheduler.algorithm.scalar_round`: the same decisions and plan, bit for bit)."""
+        conf = np.asarray(confidences)
+        small = conf.ndim == 2 and 0 < conf.size <= algorithm._SCALAR_MAX_ITEMS and _is_real(conf.dtype)
+        if not small:
+            conf = validate_confidences(conf)
+        table = self.sps.table_for(conf.shape[0])
+        capacity = self._plans[0] if len(self._plans) == self.lag else None
+        if small:
+            lengths, plan = scalar_round(conf, table, self.draft_cost, *conf.shape, capacity, plan=True)
+        else:
+            lengths, plan = _lengths_and_plan(conf, table, self.draft_cost, capacity)
+        if capacity is not None:
+            self._plans.popleft()
         self._plans.append(plan)
         return lengths

@@ -355,6 +355,32 @@ def test_scalar_walk_decides_exactly_as_the_vectorised_one(
     )
 
 
+@settings(max_examples=1500, deadline=None)
+@given(
+    confidences(max_requests=6),
+    st.sampled_from(TABLES),
+    st.sampled_from(COSTS),
+    st.one_of(st.none(), st.integers(0, 30)),
+)
+def test_scalar_async_round_plans_and_admits_exactly_as_the_vectorised_one(
+    conf: np.ndarray, sps: SPSTable, cost: DraftCost | None, capacity: int | None
+) -> None:
+    """The asynchronous variant's small rounds (top-capacity admission or the early stop, plus the plan from the
+    same walk) on Python floats decide and plan what the numpy walk does, and what the frozen reference does."""
+    limit = algorithm._SCALAR_MAX_ITEMS
+    small = conf[: min(conf.shape[0], limit), : max(1, min(conf.shape[1], limit // min(conf.shape[0], limit)))]
+    lengths, plan = algorithm.scalar_round(small, sps, cost, *small.shape, capacity, plan=True)
+    from scheduler.async_capacity import _lengths_and_plan
+
+    vectorised, vectorised_plan = _lengths_and_plan(small, sps, cost, capacity)
+    np.testing.assert_array_equal(lengths, vectorised)
+    assert plan == vectorised_plan == ref_plan(small, sps, cost)
+    expected = ref_schedule(small, sps, cost) if capacity is None else ref_top_k(small, capacity)
+    np.testing.assert_array_equal(lengths, expected)
+    lengths_only, _ = algorithm.scalar_round(small, sps, cost, *small.shape, capacity, plan=False)
+    np.testing.assert_array_equal(lengths_only, expected)
+
+
 @pytest.mark.parametrize("bad", [np.nan, -0.1, 1.5, np.inf])
 def test_scalar_walk_rejects_bad_confidences_like_the_vectorised_one(bad: float) -> None:
     conf = np.full((2, 7), 0.9)
@@ -363,3 +389,9 @@ def test_scalar_walk_rejects_bad_confidences_like_the_vectorised_one(bad: float)
         schedule_lengths(conf, TABLES[0])
     with pytest.raises(ValueError, match="sps must be an SPSTable"):
         schedule_lengths(np.full((2, 7), 0.9), "not a table")  # type: ignore[arg-type]
+    scheduler = AsyncCapacityScheduler(TABLES[0], lag=1)
+    scheduler.step(np.full((2, 7), 0.9))
+    planned = scheduler.next_capacity
+    with pytest.raises(ValueError, match=r"confidences must be finite and in \[0, 1\].*request 1, position 4"):
+        scheduler.step(conf)
+    assert scheduler.next_capacity == planned  # a rejected round uses up no plan
