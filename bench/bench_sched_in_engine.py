@@ -116,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(f"\n{results['machine']}; 1 request, demo pair, greedy, {args.repeats} interleaved repeats")
-    print(f"{'policy':<30} {'schedule us / round (median)':>28}  per repeat")
+    print(f"{'policy':<36} {'schedule us / round (median)':>28}  per repeat")
     for name, values in results["schedule_us_per_round"].items():
-        print(f"{name:<30} {statistics.median(values):>28.1f}  {' '.join(f'{v:.0f}' for v in values)}")
+        print(f"{name:<36} {statistics.median(values):>28.1f}  {' '.join(f'{v:.0f}' for v in values)}")
     print(f"\n{'dspark (draft cost measured): part':<40} {'us / round':>10} {'calls / round':>14}")
     for label, value in results["parts_us_per_round"].items():
         print(f"{label:<40} {value:>10.1f} {results['parts_calls_per_round'][label]:>14.2f}")
