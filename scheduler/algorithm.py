@@ -71,10 +71,10 @@ _minimum, _maximum, _add, _accumulate = np.minimum.reduce, np.maximum.reduce, np
 # over a sum of n <= _FAST_PATH_MAX_ITEMS survivals), far below any gain that matters to the decision.
 _MARGIN = 1e-9
 _FAST_PATH_MAX_ITEMS = 1 << 20
-# Up to this many items (R * gamma) the walk runs on Python floats (scalar_round; Algorithm 1 and the asynchronous
-# variant's rounds alike): a round of 1-3 requests
-# is then a few dozen float operations instead of ~25 numpy calls, whose fixed cost is the whole schedule time
-# there; the numpy walk is faster from R = 4 at gamma 7 (docs/benchmarks/scheduler.md, "Python-float walk").
+# Up to this many items (R * gamma) the walk runs on Python floats (scalar_round, for Algorithm 1 and for the
+# asynchronous variant): a round of 1-3 requests is then a few dozen float operations instead of ~25 numpy calls,
+# whose fixed cost is the whole schedule time there; the numpy walk is faster from R = 4 at gamma 7
+# (docs/benchmarks/scheduler.md, "Python-float walk").
 _SCALAR_MAX_ITEMS = 24
 _FLIP = 0xFFFF_FFFF_FFFF_FFFF
 
