@@ -19,7 +19,12 @@ objective and never skips, exactly the behaviour without an estimate.
 A refit that moves no coefficient by more than ``keep_within`` (1%, far inside the noise of wall-clock round
 timings) keeps the previous DraftCost object: the scheduler's caches (Algorithm 1's price curves and the gate's
 round times, keyed by the cost; the gate's last prediction, kept while its cost objects stay the same) then
-survive a refit instead of being rebuilt every ``refit_interval`` rounds.
+survive a refit instead of being rebuilt every ``refit_interval`` rounds. A refit that keeps it also doubles the
+interval to the next one, up to ``max_refit_interval`` rounds (a steady load refits rarely: each refit is ~50 us
+of host time between model steps, for a value that did not move); a refit that renews it, or a drafted round at
+another R than the one before (the load changed) or one more than 25% off the estimate (the drafter's time may be
+moving: a robust fit only follows once most of the window has moved) brings the interval back to
+``refit_interval``.
 
 Verify-time calibration: the SPS table is profiled at startup on idle steps (R requests over a short context,
 nothing joining), while under load every verify step is slower: longer contexts, joining prompts prefilled in
@@ -46,6 +51,8 @@ import numpy as np
 
 from scheduler.algorithm import DraftCost
 
+# A drafted round this far (relative) from the estimate ends the refits' backoff: the cost may be moving.
+_DRIFT = 0.25
 _MAD_TO_SIGMA = 1.4826  # median absolute deviation of a normal distribution, in standard deviations
 
 
@@ -53,7 +60,8 @@ class OnlineDraftCost:
     """Sliding-window robust fit of T_draft(R) and the no-draft overhead; one instance per round driver.
 
     ``observe(R, drafted, draft_s, other_s)`` once per round; ``draft_cost`` (None while warming up) and
-    ``no_draft_cost`` read the current estimates. Refits happen lazily, at most every ``refit_interval`` new
+    ``no_draft_cost`` read the current estimates. Refits happen lazily, at most every ``refit_interval`` (backing
+    off to ``max_refit_interval``) new
     drafted rounds, so the per-round cost is a deque append. Not thread-safe.
     """
 
@@ -63,10 +71,16 @@ class OnlineDraftCost:
         window: int = 64,
         min_rounds: int = 8,
         refit_interval: int = 4,
+        max_refit_interval: int = 32,
         outlier_mads: float = 4.0,
         keep_within: float = 0.01,
     ) -> None:
-        for name, value in (("window", window), ("min_rounds", min_rounds), ("refit_interval", refit_interval)):
+        for name, value in (
+            ("window", window),
+            ("min_rounds", min_rounds),
+            ("refit_interval", refit_interval),
+            ("max_refit_interval", max_refit_interval),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if min_rounds > window:
@@ -78,7 +92,14 @@ class OnlineDraftCost:
         self.keep_within = float(keep_within)
         self.observed = 0  # rounds taken in: readers cache what they derived from the estimates until it moves
         self.min_rounds = min_rounds
+        if max_refit_interval < refit_interval:
+            raise ValueError(
+                f"max_refit_interval ({max_refit_interval}) must be >= refit_interval ({refit_interval})"
+            )
         self.refit_interval = refit_interval
+        self.max_refit_interval = max_refit_interval
+        self._interval = refit_interval  # drafted rounds between refits now (backs off, see the module)
+        self._last_load = 0  # R of the last drafted round
         self.outlier_mads = float(outlier_mads)
         self._drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (R, draft + other host seconds)
         self._plain: deque[float] = deque(maxlen=window)  # other host seconds of rounds that skipped the drafter
@@ -111,8 +132,16 @@ class OnlineDraftCost:
                 self._verify_ratios.append(ratio)
                 self._verify_new += 1
         if drafted:
-            self._drafted.append((int(num_requests), max(draft_s, 0.0) + max(other_s, 0.0)))
+            seconds = max(draft_s, 0.0) + max(other_s, 0.0)
+            self._drafted.append((int(num_requests), seconds))
             self._since_fit += 1
+            cost = self._cost
+            if num_requests != self._last_load or (  # the load changed, or the drafter's time may have: refit at
+                cost is not None  # the base cadence again
+                and abs(seconds - cost.fixed_s - cost.per_request_s * num_requests) > _DRIFT * seconds
+            ):
+                self._interval = self.refit_interval
+                self._last_load = int(num_requests)
         else:
             self._plain.append(max(other_s, 0.0))
             self._plain_dirty = True
@@ -122,10 +151,13 @@ class OnlineDraftCost:
         """The current T_draft(R, B) = fixed_s + per_request_s * R, or None before ``min_rounds`` drafted rounds."""
         if len(self._drafted) < self.min_rounds:
             return None
-        if self._cost is None or self._since_fit >= self.refit_interval:
+        if self._cost is None or self._since_fit >= self._interval:
             fitted = self._fit()
             if self._cost is None or not _within(fitted, self._cost, self.keep_within):
                 self._cost = fitted
+                self._interval = self.refit_interval
+            else:
+                self._interval = min(2 * self._interval, self.max_refit_interval)
             self._since_fit = 0
         return self._cost
 

@@ -137,13 +137,38 @@ def test_a_refit_within_keep_within_keeps_the_estimate_object() -> None:
     for _ in range(3):
         estimator.observe(8, False, 0.0, 3.0e-4)
     assert estimator.no_draft_cost.fixed_s == pytest.approx(3.0e-4)
-    exact = OnlineDraftCost(window=1, min_rounds=1, refit_interval=1, keep_within=0.0)  # fit = the last round
+    exact = OnlineDraftCost(window=1, min_rounds=1, refit_interval=1, max_refit_interval=1, keep_within=0.0)
+    # (a window of one round: the fit is the last round; no backoff: every read after a round refits)
     exact.observe(8, True, 1.0e-3, 0.0)
     kept = exact.draft_cost
     exact.observe(8, True, 1.0e-3, 0.0)
     assert exact.draft_cost is kept  # an identical fit keeps it even at 0
     exact.observe(8, True, 1.1e-3, 0.0)
     assert exact.draft_cost is not kept
+
+
+def test_refits_back_off_while_the_estimate_holds_and_return_when_it_moves_or_the_load_changes() -> None:
+    estimator = OnlineDraftCost(min_rounds=4, refit_interval=4, max_refit_interval=32)
+    fits: list[int] = []
+    fit = estimator._fit
+    estimator._fit = lambda: fits.append(len(estimator._drafted)) or fit()  # type: ignore[method-assign]
+    rng = np.random.default_rng(0)
+
+    def rounds(n: int, r: int, seconds: float) -> None:
+        for _ in range(n):
+            estimator.observe(r, True, seconds * float(rng.normal(1.0, 0.001)), 0.0)
+            assert estimator.draft_cost is None or estimator.draft_cost.fixed_s > 0  # read every round, as policies do
+
+    rounds(200, 1, 1e-3)  # steady: intervals 4, 8, 16, 32, 32, ...
+    assert 6 <= len(fits) <= 10
+    assert estimator._interval == 32
+    fits.clear()
+    rounds(1, 2, 1e-3)  # another R: back to the base cadence, a refit within its 4 rounds
+    rounds(3, 1, 1e-3)
+    assert len(fits) >= 1
+    rounds(40, 1, 3e-3)  # the drafter got 3x slower at the old load: renewed within a few refits
+    assert estimator.draft_cost.fixed_s == pytest.approx(3e-3, rel=0.05)  # (the R = 2 round is in the window)
+    assert len(fits) >= 3
 
 
 def test_policies_read_the_estimate_once_a_round() -> None:
@@ -159,7 +184,8 @@ def test_policies_read_the_estimate_once_a_round() -> None:
 
 def test_bad_arguments() -> None:
     for kwargs in ({"window": 0}, {"min_rounds": 0}, {"refit_interval": 0}, {"window": 4, "min_rounds": 5},
-                   {"keep_within": 1.0}, {"keep_within": -0.1}, {"keep_within": float("nan")}):  # fmt: skip
+                   {"keep_within": 1.0}, {"keep_within": -0.1}, {"keep_within": float("nan")},
+                   {"max_refit_interval": 0}, {"refit_interval": 8, "max_refit_interval": 4}):  # fmt: skip
         with pytest.raises(ValueError):
             OnlineDraftCost(**kwargs)
     with pytest.raises(ValueError, match="outlier_mads"):
