@@ -344,11 +344,10 @@ def _scalar_prices(
     return sps.memo(("algorithm1-scalar", draft_cost, num_requests, gamma), build)
 
 
-def _schedule_scalar(
-    conf: np.ndarray, sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamma: int
-) -> np.ndarray:
-    """Algorithm 1 for 0 < R * gamma <= _SCALAR_MAX_ITEMS on Python floats (:func:`scalar_round`)."""
-    return scalar_round(conf, sps, draft_cost, num_requests, gamma, None, plan=False)[0]
+def takes_scalar_walk(conf: np.ndarray) -> bool:
+    """Whether a round's confidences (as given, unvalidated) take :func:`scalar_round`: a real 2-D array of
+    0 < R * gamma <= _SCALAR_MAX_ITEMS (read through the module, so tests can move the limit)."""
+    return conf.ndim == 2 and 0 < conf.size <= _SCALAR_MAX_ITEMS and _is_real(conf.dtype)
 
 
 def scalar_round(
@@ -363,7 +362,8 @@ def scalar_round(
 ) -> tuple[np.ndarray, int]:
     """One small round's walk (0 < R * gamma <= _SCALAR_MAX_ITEMS) on Python floats: the lengths (Algorithm 1's
     early stop, or with ``capacity`` its first ``capacity`` items: the asynchronous variant's admission) and, with
-    ``plan``, the first argmax of Theta over all prefixes (the asynchronous variant's capacity plan; else 0).
+    ``plan``, the first argmax of Theta over all prefixes (the asynchronous variant's capacity plan; without
+    ``plan`` the walk may end at its early stop and the returned plan is 0).
 
     It decides exactly what the vectorised paths decide: the same IEEE operations in the same order (survival
     products along each row in float64, tau summed sequentially along the walk, Theta = tau * or / the same
@@ -395,7 +395,7 @@ def scalar_round(
         for index, a in enumerate(survival):
             if a > 0.0:
                 counts[index % num_requests] += 1
-        return np.array(counts, dtype=np.int64), n_pos
+        return np.array(counts, dtype=np.int64), n_pos if plan else 0
     n = len(survival)
     shift = max(1, (n - 1).bit_length())
     low = (1 << shift) - 1
@@ -404,8 +404,8 @@ def scalar_round(
     if capacity is not None:  # top-capacity admission (and the plan, if asked, from the same walk below)
         for index in walk[: min(capacity, n_pos)]:
             counts[index % num_requests] += 1
-        if improves or not plan:
-            return np.array(counts, dtype=np.int64), n_pos if improves else 0
+        if improves or not plan:  # with plan, improves: Theta peaks at the last prefix
+            return np.array(counts, dtype=np.int64), n_pos if plan else 0
     tau = float(num_requests)
     previous = best = tau / factor[0] if divide else tau * factor[0]
     best_step, stopped = 0, capacity is not None
@@ -442,8 +442,8 @@ def schedule_lengths(
     confidences or a non-SPSTable; R = 0 gives an empty array.
     """
     conf = np.asarray(confidences)
-    if conf.ndim == 2 and 0 < conf.size <= _SCALAR_MAX_ITEMS and _is_real(conf.dtype):
-        return _schedule_scalar(conf, sps, draft_cost, *conf.shape)
+    if takes_scalar_walk(conf):
+        return scalar_round(conf, sps, draft_cost, *conf.shape, None, plan=False)[0]
     conf = validate_confidences(conf)
     check_sps(sps)
     num_requests, gamma = conf.shape

@@ -24,12 +24,10 @@ from collections import deque
 
 import numpy as np
 
-from scheduler import algorithm
 from scheduler.algorithm import (
     DraftCost,
     _early_stop,
     _every_step_improves,
-    _is_real,
     _lengths_of_prefix,
     _positive_counts,
     _prices,
@@ -39,6 +37,7 @@ from scheduler.algorithm import (
     _workspace,
     check_sps,
     scalar_round,
+    takes_scalar_walk,
     validate_confidences,
 )
 from scheduler.sps import SPSSource, SPSTable, check_sps_source
@@ -128,9 +127,10 @@ class AsyncCapacityScheduler:
         """Lengths for this round; then plans the capacity of round t + lag from this round's confidences.
 
         A round of at most ``_SCALAR_MAX_ITEMS`` drafts (1-3 requests) walks on Python floats, as Algorithm 1
-        does there (:func:`scheduler.algorithm.scalar_round`: the same decisions and plan, bit for bit)."""
+        does there (:func:`scheduler.algorithm.scalar_round`: the same decisions and plan, bit for bit; it checks
+        the values itself, before any plan is used up)."""
         conf = np.asarray(confidences)
-        small = conf.ndim == 2 and 0 < conf.size <= algorithm._SCALAR_MAX_ITEMS and _is_real(conf.dtype)
+        small = takes_scalar_walk(conf)
         if not small:
             conf = validate_confidences(conf)
         table = self.sps.table_for(conf.shape[0])
