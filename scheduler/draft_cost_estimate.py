@@ -60,9 +60,9 @@ class OnlineDraftCost:
     """Sliding-window robust fit of T_draft(R) and the no-draft overhead; one instance per round driver.
 
     ``observe(R, drafted, draft_s, other_s)`` once per round; ``draft_cost`` (None while warming up) and
-    ``no_draft_cost`` read the current estimates. Refits happen lazily, at most every ``refit_interval`` (backing
-    off to ``max_refit_interval``) new
-    drafted rounds, so the per-round cost is a deque append. Not thread-safe.
+    ``no_draft_cost`` read the current estimates. Refits happen lazily, at most every ``refit_interval`` new
+    drafted rounds (backing off to ``max_refit_interval``), so the per-round cost is a deque append. Not
+    thread-safe.
     """
 
     def __init__(
@@ -89,13 +89,13 @@ class OnlineDraftCost:
             raise ValueError(f"outlier_mads must be a finite number > 0, got {outlier_mads!r}")
         if not (isinstance(keep_within, (int, float)) and 0 <= keep_within < 1):
             raise ValueError(f"keep_within must be a number in [0, 1), got {keep_within!r}")
-        self.keep_within = float(keep_within)
-        self.observed = 0  # rounds taken in: readers cache what they derived from the estimates until it moves
-        self.min_rounds = min_rounds
         if max_refit_interval < refit_interval:
             raise ValueError(
                 f"max_refit_interval ({max_refit_interval}) must be >= refit_interval ({refit_interval})"
             )
+        self.keep_within = float(keep_within)
+        self.observed = 0  # rounds taken in: readers cache what they derived from the estimates until it moves
+        self.min_rounds = min_rounds
         self.refit_interval = refit_interval
         self.max_refit_interval = max_refit_interval
         self._interval = refit_interval  # drafted rounds between refits now (backs off, see the module)
@@ -136,8 +136,10 @@ class OnlineDraftCost:
             self._drafted.append((int(num_requests), seconds))
             self._since_fit += 1
             cost = self._cost
-            if num_requests != self._last_load or (  # the load changed, or the drafter's time may have: refit at
-                cost is not None  # the base cadence again
+            # The load changed, or the drafter's time may be moving: refit at the base cadence again. (The
+            # estimate at R on floats: DraftCost.seconds is vectorised, a numpy call in every round.)
+            if num_requests != self._last_load or (
+                cost is not None
                 and abs(seconds - cost.fixed_s - cost.per_request_s * num_requests) > _DRIFT * seconds
             ):
                 self._interval = self.refit_interval
