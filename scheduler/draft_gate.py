@@ -54,10 +54,23 @@ skipped rounds because the round driver still appends the committed tokens' cont
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from scheduler.algorithm import DraftCost, validate_confidences
 from scheduler.sps import SPSSource, check_sps_source
+
+
+class _Prediction(NamedTuple):
+    """A prediction to draft and what it was made for (reused while it provably holds: module docstring)."""
+
+    num_requests: int
+    steps: int
+    gamma: int
+    draft_cost: DraftCost
+    no_draft_cost: DraftCost
+    ratio: float  # Theta_spec / Theta_ar
 
 
 class DraftGate:
@@ -102,9 +115,9 @@ class DraftGate:
         self._curve: np.ndarray | None = None  # Q, sorted survival curve of an average request (descending)
         self._cumulative = np.zeros(curve_points + 1)  # 0, Q_1, Q_1 + Q_2, ...
         self._pending: list[np.ndarray] = []  # observed confidences not yet folded into Q (oldest first)
-        # The last prediction to draft: (R, steps, gamma, draft cost, no-draft cost, Theta_spec / Theta_ar), and
-        # the factor prod(1 - w) of the rounds observed since, a lower bound of Q's change (module docstring).
-        self._drafted_at: tuple[int, int, int, DraftCost, DraftCost, float] | None = None
+        # The last prediction to draft, and the factor prod(1 - w) of the rounds observed since: a lower bound of
+        # Q's change (module docstring).
+        self._drafted_at: _Prediction | None = None
         self._decay = 1.0
         self._steps = np.arange(curve_points + 1, dtype=np.float64)
         self._ranks: dict[int, np.ndarray] = {}  # survivals per round -> where Q's ranks sit in their sort
@@ -243,17 +256,18 @@ class DraftGate:
         self._drafted_at = None
         if rates is not None and rates[0] > rates[1] > 0.0:
             num_requests, steps = self._walk_size(max_lengths)  # not None: rates were predicted
-            ratio = rates[0] / rates[1]
-            self._drafted_at = (num_requests, steps, self._gamma, self.draft_cost, self.no_draft_cost, ratio)
+            self._drafted_at = _Prediction(
+                num_requests, steps, self._gamma, self.draft_cost, self.no_draft_cost, rates[0] / rates[1]
+            )
             self._decay = 1.0
 
     def _still_drafts(self, max_lengths: np.ndarray) -> bool:
         """Whether the last prediction to draft provably still holds (module docstring: m * prod(1 - w) > 1
         for the same R, steps, gamma and cost objects), so the full prediction would draft too."""
         last = self._drafted_at
-        if last is None or last[3] is not self.draft_cost or last[4] is not self.no_draft_cost:
+        if last is None or last.draft_cost is not self.draft_cost or last.no_draft_cost is not self.no_draft_cost:
             return False
-        if last[5] * self._decay <= 1.0 + 1e-9:
+        if last.ratio * self._decay <= 1.0 + 1e-9:
             return False
         walk = self._walk_size(max_lengths)
-        return walk is not None and walk == (last[0], last[1]) and last[2] == self._gamma
+        return walk == (last.num_requests, last.steps) and last.gamma == self._gamma
