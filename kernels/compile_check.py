@@ -33,7 +33,7 @@ _REJECTION_COMMON = dict(logits_ptr="*bf16", stride_row="i64", cu_ptr="*i64", te
 _MARKOV_COMMON = dict(base_ptr="*bf16", stride_br="i64", stride_bk="i64", step="i32", prev_ptr="*i64",
                       stride_prev="i32", w1_ptr="*bf16", w2_ptr="*bf16", temperature_ptr="*fp32",
                       seeds_ptr="*i64", positions_ptr="*i64", k_eff_ptr="*i32", logits_ptr="*fp32", z_ptr="*fp32",
-                      stride_lr="i64", stride_lk="i64", part_f_ptr="*fp32", part_i_ptr="*i32", cand_ptr="*i64",
+                      stride_lr="i64", stride_lk="i64", part_f_ptr="*fp32", part_i_ptr="*i64", cand_ptr="*i64",
                       tiles_ptr="*i32", buffer_ptr="*i64", tokens_ptr="*i64", probs_ptr="*fp32",
                       sparse_ids_ptr="*i64", sparse_probs_ptr="*fp32", R="i32", V="i32", RANK="i32",
                       num_chunks="i32", K="i32", gamma="i32")  # fmt: skip
@@ -54,7 +54,7 @@ _CONFIGS = [
                                  NATIVE_DOT=True), 8),
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=256, BLOCK_D=64, TOPK=64, STORE_LOGITS=True,
                                  NATIVE_DOT=True), 8),
-    ("_markov_combine_kernel", dict(TOPK=0, BLOCK_C=1024, TILE_V=128, TILE_GROUP=16, CAPM=256), 4),
+    ("_markov_combine_kernel", dict(TOPK=0, BLOCK_C=2048, TILE_V=128, TILE_GROUP=16, CAPM=256), 4),
     ("_markov_combine_kernel", dict(TOPK=64, BLOCK_C=1024, TILE_V=256, TILE_GROUP=16, CAPM=256), 4),
 ]  # fmt: skip
 

@@ -6,10 +6,14 @@ would deadlock the sequential interpreter and is fragile on GPUs):
 1. ``_markov_step_kernel``, programs (block of requests, block of vocabulary): computes the tile
    z = U_k + W1[x_{k-1}] @ W2^T with ``tl.dot`` (the W2 tile is shared by BLOCK_R requests, and consecutive
    programs share it through L2, so W2 is read from memory about once per step), then, in registers, the
-   tile's race winner and log-sum-exp partials (full vocabulary), or (truncated mode) the tile's maximum
-   packed as int64 (value, id), writing z_k to memory (the logits output or a scratch row per request).
+   tile's race winner (packed as an int64 (value, id) key) and log-sum-exp partials (full vocabulary), or
+   (truncated mode) the tile's maximum packed the same way, writing z_k to memory (the logits output or a
+   scratch row per request).
 2. ``_markov_combine_kernel``, one program per request: merges the partials into x_k, p_d(x_k) and, in
    truncated mode, the sparse distribution; x_k is written where step k + 1 reads its previous token.
+   Full-vocabulary mode: x_k is one max over the packed winners (the race's argmax, ties to the smaller id),
+   and greedy requests skip the log-sum-exp (their p_d is 1): the program is latency-bound (one per request,
+   each reduction a cross-warp wait), so fewer reductions is what makes it fast.
    Truncated mode finds the exact top-K from the tile maxima: the K-th largest tile maximum L is a lower
    bound on the K-th largest z, and only the K tiles whose maximum is >= L can hold tokens >= L, so only
    those tiles are re-read (see ``_combine_top_k``); z_k is never sorted or scanned in full.
@@ -125,7 +129,6 @@ def _markov_step_kernel(
         )
         noise = tl.log(-tl.log(tl_uniform(key[:, None], vocab[None, :])))
         race = tl.where(tile_mask, tl.where(greedy[:, None], z, scaled - noise), float("-inf"))
-        best = tl.max(race, 1)
         winner = tl.argmax(race, 1)
         cols = tl.arange(0, BLOCK_V)
         winner_scaled = tl.sum(tl.where(cols[None, :] == winner[:, None], scaled, 0.0), 1)
@@ -133,12 +136,14 @@ def _markov_step_kernel(
         tile_max = tl.max(scaled, 1)
         safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
         tile_sum = tl.sum(tl.exp(scaled - safe_max[:, None]), 1)
-        part = (rows * num_chunks + chunk) * 4
-        tl.store(part_f_ptr + part, best, mask=row_mask)
-        tl.store(part_f_ptr + part + 1, winner_scaled, mask=row_mask)
-        tl.store(part_f_ptr + part + 2, tile_max, mask=row_mask)
-        tl.store(part_f_ptr + part + 3, tile_sum, mask=row_mask)
-        tl.store(part_i_ptr + rows * num_chunks + chunk, chunk * BLOCK_V + winner, mask=row_mask)
+        # the race winner as one packed (value, id) key: the combine step's argmax over tiles is one max
+        part = rows * num_chunks + chunk
+        tl.store(part_i_ptr + part, tl_pack_value_id(tl_canonical(tl.max(race, 1)), chunk * BLOCK_V + winner),
+                 mask=row_mask)  # fmt: skip
+        plane = R * num_chunks
+        tl.store(part_f_ptr + part, winner_scaled, mask=row_mask)
+        tl.store(part_f_ptr + plane + part, tile_max, mask=row_mask)
+        tl.store(part_f_ptr + 2 * plane + part, tile_sum, mask=row_mask)
     else:
         # the tile's maximum as packed (value, id); z itself went to memory above for the combine step
         packed = tl.where(tile_mask, tl_pack_value_id(tl_canonical(z), vocab[None, :]), _INT64_MIN)
@@ -179,39 +184,31 @@ def _markov_combine_kernel(
     greedy = temp == 0.0
     out = r * gamma + step
     if TOPK == 0:
-        best = tl.full((), float("-inf"), tl.float32)
-        token = tl.full((), 0, tl.int32)
-        winner_scaled = tl.full((), 0.0, tl.float32)
-        run_max = tl.full((), float("-inf"), tl.float32)
-        run_sum = tl.full((), 0.0, tl.float32)
+        # One max over the tiles' packed race winners gives x_k (largest key, then smallest id, as the
+        # reference's argmax); the log-sum-exp, needed for p_d(x_k) only, is skipped for greedy requests.
+        row = r.to(tl.int64) * num_chunks
+        best = tl.full((), _INT64_MIN, tl.int64)
         for c0 in range(0, num_chunks, BLOCK_C):
             chunks = c0 + tl.arange(0, BLOCK_C)
-            mask = chunks < num_chunks
-            part = (r * num_chunks + chunks) * 4
-            keys = tl.load(part_f_ptr + part, mask=mask, other=float("-inf"))
-            chunk_best = tl.max(keys, 0)
-            pick = chunks == c0 + tl.argmax(keys, 0)
-            better = chunk_best > best
-            token = tl.where(
-                better,
-                tl.sum(
-                    tl.where(pick, tl.load(part_i_ptr + r * num_chunks + chunks, mask=mask, other=0), 0), 0
-                ),
-                token,
-            )
-            winner_scaled = tl.where(
-                better,
-                tl.sum(tl.where(pick, tl.load(part_f_ptr + part + 1, mask=mask, other=0.0), 0.0), 0),
-                winner_scaled,
-            )
-            best = tl.where(better, chunk_best, best)
-            tile_max = tl.load(part_f_ptr + part + 2, mask=mask, other=float("-inf"))
-            tile_sum = tl.load(part_f_ptr + part + 3, mask=mask, other=0.0)
-            new_max = tl.maximum(run_max, tl.max(tile_max, 0))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tile_sum * tl.exp(tile_max - safe_max), 0)
-            run_max = new_max
-        prob = tl.where(greedy, 1.0, tl.exp(winner_scaled - (run_max + tl.log(run_sum))))
+            best = tl.maximum(best, tl.max(tl.load(part_i_ptr + row + chunks, mask=chunks < num_chunks,
+                                                   other=_INT64_MIN), 0))  # fmt: skip
+        _, token = tl_unpack_value_id(best)
+        prob = tl.full((), 1.0, tl.float32)
+        if not greedy:
+            plane = tl.num_programs(0).to(tl.int64) * num_chunks  # one program per request: R x num_chunks
+            run_max = tl.full((), float("-inf"), tl.float32)
+            run_sum = tl.full((), 0.0, tl.float32)
+            for c0 in range(0, num_chunks, BLOCK_C):
+                chunks = c0 + tl.arange(0, BLOCK_C)
+                mask = chunks < num_chunks
+                tile_max = tl.load(part_f_ptr + plane + row + chunks, mask=mask, other=float("-inf"))
+                tile_sum = tl.load(part_f_ptr + 2 * plane + row + chunks, mask=mask, other=0.0)
+                new_max = tl.maximum(run_max, tl.max(tile_max, 0))
+                safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+                run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tile_sum * tl.exp(tile_max - safe_max), 0)
+                run_max = new_max
+            winner_scaled = tl.load(part_f_ptr + row + token // TILE_V)
+            prob = tl.exp(winner_scaled - (run_max + tl.log(run_sum)))
         tl.store(tokens_ptr + out, token.to(tl.int64))
         tl.store(probs_ptr + out, prob)
     else:
@@ -319,6 +316,12 @@ def _combine_top_k(
     tl.store(sparse_probs_ptr + out * K + slots, sparse, mask=slots < K)
 
 
+def _combine_block(num_chunks: int) -> int:
+    """Tiles the full-vocabulary combine step reads per iteration: all of them in one when they fit (151936
+    ids in tiles of 128: 1187), as each iteration ends in cross-warp reductions that a single program waits on."""
+    return min(triton.next_power_of_2(num_chunks), 2048)
+
+
 def markov_sample_triton(
     base_logits: torch.Tensor,
     anchor_ids: torch.Tensor,
@@ -366,8 +369,10 @@ def markov_sample_triton(
     block_d = max(16, min(64, triton.next_power_of_2(rank)))
     num_chunks = triton.cdiv(vocab, block_v)
     native = w1.dtype != torch.float32 and not interpreting()
-    part_f = torch.empty((num_req, num_chunks, 4), dtype=torch.float32, device=device)
-    part_i = torch.empty((num_req, num_chunks), dtype=torch.int32, device=device)
+    # full-vocabulary partials: per (request, tile) the packed race winner, and planes of the winner's scaled
+    # logit, the tile maximum and the tile's exp-sum (contiguous per request: the combine's loads coalesce)
+    part_f = torch.empty((3, num_req, num_chunks), dtype=torch.float32, device=device)
+    part_i = torch.empty((num_req, num_chunks), dtype=torch.int64, device=device)
     tile_max = torch.empty((num_req, num_chunks), dtype=torch.int64, device=device)
     # truncated mode keeps z_k in memory for the combine step: the logits output if asked for, else scratch
     if logits is not None:
@@ -393,7 +398,8 @@ def markov_sample_triton(
             part_f, part_i, tile_max, z_buf, stride_lr, stride_lk, tiles, buffer, step, temps, seeds64,
             positions64, k_eff32, tokens, token_probs, sparse_ids if sparse_ids is not None else tokens,
             sparse_probs if sparse_probs is not None else part_f, vocab, gamma, num_chunks, top_k,
-            TOPK=topk_slots, BLOCK_C=triton.next_power_of_2(num_chunks) if top_k else 1024, TILE_V=block_v,
+            TOPK=topk_slots, BLOCK_C=triton.next_power_of_2(num_chunks) if top_k else _combine_block(num_chunks),
+            TILE_V=block_v,
             TILE_GROUP=TOPK_TILE_GROUP, CAPM=capm, num_warps=4, **launch_options(),
         )  # fmt: skip
     return MarkovSample(

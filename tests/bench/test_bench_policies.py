@@ -17,6 +17,7 @@ from bench.bench_policies_gpu import (
     SharedEngines,
     agreement,
     cell_budget,
+    common_prompt_per_user,
     evaluate_goals,
     floor_seconds,
     load_prompt_mix,
@@ -64,7 +65,8 @@ def test_floor_counts_weights_once_and_kv_per_request() -> None:
 
 
 def _cell(concurrency: int, policy: str, agg: float, user: float) -> dict:
-    return {"concurrency": concurrency, "policy": policy, "aggregate_tokens_per_s": agg, "per_user_tokens_per_s": user}
+    return {"concurrency": concurrency, "policy": policy, "aggregate_tokens_per_s": agg, "per_user_tokens_per_s": user,
+            "per_user_by_prompt": {"0": [user]}}  # fmt: skip
 
 
 def test_goals_compare_against_the_best_fixed_policy() -> None:
@@ -97,6 +99,30 @@ def test_goals_compare_against_the_best_fixed_policy() -> None:
     assert [r["met"] for r in floor["rows"]] == [True, False] and not floor["met"]
     assert evaluate_goals(cells[:3], [], [1])["dspark_vs_best_fixed_aggregate"]["met"] is None  # no dspark cell
     assert evaluate_goals([], [], [1])["per_user_speedup_at_1"]["met"] is None
+
+
+def test_per_user_speed_is_compared_on_the_prompts_every_cell_finished() -> None:
+    """A faster policy's window covers later prompts: only the prompts all cells of a level finished count, the
+    repeats pooled; the cells' own window medians stay beside the common-prompt ratio."""
+
+    def cell(policy: str, rates: dict[int, float], repeat: int = 0) -> dict:
+        by_prompt = {str(i): [rate] for i, rate in rates.items()}
+        median = sorted(rates.values())[len(rates) // 2]
+        return dict(_cell(1, policy, 1.0, median), per_user_by_prompt=by_prompt, repeat=repeat)
+
+    cells = [
+        cell("autoregressive", {0: 10.0, 1: 10.0, 2: 12.0, 3: 12.0}),
+        cell("autoregressive", {1: 10.0, 2: 12.0, 3: 12.0}, repeat=1),
+        cell("dspark", {2: 30.0, 3: 36.0, 4: 90.0, 5: 90.0, 6: 90.0}),  # late prompts the slow cells never reach
+        cell("dspark", {2: 30.0, 3: 36.0, 4: 90.0}, repeat=1),
+    ]
+    common = common_prompt_per_user(cells)
+    assert common[(1, "autoregressive")] == {"tokens_per_s": 12.0, "prompts": 2}  # prompts 2 and 3, both repeats
+    assert common[(1, "dspark")]["tokens_per_s"] == pytest.approx(33.0)
+    speedup = evaluate_goals(cells, [], [1])["per_user_speedup_at_1"]
+    assert speedup["dspark"] == pytest.approx(33.0 / 12.0) and speedup["common_prompts"] == 2
+    assert speedup["window_median"]["dspark"] == pytest.approx((90.0 + 36.0) / 2 / 12.0)  # the biased comparison
+    assert common_prompt_per_user([cell("dspark", {1: 5.0}), cell("full", {2: 5.0})])[(1, "full")]["prompts"] == 0
 
 
 def test_agreement_compares_only_prompts_both_finished() -> None:
