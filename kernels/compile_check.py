@@ -54,7 +54,10 @@ _CONFIGS = [
                                  NATIVE_DOT=True), 8),
     ("_markov_step_kernel", dict(BLOCK_R=32, BLOCK_V=256, BLOCK_D=64, TOPK=64, STORE_LOGITS=True,
                                  NATIVE_DOT=True), 8),
+    ("_markov_step_kernel", dict(BLOCK_R=16, BLOCK_V=64, BLOCK_D=64, TOPK=16, STORE_LOGITS=True,
+                                 NATIVE_DOT=True), 8),  # an inflated pair's 4096 real ids, K = 16
     ("_markov_combine_kernel", dict(TOPK=0, BLOCK_C=2048, TILE_V=128, TILE_GROUP=16, CAPM=256), 4),
+    ("_markov_combine_kernel", dict(TOPK=16, BLOCK_C=64, TILE_V=64, TILE_GROUP=16, CAPM=256), 4),
     ("_markov_combine_kernel", dict(TOPK=64, BLOCK_C=1024, TILE_V=256, TILE_GROUP=16, CAPM=256), 4),
 ]  # fmt: skip
 

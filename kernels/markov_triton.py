@@ -316,6 +316,22 @@ def _combine_top_k(
     tl.store(sparse_probs_ptr + out * K + slots, sparse, mask=slots < K)
 
 
+TOPK_TILES_PER_SLOT = 4
+"""Truncated mode: at least this many vocabulary tiles per top-K slot (smaller tiles on a small vocabulary)."""
+
+
+def _block_v(vocab: int, topk_slots: int) -> int:
+    """Vocabulary tile of the step kernel. Truncated mode bounds the top-K by the K-th largest tile maximum L and
+    re-reads the tokens >= L of the K top tiles; with only about K tiles (an inflated pair's real vocabulary of
+    4096 ids in tiles of 256 is 16 tiles for K = 16) L is the smallest tile maximum, hundreds of tokens pass it
+    and the combine step falls back to K rounds of max extraction (H200: ~11-30 us per step instead of a few).
+    At least TOPK_TILES_PER_SLOT x K tiles keep L tight; a full-size vocabulary keeps the tuned tile."""
+    if not topk_slots:
+        return max(16, min(TUNING["block_v"], triton.next_power_of_2(vocab)))
+    per_tile = triton.next_power_of_2(max(1, vocab // (TOPK_TILES_PER_SLOT * topk_slots)))
+    return max(16, min(TUNING["topk_block_v"], per_tile, triton.next_power_of_2(vocab)))
+
+
 def _combine_block(num_chunks: int) -> int:
     """Tiles the full-vocabulary combine step reads per iteration: all of them in one when they fit (151936
     ids in tiles of 128: 1187), as each iteration ends in cross-warp reductions that a single program waits on."""
@@ -365,7 +381,7 @@ def markov_sample_triton(
     topk_slots = triton.next_power_of_2(top_k) if top_k else 0
     mode = "topk_" if top_k else ""
     block_r = max(16, min(TUNING[mode + "block_r"], triton.next_power_of_2(num_req)))
-    block_v = max(16, min(TUNING[mode + "block_v"], triton.next_power_of_2(vocab)))
+    block_v = _block_v(vocab, topk_slots)
     block_d = max(16, min(64, triton.next_power_of_2(rank)))
     num_chunks = triton.cdiv(vocab, block_v)
     native = w1.dtype != torch.float32 and not interpreting()
