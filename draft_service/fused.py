@@ -104,7 +104,7 @@ class FusedDrafter:
         """lm_head(hidden) for [..., H] -> [..., V] in the model dtype: the skinny GEMM when the rows take it."""
         weight = self.model.lm_head.weight
         rows = hidden.numel() // hidden.shape[-1]
-        counters = self.skinny_counters(rows)
+        counters = self.skinny_counters(rows) if self.model.skinny_lm_head else None
         if counters is None:
             return self.model.lm_head(hidden)
         flat = hidden.reshape(rows, hidden.shape[-1]).contiguous()

@@ -252,6 +252,7 @@ class DSparkDraftModel(nn.Module):
         # (kernels/skinny_gemm_triton.py) for passes of at most FASTER_ROWS block rows (R * block_size) on the
         # GPUs they were swept on (tuned_for), as TargetModel.skinny_gemm does; False: cuBLAS always.
         self.skinny_gemm = True
+        self.skinny_lm_head = True  # the LM head too, when skinny_gemm takes the pass (False: cuBLAS, to compare)
         self._fused: FusedDrafter | None = None
 
     @property

@@ -111,6 +111,11 @@ def test_skinny_gemms_give_the_module_path(
     with torch.no_grad():
         torch.testing.assert_close(skinny_drafter.project_vocab(block), plain.lm_head(block), **TOL)
         torch.testing.assert_close(skinny_drafter.base_logits(block, drafting=True), plain.base_logits(block), **TOL)
+        skinny_drafter.skinny_lm_head = False  # the LM head on torch's matmul, the layers still skinny
+        try:
+            assert torch.equal(skinny_drafter.project_vocab(block), skinny_drafter.lm_head(block))
+        finally:
+            skinny_drafter.skinny_lm_head = True
     assert int(counters.abs().sum()) == 0
 
 
