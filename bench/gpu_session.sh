@@ -45,7 +45,7 @@ run_tests() {
 stage tests ${TESTS_S:-120} bash -c "$(declare -f run_tests); gpu_tests='$gpu_tests'; run_tests" 2>&1 \
   | tee "$out/logs.txt"
 stage kernels 200 python3 bench/bench_kernels.py --sweep cdf select --tune --profile --out "$out/kernels.json"
-stage draft 60 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json"
+stage draft 120 python3 bench/profile_draft_gpu.py --out "$out/draft_profile.json"  # skinny GEMMs off and on
 stage host 75 python3 -m bench.profile_engine_host --device cuda --requests 32 128 --rounds 200 --check 32 \
   --prompt-tokens 96 --max-seq-len 456 \
   2>&1 | tail -n 20 | tee -a "$out/logs.txt"

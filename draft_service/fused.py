@@ -9,6 +9,18 @@ down_proj. The context append becomes one K|V matmul plus one kernel that normal
 keys and stores the values straight into the context cache, per layer. Numerics follow the module path op by op
 (:mod:`kernels.fused_layer_triton`), so drafts agree with it up to the last bit in almost every element.
 
+Weight GEMMs: a propose step of R requests multiplies R * block_size rows by each weight once, which at R = 1 is
+the time to stream the weights. With ``DSparkDraftModel.skinny_gemm`` on (the default) and at most FASTER_ROWS
+rows on a GPU ``tuned_for`` says, the block's QKV, o_proj (its residual add in the epilogue), gate/up + silu * up,
+down_proj (residual add too) and the LM head run the skinny Triton GEMMs of :mod:`kernels.skinny_gemm_triton`,
+as the target's verify step does: the drafter's layer shapes are the target's, where the H200 sweep measured them
+1.06-1.18x cuBLAS at 8 and 16 rows (``TUNING``), and the LM head 1.05-1.06x (151936 x 2560, the default launch;
+docs/benchmarks/kernels.md, "Skinny weight GEMMs"). They round like the module path op by op but sum in another
+order than cuBLAS, so a draft may differ from the cuBLAS path's in a rare near-tie (lossless either way: the
+drafter only proposes). The context append (``fc`` 2560 x 7680 and the K|V projection 2048 x 2560 for the
+Qwen3-4B shape) stays on cuBLAS: those shapes were never swept, and the default launch lost to cuBLAS at 8 rows
+on 4 of the 5 swept projections (docs/benchmarks/gemm.json, the first timing of each sweep).
+
 The stacked projections are built once; the modules' weights become views of them (nothing is held twice;
 training, which uses the module path, still sees ordinary parameters).
 """
@@ -23,6 +35,7 @@ import torch
 from torch import nn
 
 from kernels.fused_layer_triton import add_rms_norm, qk_norm_rope_store, silu_mul, stack_into_views
+from kernels.skinny_gemm_triton import FASTER_ROWS, new_counters, skinny_gate_up_silu, skinny_linear, tuned_for
 
 if TYPE_CHECKING:
     from draft_service.context_cache import DraftContextCache
@@ -61,9 +74,45 @@ class FusedDrafter:
         config = model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
+        self._skinny_counters: torch.Tensor | None = None
+
+    def skinny_counters(self, rows: int) -> torch.Tensor | None:
+        """The skinny GEMMs' arrival counters when a pass of ``rows`` rows runs them (the model's ``skinny_gemm``
+        on, at most FASTER_ROWS rows, a GPU they were swept on), else None: cuBLAS."""
+        model = self.model
+        if not (model.skinny_gemm and rows <= FASTER_ROWS and tuned_for(model.device)):
+            return None
+        if self._skinny_counters is None:
+            self._skinny_counters = self._skinny_workspace()
+        return self._skinny_counters
+
+    def _skinny_workspace(self) -> torch.Tensor:
+        """This drafter's own counters (zeroed once; the kernels leave them zeroed; the target has its own, so
+        the two may run on different streams), after checking that the projections they replace have no bias.
+        Made on an eager pass (the draft graph steps warm up before they capture): zeroed inside a capture, they
+        would hold garbage until the first replay."""
+        model = self.model
+        if model.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("FusedDrafter: run a skinny-GEMM draft step eagerly before capturing it in a graph")
+        linears = [model.lm_head] + [m for layer in model.layers for m in (layer.self_attn.o_proj,
+                                                                            layer.mlp.down_proj)]  # fmt: skip
+        if any(linear.bias is not None for linear in linears):
+            raise ValueError("FusedDrafter: skinny GEMMs need bias-free projections (set skinny_gemm = False)")
+        return new_counters(model.device)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head(hidden) for [..., H] -> [..., V] in the model dtype: the skinny GEMM when the rows take it."""
+        weight = self.model.lm_head.weight
+        rows = hidden.numel() // hidden.shape[-1]
+        counters = self.skinny_counters(rows) if self.model.skinny_lm_head else None
+        if counters is None:
+            return self.model.lm_head(hidden)
+        flat = hidden.reshape(rows, hidden.shape[-1]).contiguous()
+        return skinny_linear(flat, weight, counters=counters).view(*hidden.shape[:-1], weight.shape[0])
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
-        """hidden_norm(fc(features)) for rows [n, m*H] -> [n, H]: the norm as one kernel."""
+        """hidden_norm(fc(features)) for rows [n, m*H] -> [n, H]: the norm as one kernel (fc on cuBLAS: see the
+        module docstring)."""
         model = self.model
         projected = model.fc(features.to(model.dtype))
         return add_rms_norm(projected, None, model.hidden_norm.weight, model.hidden_norm.eps)
@@ -71,7 +120,8 @@ class FusedDrafter:
     def write_context(
         self, cache: DraftContextCache, projected: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        """Every layer's K/V of projected context rows [n, H] into ``cache`` at (slots[i], positions[i])."""
+        """Every layer's K/V of projected context rows [n, H] into ``cache`` at (slots[i], positions[i]) (the K|V
+        projection on cuBLAS: see the module docstring)."""
         cos, sin = self.model.rotary(positions, self.model.dtype)
         for index, (layer, fused) in enumerate(zip(self.model.layers, self.layers, strict=True)):
             kv = torch.nn.functional.linear(projected, fused.kv)
@@ -100,7 +150,9 @@ class FusedDrafter:
         attention: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
         """:meth:`DSparkDraftModel.backbone_slots` through the fused kernels: x [R, bs, H] -> [R, bs, H] (final
-        norm applied). ``attention`` is the slot attention implementation (block mode)."""
+        norm applied). ``attention`` is the slot attention implementation (block mode). With the skinny GEMMs
+        the residual adds of o_proj and down_proj happen in their epilogues (x updated in place), so the norms
+        after them add nothing."""
         model = self.model
         R, bs, H = x.shape
         rows = R * bs
@@ -115,12 +167,16 @@ class FusedDrafter:
         block_positions = torch.zeros(rows, dtype=torch.int64, device=x.device)
         starts = torch.arange(R, device=x.device) * bs
         lengths = torch.full((R,), bs, dtype=torch.int64, device=x.device)
+        counters = self.skinny_counters(rows)
         delta = None
         for index, (layer, fused) in enumerate(zip(model.layers, self.layers, strict=True)):
             attn = layer.self_attn
             norm = layer.input_layernorm
             h = add_rms_norm(x, delta, norm.weight, norm.eps)  # x += the previous layer's MLP output
-            qkv = torch.nn.functional.linear(h, fused.qkv)
+            if counters is None:
+                qkv = torch.nn.functional.linear(h, fused.qkv)
+            else:
+                qkv = skinny_linear(h, fused.qkv, counters=counters)
             q = qk_norm_rope_store(
                 qkv, fused.qk_norm, cos, sin, attn.q_norm.eps, k_block, v_block, block_slots, block_positions,
                 HQ, HKV,
@@ -141,7 +197,15 @@ class FusedDrafter:
                 validate=False,
             )
             norm = layer.post_attention_layernorm
-            h = add_rms_norm(x, attn.o_proj(out.to(x.dtype).reshape(rows, HQ * D)), norm.weight, norm.eps)
-            delta = layer.mlp.down_proj(silu_mul(torch.nn.functional.linear(h, fused.gate_up)))
+            out = out.to(x.dtype).reshape(rows, HQ * D)
+            if counters is None:
+                h = add_rms_norm(x, attn.o_proj(out), norm.weight, norm.eps)
+                delta = layer.mlp.down_proj(silu_mul(torch.nn.functional.linear(h, fused.gate_up)))
+            else:  # x += o_proj(out), then x += down_proj(silu(gate) * up), in the GEMMs' epilogues
+                skinny_linear(out, attn.o_proj.weight, x, counters=counters)
+                h = add_rms_norm(x, None, norm.weight, norm.eps)
+                act = skinny_gate_up_silu(h, fused.gate_up, counters=counters)
+                skinny_linear(act, layer.mlp.down_proj.weight, x, counters=counters)
+                delta = None
         h = add_rms_norm(x, delta, model.norm.weight, model.norm.eps)
         return h.view(R, bs, H)

@@ -248,6 +248,11 @@ class DSparkDraftModel(nn.Module):
         )
         self._attention_backend: str | None = None
         self.fused: bool | None = None  # fused layer kernels for inference: None = on CUDA with the triton backend
+        # The fused path's weight GEMMs (QKV, o_proj, gate/up, down_proj) and LM head run the skinny Triton GEMMs
+        # (kernels/skinny_gemm_triton.py) for passes of at most FASTER_ROWS block rows (R * block_size) on the
+        # GPUs they were swept on (tuned_for), as TargetModel.skinny_gemm does; False: cuBLAS always.
+        self.skinny_gemm = True
+        self.skinny_lm_head = True  # the LM head too, when skinny_gemm takes the pass (False: cuBLAS, to compare)
         self._fused: FusedDrafter | None = None
 
     @property
@@ -534,14 +539,23 @@ class DSparkDraftModel(nn.Module):
 
     # ---- heads --------------------------------------------------------------------------------------------
 
-    def base_logits(self, block_hidden: torch.Tensor) -> torch.Tensor:
+    def base_logits(self, block_hidden: torch.Tensor, *, drafting: bool = False) -> torch.Tensor:
         """U_k = lm_head(h_k): [..., H] -> [..., V] (float32); -inf past ``config.real_vocab_size`` (padding of an
-        inflated pair), so no head, sampler or verifier ever gives a padded id probability."""
-        logits = self.lm_head(block_hidden).float()
+        inflated pair), so no head, sampler or verifier ever gives a padded id probability. ``drafting``: the
+        samplers' LM head (:meth:`project_vocab`); otherwise the module, which training differentiates."""
+        logits = (self.project_vocab(block_hidden) if drafting else self.lm_head(block_hidden)).float()
         real = self.config.real_vocab_size
         if real is not None and real < logits.shape[-1]:
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= real, float("-inf"))
         return logits
+
+    def project_vocab(self, block_hidden: torch.Tensor) -> torch.Tensor:
+        """The drafting paths' LM head: lm_head(h) [..., H] -> [..., V] in the model dtype, through the fused
+        drafter on the fused path (the skinny GEMM for a few rows). Not differentiable there: training calls the
+        module (``base_logits``)."""
+        if self.use_fused:
+            return self.fused_drafter().lm_head(block_hidden)
+        return self.lm_head(block_hidden)
 
     def markov_logits(
         self, base_logits: torch.Tensor, prev_ids: torch.Tensor, block_hidden: torch.Tensor

@@ -182,7 +182,7 @@ def sample_block_prepared(
     K = draft_top_k
     any_sampled = uniforms is not None
     if base_logits is None:
-        base_logits = model.base_logits(block_hidden)
+        base_logits = model.base_logits(block_hidden, drafting=True)
     head = model.markov_head
     state = head.init_state(R, block_hidden) if head is not None else None
     prev = anchor_ids
@@ -309,7 +309,7 @@ def sample_block_keyed(
         head = model.markov_head
         assert head is not None
         real = model.real_vocab_size
-        base = model.lm_head(block_hidden)[..., :real]  # a strided view: no float copy of [R, bs, V]
+        base = model.project_vocab(block_hidden)[..., :real]  # a strided view: no float copy of [R, bs, V]
         out = _markov_impl(backend)(
             base,
             anchor_ids,

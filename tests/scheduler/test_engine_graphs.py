@@ -318,6 +318,22 @@ def test_engine_with_prefills_in_the_ragged_step_equals_eager(pair, temperature:
     assert _generate(target, drafter, "static", temperature, 40) == _generate(target, drafter, "off", temperature)
 
 
+def test_engine_with_the_fused_skinny_drafter_equals_target_greedy(tmp_path: Path) -> None:
+    """The drafter on its fused path with the skinny GEMMs (the default on a Hopper GPU; Triton through the
+    interpreter on CPU): buckets of 1 and 2 requests (5 and 10 block rows) run its layers and LM head on the skinny
+    GEMMs, larger ones on torch's matmuls; the speculative greedy output of the bucketed steps is still the
+    target's (``_generate`` checks it)."""
+    spec = PairSpec(vocab=128, hidden=32, block_size=5, markov_rank=8, target_layer_ids=(-1, 1, 2), seed=5)
+    target_dir, draft_dir = write_pair(tmp_path, spec)
+    drafter = load_draft_model(draft_dir, target_dir=target_dir)
+    target = TargetModel.from_pretrained(target_dir, feature_layer_ids=drafter.config.target_layer_ids)
+    drafter.attention_backend, drafter.fused = "reference", True
+    assert drafter.skinny_gemm
+    _generate(target, drafter, "static", 0.0)
+    counters = drafter.fused_drafter()._skinny_counters
+    assert counters is not None and int(counters.abs().sum()) == 0
+
+
 def test_row_buckets_and_bucket_choice(pair) -> None:
     from verify_service.graphs import row_buckets
 
@@ -432,6 +448,7 @@ def test_cuda_graphs_equal_eager(tmp_path: Path, dtype: torch.dtype) -> None:
         target_dir, feature_layer_ids=drafter.config.target_layer_ids, dtype=dtype, device="cuda"
     )
     assert target.attention_backend == "triton" and drafter.attention_backend == "triton"
+    assert drafter.use_fused and drafter.skinny_gemm  # the fused drafter, its skinny GEMMs on a Hopper GPU
     greedy = {mode: _generate(target, drafter, mode, 0.0) for mode in ("off", "static", "capture")}
     assert greedy["capture"] == greedy["off"] == greedy["static"]
     assert _generate(target, drafter, "capture", 1.0) == _generate(target, drafter, "static", 1.0)
