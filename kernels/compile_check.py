@@ -116,6 +116,8 @@ def compile_all(arch: int) -> list[str]:
     lines = []
     for name, constexprs, num_warps, num_stages, types, aligned in runs + _SKINNY_CONFIGS:
         fn = next(getattr(m, name) for m in (rejection_triton, markov_triton, skinny_gemm_triton) if hasattr(m, name))
+        if "PDL" in fn.arg_names:  # programmatic dependent launch: the Hopper instructions where the launch uses it
+            constexprs = {**constexprs, "PDL": arch >= 90}
         signature = {arg: "constexpr" if arg in constexprs else types[arg] for arg in fn.arg_names}
         attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in aligned}
         start = time.perf_counter()

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import pdl_options, tl_pdl_wait
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -37,7 +39,9 @@ def _add_rms_norm_kernel(
     eps,
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -76,6 +80,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         HAS_DELTA=has_delta,
         BLOCK=triton.next_power_of_2(hidden),
         num_warps=4,
+        **pdl_options(x.device),
     )
     return h
 
@@ -102,7 +107,9 @@ def _qk_norm_rope_store_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = tl.arange(0, D // 2)
@@ -202,12 +209,14 @@ def qk_norm_rope_store(
         HKV=num_kv_heads,
         D=head_dim,
         num_warps=1,
+        **pdl_options(qkv.device),
     )
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    tl_pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -227,7 +236,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = 1024
     _silu_mul_kernel[(num, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **pdl_options(out.device)
     )
     return out
 

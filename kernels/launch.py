@@ -6,6 +6,9 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def interpreting() -> bool:
@@ -25,3 +28,36 @@ def num_sms(device: torch.device) -> int:
 def launch_options() -> dict[str, bool]:
     """No FMA contraction on GPUs: float arithmetic matches the torch reference's operation by operation."""
     return {} if interpreting() else {"enable_fp_fusion": False}
+
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """Launch arguments for programmatic dependent launch (PDL): ``PDL`` for a kernel's constexpr of that name,
+    plus Triton's ``launch_pdl`` where it is on.
+
+    Why: a verify step of a few tokens is ~400 kernels in a CUDA graph, and each waits for its predecessor to
+    drain before its blocks start (~0.8 us per kernel on the H200, bench/probe_pdl.py). With PDL (Hopper and
+    newer) a kernel is launched while its predecessor's last blocks still run; it calls :func:`tl_pdl_wait`
+    before touching memory, which returns once the predecessor has completed and its writes are visible, so
+    stream order is kept. On only where it is measured to help: CUDA devices of compute capability >= 9, not
+    under the interpreter, and not with ``DSPARK_PDL=0`` (for A/B timing)."""
+    on = (
+        device.type == "cuda"
+        and not interpreting()
+        and os.environ.get("DSPARK_PDL", "1") != "0"
+        and _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
+    )
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def tl_pdl_wait(PDL: tl.constexpr):
+    """With PDL: wait until the predecessor kernel has completed (its writes visible), then let the successor
+    launch (its blocks start and wait in turn). Call first, before any load or store."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -39,7 +39,7 @@ try:
 except ImportError:  # a Triton without host tensor descriptors: launches with tma=True are refused
     TensorDescriptor = None
 
-from kernels.launch import interpreting, launch_options, num_sms
+from kernels.launch import interpreting, launch_options, num_sms, pdl_options, tl_pdl_wait
 
 MAX_ROWS = 64
 """The tallest row tile (BLOCK_M): a pass of more rows runs several M tiles. The target uses the kernels for
@@ -143,7 +143,9 @@ def _skinny_gemm_kernel(
     EVEN: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     # w_ptr: a pointer, or with TMA a tensor descriptor of W [rows, K] with blocks [BLOCK_N, BLOCK_K].
     # Program 0 axis: output tiles, M tiles of one N tile adjacent (they read the same W tile, from L2 when
     # several run at once); axis 1: the K split.
@@ -313,6 +315,7 @@ def _launch(
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), n if gated else 0, blocks_per_split, num_m_tiles,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, GATED=gated, RESIDUAL=residual,
         EVEN=even, NATIVE_DOT=native, TMA=cfg.tma, num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(),
+        **pdl_options(x.device),
     )  # fmt: skip
 
 
