@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.float_keys import tl_canonical, tl_pack_value_id, tl_unpack_value_id
-from kernels.launch import interpreting, launch_options
+from kernels.launch import interpreting, launch_options, pdl_options, tl_pdl_wait
 from kernels.markov import MarkovSample, confidence_inputs, validate_markov_inputs
 from kernels.rng import STREAM_DRAFT_SAMPLE, tl_row_key, tl_uniform
 
@@ -78,7 +78,9 @@ def _markov_step_kernel(
     TOPK: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     chunk = tl.program_id(1)
     vocab = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -178,7 +180,9 @@ def _markov_combine_kernel(
     TILE_V: tl.constexpr,
     TILE_GROUP: tl.constexpr,
     CAPM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)
     r = tl.program_id(0)
     temp = tl.load(temperature_ptr + r)
     greedy = temp == 0.0
@@ -401,6 +405,7 @@ def markov_sample_triton(
     tiles = torch.empty((num_req, max(topk_slots, 1)), dtype=torch.int32, device=device)
     buffer = torch.empty((num_req, capm if top_k else 1), dtype=torch.int64, device=device)
     grid = (triton.cdiv(num_req, block_r), num_chunks)
+    pdl = pdl_options(device)
     for step in range(gamma):
         previous = anchors if step == 0 else tokens[:, step - 1]
         _markov_step_kernel[grid](
@@ -408,7 +413,7 @@ def markov_sample_triton(
             positions64, z_buf, stride_lr, stride_lk, part_f, part_i, tile_max, num_req, vocab, rank,
             num_chunks, top_k, BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_D=block_d, TOPK=topk_slots,
             STORE_LOGITS=logits is not None or top_k > 0, NATIVE_DOT=native, num_warps=TUNING["warps"],
-            **launch_options(),
+            **launch_options(), **pdl,
         )  # fmt: skip
         _markov_combine_kernel[(num_req,)](
             part_f, part_i, tile_max, z_buf, stride_lr, stride_lk, tiles, buffer, step, temps, seeds64,
@@ -416,7 +421,7 @@ def markov_sample_triton(
             sparse_probs if sparse_probs is not None else part_f, vocab, gamma, num_chunks, top_k,
             TOPK=topk_slots, BLOCK_C=triton.next_power_of_2(num_chunks) if top_k else _combine_block(num_chunks),
             TILE_V=block_v,
-            TILE_GROUP=TOPK_TILE_GROUP, CAPM=capm, num_warps=4, **launch_options(),
+            TILE_GROUP=TOPK_TILE_GROUP, CAPM=capm, num_warps=4, **launch_options(), **pdl,
         )  # fmt: skip
     return MarkovSample(
         tokens=tokens,
