@@ -35,7 +35,7 @@ gpu_tests=${TESTS:-"tests/scheduler/test_engine_graphs.py tests/scheduler/test_g
   tests/verify_service/test_fused_layers.py tests/kernels/test_kernels_slot_attention.py
   tests/kernels/test_kernels_rejection.py tests/draft_service/test_draft_sampling.py
   tests/draft_service/test_draft_engine_sampling.py tests/draft_service/test_draft_slot_attention.py
-  tests/draft_service/test_draft_fused.py tests/kernels/test_kernels_skinny_gemm.py"}
+  tests/draft_service/test_draft_fused.py tests/kernels/test_kernels_skinny_gemm.py tests/kernels/test_kernels_pdl.py"}
 run_tests() {
   local f
   for f in $gpu_tests; do

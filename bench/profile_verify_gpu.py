@@ -15,6 +15,9 @@ breakdown, and the step time against the memory-bandwidth floor, fused layer ker
 ``--skinny-gemm`` adds the fused layers with the skinny Triton GEMMs (``TargetModel.skinny_gemm``,
 kernels/skinny_gemm_triton.py) to 1 (greedy through captured graphs equals the target), 2 and 3 (rows with
 "skinny": true), so that their step time is measured against the same floor as the cuBLAS path's.
+``--skinny-rows 16 64`` times the skinny variant once per row limit (``FASTER_ROWS``: passes of more rows stay
+on cuBLAS; the default is the library's), and ``--pdl on off`` every fused variant with programmatic dependent
+launch on and off (``DSPARK_PDL``; rows with "pdl"), so that one call compares them on the same floor.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/profile_verify_gpu.py --out-dir $OUT [--fused-only] [--skinny-gemm]
 CPU smoke (small shape, static mode, no profiler table): add --small.
@@ -307,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--fused-only", action="store_true", help="time the fused layers only (not the HF modules)")
     parser.add_argument("--skinny-gemm", action="store_true", help="also the fused layers with the skinny Triton GEMMs")
+    parser.add_argument("--skinny-rows", type=int, nargs="+", default=None,
+                        help="row limits (FASTER_ROWS) the skinny variant is timed with (default: the library's)")
+    parser.add_argument("--pdl", nargs="+", choices=["on", "off"], default=["on"],
+                        help="programmatic dependent launch settings every fused variant is timed with")
     parser.add_argument("--skinny-tuning", type=Path, default=None,
                         help="launches swept by bench/bench_skinny_gemm.py --sweep --out FILE (its JSON), used "
                         "before the TUNING table")
@@ -348,29 +355,43 @@ def main(argv: list[str] | None = None) -> int:
     log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, weights {results['weights_GB']:.2f} GB")
     save()
     results["steps"] = []
-    variants = [(True, False)] if args.fused_only else [(True, False), (False, False)]
-    variants = (variants + [(True, True)] * args.skinny_gemm) if cuda else [(False, False)]
-    for fused, skinny in variants:
+    from kernels import skinny_gemm_triton
+
+    default_rows = skinny_gemm_triton.FASTER_ROWS
+    # (fused, skinny, skinny row limit, pdl): the HF modules (unless --fused-only) take no PDL launches
+    variants = [(True, False, default_rows, pdl) for pdl in args.pdl]
+    variants += [] if args.fused_only else [(False, False, default_rows, "on")]
+    if args.skinny_gemm:
+        variants += [(True, True, rows, pdl) for rows in args.skinny_rows or [default_rows] for pdl in args.pdl]
+    variants = variants if cuda else [(False, False, default_rows, "on")]
+    for fused, skinny, rows, pdl in variants:
+        label = f"fused={fused} skinny={skinny} rows<={rows} pdl={pdl}"
+        skinny_gemm_triton.FASTER_ROWS = rows
+        os.environ["DSPARK_PDL"] = "1" if pdl == "on" else "0"  # read at each launch, so at graph capture
         try:
-            results["steps"] += steps_vs_floor(target, block, context, bandwidth, mode, fused, True, skinny)
+            steps = steps_vs_floor(target, block, context, bandwidth, mode, fused, True, skinny)
+            results["steps"] += [dict(row, skinny_rows=rows, pdl=pdl) for row in steps]
         except Exception as error:
-            results.setdefault("errors", []).append(f"fused={fused} skinny={skinny}: {error!r}")
-            log(f"steps fused={fused} skinny={skinny} FAILED: {error!r}")
+            results.setdefault("errors", []).append(f"{label}: {error!r}")
+            log(f"steps {label} FAILED: {error!r}")
         save()
+    skinny_gemm_triton.FASTER_ROWS = default_rows
+    os.environ.pop("DSPARK_PDL", None)
     # the table
-    print("\nR   fused  skinny  device ms  wall ms  floor ms  ratio  kernels  kernel ms")
+    print("\nR   fused  skinny  rows  pdl  device ms  wall ms  floor ms  ratio  kernels  kernel ms")
     for row in results["steps"]:
         if "requests" not in row:
             continue
         prof = row.get("profile", {})
         print(
-            f"{row['requests']:<3} {row['fused']!s:<6} {row['skinny']!s:<7} {row['device_ms']:9.2f} "
-            f"{row['wall_ms']:8.2f} {row['floor_ms']:9.2f} {row['ratio']:6.2f} {prof.get('kernels', 0):8} "
-            f"{prof.get('kernel_us', 0) / 1000:9.2f}"
+            f"{row['requests']:<3} {row['fused']!s:<6} {row['skinny']!s:<7} {row['skinny_rows']:<5} {row['pdl']:<4}"
+            f"{row['device_ms']:9.2f} {row['wall_ms']:8.2f} {row['floor_ms']:9.2f} {row['ratio']:6.2f} "
+            f"{prof.get('kernels', 0):8} {prof.get('kernel_us', 0) / 1000:9.2f}"
         )
     for row in results["steps"]:
         if "profile" in row and row["requests"] in (1, 32):
-            print(f"-- top kernels, fused={row['fused']} skinny={row['skinny']} R={row['requests']}:")
+            print(f"-- top kernels, fused={row['fused']} skinny={row['skinny']} rows<={row['skinny_rows']} "
+                  f"pdl={row['pdl']} R={row['requests']}:")  # fmt: skip
             for k in row["profile"]["top"][:10]:
                 print(f"   {k['us']:9.1f} us  x{k['count']:<5} {k['name']}")
     print(f"exactness: {results.get('exactness', results.get('exactness_error'))}")
