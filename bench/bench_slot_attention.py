@@ -1,5 +1,9 @@
 """Slot attention of a verify step (kernels/slot_attention_triton.py): one pass vs keys split across programs.
 
+One launch per call either way: the split programs combine their partials themselves (the last to arrive), and
+the requests' rows are passed as ordered (``ordered_rows``, as the verify and draft engines pass them), so the
+output needs no zero fill first.
+
 The verify step of a few requests launches R x 8 kv heads programs of the single-pass kernel on 132 SMs, each
 streaming its request's keys serially: latency-bound. This times the kernel at Qwen3-4B's shapes (bf16, 32 query
 heads over 8 kv heads, head_dim 128), R requests of 8 query rows (gamma = 7 drafts + the anchor) after 256
@@ -70,7 +74,7 @@ class Problem:
     def call(self, impl, i: int, **kwargs) -> torch.Tensor:
         k_cache, v_cache = self.caches[i]
         return impl(self.q, k_cache, v_cache, self.slots, self.context_lens, self.query_starts, self.query_lens,
-                    self.scale, max_query_len=self.rows, validate=False, **kwargs)  # fmt: skip
+                    self.scale, max_query_len=self.rows, validate=False, ordered_rows=True, **kwargs)  # fmt: skip
 
 
 def per_call_us(fn, copies: int, device: torch.device, repeats: int) -> float:

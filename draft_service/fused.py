@@ -195,6 +195,7 @@ class FusedDrafter:
                 v_block=v_block.view(rows, HKV, D),
                 causal=False,
                 validate=False,
+                ordered_rows=True,  # request r's block: rows r * bs .. r * bs + bs - 1
             )
             norm = layer.post_attention_layernorm
             out = out.to(x.dtype).reshape(rows, HQ * D)

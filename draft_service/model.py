@@ -163,6 +163,7 @@ class DraftAttention(nn.Module):
             v_block=v_blk.reshape(R * bs, self.num_kv_heads, self.head_dim).to(dtype),
             causal=False,
             validate=False,
+            ordered_rows=True,  # request r's block: rows r * bs .. r * bs + bs - 1
         )
         return self.o_proj(out.to(x.dtype).reshape(R, bs, self.num_heads * self.head_dim))
 

@@ -118,6 +118,7 @@ def slot_attention(
     v_block: torch.Tensor | None = None,
     causal: bool = True,
     validate: bool = True,
+    ordered_rows: bool = False,
 ) -> torch.Tensor:
     """Varlen attention over slot caches (see :mod:`kernels.slot_attention`): Triton on CUDA, torch elsewhere."""
     impl = slot_attention_triton if q.is_cuda else slot_attention_reference
@@ -135,4 +136,5 @@ def slot_attention(
         v_block=v_block,
         causal=causal,
         validate=validate,
+        ordered_rows=ordered_rows,
     )

@@ -13,7 +13,9 @@ sits at absolute position ``context_lens[r] + i``. Two kinds of keys:
   with ``causal`` query i sees block rows 0..i, without it the whole block (DSpark's bidirectional block).
 
 GQA: query head h reads kv head ``h // (Hq / Hkv)`` (HF's repeat_kv order). Rows of q that belong to no request
-come back as zeros; so do queries of a request with ``query_len`` 0.
+come back as zeros; so do queries of a request with ``query_len`` 0. ``ordered_rows`` promises that the requests'
+rows are in order from row 0 (``query_starts[0] == 0``, ``query_starts[r] + query_lens[r] <= query_starts[r + 1]``):
+the result is the same, but the Triton kernel then writes the zeros itself instead of starting from a zero fill.
 
 Every length is read from device tensors: the Triton launch shape depends only on R, Hkv and the host bound
 ``max_query_len`` (the bucket's chunk size), so the call can be captured in a CUDA graph and replayed while the
@@ -41,6 +43,7 @@ def validate_slot_attention_inputs(
     max_query_len: int,
     k_block: torch.Tensor | None,
     v_block: torch.Tensor | None,
+    ordered_rows: bool = False,
 ) -> None:
     """Raise ValueError with a clear message on malformed input (reads the small control tensors: syncs)."""
     require(isinstance(q, torch.Tensor) and q.dim() == 3, "q must be a 3-D tensor [N, Hq, D]")
@@ -100,6 +103,12 @@ def validate_slot_attention_inputs(
     )
     cached = context_lens if k_block is not None else context_lens + query_lens
     require(bool((cached <= max_len).all()), f"keys would be read past the cache length {max_len}")
+    if ordered_rows:
+        ends = query_starts[:-1] + query_lens[:-1]
+        require(
+            int(query_starts[0]) == 0 and bool((ends <= query_starts[1:]).all()),
+            "ordered_rows: the requests' rows must start at row 0 and each end before the next request's start",
+        )
 
 
 def slot_attention_reference(
@@ -117,14 +126,17 @@ def slot_attention_reference(
     v_block: torch.Tensor | None = None,
     causal: bool = True,
     validate: bool = True,
+    ordered_rows: bool = False,
 ) -> torch.Tensor:
     """Pure-torch reference (the oracle of the Triton kernel): padded to [R, max_query_len] queries and all T
     cache positions of each slot, masked. No host sync and static shapes, so it is graph-capturable too; it
-    copies every slot's whole cache row, which is fine for tests and small CPU models only."""
+    copies every slot's whole cache row, which is fine for tests and small CPU models only. ``ordered_rows`` is
+    only checked (with ``validate``): it changes nothing here."""
     if validate:
         validate_slot_attention_inputs(
-            q, k_cache, v_cache, slots, context_lens, query_starts, query_lens, max_query_len, k_block, v_block
-        )
+            q, k_cache, v_cache, slots, context_lens, query_starts, query_lens, max_query_len, k_block, v_block,
+            ordered_rows,
+        )  # fmt: skip
     num_rows, num_heads, head_dim = q.shape
     _, max_len, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

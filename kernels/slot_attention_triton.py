@@ -12,11 +12,19 @@ is 8 programs on an H200's 132 SMs, each streaming its ~264 keys serially, so th
 program's latency, not by the ~1 MB it reads. With ``kv_splits`` S > 1 each (request, kv head, row block) gets S
 programs, split s taking a contiguous run of the request's key tiles (counted in the kernel from the device
 context length, so the grid still depends on host shapes only); each writes its unnormalised partial (running
-max m_s, normaliser l_s, accumulator acc_s, in float32) and a second small kernel combines them exactly:
-``M = max_s m_s``, ``out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s``. That is the same softmax as
-the single pass, differing only in the order of the float32 sums. S = 1 is the single-pass kernel alone. The
-default S (:func:`default_kv_splits`) fills the SMs from the launch shape only, keeping CUDA-graph capture
-valid.
+max m_s, normaliser l_s, accumulator acc_s, in float32), then takes a ticket on the tile's arrival counter, and
+the last of the S to arrive combines them exactly: ``M = max_s m_s``, ``out = sum_s exp(m_s - M) acc_s /
+sum_s exp(m_s - M) l_s``, summed in split order whichever program came last (deterministic), and resets the
+counter (a zeroed int32 buffer the kernel leaves zeroed, see :func:`new_counters`). One launch, as the skinny
+GEMMs' split K (kernels/skinny_gemm_triton.py): that is the same softmax as the single pass, differing only in
+the order of the float32 sums. S = 1 is the single-pass kernel alone. The default S (:func:`default_kv_splits`)
+fills the SMs from the launch shape only, keeping CUDA-graph capture valid.
+
+Rows of q that no request covers must come back as zeros. Callers whose requests' rows are in order
+(``ordered_rows``: every production caller, see :func:`slot_attention_triton`) get an uninitialised output and
+the kernel writes those zeros itself: each request's program of its last row block and last split zeroes the
+rows from its queries' end to the next request's start. Other callers get a zero-filled output (one fill kernel
+more).
 
 Float32 inputs use IEEE fp32 dots (no TF32), so the result matches the torch reference to float rounding;
 bf16 / fp16 inputs use native dots with float32 accumulation and probabilities rounded to the input dtype for
@@ -68,12 +76,14 @@ def _slot_attention_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    count_ptr,
     slots_ptr,
     ctx_ptr,
     qstart_ptr,
     qlen_ptr,
     scale,
     D,
+    N,
     G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -83,10 +93,12 @@ def _slot_attention_kernel(
     CAUSAL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr,
     SPLITS: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     r = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Axis 2 folds the row block and the key split (Triton grids have three axes).
+    num_m_blocks = tl.num_programs(2) // SPLITS
     m_block = tl.program_id(2) // SPLITS
     split = tl.program_id(2) % SPLITS
     q_len = tl.load(qlen_ptr + r).to(tl.int32)
@@ -101,17 +113,24 @@ def _slot_attention_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
     q_rows = q_start + qi.to(tl.int64)
+    o_tile = o_ptr + q_rows[:, None] * stride_on + head[:, None] * stride_oh + dims[None, :]
+    out_ok = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
-        mask=row_ok[:, None] & dim_ok[None, :],
+        mask=out_ok,
         other=0.0,
     )
     q_pos = ctx + qi
 
+    if ORDERED:  # by the last row block's last split: often a program without queries
+        zeroes = (m_block == num_m_blocks - 1) & (split == SPLITS - 1)
+        _zero_uncovered_rows(o_ptr, stride_on, stride_oh, qstart_ptr, r, kv_head, q_start, q_len, N, zeroes, dims,
+                             dim_ok, G, BLOCK_M, BLOCK_D)  # fmt: skip
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Programs whose rows are all padding skip the key loops (their output rows stay zero).
+    # Programs whose rows are all padding skip the key loops and write nothing (no output rows of theirs).
     active = m_block * BLOCK_M < q_len * G
     num_cached = tl.where(active, ctx, 0) if HAS_BLOCK else tl.where(active, ctx + q_len, 0)
     if SPLITS == 1:
@@ -153,97 +172,97 @@ def _slot_attention_kernel(
 
     if SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            o_ptr + q_rows[:, None] * stride_on + head[:, None] * stride_oh + dims[None, :],
-            out.to(o_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & dim_ok[None, :],
-        )
-    else:
-        # Max and normaliser of every row, padding and empty splits too (neutral: -inf, 0); the accumulator only
-        # of rows that saw a key, the only ones the combine reads it for.
-        part = _partial_index(r, kv_head, m_block, tl.num_programs(2) // SPLITS, split, SPLITS) * BLOCK_M
-        part += tl.arange(0, BLOCK_M)
-        tl.store(part_m_ptr + part, m_i)
-        tl.store(part_l_ptr + part, l_i)
+        tl.store(o_tile, out.to(o_ptr.dtype.element_ty), mask=out_ok)
+    elif active:  # uniform over the tile's splits: all of them arrive, or none
+        # Max and normaliser of every row, padding too (neutral: -inf, 0); the accumulator only of rows that saw
+        # a key, the only ones the combine reads it for. Workspaces [R, Hkv, row blocks, SPLITS] x BLOCK_M [x D].
+        tile = (r.to(tl.int64) * tl.num_programs(1) + kv_head) * num_m_blocks + m_block
+        rows = tile * (SPLITS * BLOCK_M) + tl.arange(0, BLOCK_M)  # the tile's split-0 partial rows
+        mine = rows + split * BLOCK_M
+        tl.store(part_m_ptr + mine, m_i)
+        tl.store(part_l_ptr + mine, l_i)
         seen = m_i > float("-inf")
-        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=seen[:, None])
+        tl.store(part_acc_ptr + mine[:, None] * BLOCK_D + dims[None, :], acc, mask=seen[:, None])
+        tl.debug_barrier()  # every thread's partial is written before the arrival (released by the atomic)
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            out = _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, rows, row_ok, dims, BLOCK_M, BLOCK_D,
+                                  SPLITS)  # fmt: skip
+            tl.store(o_tile, out.to(o_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
-def _partial_index(r, kv_head, m_block, num_m_blocks, split, SPLITS: tl.constexpr):
-    """Index of one split's partial tile in the workspaces [R, Hkv, row blocks, SPLITS] (x BLOCK_M [x BLOCK_D])."""
-    tile = (r.to(tl.int64) * tl.num_programs(1) + kv_head) * num_m_blocks + m_block
-    return tile * SPLITS + split
-
-
-@triton.jit
-def _combine_splits_kernel(
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    o_ptr,
-    stride_on,
-    stride_oh,
-    qstart_ptr,
-    qlen_ptr,
-    D,
-    G: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
-    CHUNK_M: tl.constexpr,
-    CHUNK_D: tl.constexpr,
-):
-    """out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s with M = max_s m_s, for CHUNK_M rows x CHUNK_D dims of
-    one (request, kv head, row block) per program: small chunks give the combine many programs, each with its
-    SPLITS loads in flight at once, instead of one program reading all splits of a whole tile."""
-    r = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    d_chunks: tl.constexpr = BLOCK_D // CHUNK_D
-    m_chunks: tl.constexpr = BLOCK_M // CHUNK_M
-    row_chunk = tl.program_id(2) // d_chunks
-    m_block = row_chunk // m_chunks
-    rows = (row_chunk % m_chunks) * CHUNK_M + tl.arange(0, CHUNK_M)  # within the row block
-    dims = (tl.program_id(2) % d_chunks) * CHUNK_D + tl.arange(0, CHUNK_D)
-    q_len = tl.load(qlen_ptr + r).to(tl.int32)
-    q_start = tl.load(qstart_ptr + r).to(tl.int64)
-    m = m_block * BLOCK_M + rows
-    qi = m // G
-    head = kv_head * G + m % G
-    row_ok = qi < q_len
-    first = _partial_index(r, kv_head, m_block, tl.num_programs(2) // (d_chunks * m_chunks), 0, SPLITS)
-
-    m_max = tl.full([CHUNK_M], float("-inf"), tl.float32)
+def _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, rows, row_ok, dims, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
+    """out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s with M = max_s m_s over one tile's SPLITS partials
+    (``rows``: split 0's partial rows), summed in split order. Loads bypass L1 (``.cg``): the other programs'
+    partials were written through L2 after this program may have cached the lines."""
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for s in tl.static_range(SPLITS):
-        m_s = tl.load(part_m_ptr + (first + s) * BLOCK_M + rows, mask=row_ok, other=float("-inf"))
+        m_s = tl.load(part_m_ptr + rows + s * BLOCK_M, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         m_max = tl.maximum(m_max, m_s)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row with no key at all: every weight is 0
-    l_sum = tl.zeros([CHUNK_M], tl.float32)
-    acc = tl.zeros([CHUNK_M, CHUNK_D], tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for s in tl.static_range(SPLITS):
-        part = (first + s) * BLOCK_M + rows
-        m_s = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"))
+        part = rows + s * BLOCK_M
+        m_s = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         seen = m_s > float("-inf")
         weight = tl.exp(tl.where(seen, m_s - m_safe, float("-inf")))
-        l_sum += weight * tl.load(part_l_ptr + part, mask=seen, other=0.0)
-        acc_s = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=seen[:, None], other=0.0)
+        l_sum += weight * tl.load(part_l_ptr + part, mask=seen, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=seen[:, None], other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
         acc += weight[:, None] * acc_s
-    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
-    q_rows = q_start + qi.to(tl.int64)
-    tl.store(
-        o_ptr + q_rows[:, None] * stride_on + head[:, None] * stride_oh + dims[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (dims < D)[None, :],
-    )
+    return acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+
+
+@triton.jit
+def _zero_uncovered_rows(o_ptr, stride_on, stride_oh, qstart_ptr, r, kv_head, q_start, q_len, N, zeroes, dims,
+                         dim_ok, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Where ``zeroes``: zeros for this kv head's G query heads of the rows from request r's queries' end to the
+    next request's start (the last request: to row N), in tiles of BLOCK_M (row, head) pairs stacked as the
+    queries are."""
+    next_start = tl.load(qstart_ptr + r + 1, mask=zeroes & (r + 1 < tl.num_programs(0)), other=N).to(tl.int64)
+    band = tl.where(zeroes, (next_start - q_start).to(tl.int32), q_len)  # rows request r answers for
+    zeros = tl.zeros([BLOCK_M, BLOCK_D], o_ptr.dtype.element_ty)
+    for first in range(q_len * G, band * G, BLOCK_M):
+        m = first + tl.arange(0, BLOCK_M)
+        rows = q_start + (m // G).to(tl.int64)
+        heads = kv_head * G + m % G
+        tl.store(o_ptr + rows[:, None] * stride_on + heads[:, None] * stride_oh + dims[None, :], zeros,
+                 mask=(m < band * G)[:, None] & dim_ok[None, :])  # fmt: skip
 
 
 MAX_KV_SPLITS = 8
 """Most key splits the default picks: beyond it the partials' traffic and the combine outgrow what the extra
-programs save (H200, Qwen3-4B verify of 1 request over 264 keys, bench/bench_slot_attention.py: 14.3 us in one
-pass, 9.0 us with 8 splits, 9.3 us with 16; docs/benchmarks/kernels.md)."""
-COMBINE_CHUNK_M = 16
-COMBINE_CHUNK_D = 32
-"""Rows x dims of the partials one combine program merges (R=1 on Qwen3-4B: 64 programs of 16 x 32)."""
+programs save (H200, Qwen3-4B verify of 1 request over 264 keys, bench/bench_slot_attention.py, measured with the
+combine as a second kernel: 14.3 us in one pass, 9.0 us with 8 splits, 9.3 us with 16; docs/benchmarks/kernels.md)."""
+
+COUNTER_SLOTS = 1 << 12
+"""Arrival counters per buffer: one per (request, kv head, row block) tile of a split launch (int32, 16 KiB). The
+default splits only grids of fewer programs than SMs; an explicit ``kv_splits`` over more tiles is refused."""
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def new_counters(device: torch.device | str) -> torch.Tensor:
+    """A zeroed arrival-counter buffer for split launches. The kernel leaves it zeroed, so it is reused forever;
+    launches that may run concurrently (different streams) need separate buffers."""
+    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+
+
+def _default_counters(device: torch.device) -> torch.Tensor:
+    """This process's shared buffer per device, made on first use (never during a CUDA graph capture: zeroed
+    inside one it would hold garbage until the first replay, and a buffer from the graph's private pool could
+    be handed out again once the graph is gone). The captured callers (the verify and draft graph steps) warm up
+    eagerly first (cluster.graphs.GraphStep), which makes it."""
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("slot attention: pass counters=new_counters(device), or run a split launch once "
+                               "before capturing")  # fmt: skip
+        _COUNTERS[device] = new_counters(device)
+    return _COUNTERS[device]
 
 
 def default_kv_splits(num_programs: int, max_key_tiles: int, num_sms: int) -> int:
@@ -290,16 +309,30 @@ def slot_attention_triton(
     v_block: torch.Tensor | None = None,
     causal: bool = True,
     validate: bool = True,
+    ordered_rows: bool = False,
     kv_splits: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton slot attention; signature and semantics of :func:`kernels.slot_attention.slot_attention_reference`.
 
-    ``kv_splits``: programs per (request, kv head, row block), each taking a contiguous run of the key tiles
-    (then a combine kernel); None: :func:`launch_kv_splits`."""
+    ``ordered_rows`` (the caller's promise, checked with ``validate``): ``query_starts[0] == 0`` and each
+    request's rows end at or before the next request's start, so request r answers for the rows from its start
+    to the next request's (the last request's: to the end of q) and the kernel writes the zeros of those past
+    its queries itself: no fill kernel before the launch. Every production caller lays its rows out so: the
+    verify engine's eager batches (back to back, ``cu_seqlens``), its ragged graph step
+    (verify_service/graphs.py: chunks back to back, a one-row padding chunk of query_len 0 after the real ones,
+    the sink's rows after the last chunk, not a request of the attention) and the drafter's blocks (request r at
+    row r * bs, bs rows). Without it the output starts as zeros (rows of no request may lie anywhere).
+
+    ``kv_splits``: programs per (request, kv head, row block), each taking a contiguous run of the key tiles,
+    the last to finish combining them; None: :func:`launch_kv_splits`. ``counters``: the split launches'
+    arrival counters (:func:`new_counters`); None: this process's buffer for the device, made on first use,
+    which must not be a CUDA-graph capture."""
     if validate:
         validate_slot_attention_inputs(
-            q, k_cache, v_cache, slots, context_lens, query_starts, query_lens, max_query_len, k_block, v_block
-        )
+            q, k_cache, v_cache, slots, context_lens, query_starts, query_lens, max_query_len, k_block, v_block,
+            ordered_rows,
+        )  # fmt: skip
     if kv_splits is not None and kv_splits < 1:
         raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
     num_rows, num_heads, head_dim = q.shape
@@ -307,9 +340,9 @@ def slot_attention_triton(
     group = num_heads // num_kv_heads
     num_req = slots.shape[0]
     q = q.contiguous()
-    out = torch.zeros_like(q)
     if num_req == 0 or num_rows == 0:
-        return out
+        return torch.zeros_like(q)
+    out = torch.empty_like(q) if ordered_rows else torch.zeros_like(q)
     if v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache and v_cache must share their strides")
     has_block = k_block is not None and v_block is not None
@@ -322,12 +355,17 @@ def slot_attention_triton(
     num_m_blocks = triton.cdiv(rows_per_request, block_m)
     if kv_splits is None:
         kv_splits = launch_kv_splits(num_req, num_kv_heads, rows_per_request, head_dim, k_cache.shape[1], q.device)
-    if kv_splits > 1:  # fresh per call: inside a captured graph each launch gets its own pool memory
-        num_partials = num_req * num_kv_heads * num_m_blocks * kv_splits * block_m
+    if kv_splits > 1:
+        tiles = num_req * num_kv_heads * num_m_blocks
+        if tiles > COUNTER_SLOTS:
+            raise ValueError(f"slot attention: {tiles} split tiles exceed the {COUNTER_SLOTS} arrival counters")
+        counters = counters if counters is not None else _default_counters(q.device)
+        # fresh per call: inside a captured graph each launch gets its own pool memory
+        num_partials = tiles * kv_splits * block_m
         workspace = torch.empty(num_partials * (2 + block_d), dtype=torch.float32, device=q.device)
         part_m, part_l, part_acc = workspace.split([num_partials, num_partials, num_partials * block_d])
     else:
-        part_m = part_l = part_acc = out  # not read (SPLITS is 1)
+        part_m = part_l = part_acc = counters = out  # not read (SPLITS is 1)
     _slot_attention_kernel[(num_req, num_kv_heads, num_m_blocks * kv_splits)](
         q,
         q.stride(0),
@@ -347,12 +385,14 @@ def slot_attention_triton(
         part_m,
         part_l,
         part_acc,
+        counters,
         slots,
         context_lens,
         query_starts,
         query_lens,
         float(scale),
         head_dim,
+        num_rows,
         G=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -362,27 +402,7 @@ def slot_attention_triton(
         CAUSAL_BLOCK=causal and has_block,
         IEEE=q.dtype == torch.float32,
         SPLITS=kv_splits,
+        ORDERED=ordered_rows,
         num_warps=4,
     )
-    if kv_splits > 1:
-        chunk_m, chunk_d = min(block_m, COMBINE_CHUNK_M), min(block_d, COMBINE_CHUNK_D)
-        combine_grid = (num_req, num_kv_heads, num_m_blocks * (block_m // chunk_m) * (block_d // chunk_d))
-        _combine_splits_kernel[combine_grid](
-            part_m,
-            part_l,
-            part_acc,
-            out,
-            out.stride(0),
-            out.stride(1),
-            query_starts,
-            query_lens,
-            head_dim,
-            G=group,
-            BLOCK_M=block_m,
-            BLOCK_D=block_d,
-            SPLITS=kv_splits,
-            CHUNK_M=chunk_m,
-            CHUNK_D=chunk_d,
-            num_warps=4,
-        )
     return out

@@ -262,6 +262,7 @@ def varlen_cached_attention(
             max_query_len=meta.max_query_len,
             causal=True,
             validate=False,
+            ordered_rows=True,  # every kernel layout: from_batch, bucketed, the ragged graph step (graphs.py)
         )
     out = torch.empty_like(q)
     group = meta.padded

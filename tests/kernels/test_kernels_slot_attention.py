@@ -1,10 +1,13 @@
 """Slot attention: the Triton kernel (on CUDA, or through TRITON_INTERPRET=1 on CPU), in one pass and with its
-keys split across programs plus the combine, equals its torch reference, and all equal a naive float64 loop, for
-verify chunks, long prefill chunks, drafter blocks, GQA, padded layouts and empty splits."""
+keys split across programs (the last to arrive combining them), with and without ``ordered_rows`` (the kernel
+writing the zeros of rows no request covers), equals its torch reference, and all equal a naive float64 loop, for
+verify chunks, long prefill chunks, drafter blocks, GQA, padded layouts and empty splits; split launches are
+deterministic and leave their arrival counters zeroed."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import subprocess
 import sys
@@ -14,13 +17,23 @@ import pytest
 import torch
 
 from kernels.slot_attention import slot_attention_reference
-from kernels.slot_attention_triton import MAX_KV_SPLITS, default_kv_splits, launch_kv_splits, slot_attention_triton
+from kernels.slot_attention_triton import (
+    MAX_KV_SPLITS,
+    default_kv_splits,
+    launch_kv_splits,
+    new_counters,
+    slot_attention_triton,
+)
 
-# The Triton kernel in one pass (kv_splits=1) and with its keys split across 3 programs plus the combine kernel.
+# The Triton kernel in one pass (kv_splits=1) and with its keys split across 3 programs, each from a zero-filled
+# output and (ordered: every layout below has its requests' rows in order) writing the zeros itself.
 IMPLS = [slot_attention_reference, functools.partial(slot_attention_triton, kv_splits=1),
-         functools.partial(slot_attention_triton, kv_splits=3)]  # fmt: skip
-IDS = ["reference", "triton", "triton-split3"]
+         functools.partial(slot_attention_triton, kv_splits=3),
+         functools.partial(slot_attention_triton, kv_splits=1, ordered_rows=True),
+         functools.partial(slot_attention_triton, kv_splits=3, ordered_rows=True)]  # fmt: skip
+IDS = ["reference", "triton", "triton-split3", "triton-ordered", "triton-split3-ordered"]
 ROOT = Path(__file__).resolve().parents[2]
+TRITON_MODULE = importlib.import_module("kernels.slot_attention_triton")  # the package exports the function
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D = 8
 
@@ -133,13 +146,14 @@ def test_triton_equals_reference_on_a_float16_cache(kv_splits: int) -> None:
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize(("mode", "kv_splits", "dim"), [
     ("cache", 2, D), ("cache", 3, D), ("cache", 8, D), ("cache", 3, 64), ("block-causal", 3, D),
     ("block-causal", 8, D), ("block", 2, D), ("block", 3, D), ("block", 3, 64)])  # fmt: skip
-def test_split_keys_over_many_tiles(mode: str, kv_splits: int, dim: int) -> None:
+def test_split_keys_over_many_tiles(mode: str, kv_splits: int, dim: int, ordered: bool) -> None:
     """Key splits over contexts of several 64-key tiles: splits of several tiles, a split whose tiles a query
     only partly sees, a request with context 0 and fewer key tiles than splits (empty splits), GQA groups of 3,
-    in drafter mode the block's keys merged with the cache splits, and (dim 64) a combine in two dim chunks."""
+    in drafter mode the block's keys merged with the cache splits, and (dim 64) head dims past one 32-wide tile."""
     # 8 tiles (3 splits: 3 + 3 + 2), 4 tiles, a one-tile request (context 0), a decode step after 383 keys
     layout = [(1, 500, 0, 6), (0, 200, 6, 3), (4, 0, 9, 7), (2, 383, 20, 1)]
     q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 24, 6, 2, max_len=520, seed=4, dim=dim)
@@ -149,10 +163,111 @@ def test_split_keys_over_many_tiles(mode: str, kv_splits: int, dim: int) -> None
     v_block = torch.randn(24, 2, dim, generator=gen).to(DEVICE) if block else None
     causal = mode != "block"
     out = slot_attention_triton(q, k_cache, v_cache, slots, ctx, starts, lens, 0.25, max_query_len=7,
-                                k_block=k_block, v_block=v_block, causal=causal, kv_splits=kv_splits)  # fmt: skip
+                                k_block=k_block, v_block=v_block, causal=causal, kv_splits=kv_splits,
+                                ordered_rows=ordered)  # fmt: skip
     expected = naive(q, k_cache, v_cache, layout, 0.25, k_block, v_block, causal)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
     assert bool((out[16:20] == 0).all()) and bool((out[21:] == 0).all()), "rows of no request stay zero"
+
+
+def _split_problem(block: bool, seed: int = 9, dim: int = D):
+    """Several 64-key tiles per request (empty splits for the short ones at high S), padding rows inside a
+    request's rows (max_query_len 6), a query_len-0 request, rows of no request between and after them, GQA 3."""
+    # (slot, context, start, length): 5 tiles, a query_len-0 request, one tile (context 0), a decode step,
+    # 3 tiles; rows 10..11, 16..17 and 22..23 belong to no request
+    layout = [(1, 300, 0, 6), (3, 50, 6, 0), (4, 0, 6, 4), (0, 130, 12, 1), (2, 190, 13, 3)]
+    q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 24, 6, 2, max_len=320, seed=seed, dim=dim)
+    gen = torch.Generator().manual_seed(seed + 1)
+    k_block = torch.randn(24, 2, dim, generator=gen).to(DEVICE) if block else None
+    v_block = torch.randn(24, 2, dim, generator=gen).to(DEVICE) if block else None
+    args = (q, k_cache, v_cache, slots, ctx, starts, lens, 0.3)
+    kwargs = dict(max_query_len=6, k_block=k_block, v_block=v_block, causal=not block)
+    return args, kwargs
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["cache", "drafter-block"])
+@pytest.mark.parametrize("kv_splits", [2, 3, 5, 8, 16])
+def test_fused_combine_equals_one_pass_and_reference(kv_splits: int, block: bool) -> None:
+    """The split launch (the last program to arrive combining the partials) equals the one-pass kernel and the
+    torch reference: uneven splits (5 tiles over 2, 3), empty ones (1 tile over 8, 16), padding rows, a request
+    without queries, drafter block mode; uncovered rows stay zero."""
+    args, kwargs = _split_problem(block)
+    one_pass = slot_attention_triton(*args, **kwargs, kv_splits=1)
+    reference = slot_attention_reference(*args, **kwargs)
+    for ordered in (False, True):
+        counters = new_counters(DEVICE)
+        split = slot_attention_triton(*args, **kwargs, kv_splits=kv_splits, ordered_rows=ordered, counters=counters)
+        torch.testing.assert_close(split, one_pass, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(split, reference, atol=2e-5, rtol=2e-5)
+        assert int(counters.abs().sum()) == 0, "the last arrivals reset their counters"
+        for rows in (slice(10, 12), slice(16, 18), slice(22, 24)):
+            assert bool((split[rows] == 0).all()), "rows of no request stay zero"
+
+
+def test_split_launches_are_deterministic_and_leave_the_default_counters_zeroed() -> None:
+    args, kwargs = _split_problem(block=False, seed=11)
+    first = slot_attention_triton(*args, **kwargs, kv_splits=4, ordered_rows=True)
+    for _ in range(3):
+        assert torch.equal(slot_attention_triton(*args, **kwargs, kv_splits=4, ordered_rows=True), first)
+    default = TRITON_MODULE._COUNTERS[first.device]
+    assert default.shape == (TRITON_MODULE.COUNTER_SLOTS,) and int(default.abs().sum()) == 0
+
+
+def test_ordered_rows_write_the_zeros_into_stale_memory() -> None:
+    """With ``ordered_rows`` the output is uninitialised memory: the rows no request covers (between requests,
+    after the last, padding rows of a request, a query_len-0 request's) must be written as zeros by the kernel.
+    The allocator is handed back a freed NaN-filled block until the output lands on it (the CUDA caching
+    allocator does at once; glibc within a few tries), so the check cannot pass on fresh zeroed pages."""
+    args, kwargs = _split_problem(block=False, seed=12)
+    q = args[0]
+    reference = slot_attention_reference(*args, **kwargs)
+    hits = 0
+    for attempt in range(40):
+        stale = torch.full_like(q, float("nan"))
+        pointer = stale.data_ptr()
+        del stale
+        out = slot_attention_triton(*args, **kwargs, kv_splits=1 + attempt % 3, ordered_rows=True, validate=False)
+        hits += out.data_ptr() == pointer
+        torch.testing.assert_close(out, reference, atol=2e-5, rtol=2e-5)
+        if hits >= 3:
+            break
+    assert hits >= 1, "the allocator never reused the stale block: the check did not run"
+
+
+def test_ordered_rows_are_checked() -> None:
+    layout = [(0, 4, 2, 2), (1, 4, 0, 2)]
+    q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 4, 4, 2, num_slots=2, max_len=8)
+    args = (q, k_cache, v_cache, slots, ctx, starts, lens, 1.0)
+    torch.testing.assert_close(slot_attention_triton(*args, max_query_len=2),
+                               slot_attention_reference(*args, max_query_len=2))  # fmt: skip
+    for impl in (slot_attention_triton, slot_attention_reference):
+        with pytest.raises(ValueError, match="ordered_rows"):
+            impl(*args, max_query_len=2, ordered_rows=True)
+    with pytest.raises(ValueError, match="ordered_rows"):  # the first request must start at row 0
+        slot_attention_triton(q, k_cache, v_cache, slots[:1], ctx[:1], starts[:1], lens[:1], 1.0, max_query_len=2,
+                              ordered_rows=True)  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture")
+def test_split_launch_refuses_to_make_its_counters_inside_a_capture() -> None:
+    args, kwargs = _split_problem(block=False, seed=13)
+    device = args[0].device
+    saved = TRITON_MODULE._COUNTERS.pop(device, None)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="before capturing"), torch.cuda.graph(graph):
+            slot_attention_triton(*args, **kwargs, kv_splits=2, validate=False)
+    finally:
+        if saved is not None:
+            TRITON_MODULE._COUNTERS[device] = saved
+    counters = new_counters(device)
+    static = slot_attention_triton(*args, **kwargs, kv_splits=2, counters=counters)  # compiled outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = slot_attention_triton(*args, **kwargs, kv_splits=2, validate=False, counters=counters)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, static) and int(counters.abs().sum()) == 0
 
 
 def test_default_kv_splits_fill_the_sms_only_for_small_grids() -> None:
@@ -198,35 +313,30 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.slot_attention_triton import (COMBINE_CHUNK_D, COMBINE_CHUNK_M, _combine_splits_kernel,
-                                           _slot_attention_kernel)
+from kernels.slot_attention_triton import _slot_attention_kernel
 
 pointers = ("q_ptr", "kc_ptr", "vc_ptr", "kb_ptr", "vb_ptr", "o_ptr")
 partials = ("part_m_ptr", "part_l_ptr", "part_acc_ptr")
 ints = ("stride_qn", "stride_qh", "stride_cs", "stride_ct", "stride_ch", "stride_bn", "stride_bh",
-        "stride_on", "stride_oh", "D")
+        "stride_on", "stride_oh", "D", "N")
 controls = ("slots_ptr", "ctx_ptr", "qstart_ptr", "qlen_ptr")
 target = GPUTarget("cuda", 90, 32)
-# (dtype, drafter block, key splits, head_dim block): the last two, Qwen3-4B's verify (split) and drafter
-for dtype, has_block, splits, block_d in (("fp32", False, 1, 64), ("fp32", True, 1, 64), ("bf16", False, 1, 64),
-                                          ("bf16", True, 1, 64), ("bf16", False, 16, 128), ("bf16", True, 3, 128)):
+# (dtype, drafter block, key splits, head_dim block, ordered rows): the last three, Qwen3-4B's verify (split, one
+# pass) and drafter as the engines launch them
+for dtype, has_block, splits, block_d, ordered in (
+        ("fp32", False, 1, 64, False), ("fp32", True, 1, 64, False), ("bf16", False, 1, 64, False),
+        ("bf16", True, 1, 64, False), ("fp32", False, 3, 64, False), ("bf16", False, 8, 128, True),
+        ("bf16", False, 1, 128, True), ("bf16", True, 3, 128, True)):
     partial_type = "*fp32" if splits > 1 else "*" + dtype
     signature = {name: "*" + dtype for name in pointers} | {name: partial_type for name in partials}
+    signature |= {"count_ptr": "*i32" if splits > 1 else "*" + dtype}
     signature |= {name: "i32" for name in ints} | {name: "*i64" for name in controls} | {"scale": "fp32"}
     constants = dict(G=4, BLOCK_M=32, BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d, HAS_BLOCK=has_block,
-                     CAUSAL_CACHE=not has_block,
-                     CAUSAL_BLOCK=False, IEEE=dtype == "fp32", SPLITS=splits)
+                     CAUSAL_CACHE=not has_block, CAUSAL_BLOCK=False, IEEE=dtype == "fp32", SPLITS=splits,
+                     ORDERED=ordered)
     signature |= {name: "constexpr" for name in constants}
     source = ASTSource(fn=_slot_attention_kernel, signature=signature, constexprs=constants)
-    assert triton.compile(source, target=target).asm["cubin"], (dtype, has_block, splits)
-    if splits > 1:
-        signature = {name: "*fp32" for name in partials} | {"o_ptr": "*" + dtype, "stride_on": "i32",
-                     "stride_oh": "i32", "qstart_ptr": "*i64", "qlen_ptr": "*i64", "D": "i32"}
-        constants = dict(G=4, BLOCK_M=32, BLOCK_D=block_d, SPLITS=splits, CHUNK_M=COMBINE_CHUNK_M,
-                         CHUNK_D=COMBINE_CHUNK_D)
-        signature |= {name: "constexpr" for name in constants}
-        source = ASTSource(fn=_combine_splits_kernel, signature=signature, constexprs=constants)
-        assert triton.compile(source, target=target).asm["cubin"], ("combine", dtype, splits)
+    assert triton.compile(source, target=target).asm["cubin"], (dtype, has_block, splits, ordered)
 print("compiled")
 """
 
