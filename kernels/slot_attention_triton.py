@@ -93,6 +93,7 @@ def _slot_attention_kernel(
     CAUSAL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr,
     SPLITS: tl.constexpr,
+    CHUNK_D: tl.constexpr,
     ORDERED: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -113,7 +114,8 @@ def _slot_attention_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < D
     q_rows = q_start + qi.to(tl.int64)
-    o_tile = o_ptr + q_rows[:, None] * stride_on + head[:, None] * stride_oh + dims[None, :]
+    o_rows = o_ptr + q_rows[:, None] * stride_on + head[:, None] * stride_oh
+    o_tile = o_rows + dims[None, :]
     out_ok = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
@@ -186,35 +188,45 @@ def _slot_attention_kernel(
         tl.debug_barrier()  # every thread's partial is written before the arrival (released by the atomic)
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:
-            out = _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, rows, row_ok, dims, BLOCK_M, BLOCK_D,
-                                  SPLITS)  # fmt: skip
-            tl.store(o_tile, out.to(o_ptr.dtype.element_ty), mask=out_ok)
+            _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, rows, row_ok, o_rows, D, BLOCK_M, BLOCK_D, SPLITS,
+                            CHUNK_D)  # fmt: skip
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
-def _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, rows, row_ok, dims, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
-    """out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s with M = max_s m_s over one tile's SPLITS partials
-    (``rows``: split 0's partial rows), summed in split order. Loads bypass L1 (``.cg``): the other programs'
-    partials were written through L2 after this program may have cached the lines."""
+def _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, rows, row_ok, o_rows, D, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, CHUNK_D: tl.constexpr):  # fmt: skip
+    """Store out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s with M = max_s m_s over one tile's SPLITS
+    partials (``rows``: split 0's partial rows; ``o_rows``: the output rows' pointers), summed in split order.
+    CHUNK_D head dims at a time: all SPLITS partial chunks in flight at once, without spilling registers. Loads
+    bypass L1 (``.cg``): the other programs' partials were written through L2 after this one may have cached
+    the lines."""
     m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for s in tl.static_range(SPLITS):
         m_s = tl.load(part_m_ptr + rows + s * BLOCK_M, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         m_max = tl.maximum(m_max, m_s)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row with no key at all: every weight is 0
     l_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for s in tl.static_range(SPLITS):
         part = rows + s * BLOCK_M
         m_s = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         seen = m_s > float("-inf")
         weight = tl.exp(tl.where(seen, m_s - m_safe, float("-inf")))
         l_sum += weight * tl.load(part_l_ptr + part, mask=seen, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=seen[:, None], other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-        acc += weight[:, None] * acc_s
-    return acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+    norm = tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+    for c in tl.static_range(BLOCK_D // CHUNK_D):
+        dims = c * CHUNK_D + tl.arange(0, CHUNK_D)
+        acc = tl.zeros([BLOCK_M, CHUNK_D], tl.float32)
+        for s in tl.static_range(SPLITS):
+            part = rows + s * BLOCK_M
+            m_s = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+            seen = m_s > float("-inf")
+            weight = tl.exp(tl.where(seen, m_s - m_safe, float("-inf")))  # the same weight as l_sum's
+            acc_s = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=seen[:, None], other=0.0,
+                            cache_modifier=".cg")  # fmt: skip
+            acc += weight[:, None] * acc_s
+        out = acc / norm
+        tl.store(o_rows + dims[None, :], out.to(o_rows.dtype.element_ty), mask=row_ok[:, None] & (dims < D)[None, :])
 
 
 @triton.jit
@@ -238,6 +250,13 @@ MAX_KV_SPLITS = 8
 """Most key splits the default picks: beyond it the partials' traffic and the combine outgrow what the extra
 programs save (H200, Qwen3-4B verify of 1 request over 264 keys, bench/bench_slot_attention.py, measured with the
 combine as a second kernel: 14.3 us in one pass, 9.0 us with 8 splits, 9.3 us with 16; docs/benchmarks/kernels.md)."""
+
+COMBINE_ELEMENTS = 8192
+"""Partial elements the last arriving program loads at once: it combines CHUNK_D head dims at a time, the most
+(a power of 2) for which SPLITS x BLOCK_M x CHUNK_D stays within this, so the chunk's loads of every split are in
+flight together without spilling registers. Qwen3-4B's verify of 1 request (8 splits of 32 x 128): chunks of 32
+dims, no spill in ptxas for sm_90; whole 128-dim tiles spilled 360 bytes, and 64-dim chunks spill at 64-row
+tiles (4 bytes per thread at 4 splits, 4 KB at 8)."""
 
 COUNTER_SLOTS = 1 << 12
 """Arrival counters per buffer: one per (request, kv head, row block) tile of a split launch (int32, 16 KiB). The
@@ -263,6 +282,11 @@ def _default_counters(device: torch.device) -> torch.Tensor:
                                "before capturing")  # fmt: skip
         _COUNTERS[device] = new_counters(device)
     return _COUNTERS[device]
+
+
+def _combine_chunk(splits: int, block_m: int, block_d: int) -> int:
+    """CHUNK_D of a launch: see :data:`COMBINE_ELEMENTS` (at least 8 dims: one 16-byte vector of bf16)."""
+    return max(8, min(block_d, triton.next_power_of_2(COMBINE_ELEMENTS // (splits * block_m) + 1) // 2))
 
 
 def default_kv_splits(num_programs: int, max_key_tiles: int, num_sms: int) -> int:
@@ -402,6 +426,7 @@ def slot_attention_triton(
         CAUSAL_BLOCK=causal and has_block,
         IEEE=q.dtype == torch.float32,
         SPLITS=kv_splits,
+        CHUNK_D=_combine_chunk(kv_splits, block_m, block_d),
         ORDERED=ordered_rows,
         num_warps=4,
     )

@@ -134,6 +134,16 @@ def test_padded_bucket_layout(impl) -> None:
     assert bool((out[~real] == 0).all()), "padding rows and empty requests stay zero"
 
 
+@pytest.mark.parametrize("impl", IMPLS, ids=IDS)
+def test_ragged_verify_layout(impl) -> None:
+    """The verify graph step's layout (verify_service/graphs.py): chunks back to back, then one-row padding chunks
+    of query_len 0 on a dummy slot, then the sink's rows, which no request of the attention covers: all zero."""
+    layout = [(2, 9, 0, 3), (0, 40, 3, 5), (5, 0, 8, 0), (5, 0, 9, 0)]
+    q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 16, 8, 2, seed=5)
+    out = impl(q, k_cache, v_cache, slots, ctx, starts, lens, D**-0.5, max_query_len=6)
+    torch.testing.assert_close(out.double().cpu(), naive(q, k_cache, v_cache, layout, D**-0.5), atol=2e-5, rtol=2e-5)
+    assert bool((out[8:] == 0).all()), "padding chunks' and the sink's rows are zero"
+
 @pytest.mark.parametrize("kv_splits", [1, 3])
 def test_triton_equals_reference_on_a_float16_cache(kv_splits: int) -> None:
     layout = [(0, 17, 0, 5), (1, 3, 5, 2)]
@@ -149,11 +159,13 @@ def test_triton_equals_reference_on_a_float16_cache(kv_splits: int) -> None:
 @pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize(("mode", "kv_splits", "dim"), [
     ("cache", 2, D), ("cache", 3, D), ("cache", 8, D), ("cache", 3, 64), ("block-causal", 3, D),
-    ("block-causal", 8, D), ("block", 2, D), ("block", 3, D), ("block", 3, 64)])  # fmt: skip
+    ("block-causal", 8, D), ("block", 2, D), ("block", 3, D), ("block", 3, 64), ("cache", 8, 64),
+    ("block", 16, 64)])  # fmt: skip
 def test_split_keys_over_many_tiles(mode: str, kv_splits: int, dim: int, ordered: bool) -> None:
     """Key splits over contexts of several 64-key tiles: splits of several tiles, a split whose tiles a query
     only partly sees, a request with context 0 and fewer key tiles than splits (empty splits), GQA groups of 3,
-    in drafter mode the block's keys merged with the cache splits, and (dim 64) head dims past one 32-wide tile."""
+    in drafter mode the block's keys merged with the cache splits, and (dim 64 over 8, 16 splits) the last program
+    combining the partials in 2, 4 chunks of head dims."""
     # 8 tiles (3 splits: 3 + 3 + 2), 4 tiles, a one-tile request (context 0), a decode step after 383 keys
     layout = [(1, 500, 0, 6), (0, 200, 6, 3), (4, 0, 9, 7), (2, 383, 20, 1)]
     q, k_cache, v_cache, (slots, ctx, starts, lens) = make(layout, 24, 6, 2, max_len=520, seed=4, dim=dim)
@@ -313,7 +325,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.slot_attention_triton import _slot_attention_kernel
+from kernels.slot_attention_triton import _combine_chunk, _slot_attention_kernel
 
 pointers = ("q_ptr", "kc_ptr", "vc_ptr", "kb_ptr", "vb_ptr", "o_ptr")
 partials = ("part_m_ptr", "part_l_ptr", "part_acc_ptr")
@@ -333,7 +345,7 @@ for dtype, has_block, splits, block_d, ordered in (
     signature |= {name: "i32" for name in ints} | {name: "*i64" for name in controls} | {"scale": "fp32"}
     constants = dict(G=4, BLOCK_M=32, BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d, HAS_BLOCK=has_block,
                      CAUSAL_CACHE=not has_block, CAUSAL_BLOCK=False, IEEE=dtype == "fp32", SPLITS=splits,
-                     ORDERED=ordered)
+                     CHUNK_D=_combine_chunk(splits, 32, block_d), ORDERED=ordered)
     signature |= {name: "constexpr" for name in constants}
     source = ASTSource(fn=_slot_attention_kernel, signature=signature, constexprs=constants)
     assert triton.compile(source, target=target).asm["cubin"], (dtype, has_block, splits, ordered)
