@@ -177,7 +177,7 @@ def _slot_attention_kernel(
         tl.store(o_tile, out.to(o_ptr.dtype.element_ty), mask=out_ok)
     elif active:  # uniform over the tile's splits: all of them arrive, or none
         # Max and normaliser of every row, padding too (neutral: -inf, 0); the accumulator only of rows that saw
-        # a key, the only ones the combine reads it for. Workspaces [R, Hkv, row blocks, SPLITS] x BLOCK_M [x D].
+        # a key, the only ones the combine reads it for. Workspaces [R, Hkv, row blocks, SPLITS] x BLOCK_M [x BLOCK_D].
         tile = (r.to(tl.int64) * tl.num_programs(1) + kv_head) * num_m_blocks + m_block
         rows = tile * (SPLITS * BLOCK_M) + tl.arange(0, BLOCK_M)  # the tile's split-0 partial rows
         mine = rows + split * BLOCK_M
@@ -254,9 +254,10 @@ combine as a second kernel: 14.3 us in one pass, 9.0 us with 8 splits, 9.3 us wi
 COMBINE_ELEMENTS = 8192
 """Partial elements the last arriving program loads at once: it combines CHUNK_D head dims at a time, the most
 (a power of 2) for which SPLITS x BLOCK_M x CHUNK_D stays within this, so the chunk's loads of every split are in
-flight together without spilling registers. Qwen3-4B's verify of 1 request (8 splits of 32 x 128): chunks of 32
-dims, no spill in ptxas for sm_90; whole 128-dim tiles spilled 360 bytes, and 64-dim chunks spill at 64-row
-tiles (4 bytes per thread at 4 splits, 4 KB at 8)."""
+flight together without spilling registers. ptxas for sm_90 (bf16, head_dim 128): at Qwen3-4B's verify of 1
+request (8 splits of 32-row tiles) chunks of 32 dims spill nothing, whole 128-dim tiles spilled 360 bytes per
+thread; a fixed 64-dim chunk spilled 0.2-0.4 KB at 64-row tiles of 4 splits and 4 KB at 8. This budget leaves at
+most 160 bytes, at 64-row tiles (the single-pass kernel's own registers are near the 255 limit)."""
 
 COUNTER_SLOTS = 1 << 12
 """Arrival counters per buffer: one per (request, kv head, row block) tile of a split launch (int32, 16 KiB). The
