@@ -29,7 +29,8 @@ more).
 Float32 inputs use IEEE fp32 dots (no TF32), so the result matches the torch reference to float rounding;
 bf16 / fp16 inputs use native dots with float32 accumulation and probabilities rounded to the input dtype for
 the second product, as flash-attention does. A single launch configuration (no autotuning) keeps it runnable
-under ``TRITON_INTERPRET=1`` on CPU.
+under ``TRITON_INTERPRET=1`` on CPU. On Hopper the launch is a programmatic dependent one
+(:func:`kernels.launch.pdl_options`), as the fused layer kernels and skinny GEMMs around it are.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import num_sms
+from kernels.launch import num_sms, pdl_options, tl_pdl_wait
 from kernels.slot_attention import validate_slot_attention_inputs
 
 
@@ -95,7 +96,9 @@ def _slot_attention_kernel(
     SPLITS: tl.constexpr,
     CHUNK_D: tl.constexpr,
     ORDERED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    tl_pdl_wait(PDL)  # launched while the norm/rotary/K-V store kernel before it drains
     r = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Axis 2 folds the row block and the key split (Triton grids have three axes).
@@ -430,5 +433,6 @@ def slot_attention_triton(
         CHUNK_D=_combine_chunk(kv_splits, block_m, block_d),
         ORDERED=ordered_rows,
         num_warps=4,
+        **pdl_options(q.device),
     )
     return out

@@ -334,7 +334,7 @@ ints = ("stride_qn", "stride_qh", "stride_cs", "stride_ct", "stride_ch", "stride
 controls = ("slots_ptr", "ctx_ptr", "qstart_ptr", "qlen_ptr")
 target = GPUTarget("cuda", 90, 32)
 # (dtype, drafter block, key splits, head_dim block, ordered rows): the last three, Qwen3-4B's verify (split, one
-# pass) and drafter as the engines launch them
+# pass) and drafter as the engines launch them (ordered rows, and as a dependent launch on Hopper: PDL)
 for dtype, has_block, splits, block_d, ordered in (
         ("fp32", False, 1, 64, False), ("fp32", True, 1, 64, False), ("bf16", False, 1, 64, False),
         ("bf16", True, 1, 64, False), ("fp32", False, 3, 64, False), ("bf16", False, 8, 128, True),
@@ -345,7 +345,7 @@ for dtype, has_block, splits, block_d, ordered in (
     signature |= {name: "i32" for name in ints} | {name: "*i64" for name in controls} | {"scale": "fp32"}
     constants = dict(G=4, BLOCK_M=32, BLOCK_N=64 if block_d <= 64 else 32, BLOCK_D=block_d, HAS_BLOCK=has_block,
                      CAUSAL_CACHE=not has_block, CAUSAL_BLOCK=False, IEEE=dtype == "fp32", SPLITS=splits,
-                     CHUNK_D=_combine_chunk(splits, 32, block_d), ORDERED=ordered)
+                     CHUNK_D=_combine_chunk(splits, 32, block_d), ORDERED=ordered, PDL=ordered)
     signature |= {name: "constexpr" for name in constants}
     source = ASTSource(fn=_slot_attention_kernel, signature=signature, constexprs=constants)
     assert triton.compile(source, target=target).asm["cubin"], (dtype, has_block, splits, ordered)
