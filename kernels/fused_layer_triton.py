@@ -80,7 +80,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         HAS_DELTA=has_delta,
         BLOCK=triton.next_power_of_2(hidden),
         num_warps=4,
-        **pdl_options(x.device),
+        **pdl_options(x.device, num),
     )
     return h
 
@@ -209,7 +209,7 @@ def qk_norm_rope_store(
         HKV=num_kv_heads,
         D=head_dim,
         num_warps=1,
-        **pdl_options(qkv.device),
+        **pdl_options(qkv.device, num),
     )
     return q
 
@@ -236,7 +236,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = 1024
     _silu_mul_kernel[(num, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **pdl_options(out.device)
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+        **pdl_options(out.device, num),
     )
     return out
 

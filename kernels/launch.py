@@ -35,18 +35,26 @@ def _pdl_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_options(device: torch.device) -> dict[str, bool]:
-    """Launch arguments for programmatic dependent launch (PDL): ``PDL`` for a kernel's constexpr of that name,
-    plus Triton's ``launch_pdl`` where it is on.
+PDL_MAX_ROWS = 16
+"""Token rows of a pass up to which its kernels launch with PDL. H200, Qwen3-4B verify step as a CUDA graph
+(bench/profile_verify_gpu.py --pdl on off, 2026-12-01): 3.27 -> 3.21 ms at 8 rows (every kernel Triton, the
+skinny GEMMs included), but 3.99 -> 4.16 ms at 64 rows and 5.52 -> 6.05 ms at 256 rows, where cuBLAS GEMMs
+sit between the Triton kernels."""
 
-    Why: a verify step of a few tokens is ~400 kernels in a CUDA graph, and each waits for its predecessor to
-    drain before its blocks start (~0.8 us per kernel on the H200, bench/probe_pdl.py). With PDL (Hopper and
-    newer) a kernel is launched while its predecessor's last blocks still run; it calls :func:`tl_pdl_wait`
-    before touching memory, which returns once the predecessor has completed and its writes are visible, so
-    stream order is kept. On only where it is measured to help: CUDA devices of compute capability >= 9, not
-    under the interpreter, and not with ``DSPARK_PDL=0`` (for A/B timing)."""
+
+def pdl_options(device: torch.device, rows: int) -> dict[str, bool]:
+    """Launch arguments for programmatic dependent launch (PDL) of a kernel in a pass of ``rows`` token rows:
+    ``PDL`` for the kernel's constexpr of that name, plus Triton's ``launch_pdl`` where it is on.
+
+    Why: a verify step of a few tokens is ~340 kernels in a CUDA graph, each waiting for its predecessor to
+    drain before its blocks start (~0.7 us per kernel on the H200). With PDL (Hopper and newer) a kernel is
+    launched while its predecessor's last blocks run; it calls :func:`tl_pdl_wait` before touching memory,
+    which returns once the predecessor has completed and its writes are visible, so stream order is kept.
+    On only where it was measured to help: CUDA devices of compute capability >= 9, passes of at most
+    PDL_MAX_ROWS rows, not under the interpreter, and not with ``DSPARK_PDL=0`` (for A/B timing)."""
     on = (
-        device.type == "cuda"
+        rows <= PDL_MAX_ROWS
+        and device.type == "cuda"
         and not interpreting()
         and os.environ.get("DSPARK_PDL", "1") != "0"
         and _pdl_device(device.index if device.index is not None else torch.cuda.current_device())

@@ -405,7 +405,7 @@ def markov_sample_triton(
     tiles = torch.empty((num_req, max(topk_slots, 1)), dtype=torch.int32, device=device)
     buffer = torch.empty((num_req, capm if top_k else 1), dtype=torch.int64, device=device)
     grid = (triton.cdiv(num_req, block_r), num_chunks)
-    pdl = pdl_options(device)
+    pdl = pdl_options(device, num_req * gamma)  # the draft pass's rows: a block per request
     for step in range(gamma):
         previous = anchors if step == 0 else tokens[:, step - 1]
         _markov_step_kernel[grid](

@@ -315,7 +315,7 @@ def _launch(
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), n if gated else 0, blocks_per_split, num_m_tiles,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, GATED=gated, RESIDUAL=residual,
         EVEN=even, NATIVE_DOT=native, TMA=cfg.tma, num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(),
-        **pdl_options(x.device),
+        **pdl_options(x.device, m),
     )  # fmt: skip
 
 

@@ -433,6 +433,6 @@ def slot_attention_triton(
         CHUNK_D=_combine_chunk(kv_splits, block_m, block_d),
         ORDERED=ordered_rows,
         num_warps=4,
-        **pdl_options(q.device),
+        **pdl_options(q.device, num_rows),
     )
     return out

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.launch import pdl_options
+from kernels.launch import PDL_MAX_ROWS, pdl_options
 
 
 def test_pdl_is_off_on_the_cpu_and_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert pdl_options(torch.device("cpu")) == {"PDL": False}
+    assert pdl_options(torch.device("cpu"), 8) == {"PDL": False}
     monkeypatch.setenv("DSPARK_PDL", "0")
-    assert pdl_options(torch.device("cpu")) == {"PDL": False}
+    assert pdl_options(torch.device("cpu"), 8) == {"PDL": False}
 
 
 @pytest.mark.skipif(
@@ -60,7 +60,8 @@ def test_a_captured_chain_of_dependent_kernels_is_the_same_with_and_without_pdl(
         return x.clone()
 
     monkeypatch.setenv("DSPARK_PDL", "1")
-    assert pdl_options(device) == {"PDL": True, "launch_pdl": True}
+    assert pdl_options(device, 8) == {"PDL": True, "launch_pdl": True}
+    assert pdl_options(device, PDL_MAX_ROWS + 1) == {"PDL": False}  # larger passes: measured slower with it
     with_pdl, without = run("1"), run("0")
     assert torch.isfinite(without).all()
     assert torch.equal(with_pdl, without)
