@@ -19,6 +19,7 @@ from cluster.graphs import bucket_sizes, check_graph_mode, pick_bucket
 from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import ContextItem, DraftEngine, DraftItem
+from kernels.launch import interpreting
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.sps import SPSTable
@@ -318,6 +319,11 @@ def test_engine_with_prefills_in_the_ragged_step_equals_eager(pair, temperature:
     assert _generate(target, drafter, "static", temperature, 40) == _generate(target, drafter, "off", temperature)
 
 
+@pytest.mark.skipif(
+    not interpreting(),
+    reason="CPU tensors through the Triton kernels need the interpreter (conftest sets it where CUDA is absent); "
+    "on a GPU test_cuda_graphs_equal_eager runs the same fused skinny drafter on CUDA",
+)
 def test_engine_with_the_fused_skinny_drafter_equals_target_greedy(tmp_path: Path) -> None:
     """The drafter on its fused path with the skinny GEMMs (the default on a Hopper GPU; Triton through the
     interpreter on CPU): buckets of 1 and 2 requests (5 and 10 block rows) run its layers and LM head on the skinny
