@@ -39,6 +39,7 @@ try:
 except ImportError:  # a Triton without host tensor descriptors: launches with tma=True are refused
     TensorDescriptor = None
 
+from kernels.arrival_counters import ArrivalCounters
 from kernels.launch import interpreting, launch_options, num_sms, pdl_options, tl_pdl_wait
 
 MAX_ROWS = 64
@@ -249,23 +250,8 @@ def _block_m(m: int) -> int:
     return max(16, min(MAX_ROWS, triton.next_power_of_2(max(m, 1))))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def new_counters(device: torch.device | str) -> torch.Tensor:
-    """A zeroed arrival-counter buffer for split launches. The kernels leave it zeroed, so it is reused forever;
-    launches that may run concurrently (different streams) need separate buffers."""
-    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-
-
-def _default_counters(device: torch.device) -> torch.Tensor:
-    """This process's shared buffer per device, made on first use (never during a CUDA graph capture: a buffer
-    from the graph's private pool could be handed out again once the graph is gone)."""
-    if device not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny GEMM: pass counters=new_counters(device), or run once before capturing")
-        _COUNTERS[device] = new_counters(device)
-    return _COUNTERS[device]
+COUNTERS = ArrivalCounters("skinny GEMM", COUNTER_SLOTS)
+new_counters = COUNTERS.new  # a caller's own buffer (the target's, the drafter's)
 
 
 def _launch(
@@ -296,9 +282,8 @@ def _launch(
     blocks_per_split = triton.cdiv(k_blocks, cfg.split)
     split = triton.cdiv(k_blocks, blocks_per_split)  # no empty splits
     if split > 1:
-        if tiles > COUNTER_SLOTS:
-            raise ValueError(f"skinny GEMM: {tiles} output tiles exceed the {COUNTER_SLOTS} arrival counters")
-        counters = counters if counters is not None else _default_counters(x.device)
+        COUNTERS.check(tiles)
+        counters = counters if counters is not None else COUNTERS.default(x.device)
         parts = torch.empty(tiles * split * (2 if gated else 1) * cfg.block_n * block_m,
                             dtype=torch.float32, device=x.device)  # fmt: skip
     else:

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrival_counters import ArrivalCounters
 from kernels.launch import num_sms, pdl_options, tl_pdl_wait
 from kernels.slot_attention import validate_slot_attention_inputs
 
@@ -266,26 +267,8 @@ COUNTER_SLOTS = 1 << 12
 """Arrival counters per buffer: one per (request, kv head, row block) tile of a split launch (int32, 16 KiB). The
 default splits only grids of fewer programs than SMs; an explicit ``kv_splits`` over more tiles is refused."""
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def new_counters(device: torch.device | str) -> torch.Tensor:
-    """A zeroed arrival-counter buffer for split launches. The kernel leaves it zeroed, so it is reused forever;
-    launches that may run concurrently (different streams) need separate buffers."""
-    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-
-
-def _default_counters(device: torch.device) -> torch.Tensor:
-    """This process's shared buffer per device, made on first use (never during a CUDA graph capture: zeroed
-    inside one it would hold garbage until the first replay, and a buffer from the graph's private pool could
-    be handed out again once the graph is gone). The captured callers (the verify and draft graph steps) warm up
-    eagerly first (cluster.graphs.GraphStep), which makes it."""
-    if device not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("slot attention: pass counters=new_counters(device), or run a split launch once "
-                               "before capturing")  # fmt: skip
-        _COUNTERS[device] = new_counters(device)
-    return _COUNTERS[device]
+COUNTERS = ArrivalCounters("slot attention", COUNTER_SLOTS)
+new_counters = COUNTERS.new  # a caller's own buffer
 
 
 def _combine_chunk(splits: int, block_m: int, block_d: int) -> int:
@@ -385,9 +368,8 @@ def slot_attention_triton(
         kv_splits = launch_kv_splits(num_req, num_kv_heads, rows_per_request, head_dim, k_cache.shape[1], q.device)
     if kv_splits > 1:
         tiles = num_req * num_kv_heads * num_m_blocks
-        if tiles > COUNTER_SLOTS:
-            raise ValueError(f"slot attention: {tiles} split tiles exceed the {COUNTER_SLOTS} arrival counters")
-        counters = counters if counters is not None else _default_counters(q.device)
+        COUNTERS.check(tiles)
+        counters = counters if counters is not None else COUNTERS.default(q.device)
         # fresh per call: inside a captured graph each launch gets its own pool memory
         num_partials = tiles * kv_splits * block_m
         workspace = torch.empty(num_partials * (2 + block_d), dtype=torch.float32, device=q.device)

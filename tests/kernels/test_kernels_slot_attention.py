@@ -221,7 +221,7 @@ def test_split_launches_are_deterministic_and_leave_the_default_counters_zeroed(
     first = slot_attention_triton(*args, **kwargs, kv_splits=4, ordered_rows=True)
     for _ in range(3):
         assert torch.equal(slot_attention_triton(*args, **kwargs, kv_splits=4, ordered_rows=True), first)
-    default = TRITON_MODULE._COUNTERS[first.device]
+    default = TRITON_MODULE.COUNTERS.defaults[first.device]
     assert default.shape == (TRITON_MODULE.COUNTER_SLOTS,) and int(default.abs().sum()) == 0
 
 
@@ -264,14 +264,14 @@ def test_ordered_rows_are_checked() -> None:
 def test_split_launch_refuses_to_make_its_counters_inside_a_capture() -> None:
     args, kwargs = _split_problem(block=False, seed=13)
     device = args[0].device
-    saved = TRITON_MODULE._COUNTERS.pop(device, None)
+    saved = TRITON_MODULE.COUNTERS.defaults.pop(device, None)
     try:
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(RuntimeError, match="before capturing"), torch.cuda.graph(graph):
             slot_attention_triton(*args, **kwargs, kv_splits=2, validate=False)
     finally:
         if saved is not None:
-            TRITON_MODULE._COUNTERS[device] = saved
+            TRITON_MODULE.COUNTERS.defaults[device] = saved
     counters = new_counters(device)
     static = slot_attention_triton(*args, **kwargs, kv_splits=2, counters=counters)  # compiled outside
     graph = torch.cuda.CUDAGraph()
