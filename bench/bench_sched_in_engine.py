@@ -10,11 +10,17 @@ engine's own metrics, plus where the scheduled policy's time goes (its calls tim
 
     python -m bench.bench_sched_in_engine                 # from the repo root, ~1 minute
     python -m bench.bench_sched_in_engine --repeats 8 --max-tokens 200 --json out.json
+    python -m bench.bench_sched_in_engine --concurrency 8 --rounds 300   # a closed loop of 8 requests
+
+With ``--concurrency`` c > 1 each repeat keeps c requests in flight for ``--rounds`` rounds (a finished request
+is replaced at once, output lengths spread over max_tokens / 2 .. max_tokens), so the number of decoding
+requests changes from round to round as it does under load.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -59,11 +65,34 @@ def _timed(fn: Callable[..., Any], totals: list[float]) -> Callable[..., Any]:
     return timed
 
 
+def closed_loop(engine: SpeculativeEngine, concurrency: int, rounds: int, prompt: list[int], max_tokens: int) -> None:
+    """``concurrency`` greedy requests in flight for ``rounds`` rounds, each replaced as soon as it finishes
+    (lengths cycle through max_tokens / 2 .. max_tokens, so requests finish at different rounds), then aborted."""
+    lengths = itertools.cycle([max_tokens // 2 + (i * 37) % (max_tokens // 2 + 1) for i in range(64)])
+    live: set[str] = set()
+
+    def submit() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=next(lengths), ignore_eos=True)
+        live.add(engine.add_request(prompt, params))
+
+    for _ in range(concurrency):
+        submit()
+    for _ in range(rounds):
+        for out in engine.step():
+            if out.finished:
+                live.discard(out.req_id)
+                submit()
+    for req_id in live:
+        engine.abort(req_id)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=6, help="interleaved repeats of every policy")
     parser.add_argument("--requests-per-repeat", type=int, default=3, help="requests decoded per repeat")
     parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (closed loop when > 1)")
+    parser.add_argument("--rounds", type=int, default=300, help="rounds per repeat with --concurrency > 1")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -71,17 +100,23 @@ def main(argv: list[str] | None = None) -> int:
     if drafter_dir is None:
         raise SystemExit("needs the trained demo drafter (models/demo/draft_dspark)")
     target, drafter = load_pair(DEMO_TARGET, drafter_dir, "cpu", torch.float32)
-    verify = VerifyEngine(target, 4, 512, max_drafts=drafter.block_size)
-    draft = DraftEngine(drafter, 4, 512, calibration=load_calibration(drafter_dir))
+    slots = max(4, args.concurrency)
+    verify = VerifyEngine(target, slots, 512, max_drafts=drafter.block_size)
+    draft = DraftEngine(drafter, slots, 512, calibration=load_calibration(drafter_dir))
     sps = synthetic_sps()
     prompt = [list(range(10, 60))]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     def run(spec: str, draft_cost: str) -> tuple[float, int, int]:
         """(schedule seconds per round, rounds, full predictions of the draft gate) of one repeat."""
-        engine = SpeculativeEngine(verify, draft, policy.make_policy(spec, sps, drafter.block_size, draft_cost))
-        for _ in range(args.requests_per_repeat):
-            engine.generate(prompt, params)
+        engine = SpeculativeEngine(
+            verify, draft, policy.make_policy(spec, sps, drafter.block_size, draft_cost), max_running=slots
+        )
+        if args.concurrency == 1:
+            for _ in range(args.requests_per_repeat):
+                engine.generate(prompt, params)
+        else:
+            closed_loop(engine, args.concurrency, args.rounds, prompt[0], args.max_tokens)
         snapshot = engine.snapshot()
         gate = getattr(engine.policy, "gate", None)
         return snapshot.schedule_time_s / snapshot.rounds, snapshot.rounds, gate.predictions if gate else 0
@@ -115,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\n{results['machine']}; 1 request, demo pair, greedy, {args.repeats} interleaved repeats")
+    load = "1 request" if args.concurrency == 1 else f"{args.concurrency} requests in flight"
+    print(f"\n{results['machine']}; {load}, demo pair, greedy, {args.repeats} interleaved repeats")
     print(f"{'policy':<36} {'schedule us / round (median)':>28}  per repeat")
     for name, values in results["schedule_us_per_round"].items():
         print(f"{name:<36} {statistics.median(values):>28.1f}  {' '.join(f'{v:.0f}' for v in values)}")

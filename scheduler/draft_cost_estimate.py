@@ -22,9 +22,10 @@ round times, keyed by the cost; the gate's last prediction, kept while its cost 
 survive a refit instead of being rebuilt every ``refit_interval`` rounds. A refit that keeps it also doubles the
 interval to the next one, up to ``max_refit_interval`` rounds (a steady load refits rarely: each refit is ~50 us
 of host time between model steps, for a value that did not move); a refit that renews it, or a drafted round at
-another R than the one before (the load changed) or one more than 25% off the estimate (the drafter's time may be
-moving: a robust fit only follows once most of the window has moved) brings the interval back to
-``refit_interval``.
+an R outside the range of the window the last fit saw (a new load: the fit would extrapolate; under a closed loop
+R moves inside a small range as requests finish and join, and that does not count) or one more than 25% off the
+estimate (the drafter's time may be moving: a robust fit only follows once most of the window has moved) brings
+the interval back to ``refit_interval``.
 
 Verify-time calibration: the SPS table is profiled at startup on idle steps (R requests over a short context,
 nothing joining), while under load every verify step is slower: longer contexts, joining prompts prefilled in
@@ -99,7 +100,7 @@ class OnlineDraftCost:
         self.refit_interval = refit_interval
         self.max_refit_interval = max_refit_interval
         self._interval = refit_interval  # drafted rounds between refits now (backs off, see the module)
-        self._last_load = 0  # R of the last drafted round
+        self._fitted_loads = (0, 0)  # the smallest and largest R in the window at the last refit
         self.outlier_mads = float(outlier_mads)
         self._drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (R, draft + other host seconds)
         self._plain: deque[float] = deque(maxlen=window)  # other host seconds of rounds that skipped the drafter
@@ -136,14 +137,14 @@ class OnlineDraftCost:
             self._drafted.append((int(num_requests), seconds))
             self._since_fit += 1
             cost = self._cost
-            # The load changed, or the drafter's time may be moving: refit at the base cadence again. (The
-            # estimate at R on floats: DraftCost.seconds is vectorised, a numpy call in every round.)
-            if num_requests != self._last_load or (
+            # A load the last fit saw no round of, or the drafter's time may be moving: refit at the base cadence
+            # again. (The estimate at R on floats: DraftCost.seconds is vectorised, a numpy call in every round.)
+            low, high = self._fitted_loads
+            if not low <= num_requests <= high or (
                 cost is not None
                 and abs(seconds - cost.fixed_s - cost.per_request_s * num_requests) > _DRIFT * seconds
             ):
                 self._interval = self.refit_interval
-                self._last_load = int(num_requests)
         else:
             self._plain.append(max(other_s, 0.0))
             self._plain_dirty = True
@@ -194,8 +195,9 @@ class OnlineDraftCost:
         return self._scale
 
     def _fit(self) -> DraftCost:
-        load = self._drafted[0][0]
-        if all(r == load for r, _ in self._drafted):  # the usual steady load: no slope to fit
+        loads = [r for r, _ in self._drafted]
+        self._fitted_loads = (min(loads), max(loads))
+        if self._fitted_loads[0] == self._fitted_loads[1]:  # the usual steady load: no slope to fit
             return _fit_one_load([t for _, t in self._drafted], self.outlier_mads)
         data = np.array(self._drafted, dtype=np.float64)
         r, t = data[:, 0], data[:, 1]

@@ -34,11 +34,13 @@ Cost per round: a round's confidences are only queued by ``observe`` (a copy); t
 arrival order and by the same operations, when a prediction needs Q. And a prediction is only made when the
 last one might have changed its answer: after a prediction to draft with ratio m = Theta_spec / Theta_ar, every
 later fold multiplies Q by (1 - w) and adds non-negative terms, so each tau_n, and with it Theta_spec, is at
-least prod(1 - w) of its value then, while Theta_ar is fixed by R and the costs. As long as R, the step count,
-gamma and both cost objects are unchanged and m * prod(1 - w) > 1 (with a 1e-9 margin for rounding), the full
-prediction would draft too, so the round drafts without it (the same decision, found without the ~20 numpy
-calls it costs between two model steps). At one request (w = 1/64) and m ~ 2.4, that is one prediction in ~55
-rounds; from ``history_rows`` rows a round (w = 1) every round predicts, as before.
+least prod(1 - w) of its value then, while Theta_ar is fixed by R and the costs. As long as gamma and both
+cost objects are unchanged and m * prod(1 - w) > 1 (with a 1e-9 margin for rounding), the full prediction for
+the same R and step count would draft too, so the round drafts without it (the same decision, found without
+the ~20 numpy calls it costs between two model steps). The bound holds whatever R the rounds in between had, so
+the last prediction to draft is kept per (R, step count): under load R moves between a few values as requests
+finish and join, and each value reuses its own. At one request (w = 1/64) and m ~ 2.4, that is one prediction
+in ~55 rounds; from ``history_rows`` rows a round (w = 1) every round predicts, as before.
 
 Why this is lossless: the decision is a function of confidences of rounds that are already verified and
 committed, of the number of running requests and of their caps (counts) -- never of the tokens this round
@@ -54,6 +56,7 @@ skipped rounds because the round driver still appends the committed tokens' cont
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -61,16 +64,19 @@ import numpy as np
 from scheduler.algorithm import DraftCost, validate_confidences
 from scheduler.sps import SPSSource, check_sps_source
 
+_MAX_KEPT = 64
+"""Predictions to draft kept at once (one per (R, step count)); more are dropped together."""
+
 
 class _Prediction(NamedTuple):
-    """A prediction to draft and what it was made for (reused while it provably holds: module docstring)."""
+    """A prediction to draft and what it was made for (reused while it provably holds: module docstring); kept
+    per (R, step count) of its walk."""
 
-    num_requests: int
-    steps: int
     gamma: int
     draft_cost: DraftCost
     no_draft_cost: DraftCost
     ratio: float  # Theta_spec / Theta_ar
+    log_decay: float  # the gate's running sum of log(1 - w) when it was made
 
 
 class DraftGate:
@@ -115,10 +121,11 @@ class DraftGate:
         self._curve: np.ndarray | None = None  # Q, sorted survival curve of an average request (descending)
         self._cumulative = np.zeros(curve_points + 1)  # 0, Q_1, Q_1 + Q_2, ...
         self._pending: list[np.ndarray] = []  # observed confidences not yet folded into Q (oldest first)
-        # The last prediction to draft, and the factor prod(1 - w) of the rounds observed since: a lower bound of
-        # Q's change (module docstring).
-        self._drafted_at: _Prediction | None = None
-        self._decay = 1.0
+        # The last prediction to draft per (R, step count), and the running sum of log(1 - w) over observed
+        # rounds: the difference since a prediction is log prod(1 - w), a lower bound of Q's change (module
+        # docstring). Emptied when a round replaces Q or gamma changes (nothing kept can hold then).
+        self._drafted_at: dict[tuple[int, int], _Prediction] = {}
+        self._log_decay = 0.0
         self._steps = np.arange(curve_points + 1, dtype=np.float64)
         self._ranks: dict[int, np.ndarray] = {}  # survivals per round -> where Q's ranks sit in their sort
         self._gamma = 0
@@ -139,7 +146,11 @@ class DraftGate:
         if weight >= 1.0:  # this round replaces Q outright: the queued ones no longer matter
             self._pending.clear()
         self._pending.append(conf.astype(np.float64))  # a copy: the caller may reuse its buffer
-        self._decay = 0.0 if gamma != self._gamma else self._decay * (1.0 - weight)
+        if weight >= 1.0 or gamma != self._gamma:
+            self._drafted_at.clear()
+            self._log_decay = 0.0
+        else:
+            self._log_decay += math.log1p(-weight)
         if len(self._pending) >= self.history_rows:  # bounded memory when no prediction asks for Q
             self._fold()
 
@@ -252,22 +263,28 @@ class DraftGate:
         return False
 
     def _remember(self, max_lengths: np.ndarray, rates: tuple[float, float] | None) -> None:
-        """Keep a prediction to draft (and what it was made for) so later rounds can reuse its answer."""
-        self._drafted_at = None
-        if rates is not None and rates[0] > rates[1] > 0.0:
-            num_requests, steps = self._walk_size(max_lengths)  # not None: rates were predicted
-            self._drafted_at = _Prediction(
-                num_requests, steps, self._gamma, self.draft_cost, self.no_draft_cost, rates[0] / rates[1]
+        """Keep a prediction to draft (and what it was made for) so later rounds of its R and step count can
+        reuse its answer; a prediction to skip drops the one kept there."""
+        if rates is None:  # nothing observed yet: nothing is kept either
+            return
+        walk = self._walk_size(max_lengths)  # not None: rates were predicted
+        if rates[0] > rates[1] > 0.0:
+            if len(self._drafted_at) >= _MAX_KEPT:  # bounded: a few R values under a steady load
+                self._drafted_at.clear()
+            self._drafted_at[walk] = _Prediction(
+                self._gamma, self.draft_cost, self.no_draft_cost, rates[0] / rates[1], self._log_decay
             )
-            self._decay = 1.0
+        else:
+            self._drafted_at.pop(walk, None)
 
     def _still_drafts(self, max_lengths: np.ndarray) -> bool:
-        """Whether the last prediction to draft provably still holds (module docstring: m * prod(1 - w) > 1
-        for the same R, steps, gamma and cost objects), so the full prediction would draft too."""
-        last = self._drafted_at
-        if last is None or last.draft_cost is not self.draft_cost or last.no_draft_cost is not self.no_draft_cost:
-            return False
-        if last.ratio * self._decay <= 1.0 + 1e-9:
+        """Whether the last prediction to draft for this round's R and step count provably still holds (module
+        docstring: m * prod(1 - w) > 1 with the same gamma and cost objects), so the full prediction would
+        draft too."""
+        if not self._drafted_at:
             return False
         walk = self._walk_size(max_lengths)
-        return walk == (last.num_requests, last.steps) and last.gamma == self._gamma
+        last = self._drafted_at.get(walk) if walk is not None else None
+        if last is None or last.draft_cost is not self.draft_cost or last.no_draft_cost is not self.no_draft_cost:
+            return False
+        return last.gamma == self._gamma and last.ratio * math.exp(self._log_decay - last.log_decay) > 1.0 + 1e-9

@@ -171,6 +171,24 @@ def test_refits_back_off_while_the_estimate_holds_and_return_when_it_moves_or_th
     assert len(fits) >= 3
 
 
+def test_a_load_moving_inside_the_fitted_range_keeps_backing_off() -> None:
+    """A closed loop: R moves between 6, 7 and 8 as requests finish and join. Those loads are all in the window
+    the fit saw, so the refits back off as at a steady load; a load outside that range resets the cadence."""
+    estimator = OnlineDraftCost(min_rounds=4, refit_interval=4, max_refit_interval=32)
+    fits: list[int] = []
+    fit = estimator._fit
+    estimator._fit = lambda: fits.append(len(estimator._drafted)) or fit()  # type: ignore[method-assign]
+    rng = np.random.default_rng(1)
+    for i in range(200):
+        r = 6 + i % 3
+        estimator.observe(r, True, (0.5e-3 + 0.03e-3 * r) * float(rng.normal(1.0, 0.001)), 0.0)
+        assert estimator.draft_cost is not None or i < 3
+    assert len(fits) <= 12 and estimator._interval == 32
+    assert estimator.draft_cost.seconds(7, 7) == pytest.approx(0.71e-3, rel=0.01)
+    estimator.observe(20, True, 1.1e-3, 0.0)  # a new load, outside the fitted range
+    assert estimator._interval == 4
+
+
 def test_policies_read_the_estimate_once_a_round() -> None:
     """should_draft and lengths in one round see the same cost object; the next round's report can move it."""
     estimator = OnlineDraftCost(min_rounds=1, refit_interval=1)

@@ -133,6 +133,18 @@ def test_a_steady_load_reuses_the_prediction_to_draft_until_it_may_no_longer_hol
     assert len(predictions) == before + 2
 
 
+def test_a_moving_load_reuses_each_request_counts_prediction() -> None:
+    """Requests finish and join: R cycles through 3, 4 and 5 while drafting clearly wins. Each R keeps its own
+    prediction to draft, so the gate predicts a few times per R and then reuses them, where a single kept
+    prediction would be replaced every round (R changes every round here)."""
+    gate = DraftGate(_sps(), DraftCost(fixed_s=1e-3), NO_DRAFT)
+    gate.observe(_flat(4, 0.8))
+    for i in range(60):
+        assert gate.should_draft(_caps(3 + i % 3))
+        gate.observe(_flat(3 + i % 3, 0.8))
+    assert 3 <= gate.predictions <= 20 and gate.decisions == 60
+
+
 def test_prediction_from_one_row_pool_scales_to_many_requests() -> None:
     """The curve describes an average request: one observed row predicts the same per-request gain at any R."""
     one = DraftGate(_sps(), LOAD_COST, NO_DRAFT)

@@ -230,6 +230,7 @@ def test_gate_predicts_exactly_as_before(rounds: list[np.ndarray], sps: SPSTable
 @settings(max_examples=150, deadline=None)
 @given(
     num_requests=st.sampled_from([1, 2, 5, 16, 40]),
+    load_moves=st.booleans(),
     start=st.floats(0.3, 0.99),
     drift=st.floats(-0.02, 0.02),
     fixed_s=st.floats(0.2e-3, 6e-3),
@@ -237,12 +238,14 @@ def test_gate_predicts_exactly_as_before(rounds: list[np.ndarray], sps: SPSTable
     seed=st.integers(0, 2**16),
 )
 def test_gate_reusing_a_prediction_decides_as_predicting_every_round(
-    num_requests: int, start: float, drift: float, fixed_s: float, refits: int, seed: int
+    num_requests: int, load_moves: bool, start: float, drift: float, fixed_s: float, refits: int, seed: int
 ) -> None:
-    """Long runs at one load, acceptance drifting across the point where skipping starts to win, costs now and
-    then replaced by equal-valued new objects (a refit): the gate, which reuses its last prediction to draft
-    while it provably holds, decides every round as the frozen reference that predicts every round. Probes are
-    pushed out of reach, so the reference's decision is its prediction alone."""
+    """Long runs at one load (or, ``load_moves``, at R, R - 1 and R + 1 in random order, as under a closed
+    loop where requests finish and join), acceptance drifting across the point where skipping starts to win,
+    costs now and then replaced by equal-valued new objects (a refit): the gate, which reuses its last
+    prediction to draft for the round's R while it provably holds, decides every round as the frozen reference
+    that predicts every round. Probes are pushed out of reach, so the reference's decision is its prediction
+    alone."""
     rng = np.random.default_rng(seed)
     sps, no_draft = TABLES[2], DraftCost(fixed_s=6e-5)
     gate = DraftGate(sps, DraftCost(fixed_s=fixed_s), no_draft, probe_interval=10**6, max_probe_interval=10**6)
@@ -251,11 +254,12 @@ def test_gate_reusing_a_prediction_decides_as_predicting_every_round(
     for i in range(300):
         if refits and i % refits == 0:
             gate.draft_cost = DraftCost(fixed_s=fixed_s)  # equal value, new object: nothing may be reused
-        caps = caps_for(np.zeros((num_requests, GAMMA_REUSE)), seed + i // 50)  # caps change now and then
+        rows = max(1, num_requests + int(rng.integers(-1, 2))) if load_moves else num_requests
+        caps = caps_for(np.zeros((rows, GAMMA_REUSE)), seed + i // 50)  # caps change now and then
         rates = ref.predicted_rates(caps)
         assert gate.should_draft(caps) == (rates is None or rates[0] >= rates[1]), f"round {i}"
         level = float(np.clip(level + drift, 0.05, 1.0))
-        conf = np.clip(level + 0.05 * rng.standard_normal((num_requests, GAMMA_REUSE)), 0.0, 1.0)
+        conf = np.clip(level + 0.05 * rng.standard_normal((rows, GAMMA_REUSE)), 0.0, 1.0)
         gate.observe(conf)
         ref.observe(conf)
 
