@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from kernels.fused_layer_triton import add_rms_norm, qk_norm_rope_store, silu_mul, stack_into_views
-from kernels.skinny_gemm_triton import FASTER_ROWS, new_counters, skinny_gate_up_silu, skinny_linear, tuned_for
+from kernels.skinny_gemm_triton import model_counters, skinny_gate_up_silu, skinny_linear, takes_pass
 
 if TYPE_CHECKING:
     from draft_service.context_cache import DraftContextCache
@@ -78,27 +78,15 @@ class FusedDrafter:
 
     def skinny_counters(self, rows: int) -> torch.Tensor | None:
         """The skinny GEMMs' arrival counters when a pass of ``rows`` rows runs them (the model's ``skinny_gemm``
-        on, at most FASTER_ROWS rows, a GPU they were swept on), else None: cuBLAS."""
+        on and :func:`~kernels.skinny_gemm_triton.takes_pass`), else None: cuBLAS."""
         model = self.model
-        if not (model.skinny_gemm and rows <= FASTER_ROWS and tuned_for(model.device)):
+        if not (model.skinny_gemm and takes_pass(rows, model.device)):
             return None
         if self._skinny_counters is None:
-            self._skinny_counters = self._skinny_workspace()
+            projections = [model.lm_head] + [m for layer in model.layers for m in (layer.self_attn.o_proj,
+                                                                                    layer.mlp.down_proj)]  # fmt: skip
+            self._skinny_counters = model_counters("FusedDrafter", model.device, projections)
         return self._skinny_counters
-
-    def _skinny_workspace(self) -> torch.Tensor:
-        """This drafter's own counters (zeroed once; the kernels leave them zeroed; the target has its own, so
-        the two may run on different streams), after checking that the projections they replace have no bias.
-        Made on an eager pass (the draft graph steps warm up before they capture): zeroed inside a capture, they
-        would hold garbage until the first replay."""
-        model = self.model
-        if model.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("FusedDrafter: run a skinny-GEMM draft step eagerly before capturing it in a graph")
-        linears = [model.lm_head] + [m for layer in model.layers for m in (layer.self_attn.o_proj,
-                                                                            layer.mlp.down_proj)]  # fmt: skip
-        if any(linear.bias is not None for linear in linears):
-            raise ValueError("FusedDrafter: skinny GEMMs need bias-free projections (set skinny_gemm = False)")
-        return new_counters(model.device)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head(hidden) for [..., H] -> [..., V] in the model dtype: the skinny GEMM when the rows take it."""

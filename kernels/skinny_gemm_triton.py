@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,6 +253,24 @@ def _block_m(m: int) -> int:
 
 COUNTERS = ArrivalCounters("skinny GEMM", COUNTER_SLOTS)
 new_counters = COUNTERS.new  # a caller's own buffer (the target's, the drafter's)
+
+
+def takes_pass(rows: int, device: torch.device) -> bool:
+    """Whether a model pass of ``rows`` token rows on ``device`` runs these GEMMs (with the model's switch on):
+    at most FASTER_ROWS rows (read at call time) on a GPU :func:`tuned_for` accepts."""
+    return rows <= FASTER_ROWS and tuned_for(device)
+
+
+def model_counters(owner: str, device: torch.device, projections: Sequence[torch.nn.Linear]) -> torch.Tensor:
+    """A model's own arrival counters (zeroed once; the kernels leave them zeroed; a model of its own so that two
+    models may run on different streams), after checking that the projections whose residual epilogues the GEMMs
+    take over are bias-free. Made on an eager pass (graph steps warm up before they capture): zeroed inside a
+    capture they would hold garbage until the first replay."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{owner}: run a skinny-GEMM pass eagerly before capturing it in a graph")
+    if any(p.bias is not None for p in projections):
+        raise ValueError(f"{owner}: skinny GEMMs need bias-free projections (set skinny_gemm = False)")
+    return new_counters(device)
 
 
 def _launch(

@@ -307,14 +307,13 @@ class TargetModel:
         attention, o_proj, add+norm, one gate/up matmul, silu*up, down_proj (the residual add of the down
         projection is done by the next layer's add+norm). Same values as the HF-module path, op by op."""
         from kernels.fused_layer_triton import add_rms_norm, qk_norm_rope_store, silu_mul
-        from kernels.skinny_gemm_triton import FASTER_ROWS, skinny_gate_up_silu, skinny_linear, tuned_for
+        from kernels.skinny_gemm_triton import skinny_gate_up_silu, skinny_linear, takes_pass
 
         fused = self._fused()
         logits_rows, feature_rows = _selected_rows(input_ids, logits_rows, feature_rows)
         hf = self.hf_model.model
         num_tokens = input_ids.shape[0]
-        skinny = self.skinny_gemm and num_tokens <= FASTER_ROWS and tuned_for(self.device)
-        counters = self._skinny_workspace() if skinny else None
+        counters = self._skinny_workspace() if self.skinny_gemm and takes_pass(num_tokens, self.device) else None
         last = self.num_layers - 1
         x = hf.embed_tokens(input_ids).contiguous()  # the residual stream, updated in place from here on
         cos, sin = hf.rotary_emb(x, meta.positions[None])
@@ -366,21 +365,15 @@ class TargetModel:
         return self._output(normed, collected)
 
     def _skinny_workspace(self) -> torch.Tensor:
-        """The skinny GEMMs' arrival counters (this model's own, zeroed once; the kernels leave them zeroed),
-        after checking that the projections they replace have no bias. Made on an eager pass (GraphStep warms up
-        before it captures): zeroed inside a capture, they would hold garbage until the first replay."""
+        """The skinny GEMMs' arrival counters, this model's own (:func:`kernels.skinny_gemm_triton.model_counters`:
+        made on an eager pass, the projections they replace checked bias-free)."""
         if self._skinny_counters is None:
-            from kernels.skinny_gemm_triton import new_counters
-
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("TargetModel: run a skinny-GEMM pass eagerly before capturing it in a graph")
+            from kernels.skinny_gemm_triton import model_counters
 
             hf = self.hf_model
             modules = [hf.lm_head] + [m for layer in hf.model.layers for m in (layer.self_attn.o_proj,
                                                                                 layer.mlp.down_proj)]  # fmt: skip
-            if any(m.bias is not None for m in modules):
-                raise ValueError("TargetModel: skinny GEMMs need bias-free projections (set skinny_gemm = False)")
-            self._skinny_counters = new_counters(self.device)
+            self._skinny_counters = model_counters("TargetModel", self.device, modules)
         return self._skinny_counters
 
     def _output(
