@@ -44,9 +44,10 @@ ROWS = 8
 
 
 @triton.jit
-def _stream_gemm_kernel(x_ptr, w_ptr, y_ptr, N, K, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-    """y[M, N] = x[M, K] @ w[N, K]^T for one BLOCK_N slice of w's rows (K a multiple of BLOCK_K)."""
+def _stream_gemm_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_x, stride_y, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """y[M, N] = x[M, K] @ w[N, K]^T for one BLOCK_N slice of w's rows (K a multiple of BLOCK_K; x and y rows
+    ``stride_x`` / ``stride_y`` apart)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ks = tl.arange(0, BLOCK_K)
@@ -59,15 +60,15 @@ def _stream_gemm_kernel(x_ptr, w_ptr, y_ptr, N, K, M: tl.constexpr, BLOCK_N: tl.
         gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, M], tl.float32)
     if PREFETCH:
-        acc = tl.dot(w0, tl.trans(tl.load(x_ptr + ms[:, None] * K + ks[None, :])), acc)
+        acc = tl.dot(w0, tl.trans(tl.load(x_ptr + ms[:, None] * stride_x + ks[None, :])), acc)
         start = BLOCK_K
     else:
         start = 0
     for k0 in range(start, K, BLOCK_K):
         w = tl.load(w_rows + k0 + ks[None, :], mask=row_ok[:, None], other=0.0)
-        x = tl.load(x_ptr + ms[:, None] * K + k0 + ks[None, :])
+        x = tl.load(x_ptr + ms[:, None] * stride_x + k0 + ks[None, :])
         acc = tl.dot(w, tl.trans(x), acc)
-    tl.store(y_ptr + ms[None, :] * N + rows[:, None], acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(y_ptr + ms[None, :] * stride_y + rows[:, None], acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def chain(weights: list[torch.Tensor], buffers: list[torch.Tensor], variant: str) -> torch.Tensor:
@@ -80,8 +81,8 @@ def chain(weights: list[torch.Tensor], buffers: list[torch.Tensor], variant: str
             continue
         pdl = variant != "triton"
         _stream_gemm_kernel[(triton.cdiv(n, 64),)](
-            x, w, y, n, k, M=ROWS, BLOCK_N=64, BLOCK_K=128, PDL=pdl, PREFETCH=variant == "pdl+prefetch",
-            num_warps=4, num_stages=4, launch_pdl=pdl,
+            x, w, y, n, k, x.stride(0), y.stride(0), M=ROWS, BLOCK_N=64, BLOCK_K=128, PDL=pdl,
+            PREFETCH=variant == "pdl+prefetch", num_warps=4, num_stages=4, launch_pdl=pdl,
         )  # fmt: skip
     return buffers[-1]
 
