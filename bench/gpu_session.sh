@@ -10,7 +10,8 @@
 # shape: drafter and verifier as separate server processes on this one GPU, against both in one process; needs
 # the pydantic tree too) -> disagg.json, disagg_throughput.png, policies -> policies.json,
 # policies.log, policies_*.png, attention (the slot attention's split keys vs one pass; not a default stage) ->
-# slot_attention.json, gemm (issue 11's skinny weight GEMMs vs cuBLAS, with a launch sweep; not a default
+# slot_attention.json, round (device busy / idle per round by host phase at 1 and 8 requests, ROUND_C="..."
+# picks levels; not a default stage) -> round_profile.json, gemm (issue 11's skinny weight GEMMs vs cuBLAS, with a launch sweep; not a default
 # stage) -> gemm.json; SKINNY=1 adds TargetModel.skinny_gemm to the verify stage (exactness, numerics, step times).
 # One device call brings back at most eight files: choose the stages accordingly.
 # Prints each stage's table as it finishes.
@@ -51,6 +52,8 @@ stage host 75 python3 -m bench.profile_engine_host --device cuda --requests 32 1
   2>&1 | tail -n 20 | tee -a "$out/logs.txt"
 stage attention 90 python3 bench/bench_slot_attention.py --requests 1 2 4 8 32 --out "$out/slot_attention.json"
 stage gemm 270 python3 bench/bench_skinny_gemm.py --sweep --sweep-time-s 150 --out "$out/gemm.json"
+stage round 240 python3 bench/profile_round_gpu.py --prompts-dir .data/prompts --concurrency ${ROUND_C:-1 8} \
+  --out "$out/round_profile.json"  # device idle per round by host phase
 stage verify $((150 + ${SKINNY:-0} * 60)) python3 bench/profile_verify_gpu.py --fused-only ${SKINNY:+--skinny-gemm} \
   --skinny-tuning "$out/gemm.json" --out-dir "$out"  # the gemm stage's swept launches, when it ran first
 # The standalone servers validate their flags with pydantic, which the GPU image lacks: carry
