@@ -25,6 +25,7 @@ CPU smoke (tiny shape, eager): PYTHONPATH=. python bench/profile_round_gpu.py --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,47 @@ def analyse_trace(trace: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def replay_timer(sync_before: bool = False) -> Iterator[list[list[tuple[float, float]]]]:
+    """Times every ``CUDAGraph.replay`` call into the last list of the yielded list of rounds, as (host
+    seconds of the call, seconds the host waited for the stream first): with ``sync_before`` the stream is
+    synchronized before each replay, which tells a launch that is slow by itself from one that waits behind
+    device work still queued (a copy, say)."""
+    rounds: list[list[tuple[float, float]]] = []
+    original = torch.cuda.CUDAGraph.replay
+
+    def timed(graph: torch.cuda.CUDAGraph) -> None:
+        t0 = time.perf_counter()
+        if sync_before:
+            torch.cuda.current_stream().synchronize()
+        t1 = time.perf_counter()
+        original(graph)
+        if rounds:
+            rounds[-1].append((time.perf_counter() - t1, t1 - t0))
+
+    torch.cuda.CUDAGraph.replay = timed  # type: ignore[method-assign]
+    try:
+        yield rounds
+    finally:
+        torch.cuda.CUDAGraph.replay = original  # type: ignore[method-assign]
+
+
+def timed_rounds(loop: ClosedLoop, rounds: int, sync_before: bool) -> tuple[list[float], dict[str, list[float]]]:
+    """Round walls (s) and, per graph replay of a round (k-th call), the median host us of the launch and of
+    the wait before it."""
+    with replay_timer(sync_before) as replays:
+        walls = []
+        for _ in range(rounds):
+            replays.append([])
+            walls.append(loop.step())
+    slots = max(map(len, replays), default=0)
+    per_call = {
+        "launch_us": [1e6 * statistics.median([r[k][0] for r in replays if len(r) > k]) for k in range(slots)],
+        "wait_us": [1e6 * statistics.median([r[k][1] for r in replays if len(r) > k]) for k in range(slots)],
+    }
+    return walls, per_call
+
+
 class ClosedLoop:
     """``concurrency`` requests of the prompt mix kept running: a finished one is replaced at once."""
 
@@ -208,7 +250,8 @@ def profile_cell(
     try:
         for _ in range(args.warmup):
             loop.step()
-        walls = [loop.step() for _ in range(args.rounds)]  # unprofiled: the real round time
+        walls, replays = timed_rounds(loop, args.rounds, sync_before=False)  # unprofiled: the real round time
+        synced_walls, synced = timed_rounds(loop, args.rounds, sync_before=True) if device.type == "cuda" else ([], {})
         snapshot = engine.snapshot()
         remove = annotate(engine)
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -228,6 +271,9 @@ def profile_cell(
         loop.close()
     result = analyse_trace(trace)
     result["wall_ms_unprofiled"] = 1000 * statistics.median(walls)
+    result["replay_host_us"] = replays["launch_us"]  # the k-th graph replay of a round: median host us
+    if synced:
+        result["replay_after_sync"] = synced | {"wall_ms": 1000 * statistics.median(synced_walls)}
     rounds = max(snapshot.rounds, 1)
     result["engine_split_ms"] = {  # the engine's own clocks over warm-up and unprofiled rounds
         "draft": 1000 * snapshot.draft_time_s / rounds,
@@ -325,6 +371,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{cell['device_busy_ms']:.3f} | {cell['device_idle_ms']:.3f} | {idle} |"
         )
     for cell in results["cells"]:
+        launches = " / ".join(f"{us:.0f}" for us in cell.get("replay_host_us", []))
+        after = cell.get("replay_after_sync", {})
+        synced = " / ".join(
+            f"{a:.0f} (+{w:.0f} wait)"
+            for a, w in zip(after.get("launch_us", []), after.get("wait_us", []), strict=True)
+        )
+        lines.append(
+            f"c={cell['concurrency']} {cell['policy']}: graph replay host us per call {launches}; "
+            f"after a stream sync {synced} (round {after.get('wall_ms', float('nan')):.3f} ms)"
+        )
         top = sorted(cell.get("runtime_calls", {}).items(), key=lambda kv: -kv[1]["host_us_per_round"])[:6]
         lines.append(
             f"c={cell['concurrency']} {cell['policy']}: runtime "
