@@ -14,7 +14,7 @@ drafts the same tokens whatever else shares the batch, on any replica. The engin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -140,13 +140,25 @@ class Proposal:
     topk_probs: torch.Tensor
 
 
+class PendingProposal:
+    """A proposal being drafted (:meth:`DraftEngine.propose_start`): :meth:`result` waits for it, once."""
+
+    def __init__(self, finish: Callable[[], Proposal]) -> None:
+        self._finish: Callable[[], Proposal] | None = finish
+        self._proposal: Proposal | None = None
+
+    def result(self) -> Proposal:
+        if self._proposal is None:
+            assert self._finish is not None
+            self._proposal, self._finish = self._finish(), None
+        return self._proposal
+
+
 @dataclass
 class _Entry:
     slot: int
     params: SamplingParams
     seed: int
-
-
 
 
 class DraftEngine:
@@ -393,8 +405,16 @@ class DraftEngine:
 
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
         """Draft one block for every item in one batched backbone pass plus the sequential head."""
+        return self.propose_start(items).result()
+
+    def propose_start(self, items: Sequence[DraftItem]) -> PendingProposal:
+        """:meth:`propose`, returning as soon as the drafting is queued on the device (graph path; the eager
+        path drafts before it returns): the host may commit a round meanwhile. The engine can be used while it
+        drafts; its next ``propose`` waits for this one first."""
         if not items:
             raise ValueError("propose needs at least one request")
+        if self.graphs is not None:
+            self.graphs.settle()
         if isinstance(items, DraftBatch):
             req_ids, anchors, positions = items.req_ids, items.anchors, items.positions
         else:
@@ -408,7 +428,8 @@ class DraftEngine:
                 anchors = np.fromiter(item_anchors, dtype=np.int64, count=num)
                 positions = np.fromiter(item_positions, dtype=np.int64, count=num)
             return self._propose_bucketed(req_ids, slots, anchors, positions, distinct)
-        return self._propose_eager(items.items() if isinstance(items, DraftBatch) else items, entries)
+        eager = self._propose_eager(items.items() if isinstance(items, DraftBatch) else items, entries)
+        return PendingProposal(lambda: eager)
 
     @torch.no_grad()
     def _propose_eager(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
@@ -445,7 +466,7 @@ class DraftEngine:
         anchors: np.ndarray,
         positions: np.ndarray,
         distinct: bool,
-    ) -> Proposal:
+    ) -> PendingProposal:
         """The graph runner's path: the checks of ``draft_block`` on the host, then one bucketed step."""
         assert self.graphs is not None
         vocab = self.model.real_vocab_size
@@ -457,8 +478,14 @@ class DraftEngine:
                 f"context cache lengths {lengths.tolist()} must equal anchor positions {positions.tolist()}: append "
                 f"the context rows 0..start-1 before drafting"
             )
-        out = self.graphs.run(anchors, positions, slots, *self._slot_sampling(slots), distinct=distinct)
-        return self._proposal(req_ids, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
+        graphs = self.graphs
+        launched = graphs.launch(anchors, positions, slots, *self._slot_sampling(slots), distinct=distinct)
+
+        def finish() -> Proposal:
+            out = graphs.collect(launched)
+            return self._proposal(req_ids, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
+
+        return PendingProposal(finish)
 
     def _slot_sampling(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Temperature (float32 [R]) and effective top-k and seed (int64 [R, 2]) of the slots, read-only; kept for
@@ -495,4 +522,3 @@ class DraftEngine:
             topk_ids=topk_ids,
             topk_probs=topk_probs,
         )
-

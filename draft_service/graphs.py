@@ -39,6 +39,7 @@ from cluster.graphs import (
     GraphStep,
     StagingFence,
     bucket_sizes,
+    device_event,
     pick_bucket,
     pinned_empty,
     split_views,
@@ -46,6 +47,19 @@ from cluster.graphs import (
 from draft_service.context_cache import DraftContextCache
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import kernel_backend, sample_block_keyed
+
+
+@dataclass
+class LaunchedDraft:
+    """A draft step queued on the device (:meth:`DraftGraphRunner.launch`): its request count, graph step,
+    sparse distributions (device tensors), the event after its result copy, and once collected its result."""
+
+    num: int
+    step: GraphStep
+    topk_ids: torch.Tensor
+    topk_probs: torch.Tensor
+    done: torch.Event | None
+    result: BucketedDraft | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +117,8 @@ class DraftGraphRunner:
         self._dev_int = torch.zeros_like(self._host_int, device=self.device)
         self._host_temp = self._host_int[num_int:].view(torch.float32)[:top]
         self._dev_temp = self._dev_int[num_int:].view(torch.float32)[:top]
-        # No fence for this buffer: ``run`` ends in a blocking copy on the stream of its upload.
+        # No fence for this buffer: every launch is collected (a wait for its result copy, queued after its
+        # upload on the same stream) before the next one writes it.
         self._where_fence = StagingFence(self.device)
         self.host = split_views(self._host_int.numpy(), self._int_fields)
         self.host["temperature"] = self._host_temp.numpy()
@@ -132,6 +147,9 @@ class DraftGraphRunner:
         # The last step's bucket, per-request-list arrays (kept when read-only and passed again) and whether
         # some request samples: see run.
         self._kept_fields: tuple[int, tuple[np.ndarray, ...], bool] | None = None
+        self._launched: LaunchedDraft | None = None  # launched, not yet collected: it owns the buffers
+        # Recorded after each step's result copy (one launch in flight at a time: one event, made once).
+        self._result_event = device_event(device=self.device) if self.device.type == "cuda" else None
         self._fill_padding(top)
         self._fill_append_padding(rows)
         # The staging buffers with every field at its padding value: one copy resets them before each step.
@@ -245,10 +263,26 @@ class DraftGraphRunner:
         k_eff_and_seeds: np.ndarray,
         distinct: bool = False,
     ) -> BucketedDraft:
-        """Draft for R requests: anchor, anchor position and slot (int64 [R] each), temperature (float32 [R]),
-        effective top-k (in [1, draft_top_k]) and seed (int64 [R, 2]); ``distinct``: the slots are known to be.
-        Validated by the caller: anchors in the vocabulary, each slot holding exactly ``positions[r]`` context
-        rows."""
+        """Draft for R requests and wait for the drafts: :meth:`launch` then :meth:`collect`."""
+        return self.collect(self.launch(anchors, positions, slots, temperatures, k_eff_and_seeds, distinct))
+
+    def launch(
+        self,
+        anchors: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        temperatures: np.ndarray,
+        k_eff_and_seeds: np.ndarray,
+        distinct: bool = False,
+    ) -> LaunchedDraft:
+        """Start drafting for R requests: anchor, anchor position and slot (int64 [R] each), temperature (float32
+        [R]), effective top-k (in [1, draft_top_k]) and seed (int64 [R, 2]); ``distinct``: the slots are known to
+        be. Returns once the step and its result copy are queued on the stream: the host may do other work
+        while the device drafts, then :meth:`collect` (which must come before the runner is used again: the
+        staging and result buffers are the launch's until then). Validated by the caller: anchors in the
+        vocabulary, each slot holding exactly ``positions[r]`` context rows."""
+        if self._launched is not None:
+            raise RuntimeError("DraftGraphRunner: the last launched step was not collected")
         num = len(anchors)
         size = pick_bucket(num, self.sizes)
         if size is None:
@@ -300,16 +334,41 @@ class DraftGraphRunner:
         ids, probs = (topk_ids, topk_probs) if num == size else (topk_ids[:num], topk_probs[:num])
         if sampled:  # start the device-side copies before waiting on the host copy
             ids, probs = ids.clone(), probs.clone()
-        self._result_views[size].copy_(packed)  # the one device -> host copy (and wait) of the step
-        step.settle_timing()
+        # The one device -> host copy of the step, into page-locked rows: queued, waited for by collect.
+        self._result_views[size].copy_(packed, non_blocking=True)
+        done = self._result_event
+        if done is not None:
+            done.record()
+        self._launched = LaunchedDraft(num, step, ids, probs, done)
+        return self._launched
+
+    def collect(self, launched: LaunchedDraft) -> BucketedDraft:
+        """Wait for a launched step's drafts (once; later calls return the same result)."""
+        if launched.result is not None:
+            return launched.result
+        if launched is not self._launched:
+            raise RuntimeError("DraftGraphRunner: this step was launched before the last one")
+        if launched.done is not None:
+            launched.done.synchronize()
+        self._launched = None
+        launched.step.settle_timing()
         for done in self._unsettled:
             done.settle_timing()
         self._unsettled.clear()
         bs = self.model.block_size
+        num = launched.num
         result = self._result_np[:num]
         tokens = torch.from_numpy(result[:, :bs].astype(np.int64))
         conf = result[:, bs:].copy() if self.has_confidence else None
-        return BucketedDraft(tokens=tokens, confidence_logits=conf, topk_ids=ids, topk_probs=probs)
+        launched.result = BucketedDraft(
+            tokens=tokens, confidence_logits=conf, topk_ids=launched.topk_ids, topk_probs=launched.topk_probs
+        )
+        return launched.result
+
+    def settle(self) -> None:
+        """Collect a launched step that nobody collected yet (before anything else uses the buffers)."""
+        if self._launched is not None:
+            self.collect(self._launched)
 
     def _fill_padding(self, size: int) -> None:
         host = self.host
@@ -373,4 +432,3 @@ class DraftGraphRunner:
         packed = torch.cat([sample.tokens.double(), conf.double()], dim=1)
         assert sample.topk_ids is not None and sample.topk_probs is not None
         return packed, sample.topk_ids, sample.topk_probs
-
