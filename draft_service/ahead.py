@@ -50,10 +50,10 @@ class DraftAhead:
         first = rows[0][0]
         if len(rows) == len(first.req_ids) and all(p is first and r == i for i, (p, r) in enumerate(rows)):
             return first
-        return _gather(rows)
+        return gather_rows(rows)
 
 
-def _gather(rows: list[tuple[Proposal, int]]) -> Proposal:
+def gather_rows(rows: list[tuple[Proposal, int]]) -> Proposal:
     """A proposal made of rows of other proposals (same drafter, so the same shapes)."""
 
     def stack(name: str) -> torch.Tensor:

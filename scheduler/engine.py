@@ -30,7 +30,8 @@ from enum import Enum
 import numpy as np
 
 from cluster.sampling import SamplingParams
-from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEngine, Proposal
+from draft_service.ahead import gather_rows
+from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEngine, PendingProposal, Proposal
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
@@ -95,6 +96,22 @@ class _Request:
         return PrefillItem(self.req_id, [*self.prompt, *self.output[:-1]], self.params, anchor=self.output[-1])
 
 
+@dataclass
+class _Ahead:
+    """The next round's drafts, launched before a round's commit (``draft_ahead``): for these requests (in
+    running order) at these anchors and positions, with the policy's decision to draft."""
+
+    requests: list[_Request]
+    batch: DraftBatch
+    pending: PendingProposal | None
+    drafting: bool
+
+    def drop(self) -> None:
+        """Wait for drafts nobody will use (the draft engine's buffers are theirs until then)."""
+        if self.pending is not None:
+            self.pending.result()
+
+
 #: A request taken out of one engine with everything it carries (output so far, detokenizer and stop-string
 #: state, metrics), to be adopted by another engine: see :meth:`SpeculativeEngine.detach`.
 DetachedRequest = _Request
@@ -123,7 +140,12 @@ class SpeculativeEngine:
         decode: Callable[[Sequence[int]], str] | None = None,
         eos_token_ids: Iterable[int] = (),
         max_running: int | None = None,
+        draft_ahead: bool = False,
     ) -> None:
+        """``draft_ahead``: launch the next round's drafting right after a round's context append, before its
+        commit, so that the host commits while the device drafts (a drafter with ``propose_start``: the
+        in-process draft engine; rounds without joining requests on a local verifier's bucketed (graph) path,
+        whose results come as one StepResults; see :meth:`_launch_ahead`)."""
         if policy.uses_drafter and draft is None:
             raise ValueError(f"policy {policy.name!r} needs a drafter")
         if policy.name.startswith("dspark") and draft is not None and not draft.has_confidence_head:
@@ -144,6 +166,8 @@ class SpeculativeEngine:
         self._running: dict[str, _Request] = {}
         self._finished: list[str] = []  # requests finished this round: released together at its end
         self._ids = itertools.count()
+        self._draft_ahead = draft_ahead and self.draft is not None and hasattr(self.draft, "propose_start")
+        self._ahead: _Ahead | None = None  # the next round's drafts, launched before this round's commit
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -230,8 +254,11 @@ class SpeculativeEngine:
         return len(self._waiting)
 
     def close(self) -> None:
-        """Free what the round driver itself holds (the engines it drives are their owner's): nothing here; a
-        pipelined driver stops its drafter thread."""
+        """Free what the round driver itself holds (the engines it drives are their owner's): drafts launched
+        ahead are waited for; a pipelined driver stops its drafter thread."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.drop()
 
     def snapshot(self) -> MetricsSnapshot:
         return self.metrics.snapshot(running=len(self._running), waiting=len(self._waiting))
@@ -265,10 +292,18 @@ class SpeculativeEngine:
         verified = running[: len(running) - len(admitted)]
 
         t0 = time.perf_counter()
-        caps, drafting = self._plan(verified)
+        ahead = self._take_ahead(verified)
+        if ahead is None:
+            caps, drafting = self._plan(verified)
+        else:
+            caps, drafting = ahead[0], ahead[1]
         t_decided = time.perf_counter()
         proposal = batch = None
-        if drafting and self.draft is not None:
+        if ahead is not None and ahead[2] is not None:
+            proposal, batch = ahead[2].result(), ahead[3]
+            if ahead[4] is not None:  # some launched rows finished meanwhile: this round's rows of the block
+                proposal = gather_rows([(proposal, row) for row in ahead[4]])
+        elif drafting and self.draft is not None:
             num = len(verified)
             batch = DraftBatch(
                 [r.req_id for r in verified],
@@ -293,6 +328,68 @@ class SpeculativeEngine:
         drafting = self.draft is not None and bool(verified)
         caps = self._caps(verified) if drafting else np.zeros(len(verified), dtype=np.int64)
         return caps, drafting and self.policy.should_draft(caps)
+
+    def _take_ahead(
+        self, verified: list[_Request]
+    ) -> tuple[np.ndarray, bool, PendingProposal | None, DraftBatch | None, list[int] | None] | None:
+        """This round's (caps, drafting, launched drafts, their batch, rows of them) from the drafts launched
+        ahead, when they were launched for exactly this round's requests at their committed anchors and
+        positions (or for a superset, when some finished: then the policy decides again and the rows are
+        taken); None otherwise (drafts launched for another set are waited for and dropped)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if not verified:
+            ahead.drop()
+            return None
+        same = len(verified) == len(ahead.requests) and all(map(operator.is_, verified, ahead.requests))
+        rows: list[int] | None = None
+        if not same:
+            index = {id(r): i for i, r in enumerate(ahead.requests)}
+            found = [index.get(id(r)) for r in verified]
+            if any(i is None for i in found):
+                ahead.drop()
+                return None
+            rows = found  # type: ignore[assignment]
+        batch = ahead.batch
+        num = len(verified)
+        anchors = np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num)
+        positions = np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num)
+        launched_anchors = batch.anchors if rows is None else batch.anchors[rows]
+        launched_positions = batch.positions if rows is None else batch.positions[rows]
+        if not (np.array_equal(anchors, launched_anchors) and np.array_equal(positions, launched_positions)):
+            ahead.drop()
+            return None
+        caps = self._caps(verified)
+        if rows is None:
+            return caps, ahead.drafting, ahead.pending, batch, None
+        drafting = self.policy.should_draft(caps)
+        if not drafting or ahead.pending is None:
+            ahead.drop()
+            return caps, drafting, None, None, None
+        subset = DraftBatch([r.req_id for r in verified], anchors, positions)
+        return caps, True, ahead.pending, subset, rows
+
+    def _launch_ahead(
+        self, verified: list[_Request], tokens: Sequence[Sequence[int]], accepted: Sequence[int]
+    ) -> None:
+        """Draft the next round now, for every request of this verify-only round at its committed anchor and
+        position (taken from the step's results before the commit; a request that finishes in the commit
+        wastes its row), if the policy drafts at the next round's caps; the commit then runs while the device
+        drafts. The drafts are what the next round would draft: the same context (appended before), anchor and
+        position, and randomness keyed by request and position. The policy decides from the rounds before this
+        one (this round's timings reach it after its commit), as a pipelined scheduler does."""
+        num = len(verified)
+        anchors = np.fromiter((t[-1] for t in tokens), dtype=np.int64, count=num)
+        positions = np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num) + 1
+        positions += np.asarray(accepted, dtype=np.int64)
+        left = np.fromiter((r.max_tokens - len(r.output) for r in verified), dtype=np.int64, count=num)
+        left -= np.fromiter(map(len, tokens), dtype=np.int64, count=num)
+        caps = self._caps_from(left, positions)
+        drafting = self.policy.should_draft(caps)
+        batch = DraftBatch([r.req_id for r in verified], anchors, positions)
+        pending = self.draft.propose_start(batch) if drafting else None  # type: ignore[union-attr]
+        self._ahead = _Ahead(list(verified), batch, pending, drafting)
 
     def _verify_and_commit(
         self,
@@ -348,6 +445,8 @@ class SpeculativeEngine:
                         results.arrays,
                     )
                 )
+            if self._draft_ahead and verified:
+                self._launch_ahead(verified, results.tokens, results.num_accepted)
             commit = self._commit
             outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
             # The step's own lists (made for this round, changed by nobody): the metrics keep them as they are.
@@ -435,6 +534,11 @@ class SpeculativeEngine:
             dtype=np.int64,
             count=len(verified),
         )
+        return np.maximum(np.minimum(caps - 1, self.block_size), 0)
+
+    def _caps_from(self, tokens_left: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """:meth:`_caps` from arrays: the tokens each request may still emit and its anchor position."""
+        caps = np.minimum(tokens_left, self.verify.max_seq_len - positions)
         return np.maximum(np.minimum(caps - 1, self.block_size), 0)
 
     def _lengths(self, caps: np.ndarray, proposal: Proposal | None) -> np.ndarray:

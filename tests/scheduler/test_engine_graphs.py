@@ -238,7 +238,9 @@ def test_staged_context_appends_equal_eager(pair) -> None:
         torch.testing.assert_close(off[2], static[2], atol=1e-5, rtol=1e-5)
 
 
-def _generate(target, drafter, mode: str, temperature: float, prefill_rows: int = 0) -> list[list[int]]:
+def _generate(
+    target, drafter, mode: str, temperature: float, prefill_rows: int = 0, draft_ahead: bool = False
+) -> list[list[int]]:
     verify = VerifyEngine(
         target,
         12,
@@ -250,7 +252,10 @@ def _generate(target, drafter, mode: str, temperature: float, prefill_rows: int 
     )
     draft = DraftEngine(drafter, 12, 96, graphs=mode, graph_buckets=BUCKETS)
     ragged = _count_graph_steps(verify)
-    engine = SpeculativeEngine(verify, draft, make_policy("dspark", _sps(), drafter.block_size))
+    engine = SpeculativeEngine(
+        verify, draft, make_policy("dspark", _sps(), drafter.block_size), draft_ahead=draft_ahead
+    )
+    calls = _count_proposals(draft)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 127, size=int(rng.integers(1, 30))).tolist() for _ in range(20)]
     max_tokens = [int(rng.integers(1, 30)) for _ in range(20)]
@@ -272,7 +277,35 @@ def _generate(target, drafter, mode: str, temperature: float, prefill_rows: int 
     assert verify.num_free_slots == 12 and draft.num_free_slots == 12
     if mode != "off":
         assert ragged["verify"] > 0 and (ragged["prefill"] > 0 or not prefill_rows), ragged
+    if draft_ahead:  # most rounds drafted ahead (launched before the previous commit), not in the round itself
+        assert calls["ahead"] > calls["in_round"] > 0, calls
+    else:
+        assert calls["ahead"] == 0 and calls["in_round"] > 0, calls
     return [outputs[r] for r in order]
+
+
+def _count_proposals(draft: DraftEngine) -> dict[str, int]:
+    """Counts of blocks drafted in their own round (``propose``) and launched ahead (``propose_start`` alone)."""
+    counts = {"in_round": 0, "ahead": 0}
+    propose, propose_start = draft.propose, draft.propose_start
+    inside = False
+
+    def counted_propose(items):
+        nonlocal inside
+        counts["in_round"] += 1
+        inside = True
+        try:
+            return propose(items)
+        finally:
+            inside = False
+
+    def counted_start(items):
+        if not inside:
+            counts["ahead"] += 1
+        return propose_start(items)
+
+    draft.propose, draft.propose_start = counted_propose, counted_start
+    return counts
 
 
 def _count_graph_steps(verify: VerifyEngine) -> dict[str, int]:
@@ -309,6 +342,18 @@ def test_engine_with_bucketed_steps_equals_eager(pair, temperature: float) -> No
     outputs with and without the bucketed steps, greedy (== target greedy) and sampled (same random numbers)."""
     target, drafter = pair
     assert _generate(target, drafter, "static", temperature) == _generate(target, drafter, "off", temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_drafting_ahead_equals_drafting_in_round(pair, temperature: float) -> None:
+    """Drafting the next round ahead (launched right after the context append, before the commit) gives the
+    same outputs as drafting in the round: greedy == target greedy, sampled with the same random numbers (the
+    same context, anchors and positions, and randomness keyed by request and position); requests finish and
+    join in between, so rounds also take a subset of the launched rows or drop them. Bucketed steps (the graph
+    path, where a verify-only round's results come as one StepResults): what drafting ahead applies to."""
+    target, drafter = pair
+    ahead = _generate(target, drafter, "static", temperature, draft_ahead=True)
+    assert ahead == _generate(target, drafter, "static", temperature)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -446,7 +491,8 @@ def test_ragged_step_with_prefills_equals_eager(pair) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32])
 def test_cuda_graphs_equal_eager(tmp_path: Path, dtype: torch.dtype) -> None:
     """On CUDA: captured graphs == eager (Triton attention, Triton sampler) == target greedy; sampled
-    requests give the same tokens from the captured graphs as from the same bucketed step run eagerly."""
+    requests give the same tokens from the captured graphs as from the same bucketed step run eagerly; the
+    same with the next round drafted ahead."""
     spec = PairSpec(vocab=128, hidden=32, block_size=5, markov_rank=8, target_layer_ids=(-1, 1, 2), seed=5)
     target_dir, draft_dir = write_pair(tmp_path, spec)
     drafter = load_draft_model(draft_dir, target_dir=target_dir, dtype=dtype, device="cuda")
@@ -460,6 +506,9 @@ def test_cuda_graphs_equal_eager(tmp_path: Path, dtype: torch.dtype) -> None:
     assert _generate(target, drafter, "capture", 1.0) == _generate(target, drafter, "static", 1.0)
     assert _generate(target, drafter, "capture", 0.0, 40) == greedy["off"]
     assert _generate(target, drafter, "capture", 1.0, 40) == _generate(target, drafter, "static", 1.0, 40)
+    # Drafting ahead: the launched step's result copy waited for by an event, the commit in between.
+    assert _generate(target, drafter, "capture", 0.0, draft_ahead=True) == greedy["off"]
+    assert _generate(target, drafter, "capture", 1.0, draft_ahead=True) == _generate(target, drafter, "static", 1.0)
 
 
 def _batch_and_items(anchors, positions, drafts, num_drafts):
