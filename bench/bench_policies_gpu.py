@@ -915,6 +915,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "autoregressive and full cells (the profile's steps are idle ones: under load, longer contexts and "
         "joining prompts' prefill make every step slower; the draft cost is measured from those cells alike)",
     )
+    parser.add_argument(
+        "--draft-ahead",
+        default="on",
+        choices=["on", "off"],
+        help="the engine launches the next round's drafts before a round's commit (SpeculativeEngine draft_ahead: "
+        "the host commits while the device drafts), as dspark serve does with CUDA graphs",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of every cell (interleaved), for error bars")
     parser.add_argument("--bandwidth-mib", type=int, default=1024)
     parser.add_argument(
@@ -1115,6 +1122,7 @@ def main(argv: list[str] | None = None) -> int:
             else make_policy(policy, scheduling_sps, block),
             eos_token_ids=target.eos_token_ids,
             max_running=concurrency,
+            draft_ahead=args.draft_ahead == "on",
         )
 
     for policy in args.policies:  # first calls compile the Triton kernels for the chunk shapes each policy makes

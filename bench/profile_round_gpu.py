@@ -63,6 +63,7 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 PHASES = {
     # (object attribute on the engine, method): phase name
     ("draft", "propose"): "draft.propose",
+    ("draft", "propose_start"): "draft.propose_start",
     ("draft", "append_context"): "draft.append_context",
     ("verify", "step"): "verify.step",
     ("policy", "lengths"): "policy.lengths",
@@ -70,8 +71,9 @@ PHASES = {
     (None, "_commit_results"): "commit",
     (None, "_admit"): "admit",
 }
-NESTED = {"draft.append_context"}
-"""Phases that run inside another one (the context append is part of the commit)."""
+NESTED = {"draft.append_context", "draft.propose_start"}
+"""Phases that run inside another one (the context append is part of the commit; a propose starts inside the
+propose, or, drafting ahead, inside the commit)."""
 
 
 def annotate(engine: SpeculativeEngine) -> Callable[[], None]:
@@ -295,6 +297,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--graphs", default="capture", choices=["off", "static", "capture"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--policies", nargs="+", default=["autoregressive", "full", "dspark"])
+    parser.add_argument(
+        "--draft-ahead", nargs="+", default=["on"], choices=["on", "off"], help="SpeculativeEngine draft_ahead"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=40, help="rounds before the timed ones")
@@ -337,29 +342,35 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "cells": [],
     }
-    cells = [(c, p) for c in args.concurrency for p in args.policies]
+    cells = [(c, p, a) for c in args.concurrency for p in args.policies for a in args.draft_ahead]
     overheads: dict[int, DraftCost] = {}
     no_draft: dict[int, DraftCost] = {}
-    for concurrency, policy in tqdm(cells, desc="cells", unit="cell", disable=not sys.stderr.isatty()):
+    for concurrency, policy, ahead in tqdm(cells, desc="cells", unit="cell", disable=not sys.stderr.isatty()):
         if policy in ("dspark", "dspark-async") and concurrency in overheads:
             chosen = scheduled_policy(policy, sps, overheads[concurrency], no_draft.get(concurrency))
         else:
             chosen = make_policy(policy, sps, block)
         engine = SpeculativeEngine(
-            engines.verify, engines.draft, chosen, eos_token_ids=target.eos_token_ids, max_running=concurrency
+            engines.verify,
+            engines.draft,
+            chosen,
+            eos_token_ids=target.eos_token_ids,
+            max_running=concurrency,
+            draft_ahead=ahead == "on",
         )
         cell = profile_cell(engine, mix, concurrency, args, device)
         split = cell["engine_split_ms"]
         outside_verify = (cell["wall_ms_unprofiled"] - split["verify"]) / 1000
-        if policy == "full":  # what the scheduled policies' whole-round objective prices a drafted round with
+        # What the scheduled policies' whole-round objective prices a drafted round with (first draft-ahead mode).
+        if policy == "full" and ahead == args.draft_ahead[0]:
             overheads[concurrency] = DraftCost(fixed_s=max(outside_verify, 0.0))
-        if policy == "autoregressive":
+        if policy == "autoregressive" and ahead == args.draft_ahead[0]:
             no_draft[concurrency] = DraftCost(fixed_s=max(outside_verify, 0.0))
-        cell.update(concurrency=concurrency, policy=policy)
+        cell.update(concurrency=concurrency, policy=policy, draft_ahead=ahead)
         results["cells"].append(cell)
         args.out.write_text(json.dumps(results, indent=1))
     lines = [
-        "| c | policy | round ms (unprofiled) | profiled | device busy | device idle | idle by phase (ms) |",
+        "| c | policy (draft ahead) | round ms (unprofiled) | profiled | device busy | device idle | idle by phase |",
         "| ---: | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for cell in results["cells"]:
@@ -367,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         idle = ", ".join(f"{k} {v:.3f}" for k, v in sorted(cell["phase_idle_ms"].items(), key=lambda kv: -kv[1]))
         lines.append(
-            f"| {cell['concurrency']} | {cell['policy']} | {cell['wall_ms_unprofiled']:.3f} | {cell['wall_ms']:.3f} | "
+            f"| {cell['concurrency']} | {cell['policy']} ({cell['draft_ahead']}) | {cell['wall_ms_unprofiled']:.3f} | "
+            f"{cell['wall_ms']:.3f} | "
             f"{cell['device_busy_ms']:.3f} | {cell['device_idle_ms']:.3f} | {idle} |"
         )
     for cell in results["cells"]:

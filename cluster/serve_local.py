@@ -175,6 +175,7 @@ def load_local_backend(
         make_policy(policy, sps or default_sps_table(), block_size, draft_cost),
         decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None,
         eos_token_ids=target_model.eos_token_ids,
+        draft_ahead=graphs == "capture",  # the host commits a round while the device drafts the next
     )
     return LocalBackend(engine, model_name)
 
