@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -110,6 +111,18 @@ class _Ahead:
         """Wait for drafts nobody will use (the draft engine's buffers are theirs until then)."""
         if self.pending is not None:
             self.pending.result()
+
+
+class _AheadTaken(NamedTuple):
+    """What a round takes from the drafts launched ahead: its caps and draft decision, and when drafting the
+    launched drafts with the batch they answer (``rows``: the launched rows of this round's requests, in its
+    order, when some launched request finished; None: all of them)."""
+
+    caps: np.ndarray
+    drafting: bool
+    pending: PendingProposal | None
+    batch: DraftBatch | None
+    rows: list[int] | None
 
 
 #: A request taken out of one engine with everything it carries (output so far, detokenizer and stop-string
@@ -296,13 +309,13 @@ class SpeculativeEngine:
         if ahead is None:
             caps, drafting = self._plan(verified)
         else:
-            caps, drafting = ahead[0], ahead[1]
+            caps, drafting = ahead.caps, ahead.drafting
         t_decided = time.perf_counter()
         proposal = batch = None
-        if ahead is not None and ahead[2] is not None:
-            proposal, batch = ahead[2].result(), ahead[3]
-            if ahead[4] is not None:  # some launched rows finished meanwhile: this round's rows of the block
-                proposal = gather_rows([(proposal, row) for row in ahead[4]])
+        if ahead is not None and ahead.pending is not None:
+            proposal, batch = ahead.pending.result(), ahead.batch
+            if ahead.rows is not None:  # some launched rows finished meanwhile: this round's rows of the block
+                proposal = gather_rows([(proposal, row) for row in ahead.rows])
         elif drafting and self.draft is not None:
             num = len(verified)
             batch = DraftBatch(
@@ -329,13 +342,11 @@ class SpeculativeEngine:
         caps = self._caps(verified) if drafting else np.zeros(len(verified), dtype=np.int64)
         return caps, drafting and self.policy.should_draft(caps)
 
-    def _take_ahead(
-        self, verified: list[_Request]
-    ) -> tuple[np.ndarray, bool, PendingProposal | None, DraftBatch | None, list[int] | None] | None:
-        """This round's (caps, drafting, launched drafts, their batch, rows of them) from the drafts launched
-        ahead, when they were launched for exactly this round's requests at their committed anchors and
-        positions (or for a superset, when some finished: then the policy decides again and the rows are
-        taken); None otherwise (drafts launched for another set are waited for and dropped)."""
+    def _take_ahead(self, verified: list[_Request]) -> _AheadTaken | None:
+        """This round's caps, draft decision and drafts from the drafts launched ahead, when they were launched
+        for exactly this round's requests at their committed anchors and positions (or for a superset, when some
+        finished: then the policy decides again and the rows are taken); None otherwise (drafts launched for
+        another set are waited for and dropped)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
@@ -362,13 +373,13 @@ class SpeculativeEngine:
             return None
         caps = self._caps(verified)
         if rows is None:
-            return caps, ahead.drafting, ahead.pending, batch, None
+            return _AheadTaken(caps, ahead.drafting, ahead.pending, batch, None)
         drafting = self.policy.should_draft(caps)
         if not drafting or ahead.pending is None:
             ahead.drop()
-            return caps, drafting, None, None, None
+            return _AheadTaken(caps, drafting, None, None, None)
         subset = DraftBatch([r.req_id for r in verified], anchors, positions)
-        return caps, True, ahead.pending, subset, rows
+        return _AheadTaken(caps, True, ahead.pending, subset, rows)
 
     def _launch_ahead(
         self, verified: list[_Request], tokens: Sequence[Sequence[int]], accepted: Sequence[int]
