@@ -52,7 +52,7 @@ stage host 75 python3 -m bench.profile_engine_host --device cuda --requests 32 1
   2>&1 | tail -n 20 | tee -a "$out/logs.txt"
 stage attention 90 python3 bench/bench_slot_attention.py --requests 1 2 4 8 32 --out "$out/slot_attention.json"
 stage gemm 270 python3 bench/bench_skinny_gemm.py --sweep --sweep-time-s 150 --out "$out/gemm.json"
-stage round 240 python3 bench/profile_round_gpu.py --prompts-dir .data/prompts --concurrency ${ROUND_C:-1 8} \
+stage round 240 python3 bench/profile_round_gpu.py --prompts-dir .data/prompts --concurrency ${ROUND_C:-1 8} --draft-ahead on off \
   --out "$out/round_profile.json"  # device idle per round by host phase
 stage verify $((150 + ${SKINNY:-0} * 60)) python3 bench/profile_verify_gpu.py --fused-only ${SKINNY:+--skinny-gemm} \
   --skinny-tuning "$out/gemm.json" --out-dir "$out"  # the gemm stage's swept launches, when it ran first

@@ -356,6 +356,45 @@ def test_engine_drafting_ahead_equals_drafting_in_round(pair, temperature: float
     assert ahead == _generate(target, drafter, "static", temperature)
 
 
+def test_drafting_ahead_survives_aborts_and_close(pair) -> None:
+    """A request aborted while its next block is drafted ahead, a request joining meanwhile, and the engine
+    closed with drafts in flight: the others still decode the target's greedy output, a round after the close
+    drafts afresh, and every slot comes back."""
+    target, drafter = pair
+    verify = VerifyEngine(target, 4, 96, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS)
+    draft = DraftEngine(drafter, 4, 96, graphs="static", graph_buckets=BUCKETS)
+    engine = SpeculativeEngine(verify, draft, make_policy("full", _sps(), drafter.block_size), draft_ahead=True)
+    prompts = [[3, 5, 7, 9], [11, 2, 4], [6, 6, 1, 8, 2], [9, 1]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ids = [engine.add_request(p, greedy) for p in prompts[:3]]
+    outputs: dict[str, list[int]] = {i: [] for i in ids}
+    for _ in range(3):
+        for out in engine.step():
+            outputs[out.req_id].extend(out.new_token_ids)
+    assert engine._ahead is not None and engine._ahead.pending is not None  # drafts in flight
+    assert engine.abort(ids[1])
+    ids.append(engine.add_request(prompts[3], greedy))
+    outputs[ids[-1]] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.req_id].extend(out.new_token_ids)
+    expected = target.generate([prompts[0], prompts[2], prompts[3]], max_new_tokens=24)
+    assert [outputs[ids[0]], outputs[ids[2]], outputs[ids[3]]] == expected
+    late = engine.add_request(prompts[1], greedy)
+    outputs[late] = []
+    for _ in range(3):
+        for out in engine.step():
+            outputs[out.req_id].extend(out.new_token_ids)
+    assert engine._ahead is not None
+    engine.close()  # drafts launched ahead are waited for and dropped: the next round drafts afresh
+    assert engine._ahead is None
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.req_id].extend(out.new_token_ids)
+    assert outputs[late] == target.generate([prompts[1]], max_new_tokens=24)[0]
+    assert verify.num_free_slots == 4 and draft.num_free_slots == 4
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_engine_with_prefills_in_the_ragged_step_equals_eager(pair, temperature: float) -> None:
     """Joining prompts chunked into the same ragged step as the verify chunks (up to 40 prompt rows a step):
