@@ -1,16 +1,18 @@
 """Starting local Ray test clusters on a loaded 2-core machine.
 
 Ray waits a fixed 30 s (not configurable in 2.60) for a freshly started raylet to register with the GCS and raises
-"The current node timed out during startup" after it. On CI's 2-core machine that happened once, right after
-another module's cluster had shut down. The start is retried then: the processes of the node that failed are this
-test process's children that Ray no longer tracks, so they are killed first (never ``ray stop``, which would kill
-every Ray process on the machine). Any other start-up error is raised at once.
+"The current node timed out during startup" after it, and a fixed time for a new head's GCS server to write its
+port file ("Timed out waiting for file .../gcs_server_port_..."). On CI's 2-core machine each happened once, right
+after another module's cluster had shut down. The start is retried then: the processes of the node that failed
+are this test process's children that Ray no longer tracks, so they are killed first (never ``ray stop``, which
+would kill every Ray process on the machine). Any other start-up error is raised at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,11 +21,11 @@ import ray
 T = TypeVar("T")
 
 ATTEMPTS = 3
-NODE_START_TIMEOUT = "timed out during startup"
+NODE_START_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 
 
 def is_node_start_timeout(error: BaseException) -> bool:
-    return NODE_START_TIMEOUT in str(error)
+    return any(message in str(error) for message in NODE_START_TIMEOUTS)
 
 
 def kill_stray_ray_children() -> list[int]:
@@ -54,7 +56,10 @@ def start_with_retry(start: Callable[[], T], cleanup: Callable[[], None]) -> T:
         except Exception as error:
             if not is_node_start_timeout(error):
                 raise
-            cleanup()
+            try:
+                cleanup()
+            except Exception as cleanup_error:  # a half-started node: killing its processes below cleans up
+                warnings.warn(f"cleanup after a node start-up timeout failed: {cleanup_error!r}", stacklevel=2)
             kill_stray_ray_children()
     return start()
 

@@ -26,6 +26,25 @@ def test_a_node_start_timeout_is_retried_after_cleanup() -> None:
     assert calls == ["start", "cleanup"] * (ATTEMPTS - 1) + ["start"]
 
 
+def test_a_gcs_port_file_timeout_is_retried_and_a_failing_cleanup_is_survived() -> None:
+    """A new head whose GCS server did not write its port file in time is a start-up timeout too; a cleanup that
+    fails on the half-started cluster is reported and the start retried."""
+    calls: list[str] = []
+
+    def start() -> str:
+        calls.append("start")
+        if len(calls) == 1:
+            raise RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_abc")
+        return "cluster"
+
+    def cleanup() -> None:
+        raise RuntimeError("no head node to shut down")
+
+    with pytest.warns(UserWarning, match="cleanup after a node start-up timeout failed"):
+        assert start_with_retry(start, cleanup) == "cluster"
+    assert calls == ["start", "start"]
+
+
 def test_the_last_timeout_and_any_other_error_are_raised() -> None:
     def always_times_out() -> None:
         raise TIMEOUT
