@@ -145,7 +145,7 @@ class DraftGraphRunner:
         self._row_views: dict[int, torch.Tensor] = {}  # context_rows[:n] by n
         self._unsettled: list[GraphStep] = []  # append steps run since the last propose (their timing pending)
         # The last step's bucket, per-request-list arrays (kept when read-only and passed again) and whether
-        # some request samples: see run.
+        # some request samples: see launch.
         self._kept_fields: tuple[int, tuple[np.ndarray, ...], bool] | None = None
         self._launched: LaunchedDraft | None = None  # launched, not yet collected: it owns the buffers
         # Recorded after each step's result copy (one launch in flight at a time: one event, made once).
@@ -253,18 +253,6 @@ class DraftGraphRunner:
         half = where.shape[0] // 2
         where[:rows] = self.dummy_slot
         where[half : half + rows] = 0
-
-    def run(
-        self,
-        anchors: np.ndarray,
-        positions: np.ndarray,
-        slots: np.ndarray,
-        temperatures: np.ndarray,
-        k_eff_and_seeds: np.ndarray,
-        distinct: bool = False,
-    ) -> BucketedDraft:
-        """Draft for R requests and wait for the drafts: :meth:`launch` then :meth:`collect`."""
-        return self.collect(self.launch(anchors, positions, slots, temperatures, k_eff_and_seeds, distinct))
 
     def launch(
         self,
