@@ -29,6 +29,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
@@ -62,6 +64,27 @@ def chain(kind: str, x: torch.Tensor, nodes: int) -> None:
             _add_one_kernel[(1,)](x, SIZE=SIZE, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
 
 
+def replay_once(
+    graph: torch.cuda.CUDAGraph,
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
+    after: Callable[[], object] | None = None,
+) -> tuple[float, float]:
+    """One replay: (host us of the call, us until the stream is idle again); with ``events`` the replay is
+    bracketed by them (its device time is then read from them; the events' own cost is in this replay's
+    times, so callers take host times from replays without events). ``after``: work queued after it (a copy)."""
+    if events is not None:
+        events[0].record()
+    t0 = time.perf_counter()
+    graph.replay()
+    t1 = time.perf_counter()
+    if events is not None:
+        events[1].record()
+    if after is not None:
+        after()
+    torch.cuda.current_stream().synchronize()
+    return (t1 - t0) * 1e6, (time.perf_counter() - t0) * 1e6
+
+
 def measure(kind: str, nodes: int, repeats: int) -> dict[str, float]:
     x = torch.zeros(SIZE, device="cuda")
     chain(kind, x, 2)  # compile outside the capture
@@ -80,20 +103,12 @@ def measure(kind: str, nodes: int, repeats: int) -> dict[str, float]:
     launch, wall, device = [], [], []
     for i in range(repeats):
         timed = i % 2 == 1  # events only in every other replay: they are not part of the plain ones' wall
-        if timed:
-            start.record()
-        t0 = time.perf_counter()
-        graph.replay()
-        t1 = time.perf_counter()
-        if timed:
-            end.record()
-        torch.cuda.current_stream().synchronize()
-        t2 = time.perf_counter()
+        host, until_idle = replay_once(graph, (start, end) if timed else None)
         if timed:
             device.append(start.elapsed_time(end) * 1000)
         else:
-            launch.append((t1 - t0) * 1e6)
-            wall.append((t2 - t0) * 1e6)
+            launch.append(host)
+            wall.append(until_idle)
     row = {
         "kind": kind,
         "nodes": nodes,
@@ -200,23 +215,14 @@ def launch_patterns(graphs: list[torch.cuda.CUDAGraph], repeats: int) -> list[di
             if copies:
                 upload_dev.copy_(upload_host, non_blocking=True)
             timed = (i // len(order)) % 2 == 1
-            if timed:
-                start.record()
-            t0 = time.perf_counter()
-            graph.replay()
-            t1 = time.perf_counter()
-            if timed:
-                end.record()
-            if copies:
-                result_host.copy_(result_dev)
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
+            download = partial(result_host.copy_, result_dev) if copies else None
+            host, until_idle = replay_once(graph, (start, end) if timed else None, download)
             entry = per_graph.setdefault(i % len(order), {"launch": [], "wall": [], "device": []})
             if timed:
                 entry["device"].append(start.elapsed_time(end) * 1000)
             else:
-                entry["launch"].append((t1 - t0) * 1e6)
-                entry["wall"].append((t2 - t0) * 1e6)
+                entry["launch"].append(host)
+                entry["wall"].append(until_idle)
         for k, entry in per_graph.items():
             launch, wall, device = (statistics.median(entry[x]) for x in ("launch", "wall", "device"))
             label = name if len(order) == 1 else f"{name} ({'draft' if order[k] is small else 'verify'})"
