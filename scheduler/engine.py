@@ -539,13 +539,9 @@ class SpeculativeEngine:
 
     def _caps(self, verified: list[_Request]) -> np.ndarray:
         """Caps that only depend on counts: never verify past max_tokens or past the KV slot."""
-        max_seq_len = self.verify.max_seq_len
-        caps = np.fromiter(
-            (min(r.max_tokens - len(r.output), max_seq_len - r.position) for r in verified),
-            dtype=np.int64,
-            count=len(verified),
-        )
-        return np.maximum(np.minimum(caps - 1, self.block_size), 0)
+        num = len(verified)
+        tokens_left = np.fromiter((r.max_tokens - len(r.output) for r in verified), dtype=np.int64, count=num)
+        return self._caps_from(tokens_left, np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num))
 
     def _caps_from(self, tokens_left: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """:meth:`_caps` from arrays: the tokens each request may still emit and its anchor position."""
