@@ -922,6 +922,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the engine launches the next round's drafts before a round's commit (SpeculativeEngine draft_ahead: "
         "the host commits while the device drafts), as dspark serve does with CUDA graphs",
     )
+    parser.add_argument(
+        "--chain-verify",
+        default="on",
+        choices=["on", "off"],
+        help="rounds whose lengths the policy fixes before the drafts exist (fixed-N and full always, dspark on a "
+        "flat SPS curve) queue the verify step right behind the draft step on the device (SpeculativeEngine "
+        "chain_verify), as dspark serve does with CUDA graphs",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs of every cell (interleaved), for error bars")
     parser.add_argument("--bandwidth-mib", type=int, default=1024)
     parser.add_argument(
@@ -1123,6 +1131,7 @@ def main(argv: list[str] | None = None) -> int:
             eos_token_ids=target.eos_token_ids,
             max_running=concurrency,
             draft_ahead=args.draft_ahead == "on",
+            chain_verify=args.chain_verify == "on",
         )
 
     for policy in args.policies:  # first calls compile the Triton kernels for the chunk shapes each policy makes

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -124,6 +125,20 @@ class GraphStep(Generic[T]):
         if self._pending is not None:
             self.time_s += self._pending[0].elapsed_time(self._pending[1]) / 1000.0
             self._pending = None
+
+
+@dataclass(frozen=True)
+class DeviceDrafts:
+    """Drafted token ids still on the device: a draft step's output, before the host has read it.
+
+    Token j of request r is ``flat[r * row_stride + j]`` (any dtype that holds the ids exactly). A verify step
+    launched right behind the draft step reads them there (a chained round: no host round trip between the
+    two steps, see :meth:`verify_service.graphs.VerifyGraphRunner.start_verify`); with captured graphs
+    ``flat`` is the draft step's static output, so the reading work must be queued before the next draft step.
+    """
+
+    flat: torch.Tensor
+    row_stride: int
 
 
 def split_views(buffer: torch.Tensor | np.ndarray, fields: dict[str, int]) -> dict:

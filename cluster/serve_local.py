@@ -176,6 +176,7 @@ def load_local_backend(
         decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None,
         eos_token_ids=target_model.eos_token_ids,
         draft_ahead=graphs == "capture",  # the host commits a round while the device drafts the next
+        chain_verify=graphs == "capture",  # rounds of known lengths: the verify step queued behind the drafter
     )
     return LocalBackend(engine, model_name)
 

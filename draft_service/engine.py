@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, check_graph_mode
+from cluster.graphs import DEFAULT_BUCKETS, DeviceDrafts, check_graph_mode
 from cluster.sampling import SamplingParams
 from cluster.slot_lookups import SlotLookups
 from draft_service.graphs import DraftGraphRunner
@@ -141,11 +141,15 @@ class Proposal:
 
 
 class PendingProposal:
-    """A proposal being drafted (:meth:`DraftEngine.propose_start`): :meth:`result` waits for it, once."""
+    """A proposal being drafted (:meth:`DraftEngine.propose_start`): :meth:`result` waits for it, once.
 
-    def __init__(self, finish: Callable[[], Proposal]) -> None:
+    ``device_tokens``: on the graph path, the drafted ids where the draft step writes them on the device, for
+    a verify step queued behind it (a chained round); None when the proposal was made eagerly."""
+
+    def __init__(self, finish: Callable[[], Proposal], device_tokens: DeviceDrafts | None = None) -> None:
         self._finish: Callable[[], Proposal] | None = finish
         self._proposal: Proposal | None = None
+        self.device_tokens = device_tokens
 
     def result(self) -> Proposal:
         if self._proposal is None:
@@ -485,7 +489,7 @@ class DraftEngine:
             out = graphs.collect(launched)
             return self._proposal(req_ids, out.tokens, out.confidence_logits, out.topk_ids, out.topk_probs)
 
-        return PendingProposal(finish)
+        return PendingProposal(finish, launched.tokens)
 
     def _slot_sampling(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Temperature (float32 [R]) and effective top-k and seed (int64 [R, 2]) of the slots, read-only; kept for

@@ -36,6 +36,7 @@ import torch
 
 from cluster.graphs import (
     DEFAULT_BUCKETS,
+    DeviceDrafts,
     GraphStep,
     StagingFence,
     bucket_sizes,
@@ -52,13 +53,16 @@ from draft_service.sequential_head import kernel_backend, sample_block_keyed
 @dataclass
 class LaunchedDraft:
     """A draft step queued on the device (:meth:`DraftGraphRunner.launch`): its request count, graph step,
-    sparse distributions (device tensors), the event after its result copy, and once collected its result."""
+    sparse distributions (device tensors), the event after its result copy, the drafted ids where the step
+    wrote them on the device (a verify step may read them there before the host has them), and once
+    collected its result."""
 
     num: int
     step: GraphStep
     topk_ids: torch.Tensor
     topk_probs: torch.Tensor
     done: torch.Event | None
+    tokens: DeviceDrafts
     result: BucketedDraft | None = None
 
 
@@ -327,7 +331,8 @@ class DraftGraphRunner:
         done = self._result_event
         if done is not None:
             done.record()
-        self._launched = LaunchedDraft(num, step, ids, probs, done)
+        # The packed rows [size, 2 * bs] hold each request's drafted ids first (float64, exact).
+        self._launched = LaunchedDraft(num, step, ids, probs, done, DeviceDrafts(packed.view(-1), packed.shape[1]))
         return self._launched
 
     def collect(self, launched: LaunchedDraft) -> BucketedDraft:

@@ -154,11 +154,18 @@ class SpeculativeEngine:
         eos_token_ids: Iterable[int] = (),
         max_running: int | None = None,
         draft_ahead: bool = False,
+        chain_verify: bool = False,
     ) -> None:
         """``draft_ahead``: launch the next round's drafting right after a round's context append, before its
         commit, so that the host commits while the device drafts (a drafter with ``propose_start``: the
         in-process draft engine; rounds without joining requests on a local verifier's bucketed (graph) path,
-        whose results come as one StepResults; see :meth:`_launch_ahead`)."""
+        whose results come as one StepResults; see :meth:`_launch_ahead`).
+
+        ``chain_verify``: when the policy fixes a round's lengths before the drafts exist (``planned_lengths``:
+        the fixed-length policies always, DSpark on a flat SPS curve), queue the verify step right behind the
+        draft step on the device, reading the drafts where the drafter wrote them, instead of waiting for them
+        on the host first (an in-process drafter and verifier on one device, graph path, greedy requests, no
+        joining prompt; any other round runs as usual; see :meth:`_chained_round`)."""
         if policy.uses_drafter and draft is None:
             raise ValueError(f"policy {policy.name!r} needs a drafter")
         if policy.name.startswith("dspark") and draft is not None and not draft.has_confidence_head:
@@ -181,6 +188,12 @@ class SpeculativeEngine:
         self._ids = itertools.count()
         self._draft_ahead = draft_ahead and self.draft is not None and hasattr(self.draft, "propose_start")
         self._ahead: _Ahead | None = None  # the next round's drafts, launched before this round's commit
+        self._planned_lengths: Callable[[np.ndarray, int], np.ndarray | None] | None = None
+        if chain_verify and hasattr(self.draft, "propose_start") and hasattr(verify, "start_chained"):
+            self._planned_lengths = getattr(policy, "planned_lengths", None)
+        self._observe_drafts: Callable[[np.ndarray, np.ndarray], None] | None = getattr(
+            policy, "observe_drafts", None
+        )
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -311,6 +324,10 @@ class SpeculativeEngine:
         else:
             caps, drafting = ahead.caps, ahead.drafting
         t_decided = time.perf_counter()
+        if drafting and not admitted and self._planned_lengths is not None and (ahead is None or ahead.rows is None):
+            lengths = self._planned_lengths(caps, self.block_size)
+            if lengths is not None:
+                return self._chained_round(verified, caps, lengths, ahead, t_decided - t0, t_decided)
         proposal = batch = None
         if ahead is not None and ahead.pending is not None:
             proposal, batch = ahead.pending.result(), ahead.batch
@@ -331,6 +348,48 @@ class SpeculativeEngine:
         return self._verify_and_commit(
             admitted, verified, verifies, drafting, t1 - t_decided, (t_decided - t0) + (t2 - t1), t2
         )
+
+    def _chained_round(
+        self,
+        verified: list[_Request],
+        caps: np.ndarray,
+        lengths: np.ndarray,
+        ahead: _AheadTaken | None,
+        schedule_s: float,
+        t_decided: float,
+    ) -> list[RequestOutput]:
+        """A drafted round whose lengths were fixed before the drafts exist: the verify step is queued right
+        behind the draft step on the device (the verifier reads the drafts there), so the device runs both
+        without the host in between; meanwhile the host takes the drafts' confidences for the policy. When the
+        verifier cannot chain the step (:meth:`VerifyEngine.start_chained` says None) the drafts are verified
+        the usual way, with the same lengths. The draft time runs to the drafts' arrival on the host (the
+        verify step starts on the device then), the verify time from there to its results."""
+        draft = self.draft
+        assert draft is not None
+        if ahead is not None and ahead.pending is not None and ahead.batch is not None:
+            pending, batch = ahead.pending, ahead.batch
+        else:
+            num = len(verified)
+            batch = DraftBatch(
+                [r.req_id for r in verified],
+                np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num),
+                np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
+            )
+            pending = draft.propose_start(batch)  # type: ignore[attr-defined]
+        finish = None
+        if pending.device_tokens is not None:
+            finish = self.verify.start_chained(  # type: ignore[attr-defined]
+                batch.req_ids, batch.anchors, batch.positions, lengths, pending.device_tokens
+            )
+        proposal = pending.result()
+        t_drafted = time.perf_counter()
+        if self._observe_drafts is not None and proposal.confidences is not None:
+            self._observe_drafts(np.asarray(proposal.confidences, dtype=np.float64), caps)
+        draft_s = t_drafted - t_decided
+        if finish is None:
+            verifies = self._verify_items(verified, lengths, proposal, batch)
+            return self._verify_and_commit([], verified, verifies, True, draft_s, schedule_s, t_drafted)
+        return self._commit_round([], verified, finish(), True, draft_s, schedule_s, t_drafted)
 
     def _plan(self, verified: list[_Request]) -> tuple[np.ndarray, bool]:
         """The count caps of the requests to verify, and whether the drafter drafts for them this round.
@@ -418,9 +477,23 @@ class SpeculativeEngine:
         from there, as the items' construction is part of handing the block to the verifier).
         """
         prefills = [r.prefill_item() for r in admitted]
-        results = self.verify.step(prefills, verifies)
-        t3 = time.perf_counter()
+        return self._commit_round(
+            admitted, verified, self.verify.step(prefills, verifies), drafting, draft_s, schedule_s, t2
+        )
 
+    def _commit_round(
+        self,
+        admitted: list[_Request],
+        verified: list[_Request],
+        results: Sequence[StepResult] | StepResults,
+        drafting: bool,
+        draft_s: float,
+        schedule_s: float,
+        t2: float,
+    ) -> list[RequestOutput]:
+        """Commit a target pass's results (prefills of ``admitted``, then verifies of ``verified``), release the
+        finished requests and record the round; ``t2``: when the verification phase began."""
+        t3 = time.perf_counter()
         if len(results) != len(admitted) + len(verified):
             raise RuntimeError(
                 f"the verifier returned {len(results)} results for {len(admitted) + len(verified)} requests"

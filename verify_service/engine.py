@@ -17,14 +17,14 @@ item never corrupts the running requests.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, check_graph_mode
+from cluster.graphs import DEFAULT_BUCKETS, DeviceDrafts, check_graph_mode
 from cluster.sampling import SamplingParams
 from cluster.slot_lookups import SlotLookups
 from kernels.rejection import RejectionOutput, rejection_sample_reference
@@ -619,10 +619,10 @@ class VerifyEngine:
         """A step through the ragged graph runner (same results as ``_run``): :class:`StepResults` for a
         verify-only step, a list (prefills first) when prompts join; the prefills' slots are allocated already."""
         assert self.graphs is not None
+        if not prefills:
+            return self._run_bucketed_verify(verifies, checked, key)
         slots = checked.slots
         num_drafts = checked.num_drafts.tolist()
-        if not prefills:
-            return self._run_bucketed_verify(verifies, checked, num_drafts, key)
         lengths = checked.lengths.tolist()
         sampling_float = self._sampling_float[slots].tolist()
         sampling_int = self._sampling_int[slots].tolist()
@@ -668,7 +668,6 @@ class VerifyEngine:
         self,
         verifies: Sequence[VerifyItem],
         checked: _CheckedVerifies,
-        num_drafts: list[int],
         key: tuple[int, int] | None = None,
     ) -> StepResults:
         """A verify-only step through the graph runner straight from the checked arrays (the common round)."""
@@ -685,22 +684,82 @@ class VerifyEngine:
         accepted, tokens, kept = self.graphs.run_verify(
             slots, checked.lengths, checked.tokens, checked.num_drafts, sampling_float, sampling_int, sampled, key
         )
+        return self._verified(checked.req_ids, slots, checked.lengths, checked.num_drafts, accepted, tokens, kept)
+
+    def _verified(
+        self,
+        req_ids: Sequence[str],
+        slots: np.ndarray,
+        lengths: np.ndarray,
+        num_drafts: np.ndarray,
+        accepted: np.ndarray,
+        tokens: list[list[int]],
+        kept: torch.Tensor | None,
+    ) -> StepResults:
+        """Commit a verify-only graph step's outcome to the KV lengths and wrap it as StepResults."""
         # As uint64 a negative count is huge (the draft counts are >= 0): one comparison checks 0 <= a <= n.
-        if bool((accepted.view(np.uint64) > checked.num_drafts.view(np.uint64)).any()):
-            raise RuntimeError(f"the verify step accepted {accepted.tolist()} of {num_drafts} drafts")
+        if bool((accepted.view(np.uint64) > num_drafts.view(np.uint64)).any()):
+            raise RuntimeError(f"the verify step accepted {accepted.tolist()} of {num_drafts.tolist()} drafts")
         counts = accepted + 1  # committed rows: the anchor and the accepted drafts
         # The slots are this step's (allocated, distinct) and each had room for all its drafts (validated).
-        self.cache.set_lengths(slots, checked.lengths + counts)
+        self.cache.set_lengths(slots, lengths + counts)
         return StepResults(
-            list(checked.req_ids),
-            num_drafts,
+            list(req_ids),
+            num_drafts.tolist(),
             accepted.tolist(),
             tokens,
-            checked.lengths.tolist(),
+            lengths.tolist(),
             kept,
             counts.tolist(),
-            (checked.lengths, counts),
+            (lengths, counts),
         )
+
+    def start_chained(
+        self,
+        req_ids: list[str],
+        anchors: np.ndarray,
+        positions: np.ndarray,
+        num_drafts: np.ndarray,
+        drafts: DeviceDrafts,
+    ) -> Callable[[], StepResults] | None:
+        """A verify-only step of greedy requests whose drafts are still being drafted on this device (a chained
+        round, :meth:`VerifyGraphRunner.start_verify`): launched behind the draft step, it returns a function
+        that waits for the results (:class:`StepResults`, as :meth:`step` gives). Returns None, launching
+        nothing, when the step cannot be chained (no graph path or no bucket for it, a request that samples, an
+        unknown request or one whose position, anchor or room the checks refuse): the caller then verifies
+        the drafts the usual way, where every error is reported as :meth:`step` reports it.
+
+        Request r verifies its anchor and the first ``num_drafts[r]`` (int64 [R]) of its row of ``drafts``;
+        those ids are not checked on the host (they are not there yet): the caller vouches for them (drafts of
+        a drafter whose vocabulary is the target's)."""
+        graphs = self.graphs
+        if graphs is None or not req_ids or drafts.flat.device != self.target.device:
+            return None
+        req_key = tuple(req_ids)
+        if len(set(req_key)) != len(req_key):
+            return None
+        try:
+            _, slots = self._lookup(req_key)
+        except KeyError:
+            return None
+        lengths = self.cache.lengths_unchecked(slots)
+        if (
+            int((lengths + num_drafts).max()) >= self.cache.max_seq_len  # the anchor needs a row too
+            or not bool((positions == lengths).all())
+            or int(anchors.view(np.uint64).max()) >= self.target.vocab_size  # a negative id is huge as uint64
+        ):
+            return None
+        sampling_float, sampling_int, all_greedy = self._slot_sampling(slots)
+        key = graphs.verify_bucket(num_drafts, 0)
+        if not all_greedy or key is None:
+            return None
+        finish = graphs.start_verify(slots, lengths, anchors, num_drafts, sampling_float, sampling_int, drafts, key)
+
+        def results() -> StepResults:
+            accepted, tokens, kept = finish()
+            return self._verified(req_key, slots, lengths, num_drafts, accepted, tokens, kept)
+
+        return results
 
     def _sample(
         self,

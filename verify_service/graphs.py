@@ -35,7 +35,15 @@ from itertools import chain
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, GraphStep, bucket_sizes, pinned_empty, split_views
+from cluster.graphs import (
+    DEFAULT_BUCKETS,
+    DeviceDrafts,
+    GraphStep,
+    bucket_sizes,
+    device_event,
+    pinned_empty,
+    split_views,
+)
 from kernels.rejection import RejectionOutput
 from verify_service.attention import CachedAttentionMetadata
 from verify_service.kv_cache import SlotKVCache
@@ -140,6 +148,8 @@ class VerifyGraphRunner:
             "row_k": top_t,
             "drafts": top_t,
             "dist_rows": top_t,
+            "chain_src": top_t,  # a chained step's drafts: where each is in the drafter's output (DeviceDrafts)
+            "chain_rows": top_t,  # and which row of ``ids`` it goes to
             "slots": top_a,
             "starts": top_a + 1,
             "query_starts": top_a,
@@ -177,6 +187,10 @@ class VerifyGraphRunner:
         self._host_result = pinned_empty((top_a, 1 + width), torch.int64, self.device)
         self._result_np = self._host_result.numpy()
         self._result_views = {a: self._host_result[:a] for a in self.chunk_sizes}
+        # A started step (start_verify) whose result copy the host has not waited for: the staging and result
+        # buffers are its until then. Its copy is waited for through this event (CUDA; elsewhere copies block).
+        self._started: tuple[int, int] | None = None
+        self._result_event = device_event(device=self.device) if self.device.type == "cuda" else None
         self.dist_ids = torch.zeros((top_t, draft_top_k), dtype=torch.int64, device=self.device)
         self.dist_probs = torch.zeros((top_t, draft_top_k), dtype=torch.float32, device=self.device)
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
@@ -238,6 +252,8 @@ class VerifyGraphRunner:
     def run(self, items: Sequence[GraphItem]) -> RaggedVerifyOutput:
         """Run the items in one step. The caller has validated everything (VerifyEngine._validate), allocated
         the prefills' slots, and advances the slot lengths after (a verify by 1 + accepted, a prefill by P)."""
+        if self._started is not None:
+            raise RuntimeError("VerifyGraphRunner: the last started step was not finished")
         chunks = self._chunks(items)
         num_rows = sum(len(c[2]) for c in chunks)
         key = self.bucket(len(chunks), num_rows)
@@ -285,6 +301,65 @@ class VerifyGraphRunner:
 
         The features are a view of the step's output, not a copy: with captured graphs the next step overwrites
         them, so they must be consumed (copied, or read by work queued on the device) before the next step."""
+        key, packed, features = self._launch_verify(
+            slots, starts, tokens, num_drafts, sampling_float, sampling_int, dists, key, None
+        )
+        return self._verify_outputs(key, self._copy_result(key, packed), features, slots.size)
+
+    def start_verify(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        anchors: np.ndarray,
+        num_drafts: np.ndarray,
+        sampling_float: np.ndarray,
+        sampling_int: np.ndarray,
+        drafts: DeviceDrafts,
+        key: tuple[int, int] | None = None,
+    ) -> Callable[[], tuple[np.ndarray, list[list[int]], torch.Tensor | None]]:
+        """:meth:`run_verify` of greedy requests whose drafts are still on the device (a chained round): the
+        step is queued right behind the draft step that writes ``drafts`` (same stream), so the device runs
+        both without waiting for the host in between. Returns once the step and its result copy are queued;
+        the function it returns waits for them and gives what :meth:`run_verify` gives (call it before the
+        runner is used again: the staging and result buffers are the step's until then). ``anchors``: int64
+        [R]; the drafts are request r's first ``num_drafts[r]`` of its row of ``drafts``, ids the caller
+        vouches for (in the target's vocabulary: the drafter's own output)."""
+        key, packed, features = self._launch_verify(
+            slots, starts, anchors, num_drafts, sampling_float, sampling_int, (), key, drafts
+        )
+        self._result_views[key[0]].copy_(packed, non_blocking=True)
+        event = self._result_event
+        if event is not None:
+            event.record()
+        self._started = key
+        num = slots.size
+
+        def finish() -> tuple[np.ndarray, list[list[int]], torch.Tensor | None]:
+            if self._started is not None:
+                if event is not None:
+                    event.synchronize()
+                self.steps[key].settle_timing()
+                self._started = None
+            return self._verify_outputs(key, self._result_np, features, num)
+
+        return finish
+
+    def _launch_verify(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        tokens: np.ndarray,
+        num_drafts: np.ndarray,
+        sampling_float: np.ndarray,
+        sampling_int: np.ndarray,
+        dists: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+        key: tuple[int, int] | None,
+        device_drafts: DeviceDrafts | None,
+    ) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor | None]:
+        """Stage and launch a verify-only step: its bucket, packed results and features (device tensors).
+        ``tokens``: the anchors, then the drafts unless ``device_drafts`` holds them."""
+        if self._started is not None:
+            raise RuntimeError("VerifyGraphRunner: the last started step was not finished")
         num = slots.size
         if key is None:
             key = self.verify_bucket(num_drafts, 0)
@@ -297,14 +372,28 @@ class VerifyGraphRunner:
         host = self.host
         ids = host["ids"]
         ids[anchor_rows] = tokens[:num]
-        drafts = tokens[num:]
-        ids[draft_rows] = drafts
-        host["drafts"][: drafts.size] = drafts
+        if device_drafts is None:
+            drafts = tokens[num:]
+            ids[draft_rows] = drafts
+            host["drafts"][: drafts.size] = drafts
+        else:  # where each draft is in the drafter's output: request r's j-th (row k = j + 1) at r * stride + j
+            n = draft_rows.size
+            host["chain_rows"][:n] = draft_rows
+            source = host["chain_src"][:n]
+            np.multiply(row_chunk[draft_rows], device_drafts.row_stride, out=source)
+            source += row_k[draft_rows]
+            source -= 1
         np.add(starts[row_chunk], row_k, out=host["positions"][: row_k.size])
         host["starts"][:num] = starts
         dist_rows, dist_ids, dist_probs = self._pack_dists(dists, num_drafts + 1) if dists else (0, [], [])
-        packed, features = self._replay(key, dist_rows, dist_ids, dist_probs)
-        result = self._copy_result(key, packed)[:num]
+        packed, features = self._replay(key, dist_rows, dist_ids, dist_probs, device_drafts, draft_rows.size)
+        return key, packed, features
+
+    def _verify_outputs(
+        self, key: tuple[int, int], result: np.ndarray, features: torch.Tensor | None, num: int
+    ) -> tuple[np.ndarray, list[list[int]], torch.Tensor | None]:
+        """Accepted counts, emitted tokens and committed features of a verify-only step from its result rows."""
+        result = result[:num]
         accepted = result[:, 0].copy()
         emitted = [row[1 : 2 + row[0]] for row in result.tolist()]
         kept = None if features is None else self._first_rows(key, features, num + int(accepted.sum()))
@@ -387,15 +476,27 @@ class VerifyGraphRunner:
         return self._result_np
 
     def _replay(
-        self, key: tuple[int, int], dist_rows: int, dist_ids: list[torch.Tensor], dist_probs: list[torch.Tensor]
+        self,
+        key: tuple[int, int],
+        dist_rows: int,
+        dist_ids: list[torch.Tensor],
+        dist_probs: list[torch.Tensor],
+        device_drafts: DeviceDrafts | None = None,
+        num_drafts: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Upload the staged batch and run the bucket's step (replay its graph)."""
+        """Upload the staged batch and run the bucket's step (replay its graph); ``device_drafts``: the
+        ``num_drafts`` drafts are gathered from the drafter's output on the device first (a chained step)."""
         self._upload()
         if dist_rows:
             index = self.dev["dist_rows"][:dist_rows]
             with torch.no_grad():  # the caller's tensors may carry grad; the static buffers never do
                 self.dist_ids.index_copy_(0, index, torch.cat(dist_ids).to(self.device))
                 self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
+        if device_drafts is not None and num_drafts:
+            dev = self.dev
+            drafts = dev["drafts"][:num_drafts]
+            drafts.copy_(device_drafts.flat.index_select(0, dev["chain_src"][:num_drafts]))  # ids, as int64
+            dev["ids"].index_copy_(0, dev["chain_rows"][:num_drafts], drafts)
         self.replays += 1
         return self.steps[key](self.timed)
 

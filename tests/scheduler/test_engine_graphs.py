@@ -15,7 +15,7 @@ import pytest
 import torch
 from model_factory import PairSpec, write_pair
 
-from cluster.graphs import bucket_sizes, check_graph_mode, pick_bucket
+from cluster.graphs import DeviceDrafts, bucket_sizes, check_graph_mode, pick_bucket
 from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import ContextItem, DraftEngine, DraftItem
@@ -138,6 +138,51 @@ def test_bucketed_verify_step_equals_eager(pair) -> None:
     assert static.cache.length(static._requests["r3"].slot) <= seq
 
 
+def test_chained_verify_step_equals_the_host_one(pair) -> None:
+    """A chained step (drafts read on the device from a draft step's output layout: ids first in rows of
+    2 * gamma float64) gives what the same step from the host gives: tokens, accepted counts, features, KV
+    lengths; mixed draft counts, a request ending at its slot's end. What it cannot chain it refuses (None)
+    before launching anything: a sampling request, a stale position, an unknown or repeated request."""
+    from verify_service.engine import VerifyBatch
+
+    target, _ = pair
+    seq = 40
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 127, size=n).tolist() for n in (3, 9, seq - 6, 15)]
+    greedy = [SamplingParams(temperature=0.0)] * len(prompts)
+    host, anchors = _prefilled(target, "static", prompts, greedy, seq)
+    chained, _ = _prefilled(target, "static", prompts, greedy, seq)
+    order = [2, 0, 3, 1]
+    req_ids = [f"r{i}" for i in order]
+    num = len(order)
+    num_drafts = np.array([5, 3, 0, 2], dtype=np.int64)  # r2: prompt seq-6 + anchor + 5 drafts = seq exactly
+    drafts = rng.integers(0, 127, size=(num, 5))
+    positions = np.array([len(prompts[i]) for i in order], dtype=np.int64)
+    anchor_ids = np.array([anchors[i] for i in order], dtype=np.int64)
+    packed = torch.full((num + 2, 10), -1.0, dtype=torch.float64)  # a bucket of 6 rows, confidences after ids
+    packed[:num, :5] = torch.from_numpy(drafts).double()
+    device_drafts = DeviceDrafts(packed.view(-1), 10)
+    refused = [
+        (["r0", "r0", "r3", "r1"], positions),
+        (["r0", "r9", "r3", "r1"], positions),
+        (req_ids, positions + 1),
+    ]
+    for ids, at in refused:
+        assert chained.start_chained(ids, anchor_ids, at, num_drafts, device_drafts) is None
+    finish = chained.start_chained(req_ids, anchor_ids, positions, num_drafts, device_drafts)
+    assert finish is not None
+    got = finish()
+    want = host.step([], VerifyBatch(req_ids, anchor_ids, positions, drafts.astype(np.int64), num_drafts))
+    assert got.req_ids == want.req_ids and got.tokens == want.tokens and got.num_accepted == want.num_accepted
+    assert got.num_drafts == num_drafts.tolist()
+    torch.testing.assert_close(got.features, want.features)
+    for req_id in req_ids:
+        slot = chained._requests[req_id].slot
+        assert chained.cache.length(slot) == host.cache.length(host._requests[req_id].slot)
+    sampler, _ = _prefilled(target, "static", prompts, [SamplingParams(temperature=1.0, seed=1)] * 4, seq)
+    assert sampler.start_chained(req_ids, anchor_ids, positions, num_drafts, device_drafts) is None
+
+
 def test_bucketed_propose_equals_eager(pair) -> None:
     _, drafter = pair
     engines = {
@@ -239,7 +284,14 @@ def test_staged_context_appends_equal_eager(pair) -> None:
 
 
 def _generate(
-    target, drafter, mode: str, temperature: float, prefill_rows: int = 0, draft_ahead: bool = False
+    target,
+    drafter,
+    mode: str,
+    temperature: float,
+    prefill_rows: int = 0,
+    draft_ahead: bool = False,
+    chain_verify: bool = False,
+    policy: str = "dspark",
 ) -> list[list[int]]:
     verify = VerifyEngine(
         target,
@@ -252,8 +304,13 @@ def _generate(
     )
     draft = DraftEngine(drafter, 12, 96, graphs=mode, graph_buckets=BUCKETS)
     ragged = _count_graph_steps(verify)
+    chained = _count_chained(verify)
     engine = SpeculativeEngine(
-        verify, draft, make_policy("dspark", _sps(), drafter.block_size), draft_ahead=draft_ahead
+        verify,
+        draft,
+        make_policy(policy, _sps(), drafter.block_size),
+        draft_ahead=draft_ahead,
+        chain_verify=chain_verify,
     )
     calls = _count_proposals(draft)
     rng = np.random.default_rng(0)
@@ -276,11 +333,17 @@ def _generate(
         assert [outputs[r] for r in order] == [e[:m] for e, m in zip(expected, max_tokens, strict=True)]
     assert verify.num_free_slots == 12 and draft.num_free_slots == 12
     if mode != "off":
-        assert ragged["verify"] > 0 and (ragged["prefill"] > 0 or not prefill_rows), ragged
-    if draft_ahead:  # most rounds drafted ahead (launched before the previous commit), not in the round itself
+        verify_only = ragged["verify"] + chained["chained"]
+        assert verify_only > 0 and (ragged["prefill"] > 0 or not prefill_rows), (ragged, chained)
+    if chain_verify and mode != "off" and temperature == 0.0:  # dspark: the rounds of few requests (flat SPS)
+        assert chained["chained"] > 0 and not chained["refused"], chained
+        assert policy != "dspark" or calls["in_round"] > 0, calls  # its other rounds drafted and scheduled as usual
+    elif chain_verify:  # sampled requests (or eager steps): never chained, drafted and scheduled as usual
+        assert chained["chained"] == 0 and calls["in_round"] > 0, (chained, calls)
+    elif draft_ahead:  # most rounds drafted ahead (launched before the previous commit), not in the round itself
         assert calls["ahead"] > calls["in_round"] > 0, calls
     else:
-        assert calls["ahead"] == 0 and calls["in_round"] > 0, calls
+        assert calls["ahead"] == 0 and calls["in_round"] > 0 and not any(chained.values()), (calls, chained)
     return [outputs[r] for r in order]
 
 
@@ -326,13 +389,19 @@ def _count_graph_steps(verify: VerifyEngine) -> dict[str, int]:
 
     runner.run, runner.run_verify = counted, counted_verify
     return counts
-    run = runner.run
 
-    def counted(items):
-        counts["prefill" if any(i.prefill for i in items) else "verify"] += 1
-        return run(items)
 
-    runner.run = counted
+def _count_chained(verify: VerifyEngine) -> dict[str, int]:
+    """Counts of chained verify steps (``start_chained`` launched one) and of refused chains (None)."""
+    counts = {"chained": 0, "refused": 0}
+    start = verify.start_chained
+
+    def counted(*args):
+        finish = start(*args)
+        counts["refused" if finish is None else "chained"] += 1
+        return finish
+
+    verify.start_chained = counted
     return counts
 
 
@@ -354,6 +423,21 @@ def test_engine_drafting_ahead_equals_drafting_in_round(pair, temperature: float
     target, drafter = pair
     ahead = _generate(target, drafter, "static", temperature, draft_ahead=True)
     assert ahead == _generate(target, drafter, "static", temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("policy", ["dspark", "full"])
+@pytest.mark.parametrize("draft_ahead", [False, True])
+def test_chained_rounds_equal_unchained(pair, temperature: float, policy: str, draft_ahead: bool) -> None:
+    """Rounds whose lengths the policy fixes before the drafts exist (DSpark on the flat start of the SPS
+    curve, the whole block for ``full``) queue the verify step behind the draft step, reading the drafts on the
+    device: the same outputs as verifying them from the host, greedy == target greedy; with the next round
+    drafted ahead too. Sampled requests are not chained (the verifier says None): same outputs as well."""
+    target, drafter = pair
+    chained = _generate(
+        target, drafter, "static", temperature, draft_ahead=draft_ahead, chain_verify=True, policy=policy
+    )
+    assert chained == _generate(target, drafter, "static", temperature, policy=policy)
 
 
 def test_drafting_ahead_survives_aborts_and_close(pair) -> None:
@@ -531,7 +615,7 @@ def test_ragged_step_with_prefills_equals_eager(pair) -> None:
 def test_cuda_graphs_equal_eager(tmp_path: Path, dtype: torch.dtype) -> None:
     """On CUDA: captured graphs == eager (Triton attention, Triton sampler) == target greedy; sampled
     requests give the same tokens from the captured graphs as from the same bucketed step run eagerly; the
-    same with the next round drafted ahead."""
+    same with the next round drafted ahead, and greedy with chained rounds."""
     spec = PairSpec(vocab=128, hidden=32, block_size=5, markov_rank=8, target_layer_ids=(-1, 1, 2), seed=5)
     target_dir, draft_dir = write_pair(tmp_path, spec)
     drafter = load_draft_model(draft_dir, target_dir=target_dir, dtype=dtype, device="cuda")
@@ -548,6 +632,10 @@ def test_cuda_graphs_equal_eager(tmp_path: Path, dtype: torch.dtype) -> None:
     # Drafting ahead: the launched step's result copy waited for by an event, the commit in between.
     assert _generate(target, drafter, "capture", 0.0, draft_ahead=True) == greedy["off"]
     assert _generate(target, drafter, "capture", 1.0, draft_ahead=True) == _generate(target, drafter, "static", 1.0)
+    # Chained rounds: the verify graph queued behind the draft graph, reading the drafts from its output.
+    assert _generate(target, drafter, "capture", 0.0, chain_verify=True) == greedy["off"]
+    assert _generate(target, drafter, "capture", 0.0, draft_ahead=True, chain_verify=True) == greedy["off"]
+    assert _generate(target, drafter, "capture", 0.0, chain_verify=True, policy="full") == greedy["off"]
 
 
 def _batch_and_items(anchors, positions, drafts, num_drafts):

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The chained rounds on the GPU in one device call: their exactness tests, then sweeps with chain_verify on and
+# off at 1 and 8 requests (paired, same machine), and on at 32 and 128. Run from the repository root there:
+#   bash bench/gpu_chain_session.sh OUT_DIR        (carry .data/prompts: humaneval.jsonl, mbpp.jsonl)
+# Writes OUT_DIR/logs.txt and OUT_DIR/<sweep>/policies.{json,log} (plots dropped: a call returns 8 files).
+set -uo pipefail
+out=${1:?usage: bench/gpu_chain_session.sh OUT_DIR}
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+t0=$SECONDS
+timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/scheduler/test_engine_graphs.py \
+  -k "cuda_graphs_equal_eager or chained" 2>&1 | tail -n 5 | tee "$out/logs.txt"
+echo "=== tests after $((SECONDS - t0)) s"
+sweep() {  # sweep NAME LIMIT ARGS...
+  local name=$1 limit=$2; shift 2
+  mkdir -p "$out/$name"
+  timeout $((limit + 40)) python3 bench/bench_policies_gpu.py --prompts-dir .data/prompts --out-dir "$out/$name" \
+    --hf-repeats 0 --warmup-s 1 --time-limit-s "$limit" "$@" 2>&1 | tail -n 14
+  rm -f "$out/$name"/*.png
+  echo "=== $name after $((SECONDS - t0)) s"
+}
+sweep chain_on_c1_8 130 --concurrency 1 8 --policies autoregressive full dspark --repeats 2 --measure-s 6 --chain-verify on
+sweep chain_off_c1_8 120 --concurrency 1 8 --policies autoregressive full dspark --repeats 2 --measure-s 6 --chain-verify off
+sweep chain_on_c32_128 110 --concurrency 32 128 --repeats 1 --measure-s 6 --chain-verify on
