@@ -21,7 +21,7 @@ from scheduler.algorithm import DraftCost, schedule_lengths
 from scheduler.async_capacity import AsyncCapacityScheduler
 from scheduler.draft_cost_estimate import OnlineDraftCost
 from scheduler.draft_gate import DraftGate
-from scheduler.sps import SPSSource, SPSTable, check_sps_source
+from scheduler.sps import SPSSource, check_sps_source
 
 
 class VerifyPolicy(Protocol):
@@ -45,11 +45,15 @@ class VerifyPolicy(Protocol):
 #: it then hands the round's confidences to ``observe_drafts(confidences, max_lengths)`` when present.
 
 
-#: How much longer than the anchors' step a verify step of every draft may be for DSpark to verify them all
-#: without waiting for the confidences (:meth:`DSparkScheduled.planned_lengths`): a chained round saves the
-#: host's round trip between drafting and verifying, ~0.2 ms of a ~4 ms round at 1 request on an H200, where
-#: the 4B-shape step of 8 tokens takes 3.5% longer than that of 1 (2026-12-02).
+#: How much longer than the step Algorithm 1 chose a verify step of every draft may be for DSpark to verify them
+#: all without waiting for the confidences (:meth:`DSparkScheduled.planned_lengths`): a chained round saves the
+#: host's round trip between drafting and verifying and the schedule, 0.3-0.4 ms of a ~4 ms round at 1 request
+#: on an H200 (2026-12-02, docs/benchmarks/policies.md), where the 4B-shape step of 8 tokens takes 3.5% longer
+#: than that of 1.
 CHAIN_TOLERANCE = 0.05
+#: A planned round count after which DSpark lets Algorithm 1 decide one round again (its choice is what the
+#: planned rounds are measured against).
+CHAIN_REFRESH = 16
 
 _ZERO_COST = DraftCost()  # one object: the gate reuses a prediction only while its cost objects stay the same
 
@@ -211,6 +215,10 @@ class DSparkScheduled(_LearnsRoundCosts):
         self.gate = gate
         self.chain_tolerance = chain_tolerance
         self._cost = _MeasuredCost(draft_cost, gate, estimator)
+        # Per request count: verify tokens (anchors + drafts) of Algorithm 1's last round, and planned rounds
+        # since (planned_lengths).
+        self._scheduled_tokens: dict[int, int] = {}
+        self._planned: dict[int, int] = {}
 
     @property
     def draft_cost(self) -> DraftCost | None:
@@ -226,30 +234,37 @@ class DSparkScheduled(_LearnsRoundCosts):
         lengths = schedule_lengths(capped, table, draft_cost=self._cost.current())
         if self.gate is not None:  # after the schedule: it validated them when no cap bound (the same array)
             self.gate.observe(confidences, validated=capped is confidences)
+        self._scheduled_tokens[lengths.size] = lengths.size + int(lengths.sum())
         return lengths
 
     def planned_lengths(self, max_lengths: np.ndarray, block_size: int) -> np.ndarray | None:
-        """Every draft up to the caps, decided before the drafts exist, when verifying them all costs at most
-        ``chain_tolerance`` more than verifying the anchors alone (a flat SPS curve over the round: one or a few
-        requests on a large target); None otherwise (Algorithm 1 decides on the confidences).
+        """Every draft up to the caps, decided before the drafts exist, when a verify step of them all takes at
+        most ``chain_tolerance`` longer than the step Algorithm 1 chose in its last round of as many requests
+        (before any such round: than the anchors' step alone); None otherwise, and in every ``CHAIN_REFRESH``-th
+        planned round, so that Algorithm 1 decides on the confidences again and its choice stays current.
 
-        On a flat curve Algorithm 1 admits every draft of positive survival probability (each adds to tau and
-        nothing to the step), so this is its decision up to a step at most ``chain_tolerance`` longer; in
-        exchange the round driver may queue the verify step right behind the drafter on the device (a chained
-        round), which saves the host's round trip between them (see ``CHAIN_TOLERANCE``). It reads
-        only counts, so it is causal and lossless like the caps."""
+        Verifying every draft only adds to tau, so the planned round loses at most that much verify time
+        against Algorithm 1; in exchange the round driver may queue the verify step right behind the drafter on
+        the device (a chained round), which saves the host's round trip between them and the schedule itself
+        (see ``CHAIN_TOLERANCE``). On a flat SPS curve it is Algorithm 1's own decision (each draft of positive
+        survival adds to tau and nothing to the step). It reads counts and earlier rounds' lengths only, so it
+        is causal and lossless like the caps."""
         lengths = np.minimum(max_lengths, block_size).astype(np.int64)
         num = lengths.size
         if not num:
             return None
+        planned = self._planned.get(num, 0)
+        if planned >= CHAIN_REFRESH:
+            self._planned[num] = 0
+            return None
         total = num + int(lengths.sum())
+        chosen = min(self._scheduled_tokens.get(num, num), total)
         table = self.sps.table_for(num)
-        flat = table.memo(("flat", num, total, self.chain_tolerance), lambda: self._flat(table, num, total))
-        return lengths if flat else None
-
-    def _flat(self, table: SPSTable, num: int, total: int) -> bool:
         times = table.dense_step_time(total)
-        return bool(times[total] <= (1.0 + self.chain_tolerance) * times[num])
+        if times[total] > (1.0 + self.chain_tolerance) * times[chosen]:
+            return None
+        self._planned[num] = planned + 1
+        return lengths
 
     def observe_drafts(self, confidences: np.ndarray, max_lengths: np.ndarray) -> None:
         """The confidences of a drafted round whose lengths were planned (:meth:`planned_lengths`): the draft

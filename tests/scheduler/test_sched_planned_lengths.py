@@ -1,6 +1,6 @@
 """Lengths fixed before the drafts exist (``planned_lengths``): what lets a round chain its verify step behind
-the drafter on the device. The fixed policies always know them; DSpark only on a flat SPS curve, where they are
-Algorithm 1's own decision; counts only, so the caps bind and nothing else is read."""
+the drafter on the device. The fixed policies always know them; DSpark when verifying every draft costs little
+more than what Algorithm 1 chose last (on a flat SPS curve: its own decision); counts and past rounds only."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from scheduler.algorithm import DraftCost, schedule_lengths
 from scheduler.draft_gate import DraftGate
-from scheduler.policy import CHAIN_TOLERANCE, DSparkAsync, DSparkScheduled, make_policy
+from scheduler.policy import CHAIN_REFRESH, CHAIN_TOLERANCE, DSparkAsync, DSparkScheduled, make_policy
 from scheduler.sps import RequestSPS, SPSTable
 
 GAMMA = 7
@@ -32,17 +32,32 @@ def test_fixed_policies_plan_their_lengths_within_the_caps() -> None:
     assert full.planned_lengths(caps, GAMMA).tolist() == full.lengths(confidences, caps).tolist()
 
 
-def test_dspark_plans_every_draft_only_on_a_flat_curve() -> None:
+def test_dspark_plans_every_draft_when_it_costs_little_more_than_algorithm_1s_choice() -> None:
     policy = DSparkScheduled(_h200_by_requests())
-    assert policy.planned_lengths(np.array([GAMMA]), GAMMA).tolist() == [GAMMA]  # R = 1: 3.5% < 5%
+    assert policy.planned_lengths(np.array([GAMMA]), GAMMA).tolist() == [GAMMA]  # R = 1: 3.5% over the anchors
     assert policy.planned_lengths(np.array([2]), GAMMA).tolist() == [2]  # a cap binds
-    assert policy.planned_lengths(np.full(8, GAMMA), GAMMA) is None  # R = 8: 23% longer
+    eight = np.full(8, GAMMA)
+    assert policy.planned_lengths(eight, GAMMA) is None  # R = 8, no Algorithm 1 round yet: 23% over the anchors
     assert DSparkScheduled(_h200_by_requests(), chain_tolerance=0.02).planned_lengths(np.array([GAMMA]), GAMMA) is None
     assert policy.planned_lengths(np.zeros(0, dtype=np.int64), GAMMA) is None
     with pytest.raises(ValueError, match="chain_tolerance"):
         DSparkScheduled(_h200_by_requests(), chain_tolerance=-0.1)
     assert policy.chain_tolerance == CHAIN_TOLERANCE
     assert not hasattr(DSparkAsync(_h200_by_requests()), "planned_lengths")  # its plan is made rounds earlier
+
+
+def test_dspark_measures_the_plan_against_its_last_choice_and_lets_algorithm_1_decide_again() -> None:
+    table = _h200_by_requests()
+    eight = np.full(8, GAMMA)
+    confident = DSparkScheduled(table)
+    chosen = confident.lengths(np.full((8, GAMMA), 0.9), eight)
+    assert 8 + chosen.sum() >= 48  # most of the block: the whole block's step is within 5% of it
+    planned = [confident.planned_lengths(eight, GAMMA) for _ in range(2 * CHAIN_REFRESH + 2)]
+    assert [p is None for p in planned] == [False] * CHAIN_REFRESH + [True] + [False] * CHAIN_REFRESH + [True]
+    assert all(p.tolist() == eight.tolist() for p in planned if p is not None)
+    doubtful = DSparkScheduled(table)
+    doubtful.lengths(np.full((8, GAMMA), 0.02), eight)  # Algorithm 1 verifies (almost) only the anchors
+    assert doubtful.planned_lengths(eight, GAMMA) is None
 
 
 @pytest.mark.parametrize("confidence", [0.05, 0.5, 0.95])
