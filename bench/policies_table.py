@@ -40,9 +40,11 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
     parts = []
     for level in levels:
         repeats = " / ".join(f"{r:.2f}" for r in level["dspark_ratio_per_repeat"])
+        async_ratio = level.get("dspark-async_ratio")  # None or absent: a sweep without dspark-async
         parts.append(
-            f"{level['dspark_ratio']:.2f}x (c={level['concurrency']}, vs {level['best_fixed']}; repeats {repeats}; "
-            f"async {level['dspark-async_ratio']:.2f}x)"
+            f"{level['dspark_ratio']:.2f}x (c={level['concurrency']}, vs {level['best_fixed']}; repeats {repeats}"
+            + ("" if async_ratio is None else f"; async {async_ratio:.2f}x")
+            + ")"
         )
     per_user = goals.get("per_user_speedup_at_1") or {}
     floor = goals["verify_step_vs_memory_floor"]["rows"]
