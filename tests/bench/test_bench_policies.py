@@ -21,6 +21,8 @@ from bench.bench_policies_gpu import (
     evaluate_goals,
     floor_seconds,
     load_prompt_mix,
+    per_user_pass,
+    per_user_speedups,
     run_cell,
 )
 from bench.engine_setup import DEMO_TARGET, load_pair, synthetic_sps, tokenizer_for
@@ -125,6 +127,29 @@ def test_per_user_speed_is_compared_on_the_prompts_every_cell_finished() -> None
     assert common_prompt_per_user([cell("dspark", {1: 5.0}), cell("full", {2: 5.0})])[(1, "full")]["prompts"] == 0
 
 
+def test_per_user_goal_is_judged_on_the_same_prompts_when_the_pass_ran() -> None:
+    """The per-user pass's median per-prompt speed-up decides the goal; the cells' common-prompt ratios are kept
+    beside it; the geometric mean and range come with it."""
+    rates = {
+        "autoregressive": {"0": 10.0, "1": 10.0, "2": 20.0},
+        "dspark": {"0": 30.0, "1": 20.0, "2": 80.0},
+        "full": {"0": 20.0, "1": 20.0},  # a prompt it did not serve is left out of its ratios
+    }
+    speedups = per_user_speedups(rates)
+    assert speedups["dspark"] == pytest.approx({"median": 3.0, "geomean": 24.0 ** (1 / 3), "min": 2.0, "max": 4.0,
+                                                "prompts": 3})
+    assert speedups["full"]["median"] == 2.0 and speedups["full"]["prompts"] == 2
+    assert per_user_speedups({"dspark": {"0": 5.0}}) == {}  # no baseline, no ratio
+    cells = [
+        dict(_cell(1, "autoregressive", 1.0, 10.0), per_user_by_prompt={"0": [10.0]}),
+        dict(_cell(1, "dspark", 1.0, 20.0), per_user_by_prompt={"0": [20.0]}),
+    ]
+    goal = evaluate_goals(cells, [], [1], speedups)["per_user_speedup_at_1"]
+    assert goal["dspark"] == 3.0 and goal["met"] and goal["common_window"] == {"dspark": 2.0}
+    assert goal["fixed_prompts"] is speedups and "per_user_pass" in goal["source"]
+    assert evaluate_goals(cells, [], [1])["per_user_speedup_at_1"]["dspark"] == 2.0  # no pass: the common prompts
+
+
 def test_agreement_compares_only_prompts_both_finished() -> None:
     assert agreement({1: [5, 6], 2: [7], 3: [1]}, {1: [5, 6], 2: [8], 4: [0]}) == {"compared": 2, "equal": 1}
     assert agreement({1: [5]}, None) is None
@@ -159,3 +184,12 @@ def test_a_closed_loop_cell_keeps_the_engine_full_and_leaves_it_empty(tmp_path: 
     common = set(outputs["autoregressive"]) & set(outputs["dspark"])
     assert common and all(outputs["autoregressive"][i] == outputs["dspark"][i] for i in common)
     assert isinstance(engines.draft, DraftEngine) and set(POLICIES) >= set(rows)
+    # The per-user pass: every policy serves the same prompts, one at a time, the engines empty after each.
+    pass_engines = {
+        policy: SpeculativeEngine(engines.verify, engines.draft, make_policy(policy, sps, drafter.block_size))
+        for policy in ("autoregressive", "dspark")
+    }
+    rates, served = per_user_pass(pass_engines, mix, 0.0, 0.0)  # no time: the first prompt still runs
+    assert set(rates["autoregressive"]) == set(rates["dspark"]) == {"0"}
+    assert served["dspark"][0] == served["autoregressive"][0] == outputs["autoregressive"][0]  # greedy: same tokens
+    assert engines.idle()
