@@ -22,7 +22,8 @@ rows; the features of the kept rows (a verify chunk's anchor + accepted drafts, 
 compacted on the device, chunk after chunk. A verify-only step hands them out as a view of the step's output
 (the round driver's drafter copies them into its own buffer before the next step runs); a step with prefills
 copies them. The staging buffers need no fence: a step ends in that blocking result copy on the upload's
-stream, so the host writes them again only after the upload has read them.
+stream, so the host writes them again only after the upload has read them; a step started without waiting
+(:meth:`VerifyGraphRunner.start_verify`, a chained round) holds them until its finish has waited for its copy.
 """
 
 from __future__ import annotations
