@@ -70,6 +70,7 @@ PHASES = {
     ("draft", "propose_start"): "draft.propose_start",
     ("draft", "append_context"): "draft.append_context",
     ("verify", "step"): "verify.step",
+    ("verify", "start_chained"): "verify.start_chained",  # a chained round's launch (its wait is not wrapped)
     ("policy", "lengths"): "policy.lengths",
     ("policy", "should_draft"): "policy.should_draft",
     (None, "_commit_results"): "commit",
@@ -320,6 +321,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--draft-ahead", nargs="+", default=["on"], choices=["on", "off"], help="SpeculativeEngine draft_ahead"
     )
+    parser.add_argument(
+        "--chain-verify", default="on", choices=["on", "off"], help="SpeculativeEngine chain_verify (chained rounds)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=40, help="rounds before the timed ones")
@@ -378,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             eos_token_ids=target.eos_token_ids,
             max_running=concurrency,
             draft_ahead=ahead == "on",
+            chain_verify=args.chain_verify == "on",
         )
 
     show = sys.stderr.isatty()
