@@ -5,7 +5,9 @@ Every call to :meth:`SpeculativeEngine.step` is one round:
 1. admit waiting requests while both engines have free slots (they are prefilled in this round's target pass);
 2. unless the policy skips the drafter this round (a plain target round, see :mod:`scheduler.draft_gate`), the
    drafter proposes a block for every running request (one batched pass + the sequential head);
-3. the verification policy (Algorithm 1 by default) picks how many drafts each request verifies;
+3. the verification policy (Algorithm 1 by default) picks how many drafts each request verifies (a policy that
+   can fix the lengths before the drafts exist lets a ``chain_verify`` engine queue step 4 right behind the
+   drafter on the device: a chained round, see :meth:`SpeculativeEngine._chained_round`);
 4. ONE target pass verifies all running requests and prefills the new ones; rejection sampling keeps a prefix;
 5. committed context features go to the drafter, new tokens are checked against stop conditions and returned;
 6. a policy with ``observe_round`` gets the round's timings (a measured draft cost learns from them).
@@ -162,10 +164,11 @@ class SpeculativeEngine:
         whose results come as one StepResults; see :meth:`_launch_ahead`).
 
         ``chain_verify``: when the policy fixes a round's lengths before the drafts exist (``planned_lengths``:
-        the fixed-length policies always, DSpark on a flat SPS curve), queue the verify step right behind the
-        draft step on the device, reading the drafts where the drafter wrote them, instead of waiting for them
-        on the host first (an in-process drafter and verifier on one device, graph path, greedy requests, no
-        joining prompt; any other round runs as usual; see :meth:`_chained_round`)."""
+        the fixed-length policies always, DSpark when every draft costs little more than what Algorithm 1 chose
+        lately, e.g. on a flat SPS curve), queue the verify step right behind the draft step on the device,
+        reading the drafts where the drafter wrote them, instead of waiting for them on the host first (an
+        in-process drafter and verifier on one device, graph path, greedy requests, no joining prompt; any other
+        round runs as usual; see :meth:`_chained_round`)."""
         if policy.uses_drafter and draft is None:
             raise ValueError(f"policy {policy.name!r} needs a drafter")
         if policy.name.startswith("dspark") and draft is not None and not draft.has_confidence_head:
