@@ -1258,6 +1258,18 @@ def main(argv: list[str] | None = None) -> int:
     no_draft_overheads: dict[tuple[int, int], DraftCost] = {}
     # Measured and predicted verify ms per round of the calibrating cells, by (level, repeat).
     verify_times: dict[tuple[int, int], list[tuple[float, float]]] = {}
+
+    def measured_costs(policy: str, concurrency: int, repeat: int) -> tuple[DraftCost | None, DraftCost | None, float]:
+        """A scheduled policy's draft cost, no-draft cost and verify scale from the calibrating cells of its level
+        and repeat measured so far (None, None / the no-draft cost, 1.0 for the others)."""
+        cost = overheads.get((concurrency, repeat)) if policy in SCHEDULED_POLICIES else None
+        # Without an autoregressive cell at this level the no-draft round counts its verify step only.
+        no_draft = no_draft_overheads.get((concurrency, repeat), DraftCost()) if args.draft_skip == "on" else None
+        scale = verify_scale(verify_times.get((concurrency, repeat), []))
+        if args.verify_calibration == "off" or policy not in SCHEDULED_POLICIES:
+            scale = 1.0
+        return cost, no_draft, scale
+
     bar = tqdm(plan, desc="cells", unit="cell", disable=not sys.stderr.isatty())
     for n, (concurrency, repeat, policy) in enumerate(bar):
         budget = cell_budget(args, deadline - user_pass_s, time.perf_counter(), len(plan) - n)
@@ -1268,12 +1280,7 @@ def main(argv: list[str] | None = None) -> int:
             report.log(f"c={concurrency} {policy}: skipped (time limit)")
             continue
         try:
-            cost = overheads.get((concurrency, repeat)) if policy in SCHEDULED_POLICIES else None
-            # Without an autoregressive cell at this level the no-draft round counts its verify step only.
-            no_draft = no_draft_overheads.get((concurrency, repeat), DraftCost()) if args.draft_skip == "on" else None
-            scale = verify_scale(verify_times.get((concurrency, repeat), []))
-            if args.verify_calibration == "off" or policy not in SCHEDULED_POLICIES:
-                scale = 1.0
+            cost, no_draft, scale = measured_costs(policy, concurrency, repeat)
             engine = engine_for(policy, concurrency, cost, no_draft if cost is not None else None, scale)
             row, outputs = run_cell(engine, policy, mix, concurrency, budget, args.temperature)
             if not engines.idle():
@@ -1344,11 +1351,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             pass_engines = {}
             for policy in args.policies:
-                cost = overheads.get((1, 0)) if policy in SCHEDULED_POLICIES else None
-                no_draft = no_draft_overheads.get((1, 0), DraftCost()) if args.draft_skip == "on" else None
-                scale = verify_scale(verify_times.get((1, 0), []))
-                if args.verify_calibration == "off" or policy not in SCHEDULED_POLICIES:
-                    scale = 1.0
+                cost, no_draft, scale = measured_costs(policy, 1, 0)
                 pass_engines[policy] = engine_for(policy, 1, cost, no_draft if cost is not None else None, scale)
             seconds = min(user_pass_s, deadline - time.perf_counter())
             rates, pass_outputs = per_user_pass(pass_engines, mix, seconds, args.temperature)
