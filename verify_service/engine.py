@@ -426,11 +426,7 @@ class VerifyEngine:
         lengths = self.cache.lengths_unchecked(slots)
         num_drafts = batch.num_drafts
         tokens = None
-        if (
-            int((lengths + num_drafts).max()) < self.cache.max_seq_len  # the anchor needs a row too
-            and bool((batch.positions == lengths).all())  # same shape: one entry per request
-            and self._distributions_fit(batch, slots)
-        ):
+        if self._fits_at(lengths, num_drafts, batch.positions) and self._distributions_fit(batch, slots):
             drafts = batch.drafts
             if int(num_drafts.min()) == drafts.shape[1]:
                 drafts = drafts.reshape(-1)
@@ -447,6 +443,11 @@ class VerifyEngine:
                 dtype=np.int64,
             )
         return _CheckedVerifies(req_ids, entries, slots, lengths, num_drafts, tokens, bool(batch.sampled))
+
+    def _fits_at(self, lengths: np.ndarray, num_drafts: np.ndarray, positions: np.ndarray) -> bool:
+        """Whether every request's anchor sits where the sender believes (its cached length) and its slot has
+        room for the anchor and its drafts (array checks; [R] each, same shape)."""
+        return int((lengths + num_drafts).max()) < self.cache.max_seq_len and bool((positions == lengths).all())
 
     def _lookup(self, req_ids: tuple[str, ...]) -> tuple[list[_Slot], np.ndarray]:
         """Entries and KV slots (int64, read-only) of a step's verify requests, kept per request list
@@ -744,8 +745,7 @@ class VerifyEngine:
             return None
         lengths = self.cache.lengths_unchecked(slots)
         if (
-            int((lengths + num_drafts).max()) >= self.cache.max_seq_len  # the anchor needs a row too
-            or not bool((positions == lengths).all())
+            not self._fits_at(lengths, num_drafts, positions)
             or int(anchors.view(np.uint64).max()) >= self.target.vocab_size  # a negative id is huge as uint64
         ):
             return None
