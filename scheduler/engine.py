@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 _NEW_TOKENS = operator.attrgetter("new_token_ids")
 _ANCHOR = operator.attrgetter("anchor")
 _POSITION = operator.attrgetter("position")
+_GREEDY = operator.attrgetter("greedy")
 
 
 class RequestRejectedError(ValueError):
@@ -164,8 +165,8 @@ class SpeculativeEngine:
         whose results come as one StepResults; see :meth:`_launch_ahead`).
 
         ``chain_verify``: when the policy fixes a round's lengths before the drafts exist (``planned_lengths``:
-        the fixed-length policies always, DSpark when every draft costs little more than what Algorithm 1 chose
-        lately, e.g. on a flat SPS curve), queue the verify step right behind the draft step on the device,
+        the fixed-length policies always, DSpark when a uniform length gives up little of Algorithm 1's
+        objective on its last round of as many requests, e.g. the whole block on a flat SPS curve), queue the verify step right behind the draft step on the device,
         reading the drafts where the drafter wrote them, instead of waiting for them on the host first (an
         in-process drafter and verifier on one device, graph path, greedy requests, no joining prompt; any other
         round runs as usual; see :meth:`_chained_round`)."""
@@ -327,7 +328,13 @@ class SpeculativeEngine:
         else:
             caps, drafting = ahead.caps, ahead.drafting
         t_decided = time.perf_counter()
-        if drafting and not admitted and self._planned_lengths is not None and (ahead is None or ahead.rows is None):
+        if (
+            drafting
+            and not admitted
+            and self._planned_lengths is not None
+            and (ahead is None or ahead.rows is None)
+            and all(map(_GREEDY, verified))  # a sampled round cannot chain: Algorithm 1 decides it
+        ):
             lengths = self._planned_lengths(caps, self.block_size)
             if lengths is not None:
                 return self._chained_round(verified, caps, lengths, ahead, t_decided - t0, t_decided)

@@ -19,6 +19,7 @@ import numpy as np
 
 from scheduler.algorithm import DraftCost, schedule_lengths
 from scheduler.async_capacity import AsyncCapacityScheduler
+from scheduler.chain_plan import CHAIN_TOLERANCE, ChainPlanner
 from scheduler.draft_cost_estimate import OnlineDraftCost
 from scheduler.draft_gate import DraftGate
 from scheduler.sps import SPSSource, check_sps_source
@@ -45,16 +46,6 @@ class VerifyPolicy(Protocol):
 #: it then hands the round's confidences to ``observe_drafts(confidences, max_lengths)`` when present.
 
 
-#: How much longer than the step Algorithm 1 chose a verify step of every draft may be for DSpark to verify them
-#: all without waiting for the confidences (:meth:`DSparkScheduled.planned_lengths`): a chained round saves the
-#: host's round trip between drafting and verifying and the schedule, 0.3-0.4 ms of a ~4 ms round at 1 request
-#: on an H200 (2026-12-02, docs/benchmarks/policies.md), where the 4B-shape step of 8 tokens takes 3.5% longer
-#: than that of 1.
-CHAIN_TOLERANCE = 0.05
-#: A planned round count after which DSpark lets Algorithm 1 decide one round again (its choice is what the
-#: planned rounds are measured against).
-CHAIN_REFRESH = 16
-
 _ZERO_COST = DraftCost()  # one object: the gate reuses a prediction only while its cost objects stay the same
 
 
@@ -67,9 +58,7 @@ class _MeasuredCost:
     priced so: :meth:`DraftCost.scaled`).
     """
 
-    def __init__(
-        self, draft_cost: DraftCost | None, gate: DraftGate | None, estimator: OnlineDraftCost | None
-    ) -> None:
+    def __init__(self, draft_cost: DraftCost | None, gate: DraftGate | None, estimator: OnlineDraftCost | None) -> None:
         if estimator is not None and draft_cost is not None:
             raise ValueError("give a fixed draft_cost or an estimator that measures it, not both")
         self.fixed = draft_cost
@@ -194,7 +183,7 @@ class DSparkScheduled(_LearnsRoundCosts):
     target round is predicted to deliver more tokens per second (high load, expensive draft). The draft cost is
     fixed (``draft_cost``) or measured while serving (``estimator``, fed by :meth:`observe_round`). ``sps``: one
     token table, or tables by request count (:class:`scheduler.sps.RequestSPS`: each round prices its verify
-    step with the table of its own R). ``chain_tolerance``: see :meth:`planned_lengths`.
+    step with the table of its own R). ``chain_tolerance``: see :mod:`scheduler.chain_plan`.
     """
 
     name = "dspark"
@@ -209,16 +198,10 @@ class DSparkScheduled(_LearnsRoundCosts):
         chain_tolerance: float = CHAIN_TOLERANCE,
     ) -> None:
         check_sps_source(sps)
-        if chain_tolerance < 0:
-            raise ValueError(f"chain_tolerance must be >= 0, got {chain_tolerance}")
         self.sps = sps
         self.gate = gate
-        self.chain_tolerance = chain_tolerance
+        self.chain = ChainPlanner(chain_tolerance)
         self._cost = _MeasuredCost(draft_cost, gate, estimator)
-        # Per request count: verify tokens (anchors + drafts) of Algorithm 1's last round, and planned rounds
-        # since (planned_lengths).
-        self._scheduled_tokens: dict[int, int] = {}
-        self._planned: dict[int, int] = {}
 
     @property
     def draft_cost(self) -> DraftCost | None:
@@ -231,46 +214,36 @@ class DSparkScheduled(_LearnsRoundCosts):
     def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
         capped = _capped(confidences, max_lengths)
         table = self.sps.table_for(capped.shape[0])
-        lengths = schedule_lengths(capped, table, draft_cost=self._cost.current())
+        cost = self._cost.current()
+        lengths = schedule_lengths(capped, table, draft_cost=cost)
         if self.gate is not None:  # after the schedule: it validated them when no cap bound (the same array)
             self.gate.observe(confidences, validated=capped is confidences)
-        self._scheduled_tokens[lengths.size] = lengths.size + int(lengths.sum())
+        self.chain.observe(capped, max_lengths, lengths, table, cost, scheduled=True)
         return lengths
 
     def planned_lengths(self, max_lengths: np.ndarray, block_size: int) -> np.ndarray | None:
-        """Every draft up to the caps, decided before the drafts exist, when a verify step of them all takes at
-        most ``chain_tolerance`` longer than the step Algorithm 1 chose in its last round of as many requests
-        (before any such round: than the anchors' step alone); None otherwise, and in every ``CHAIN_REFRESH``-th
-        planned round, so that Algorithm 1 decides on the confidences again and its choice stays current.
-
-        Verifying every draft only adds to tau, so the planned round loses at most that much verify time
-        against Algorithm 1; in exchange the round driver may queue the verify step right behind the drafter on
-        the device (a chained round), which saves the host's round trip between them and the schedule itself
-        (see ``CHAIN_TOLERANCE``). On a flat SPS curve it is Algorithm 1's own decision (each draft of positive
-        survival adds to tau and nothing to the step). It reads counts and earlier rounds' lengths only, so it
-        is causal and lossless like the caps."""
-        lengths = np.minimum(max_lengths, block_size).astype(np.int64)
-        num = lengths.size
-        if not num:
-            return None
-        planned = self._planned.get(num, 0)
-        if planned >= CHAIN_REFRESH:
-            self._planned[num] = 0
-            return None
-        total = num + int(lengths.sum())
-        chosen = min(self._scheduled_tokens.get(num, num), total)
-        table = self.sps.table_for(num)
-        times = table.dense_step_time(total)
-        if times[total] > (1.0 + self.chain_tolerance) * times[chosen]:
-            return None
-        self._planned[num] = planned + 1
-        return lengths
+        """The lengths before the drafts exist (a chained round), or None to let Algorithm 1 decide on the
+        confidences: a uniform length per request count, planned from the last drafted round of as many
+        requests when it gives up at most ``chain_tolerance`` of Algorithm 1's objective there
+        (:mod:`scheduler.chain_plan`; on a flat SPS curve it is Algorithm 1's own decision). It reads counts and
+        earlier rounds only, so it is causal and lossless like the caps."""
+        return self.chain.planned(max_lengths, block_size, self.sps.table_for(max_lengths.size))
 
     def observe_drafts(self, confidences: np.ndarray, max_lengths: np.ndarray) -> None:
-        """The confidences of a drafted round whose lengths were planned (:meth:`planned_lengths`): the draft
-        gate learns from them as from a scheduled round's."""
+        """The confidences of a drafted round whose lengths were planned: the draft gate learns from them as
+        from a scheduled round's, and Algorithm 1 runs on them (while the device verifies) to plan the next
+        round of as many requests."""
         if self.gate is not None:
             self.gate.observe(confidences)
+        capped = _capped(confidences, max_lengths)
+        table = self.sps.table_for(capped.shape[0])
+        cost = self._cost.current()
+        self.chain.observe(capped, max_lengths, schedule_lengths(capped, table, draft_cost=cost), table, cost)
+
+    @property
+    def chain_tolerance(self) -> float:
+        """The share of Algorithm 1's objective a planned (chained) round may give up."""
+        return self.chain.tolerance
 
 
 class DSparkAsync(_LearnsRoundCosts):

@@ -340,6 +340,7 @@ def _generate(
         assert policy != "dspark" or calls["in_round"] > 0, calls  # its other rounds drafted and scheduled as usual
     elif chain_verify:  # sampled requests (or eager steps): never chained, drafted and scheduled as usual
         assert chained["chained"] == 0 and calls["in_round"] > 0, (chained, calls)
+        assert temperature == 0.0 or not chained["refused"], chained  # sampled rounds are not even planned
     elif draft_ahead:  # most rounds drafted ahead (launched before the previous commit), not in the round itself
         assert calls["ahead"] > calls["in_round"] > 0, calls
     else:
@@ -429,10 +430,10 @@ def test_engine_drafting_ahead_equals_drafting_in_round(pair, temperature: float
 @pytest.mark.parametrize("policy", ["dspark", "full"])
 @pytest.mark.parametrize("draft_ahead", [False, True])
 def test_chained_rounds_equal_unchained(pair, temperature: float, policy: str, draft_ahead: bool) -> None:
-    """Rounds whose lengths the policy fixes before the drafts exist (DSpark on the flat start of the SPS
-    curve, the whole block for ``full``) queue the verify step behind the draft step, reading the drafts on the
-    device: the same outputs as verifying them from the host, greedy == target greedy; with the next round
-    drafted ahead too. Sampled requests are not chained (the verifier says None): same outputs as well."""
+    """Rounds whose lengths the policy fixes before the drafts exist (DSpark's planned uniform lengths, the
+    whole block for ``full``) queue the verify step behind the draft step, reading the drafts on the device:
+    greedy == target greedy, as without chaining; with the next round drafted ahead too. Rounds of sampled
+    requests are not chained (nor planned): the same outputs and random numbers as without chaining."""
     target, drafter = pair
     chained = _generate(
         target, drafter, "static", temperature, draft_ahead=draft_ahead, chain_verify=True, policy=policy

@@ -1,6 +1,7 @@
 """Lengths fixed before the drafts exist (``planned_lengths``): what lets a round chain its verify step behind
-the drafter on the device. The fixed policies always know them; DSpark when verifying every draft costs little
-more than what Algorithm 1 chose last (on a flat SPS curve: its own decision); counts and past rounds only."""
+the drafter on the device. The fixed policies always know them; DSpark plans a uniform length from the last
+drafted round of as many requests when it gives up little of Algorithm 1's objective there (on a flat SPS curve:
+Algorithm 1's own decision); counts and past rounds only."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import numpy as np
 import pytest
 
 from scheduler.algorithm import DraftCost, schedule_lengths
+from scheduler.chain_plan import CHAIN_TOLERANCE, RECHECK, uniform_choice
 from scheduler.draft_gate import DraftGate
-from scheduler.policy import CHAIN_REFRESH, CHAIN_TOLERANCE, DSparkAsync, DSparkScheduled, make_policy
+from scheduler.policy import DSparkAsync, DSparkScheduled, make_policy
 from scheduler.sps import RequestSPS, SPSTable
 
 GAMMA = 7
@@ -46,18 +48,69 @@ def test_dspark_plans_every_draft_when_it_costs_little_more_than_algorithm_1s_ch
     assert not hasattr(DSparkAsync(_h200_by_requests()), "planned_lengths")  # its plan is made rounds earlier
 
 
-def test_dspark_measures_the_plan_against_its_last_choice_and_lets_algorithm_1_decide_again() -> None:
+def test_dspark_plans_from_its_last_round_of_as_many_requests() -> None:
     table = _h200_by_requests()
     eight = np.full(8, GAMMA)
     confident = DSparkScheduled(table)
     chosen = confident.lengths(np.full((8, GAMMA), 0.9), eight)
-    assert 8 + chosen.sum() >= 48  # most of the block: the whole block's step is within 5% of it
-    planned = [confident.planned_lengths(eight, GAMMA) for _ in range(2 * CHAIN_REFRESH + 2)]
-    assert [p is None for p in planned] == [False] * CHAIN_REFRESH + [True] + [False] * CHAIN_REFRESH + [True]
-    assert all(p.tolist() == eight.tolist() for p in planned if p is not None)
+    assert 8 + chosen.sum() >= 48  # most of the block: the whole block is the best uniform round, within 5%
+    planned = [confident.planned_lengths(eight, GAMMA) for _ in range(40)]
+    assert all(p is not None and p.tolist() == eight.tolist() for p in planned)  # until a round says otherwise
+    assert confident.planned_lengths(np.array([GAMMA, 3, 0, 7, 7, 7, 7, 7]), GAMMA).tolist() == [7, 3, 0, 7, 7, 7, 7, 7]
     doubtful = DSparkScheduled(table)
     doubtful.lengths(np.full((8, GAMMA), 0.02), eight)  # Algorithm 1 verifies (almost) only the anchors
     assert doubtful.planned_lengths(eight, GAMMA) is None
+    # A planned round's confidences re-plan (Algorithm 1 runs on them): acceptance collapsed, so no plan.
+    confident.observe_drafts(np.full((8, GAMMA), 0.02), eight)
+    assert confident.planned_lengths(eight, GAMMA) is None
+    confident.observe_drafts(np.full((8, GAMMA), 0.9), eight)
+    assert confident.planned_lengths(eight, GAMMA).tolist() == eight.tolist()
+    # Rounds Algorithm 1 schedules re-plan every RECHECK-th (the evaluation would delay their verify step).
+    for _ in range(RECHECK - 1):
+        doubtful.lengths(np.full((8, GAMMA), 0.9), eight)
+        assert doubtful.planned_lengths(eight, GAMMA) is None
+    doubtful.lengths(np.full((8, GAMMA), 0.9), eight)
+    assert doubtful.planned_lengths(eight, GAMMA).tolist() == eight.tolist()
+
+
+def _brute_force(conf: np.ndarray, caps: np.ndarray, lengths: np.ndarray, table: SPSTable, cost: DraftCost) -> tuple:
+    """Theta of every uniform length and of ``lengths``, request by request in plain Python."""
+    num, gamma = conf.shape
+
+    def theta(ls: list[int]) -> float:
+        tau = num + sum(float(np.prod(conf[r, : j + 1])) for r in range(num) for j in range(ls[r]))
+        batch = num + sum(ls)
+        return tau / (1.0 / float(table(batch)) + cost.fixed_s + cost.per_request_s * num + cost.per_token_s * batch)
+
+    uniform = [theta([min(L, int(c), gamma) for c in caps]) for L in range(1, gamma + 1)]
+    return uniform, theta([int(x) for x in lengths])
+
+
+def test_under_load_the_plan_is_the_best_uniform_length_near_algorithm_1() -> None:
+    """A steep curve (the 4B step at 32 requests: 128 tokens cost far less than 256): Algorithm 1 verifies a few
+    drafts per request; the plan is the uniform length with the best objective, kept when it is within the
+    tolerance of Algorithm 1's, and the caps still bind."""
+    table = SPSTable([32, 64, 128, 256], (1000.0 / np.array([4.0, 4.3, 4.8, 6.2])).tolist())
+    cost = DraftCost(fixed_s=1.5e-3, per_token_s=1e-6)
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0.55, 0.95, size=(32, GAMMA))
+    caps = np.full(32, GAMMA)
+    caps[:3] = [0, 2, 5]
+    conf[0, :] = 0.0
+    conf[1, 2:] = 0.0
+    conf[2, 5:] = 0.0
+    policy = DSparkScheduled(table, draft_cost=cost)
+    chosen = policy.lengths(conf, caps)
+    assert 0 < chosen.sum() < 32 * GAMMA - 9  # Algorithm 1 stops early
+    best, theta_best, theta_a = uniform_choice(conf, caps, chosen, table, cost)
+    uniform, theta_chosen = _brute_force(conf, caps, chosen, table, cost)
+    assert theta_a == pytest.approx(theta_chosen, rel=1e-9)
+    assert theta_best == pytest.approx(max(uniform), rel=1e-9) and best == 1 + int(np.argmax(uniform))
+    assert 1 < best < GAMMA and theta_best * (1 + CHAIN_TOLERANCE) >= theta_a
+    assert policy.planned_lengths(caps, GAMMA).tolist() == np.minimum(caps, best).tolist()
+    strict = DSparkScheduled(table, draft_cost=cost, chain_tolerance=0.0)
+    strict.lengths(conf, caps)
+    assert (strict.planned_lengths(caps, GAMMA) is None) == (theta_best < theta_a)
 
 
 @pytest.mark.parametrize("confidence", [0.05, 0.5, 0.95])
