@@ -166,10 +166,10 @@ class SpeculativeEngine:
 
         ``chain_verify``: when the policy fixes a round's lengths before the drafts exist (``planned_lengths``:
         the fixed-length policies always, DSpark when a uniform length gives up little of Algorithm 1's
-        objective on its last round of as many requests, e.g. the whole block on a flat SPS curve), queue the verify step right behind the draft step on the device,
-        reading the drafts where the drafter wrote them, instead of waiting for them on the host first (an
-        in-process drafter and verifier on one device, graph path, greedy requests, no joining prompt; any other
-        round runs as usual; see :meth:`_chained_round`)."""
+        objective on its last round of as many requests, e.g. the whole block on a flat SPS curve), queue the
+        verify step right behind the draft step on the device, reading the drafts where the drafter wrote them,
+        instead of waiting for them on the host first (an in-process drafter and verifier on one device, graph
+        path, greedy requests, no joining prompt; any other round runs as usual; see :meth:`_chained_round`)."""
         if policy.uses_drafter and draft is None:
             raise ValueError(f"policy {policy.name!r} needs a drafter")
         if policy.name.startswith("dspark") and draft is not None and not draft.has_confidence_head:
