@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # The chained rounds on the GPU in one device call: their exactness tests, then sweeps with chain_verify on and
-# off at 1 and 8 requests (paired, same machine), and on at 32 and 128. Run from the repository root there:
-#   bash bench/gpu_chain_session.sh OUT_DIR        (carry .data/prompts: humaneval.jsonl, mbpp.jsonl)
+# off at 1 and 8 requests (paired, same machine), and on at 32 and 128 (CHAIN_SET=c1_8, the default), or DSpark's
+# planned lengths at 1 and 32 requests on / off and its draft skip at 1 request (CHAIN_SET=plan). Run from the
+# repository root there:
+#   [CHAIN_SET=plan] bash bench/gpu_chain_session.sh OUT_DIR        (carry .data/prompts: humaneval.jsonl, mbpp.jsonl)
 # Writes OUT_DIR/logs.txt and OUT_DIR/<sweep>/policies.{json,log} (plots dropped: a call returns 8 files).
 set -uo pipefail
 out=${1:?usage: bench/gpu_chain_session.sh OUT_DIR}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 t0=$SECONDS
-timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/scheduler/test_engine_graphs.py \
-  -k "cuda_graphs_equal_eager or chained" 2>&1 | tail -n 5 | tee "$out/logs.txt"
-echo "=== tests after $((SECONDS - t0)) s"
+if [[ ${CHAIN_TESTS:-1} == 1 ]]; then  # CHAIN_TESTS=0: the sweeps only
+  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/scheduler/test_engine_graphs.py \
+    -k "cuda_graphs_equal_eager or chained" 2>&1 | tail -n 5 | tee "$out/logs.txt"
+  echo "=== tests after $((SECONDS - t0)) s"
+fi
 sweep() {  # sweep NAME LIMIT ARGS...
   local name=$1 limit=$2; shift 2
   mkdir -p "$out/$name"
@@ -19,6 +23,15 @@ sweep() {  # sweep NAME LIMIT ARGS...
   rm -f "$out/$name"/*.png
   echo "=== $name after $((SECONDS - t0)) s"
 }
-sweep chain_on_c1_8 130 --concurrency 1 8 --policies autoregressive full dspark --repeats 2 --measure-s 6 --chain-verify on
-sweep chain_off_c1_8 120 --concurrency 1 8 --policies autoregressive full dspark --repeats 2 --measure-s 6 --chain-verify off
-sweep chain_on_c32_128 110 --concurrency 32 128 --repeats 1 --measure-s 6 --chain-verify on
+case ${CHAIN_SET:-c1_8} in
+  c1_8)  # session 10: the chained rounds' first paired run
+    sweep chain_on_c1_8 130 --concurrency 1 8 --policies autoregressive full dspark --repeats 2 --measure-s 6 --chain-verify on
+    sweep chain_off_c1_8 120 --concurrency 1 8 --policies autoregressive full dspark --repeats 2 --measure-s 6 --chain-verify off
+    sweep chain_on_c32_128 110 --concurrency 32 128 --repeats 1 --measure-s 6 --chain-verify on ;;
+  plan)  # session 11: DSpark's planned uniform lengths chained at 32 requests (paired with chaining off), and
+    # whether skipping the drafter pays at 1 request (--draft-skip off against the chained run's dspark)
+    sweep plan_on_c1_32 150 --concurrency 1 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on
+    sweep plan_off_c1_32 110 --concurrency 1 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify off
+    sweep skip_off_c1 75 --concurrency 1 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on \
+      --draft-skip off ;;
+esac
