@@ -488,6 +488,7 @@ def run_cell(
     gate_before = _gate_counts(engine)
     runner = getattr(engine.verify, "graphs", None)  # a remote verifier's graphs are its own business
     replays_before = runner.replays if runner is not None else 0
+    chained_before = runner.chained if runner is not None else 0
     window_start = time.perf_counter()
     rounds, emitted_total, finished_in_window, walls = 0, 0, 0, []
     user_rates: list[float] = []
@@ -507,6 +508,7 @@ def run_cell(
     gate_after = _gate_counts(engine)
     decided = gate_after[0] - gate_before[0]
     graph_steps = (runner.replays - replays_before) if runner is not None else 0
+    chained_steps = (runner.chained - chained_before) if runner is not None else 0
 
     per_user_source = "finished"
     if len(user_rates) < 3:  # too few finished in the window: the in-flight requests' rates so far
@@ -557,6 +559,7 @@ def run_cell(
         "round_ms": round_ms,
         "round_ms_median": 1000 * statistics.median(walls),
         "graph_step_fraction": graph_steps / rounds,  # verify steps on the graph path (the rest ran eagerly)
+        "chained_round_fraction": chained_steps / rounds,  # verify steps queued behind the drafter (chained)
         # Rounds whose drafter the skip-the-draft gate skipped (plain target rounds), of the rounds it decided.
         "skipped_round_fraction": (gate_after[1] - gate_before[1]) / decided if decided else 0.0,
         # Rounds in which the gate made a full prediction (the others reused its last prediction to draft).
@@ -844,7 +847,7 @@ def final_table(results: dict[str, Any]) -> list[str]:
         f"temperature {results['temperature']}",
         f"{'c':>4} {'policy':>14} {'user t/s':>9} {'agg t/s':>9} {'tau':>5} {'budget':>6} {'B/rnd':>6} "
         f"{'draft':>6} {'sched':>6} {'verify':>7} {'other':>6} {'round':>7} {'fin':>4} {'=AR':>7} {'graph':>5} "
-        f"{'skip':>4}",
+        f"{'chain':>5} {'skip':>4}",
     ]
     for c in results["cells"]:
         agree = c.get("agreement_with_autoregressive")
@@ -856,12 +859,13 @@ def final_table(results: dict[str, Any]) -> list[str]:
             f"{_fmt(c['verify_tokens_per_round'], 6)} {_fmt(c['draft_ms'], 6, 2)} {_fmt(c['schedule_ms'], 6, 2)} "
             f"{_fmt(c['verify_ms'], 7, 2)} {_fmt(c['other_host_ms'], 6, 2)} {_fmt(c['round_ms'], 7, 2)} "
             f"{c['finished']:>4} {agree_text:>7} {_fmt(100 * c.get('graph_step_fraction', 0.0), 5, 0)} "
+            f"{_fmt(100 * c.get('chained_round_fraction', 0.0), 5, 0)} "
             f"{_fmt(100 * c.get('skipped_round_fraction', 0.0), 4, 0)}"
         )
     lines.append(
         "(ms per round; budget = verified drafts per request per round; B/rnd = verify batch tokens; "
         "=AR: finished outputs equal to autoregressive's; graph: % of verify steps on the graph path; "
-        "skip: % of rounds that skipped the drafter)"
+        "chain: % of rounds chained behind the drafter; skip: % of rounds that skipped the drafter)"
     )
     common = common_prompt_per_user(results["cells"])
     for level in sorted({c for c, _ in common}):
@@ -1324,6 +1328,7 @@ def main(argv: list[str] | None = None) -> int:
             f"round {row['round_ms']:.2f} ms (draft {row['draft_ms']:.2f} sched {row['schedule_ms']:.2f} verify "
             f"{row['verify_ms']:.2f} other {row['other_host_ms']:.2f})  {row['rounds']} rounds, "
             f"{row['finished']} finished, {100 * row['graph_step_fraction']:.0f}% graph steps, "
+            f"{100 * row['chained_round_fraction']:.0f}% chained, "
             f"{100 * row['skipped_round_fraction']:.0f}% rounds skipped the draft"
         )
 

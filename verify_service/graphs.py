@@ -133,6 +133,7 @@ class VerifyGraphRunner:
         self.backend = "triton" if self.device.type == "cuda" else "reference"
         self.timed = False
         self.replays = 0  # steps run through the runner (for reports: how many rounds took the graph path)
+        self.chained = 0  # of them, steps chained behind the drafter (for reports: how many rounds chained)
         self.max_rows = max_requests * width + 1 + prefill_rows
         max_chunks = max_requests + 2 * -(-prefill_rows // width)
         self.chunk_sizes = bucket_sizes(max_chunks, buckets)
@@ -493,6 +494,8 @@ class VerifyGraphRunner:
             with torch.no_grad():  # the caller's tensors may carry grad; the static buffers never do
                 self.dist_ids.index_copy_(0, index, torch.cat(dist_ids).to(self.device))
                 self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
+        if device_drafts is not None:
+            self.chained += 1
         if device_drafts is not None and num_drafts:
             dev = self.dev
             drafts = dev["drafts"][:num_drafts]
