@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The chained rounds on the GPU in one device call: their exactness tests, then sweeps with chain_verify on and
 # off at 1 and 8 requests (paired, same machine), and on at 32 and 128 (CHAIN_SET=c1_8, the default), or DSpark's
-# planned lengths at 1 and 32 requests on / off and its draft skip at 1 request (CHAIN_SET=plan). Run from the
+# planned lengths at 1, 8 and 32 requests on / off and its draft skip at 1 request (CHAIN_SET=plan). Run from the
 # repository root there:
 #   [CHAIN_SET=plan] bash bench/gpu_chain_session.sh OUT_DIR        (carry .data/prompts: humaneval.jsonl, mbpp.jsonl)
 # Writes OUT_DIR/logs.txt and OUT_DIR/<sweep>/policies.{json,log} (plots dropped: a call returns 8 files).
@@ -28,10 +28,10 @@ case ${CHAIN_SET:-c1_8} in
     sweep chain_on_c1_8 130 --concurrency 1 8 --policies autoregressive full dspark --repeats 2 --measure-s 6 --chain-verify on
     sweep chain_off_c1_8 120 --concurrency 1 8 --policies autoregressive full dspark --repeats 2 --measure-s 6 --chain-verify off
     sweep chain_on_c32_128 110 --concurrency 32 128 --repeats 1 --measure-s 6 --chain-verify on ;;
-  plan)  # session 11: DSpark's planned uniform lengths chained at 32 requests (paired with chaining off), and
-    # whether skipping the drafter pays at 1 request (--draft-skip off against the chained run's dspark)
-    sweep plan_on_c1_32 150 --concurrency 1 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on
-    sweep plan_off_c1_32 110 --concurrency 1 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify off
-    sweep skip_off_c1 75 --concurrency 1 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on \
+  plan)  # session 11: DSpark's planned uniform lengths chained at 1, 8 and 32 requests (paired with chaining off),
+    # and whether skipping the drafter pays at 1 request (--draft-skip off against the chained run's dspark)
+    sweep plan_on 200 --concurrency 1 8 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on
+    sweep plan_off 140 --concurrency 1 8 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify off
+    sweep skip_off_c1 70 --concurrency 1 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on \
       --draft-skip off ;;
 esac
