@@ -781,6 +781,7 @@ def plot_throughput(
     """Paper Figure 7 style: aggregate tokens/s vs tokens/s per user, one line per series (default: policy)
     across concurrency."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -798,6 +799,9 @@ def plot_throughput(
         ax.scatter([rate], [rate], marker="x", color="black", zorder=5, label="HF generate (1 request)")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers on the decades, no labels on the minor ticks (they collide)
+        axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("tokens/s per user (median)")
     ax.set_ylabel("aggregate tokens/s")
     ax.set_title(title, fontsize=9)

@@ -21,6 +21,11 @@ COLUMNS = (
 )
 
 
+def _share(cell: dict[str, Any], key: str) -> str:
+    """A fraction as a percentage, or "-" for a sweep that did not record it."""
+    return f"{100 * cell[key]:.0f}%" if key in cell else "-"
+
+
 def cell_table(results: dict[str, Any]) -> list[str]:
     lines = [COLUMNS, "| " + " | ".join(["---:", "---"] + ["---:"] * 12) + " |"]
     for (concurrency, policy), c in sorted(mean_cells(results["cells"]).items(), key=lambda kv: kv[0][0]):
@@ -29,7 +34,7 @@ def cell_table(results: dict[str, Any]) -> list[str]:
             f"({c['aggregate_min']:.0f}-{c['aggregate_max']:.0f}) | {c['tau']:.2f} | {c['verify_budget']:.2f} | "
             f"{c['verify_tokens_per_round']:.1f} | {c['draft_ms']:.2f} | {c['schedule_ms']:.2f} | "
             f"{c['verify_ms']:.2f} | {c['other_host_ms']:.2f} | {c['round_ms']:.2f} | "
-            f"{100 * c.get('chained_round_fraction', 0.0):.0f}% | {100 * c.get('skipped_round_fraction', 0.0):.0f}% |"
+            f"{_share(c, 'chained_round_fraction')} | {_share(c, 'skipped_round_fraction')} |"
         )
     return lines
 
