@@ -34,4 +34,10 @@ case ${CHAIN_SET:-c1_8} in
     sweep plan_off 140 --concurrency 1 8 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify off
     sweep skip_off_c1 70 --concurrency 1 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on \
       --draft-skip off ;;
+  plan32)  # session 11, second call: the 32-request level the plan set's first sweep ran out of time for, and
+    # the draft skip at 1 request (the first sweep compiles the Triton kernels: ~90 s of its limit)
+    sweep plan_on_c32 190 --concurrency 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on
+    sweep plan_off_c32 90 --concurrency 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify off
+    sweep skip_off_c1 80 --concurrency 1 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on \
+      --draft-skip off ;;
 esac
