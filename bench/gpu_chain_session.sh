@@ -36,8 +36,8 @@ case ${CHAIN_SET:-c1_8} in
       --draft-skip off ;;
   plan32)  # session 11, second call: the 32-request level the plan set's first sweep ran out of time for, and
     # the draft skip at 1 request (the first sweep compiles the Triton kernels: ~90 s of its limit)
-    sweep plan_on_c32 190 --concurrency 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on
+    sweep plan_on_c32 180 --concurrency 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on
     sweep plan_off_c32 90 --concurrency 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify off
-    sweep skip_off_c1 80 --concurrency 1 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on \
+    sweep skip_off_c1 110 --concurrency 1 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on \
       --draft-skip off ;;
 esac
