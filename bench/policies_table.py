@@ -44,6 +44,9 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
     levels = goals["dspark_vs_best_fixed_aggregate"]["levels"]
     parts = []
     for level in levels:
+        if "dspark_ratio" not in level:  # the level's dspark cells did not run (time limit)
+            parts.append(f"no dspark cell (c={level['concurrency']})")
+            continue
         repeats = " / ".join(f"{r:.2f}" for r in level["dspark_ratio_per_repeat"])
         async_ratio = level.get("dspark-async_ratio")  # None or absent: a sweep without dspark-async
         parts.append(
