@@ -17,10 +17,11 @@ at most ``tolerance`` of Algorithm 1's objective, about what chaining saves; oth
 Algorithm 1 decide on its confidences. Every planned round's confidences refresh the plan the same way, off the
 critical path (the host reads them while the device runs the chained verify step); of the rounds Algorithm 1
 schedules, where the evaluation delays the verify step (15-55 us at 1-128 requests on a 2-core VM), every
-``RECHECK``-th does. On a flat SPS curve
-L* = the whole block and Theta_L* >= Theta_A (every draft adds to tau and nothing to the step): the plan is
-Algorithm 1's own decision. Under load, where Algorithm 1 verifies a few drafts per request, L* is the uniform
-length that comes closest to it.
+``RECHECK``-th does, and none until a round driver has asked for a plan (one that cannot chain never pays). On a
+flat SPS curve L* = the whole block and Theta_L* >= Theta_A (every draft adds to tau and nothing to the step): the
+plan is Algorithm 1's own decision. Under load, where Algorithm 1 verifies a few drafts per request, L* is the
+best uniform length by the same objective (32 requests on the H200: ~5 drafts per request where Algorithm 1 takes
+~3, half the rounds chained, 2.3% more tokens/s than Algorithm 1 unchained; docs/benchmarks/policies.md).
 
 Before any drafted round of R requests the plan is the whole block iff its step takes at most ``tolerance``
 longer than the anchors' step alone (the flat part of the curve, where any positive survival admits it).
@@ -87,9 +88,11 @@ class ChainPlanner:
         self.tolerance = tolerance
         self._plans: dict[int, int] = {}  # R -> L (0: let Algorithm 1 decide)
         self._scheduled: dict[int, int] = {}  # R -> rounds Algorithm 1 scheduled since the last re-plan
+        self._asked = False  # a round driver asked for a plan (one that never chains pays nothing here)
 
     def planned(self, max_lengths: np.ndarray, block_size: int, sps: SPSTable) -> np.ndarray | None:
         """The next round's lengths for these caps, or None (Algorithm 1 decides on the confidences)."""
+        self._asked = True
         num = max_lengths.size
         if not num:
             return None
@@ -114,7 +117,7 @@ class ChainPlanner:
         """A drafted round of R requests (confidences zeroed past the caps, Algorithm 1's lengths for them):
         plan the next round of R requests. ``scheduled``: Algorithm 1 chose this round's lengths (re-plans
         every ``RECHECK``-th such round only)."""
-        if not confidences.size:
+        if not (self._asked and confidences.size):
             return
         num = confidences.shape[0]
         if scheduled:

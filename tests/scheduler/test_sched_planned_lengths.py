@@ -52,12 +52,14 @@ def test_dspark_plans_from_its_last_round_of_as_many_requests() -> None:
     table = _h200_by_requests()
     eight = np.full(8, GAMMA)
     confident = DSparkScheduled(table)
+    assert confident.planned_lengths(eight, GAMMA) is None  # the engine asks before every round
     chosen = confident.lengths(np.full((8, GAMMA), 0.9), eight)
     assert 8 + chosen.sum() >= 48  # most of the block: the whole block is the best uniform round, within 5%
     planned = [confident.planned_lengths(eight, GAMMA) for _ in range(40)]
     assert all(p is not None and p.tolist() == eight.tolist() for p in planned)  # until a round says otherwise
     assert confident.planned_lengths(np.array([GAMMA, 3, 0, 7, 7, 7, 7, 7]), GAMMA).tolist() == [7, 3, 0, 7, 7, 7, 7, 7]
     doubtful = DSparkScheduled(table)
+    assert doubtful.planned_lengths(eight, GAMMA) is None
     doubtful.lengths(np.full((8, GAMMA), 0.02), eight)  # Algorithm 1 verifies (almost) only the anchors
     assert doubtful.planned_lengths(eight, GAMMA) is None
     # A planned round's confidences re-plan (Algorithm 1 runs on them): acceptance collapsed, so no plan.
@@ -71,6 +73,18 @@ def test_dspark_plans_from_its_last_round_of_as_many_requests() -> None:
         assert doubtful.planned_lengths(eight, GAMMA) is None
     doubtful.lengths(np.full((8, GAMMA), 0.9), eight)
     assert doubtful.planned_lengths(eight, GAMMA).tolist() == eight.tolist()
+
+
+def test_a_round_driver_that_never_asks_for_a_plan_pays_nothing_for_it() -> None:
+    """Without chaining (a remote drafter, eager steps) nobody asks for a plan: the rounds Algorithm 1 schedules
+    are not evaluated for one, and the first plan asked for is the cold start's."""
+    eight = np.full(8, GAMMA)
+    policy = DSparkScheduled(_h200_by_requests())
+    for _ in range(3):
+        policy.lengths(np.full((8, GAMMA), 0.9), eight)
+    assert policy.planned_lengths(eight, GAMMA) is None  # not planned from the unobserved rounds
+    policy.lengths(np.full((8, GAMMA), 0.9), eight)
+    assert policy.planned_lengths(eight, GAMMA).tolist() == eight.tolist()
 
 
 def _brute_force(conf: np.ndarray, caps: np.ndarray, lengths: np.ndarray, table: SPSTable, cost: DraftCost) -> tuple:
@@ -100,6 +114,7 @@ def test_under_load_the_plan_is_the_best_uniform_length_near_algorithm_1() -> No
     conf[1, 2:] = 0.0
     conf[2, 5:] = 0.0
     policy = DSparkScheduled(table, draft_cost=cost)
+    assert policy.planned_lengths(caps, GAMMA) is None  # the cold start: a step of every draft is far from flat
     chosen = policy.lengths(conf, caps)
     assert 0 < chosen.sum() < 32 * GAMMA - 9  # Algorithm 1 stops early
     best, theta_best, theta_a = uniform_choice(conf, caps, chosen, table, cost)
@@ -109,6 +124,7 @@ def test_under_load_the_plan_is_the_best_uniform_length_near_algorithm_1() -> No
     assert 1 < best < GAMMA and theta_best * (1 + CHAIN_TOLERANCE) >= theta_a
     assert policy.planned_lengths(caps, GAMMA).tolist() == np.minimum(caps, best).tolist()
     strict = DSparkScheduled(table, draft_cost=cost, chain_tolerance=0.0)
+    strict.planned_lengths(caps, GAMMA)
     strict.lengths(conf, caps)
     assert (strict.planned_lengths(caps, GAMMA) is None) == (theta_best < theta_a)
 
