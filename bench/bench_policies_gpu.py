@@ -620,12 +620,21 @@ def per_user_speedups(rates: dict[str, dict[str, float]]) -> dict[str, dict[str,
     return out
 
 
-def agreement(outputs: dict[int, list[int]], reference: dict[int, list[int]] | None) -> dict[str, int] | None:
-    """How many finished requests equal the reference's output for the same prompt (both finished)."""
+def _first_difference(tokens: list[int], reference: list[int]) -> int:
+    """The first position where two outputs differ (the shorter one's length when one is a prefix)."""
+    return next((j for j, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b),
+                min(len(tokens), len(reference)))  # fmt: skip
+
+
+def agreement(outputs: dict[int, list[int]], reference: dict[int, list[int]] | None) -> dict[str, Any] | None:
+    """How many finished requests equal the reference's output for the same prompt (both finished), and for
+    each that does not, the position of its first different token (prompt index as text -> position): a bf16
+    near-tie flipped by another batch shape shows as one late position, a defect as early and many."""
     if reference is None:
         return None
     common = [i for i in outputs if i in reference]
-    return {"compared": len(common), "equal": sum(outputs[i] == reference[i] for i in common)}
+    differ = {str(i): _first_difference(outputs[i], reference[i]) for i in common if outputs[i] != reference[i]}
+    return {"compared": len(common), "equal": len(common) - len(differ), "first_difference": differ}
 
 
 def cell_budget(args: argparse.Namespace, deadline: float, now: float, cells_left: int) -> CellBudget | None:

@@ -151,7 +151,12 @@ def test_per_user_goal_is_judged_on_the_same_prompts_when_the_pass_ran() -> None
 
 
 def test_agreement_compares_only_prompts_both_finished() -> None:
-    assert agreement({1: [5, 6], 2: [7], 3: [1]}, {1: [5, 6], 2: [8], 4: [0]}) == {"compared": 2, "equal": 1}
+    assert agreement({1: [5, 6], 2: [7], 3: [1]}, {1: [5, 6], 2: [8], 4: [0]}) == {
+        "compared": 2,
+        "equal": 1,
+        "first_difference": {"2": 0},
+    }
+    assert agreement({1: [5, 6, 9, 9], 2: [7]}, {1: [5, 6, 8, 9], 2: [7, 3]})["first_difference"] == {"1": 2, "2": 1}
     assert agreement({1: [5]}, None) is None
 
 
