@@ -496,11 +496,11 @@ class VerifyGraphRunner:
                 self.dist_probs.index_copy_(0, index, torch.cat(dist_probs).to(self.device))
         if device_drafts is not None:
             self.chained += 1
-        if device_drafts is not None and num_drafts:
-            dev = self.dev
-            drafts = dev["drafts"][:num_drafts]
-            drafts.copy_(device_drafts.flat.index_select(0, dev["chain_src"][:num_drafts]))  # ids, as int64
-            dev["ids"].index_copy_(0, dev["chain_rows"][:num_drafts], drafts)
+            if num_drafts:
+                dev = self.dev
+                drafts = dev["drafts"][:num_drafts]
+                drafts.copy_(device_drafts.flat.index_select(0, dev["chain_src"][:num_drafts]))  # ids, as int64
+                dev["ids"].index_copy_(0, dev["chain_rows"][:num_drafts], drafts)
         self.replays += 1
         return self.steps[key](self.timed)
 
