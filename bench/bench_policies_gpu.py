@@ -489,6 +489,8 @@ def run_cell(
     runner = getattr(engine.verify, "graphs", None)  # a remote verifier's graphs are its own business
     replays_before = runner.replays if runner is not None else 0
     chained_before = runner.chained if runner is not None else 0
+    drafter = getattr(engine.draft, "graphs", None)
+    behind_before = drafter.behind if drafter is not None else 0
     window_start = time.perf_counter()
     rounds, emitted_total, finished_in_window, walls = 0, 0, 0, []
     user_rates: list[float] = []
@@ -509,6 +511,7 @@ def run_cell(
     decided = gate_after[0] - gate_before[0]
     graph_steps = (runner.replays - replays_before) if runner is not None else 0
     chained_steps = (runner.chained - chained_before) if runner is not None else 0
+    behind_steps = (drafter.behind - behind_before) if drafter is not None else 0
 
     per_user_source = "finished"
     if len(user_rates) < 3:  # too few finished in the window: the in-flight requests' rates so far
@@ -560,6 +563,7 @@ def run_cell(
         "round_ms_median": 1000 * statistics.median(walls),
         "graph_step_fraction": graph_steps / rounds,  # verify steps on the graph path (the rest ran eagerly)
         "chained_round_fraction": chained_steps / rounds,  # verify steps queued behind the drafter (chained)
+        "behind_round_fraction": behind_steps / rounds,  # draft steps queued behind a verify step
         # Rounds whose drafter the skip-the-draft gate skipped (plain target rounds), of the rounds it decided.
         "skipped_round_fraction": (gate_after[1] - gate_before[1]) / decided if decided else 0.0,
         # Rounds in which the gate made a full prediction (the others reused its last prediction to draft).
@@ -860,7 +864,7 @@ def final_table(results: dict[str, Any]) -> list[str]:
         f"temperature {results['temperature']}",
         f"{'c':>4} {'policy':>14} {'user t/s':>9} {'agg t/s':>9} {'tau':>5} {'budget':>6} {'B/rnd':>6} "
         f"{'draft':>6} {'sched':>6} {'verify':>7} {'other':>6} {'round':>7} {'fin':>4} {'=AR':>7} {'graph':>5} "
-        f"{'chain':>5} {'skip':>4}",
+        f"{'chain':>5} {'bhnd':>4} {'skip':>4}",
     ]
     for c in results["cells"]:
         agree = c.get("agreement_with_autoregressive")
@@ -873,12 +877,14 @@ def final_table(results: dict[str, Any]) -> list[str]:
             f"{_fmt(c['verify_ms'], 7, 2)} {_fmt(c['other_host_ms'], 6, 2)} {_fmt(c['round_ms'], 7, 2)} "
             f"{c['finished']:>4} {agree_text:>7} {_fmt(100 * c.get('graph_step_fraction', 0.0), 5, 0)} "
             f"{_fmt(100 * c.get('chained_round_fraction', 0.0), 5, 0)} "
+            f"{_fmt(100 * c.get('behind_round_fraction', 0.0), 4, 0)} "
             f"{_fmt(100 * c.get('skipped_round_fraction', 0.0), 4, 0)}"
         )
     lines.append(
         "(ms per round; budget = verified drafts per request per round; B/rnd = verify batch tokens; "
         "=AR: finished outputs equal to autoregressive's; graph: % of verify steps on the graph path; "
-        "chain: % of rounds chained behind the drafter; skip: % of rounds that skipped the drafter)"
+        "chain: % of rounds chained behind the drafter; bhnd: % of rounds drafted behind a verify step; "
+        "skip: % of rounds that skipped the drafter)"
     )
     common = common_prompt_per_user(results["cells"])
     for level in sorted({c for c, _ in common}):
@@ -1024,6 +1030,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="rounds whose lengths the policy fixes before the drafts exist (fixed-N and full always, dspark on a "
         "flat SPS curve) queue the verify step right behind the draft step on the device (SpeculativeEngine "
         "chain_verify), as dspark serve does with CUDA graphs",
+    )
+    parser.add_argument(
+        "--chain-draft",
+        default="on",
+        choices=["on", "off"],
+        help="a chained round also queues the next round's draft step behind its verify step, which takes the "
+        "committed rows and the next anchors on the device (SpeculativeEngine chain_draft), as dspark serve does "
+        "with CUDA graphs",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs of every cell (interleaved), for error bars")
     parser.add_argument(
@@ -1235,6 +1249,7 @@ def main(argv: list[str] | None = None) -> int:
             max_running=concurrency,
             draft_ahead=args.draft_ahead == "on",
             chain_verify=args.chain_verify == "on",
+            chain_draft=args.chain_draft == "on",
         )
 
     for policy in args.policies:  # first calls compile the Triton kernels for the chunk shapes each policy makes

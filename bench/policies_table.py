@@ -17,7 +17,7 @@ from bench.bench_policies_gpu import mean_cells
 
 COLUMNS = (
     "| c | policy | user tok/s | aggregate tok/s | tau | budget | B / round | draft ms | sched ms | verify ms "
-    "| other ms | round ms | chained rounds | rounds without draft |"
+    "| other ms | round ms | chained rounds | drafted behind | rounds without draft |"
 )
 
 
@@ -27,14 +27,15 @@ def _share(cell: dict[str, Any], key: str) -> str:
 
 
 def cell_table(results: dict[str, Any]) -> list[str]:
-    lines = [COLUMNS, "| " + " | ".join(["---:", "---"] + ["---:"] * 12) + " |"]
+    lines = [COLUMNS, "| " + " | ".join(["---:", "---"] + ["---:"] * 13) + " |"]
     for (concurrency, policy), c in sorted(mean_cells(results["cells"]).items(), key=lambda kv: kv[0][0]):
         lines.append(
             f"| {concurrency} | {policy} | {c['per_user_tokens_per_s']:.1f} | {c['aggregate_tokens_per_s']:.0f} "
             f"({c['aggregate_min']:.0f}-{c['aggregate_max']:.0f}) | {c['tau']:.2f} | {c['verify_budget']:.2f} | "
             f"{c['verify_tokens_per_round']:.1f} | {c['draft_ms']:.2f} | {c['schedule_ms']:.2f} | "
             f"{c['verify_ms']:.2f} | {c['other_host_ms']:.2f} | {c['round_ms']:.2f} | "
-            f"{_share(c, 'chained_round_fraction')} | {_share(c, 'skipped_round_fraction')} |"
+            f"{_share(c, 'chained_round_fraction')} | {_share(c, 'behind_round_fraction')} | "
+            f"{_share(c, 'skipped_round_fraction')} |"
         )
     return lines
 

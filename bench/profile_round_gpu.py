@@ -324,6 +324,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--chain-verify", default="on", choices=["on", "off"], help="SpeculativeEngine chain_verify (chained rounds)"
     )
+    parser.add_argument(
+        "--chain-draft", default="on", choices=["on", "off"], help="SpeculativeEngine chain_draft (drafting behind)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=40, help="rounds before the timed ones")
@@ -383,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             max_running=concurrency,
             draft_ahead=ahead == "on",
             chain_verify=args.chain_verify == "on",
+            chain_draft=args.chain_draft == "on",
         )
 
     show = sys.stderr.isatty()

@@ -141,6 +141,21 @@ class DeviceDrafts:
     row_stride: int
 
 
+@dataclass(frozen=True)
+class DeviceVerified:
+    """A verify-only step's outcome still on the device, for a draft step queued right behind it (the next
+    round's drafting without a host round trip: :meth:`draft_service.graphs.DraftGraphRunner.launch_behind`).
+
+    Row r of ``packed`` (int64) is request r's accepted draft count a_r, then its emitted tokens: the a_r
+    accepted drafts and the target's own token at column 1 + a_r, the request's next anchor. ``features`` holds
+    every request's 1 + a_r committed context rows back to back, in request order. With captured graphs both
+    are the verify step's static outputs, so the reading work must be queued before the next verify step.
+    """
+
+    packed: torch.Tensor
+    features: torch.Tensor
+
+
 def split_views(buffer: torch.Tensor | np.ndarray, fields: dict[str, int]) -> dict:
     """Named consecutive views of one flat staging buffer: the host fills every field, then one copy uploads all."""
     views = {}

@@ -177,6 +177,7 @@ def load_local_backend(
         eos_token_ids=target_model.eos_token_ids,
         draft_ahead=graphs == "capture",  # the host commits a round while the device drafts the next
         chain_verify=graphs == "capture",  # rounds of known lengths: the verify step queued behind the drafter
+        chain_draft=graphs == "capture",  # and the next round's draft step behind that verify step
     )
     return LocalBackend(engine, model_name)
 

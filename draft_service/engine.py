@@ -21,10 +21,10 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, DeviceDrafts, check_graph_mode
+from cluster.graphs import DEFAULT_BUCKETS, DeviceDrafts, DeviceVerified, check_graph_mode
 from cluster.sampling import SamplingParams
 from cluster.slot_lookups import SlotLookups
-from draft_service.graphs import DraftGraphRunner
+from draft_service.graphs import DraftGraphRunner, LaunchedDraft
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import kernel_backend, sample_block_keyed
 
@@ -158,6 +158,15 @@ class PendingProposal:
         return self._proposal
 
 
+class _Behind(NamedTuple):
+    """A draft step launched behind a verify step (:meth:`DraftEngine.propose_behind`): it appends that step's
+    rows itself, so the append that reports them (same requests, starts and rows) only advances the lengths."""
+
+    req_ids: tuple[str, ...]
+    starts: np.ndarray
+    rows_at: int  # the data pointer of the verify step's committed rows
+
+
 @dataclass
 class _Entry:
     slot: int
@@ -204,6 +213,9 @@ class DraftEngine:
         # The last request list's gathered per-slot arrays (read-only): (its read-only slots array, (temperature,
         # top-k and seed)), until a request is added or released (the only changes of the per-slot values).
         self._kept_sampling: tuple[np.ndarray, tuple[np.ndarray, np.ndarray]] | None = None
+        # The requests of a draft step launched behind a verify step (propose_behind), their context lengths
+        # before it and where the verify step's rows are, until append_context reports those rows.
+        self._behind: _Behind | None = None
         self.graphs: DraftGraphRunner | None = None
         if graphs != "off":
             self.graphs = DraftGraphRunner(
@@ -273,6 +285,7 @@ class DraftEngine:
     def release(self, req_id: str) -> None:
         """Free the request's context slot (idempotent)."""
         entry = self._requests.pop(req_id, None)
+        self._behind = None
         if entry is not None:
             self._lookups.clear()
             self._kept_sampling = None
@@ -293,6 +306,7 @@ class DraftEngine:
         """Append committed context features (``projected``: rows [n, H] the verifier already projected, else raw
         [n, m*H]). Replays are safe: rows already held from ``start`` on are replaced (the cache is cropped back
         to ``start`` first), and a gap (``start`` past the held length) is an error."""
+        behind, self._behind = self._behind, None
         if not items:
             return
         num = len(items)
@@ -310,6 +324,15 @@ class DraftEngine:
             if total != items.features.shape[0] or int(counts.min()) < 0:
                 raise ValueError(f"context batch: counts {items.counts} do not cover {items.features.shape[0]} rows")
             _, slots, distinct = self._lookups.get_distinct(req_ids, self._entries)
+            if (
+                behind is not None
+                and not projected
+                and items.features.data_ptr() == behind.rows_at
+                and tuple(req_ids) == behind.req_ids
+                and np.array_equal(starts, behind.starts)
+            ):  # the rows a draft step launched behind their verify step appended on the device
+                self.cache.lengths_np[slots] = starts + counts
+                return
             held = self.cache.lengths_np[slots]
             if bool((starts > held).any()):
                 self._check_context(items, held, counts, width)
@@ -435,6 +458,46 @@ class DraftEngine:
         eager = self._propose_eager(items.items() if isinstance(items, DraftBatch) else items, entries)
         return PendingProposal(lambda: eager)
 
+    def propose_behind(
+        self, req_ids: Sequence[str], starts: np.ndarray, verified: DeviceVerified, vocab_size: int
+    ) -> PendingProposal | None:
+        """Draft the next round for the requests of a verify step still queued on this device, from its outcome
+        there (:meth:`DraftGraphRunner.launch_behind`): each request's committed rows are appended and the
+        target's last emitted token is its anchor, with no host round trip between the two steps. ``starts``
+        (int64 [R]): the verify step's anchor positions, which must be the requests' context lengths here;
+        ``vocab_size``: a bound on the target's tokens. The context lengths advance when :meth:`append_context`
+        reports the same rows from the verify step's results (then nothing is written again); the drafts'
+        anchors and positions are the ones those results give. Returns None, launching nothing, when the step
+        cannot run so: no graph path, too many requests, a repeated or unknown request, context rows of
+        another kind or on another device, a context length other than ``starts``, no room for a whole block,
+        or target tokens outside the drafter's vocabulary."""
+        graphs = self.graphs
+        features = verified.features
+        if (
+            graphs is None
+            or graphs.projected
+            or not req_ids
+            or len(req_ids) > graphs.max_requests
+            or vocab_size > self.model.real_vocab_size
+            or features.device != self.model.device
+            or features.shape[1] != self.model.config.context_feature_size
+        ):
+            return None
+        try:
+            _, slots, distinct = self._lookups.get_distinct(req_ids, self._entries)
+        except UnknownDraftRequestError:
+            return None
+        if (
+            not distinct
+            or not np.array_equal(self.cache.lengths_np[slots], starts)
+            or int(starts.max()) + self.block_size + 1 > self.cache.max_seq_len
+        ):
+            return None
+        graphs.settle()
+        launched = graphs.launch_behind(slots, starts, *self._slot_sampling(slots), verified)
+        self._behind = _Behind(tuple(req_ids), starts.copy(), features.data_ptr())
+        return self._pending(req_ids, launched)
+
     @torch.no_grad()
     def _propose_eager(self, items: Sequence[DraftItem], entries: Sequence[_Entry]) -> Proposal:
         if self.graphs is not None:
@@ -484,6 +547,12 @@ class DraftEngine:
             )
         graphs = self.graphs
         launched = graphs.launch(anchors, positions, slots, *self._slot_sampling(slots), distinct=distinct)
+        return self._pending(req_ids, launched)
+
+    def _pending(self, req_ids: Sequence[str], launched: LaunchedDraft) -> PendingProposal:
+        """A launched graph step's drafts as a proposal to wait for."""
+        graphs = self.graphs
+        assert graphs is not None
 
         def finish() -> Proposal:
             out = graphs.collect(launched)

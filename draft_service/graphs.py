@@ -37,6 +37,7 @@ import torch
 from cluster.graphs import (
     DEFAULT_BUCKETS,
     DeviceDrafts,
+    DeviceVerified,
     GraphStep,
     StagingFence,
     bucket_sizes,
@@ -104,6 +105,7 @@ class DraftGraphRunner:
         self.backend = kernel_backend(self.device)  # slot attention and the fused Markov sampler
         self.has_confidence = model.confidence_head is not None
         self.timed = False
+        self.behind = 0  # steps launched behind a verify step (for reports: how many rounds drafted so)
         top = self.sizes[-1]
         self._int_fields = {
             "anchors": top,
@@ -291,7 +293,65 @@ class DraftGraphRunner:
             if outside:  # staged rows of a request outside this batch: write them all first
                 self.flush()
                 appended = None
+        sampled = self._stage_requests(size, slots, temperatures, k_eff_and_seeds, clear_appends=appended is None)
         host = self.host
+        host["anchors"][:num] = anchors
+        host["positions"][:num] = positions
+        if appended is not None:
+            host["append_counts"][:num] = appended
+            host["append_offsets"][:num] = self._staged_offsets[slots]
+            host["append_starts"][:num] = self._staged_starts[slots]
+            self._staged_counts[:] = 0
+            self._staged_rows = 0
+        self._upload()
+        return self._run_step(size, num, sampled)
+
+    def launch_behind(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        temperatures: np.ndarray,
+        k_eff_and_seeds: np.ndarray,
+        verified: DeviceVerified,
+    ) -> LaunchedDraft:
+        """Start drafting for the R requests of a verify step still queued on this device (same stream), from
+        its outcome there: request r (slot ``slots[r]``, distinct, whose context holds the ``starts[r]`` rows
+        before that step's anchor) appends its 1 + a_r committed rows at ``starts[r]`` onward and drafts after
+        the target's last emitted token at position ``starts[r]`` + 1 + a_r. Small device ops fill the step's
+        anchors, positions and append fields from ``verified`` and copy its rows into ``context_rows``, then the
+        step runs as :meth:`launch`'s does: the device goes from verifying to drafting without waiting for the
+        host (the next round's drafting, launched before this round's results reach the host). The caller
+        vouches that the verify step's features are this runner's kind of context rows and its tokens are in
+        the drafter's vocabulary, and learns the anchors, positions and appended counts from the verify step's
+        results."""
+        if self._launched is not None:
+            raise RuntimeError("DraftGraphRunner: the last launched step was not collected")
+        num = slots.size
+        size = pick_bucket(num, self.sizes)
+        if size is None:
+            raise ValueError(f"{num} requests exceed the largest bucket {self.sizes[-1]}")
+        self.flush()  # rows staged by an append since the last step are written first, in their order
+        sampled = self._stage_requests(size, slots, temperatures, k_eff_and_seeds, clear_appends=False)
+        self.host["append_starts"][:num] = starts
+        self._upload()
+        self._inputs_behind(num, verified)
+        self.behind += 1
+        return self._run_step(size, num, sampled)
+
+    def _stage_requests(
+        self,
+        size: int,
+        slots: np.ndarray,
+        temperatures: np.ndarray,
+        k_eff_and_seeds: np.ndarray,
+        clear_appends: bool,
+    ) -> bool:
+        """Write the per-request fields of a step of bucket ``size`` into the staging buffer (padding rows, slots,
+        sampling parameters; unless the same request list as the last step's, which the buffer still holds);
+        ``clear_appends``: the kept buffer's append counts are reset (the step appends nothing). Returns whether
+        some request samples."""
+        host = self.host
+        num = slots.size
         per_list = (slots, temperatures, k_eff_and_seeds)
         kept = self._kept_fields
         if (
@@ -301,26 +361,36 @@ class DraftGraphRunner:
         ):
             # The same request list as the last step (an engine's kept read-only arrays): the staging buffer
             # still holds its padding rows and per-request fields; only the per-round ones are written.
-            sampled = kept[2]
-            if appended is None:
+            if clear_appends:
                 host["append_counts"][:num] = 0
-        else:
-            np.copyto(self._host_np, self._padding)
-            host["slots"][:num] = slots
-            host["temperature"][:num] = temperatures
-            host["k_eff"][:num] = k_eff_and_seeds[:, 0]
-            host["seeds"][:num] = k_eff_and_seeds[:, 1]
-            sampled = bool(temperatures.any())
-            self._kept_fields = (size, per_list, sampled)
-        host["anchors"][:num] = anchors
-        host["positions"][:num] = positions
-        if appended is not None:
-            host["append_counts"][:num] = appended
-            host["append_offsets"][:num] = self._staged_offsets[slots]
-            host["append_starts"][:num] = self._staged_starts[slots]
-            self._staged_counts[:] = 0
-            self._staged_rows = 0
-        self._dev_int.copy_(self._host_int, non_blocking=True)  # the temperatures too
+            return kept[2]
+        np.copyto(self._host_np, self._padding)
+        host["slots"][:num] = slots
+        host["temperature"][:num] = temperatures
+        host["k_eff"][:num] = k_eff_and_seeds[:, 0]
+        host["seeds"][:num] = k_eff_and_seeds[:, 1]
+        sampled = bool(temperatures.any())
+        self._kept_fields = (size, per_list, sampled)
+        return sampled
+
+    @torch.no_grad()
+    def _inputs_behind(self, num: int, verified: DeviceVerified) -> None:
+        """The anchors, positions and append fields of the first ``num`` requests and their context rows, from a
+        verify step's outcome on the device (queued after the upload, which wrote the append starts)."""
+        dev = self.dev
+        packed = verified.packed[:num]
+        counts = dev["append_counts"][:num]
+        torch.add(packed[:, 0], 1, out=counts)  # the anchor and the accepted drafts
+        torch.gather(packed, 1, counts[:, None], out=dev["anchors"][:num, None])  # the last emitted token
+        torch.add(dev["append_starts"][:num], counts, out=dev["positions"][:num])
+        offsets = dev["append_offsets"][:num]
+        torch.cumsum(counts, 0, out=offsets)
+        offsets.sub_(counts)
+        rows = min(verified.features.shape[0], num * self.append_width)
+        self.context_rows[:rows].copy_(verified.features[:rows])
+
+    def _run_step(self, size: int, num: int, sampled: bool) -> LaunchedDraft:
+        """Replay the bucket's step on the uploaded inputs and queue its result copy (see :meth:`launch`)."""
         step = self.steps[size]
         packed, topk_ids, topk_probs = step(self.timed)
         ids, probs = (topk_ids, topk_probs) if num == size else (topk_ids[:num], topk_probs[:num])

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cluster.graphs import DeviceVerified
 from cluster.sampling import SamplingParams
 from draft_service.ahead import gather_rows
 from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEngine, PendingProposal, Proposal
@@ -116,6 +117,14 @@ class _Ahead:
             self.pending.result()
 
 
+class _Decided(NamedTuple):
+    """The next round's drafting, decided before a round's commit: whether it drafts, and its drafts when they
+    were launched already (behind the round's verify step, :meth:`SpeculativeEngine._launch_behind`)."""
+
+    drafting: bool
+    pending: PendingProposal | None
+
+
 class _AheadTaken(NamedTuple):
     """What a round takes from the drafts launched ahead: its caps and draft decision, and when drafting the
     launched drafts with the batch they answer (``rows``: the launched rows of this round's requests, in its
@@ -158,6 +167,7 @@ class SpeculativeEngine:
         max_running: int | None = None,
         draft_ahead: bool = False,
         chain_verify: bool = False,
+        chain_draft: bool = False,
     ) -> None:
         """``draft_ahead``: launch the next round's drafting right after a round's context append, before its
         commit, so that the host commits while the device drafts (a drafter with ``propose_start``: the
@@ -169,7 +179,12 @@ class SpeculativeEngine:
         objective on its last round of as many requests, e.g. the whole block on a flat SPS curve), queue the
         verify step right behind the draft step on the device, reading the drafts where the drafter wrote them,
         instead of waiting for them on the host first (an in-process drafter and verifier on one device, graph
-        path, greedy requests, no joining prompt; any other round runs as usual; see :meth:`_chained_round`)."""
+        path, greedy requests, no joining prompt; any other round runs as usual; see :meth:`_chained_round`).
+
+        ``chain_draft`` (with ``chain_verify``): a chained round also queues the next round's draft step right
+        behind its verify step, which appends the committed context rows and takes the target's last token as
+        the anchor on the device (:meth:`DraftEngine.propose_behind`), so the device goes on drafting while the
+        host waits for and commits the results: the chained round's other half (see :meth:`_launch_behind`)."""
         if policy.uses_drafter and draft is None:
             raise ValueError(f"policy {policy.name!r} needs a drafter")
         if policy.name.startswith("dspark") and draft is not None and not draft.has_confidence_head:
@@ -195,9 +210,8 @@ class SpeculativeEngine:
         self._planned_lengths: Callable[[np.ndarray, int], np.ndarray | None] | None = None
         if chain_verify and hasattr(self.draft, "propose_start") and hasattr(verify, "start_chained"):
             self._planned_lengths = getattr(policy, "planned_lengths", None)
-        self._observe_drafts: Callable[[np.ndarray, np.ndarray], None] | None = getattr(
-            policy, "observe_drafts", None
-        )
+        self._chain_draft = chain_draft and self._planned_lengths is not None and hasattr(self.draft, "propose_behind")
+        self._observe_drafts: Callable[[np.ndarray, np.ndarray], None] | None = getattr(policy, "observe_drafts", None)
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -399,7 +413,28 @@ class SpeculativeEngine:
         if finish is None:
             verifies = self._verify_items(verified, lengths, proposal, batch)
             return self._verify_and_commit([], verified, verifies, True, draft_s, schedule_s, t_drafted)
-        return self._commit_round([], verified, finish(), True, draft_s, schedule_s, t_drafted)
+        behind = None
+        if self._chain_draft and finish.on_device is not None:
+            behind = self._launch_behind(verified, batch, lengths, finish.on_device)
+        return self._commit_round([], verified, finish.results(), True, draft_s, schedule_s, t_drafted, behind)
+
+    def _launch_behind(
+        self, verified: list[_Request], batch: DraftBatch, lengths: np.ndarray, on_device: DeviceVerified
+    ) -> _Decided:
+        """Decide the next round's drafting now and, when it drafts, queue its draft step behind this round's
+        verify step (on the device, from its outcome there). The policy decides as it does for drafts launched
+        ahead, from the rounds before this one, on the caps the next round has if this one accepts every
+        draft (lower bounds of its real caps: they only depend on counts). A decision to draft whose step the
+        drafter cannot launch so is launched after the commit (:meth:`_launch_ahead`)."""
+        num = len(verified)
+        emitted = lengths + 1  # at most: every draft accepted and the target's own token
+        left = np.fromiter((r.max_tokens - len(r.output) for r in verified), dtype=np.int64, count=num)
+        if not self.policy.should_draft(self._caps_from(left - emitted, batch.positions + emitted)):
+            return _Decided(False, None)
+        pending = self.draft.propose_behind(  # type: ignore[union-attr]
+            batch.req_ids, batch.positions, on_device, self.verify.vocab_size
+        )
+        return _Decided(True, pending)
 
     def _plan(self, verified: list[_Request]) -> tuple[np.ndarray, bool]:
         """The count caps of the requests to verify, and whether the drafter drafts for them this round.
@@ -451,24 +486,32 @@ class SpeculativeEngine:
         return _AheadTaken(caps, True, ahead.pending, subset, rows)
 
     def _launch_ahead(
-        self, verified: list[_Request], tokens: Sequence[Sequence[int]], accepted: Sequence[int]
+        self,
+        verified: list[_Request],
+        tokens: Sequence[Sequence[int]],
+        accepted: Sequence[int],
+        decided: _Decided | None = None,
     ) -> None:
         """Draft the next round now, for every request of this verify-only round at its committed anchor and
         position (taken from the step's results before the commit; a request that finishes in the commit
         wastes its row), if the policy drafts at the next round's caps; the commit then runs while the device
         drafts. The drafts are what the next round would draft: the same context (appended before), anchor and
         position, and randomness keyed by request and position. The policy decides from the rounds before this
-        one (this round's timings reach it after its commit), as a pipelined scheduler does."""
+        one (this round's timings reach it after its commit), as a pipelined scheduler does; ``decided``: it
+        decided before the results already, and the drafts may be launched (behind the verify step)."""
         num = len(verified)
         anchors = np.fromiter((t[-1] for t in tokens), dtype=np.int64, count=num)
         positions = np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num) + 1
         positions += np.asarray(accepted, dtype=np.int64)
         left = np.fromiter((r.max_tokens - len(r.output) for r in verified), dtype=np.int64, count=num)
         left -= np.fromiter(map(len, tokens), dtype=np.int64, count=num)
-        caps = self._caps_from(left, positions)
-        drafting = self.policy.should_draft(caps)
         batch = DraftBatch([r.req_id for r in verified], anchors, positions)
-        pending = self.draft.propose_start(batch) if drafting else None  # type: ignore[union-attr]
+        if decided is None:
+            drafting, pending = self.policy.should_draft(self._caps_from(left, positions)), None
+        else:
+            drafting, pending = decided
+        if drafting and pending is None:
+            pending = self.draft.propose_start(batch)  # type: ignore[union-attr]
         self._ahead = _Ahead(list(verified), batch, pending, drafting)
 
     def _verify_and_commit(
@@ -500,16 +543,20 @@ class SpeculativeEngine:
         draft_s: float,
         schedule_s: float,
         t2: float,
+        decided: _Decided | None = None,
     ) -> list[RequestOutput]:
         """Commit a target pass's results (prefills of ``admitted``, then verifies of ``verified``), release the
-        finished requests and record the round; ``t2``: when the verification phase began."""
+        finished requests and record the round; ``t2``: when the verification phase began; ``decided``: the
+        next round's drafting, decided before the results (:meth:`_launch_behind`)."""
         t3 = time.perf_counter()
         if len(results) != len(admitted) + len(verified):
+            if decided is not None and decided.pending is not None:
+                decided.pending.result()  # the drafter's buffers are the launched step's until it is waited for
             raise RuntimeError(
                 f"the verifier returned {len(results)} results for {len(admitted) + len(verified)} requests"
             )
         try:
-            outputs, verified_counts, accepted_counts = self._commit_results(admitted, verified, results)
+            outputs, verified_counts, accepted_counts = self._commit_results(admitted, verified, results, decided)
         finally:  # the finished requests' slots, also when a commit failed part-way
             self._release_finished()
         if len(verified_counts):
@@ -524,10 +571,19 @@ class SpeculativeEngine:
         return outputs
 
     def _commit_results(
-        self, admitted: list[_Request], verified: list[_Request], results: Sequence[StepResult] | StepResults
+        self,
+        admitted: list[_Request],
+        verified: list[_Request],
+        results: Sequence[StepResult] | StepResults,
+        decided: _Decided | None = None,
     ) -> tuple[list[RequestOutput], Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]:
         """Append the step's context features to the drafter and commit every request's tokens; returns the
-        outputs and the verified / accepted draft counts of the verify items."""
+        outputs and the verified / accepted draft counts of the verify items. ``decided``: the next round's
+        drafting, decided before the results (a verify-only bucketed step's)."""
+        if decided is not None and not (isinstance(results, StepResults) and not admitted and verified):
+            if decided.pending is not None:
+                decided.pending.result()  # nobody takes these drafts: waited for, then dropped
+            decided = None
         if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
             if self.draft is not None and results.features is not None:
                 self.draft.append_context(
@@ -539,8 +595,8 @@ class SpeculativeEngine:
                         results.arrays,
                     )
                 )
-            if self._draft_ahead and verified:
-                self._launch_ahead(verified, results.tokens, results.num_accepted)
+            if decided is not None or (self._draft_ahead and verified):
+                self._launch_ahead(verified, results.tokens, results.num_accepted, decided)
             commit = self._commit
             outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
             # The step's own lists (made for this round, changed by nobody): the metrics keep them as they are.
@@ -553,9 +609,7 @@ class SpeculativeEngine:
                 self.draft.append_context(contexts)
             for req, res in zip([*admitted, *verified], results, strict=True):  # prefills first, then verifies
                 if res.req_id != req.req_id:
-                    raise RuntimeError(
-                        f"the verifier answered for {res.req_id!r} where {req.req_id!r} was expected"
-                    )
+                    raise RuntimeError(f"the verifier answered for {res.req_id!r} where {req.req_id!r} was expected")
             commit = self._commit
             outputs = [
                 commit(r, res.tokens, res.num_drafts, res.num_accepted, True)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, DeviceDrafts, check_graph_mode
+from cluster.graphs import DEFAULT_BUCKETS, DeviceDrafts, DeviceVerified, check_graph_mode
 from cluster.sampling import SamplingParams
 from cluster.slot_lookups import SlotLookups
 from kernels.rejection import RejectionOutput, rejection_sample_reference
@@ -201,6 +201,15 @@ class StepResults(Sequence[StepResult]):
         return map(StepResult, self.req_ids, self.num_drafts, self.num_accepted, self.tokens, self.feature_starts, rows)
 
 
+class ChainedVerify(NamedTuple):
+    """A chained verify step queued on the device (:meth:`VerifyEngine.start_chained`): ``results`` waits for
+    its :class:`StepResults`; ``on_device`` is its outcome where the device has it (None without feature
+    layers), for the next round's draft step queued behind it."""
+
+    results: Callable[[], StepResults]
+    on_device: DeviceVerified | None
+
+
 @dataclass
 class _Slot:
     slot: int
@@ -338,9 +347,7 @@ class VerifyEngine:
     # ------------------------------------------------------------------------------------------- the step
     # No grad-mode switch around the bucketed path: the graph steps run under no_grad themselves and the host
     # code around them only copies their outputs (a decorator costs microseconds every round).
-    def step(
-        self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()
-    ) -> Sequence[StepResult]:
+    def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()) -> Sequence[StepResult]:
         """Run prefills and verifications in one target pass; results follow the order prefills, then verifies
         (a list, or :class:`StepResults` for a bucketed step)."""
         if not prefills and not verifies:
@@ -385,9 +392,7 @@ class VerifyEngine:
                 _check_ids(p.req_id, [p.anchor], vocab)
         checked = self._check_verifies(verifies)
         if len(prefills) > self.cache.num_free_slots:
-            raise NoFreeSlotError(
-                f"{len(prefills)} new requests but only {self.cache.num_free_slots} free KV slots"
-            )
+            raise NoFreeSlotError(f"{len(prefills)} new requests but only {self.cache.num_free_slots} free KV slots")
         return checked
 
     def _check_verifies(self, verifies: Sequence[VerifyItem]) -> _CheckedVerifies:
@@ -601,11 +606,11 @@ class VerifyEngine:
             return False
         if not prefills and not checked.any_distribution:  # the common round: array checks only, its bucket
             return self.graphs.verify_bucket(checked.num_drafts, 0) or False
-        widths = [
-            int(v.draft_probs.shape[1])
-            for v in verifies
-            if v.draft_probs is not None and len(v.draft_tokens)
-        ] if checked.any_distribution else []
+        widths = (
+            [int(v.draft_probs.shape[1]) for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
+            if checked.any_distribution
+            else []
+        )
         lengths = [(len(p.token_ids), True) for p in prefills]
         lengths += [(1 + n, False) for n in checked.num_drafts.tolist()]
         return self.graphs.fits(lengths, max(widths, default=0))
@@ -722,10 +727,11 @@ class VerifyEngine:
         positions: np.ndarray,
         num_drafts: np.ndarray,
         drafts: DeviceDrafts,
-    ) -> Callable[[], StepResults] | None:
+    ) -> ChainedVerify | None:
         """A verify-only step of greedy requests whose drafts are still being drafted on this device (a chained
-        round, :meth:`VerifyGraphRunner.start_verify`): launched behind the draft step, it returns a function
-        that waits for the results (:class:`StepResults`, as :meth:`step` gives). Returns None, launching
+        round, :meth:`VerifyGraphRunner.start_verify`): launched behind the draft step, it returns a
+        :class:`ChainedVerify` whose ``results`` waits for the results (:class:`StepResults`, as :meth:`step`
+        gives) and whose ``on_device`` a draft step may read behind it. Returns None, launching
         nothing, when the step cannot be chained (no graph path or no bucket for it, a request that samples, an
         unknown request or one whose position, anchor or room the checks refuse): the caller then verifies
         the drafts the usual way, where every error is reported as :meth:`step` reports it.
@@ -753,13 +759,15 @@ class VerifyEngine:
         key = graphs.verify_bucket(num_drafts, 0)
         if not all_greedy or key is None:
             return None
-        finish = graphs.start_verify(slots, lengths, anchors, num_drafts, sampling_float, sampling_int, drafts, key)
+        finish, on_device = graphs.start_verify(
+            slots, lengths, anchors, num_drafts, sampling_float, sampling_int, drafts, key
+        )
 
         def results() -> StepResults:
             accepted, tokens, kept = finish()
             return self._verified(req_key, slots, lengths, num_drafts, accepted, tokens, kept)
 
-        return results
+        return ChainedVerify(results, on_device)
 
     def _sample(
         self,

@@ -39,6 +39,7 @@ import torch
 from cluster.graphs import (
     DEFAULT_BUCKETS,
     DeviceDrafts,
+    DeviceVerified,
     GraphStep,
     bucket_sizes,
     device_event,
@@ -318,12 +319,13 @@ class VerifyGraphRunner:
         sampling_int: np.ndarray,
         drafts: DeviceDrafts,
         key: tuple[int, int] | None = None,
-    ) -> Callable[[], tuple[np.ndarray, list[list[int]], torch.Tensor | None]]:
+    ) -> tuple[Callable[[], tuple[np.ndarray, list[list[int]], torch.Tensor | None]], DeviceVerified | None]:
         """:meth:`run_verify` of greedy requests whose drafts are still on the device (a chained round): the
         step is queued right behind the draft step that writes ``drafts`` (same stream), so the device runs
-        both without waiting for the host in between. Returns once the step and its result copy are queued;
-        the function it returns waits for them and gives what :meth:`run_verify` gives (call it before the
-        runner is used again: the staging and result buffers are the step's until then). ``anchors``: int64
+        both without waiting for the host in between. Returns once the step and its result copy are queued:
+        a function that waits for them and gives what :meth:`run_verify` gives (call it before the runner is
+        used again: the staging and result buffers are the step's until then), and the step's outcome on the
+        device (None without feature layers), which a draft step queued next may read. ``anchors``: int64
         [R]; the drafts are request r's first ``num_drafts[r]`` of its row of ``drafts``, ids the caller
         vouches for (in the target's vocabulary: the drafter's own output)."""
         key, packed, features = self._launch_verify(
@@ -344,7 +346,7 @@ class VerifyGraphRunner:
                 self._started = None
             return self._verify_outputs(key, self._result_np, features, num)
 
-        return finish
+        return finish, None if features is None else DeviceVerified(packed, features)
 
     def _launch_verify(
         self,
@@ -681,7 +683,6 @@ class VerifyGraphRunner:
             features = torch.zeros((t + 1, out.features.shape[1]), dtype=out.features.dtype, device=device)
             features = features.index_copy(0, dest, out.features)[:t]
         return packed, features
-
 
 
 def _widen(ids: torch.Tensor, probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from model_factory import PairSpec, write_pair
 from cluster.graphs import DeviceDrafts, bucket_sizes, check_graph_mode, pick_bucket
 from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
-from draft_service.engine import ContextItem, DraftEngine, DraftItem
+from draft_service.engine import ContextBatch, ContextItem, DraftEngine, DraftItem
 from kernels.launch import interpreting
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
@@ -171,7 +171,7 @@ def test_chained_verify_step_equals_the_host_one(pair) -> None:
         assert chained.start_chained(ids, anchor_ids, at, num_drafts, device_drafts) is None
     finish = chained.start_chained(req_ids, anchor_ids, positions, num_drafts, device_drafts)
     assert finish is not None
-    got = finish()
+    got = finish.results()
     want = host.step([], VerifyBatch(req_ids, anchor_ids, positions, drafts.astype(np.int64), num_drafts))
     assert got.req_ids == want.req_ids and got.tokens == want.tokens and got.num_accepted == want.num_accepted
     assert got.num_drafts == num_drafts.tolist()
@@ -181,6 +181,85 @@ def test_chained_verify_step_equals_the_host_one(pair) -> None:
         assert chained.cache.length(slot) == host.cache.length(host._requests[req_id].slot)
     sampler, _ = _prefilled(target, "static", prompts, [SamplingParams(temperature=1.0, seed=1)] * 4, seq)
     assert sampler.start_chained(req_ids, anchor_ids, positions, num_drafts, device_drafts) is None
+
+
+def _context_batch(results) -> ContextBatch:
+    """A verify step's committed rows as the round driver hands them to the drafter."""
+    return ContextBatch(
+        results.req_ids, results.feature_starts, results.feature_counts, results.features, results.arrays
+    )
+
+
+def test_drafting_behind_a_chained_verify_equals_the_host_round(pair) -> None:
+    """The next round's draft step queued behind a chained verify step (anchors, positions and the context
+    append taken from the step's outcome on the device) drafts what the host round drafts after reading the
+    results: the same tokens and confidences, and the same context K/V and lengths once the results' append
+    has been reported (it writes nothing again); the round after agrees too. What it cannot draft so it
+    refuses (None) before launching anything: an unknown or repeated request, a context length other than the
+    verify step's anchor positions, target tokens past the drafter's vocabulary, no room for a block."""
+    from draft_service.engine import DraftBatch
+    from verify_service.engine import VerifyBatch
+
+    target, drafter = pair
+    seq = 40
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 127, size=n).tolist() for n in (3, 11, 7)]
+    greedy = [SamplingParams(temperature=0.0)] * len(prompts)
+    req_ids = [f"r{i}" for i in range(len(prompts))]
+    positions = np.array([len(p) for p in prompts], dtype=np.int64)
+    num_drafts = np.array([5, 2, 4], dtype=np.int64)
+    runs = {}
+    for way in ("host", "behind"):
+        verify = VerifyEngine(target, 8, seq, graphs="static", max_drafts=5, draft_top_k=4, graph_buckets=BUCKETS)
+        prefilled = verify.step([PrefillItem(r, p, sp) for r, p, sp in zip(req_ids, prompts, greedy, strict=True)])
+        anchors = np.array([r.tokens[0] for r in prefilled], dtype=np.int64)
+        draft = DraftEngine(drafter, 8, seq, draft_top_k=4, graphs="static", graph_buckets=BUCKETS)
+        for r, sp in zip(req_ids, greedy, strict=True):
+            draft.add_request(r, sp)
+        draft.append_context([ContextItem(r.req_id, 0, r.features) for r in prefilled])
+        pending = draft.propose_start(DraftBatch(req_ids, anchors, positions))
+        chained = verify.start_chained(req_ids, anchors, positions, num_drafts, pending.device_tokens)
+        assert chained is not None and chained.on_device is not None
+        first = pending.result()
+        if way == "behind":
+            on_device = chained.on_device
+            refused = [
+                (["r0", "r9", "r2"], positions, target.vocab_size),
+                (["r0", "r0", "r2"], positions, target.vocab_size),
+                (req_ids, positions + 1, target.vocab_size),
+                (req_ids, positions, drafter.real_vocab_size + 1),
+                (req_ids, np.array([3, 11, seq - 6], dtype=np.int64), target.vocab_size),
+            ]
+            for ids, at, vocab in refused:
+                assert draft.propose_behind(ids, at, on_device, vocab) is None
+            behind = draft.propose_behind(req_ids, positions, on_device, target.vocab_size)
+            assert behind is not None
+        results = chained.results()
+        draft.append_context(_context_batch(results))
+        accepted = np.array(results.num_accepted, dtype=np.int64)
+        next_batch = DraftBatch(req_ids, np.array([t[-1] for t in results.tokens]), positions + 1 + accepted)
+        second = behind.result() if way == "behind" else draft.propose(next_batch)
+        lengths = [draft.context_length(r) for r in req_ids]
+        assert lengths == (positions + 1 + accepted).tolist()
+        # A plain target round after it (no drafts): its rows go after the ones drafting behind appended.
+        plain = verify.step(
+            [],
+            VerifyBatch(
+                req_ids, next_batch.anchors, next_batch.positions, np.zeros((3, 0), np.int64), np.zeros(3, np.int64)
+            ),
+        )
+        draft.append_context(_context_batch(plain))
+        after = np.array([t[-1] for t in plain.tokens], dtype=np.int64)
+        third = draft.propose(DraftBatch(req_ids, after, next_batch.positions + 1))
+        slots = [draft._requests[r].slot for r in req_ids]
+        runs[way] = (first, results, second, third, draft.cache.k[:, slots].clone(), lengths)
+    host, behind_run = runs["host"], runs["behind"]
+    assert behind_run[1].tokens == host[1].tokens and behind_run[1].num_accepted == host[1].num_accepted
+    for got, want in zip(behind_run[2:4], host[2:4], strict=True):
+        assert torch.equal(got.tokens, want.tokens)
+        np.testing.assert_allclose(got.confidences, want.confidences, atol=1e-6)
+    torch.testing.assert_close(behind_run[4], host[4])
+    assert behind_run[5] == host[5]
 
 
 def test_bucketed_propose_equals_eager(pair) -> None:
@@ -292,6 +371,7 @@ def _generate(
     draft_ahead: bool = False,
     chain_verify: bool = False,
     policy: str = "dspark",
+    chain_draft: bool = False,
 ) -> list[list[int]]:
     verify = VerifyEngine(
         target,
@@ -311,8 +391,10 @@ def _generate(
         make_policy(policy, _sps(), drafter.block_size),
         draft_ahead=draft_ahead,
         chain_verify=chain_verify,
+        chain_draft=chain_draft,
     )
     calls = _count_proposals(draft)
+    behind = _count_behind(draft)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 127, size=int(rng.integers(1, 30))).tolist() for _ in range(20)]
     max_tokens = [int(rng.integers(1, 30)) for _ in range(20)]
@@ -335,6 +417,9 @@ def _generate(
     if mode != "off":
         verify_only = ragged["verify"] + chained["chained"]
         assert verify_only > 0 and (ragged["prefill"] > 0 or not prefill_rows), (ragged, chained)
+    # Drafting behind a chained verify step: in chained rounds (of greedy requests).
+    assert (behind["launched"] > 0) == (chain_draft and chain_verify and mode != "off" and temperature == 0.0), behind
+    assert not behind["refused"], behind
     if chain_verify and mode != "off" and temperature == 0.0:  # dspark: the rounds of few requests (flat SPS)
         assert chained["chained"] > 0 and not chained["refused"], chained
         assert policy != "dspark" or calls["in_round"] > 0, calls  # its other rounds drafted and scheduled as usual
@@ -369,6 +454,20 @@ def _count_proposals(draft: DraftEngine) -> dict[str, int]:
         return propose_start(items)
 
     draft.propose, draft.propose_start = counted_propose, counted_start
+    return counts
+
+
+def _count_behind(draft: DraftEngine) -> dict[str, int]:
+    """Counts of draft steps launched behind a verify step (``propose_behind``) and of refused ones (None)."""
+    counts = {"launched": 0, "refused": 0}
+    propose_behind = draft.propose_behind
+
+    def counted(*args):
+        pending = propose_behind(*args)
+        counts["refused" if pending is None else "launched"] += 1
+        return pending
+
+    draft.propose_behind = counted
     return counts
 
 
@@ -439,6 +538,20 @@ def test_chained_rounds_equal_unchained(pair, temperature: float, policy: str, d
         target, drafter, "static", temperature, draft_ahead=draft_ahead, chain_verify=True, policy=policy
     )
     assert chained == _generate(target, drafter, "static", temperature, policy=policy)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("policy", ["dspark", "full"])
+def test_drafting_behind_chained_rounds_equals_unchained(pair, temperature: float, policy: str) -> None:
+    """Chained rounds that also queue the next round's draft step behind their verify step (the context
+    append and the anchors taken on the device): greedy == target greedy, as without chaining, while requests
+    join, finish (their drafted rows dropped) and run out of room for a block (then the commit decides the
+    next round's drafting); sampled rounds are not chained, so nothing is drafted behind them."""
+    target, drafter = pair
+    behind = _generate(
+        target, drafter, "static", temperature, draft_ahead=True, chain_verify=True, policy=policy, chain_draft=True
+    )
+    assert behind == _generate(target, drafter, "static", temperature, policy=policy)
 
 
 def test_drafting_ahead_survives_aborts_and_close(pair) -> None:
@@ -616,7 +729,7 @@ def test_ragged_step_with_prefills_equals_eager(pair) -> None:
 def test_cuda_graphs_equal_eager(tmp_path: Path, dtype: torch.dtype) -> None:
     """On CUDA: captured graphs == eager (Triton attention, Triton sampler) == target greedy; sampled
     requests give the same tokens from the captured graphs as from the same bucketed step run eagerly; the
-    same with the next round drafted ahead, and greedy with chained rounds."""
+    same with the next round drafted ahead, and greedy with chained rounds, also drafting behind them."""
     spec = PairSpec(vocab=128, hidden=32, block_size=5, markov_rank=8, target_layer_ids=(-1, 1, 2), seed=5)
     target_dir, draft_dir = write_pair(tmp_path, spec)
     drafter = load_draft_model(draft_dir, target_dir=target_dir, dtype=dtype, device="cuda")
@@ -637,6 +750,12 @@ def test_cuda_graphs_equal_eager(tmp_path: Path, dtype: torch.dtype) -> None:
     assert _generate(target, drafter, "capture", 0.0, chain_verify=True) == greedy["off"]
     assert _generate(target, drafter, "capture", 0.0, draft_ahead=True, chain_verify=True) == greedy["off"]
     assert _generate(target, drafter, "capture", 0.0, chain_verify=True, policy="full") == greedy["off"]
+    # Drafting behind: the next draft graph queued behind the verify graph, its inputs taken from its outputs.
+    for policy in ("dspark", "full"):
+        behind = _generate(
+            target, drafter, "capture", 0.0, draft_ahead=True, chain_verify=True, policy=policy, chain_draft=True
+        )
+        assert behind == greedy["off"]
 
 
 def _batch_and_items(anchors, positions, drafts, num_drafts):
