@@ -23,6 +23,10 @@ B * (block_size + 1) write to position 0 of the dummy slot, whose context length
 them. A staged append that the next propose does not cover (another append first, an eager propose, a
 request missing from the batch) runs as its own bucketed append step first; a released request's staged rows
 are dropped. Longer appends (prefills) run eagerly.
+
+Drafting behind a verify step (:meth:`DraftGraphRunner.launch_behind`): the propose step's anchors, positions and
+append fields, and its context rows, are written on the device from a verify step's outcome queued before it on
+the same stream (``cluster.graphs.DeviceVerified``), so the next round drafts before the host has the results.
 """
 
 from __future__ import annotations

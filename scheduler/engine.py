@@ -9,7 +9,9 @@ Every call to :meth:`SpeculativeEngine.step` is one round:
    can fix the lengths before the drafts exist lets a ``chain_verify`` engine queue step 4 right behind the
    drafter on the device: a chained round, see :meth:`SpeculativeEngine._chained_round`);
 4. ONE target pass verifies all running requests and prefills the new ones; rejection sampling keeps a prefix;
-5. committed context features go to the drafter, new tokens are checked against stop conditions and returned;
+5. committed context features go to the drafter (a ``chain_draft`` engine's chained round queues the next round's
+   draft step behind its verify step on the device, which appends them there: see :meth:`_launch_behind`), new
+   tokens are checked against stop conditions and returned;
 6. a policy with ``observe_round`` gets the round's timings (a measured draft cost learns from them).
 
 Lossless by construction: drafts are only ever proposals; what a request emits is decided by rejection sampling
