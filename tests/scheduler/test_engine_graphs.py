@@ -384,7 +384,7 @@ def _generate(
     )
     draft = DraftEngine(drafter, 12, 96, graphs=mode, graph_buckets=BUCKETS)
     ragged = _count_graph_steps(verify)
-    chained = _count_chained(verify)
+    chained = _count_launches(verify, "start_chained", "chained")
     engine = SpeculativeEngine(
         verify,
         draft,
@@ -394,7 +394,7 @@ def _generate(
         chain_draft=chain_draft,
     )
     calls = _count_proposals(draft)
-    behind = _count_behind(draft)
+    behind = _count_launches(draft, "propose_behind", "launched")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 127, size=int(rng.integers(1, 30))).tolist() for _ in range(20)]
     max_tokens = [int(rng.integers(1, 30)) for _ in range(20)]
@@ -457,20 +457,6 @@ def _count_proposals(draft: DraftEngine) -> dict[str, int]:
     return counts
 
 
-def _count_behind(draft: DraftEngine) -> dict[str, int]:
-    """Counts of draft steps launched behind a verify step (``propose_behind``) and of refused ones (None)."""
-    counts = {"launched": 0, "refused": 0}
-    propose_behind = draft.propose_behind
-
-    def counted(*args):
-        pending = propose_behind(*args)
-        counts["refused" if pending is None else "launched"] += 1
-        return pending
-
-    draft.propose_behind = counted
-    return counts
-
-
 def _count_graph_steps(verify: VerifyEngine) -> dict[str, int]:
     """Counts of graph-path steps with joining prompts (``run``) and verify-only (``run_verify``)."""
     counts = {"verify": 0, "prefill": 0}
@@ -491,17 +477,18 @@ def _count_graph_steps(verify: VerifyEngine) -> dict[str, int]:
     return counts
 
 
-def _count_chained(verify: VerifyEngine) -> dict[str, int]:
-    """Counts of chained verify steps (``start_chained`` launched one) and of refused chains (None)."""
-    counts = {"chained": 0, "refused": 0}
-    start = verify.start_chained
+def _count_launches(engine: object, method: str, launched: str) -> dict[str, int]:
+    """Counts of the engine's ``method`` calls that launched a step (``launched``) and that refused (None):
+    chained verify steps (``start_chained``), draft steps behind a verify step (``propose_behind``)."""
+    counts = {launched: 0, "refused": 0}
+    start = getattr(engine, method)
 
     def counted(*args):
-        finish = start(*args)
-        counts["refused" if finish is None else "chained"] += 1
-        return finish
+        started = start(*args)
+        counts["refused" if started is None else launched] += 1
+        return started
 
-    verify.start_chained = counted
+    setattr(engine, method, counted)
     return counts
 
 
