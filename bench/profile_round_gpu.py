@@ -69,6 +69,7 @@ PHASES = {
     ("draft", "propose"): "draft.propose",
     ("draft", "propose_start"): "draft.propose_start",
     ("draft", "append_context"): "draft.append_context",
+    ("draft", "propose_behind"): "draft.propose_behind",  # the next round's draft step queued behind the verify step
     ("verify", "step"): "verify.step",
     ("verify", "start_chained"): "verify.start_chained",  # a chained round's launch (its wait is not wrapped)
     ("policy", "lengths"): "policy.lengths",
