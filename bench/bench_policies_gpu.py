@@ -1027,8 +1027,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--chain-verify",
         default="on",
         choices=["on", "off"],
-        help="rounds whose lengths the policy fixes before the drafts exist (fixed-N and full always, dspark on a "
-        "flat SPS curve) queue the verify step right behind the draft step on the device (SpeculativeEngine "
+        help="rounds whose lengths the policy fixes before the drafts exist (fixed-N and full always, dspark when "
+        "a uniform length is close to Algorithm 1's choice, dspark-async when its planned capacity holds every "
+        "draft) queue the verify step right behind the draft step on the device (SpeculativeEngine "
         "chain_verify), as dspark serve does with CUDA graphs",
     )
     parser.add_argument(

@@ -178,7 +178,8 @@ class SpeculativeEngine:
 
         ``chain_verify``: when the policy fixes a round's lengths before the drafts exist (``planned_lengths``:
         the fixed-length policies always, DSpark when a uniform length gives up little of Algorithm 1's
-        objective on its last round of as many requests, e.g. the whole block on a flat SPS curve), queue the
+        objective on its last round of as many requests, e.g. the whole block on a flat SPS curve, its
+        asynchronous variant when the capacity it planned rounds earlier holds every draft), queue the
         verify step right behind the draft step on the device, reading the drafts where the drafter wrote them,
         instead of waiting for them on the host first (an in-process drafter and verifier on one device, graph
         path, greedy requests, no joining prompt; any other round runs as usual; see :meth:`_chained_round`).

@@ -285,6 +285,23 @@ class DSparkAsync(_LearnsRoundCosts):
             self.gate.observe(confidences, validated=capped is confidences)
         return lengths
 
+    def planned_lengths(self, max_lengths: np.ndarray, block_size: int) -> np.ndarray | None:
+        """The lengths before the drafts exist (a chained round), or None to admit on the confidences: when the
+        capacity planned for this round (from round t - lag) holds every draft the caps allow, the top-K
+        admission admits them all (all of positive survival), so the lengths are the caps. Like the capacity
+        itself, they read counts and earlier rounds only: causal and lossless."""
+        capacity = self._scheduler.next_capacity
+        lengths = np.minimum(max_lengths, block_size).astype(np.int64)
+        if capacity is None or capacity < int(lengths.sum()):
+            return None
+        return lengths
+
+    def observe_drafts(self, confidences: np.ndarray, max_lengths: np.ndarray) -> None:
+        """The confidences of a drafted round whose lengths were planned: its admission (every draft the caps
+        allow) uses up this round's capacity as :meth:`lengths` would, and the capacity of round t + lag is
+        planned from them; the draft gate learns from them too."""
+        self.lengths(confidences, max_lengths)
+
 
 DRAFT_COSTS = ("none", "measured")
 

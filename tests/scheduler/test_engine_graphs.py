@@ -513,11 +513,12 @@ def test_engine_drafting_ahead_equals_drafting_in_round(pair, temperature: float
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("policy", ["dspark", "full"])
+@pytest.mark.parametrize("policy", ["dspark", "full", "dspark-async"])
 @pytest.mark.parametrize("draft_ahead", [False, True])
 def test_chained_rounds_equal_unchained(pair, temperature: float, policy: str, draft_ahead: bool) -> None:
     """Rounds whose lengths the policy fixes before the drafts exist (DSpark's planned uniform lengths, the
-    whole block for ``full``) queue the verify step behind the draft step, reading the drafts on the device:
+    whole block for ``full``, the caps for the asynchronous variant when its capacity holds every draft) queue
+    the verify step behind the draft step, reading the drafts on the device:
     greedy == target greedy, as without chaining; with the next round drafted ahead too. Rounds of sampled
     requests are not chained (nor planned): the same outputs and random numbers as without chaining."""
     target, drafter = pair
@@ -528,7 +529,7 @@ def test_chained_rounds_equal_unchained(pair, temperature: float, policy: str, d
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("policy", ["dspark", "full"])
+@pytest.mark.parametrize("policy", ["dspark", "full", "dspark-async"])
 def test_drafting_behind_chained_rounds_equals_unchained(pair, temperature: float, policy: str) -> None:
     """Chained rounds that also queue the next round's draft step behind their verify step (the context
     append and the anchors taken on the device): greedy == target greedy, as without chaining, while requests

@@ -1,7 +1,8 @@
 """Lengths fixed before the drafts exist (``planned_lengths``): what lets a round chain its verify step behind
 the drafter on the device. The fixed policies always know them; DSpark plans a uniform length from the last
 drafted round of as many requests when it gives up little of Algorithm 1's objective there (on a flat SPS curve:
-Algorithm 1's own decision); counts and past rounds only."""
+Algorithm 1's own decision); the asynchronous variant when the capacity it planned rounds earlier holds every
+draft; counts and past rounds only."""
 
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ def test_dspark_plans_every_draft_when_it_costs_little_more_than_algorithm_1s_ch
     with pytest.raises(ValueError, match="chain_tolerance"):
         DSparkScheduled(_h200_by_requests(), chain_tolerance=-0.1)
     assert policy.chain_tolerance == CHAIN_TOLERANCE
-    assert not hasattr(DSparkAsync(_h200_by_requests()), "planned_lengths")  # its plan is made rounds earlier
 
 
 def test_dspark_plans_from_its_last_round_of_as_many_requests() -> None:
@@ -148,3 +148,33 @@ def test_a_planned_round_still_teaches_the_draft_gate() -> None:
     assert gate.curve is None
     policy.observe_drafts(np.full((1, GAMMA), 0.7), np.array([GAMMA]))
     assert gate.curve is not None and gate.curve.max() == pytest.approx(0.7)  # the round's survival curve
+
+
+def test_the_async_variant_plans_the_caps_when_its_capacity_holds_every_draft() -> None:
+    """DSparkAsync admits the top-K drafts with K planned ``lag`` rounds earlier: when K holds every draft the
+    caps allow, the lengths are the caps before the drafts exist. A planned round (planned_lengths, then
+    observe_drafts with its confidences) leaves the scheduler exactly where the same round admitted by
+    ``lengths`` does: the same capacities and lengths from then on."""
+    table = _h200_by_requests()
+    one, eight = np.array([GAMMA]), np.full(8, GAMMA)
+    planned, scheduled = DSparkAsync(table, lag=2), DSparkAsync(table, lag=2)
+    assert planned.planned_lengths(one, GAMMA) is None  # warming up: no capacity planned yet
+    rng = np.random.default_rng(0)
+    rounds = [np.clip(rng.uniform(0.5, 1.0, (1, GAMMA)), 0.01, 0.99) for _ in range(2)]
+    for confidences in rounds:  # the warm-up rounds: Algorithm 1 on their own confidences, plan K for later
+        assert planned.lengths(confidences, one).tolist() == scheduled.lengths(confidences, one).tolist()
+    # R = 1, a flat curve: K = the whole block, so the round's lengths are the caps (a binding cap too).
+    assert planned.planned_lengths(one, GAMMA).tolist() == [GAMMA]
+    assert planned.planned_lengths(np.array([3]), GAMMA).tolist() == [3]
+    for _ in range(6):
+        confidences = np.clip(rng.uniform(0.3, 1.0, (1, GAMMA)), 0.01, 0.99)
+        lengths = planned.planned_lengths(one, GAMMA)
+        assert lengths is not None
+        assert scheduled.lengths(confidences, one).tolist() == lengths.tolist()  # top-K admits all of them
+        planned.observe_drafts(confidences, one)
+    assert planned._scheduler._plans == scheduled._scheduler._plans
+    # R = 8 on its steep curve: a capacity below 8 * 7 drafts means top-K chooses on the confidences.
+    doubtful = DSparkAsync(table, lag=1)
+    doubtful.lengths(np.full((8, GAMMA), 0.3), eight)
+    assert doubtful._scheduler.next_capacity < 8 * GAMMA
+    assert doubtful.planned_lengths(eight, GAMMA) is None
