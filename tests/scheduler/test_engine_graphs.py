@@ -542,14 +542,23 @@ def test_drafting_behind_chained_rounds_equals_unchained(pair, temperature: floa
     assert behind == _generate(target, drafter, "static", temperature, policy=policy)
 
 
-def test_drafting_ahead_survives_aborts_and_close(pair) -> None:
-    """A request aborted while its next block is drafted ahead, a request joining meanwhile, and the engine
-    closed with drafts in flight: the others still decode the target's greedy output, a round after the close
-    drafts afresh, and every slot comes back."""
+@pytest.mark.parametrize("chained", [False, True])
+def test_drafting_ahead_survives_aborts_and_close(pair, chained: bool) -> None:
+    """A request aborted while its next block is drafted ahead (``chained``: drafted behind the chained
+    verify step), a request joining meanwhile, and the engine closed with drafts in flight: the others still
+    decode the target's greedy output, a round after the close drafts afresh, and every slot comes back."""
     target, drafter = pair
     verify = VerifyEngine(target, 4, 96, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS)
     draft = DraftEngine(drafter, 4, 96, graphs="static", graph_buckets=BUCKETS)
-    engine = SpeculativeEngine(verify, draft, make_policy("full", _sps(), drafter.block_size), draft_ahead=True)
+    engine = SpeculativeEngine(
+        verify,
+        draft,
+        make_policy("full", _sps(), drafter.block_size),
+        draft_ahead=True,
+        chain_verify=chained,
+        chain_draft=chained,
+    )
+    behind = _count_launches(draft, "propose_behind", "launched")
     prompts = [[3, 5, 7, 9], [11, 2, 4], [6, 6, 1, 8, 2], [9, 1]]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ids = [engine.add_request(p, greedy) for p in prompts[:3]]
@@ -579,6 +588,7 @@ def test_drafting_ahead_survives_aborts_and_close(pair) -> None:
             outputs[out.req_id].extend(out.new_token_ids)
     assert outputs[late] == target.generate([prompts[1]], max_new_tokens=24)[0]
     assert verify.num_free_slots == 4 and draft.num_free_slots == 4
+    assert (behind["launched"] > 0) == chained and not behind["refused"], behind
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
