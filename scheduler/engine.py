@@ -582,11 +582,7 @@ class SpeculativeEngine:
     ) -> tuple[list[RequestOutput], Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]:
         """Append the step's context features to the drafter and commit every request's tokens; returns the
         outputs and the verified / accepted draft counts of the verify items. ``decided``: the next round's
-        drafting, decided before the results (a verify-only bucketed step's)."""
-        if decided is not None and not (isinstance(results, StepResults) and not admitted and verified):
-            if decided.pending is not None:
-                decided.pending.result()  # nobody takes these drafts: waited for, then dropped
-            decided = None
+        drafting, decided before the results (only with a chained round's results: a verify-only bucketed step's)."""
         if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
             if self.draft is not None and results.features is not None:
                 self.draft.append_context(
