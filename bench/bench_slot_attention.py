@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
 import platform
@@ -98,6 +99,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed graph replays (default 20 GPU, 1 CPU)")
     parser.add_argument("--min-mib", type=int, default=200, help="K/V bytes read per graph, >= 4x L2 (MiB)")
     parser.add_argument("--max-len", type=int, default=None, help="cache positions per slot (default 2048)")
+    parser.add_argument("--tuning", nargs="+", default=None, metavar="JSON",
+                        help='launch configurations to time, each a JSON object of '
+                        'kernels.slot_attention_triton.TUNING keys, e.g. \'{"block_n": 64, "num_warps": 8}\' '
+                        '(default: the shipped one)')  # fmt: skip
     parser.add_argument("--out", default=None, help="JSON output")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -107,6 +112,14 @@ def main() -> None:
 
     from kernels.slot_attention import slot_attention_reference
     from kernels.slot_attention_triton import launch_kv_splits, slot_attention_triton
+
+    module = importlib.import_module("kernels.slot_attention_triton")  # the package exports the function
+    shipped = dict(module.TUNING)
+    tunings = [json.loads(t) for t in args.tuning] if args.tuning else [{}]
+    for tuning in tunings:
+        unknown = set(tuning) - set(shipped)
+        if unknown:
+            parser.error(f"unknown TUNING keys {sorted(unknown)} (known: {sorted(shipped)})")
 
     shape = dict(SMALL if args.small else FULL)
     shape["max_len"] = args.max_len or shape["max_len"]
@@ -120,13 +133,16 @@ def main() -> None:
         "torch": torch.__version__, "triton": triton.__version__, "repeats": repeats, "min_read_bytes": min_bytes,
         "shape": {k: str(v) if k == "dtype" else v for k, v in shape.items()}, "results": [],
     }  # fmt: skip
-    for num_req in requests:
+    for tuning, num_req in ((t, r) for t in tunings for r in requests):
+        module.TUNING.clear()
+        module.TUNING.update(shipped, **tuning)
         problem = Problem(shape, num_req, device, min_bytes)
         default = launch_kv_splits(num_req, shape["num_kv_heads"], shape["rows"] * group, shape["head_dim"],
                                    problem.max_len, device)  # fmt: skip
         one_pass = problem.call(slot_attention_triton, 0, kv_splits=1).float()
         reference = problem.call(slot_attention_reference, 0).float()
-        row: dict[str, Any] = {"requests": num_req, "keys": problem.keys, "read_bytes": problem.read_bytes,
+        row: dict[str, Any] = {"tuning": dict(module.TUNING), "requests": num_req, "keys": problem.keys,
+                               "read_bytes": problem.read_bytes,
                                "copies": problem.copies, "default_splits": default, "us": {}, "max_diff_one_pass": {},
                                "max_diff_reference": {}}  # fmt: skip
         for splits in [None, *fixed]:
@@ -146,14 +162,16 @@ def main() -> None:
     print(f"\ndevice: {results['device']}  torch {torch.__version__}  triton {triton.__version__}  "
           f"shape {results['shape']}")  # fmt: skip
     columns = ["default", *map(str, fixed)]
-    print(f"{'R':>3} {'keys':>5} {'default S':>9} " + " ".join(f"{'S=' + c + ' us':>12}" for c in columns)
+    print(f"{'tuning':<42} {'R':>3} {'keys':>5} {'default S':>9} "
+          + " ".join(f"{'S=' + c + ' us':>12}" for c in columns)
           + f" {'speedup':>7} {'GB/s':>6} {'|d| 1-pass':>10} {'|d| ref':>8}")  # fmt: skip
     for r in results["results"]:
         gbps = r["read_bytes"] / (r["us"]["default"] * 1e-6) / 1e9
         speedup = f"{r['speedup_default']:>6.2f}x" if r["speedup_default"] else f"{'-':>7}"
         worst_one_pass = max(r["max_diff_one_pass"].values())
         worst_reference = max(r["max_diff_reference"].values())
-        print(f"{r['requests']:>3} {r['keys']:>5} {r['default_splits']:>9} "
+        tuning = json.dumps({k: v for k, v in r["tuning"].items() if v is not None})
+        print(f"{tuning:<42} {r['requests']:>3} {r['keys']:>5} {r['default_splits']:>9} "
               + " ".join(f"{r['us'][c]:>12.1f}" for c in columns)
               + f" {speedup} {gbps:>6.0f} {worst_one_pass:>10.2g} {worst_reference:>8.2g}")  # fmt: skip
 

@@ -285,11 +285,18 @@ def default_kv_splits(num_programs: int, max_key_tiles: int, num_sms: int) -> in
     return max(1, min(num_sms // max(num_programs, 1), MAX_KV_SPLITS, max_key_tiles))
 
 
+TUNING: dict[str, int | None] = {"block_n": None, "num_warps": 4, "num_stages": None}
+"""Launch configuration (one, no autotuning: see the module docstring). ``block_n``: keys per step, None for 64
+up to 64 head dims and 32 beyond (register room for the K and V tiles); ``num_stages``: None for Triton's
+default software pipelining of the key loop. bench/bench_slot_attention.py --tuning times others."""
+
+
 def _tile_shape(rows_per_request: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D) of a launch: a request's stacked query rows, keys per step, head dims."""
     block_m = max(16, min(64, triton.next_power_of_2(rows_per_request)))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    return block_m, 64 if block_d <= 64 else 32, block_d
+    block_n = TUNING["block_n"] or (64 if block_d <= 64 else 32)
+    return block_m, block_n, block_d
 
 
 def launch_kv_splits(
@@ -414,7 +421,8 @@ def slot_attention_triton(
         SPLITS=kv_splits,
         CHUNK_D=_combine_chunk(kv_splits, block_m, block_d),
         ORDERED=ordered_rows,
-        num_warps=4,
+        num_warps=TUNING["num_warps"],
+        **({} if TUNING["num_stages"] is None else {"num_stages": TUNING["num_stages"]}),
         **pdl_options(q.device, num_rows),
     )
     return out
