@@ -179,11 +179,13 @@ def qk_norm_rope_store(
     positions: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    head_group: int | None = None,
 ) -> torch.Tensor:
     """q/k RMSNorm + rotary embedding of the fused projection qkv [N, (Hq + 2 Hkv) * D]; writes k and v into one
     layer's cache [S, T, Hkv, D] at (token_slots[i], positions[i]) and returns q [N, Hq, D]. cos, sin: [N, D];
     qk_norm_weight: [2, D] (q_norm's weight, then k_norm's). ``num_heads`` 0: qkv holds k and v only (a drafter's
-    context append: keys normalised, rotated and stored, values stored)."""
+    context append: keys normalised, rotated and stored, values stored). ``head_group``: heads per program (a power
+    of two), None for :data:`QK_HEAD_GROUP` (bench/bench_qk_norm_rope.py times others)."""
     num = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     # At least one head's room, so that the kernel never gets an empty (null) pointer; returned as [N, Hq, D].
@@ -196,7 +198,7 @@ def qk_norm_rope_store(
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or qkv.stride(-1) != 1:
         raise ValueError("qk_norm_rope_store: caches must share strides, last axes must be contiguous")
     cos, sin = cos.contiguous(), sin.contiguous()
-    group = min(QK_HEAD_GROUP, triton.next_power_of_2(max(num_heads, num_kv_heads)))
+    group = min(head_group or QK_HEAD_GROUP, triton.next_power_of_2(max(num_heads, num_kv_heads)))
     groups = triton.cdiv(num_heads, group) + 2 * triton.cdiv(num_kv_heads, group)
     _qk_norm_rope_store_kernel[(num, groups)](
         qkv,
