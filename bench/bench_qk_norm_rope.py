@@ -5,7 +5,8 @@ to the prefill room. Until 2026-12-02 it launched one 1-warp program per (row, h
 showed at 1.7 / 4.6 / 15.8 us per layer at 8 / 64 / 256 rows; now each program takes a group of heads. This
 times one call at Qwen3-4B's shape (bf16, 32 q heads, 8 kv heads, head_dim 128) for each head group, as a
 CUDA-graph replay over several layers' caches (the per-layer cost the step sees, programmatic dependent launch
-off), and checks every group writes the same q, k and v as the shipped one.
+off), and the largest difference of each group's q, k and v from the shipped group's: the sum of squares of a
+head is reduced in another order in another tile shape, which can move a bf16 output by its last bit.
 
 GPU (seconds):  PYTHONPATH=. python3 bench/bench_qk_norm_rope.py --out qk_norm_rope.json
 CPU smoke run:  PYTHONPATH=. python bench/bench_qk_norm_rope.py --small --device cpu
@@ -75,10 +76,11 @@ def main() -> None:
     for num in shape["rows"]:
         call, caches = _problem(fused, shape, num, device, gen)
         shipped = call(fused.QK_HEAD_GROUP, 0).clone(), caches[0].clone()
-        row: dict[str, Any] = {"rows": num, "us": {}, "equal_to_shipped": {}}
+        row: dict[str, Any] = {"rows": num, "us": {}, "max_diff_from_shipped": {}}
         for group in shape["groups"]:
             q = call(group, 0)
-            row["equal_to_shipped"][group] = bool(torch.equal(q, shipped[0]) and torch.equal(caches[0], shipped[1]))
+            diffs = [(new.float() - old.float()).abs().max() for new, old in zip((q, caches[0]), shipped, strict=True)]
+            row["max_diff_from_shipped"][group] = float(max(diffs))
 
             def all_layers(group: int = group, call: Callable[[int, int], torch.Tensor] = call) -> None:
                 for layer in range(layers):
@@ -88,7 +90,8 @@ def main() -> None:
             row["us"][group] = 1000 * ms / layers
         results["rows"].append(row)
         print(f"rows {num:>5}: " + "  ".join(f"group {g}: {us:6.2f} us" for g, us in row["us"].items())
-              + f"  (all equal to the shipped group: {all(row['equal_to_shipped'].values())})")  # fmt: skip
+              + f"  (max |difference| from group {fused.QK_HEAD_GROUP}: "
+              + ", ".join(f"{g}: {d:.2g}" for g, d in row["max_diff_from_shipped"].items()) + ")")  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
