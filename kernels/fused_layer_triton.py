@@ -198,6 +198,8 @@ def qk_norm_rope_store(
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or qkv.stride(-1) != 1:
         raise ValueError("qk_norm_rope_store: caches must share strides, last axes must be contiguous")
     cos, sin = cos.contiguous(), sin.contiguous()
+    if head_group is not None and (head_group < 1 or head_group & (head_group - 1)):
+        raise ValueError(f"qk_norm_rope_store: head_group must be a power of two, got {head_group}")
     group = min(head_group or QK_HEAD_GROUP, triton.next_power_of_2(max(num_heads, num_kv_heads)))
     groups = triton.cdiv(num_heads, group) + 2 * triton.cdiv(num_kv_heads, group)
     _qk_norm_rope_store_kernel[(num, groups)](

@@ -37,6 +37,27 @@ def _reference(
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_rope_store_equals_the_hf_modules(hq: int, hkv: int, dtype: torch.dtype) -> None:
+    _check_against_hf(hq, hkv, dtype)
+
+
+@pytest.mark.parametrize("head_group", [1, 2, 4, 16])
+def test_every_head_group_equals_the_hf_modules(head_group: int) -> None:
+    """The head groups bench/bench_qk_norm_rope.py times compute the same layer as the shipped one."""
+    _check_against_hf(32, 8, torch.float32, head_group)
+
+
+@pytest.mark.parametrize("head_group", [0, 3, 6])
+def test_a_head_group_other_than_a_power_of_two_is_refused(head_group: int) -> None:
+    qkv = torch.zeros((1, 3 * 16), device=DEVICE)
+    cache = torch.zeros((1, 2, 1, 16), device=DEVICE)
+    rows = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    trig = torch.ones((1, 16), device=DEVICE)
+    with pytest.raises(ValueError, match="power of two"):
+        qk_norm_rope_store(qkv, torch.ones((2, 16), device=DEVICE), trig, trig, EPS, cache, cache, rows, rows, 1, 1,
+                           head_group=head_group)  # fmt: skip
+
+
+def _check_against_hf(hq: int, hkv: int, dtype: torch.dtype, head_group: int | None = None) -> None:
     d, n, slots, length = 16, 5, 3, 12
     gen = torch.Generator().manual_seed(hq * 100 + hkv)
     qkv = torch.randn((n, (hq + 2 * hkv) * d), generator=gen).to(dtype)
@@ -51,7 +72,8 @@ def test_qk_norm_rope_store_equals_the_hf_modules(hq: int, hkv: int, dtype: torc
     v_cache = torch.full((slots, length, hkv, d), sentinel, dtype=dtype)
     args = [t.to(DEVICE) for t in (qkv, weight, cos, sin)]
     k_dev, v_dev = k_cache.to(DEVICE), v_cache.to(DEVICE)
-    q = qk_norm_rope_store(*args, EPS, k_dev, v_dev, token_slots.to(DEVICE), positions.to(DEVICE), hq, hkv)
+    q = qk_norm_rope_store(*args, EPS, k_dev, v_dev, token_slots.to(DEVICE), positions.to(DEVICE), hq, hkv,
+                           head_group=head_group)  # fmt: skip
 
     q_ref, k_ref, v_ref = _reference(qkv.float(), weight.float(), cos.float(), sin.float(), hq, hkv, d)
     # float32: the same operations (sums of squares in another order); bf16: every intermediate is rounded to
