@@ -281,7 +281,11 @@ class _SpecDecodeCollector:
             "faster (high load).",
             s.rounds_without_draft,
         )
-        yield counter("dspark_output_tokens", "Tokens emitted by the engine.", s.num_output_tokens)
+        yield counter(
+            "dspark_output_tokens",
+            "Tokens emitted by engine rounds (a request's first token comes from its prefill, not a round).",
+            s.num_output_tokens,
+        )
         yield counter("dspark_draft_seconds", "Time spent drafting.", s.draft_time_s)
         yield counter("dspark_schedule_seconds", "Time spent choosing verification lengths.", s.schedule_time_s)
         yield counter("dspark_verify_seconds", "Time spent in target verify passes.", s.verify_time_s)

@@ -3,8 +3,10 @@
 - closed loop at concurrency C: C users, each sending its next request as soon as its last one ended. Warm-up
   lasts until every user finished ``warmup_requests`` requests (and at least ``warmup_s`` passed), so the first
   requests at a new batch size (compilation, graph capture) stay out of the numbers. The measured window is then
-  ``duration_s`` long, and counts the requests that *ended* inside it (a steady-state rate: requests still
-  running when it closes are cancelled, not waited for); or it is the next ``num_requests`` requests, waited for.
+  ``duration_s`` long, and counts the requests that *ended* inside it (a steady-state rate: the load never pauses,
+  and requests still running when it closes are cancelled, not waited for); or it is the next ``num_requests``
+  requests, started once every user is done warming up and waited for (the server's counters then cover exactly
+  the measured requests).
 - open loop at rate λ: arrivals with gaps drawn from a gamma distribution of shape ``burstiness`` and mean 1/λ
   (1: Poisson; below 1: burstier; ``inf``: all at once), optionally capped at ``max_concurrency`` in flight. The
   first ``warmup_requests`` arrivals (and those of the first ``warmup_s``) warm up; the requests that arrive in
@@ -131,6 +133,8 @@ async def run_closed(
                 warm_users += 1
                 if warm_users == concurrency:
                     warmed.set()
+                if window.num_requests is not None:
+                    await measuring.wait()  # a counted window starts from an idle server: exact counter deltas
             if window.duration_s is not None:
                 counted = t0 <= record.end_s <= t0 + window.duration_s
             else:

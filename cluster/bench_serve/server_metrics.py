@@ -7,7 +7,8 @@ vLLM's names are used (``vllm:spec_decode_num_drafts`` and friends), which dspar
 - acceptance rate: ``accepted / draft tokens``;
 - acceptance by position: ``accepted at position i / drafts`` (vLLM's per-position rate);
 - verification tokens per request per round: ``draft tokens / drafts``;
-- the round split (dspark-serve): draft, schedule and verify seconds per engine round.
+- the round split (dspark-serve): draft, schedule and verify seconds per engine round;
+- generation tokens: output tokens of the requests the server finished (``vllm:generation_tokens``).
 
 A server without these counters (or without ``/metrics``) gives ``None``: the benchmark still runs.
 """
@@ -28,7 +29,7 @@ COUNTERS = (
     "vllm:spec_decode_num_accepted_tokens_per_pos",
     "dspark_rounds",
     "dspark_rounds_without_draft",
-    "dspark_output_tokens",
+    "vllm:generation_tokens",
     "dspark_draft_seconds",
     "dspark_schedule_seconds",
     "dspark_verify_seconds",
@@ -41,12 +42,10 @@ def parse(text: str) -> Snapshot:
     """Counter values by family, then by position ("" for families without one), summed over other labels."""
     out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for family in text_string_to_metric_families(text):
-        if family.name not in COUNTERS:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            out[family.name][sample.labels.get("position", "")] += sample.value
+        for sample in family.samples:  # by sample name: families group ``_total`` samples only with full metadata
+            name = sample.name.removesuffix("_total")
+            if name in COUNTERS:
+                out[name][sample.labels.get("position", "")] += sample.value
     return {name: dict(values) for name, values in out.items()}
 
 
@@ -88,6 +87,7 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
         "verify_tokens_per_request_round": draft_tokens / drafts if drafts else None,
         "rounds": None,
         "rounds_without_draft": None,
+        "generation_tokens": delta("vllm:generation_tokens") if "vllm:generation_tokens" in after else None,
         "round_split_ms": None,
     }
     if "dspark_rounds" in after:
