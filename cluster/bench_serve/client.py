@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
 import openai
 
 from cluster.bench_serve.stats import RequestRecord
@@ -41,15 +40,9 @@ def api_base(base_url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-def make_client(base_url: str, api_key: str | None, timeout_s: float, max_connections: int) -> openai.AsyncOpenAI:
-    """An async client without retries whose connection pool holds ``max_connections`` streams at once."""
-    http = httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-    )
-    return openai.AsyncOpenAI(
-        base_url=api_base(base_url), api_key=api_key or "EMPTY", max_retries=0, http_client=http
-    )
+def make_client(base_url: str, api_key: str | None, timeout_s: float) -> openai.AsyncOpenAI:
+    """An async client without retries (the client's own connection pool holds up to 1000 streams)."""
+    return openai.AsyncOpenAI(base_url=api_base(base_url), api_key=api_key or "EMPTY", max_retries=0, timeout=timeout_s)
 
 
 def _arguments(request: BenchRequest, options: RequestOptions, index: int) -> dict[str, Any]:

@@ -79,15 +79,13 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     """Run every level of ``config`` in order; returns the results document (see :mod:`cluster.bench_serve.report`)."""
     if not config.requests:
         raise BenchError("the workload holds no requests")
-    largest = max((int(lv.value) for lv in config.levels if lv.kind == "closed"), default=0)
-    connections = max(largest, config.window.max_concurrency or 0, 64)
     async with httpx.AsyncClient() as plain:
         listing = await _server_model(plain, config.base_url, config.api_key)
         models = [m["id"] for m in listing["data"]]
         options = config.options
         if not options.model:
             options = replace(options, model=models[0])
-        client = make_client(config.base_url, config.api_key, config.request_timeout_s, connections)
+        client = make_client(config.base_url, config.api_key, config.request_timeout_s)
         try:
             probe = await send(client, config.requests[0], options, 0)
             if not probe.ok:
