@@ -27,12 +27,14 @@ def _errors(level: dict[str, Any]) -> str:
 def level_table(result: Result) -> str:
     """Markdown table of one run, a row per level."""
     head = ("| load | done | errors | tok/s/user p50 (p10) | aggregate tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-            "| ITL p50 / p99 ms | E2E p50 / p99 s | goodput req/s (met) | tau | verify tok/req/round |")
+            "| ITL p50 / p99 ms | E2E p50 / p99 s | goodput req/s (met) | tau | verify tok/req/round "
+            "| client lag p99 ms |")
     rows = [head, "| --- " * (head.count("|") - 1) + "|"]
     for lv in result["levels"]:
         user, spec, good = lv["tokens_per_s_per_user"], lv["speculative"] or {}, lv["goodput"]
         goodput = "-" if good is None else f"{_fmt(good['requests_per_s'], 1, 2)} ({_fmt(good['fraction'], 100)} %)"
         tau, budget = spec.get("mean_acceptance_length"), spec.get("verify_tokens_per_request_round")
+        lag = lv.get("client_loop_lag_ms") or {}
         rows.append(
             f"| {lv['load']['label']} | {lv['completed']} | {_errors(lv)} "
             f"| {_fmt(user['median'])} ({_fmt(user['p10'])}) | {_fmt(lv['output_throughput'])} "
@@ -40,7 +42,7 @@ def level_table(result: Result) -> str:
             f"| {_fmt(lv['tpot_s']['p50'], 1e3, 1)} / {_fmt(lv['tpot_s']['p99'], 1e3, 1)} "
             f"| {_fmt(lv['itl_s']['p50'], 1e3, 1)} / {_fmt(lv['itl_s']['p99'], 1e3, 1)} "
             f"| {_fmt(lv['e2e_s']['p50'], 1, 2)} / {_fmt(lv['e2e_s']['p99'], 1, 2)} "
-            f"| {goodput} | {_fmt(tau, 1, 2)} | {_fmt(budget, 1, 2)} |"
+            f"| {goodput} | {_fmt(tau, 1, 2)} | {_fmt(budget, 1, 2)} | {_fmt(lag.get('p99'), 1, 1)} |"
         )
     return "\n".join(rows)
 

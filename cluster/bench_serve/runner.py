@@ -21,8 +21,38 @@ import httpx
 from cluster.bench_serve import server_metrics
 from cluster.bench_serve.client import RequestOptions, api_base, make_client, send
 from cluster.bench_serve.load import LevelRun, LoadLevel, Window, run_closed, run_open
-from cluster.bench_serve.stats import SLO, summarize
+from cluster.bench_serve.stats import SLO, distribution, summarize
 from cluster.bench_serve.workload import BenchRequest
+
+
+class LoopLag:
+    """How late the client's own event loop wakes up while a level runs: a busy client delays reading chunks,
+    which shows as short ITL bursts and long TTFT that are the client's, not the server's. A level whose lag
+    p99 reaches milliseconds measured the client too."""
+
+    PERIOD_S = 0.005
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.PERIOD_S
+            await asyncio.sleep(self.PERIOD_S)
+            self.lags.append(max(0.0, loop.time() - due))
+
+    def __enter__(self) -> LoopLag:
+        self._task = asyncio.ensure_future(self._probe())
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def summary(self) -> dict[str, float | None]:
+        return {k: None if v is None else v * 1e3 for k, v in distribution(self.lags).items()}
 
 
 class BenchError(RuntimeError):
@@ -105,15 +135,16 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
                     before["snap"] = await server_metrics.scrape(plain, config.base_url)
 
                 label = f"{config.label} {level.label}".strip()
-                if level.kind == "closed":
-                    run = await run_closed(one, config.requests, int(level.value), config.window,
-                                           on_measure_start=snapshot, label=label, progress=config.progress)
-                else:
-                    run = await run_open(one, config.requests, level, config.window,
-                                         on_measure_start=snapshot, label=label, progress=config.progress)
+                with LoopLag() as lag:
+                    if level.kind == "closed":
+                        run = await run_closed(one, config.requests, int(level.value), config.window,
+                                               on_measure_start=snapshot, label=label, progress=config.progress)
+                    else:
+                        run = await run_open(one, config.requests, level, config.window,
+                                             on_measure_start=snapshot, label=label, progress=config.progress)
                 after = await server_metrics.scrape(plain, config.base_url)
                 spec = server_metrics.speculative_delta(before.get("snap"), after)
-                levels.append(_level_result(level, run, config.slo, spec))
+                levels.append({**_level_result(level, run, config.slo, spec), "client_loop_lag_ms": lag.summary()})
         finally:
             await client.close()
     return {

@@ -251,7 +251,7 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 LEVEL_FIELDS = {"load", "window_s", "completed", "errors", "error_examples", "prompt_tokens", "output_tokens",
                 "request_throughput", "output_throughput", "tokens_per_s_per_user", "ttft_s", "tpot_s", "itl_s",
-                "e2e_s", "goodput", "unfinished", "speculative"}
+                "e2e_s", "goodput", "unfinished", "speculative", "client_loop_lag_ms"}
 
 
 def _bench(out: Path, *args: str) -> dict:
