@@ -100,6 +100,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     out = p.add_argument_group("objectives and output")
     out.add_argument("--slo", default=None, help="goodput objectives, e.g. ttft=500ms,tpot=20ms (bare numbers: ms)")
     out.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    out.add_argument("--client-processes", type=_positive_int, default=None,
+                     help="closed loop: client processes sharing the users (default: one per 32 users, at most "
+                     "half the CPUs)")
     out.add_argument("--label", default="", help="name of this run in tables and plots")
     out.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="where JSON, markdown and plots go")
     out.add_argument("--stem", default="bench_serve", help="file name stem of the outputs")
@@ -188,6 +191,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout,
             label=args.label,
             progress=not args.no_progress,
+            client_processes=args.client_processes,
         )
         result = run(config)
     except (WorkloadError, ValueError, BenchError) as error:

@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 from tqdm import tqdm
 
-from cluster.bench_serve.stats import RequestRecord
+from cluster.bench_serve.stats import RequestRecord, distribution
 from cluster.bench_serve.workload import BenchRequest
 
 Kind = Literal["closed", "open", "trace"]
@@ -93,6 +93,41 @@ class LevelRun:
 
 
 Hook = Callable[[], Awaitable[None]]
+
+
+class LoopLag:
+    """How late the client's own event loop wakes up while a level runs: a busy client delays reading chunks,
+    which shows as short ITL bursts and long TTFT that are the client's, not the server's. A level whose lag
+    p99 reaches milliseconds measured the client too."""
+
+    PERIOD_S = 0.005
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.PERIOD_S
+            await asyncio.sleep(self.PERIOD_S)
+            self.lags.append(max(0.0, loop.time() - due))
+
+    def __enter__(self) -> LoopLag:
+        self._task = asyncio.ensure_future(self._probe())
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def summary(self) -> dict[str, float | None]:
+        return self.summarize(self.lags)
+
+    @staticmethod
+    def summarize(lags: Sequence[float]) -> dict[str, float | None]:
+        """Mean and percentiles of ``lags`` in milliseconds."""
+        return {k: None if v is None else v * 1e3 for k, v in distribution(lags).items()}
 
 
 async def run_closed(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import math
+import os
 import platform
 import socket
 from collections.abc import Sequence
@@ -20,39 +21,10 @@ import httpx
 
 from cluster.bench_serve import server_metrics
 from cluster.bench_serve.client import RequestOptions, api_base, make_client, send
-from cluster.bench_serve.load import LevelRun, LoadLevel, Window, run_closed, run_open
-from cluster.bench_serve.stats import SLO, distribution, summarize
+from cluster.bench_serve.fanout import run_closed_fanout
+from cluster.bench_serve.load import LevelRun, LoadLevel, LoopLag, Window, run_closed, run_open
+from cluster.bench_serve.stats import SLO, summarize
 from cluster.bench_serve.workload import BenchRequest
-
-
-class LoopLag:
-    """How late the client's own event loop wakes up while a level runs: a busy client delays reading chunks,
-    which shows as short ITL bursts and long TTFT that are the client's, not the server's. A level whose lag
-    p99 reaches milliseconds measured the client too."""
-
-    PERIOD_S = 0.005
-
-    def __init__(self) -> None:
-        self.lags: list[float] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def _probe(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + self.PERIOD_S
-            await asyncio.sleep(self.PERIOD_S)
-            self.lags.append(max(0.0, loop.time() - due))
-
-    def __enter__(self) -> LoopLag:
-        self._task = asyncio.ensure_future(self._probe())
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    def summary(self) -> dict[str, float | None]:
-        return {k: None if v is None else v * 1e3 for k, v in distribution(self.lags).items()}
 
 
 class BenchError(RuntimeError):
@@ -74,6 +46,15 @@ class BenchConfig:
     request_timeout_s: float = 600.0
     label: str = ""
     progress: bool = True
+    client_processes: int | None = None
+
+
+def client_processes(concurrency: int, asked: int | None) -> int:
+    """Client processes of a closed-loop level: as asked, else one per 32 users up to half the CPUs (one
+    process keeps up with a few thousand chunks per second; a 2-core machine keeps one)."""
+    if asked is not None:
+        return max(1, min(asked, concurrency))
+    return max(1, min((os.cpu_count() or 1) // 2, math.ceil(concurrency / 32)))
 
 
 async def _server_model(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> dict[str, Any]:
@@ -135,8 +116,18 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
                     before["snap"] = await server_metrics.scrape(plain, config.base_url)
 
                 label = f"{config.label} {level.label}".strip()
+                processes = client_processes(int(level.value), config.client_processes) if level.kind == "closed" else 1
+                child_lags = None
                 with LoopLag() as lag:
-                    if level.kind == "closed":
+                    if processes > 1:
+                        try:
+                            run, child_lags = await run_closed_fanout(
+                                config.base_url, config.api_key, config.request_timeout_s, options, config.requests,
+                                int(level.value), processes, config.window, on_measure_start=snapshot,
+                            )
+                        except RuntimeError as error:
+                            raise BenchError(f"{level.label}: {error}") from None
+                    elif level.kind == "closed":
                         run = await run_closed(one, config.requests, int(level.value), config.window,
                                                on_measure_start=snapshot, label=label, progress=config.progress)
                     else:
@@ -144,7 +135,9 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
                                              on_measure_start=snapshot, label=label, progress=config.progress)
                 after = await server_metrics.scrape(plain, config.base_url)
                 spec = server_metrics.speculative_delta(before.get("snap"), after)
-                levels.append({**_level_result(level, run, config.slo, spec), "client_loop_lag_ms": lag.summary()})
+                lags = lag.summary() if child_lags is None else LoopLag.summarize(child_lags)
+                levels.append({**_level_result(level, run, config.slo, spec), "client_processes": processes,
+                               "client_loop_lag_ms": lags})
         finally:
             await client.close()
     return {

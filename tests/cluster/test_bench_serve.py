@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from cluster.bench_serve import server_metrics
+from cluster.bench_serve.fanout import shares
 from cluster.bench_serve.load import LoadLevel, Window, _schedule, arrival_times
 from cluster.bench_serve.stats import SLO, RequestRecord, distribution, parse_slo, summarize
 from cluster.bench_serve.workload import (
@@ -251,7 +252,8 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 LEVEL_FIELDS = {"load", "window_s", "completed", "errors", "error_examples", "prompt_tokens", "output_tokens",
                 "request_throughput", "output_throughput", "tokens_per_s_per_user", "ttft_s", "tpot_s", "itl_s",
-                "e2e_s", "goodput", "unfinished", "speculative", "client_loop_lag_ms"}
+                "e2e_s", "goodput", "unfinished", "speculative", "client_loop_lag_ms",
+                "client_processes"}
 
 
 def _bench(out: Path, *args: str) -> dict:
@@ -287,6 +289,17 @@ def test_closed_loop_sweep_against_a_real_server(server: str, prompts: Path, tmp
     assert "| c=1 |" in md and "| c=2 |" in md
     assert (tmp_path / "bench_serve_pareto.png").stat().st_size > 0
     assert (tmp_path / "bench_serve_latency.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_users_spread_over_client_processes(server: str, prompts: Path, tmp_path: Path) -> None:
+    assert shares(7, 3) == [3, 2, 2] and shares(2, 4) == [1, 1]
+    doc = _bench(tmp_path, "--base-url", server, "--prompts", str(prompts), "--output-len", "8", "--ignore-eos",
+                 "--concurrency", "3", "--client-processes", "2", "--num-requests", "5")
+    level = doc["levels"][0]
+    assert level["client_processes"] == 2 and level["completed"] == 5 and level["errors"] == {}
+    assert level["speculative"]["generation_tokens"] == 40  # both processes' windows opened on an idle server
+    assert level["client_loop_lag_ms"]["p50"] is not None
 
 
 @pytest.mark.slow
