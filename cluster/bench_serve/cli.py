@@ -101,7 +101,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--slo", default=None, help="goodput objectives, e.g. ttft=500ms,tpot=20ms (bare numbers: ms)")
     out.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     out.add_argument("--client-processes", type=_positive_int, default=None,
-                     help="closed loop: client processes sharing the users (default: one per 32 users, at most "
+                     help="closed loop: client processes sharing the users (default: one per 16 users, at most "
                      "half the CPUs)")
     out.add_argument("--label", default="", help="name of this run in tables and plots")
     out.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="where JSON, markdown and plots go")

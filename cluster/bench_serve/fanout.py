@@ -1,6 +1,6 @@
 """A closed-loop level spread over several client processes, so that the client is never what is measured.
 
-One Python process parses a few thousand streamed chunks per second; a server emitting one token per chunk at
+One Python process parses a few thousand streamed chunks per second (the ``openai`` client's typed chunks); a server emitting one token per chunk at
 hundreds of concurrent requests outruns it, and the client's lateness then passes for the server's latency (it
 shows as :class:`~cluster.bench_serve.load.LoopLag`). Here each of P processes runs
 :func:`~cluster.bench_serve.load.run_closed` for its share of the users over its share of the workload (every P-th

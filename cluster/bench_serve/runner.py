@@ -50,11 +50,11 @@ class BenchConfig:
 
 
 def client_processes(concurrency: int, asked: int | None) -> int:
-    """Client processes of a closed-loop level: as asked, else one per 32 users up to half the CPUs (one
+    """Client processes of a closed-loop level: as asked, else one per 16 users up to half the CPUs (one
     process keeps up with a few thousand chunks per second; a 2-core machine keeps one)."""
     if asked is not None:
         return max(1, min(asked, concurrency))
-    return max(1, min((os.cpu_count() or 1) // 2, math.ceil(concurrency / 32)))
+    return max(1, min((os.cpu_count() or 1) // 2, math.ceil(concurrency / 16)))
 
 
 async def _server_model(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> dict[str, Any]:
