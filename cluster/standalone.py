@@ -139,6 +139,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         decode=lambda ids: engine_tokenizer.decode(ids, skip_special_tokens=True),
         token=args.grpc_token,
         timeout_s=config.network.grpc_timeout_s,
+        readiness_timeout_s=config.network.readiness_timeout_s,
     )
     for i, address in enumerate(args.drafter):
         hub.register_drafter(f"drafter-{i}", address)
