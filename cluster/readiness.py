@@ -47,6 +47,12 @@ class ReadinessGate:
     def state(self) -> Readiness:
         return self._state
 
+    @property
+    def waiters(self) -> int:
+        """How many calls are waiting for readiness now."""
+        with self._lock:
+            return len(self._waiters)
+
     def set(self, state: Readiness) -> None:
         with self._lock:
             self._state = state

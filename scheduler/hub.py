@@ -250,6 +250,11 @@ class SchedulerHub:
         self._admission.set(Readiness(True) if can_admit else self.readiness())
 
     @property
+    def num_waiting_for_readiness(self) -> int:
+        """New requests waiting for an accepting verifier right now (see ``readiness_timeout_s``)."""
+        return self._admission.waiters
+
+    @property
     def num_verifiers(self) -> int:
         return len(self._groups)
 
