@@ -238,7 +238,7 @@ class SchedulerReplica:
     async def register_drafter(self, replica_id: str, address: str) -> None:
         await asyncio.to_thread(self.hub.register_drafter, replica_id, address)
 
-    async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any]) -> None:
+    async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
         await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
 
     async def drain_drafter(self, replica_id: str) -> int:

@@ -120,8 +120,9 @@ class SchedulerHub:
         self._readiness_changed()
         self.failover.drafter_joined()
 
-    def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any]) -> None:
-        """Idempotent; starts the round loop of a new verifier replica."""
+    def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
+        """Idempotent; starts the round loop of a new verifier replica. ``sps``: its table (None or empty when
+        the policy prices nothing with SPS)."""
         with self._lock:
             group = self._groups.get(replica_id)
             if (group is not None and group.address == address) or replica_id in self._gone:
@@ -156,7 +157,7 @@ class SchedulerHub:
                 engine, self.model_name, max_context=self._max_context, failover=self.failover.hook(replica_id)
             )
             self._groups[replica_id] = _Group(address, backend, verifier)
-            self._sps[replica_id] = sps
+            self._sps[replica_id] = sps or {}
             logger.info("verifier %s registered at %s", replica_id, address)
         self._readiness_changed()
         self.failover.verifier_joined()
