@@ -23,6 +23,7 @@ from model_factory import PairSpec, write_pair
 from cluster.config import AppConfig
 from cluster.http_app import build_app
 from cluster.loading import build_drafter_service, build_verifier_service
+from cluster.probe import main as probe
 from cluster.readiness import RETRY_AFTER_S
 from cluster.remote_backend import RemoteBackend
 from cluster.rpc import ServerThread
@@ -85,6 +86,7 @@ def test_health_follows_the_replicas_and_a_request_sent_before_readiness_waits(
 ) -> None:
     hub, url = ingress["hub"], ingress["url"]
     _unavailable(httpx.get(f"{url}/health", timeout=30), "no verifier replica is registered yet")
+    assert probe(["--url", f"{url}/health"]) == 1  # the pod's readiness probe (deploy/rayservice.yaml)
     body = {"model": "m", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "return_token_ids": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         early = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
@@ -99,6 +101,7 @@ def test_health_follows_the_replicas_and_a_request_sent_before_readiness_waits(
     assert response.json()["choices"][0]["token_ids"] == expected  # served like any later request: lossless
     health = httpx.get(f"{url}/health", timeout=30)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert probe(["--url", f"{url}/health"]) == 0
     # The model card says which SPS table the verifier prices rounds with, and where it came from.
     card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
     assert card["dspark"]["sps"]["v0"]["origin"]["source"] in ("profiled", "cache")
@@ -127,3 +130,15 @@ def test_requests_past_the_readiness_bound_get_503_retry_after_logged_once(
     assert len(refusals) == 1, [r.getMessage() for r in refusals]  # once per interval, not per request
     assert not [r for r in caplog.records if r.exc_info], "a refused request logged a traceback"
     assert hub.num_waiting_for_readiness == 0
+
+
+def test_readiness_probe_passes_before_the_application_is_deployed(ingress: dict[str, Any]) -> None:
+    """KubeRay deploys the application only once the head pod is Ready: no listener, or a proxy that routes no
+    application (404), must not hold the pod back."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free = sock.getsockname()[1]
+    assert probe(["--url", f"http://127.0.0.1:{free}/health"]) == 0
+    assert probe(["--url", f"{ingress['url']}/no-application-here"]) == 0
