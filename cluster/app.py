@@ -121,7 +121,8 @@ async def _leave(kind: str, replica_id: str, scheduler: DeploymentHandle, heartb
 
 
 def _check_own_health(server: ServerThread, token: str | None) -> None:
-    """Serve's health check: the replica's own gRPC health endpoint must answer SERVING (a wedged engine does not)."""
+    """Serve's health check: the replica's own gRPC health endpoint must answer SERVING (a wedged engine does not).
+    Serve runs it first after the constructor, which has already warmed the engine up and registered it."""
     client = SyncRpcClient(server.address, token=token, timeout_s=5.0)
     try:
         status = client.health()
