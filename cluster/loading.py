@@ -133,6 +133,7 @@ class LoadedSPS:
 
 
 def engine_shape(config: AppConfig, block_size: int) -> EngineShape:
+    """The verify engine shape ``build_verify_engine`` gives ``config`` (what its SPS table depends on)."""
     return EngineShape(
         block_size=block_size,
         max_requests=config.engine.max_requests,
