@@ -79,6 +79,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    """``profile``: the verify engine's SPS table into the SPS cache (servers then load it instead)."""
+    from cluster.profile_cmd import register
+
+    register(sub)
+
+
 def _add_standalone(sub: argparse._SubParsersAction) -> None:
     """``draft-server``, ``verify-server``, ``scheduler``: the services as plain processes, without Ray."""
     from cluster.standalone import register
@@ -90,6 +97,7 @@ def _add_standalone(sub: argparse._SubParsersAction) -> None:
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_version,
     _add_serve,
+    _add_profile,
     _add_standalone,
     _add_bench,
     _add_eval,

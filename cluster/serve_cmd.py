@@ -64,6 +64,7 @@ def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         "engine": {"max_requests": args.max_requests, "draft_top_k": args.draft_top_k, "graphs": args.graphs},
         "scheduler": {"policy": args.policy, "draft_cost": args.draft_cost},
         "network": {"api_key": args.api_key},
+        "cache_dir": args.cache_dir,
     }
     if args.max_seq_len is not None:
         out["engine"]["max_seq_len"] = args.max_seq_len

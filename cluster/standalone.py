@@ -56,7 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("draft-server", help="run a drafter gRPC server (no Ray)")
     _add_common(p)
     p.set_defaults(handler=run_draft_server)
-    p = sub.add_parser("verify-server", help="run a verifier gRPC server (no Ray); profiles its SPS table at start")
+    p = sub.add_parser(
+        "verify-server", help="run a verifier gRPC server (no Ray); its SPS table from the cache or profiled at start"
+    )
     _add_common(p)
     p.set_defaults(handler=run_verify_server)
     p = sub.add_parser("scheduler", help="run the scheduler over given drafter / verifier servers, with the HTTP API")
@@ -139,6 +141,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         decode=lambda ids: engine_tokenizer.decode(ids, skip_special_tokens=True),
         token=args.grpc_token,
         timeout_s=config.network.grpc_timeout_s,
+        readiness_timeout_s=config.network.readiness_timeout_s,
     )
     for i, address in enumerate(args.drafter):
         hub.register_drafter(f"drafter-{i}", address)
