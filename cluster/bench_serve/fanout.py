@@ -1,13 +1,13 @@
 """A closed-loop level spread over several client processes, so that the client is never what is measured.
 
-One Python process parses a few thousand streamed chunks per second (the ``openai`` client's typed chunks); a server emitting one token per chunk at
-hundreds of concurrent requests outruns it, and the client's lateness then passes for the server's latency (it
-shows as :class:`~cluster.bench_serve.load.LoopLag`). Here each of P processes runs
-:func:`~cluster.bench_serve.load.run_closed` for its share of the users over its share of the workload (every P-th
-request, in order). The processes meet twice on barriers: once every user of every process has warmed up (the
-parent then reads the server's counters), and to open the measured window together. The parent merges their
-requests into one level; the window is the common one (``perf_counter`` is the system's monotonic clock, the same
-in every process).
+One Python process parses a few thousand streamed chunks per second (the ``openai`` client's typed chunks); a
+server emitting one token per chunk at hundreds of concurrent requests outruns it, and the client's lateness then
+passes for the server's latency (it shows as :class:`~cluster.bench_serve.load.LoopLag`). Here each of P
+processes runs :func:`~cluster.bench_serve.load.run_closed` for its share of the users over its share of the
+workload (every P-th request, in order). The processes meet twice on barriers: once every user of every process
+has warmed up (the parent then reads the server's counters), and to open the measured window together. The parent
+merges their requests into one level; the window is the common one (``perf_counter`` is the system's monotonic
+clock, the same in every process).
 """
 
 from __future__ import annotations
