@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": dtype, "inflate": args.inflate, "slots": slots, "max_seq_len": args.max_seq_len,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "skipped": []}
     runs: list[dict[str, Any]] = []
-    cells = [(layout, policy) for layout in args.layouts for policy in args.policies]
+    # Policy by policy, each in every layout: a run cut short by its time limit still pairs the layouts it measured.
+    cells = [(layout, policy) for policy in args.policies for layout in args.layouts]
     for i, (layout, policy) in enumerate(cells):
         elapsed = time.perf_counter() - began
         if args.time_limit_s is not None and i and elapsed + elapsed / i > args.time_limit_s:
