@@ -45,30 +45,37 @@ def load_serve_config(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the Ray mode on top of the model / engine options shared with ``--no-ray``."""
-    parser.add_argument("--config", help="Ray Serve config YAML (the same file the KubeRay manifest embeds)")
-    parser.add_argument("--address", help="join an existing Ray cluster at this address instead of starting one")
-    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded Ray node")
+    parser.add_argument("--config", help="Ray Serve config YAML, the same file the KubeRay manifest embeds "
+                        "(default: none, the flags describe the deployment)")
+    parser.add_argument("--address", help="join the existing Ray cluster at this address (default: none, start "
+                        "an embedded local cluster of this process's own)")
+    parser.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the embedded Ray node "
+                        "(default: the machine's cores, at least 4)")
 
 
 def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The AppConfig ``args`` equivalent of the command-line model / engine options."""
+    """The AppConfig ``args`` equivalent of the command-line model / engine options.
+
+    Options the parser does not have (a standalone server offers only those it uses) or left unset keep
+    AppConfig's defaults.
+    """
+    given = {name: value for name, value in vars(args).items() if value is not None}
+
+    def pick(*names: str) -> dict[str, Any]:
+        return {name: given[name] for name in names if name in given}
+
+    models = {name: str(value) for name, value in pick("target", "draft", "tokenizer", "sps").items()}
+    models.update(pick("device", "dtype"))
+    if given.get("policy") == "autoregressive":
+        models["draft"] = None
     out: dict[str, Any] = {
-        "models": {
-            "target": str(args.target),
-            "draft": None if args.policy == "autoregressive" else str(args.draft),
-            "tokenizer": None if args.tokenizer is None else str(args.tokenizer),
-            "sps": None if args.sps is None else str(args.sps),
-            "device": args.device or "cpu",
-            "dtype": args.dtype or "float32",
-        },
-        "engine": {"max_requests": args.max_requests, "draft_top_k": args.draft_top_k, "graphs": args.graphs},
-        "scheduler": {"policy": args.policy, "draft_cost": args.draft_cost},
-        "network": {"api_key": args.api_key},
+        "models": models,
+        "engine": pick("max_requests", "max_seq_len", "draft_top_k", "graphs"),
+        "scheduler": pick("policy", "draft_cost"),
+        "network": pick("api_key"),
     }
-    if args.max_seq_len is not None:
-        out["engine"]["max_seq_len"] = args.max_seq_len
-    if args.served_model_name:
-        out["model_name"] = args.served_model_name
+    if given.get("served_model_name"):
+        out["model_name"] = given["served_model_name"]
     return out
 
 
