@@ -13,6 +13,14 @@ Four deployments, each a thin shell over Ray-free objects:
 Replicas announce their gRPC address to the scheduler and keep re-announcing it (a heartbeat), so a restarted
 scheduler relearns the topology within seconds and autoscaled replicas join without any restart.
 
+Readiness: a pool replica's constructor builds its engine, warms it up (every step variant it can launch, so no
+request pays a compilation), loads or profiles its SPS table, and returns only once its first registration with
+the scheduler went through (a verifier registers after a drafter is there). Serve reports a replica, and the
+application, RUNNING only after its constructor, so a RUNNING application (what ``serve.run`` waits for and
+what KubeRay switches traffic on) can serve a completion end to end. The ingress answers from the start:
+``/health`` says 503 until the scheduler is ready, and requests wait for readiness up to
+``network.readiness_timeout_s`` (then 503 with ``Retry-After``).
+
 Autoscaling: drafter and verifier replicas report their engine load through ``record_autoscaling_stats`` for the
 policy in :mod:`cluster.autoscaling` (their work arrives over gRPC, invisible to Serve's own request counts). When
 Serve stops one of them (scaling down, rolling update) it leaves gracefully in ``__del__``: the scheduler stops
@@ -45,6 +53,9 @@ DRAIN_POLL_S = 0.5
 LEAVE_CALL_TIMEOUT_S = 10.0
 #: Serve's graceful-shutdown budget of a pool replica is the drain timeout plus this (model and server teardown).
 SHUTDOWN_MARGIN_S = 30.0
+#: How long a pool replica's constructor waits for its first registration (a verifier waits for a drafter that
+#: may still be loading); after it the replica starts anyway and its heartbeat keeps trying.
+FIRST_REGISTRATION_S = 600.0
 
 
 def _grpc_host(config: AppConfig) -> str:
@@ -61,6 +72,7 @@ class _Heartbeat:
     def __init__(self, register: Any) -> None:
         self._register = register
         self._stop = threading.Event()
+        self._registered = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-heartbeat", daemon=True)
         self._thread.start()
 
@@ -68,9 +80,16 @@ class _Heartbeat:
         while not self._stop.is_set():
             try:
                 self._register().result(timeout_s=30)
+                self._registered.set()
             except Exception as exc:  # the scheduler may be restarting; keep trying
                 logger.debug("registration with the scheduler failed (%s); retrying", exc)
             self._stop.wait(HEARTBEAT_S)
+
+    def wait_registered(self, kind: str, timeout_s: float = FIRST_REGISTRATION_S) -> None:
+        """Block until the first registration went through (the constructor's last step; see the module doc)."""
+        if not self._registered.wait(timeout_s):
+            logger.warning("%s not registered with the scheduler within %.0f s; starting anyway, the heartbeat "
+                           "keeps trying", kind, timeout_s)
 
     def stop(self, timeout_s: float = 35.0) -> None:
         """Stop and wait for a registration in flight, so none can land after the replica unregistered."""
@@ -117,7 +136,8 @@ def _application_deleting() -> bool:
 
 
 def _check_own_health(server: ServerThread, token: str | None) -> None:
-    """Serve's health check: the replica's own gRPC health endpoint must answer SERVING (a wedged engine does not)."""
+    """Serve's health check: the replica's own gRPC health endpoint must answer SERVING (a wedged engine does not).
+    Serve runs it first after the constructor, which has already warmed the engine up and registered it."""
     client = SyncRpcClient(server.address, token=token, timeout_s=5.0)
     try:
         status = client.health()
@@ -140,6 +160,7 @@ class DrafterReplica:
         self._scheduler = scheduler
         self._replica_id = replica_id = _replica_id()
         self._heartbeat = _Heartbeat(lambda: scheduler.register_drafter.remote(replica_id, self.server.address))
+        self._heartbeat.wait_registered("drafter")
 
     def check_health(self) -> None:
         _check_own_health(self.server, self.config.network.grpc_token)
@@ -180,6 +201,7 @@ class VerifierReplica:
         self._scheduler = scheduler
         self._replica_id = replica_id = _replica_id()
         self._heartbeat = _Heartbeat(lambda: scheduler.register_verifier.remote(replica_id, self.server.address, sps))
+        self._heartbeat.wait_registered("verifier")
 
     def check_health(self) -> None:
         _check_own_health(self.server, self.config.network.grpc_token)
@@ -227,6 +249,7 @@ class SchedulerReplica:
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             token=self.config.network.grpc_token,
             timeout_s=self.config.network.grpc_timeout_s,
+            readiness_timeout_s=self.config.network.readiness_timeout_s,
         )
         self.server = ServerThread([self.hub.service()], host=_grpc_host(self.config),
                                    token=self.config.network.grpc_token)
@@ -234,7 +257,7 @@ class SchedulerReplica:
     async def register_drafter(self, replica_id: str, address: str) -> None:
         await asyncio.to_thread(self.hub.register_drafter, replica_id, address)
 
-    async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any]) -> None:
+    async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
         await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
 
     async def drain_drafter(self, replica_id: str) -> int:

@@ -23,8 +23,9 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from cluster.rpc import NotReadyError
 from cluster.sampling import SamplingParams
 from scheduler.engine import DetachedRequest, RequestOutput, SpeculativeEngine
 from scheduler.metrics import MetricsSnapshot
@@ -36,6 +37,13 @@ T = TypeVar("T")
 
 class BackendUnavailableError(RuntimeError):
     """The backend cannot serve now (shut down, engine thread dead or wedged); HTTP 503, retryable."""
+
+
+class BackendNotReadyError(BackendUnavailableError, NotReadyError):
+    """The backend is not ready to serve (still starting, or it lost the replicas a completion needs) and did
+    not become ready within its readiness bound; HTTP 503 with ``Retry-After``, retryable. Over gRPC it travels
+    as ``FAILED_PRECONDITION`` (see :class:`cluster.rpc.NotReadyError`), so a client tells it from a scheduler
+    that is gone."""
 
 
 class EngineFailedError(RuntimeError):
@@ -83,7 +91,10 @@ class GenerateBackend(Protocol):
       once the backend has let go of the request. The HTTP layer calls it whenever it stops reading a stream
       before its final delta (client disconnect, error), shielded from cancellation.
     - ``metrics`` returns the aggregate speculative-decoding counters (cumulative since start).
-    - ``health`` returns when the backend can serve and raises :class:`BackendUnavailableError` otherwise.
+    - ``health`` returns when the backend can serve a completion end to end now and raises
+      :class:`BackendUnavailableError` otherwise (:class:`BackendNotReadyError` while it is not ready yet).
+    - ``model_info`` describes how the model is served, for ``/v1/models``: the SPS table(s) in use and where
+      each came from (a configured file, the SPS cache, or profiled at start).
     - ``model_name`` is the id served under ``/v1/models``; ``max_context`` bounds prompt + completion tokens.
     """
 
@@ -99,6 +110,8 @@ class GenerateBackend(Protocol):
     async def metrics(self) -> MetricsSnapshot: ...
 
     async def health(self) -> None: ...
+
+    async def model_info(self) -> dict[str, Any]: ...
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int, max_context: int) -> None:
@@ -151,6 +164,7 @@ class LocalBackend:
 
     Requests may come from any thread and any event loop. The engine is only ever touched by the loop thread,
     which sleeps on a condition variable while there is neither a command nor an unfinished request.
+    ``info`` is what :meth:`model_info` reports (``/v1/models`` metadata).
     """
 
     def __init__(
@@ -161,8 +175,10 @@ class LocalBackend:
         max_context: int | None = None,
         wedge_timeout_s: float = 120.0,
         failover: FailoverHook | None = None,
+        info: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
+        self.info = dict(info or {})
         self.failover = failover
         self.model_name = model_name
         self.max_context = max_context if max_context is not None else engine.verify.max_seq_len
@@ -216,6 +232,10 @@ class LocalBackend:
 
     async def health(self) -> None:
         self.check_alive()
+
+    async def model_info(self) -> dict[str, Any]:
+        """``info`` as given at construction (the engine was built, warmed up and priced before that)."""
+        return self.info
 
     def check_alive(self) -> None:
         """Raise :class:`BackendUnavailableError` when the loop thread is gone or stuck in one round (any thread)."""

@@ -72,6 +72,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    """``bench serve``, ``bench report``: the HTTP serving benchmark of any OpenAI-compatible server."""
+    from cluster.bench_serve.cli import register
+
+    register(sub)
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    """``profile``: the verify engine's SPS table into the SPS cache (servers then load it instead)."""
+    from cluster.profile_cmd import register
+
+    register(sub)
+
+
 def _add_standalone(sub: argparse._SubParsersAction) -> None:
     """``draft-server``, ``verify-server``, ``scheduler``: the services as plain processes, without Ray."""
     from cluster.standalone import register
@@ -83,7 +97,9 @@ def _add_standalone(sub: argparse._SubParsersAction) -> None:
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_version,
     _add_serve,
+    _add_profile,
     _add_standalone,
+    _add_bench,
     _add_eval,
     _add_demo,
     _add_drafter_training,

@@ -30,7 +30,7 @@ class ModelConfig(_Strict):
     draft: str | None = str(DEMO_DRAFT)
     tokenizer: str | None = None  # default: the target folder
     sts: str | None = None  # STS calibration JSON; default: <draft>/sts.json when present
-    sps: str | None = None  # SPS table JSON; default: profiled at startup
+    sps: str | None = None  # SPS table JSON; default: looked up in the SPS cache, profiled at startup when missing
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
 
@@ -126,6 +126,10 @@ _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 class NetworkConfig(_Strict):
     """The data plane binds to ``grpc_host`` (default: this node's Ray address, never 0.0.0.0 unless asked).
 
+    ``readiness_timeout_s``: how long a request that arrives while no verifier replica accepts requests (the
+    deployment is starting, or lost its replicas) waits for one before it is refused with a 503 and
+    ``Retry-After``; 0 refuses at once.
+
     Secrets can be given inline (``grpc_token``, ``api_key``) or, better on a cluster, by the NAME of an
     environment variable that every replica reads at start (``grpc_token_env``, ``api_key_env``), e.g. filled from
     a Kubernetes Secret: the config file, the Serve controller's stored config and the KubeRay manifest then hold
@@ -136,6 +140,7 @@ class NetworkConfig(_Strict):
     grpc_token: str | None = None
     grpc_token_env: str | None = Field(None, pattern=_ENV_NAME)
     grpc_timeout_s: float = Field(60.0, gt=0)
+    readiness_timeout_s: float = Field(30.0, ge=0, le=3600)
     api_key: str | None = None
     api_key_env: str | None = Field(None, pattern=_ENV_NAME)
 
@@ -148,15 +153,28 @@ class NetworkConfig(_Strict):
 
 
 class AppConfig(_Strict):
-    """Everything ``cluster.app.build_app`` needs; the ``args`` of the Serve application."""
+    """Everything ``cluster.app.build_app`` needs; the ``args`` of the Serve application.
+
+    ``cache_dir``: where profiled SPS tables are kept between starts (``<cache_dir>/sps``, see
+    :mod:`cluster.sps_cache`); default ``$DSPARK_CACHE_DIR``, else ``~/.cache/dspark``. Each replica resolves it
+    on its own node, so on a cluster it should be a volume that outlives the pod (docs/DEPLOYMENT.md)."""
 
     model_name: str = "dspark-demo"
+    cache_dir: str | None = None
     models: ModelConfig = ModelConfig()
     draft_pool: PoolConfig = PoolConfig(resource="draft_pool")
     verify_pool: PoolConfig = PoolConfig(resource="verify_pool")
     engine: EngineConfig = EngineConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     network: NetworkConfig = NetworkConfig()
+
+    @property
+    def cache_path(self) -> Path:
+        """``cache_dir`` resolved (the environment is read here, in the process that uses the cache)."""
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        env = os.environ.get("DSPARK_CACHE_DIR")
+        return Path(env).expanduser() if env else Path.home() / ".cache" / "dspark"
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:

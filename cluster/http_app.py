@@ -9,6 +9,7 @@ Rules this module keeps:
   waits for the backend's first delta (where a backend reports rejection) before sending headers.
 - A request whose client goes away is aborted in the backend at once, streaming or not, so its KV and context
   caches are freed for others; the abort is shielded from the cancellation that the disconnect itself causes.
+- Every 503 (not ready yet, a replica or the scheduler gone) carries ``Retry-After``: it is retryable.
 - The tokenizer is used from worker threads under one lock (a Rust tokenizer must not be re-entered while its
   settings are in use), so a long prompt never blocks the event loop.
 """
@@ -54,6 +55,7 @@ from cluster.openai_api import (
     check_supported,
     sampling_params,
 )
+from cluster.readiness import RETRY_AFTER_S
 from cluster.sampling import SamplingError
 from scheduler.metrics import MetricsSnapshot
 
@@ -84,7 +86,9 @@ class ClientDisconnectedError(Exception):
 def _error_response(error: APIError) -> Response:
     # ensure_ascii: an echoed field (e.g. a model name holding a lone surrogate) must still serialise.
     body = json.dumps(error.body(), ensure_ascii=True)
-    return Response(body, status_code=error.status, media_type="application/json")
+    # Every 503 is retryable (not ready yet, or a replica went away): say when to come back.
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+    return Response(body, status_code=error.status, media_type="application/json", headers=headers)
 
 
 # ------------------------------------------------------------------------------------------- middleware
@@ -311,7 +315,11 @@ class _SpecDecodeCollector:
             "faster (high load).",
             s.rounds_without_draft,
         )
-        yield counter("dspark_output_tokens", "Tokens emitted by the engine.", s.num_output_tokens)
+        yield counter(
+            "dspark_output_tokens",
+            "Tokens emitted by engine rounds (a request's first token comes from its prefill, not a round).",
+            s.num_output_tokens,
+        )
         yield counter("dspark_draft_seconds", "Time spent drafting.", s.draft_time_s)
         yield counter("dspark_schedule_seconds", "Time spent choosing verification lengths.", s.schedule_time_s)
         yield counter("dspark_verify_seconds", "Time spent in target verify passes.", s.verify_time_s)
@@ -492,7 +500,7 @@ def build_app(
     _install_error_handlers(app, service)
     _document_400_not_422(app)
 
-    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "backend unavailable"}})
+    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "not ready, or unavailable"}})
     async def health() -> Response:
         try:
             await backend.health()
@@ -508,23 +516,28 @@ def build_app(
         text = generate_latest(service.metrics.registry) + generate_latest(spec)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    def model_card() -> dict[str, Any]:
+    async def model_card() -> dict[str, Any]:
+        try:
+            info = await backend.model_info()
+        except BackendUnavailableError as error:  # the card still lists the model; the rest says why
+            info = {"unavailable": str(error)}
         return {
             "id": backend.model_name,
             "object": "model",
             "created": service.created,
             "owned_by": "dspark-serve",
             "max_model_len": backend.max_context,
+            "dspark": info,
         }
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [await model_card()]}
 
     @app.get("/v1/models/{model}", responses={401: _ERRORS[401], 404: _ERRORS[404]})
     async def get_model(model: str) -> dict[str, Any]:
         service.check_model(model)
-        return model_card()
+        return await model_card()
 
     @app.post(
         "/v1/completions",

@@ -7,20 +7,26 @@ same whichever way it is started.
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cluster.config import AppConfig
 from cluster.graphs import resolve_graph_mode
+from cluster.sps_cache import EngineShape, SPSCache, fingerprint_digest, sps_fingerprint
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
+from draft_service.warmup import warm_up_draft
+from scheduler.policy import uses_sps
 from scheduler.sps import SPSSource, load_sps_file
 from scheduler.sts import STSCalibration
 from verify_service.engine import VerifyEngine
-from verify_service.profiling import profile_graph_sps_by_requests, profile_target_sps
+from verify_service.profiling import PROFILER_VERSION, profile_graph_sps_by_requests, profile_target_sps
 from verify_service.target import TargetModel
+from verify_service.warmup import warm_up_verify
 
 if TYPE_CHECKING:
     from draft_service.rpc_service import DrafterService
@@ -111,24 +117,93 @@ def profiled_request_counts(max_requests: int) -> list[int]:
     return sorted({*(1 << i for i in range(max(max_requests, 1).bit_length()) if 1 << i < max_requests), max_requests})
 
 
-def load_or_profile_sps(config: AppConfig, verify: VerifyEngine, block_size: int) -> SPSSource:
-    """The SPS table(s) for this verifier: from the configured file (a token table or tables by request count),
-    else profiled now: with bucketed steps (graphs) tables by request count of the step the engine runs, else a
-    token table of eager target passes (seconds on CPU)."""
-    if config.models.sps:
-        return load_sps_file(config.models.sps)
+@dataclass(frozen=True)
+class LoadedSPS:
+    """The SPS table(s) a verifier prices rounds with, and where they came from: ``origin`` holds ``source``
+    (``file``: ``models.sps``; ``cache``: the SPS cache; ``profiled``: measured at this start, then cached),
+    ``path`` and, unless from a file, the cache ``fingerprint`` digest."""
+
+    sps: SPSSource
+    origin: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The table's JSON (either format) plus an ``origin`` entry, which the SPS loaders ignore: what a
+        verifier registers with and ``/v1/models`` shows."""
+        return {**self.sps.to_dict(), "origin": self.origin}
+
+
+def engine_shape(config: AppConfig, block_size: int) -> EngineShape:
+    """The verify engine shape ``build_verify_engine`` gives ``config`` (what its SPS table depends on)."""
+    return EngineShape(
+        block_size=block_size,
+        max_requests=config.engine.max_requests,
+        graphs=graph_mode(config),
+        draft_top_k=config.engine.draft_top_k,
+        graph_prefill_rows=config.engine.graph_prefill_rows,
+    )
+
+
+def _profile_sps(config: AppConfig, verify: VerifyEngine, block_size: int) -> SPSSource:
+    """Profile now: with bucketed steps (graphs) tables by request count of the step the engine runs, else a
+    token table of eager target passes."""
     if verify.graphs is not None:
         counts = profiled_request_counts(config.engine.max_requests)
-        logger.info("profiling SPS(B) of the graph step at %s requests (no models.sps configured)", counts)
+        logger.info("profiling SPS(B) of the graph step at %s requests", counts)
         tables, _ = profile_graph_sps_by_requests(verify, chunk=block_size + 1, request_counts=counts)
         return tables
-    logger.info("profiling SPS(B) of the target (no models.sps configured)")
+    logger.info("profiling SPS(B) of the target")
     max_tokens = config.engine.max_requests * (block_size + 1)
     return profile_target_sps(verify.target, chunk=block_size + 1, max_batch_tokens=max_tokens, progress=False)
 
 
+def load_or_profile_sps(
+    config: AppConfig, verify: VerifyEngine, block_size: int, *, refresh: bool = False
+) -> LoadedSPS:
+    """The SPS table(s) for this verifier, the one implementation every server uses (Ray verifier replicas,
+    ``dspark verify-server``, ``dspark serve --no-ray``, ``dspark profile``): the configured file
+    (``models.sps``) when set, else the SPS cache's table for this engine's fingerprint, else profiled now and
+    stored in the cache. ``refresh`` profiles (and overwrites the cache entry) even when a table is available.
+    The table used is logged once, with where it came from."""
+    if config.models.sps and not refresh:
+        logger.info("SPS table from %s (models.sps)", config.models.sps)
+        return LoadedSPS(load_sps_file(config.models.sps), {"source": "file", "path": str(config.models.sps)})
+    fingerprint = sps_fingerprint(
+        config.models.target,
+        draft_layer_ids(config),
+        config.models.dtype,
+        verify.target.device,
+        engine_shape(config, block_size),
+        PROFILER_VERSION,
+    )
+    cache = SPSCache(config.cache_path / "sps")
+    name = Path(config.models.target).name
+    path = cache.path_for(name, fingerprint)
+    digest = fingerprint_digest(fingerprint)
+    cached = None if refresh else cache.lookup(name, fingerprint)
+    if cached is not None:
+        logger.info("SPS table from the cache: %s", path)
+        return LoadedSPS(cached, {"source": "cache", "path": str(path), "fingerprint": digest})
+    started = time.perf_counter()
+    sps = _profile_sps(config, verify, block_size)
+    try:
+        cache.store(name, fingerprint, sps)
+    except OSError as error:  # a read-only or full cache folder costs the next start a profile, nothing else
+        logger.warning("SPS table profiled but not cached (%s): the next start profiles again", error)
+    logger.info("SPS table profiled in %.1f s, cached at %s", time.perf_counter() - started, path)
+    return LoadedSPS(sps, {"source": "profiled", "path": str(path), "fingerprint": digest})
+
+
+def serving_sps(config: AppConfig, verify: VerifyEngine, block_size: int) -> LoadedSPS | None:
+    """What a server prices rounds with: :func:`load_or_profile_sps` for the policies that schedule with SPS
+    tables (``dspark``, ``dspark-async``); None for the others, which need none (nothing is profiled)."""
+    if not uses_sps(config.scheduler.policy):
+        return None
+    return load_or_profile_sps(config, verify, block_size)
+
+
 def build_verifier_service(config: AppConfig) -> VerifierService:
-    """The verifier replica's service: target engine, its SPS table (from file or profiled now), gRPC adapter.
+    """The verifier replica's service: target engine (warmed up), its SPS table (:func:`serving_sps`), gRPC
+    adapter.
 
     The same for a Ray Serve replica and a standalone ``dspark verify-server``; the table travels in the
     service's ``Info`` so a scheduler learns it with the replica's address.
@@ -137,7 +212,9 @@ def build_verifier_service(config: AppConfig) -> VerifierService:
     from verify_service.rpc_service import VerifierService
 
     engine = build_verify_engine(config)
-    sps = load_or_profile_sps(config, engine, drafter_block_size(config)).to_dict()
+    warm_up_verify(engine, drafter_block_size(config))
+    loaded = serving_sps(config, engine, drafter_block_size(config))
+    sps = loaded.to_dict() if loaded is not None else None
     projection = None
     if verifier_projects(config):
         assert config.models.draft is not None
@@ -159,13 +236,15 @@ def build_verifier_service(config: AppConfig) -> VerifierService:
 
 
 def build_drafter_service(config: AppConfig, grpc_host: str) -> DrafterService:
-    """The drafter replica's service; with ``feature_transport: collective`` it hosts its feature-link store on
-    ``grpc_host`` (the address verifiers already reach it at)."""
+    """The drafter replica's service (its engine warmed up); with ``feature_transport: collective`` it hosts
+    its feature-link store on ``grpc_host`` (the address verifiers already reach it at)."""
     from draft_service.rpc_service import DrafterService
 
     collective = config.engine.feature_transport == "collective"
+    engine = build_draft_engine(config)
+    warm_up_draft(engine, projected=verifier_projects(config))
     return DrafterService(
-        build_draft_engine(config),
+        engine,
         link_host=grpc_host if collective else None,
         link_timeout_s=config.engine.feature_link_timeout_s,
     )

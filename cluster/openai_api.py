@@ -291,6 +291,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    #: How the model is served (docs/HTTP_API.md): the SPS table(s) Algorithm 1 prices rounds with and where
+    #: each came from. An extension of OpenAI's card; clients that do not know it ignore it.
+    dspark: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

@@ -3,8 +3,10 @@
 The scheduler is one replica that Serve restarts when it dies, on a new port (maybe a new node). Its requests die
 with it: a stream that breaks (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, INTERNAL, UNKNOWN) raises
 :class:`BackendUnavailableError`, which the HTTP layer answers with a retryable 503 (an error event when the
-stream had started). The next call asks ``resolve`` for the scheduler's address again, so clients that retry reach
-the restarted scheduler. Aborts are best effort: a dead scheduler has nothing left to abort.
+stream had started). The next call asks ``resolve`` for the scheduler's address again, so clients that retry
+reach the restarted scheduler. A scheduler that runs but is not ready (no replicas yet) answers
+``FAILED_PRECONDITION`` after its readiness wait: :class:`BackendNotReadyError`, also a retryable 503, with the
+channel kept. Aborts are best effort: a dead scheduler has nothing left to abort.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 
-from cluster.backend import BackendUnavailableError, GenerateDelta
+from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta
 from cluster.rpc import RpcClient
 from cluster.sampling import SamplingParams
 from scheduler.hub import SERVICE, snapshot_from_dict
@@ -127,6 +130,8 @@ class RemoteBackend:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(exc.details()) from None
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise BackendNotReadyError(exc.details()) from None
                 if exc.code() not in UNAVAILABLE_CODES:
                     raise
                 error = self._unreachable(exc)
@@ -172,5 +177,11 @@ class RemoteBackend:
             info = await (await self._client()).call(SERVICE, "Info", {}, timeout_s=5.0)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
-        if not info["verifiers"]:
-            raise BackendUnavailableError("no verifier replica is registered yet")
+        if not info["ready"]:
+            raise BackendNotReadyError(f"not ready: {info['reason']}")
+
+    async def model_info(self) -> dict[str, Any]:
+        try:
+            return await (await self._client()).call(SERVICE, "ModelInfo", {}, timeout_s=UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise self._unreachable(exc) from None

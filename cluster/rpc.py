@@ -15,6 +15,7 @@ missing or wrong ``authorization``       ``UNAUTHENTICATED``
 undecodable or schema-invalid request    ``INVALID_ARGUMENT``
 handler raised ``ValueError``            ``INVALID_ARGUMENT``
 handler raised :class:`NotFoundError`    ``NOT_FOUND``
+handler raised :class:`NotReadyError`    ``FAILED_PRECONDITION`` (not logged: expected while starting)
 handler raised anything else             ``INTERNAL``
 request over ``max_message_bytes``       ``RESOURCE_EXHAUSTED`` (grpc refuses it before reading it all)
 call ran past its deadline               ``DEADLINE_EXCEEDED`` (the handler task is cancelled)
@@ -68,6 +69,13 @@ Handler = UnaryHandler | StreamHandler
 
 class NotFoundError(LookupError):
     """A request names something this replica does not hold (an unknown or finished request id): NOT_FOUND."""
+
+
+class NotReadyError(RuntimeError):
+    """The service runs but cannot take this call yet (e.g. a scheduler without replicas): FAILED_PRECONDITION.
+
+    Not ``UNAVAILABLE``, which clients read as "this server is gone, find it again"; and not logged with a
+    traceback, since a retrying client meets it once per attempt while a deployment starts."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,8 @@ def _status_for(exc: Exception, where: str) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.NOT_FOUND, str(exc) or "not found"
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc) or type(exc).__name__
+    if isinstance(exc, NotReadyError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc) or "not ready"
     log.exception("%s failed", where)
     if isinstance(exc, grpc.aio.AioRpcError):
         return grpc.StatusCode.INTERNAL, f"upstream call failed: {exc.code().name}: {exc.details()}"

@@ -84,6 +84,7 @@ def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     }
     if given.get("served_model_name"):
         out["model_name"] = given["served_model_name"]
+    out.update(pick("cache_dir"))
     return out
 
 

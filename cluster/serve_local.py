@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cluster.backend import LocalBackend
-    from scheduler.sps import SPSSource, SPSTable
 
 logger = logging.getLogger(__name__)
 
@@ -26,18 +25,6 @@ DEFAULT_TARGET = ROOT / "models" / "demo" / "target"
 DEFAULT_DRAFT = ROOT / "models" / "demo" / "draft_dspark"
 DEFAULT_MODEL_NAME = "dspark-demo"
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def default_sps_table() -> SPSTable:
-    """A conservative stand-in for a measured SPS table, used when none is given.
-
-    It assumes a verify step costs the same up to 8 batched tokens and grows linearly beyond (compute-bound),
-    so under load Algorithm 1 only verifies drafts it is confident about. Real deployments should profile their
-    own table: on a launch-bound GPU the flat region is far longer and more drafts pay off.
-    """
-    from scheduler.sps import SPSTable
-
-    return SPSTable([1, 8], [1.0, 1.0], model="built-in conservative default")
 
 
 def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection[str] | None = None) -> None:
@@ -66,8 +53,10 @@ def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection
         "dspark", default="dspark")
     add("--draft-cost", "dspark policies: charge no draft time, or the draft time measured while serving (and "
         "skip drafting when a plain round is faster)", "none", choices=("none", "measured"), default="none")
-    add("--sps", "SPS JSON: a token table or tables by request count", "each verifier profiles its own table "
-        "at start", local="a built-in conservative table", type=Path, default=None)
+    add("--sps", "SPS JSON: a token table or tables by request count", "the SPS cache's table for this model and "
+        "engine, profiled at start when missing", type=Path, default=None)
+    add("--cache-dir", "cache folder of profiled SPS tables", "$DSPARK_CACHE_DIR, else ~/.cache/dspark",
+        default=None)
     add("--max-requests", "KV / context slots, i.e. concurrent requests, per replica", "16", type=int, default=16)
     add("--max-seq-len", "slot length = max prompt + completion tokens", "1024, serving 1023",
         local="the target's context, at most 2048", type=int, default=None)
@@ -112,7 +101,8 @@ def load_local_backend(
     *,
     policy: str = "dspark",
     draft_cost: str = "none",
-    sps: SPSSource | None = None,
+    sps: Path | None = None,
+    cache_dir: str | None = None,
     max_requests: int = 16,
     max_seq_len: int | None = None,
     draft_top_k: int = 16,
@@ -122,7 +112,11 @@ def load_local_backend(
     tokenizer: Any = None,
     graphs: str = "auto",
 ) -> LocalBackend:
-    """Load the models, build the engines and start a :class:`LocalBackend` (its loop thread runs from here).
+    """Load the models, build and warm up the engines, load or profile the SPS table and start a
+    :class:`LocalBackend` (its loop thread runs from here).
+
+    ``sps``: an SPS JSON file; else the table comes from the SPS cache under ``cache_dir``, or is profiled now
+    and cached, by the same :func:`cluster.loading.serving_sps` a Ray verifier uses.
 
     ``tokenizer`` is used for detokenisation and stop strings inside the engine; pass a tokenizer object that
     no other thread uses (the HTTP app tokenises on its own instance).
@@ -130,18 +124,22 @@ def load_local_backend(
     import torch
 
     from cluster.backend import LocalBackend
+    from cluster.config import AppConfig
     from cluster.graphs import resolve_graph_mode
+    from cluster.loading import serving_sps
     from draft_service.checkpoint import load_draft_model
     from draft_service.engine import DraftEngine
+    from draft_service.warmup import warm_up_draft
     from scheduler.engine import SpeculativeEngine
-    from scheduler.policy import make_policy
+    from scheduler.policy import make_policy, uses_sps
     from verify_service.engine import VerifyEngine
     from verify_service.target import TargetModel
+    from verify_service.warmup import warm_up_verify
 
     torch_dtype = getattr(torch, dtype)
     draft_model = None
-    probe = make_policy(policy, sps or default_sps_table(), 1)
-    if probe.uses_drafter:
+    # The scheduled policies draft; the others are checked (and asked) without a table.
+    if uses_sps(policy) or make_policy(policy, None, 1).uses_drafter:
         if draft is None or not draft.is_dir():
             raise ValueError(
                 f"drafter folder {draft} not found: pass --draft DIR, or serve without speculation with "
@@ -154,8 +152,20 @@ def load_local_backend(
         max_seq_len = min(target_model.max_context_len, 2048)
     graphs = resolve_graph_mode(graphs, device)
     block_size = 1 if draft_model is None else draft_model.config.block_size
-    bucketed = {} if graphs == "off" else {"graphs": graphs, "max_drafts": block_size, "draft_top_k": draft_top_k}
+    # This deployment as an AppConfig: the engine shape of a Ray deployment with these settings (one shape for
+    # every placement), and what the SPS lookup fingerprints.
+    config = AppConfig.from_args({
+        "models": {"target": str(target), "draft": None if draft_model is None else str(draft),
+                   "sps": None if sps is None else str(sps), "dtype": dtype, "device": device},
+        "engine": {"max_requests": max_requests, "max_seq_len": max_seq_len, "draft_top_k": draft_top_k,
+                   "graphs": graphs},
+        "scheduler": {"policy": policy, "draft_cost": draft_cost},
+        "cache_dir": cache_dir,
+    })
+    bucketed = {} if graphs == "off" else {"graphs": graphs, "max_drafts": block_size, "draft_top_k": draft_top_k,
+                                           "graph_prefill_rows": config.engine.graph_prefill_rows}
     verify = VerifyEngine(target_model, max_requests=max_requests, max_seq_len=max_seq_len, **bucketed)
+    warm_up_verify(verify, block_size)
     drafter = None
     if draft_model is not None:
         from scheduler.sts import STSCalibration
@@ -164,23 +174,19 @@ def load_local_backend(
         calibration = STSCalibration.load(sts_path) if sts_path.exists() else None
         drafter = DraftEngine(draft_model, max_requests=max_requests, max_seq_len=max_seq_len,
                               draft_top_k=draft_top_k, calibration=calibration, graphs=graphs)
-    if sps is None and policy.startswith("dspark"):
-        logger.warning(
-            "no --sps table given: policy %s uses the built-in conservative default (flat to 8 tokens, then "
-            "linear); profile this machine's table for accurate scheduling",
-            policy,
-        )
+        warm_up_draft(drafter, projected=False)
+    loaded = serving_sps(config, verify, block_size)
     engine = SpeculativeEngine(
         verify,
         drafter,
-        make_policy(policy, sps or default_sps_table(), block_size, draft_cost),
+        make_policy(policy, None if loaded is None else loaded.sps, block_size, draft_cost),
         decode=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None,
         eos_token_ids=target_model.eos_token_ids,
         draft_ahead=graphs == "capture",  # the host commits a round while the device drafts the next
         chain_verify=graphs == "capture",  # rounds of known lengths: the verify step queued behind the drafter
         chain_draft=graphs == "capture",  # and the next round's draft step behind that verify step
     )
-    return LocalBackend(engine, model_name)
+    return LocalBackend(engine, model_name, info={"sps": {} if loaded is None else {"local": loaded.to_dict()}})
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -190,7 +196,6 @@ def run_local(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from cluster.http_app import build_app
-    from scheduler.sps import load_sps_file
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -200,13 +205,13 @@ def run_local(args: argparse.Namespace) -> int:
         DEFAULT_MODEL_NAME if Path(args.target).resolve() == DEFAULT_TARGET else Path(args.target).name
     )
     try:
-        sps = load_sps_file(args.sps) if args.sps is not None else None
         backend = load_local_backend(
             args.target,
             args.draft,
             policy=args.policy,
             draft_cost=args.draft_cost,
-            sps=sps,
+            sps=args.sps,
+            cache_dir=args.cache_dir,
             max_requests=args.max_requests,
             max_seq_len=args.max_seq_len,
             draft_top_k=args.draft_top_k,

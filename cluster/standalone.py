@@ -24,7 +24,7 @@ _ENGINE_OPTIONS = ("--target", "--draft", "--policy", "--max-requests", "--max-s
 #: it uses, so that none is offered and then ignored. Scripts that start servers filter their flags with it.
 SERVE_OPTIONS_TAKEN: dict[str, tuple[str, ...]] = {
     "draft-server": _ENGINE_OPTIONS,
-    "verify-server": (*_ENGINE_OPTIONS, "--sps"),
+    "verify-server": (*_ENGINE_OPTIONS, "--sps", "--cache-dir"),
     "scheduler": ("--target", "--tokenizer", "--policy", "--draft-cost", "--served-model-name", "--host", "--port",
                   "--api-key", "--log-level"),
 }
@@ -68,7 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_grpc_token(p)
     _add_feature_path(p)
     p.set_defaults(handler=run_draft_server)
-    p = sub.add_parser("verify-server", help="run a verifier gRPC server (no Ray); profiles its SPS table at start")
+    p = sub.add_parser(
+        "verify-server", help="run a verifier gRPC server (no Ray); its SPS table from the cache or profiled at start"
+    )
     add_local_arguments(p, services=SERVE_OPTIONS_TAKEN["verify-server"])
     _add_grpc_server(p)
     _add_grpc_token(p)
@@ -168,6 +170,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         decode=lambda ids: engine_tokenizer.decode(ids, skip_special_tokens=True),
         token=args.grpc_token,
         timeout_s=config.network.grpc_timeout_s,
+        readiness_timeout_s=config.network.readiness_timeout_s,
     )
     for i, address in enumerate(args.drafter):
         hub.register_drafter(f"drafter-{i}", address)

@@ -284,6 +284,21 @@ def _max_replicas(deployment: Mapping[str, Any] | None) -> int:
     return replicas if isinstance(replicas, int) else 1
 
 
+def _readiness_probe_errors(cluster: Mapping[str, Any], serve_port: int) -> list[str]:
+    """The head pod hosts the HTTP proxy: its readiness must be the application's (``python -m cluster.probe``
+    on the serve port's /health), or the serve Service sends clients to it before it can serve."""
+    path = ("spec", "rayClusterConfig", "headGroupSpec", "template", "spec", "containers", 0, "readinessProbe")
+    containers = _containers(cluster.get("headGroupSpec", {}))
+    probe = containers[0].get("readinessProbe") if containers else None
+    command = " ".join(str(part) for part in ((probe or {}).get("exec") or {}).get("command", []))
+    if "cluster.probe" not in command:
+        return [f"{format_path(path)}: no readiness probe of the application (python -m cluster.probe): the pod "
+                "would be sent clients before a completion can be served"]
+    if f":{serve_port}/health" not in command:
+        return [f"{format_path(path)}: the probe must ask the serve port's /health (:{serve_port}/health)"]
+    return []
+
+
 def rayservice_errors(doc: Mapping[str, Any]) -> list[str]:
     """The embedded Serve config, and whether the cluster can actually host it (pools, GPUs, models, secrets)."""
     from pydantic import ValidationError
@@ -305,6 +320,7 @@ def rayservice_errors(doc: Mapping[str, Any]) -> list[str]:
         return errors
     deployments = {d["name"]: d for d in app.get("deployments", [])}
     cluster = spec.get("rayClusterConfig", {})
+    errors += _readiness_probe_errors(cluster, int((raw.get("http_options") or {}).get("port", 8000)))
     groups = cluster.get("workerGroupSpecs", [])
     head = ("spec", "rayClusterConfig", "headGroupSpec")
     needs_models: list[tuple[tuple[Any, ...], Mapping[str, Any]]] = [(head, cluster.get("headGroupSpec", {}))]

@@ -171,6 +171,8 @@ class Failover:
             with hub._lock:
                 for replica_id in [r for r, a in hub._drafters.items() if a == address]:
                     del hub._drafters[replica_id]
+                    hub._draining_drafters.discard(replica_id)
+            hub._readiness_changed()
             logger.warning("drafter %s is gone; %d request(s) lose their drafter", address, len(lost))
         return dead
 
@@ -178,6 +180,8 @@ class Failover:
         hub = self._hub
         with hub._lock:
             group = hub._groups.pop(replica_id, None)
+            hub._sps.pop(replica_id, None)
+        hub._readiness_changed()
         if group is None:
             return
         logger.warning("verifier %s at %s is gone; its group is retired", replica_id, group.address)

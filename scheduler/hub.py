@@ -13,6 +13,13 @@ shutdown budget runs out), ``unregister_*`` forgets it. A draining replica keeps
 until they finish. Replicas that DIE are another matter: :mod:`scheduler.failover` moves their requests to live
 replicas (re-prefilled from prompt + emitted tokens, nothing lost); a restarted hub releases what replicas still
 hold for its predecessor before using them.
+
+Readiness: the hub is *ready* when a completion can be served end to end, i.e. a verifier replica accepts new
+requests and, for a policy that drafts, so does a drafter replica (replicas register only once their engines
+are built and warmed up). ``health`` reports exactly that. A new request that finds no accepting verifier waits
+for one up to ``readiness_timeout_s`` and is then refused with :class:`BackendNotReadyError` (logged once per
+interval, not per request). A request admitted while no drafter is there runs without drafts (degraded mode,
+still lossless) until one registers.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cluster.backend import BackendUnavailableError, GenerateDelta, LocalBackend
+from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta, LocalBackend
 from cluster.messages import AnyValue, Int, List, Message, Str
+from cluster.readiness import IntervalLog, Readiness, ReadinessGate
 from cluster.rpc import Service
 from cluster.sampling import SamplingParams
 from scheduler.engine import RequestRejectedError, SpeculativeEngine
@@ -70,6 +78,7 @@ class SchedulerHub:
         token: str | None = None,
         timeout_s: float = 60.0,
         max_context: int | None = None,
+        readiness_timeout_s: float = 0.0,
     ) -> None:
         self.model_name = model_name
         self.policy = policy
@@ -80,8 +89,14 @@ class SchedulerHub:
         self.token = token
         self.timeout_s = timeout_s
         self._max_context = max_context
+        self.readiness_timeout_s = readiness_timeout_s
+        # Whether a verifier group accepts new requests (what a new request waits for); see readiness().
+        self._admission = ReadinessGate(Readiness(False, "no verifier replica is registered yet"))
+        self._refusals = IntervalLog(logger)
         self._lock = threading.Lock()
         self._drafters: dict[str, str] = {}  # replica id -> address
+        self._draining_drafters: set[str] = set()  # replica ids
+        self._sps: dict[str, dict[str, Any]] = {}  # verifier replica id -> the SPS table it registered with
         self._pool: DrafterPool | None = None
         self._groups: dict[str, _Group] = {}  # verifier replica id -> group
         self._owner: dict[str, str] = {}  # req id -> verifier replica id
@@ -102,10 +117,12 @@ class SchedulerHub:
             else:
                 self._pool.add_drafter(address)
             logger.info("drafter %s registered at %s", replica_id, address)
+        self._readiness_changed()
         self.failover.drafter_joined()
 
-    def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any]) -> None:
-        """Idempotent; starts the round loop of a new verifier replica."""
+    def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
+        """Idempotent; starts the round loop of a new verifier replica. ``sps``: its table (None or empty when
+        the policy prices nothing with SPS)."""
         with self._lock:
             group = self._groups.get(replica_id)
             if (group is not None and group.address == address) or replica_id in self._gone:
@@ -125,7 +142,8 @@ class SchedulerHub:
                     verifier.close()
                     raise
             block_size = pool.block_size if pool is not None else 0
-            policy = make_policy(self.policy, load_sps(sps), block_size, self.draft_cost)
+            # An empty table: the verifier's policy prices nothing with SPS, so it profiled none.
+            policy = make_policy(self.policy, load_sps(sps) if sps else None, block_size, self.draft_cost)
             options: dict[str, Any] = {
                 "decode": self.decode,
                 "eos_token_ids": self.eos_token_ids or verifier.eos_token_ids,
@@ -139,7 +157,9 @@ class SchedulerHub:
                 engine, self.model_name, max_context=self._max_context, failover=self.failover.hook(replica_id)
             )
             self._groups[replica_id] = _Group(address, backend, verifier)
+            self._sps[replica_id] = sps or {}
             logger.info("verifier %s registered at %s", replica_id, address)
+        self._readiness_changed()
         self.failover.verifier_joined()
 
     def drain_verifier(self, replica_id: str) -> int:
@@ -155,13 +175,17 @@ class SchedulerHub:
             if not group.draining:
                 group.draining = True
                 logger.info("verifier %s draining (%d requests running)", replica_id, len(group.active))
-            return len(group.active)
+            held = len(group.active)
+        self._readiness_changed()
+        return held
 
     def unregister_verifier(self, replica_id: str) -> None:
         """Forget a verifier and stop its round loop; requests it still holds fail (drain first to avoid that)."""
         with self._lock:
             group = self._groups.pop(replica_id, None)
+            self._sps.pop(replica_id, None)
             self._gone.add(replica_id)
+        self._readiness_changed()
         if group is None:
             return
         if group.active:
@@ -183,16 +207,21 @@ class SchedulerHub:
             address = self._drafters.get(replica_id)
             if address is None or self._pool is None:
                 return 0
-            return self._pool.drain_drafter(address)
+            self._draining_drafters.add(replica_id)
+            held = self._pool.drain_drafter(address)
+        self._readiness_changed()
+        return held
 
     def unregister_drafter(self, replica_id: str) -> None:
         """Forget a drafter; requests it still drafts for are re-prefilled onto another drafter (failover)."""
         with self._lock:
             address = self._drafters.pop(replica_id, None)
+            self._draining_drafters.discard(replica_id)
             self._gone.add(replica_id)
             if address is None or self._pool is None:
                 return
             self._pool.remove_drafter(address)
+        self._readiness_changed()
         logger.info("drafter %s unregistered", replica_id)
 
     def verifier_loads(self) -> dict[str, int]:
@@ -205,6 +234,32 @@ class SchedulerHub:
         with self._lock:
             verifiers = {replica_id: group.address for replica_id, group in self._groups.items()}
             return {"drafters": dict(self._drafters), "verifiers": verifiers}
+
+    def readiness(self) -> Readiness:
+        """Whether a completion can be served end to end now, and what is missing when not."""
+        with self._lock:
+            accepting = [g for g in self._groups.values() if not g.draining]
+            groups = len(self._groups)
+            drafters = len(self._drafters)
+            accepting_drafters = drafters - len(self._draining_drafters)
+        if not accepting:
+            return Readiness(False, "every verifier replica is draining" if groups else
+                             "no verifier replica is registered yet")
+        if self.policy != "autoregressive" and accepting_drafters <= 0:
+            return Readiness(False, "every drafter replica is draining" if drafters else
+                             "no drafter replica is registered")
+        return Readiness(True)
+
+    def _readiness_changed(self) -> None:
+        """Re-evaluate admission (an accepting verifier group) and wake the requests waiting for it."""
+        with self._lock:
+            can_admit = any(not g.draining for g in self._groups.values())
+        self._admission.set(Readiness(True) if can_admit else self.readiness())
+
+    @property
+    def num_waiting_for_readiness(self) -> int:
+        """New requests waiting for an accepting verifier right now (see ``readiness_timeout_s``)."""
+        return self._admission.waiters
 
     @property
     def num_verifiers(self) -> int:
@@ -222,16 +277,21 @@ class SchedulerHub:
             return self._max_context or 0
         return min(g.backend.max_context for g in groups)
 
-    def _admit(self, req_id: str) -> _Group:
-        """Assign a new request to the accepting verifier group with the fewest requests.
+    async def _admit(self, req_id: str) -> _Group:
+        """Assign a new request to the accepting verifier group with the fewest requests, waiting for one up to
+        ``readiness_timeout_s``.
 
         Under the lock, so a concurrent drain either sees the request (and waits for it) or excludes the group.
         """
+        waited = await self._admission.wait(self.readiness_timeout_s)
         with self._lock:
             accepting = {r: g for r, g in self._groups.items() if not g.draining}
             if not accepting:
-                raise BackendUnavailableError(
-                    "no verifier replica is accepting requests (none registered yet, or all are draining)"
+                reason = waited.reason or "no verifier replica is accepting requests"
+                self._refusals.record(reason)
+                raise BackendNotReadyError(
+                    f"the model is not ready to serve: {reason} (waited {self.readiness_timeout_s:g} s); "
+                    "retry later"
                 )
             replica_id = min(accepting, key=lambda r: len(accepting[r].active))
             group = accepting[replica_id]
@@ -244,7 +304,7 @@ class SchedulerHub:
     ) -> AsyncIterator[GenerateDelta]:
         if req_id in self._owner:  # a replayed Generate must not take over the running request's routing
             raise RequestRejectedError(f"request id {req_id!r} is already in use")
-        group = self._admit(req_id)
+        group = await self._admit(req_id)
         try:
             async for delta in group.backend.generate(req_id, prompt_ids, params):
                 yield delta
@@ -267,11 +327,16 @@ class SchedulerHub:
         return merge_snapshots(snapshots)
 
     async def health(self) -> None:
-        groups = list(self._groups.values())
-        if not groups:
-            raise BackendUnavailableError("no verifier replica is registered yet")
-        for group in groups:
+        state = self.readiness()
+        if not state.ready:
+            raise BackendNotReadyError(f"not ready: {state.reason}")
+        for group in list(self._groups.values()):
             await group.backend.health()
+
+    async def model_info(self) -> dict[str, Any]:
+        """The SPS table each verifier replica registered with (and where it came from), by replica id."""
+        with self._lock:
+            return {"sps": {replica_id: sps for replica_id, sps in self._sps.items()}}
 
     def close(self) -> None:
         for group in list(self._groups.values()):
@@ -306,12 +371,18 @@ class SchedulerHub:
             return snapshot_to_dict(await self.metrics())
 
         async def info(request: dict[str, Any]) -> dict[str, Any]:
+            state = self.readiness()
             return {
                 "model_name": self.model_name,
                 "max_context": self.max_context,
                 "verifiers": self.num_verifiers,
                 "drafters": self.num_drafters,
+                "ready": state.ready,
+                "reason": state.reason,
             }
+
+        async def model_info(request: dict[str, Any]) -> dict[str, Any]:
+            return await self.model_info()
 
         return Service(
             SERVICE,
@@ -320,6 +391,7 @@ class SchedulerHub:
                 "Abort": (abort, ABORT),
                 "Metrics": (metrics, EMPTY),
                 "Info": (info, EMPTY),
+                "ModelInfo": (model_info, EMPTY),
             },
         )
 

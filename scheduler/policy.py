@@ -306,6 +306,11 @@ class DSparkAsync(_LearnsRoundCosts):
 DRAFT_COSTS = ("none", "measured")
 
 
+def uses_sps(spec: str) -> bool:
+    """Whether the policy ``spec`` prices rounds with SPS tables (the scheduled ones); the others need none."""
+    return spec in ("dspark", "dspark-async")
+
+
 def make_policy(spec: str, sps: SPSSource | None, block_size: int, draft_cost: str = "none") -> VerifyPolicy:
     """Build a policy from its config name: ``autoregressive``, ``fixed-N``, ``full``, ``dspark``, ``dspark-async``.
 
@@ -326,7 +331,7 @@ def make_policy(spec: str, sps: SPSSource | None, block_size: int, draft_cost: s
             raise ValueError(f"bad policy {spec!r}: expected fixed-N with an integer N >= 1") from None
     if spec in ("dspark", "dspark-async"):
         if sps is None:
-            raise ValueError(f"policy {spec!r} needs an SPS table (profile one with `dspark profile-sps`)")
+            raise ValueError(f"policy {spec!r} needs an SPS table (profile one with `dspark profile`)")
         if draft_cost == "none":
             return DSparkScheduled(sps) if spec == "dspark" else DSparkAsync(sps)
         gate = DraftGate(sps, DraftCost())  # its costs come from the estimator every round

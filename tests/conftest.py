@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # A loaded 2-core machine can take longer than Ray's default 30 s to bring a node's GCS up (seen once in a
 # failover test while other jobs ran): wait for the port file (and the connect) up to 120 s instead.
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+
+# Profiled SPS tables go to a cache folder of this test session, never to the user's ~/.cache/dspark (servers
+# started by tests find each other's tables there; a test that checks the cache passes its own folder).
+os.environ.setdefault("DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark-test-cache-"))
 
 ROOT = Path(__file__).resolve().parents[1]
 # DSPARK_SHARED_DIR overrides the location, e.g. for a git worktree whose parent folder has no shared/.

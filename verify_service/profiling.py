@@ -26,6 +26,10 @@ from verify_service.engine import PrefillItem, VerifyEngine
 from verify_service.graphs import GraphItem
 from verify_service.target import TargetModel
 
+#: The version of what these profilers measure and how; part of the SPS cache's fingerprint, so raise it when a
+#: change makes tables profiled before it wrong (cluster.sps_cache).
+PROFILER_VERSION = 1
+
 
 def profile_target_sps(
     target: TargetModel,

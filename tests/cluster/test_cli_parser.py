@@ -44,9 +44,9 @@ def test_every_option_states_its_default(command: str) -> None:
 
 def test_serve_help_states_both_modes_where_they_differ() -> None:
     options = _options("serve")
-    for flag in ("--sps", "--max-seq-len", "--device", "--dtype", "--served-model-name"):
+    for flag in ("--max-seq-len", "--device", "--dtype", "--served-model-name"):
         assert "--no-ray: " in options[flag], (flag, options[flag])
-    assert "--no-ray" not in options["--max-requests"]  # the same 16 either way
+    assert "--no-ray" not in options["--max-requests"] + options["--sps"]  # the same either way
 
 
 def test_standalone_servers_offer_only_options_they_use() -> None:

@@ -62,6 +62,9 @@ def served() -> Iterator[dict]:
     overrides = {"Ingress": {"ray_actor_options": {"num_cpus": 0.2}},
                  "Scheduler": {"ray_actor_options": {"num_cpus": 0.2}}}
     serve.run(assemble_app(args, overrides), name="dspark", route_prefix="/")
+    # A RUNNING application has its pool replicas warm and registered (their constructors end with that).
+    topology = serve.get_deployment_handle("Scheduler", app_name="dspark").topology.remote().result()
+    assert topology == {"drafters": 1, "verifiers": 1}
     base = f"http://127.0.0.1:{port}"
     _wait(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 180, "the app to become healthy")
     yield {

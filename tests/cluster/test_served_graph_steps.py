@@ -52,10 +52,13 @@ def test_bucketed_services_over_grpc_decode_the_targets_greedy_output(tmp_path: 
     verifier = build_verifier_service(config)
     drafter = build_drafter_service(config, "127.0.0.1")
     sps = verifier.sps
-    assert sps["format"] == BY_REQUESTS_FORMAT  # profiled by request count on the bucketed step
-    assert [t["requests"] for t in sps["tables"]] == [1, 2, 4, 6]
-    assert all(t["sps"]["format"] == FORMAT for t in sps["tables"])
-    load_sps(sps)  # what the hub reads from the registration
+    if policy == "full":  # a fixed-length policy prices nothing with SPS: none is profiled
+        assert sps is None
+    else:
+        assert sps["format"] == BY_REQUESTS_FORMAT  # profiled by request count on the bucketed step
+        assert [t["requests"] for t in sps["tables"]] == [1, 2, 4, 6]
+        assert all(t["sps"]["format"] == FORMAT for t in sps["tables"])
+        load_sps(sps)  # what the hub reads from the registration
     servers = [ServerThread([drafter.service()]), ServerThread([verifier.service()])]
     hub = SchedulerHub(model_name="tiny", policy=policy, draft_cost="measured", decode=None)
     try:

@@ -140,6 +140,16 @@ BROKEN = {
         lambda d: _container(d["spec"]["rayClusterConfig"]["headGroupSpec"]).update(env=[]),
         "spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].env: DSPARK_API_KEY is not set",
     ),
+    "no application readiness probe": (
+        lambda d: _container(d["spec"]["rayClusterConfig"]["headGroupSpec"]).pop("readinessProbe"),
+        "spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].readinessProbe: no readiness probe of the "
+        "application",
+    ),
+    "probe on another port": (
+        lambda d: _set_serve(d, "port: 8000", "port: 8001"),
+        "spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].readinessProbe: the probe must ask the "
+        "serve port's /health (:8001/health)",
+    ),
     "serveConfigV2 not YAML": (
         lambda d: d["spec"].update(serveConfigV2="applications: [\n"),
         "spec.serveConfigV2: not YAML",

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The serving matrix (bench/serve_matrix.py) in ONE device call on the lent GPU machine: unpack the Ray Serve tree
+# and the benchmark client's wheels, inflate the demo pair to the Qwen3-4B shape, then serve and measure every
+# layout and policy through HTTP. Run from the repository root, carrying .gpu-ray (the tree of ../shared/wheels),
+# .whl (openai<2, distro, jiter, sniffio for Python 3.12) and .data/prompts (humaneval.jsonl, mbpp.jsonl):
+#   LAYOUTS="no-ray" POLICIES="autoregressive dspark full" bash bench/gpu_serve_matrix.sh $OUT 540
+set -uo pipefail
+out=${1:?usage: bench/gpu_serve_matrix.sh OUT_DIR [TIME_LIMIT_S]}
+limit=${2:-540}
+mkdir -p "$out" /tmp/site
+tar xJf .gpu-ray/ray-serve-2.60.0-py312-gpu-site.tar.xz -C /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# shellcheck disable=SC2086  # word lists on purpose
+python3 bench/serve_matrix.py --inflate qwen3-4b --prompts-dir .data/prompts --layouts ${LAYOUTS:-no-ray ray} \
+  --policies ${POLICIES:-autoregressive dspark full fixed-1 dspark-async} --concurrency ${LEVELS:-1 8 32 128} \
+  --duration "${DURATION:-6}" --time-limit-s "$limit" --out-dir "$out" ${EXTRA:-}
+tar czf "$out/server_logs.tgz" -C /tmp/dspark-matrix --wildcards 'server-*.log' 2>/dev/null || true

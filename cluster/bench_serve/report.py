@@ -1,0 +1,153 @@
+"""Results of ``dspark bench serve`` as files: the JSON document, markdown tables and plots.
+
+One run (one server, a sweep of levels) gives a table with a row per level. Several runs (servers, policies,
+placements) line up side by side: tokens/s per user and aggregate tokens/s by level, the Pareto view of aggregate
+against per-user throughput (the DSpark paper's Figure 7), and latency percentiles against load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+Result = dict[str, Any]
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 0) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def _errors(level: dict[str, Any]) -> str:
+    errors = level["errors"]
+    return ", ".join(f"{k}: {v}" for k, v in errors.items()) if errors else "0"
+
+
+def level_table(result: Result) -> str:
+    """Markdown table of one run, a row per level."""
+    head = ("| load | done | errors | tok/s/user p50 (p10) | aggregate tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+            "| ITL p50 / p99 ms | E2E p50 / p99 s | goodput req/s (met) | tau | verify tok/req/round "
+            "| client lag p99 ms |")
+    rows = [head, "| --- " * (head.count("|") - 1) + "|"]
+    for lv in result["levels"]:
+        user, spec, good = lv["tokens_per_s_per_user"], lv["speculative"] or {}, lv["goodput"]
+        goodput = "-" if good is None else f"{_fmt(good['requests_per_s'], 1, 2)} ({_fmt(good['fraction'], 100)} %)"
+        tau, budget = spec.get("mean_acceptance_length"), spec.get("verify_tokens_per_request_round")
+        lag = lv.get("client_loop_lag_ms") or {}
+        rows.append(
+            f"| {lv['load']['label']} | {lv['completed']} | {_errors(lv)} "
+            f"| {_fmt(user['median'])} ({_fmt(user['p10'])}) | {_fmt(lv['output_throughput'])} "
+            f"| {_fmt(lv['ttft_s']['p50'], 1e3)} / {_fmt(lv['ttft_s']['p99'], 1e3)} "
+            f"| {_fmt(lv['tpot_s']['p50'], 1e3, 1)} / {_fmt(lv['tpot_s']['p99'], 1e3, 1)} "
+            f"| {_fmt(lv['itl_s']['p50'], 1e3, 1)} / {_fmt(lv['itl_s']['p99'], 1e3, 1)} "
+            f"| {_fmt(lv['e2e_s']['p50'], 1, 2)} / {_fmt(lv['e2e_s']['p99'], 1, 2)} "
+            f"| {goodput} | {_fmt(tau, 1, 2)} | {_fmt(budget, 1, 2)} | {_fmt(lag.get('p99'), 1, 1)} |"
+        )
+    return "\n".join(rows)
+
+
+def _label(result: Result, index: int) -> str:
+    return result.get("label") or f"run {index + 1}"
+
+
+def side_by_side(results: Sequence[Result]) -> str:
+    """Two markdown tables over several runs: tokens/s per user (median) and aggregate tokens/s, by level."""
+    loads: list[str] = []
+    for result in results:
+        for lv in result["levels"]:
+            if lv["load"]["label"] not in loads:
+                loads.append(lv["load"]["label"])
+    out = []
+    for title, pick in (
+        ("tokens/s per user (median)", lambda lv: lv["tokens_per_s_per_user"]["median"]),
+        ("aggregate output tokens/s", lambda lv: lv["output_throughput"]),
+    ):
+        out.append(f"| {title} | " + " | ".join(loads) + " |")
+        out.append("| --- " + "| ---: " * len(loads) + "|")
+        for i, result in enumerate(results):
+            by_load = {lv["load"]["label"]: lv for lv in result["levels"]}
+            cells = []
+            for load in loads:
+                lv = by_load.get(load)
+                cell = "-" if lv is None else _fmt(pick(lv))
+                if lv is not None and lv["errors"]:
+                    cell += f" ({sum(lv['errors'].values())} err)"
+                cells.append(cell)
+            out.append(f"| {_label(result, i)} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def plot(results: Sequence[Result], out_dir: Path, stem: str = "bench_serve") -> list[Path]:
+    """``<stem>_pareto.png`` (aggregate vs per-user tokens/s) and ``<stem>_latency.png`` (TTFT / TPOT / E2E
+    percentiles by level); returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for i, result in enumerate(results):
+        points = [(lv["tokens_per_s_per_user"]["median"], lv["output_throughput"], lv["load"]["label"])
+                  for lv in result["levels"] if lv["tokens_per_s_per_user"]["median"] is not None]
+        if not points:
+            continue
+        xs, ys, _ = zip(*points, strict=True)
+        ax.plot(xs, ys, marker="o", label=_label(result, i))
+        for x, y, name in points:
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("tokens/s per user (median)")
+    ax.set_ylabel("aggregate output tokens/s")
+    ax.set_title("Throughput against interactivity (up and right is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / f"{stem}_pareto.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    metrics = (("ttft_s", "TTFT (ms)", 1e3), ("tpot_s", "TPOT (ms)", 1e3), ("e2e_s", "end to end (s)", 1.0))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, (key, title, scale) in zip(axes, metrics, strict=True):
+        for i, result in enumerate(results):
+            labels = [lv["load"]["label"] for lv in result["levels"]]
+            for pct, style in (("p50", "-"), ("p99", "--")):
+                values = [lv[key][pct] for lv in result["levels"]]
+                ys = [float("nan") if v is None else v * scale for v in values]
+                ax.plot(labels, ys, style, marker="o", label=f"{_label(result, i)} {pct}")
+        ax.set_title(title)
+        ax.set_xlabel("load")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Latency percentiles by load (solid p50, dashed p99)")
+    fig.tight_layout()
+    paths.append(out_dir / f"{stem}_latency.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def write(results: Sequence[Result], out_dir: Path, stem: str = "bench_serve") -> list[Path]:
+    """Write ``<stem>.json`` (every run, as measured), ``<stem>.md`` (tables) and the plots; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = results[0] if len(results) == 1 else {"runs": list(results)}
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    md = [f"## {_label(r, i)}\n\n{level_table(r)}\n" for i, r in enumerate(results)]
+    if len(results) > 1:
+        md.insert(0, side_by_side(results) + "\n")
+    md_path = out_dir / f"{stem}.md"
+    md_path.write_text("\n".join(md))
+    return [json_path, md_path, *plot(results, out_dir, stem)]
+
+
+def load_results(path: Path) -> list[Result]:
+    """The runs of a results file written by :func:`write` (one run or several)."""
+    doc = json.loads(Path(path).read_text())
+    runs = doc.get("runs", [doc])
+    if not all(isinstance(r, dict) and "levels" in r for r in runs):
+        raise ValueError(f"{path} is not a `dspark bench serve` results file")
+    return runs

@@ -1,0 +1,101 @@
+"""The server's speculative-decoding counters, read from Prometheus ``/metrics`` before and after a level.
+
+vLLM's names are used (``vllm:spec_decode_num_drafts`` and friends), which dspark-serve exports too, plus the
+``dspark_*`` round counters where present. From the differences over a level:
+
+- mean acceptance length (tau): ``1 + accepted / drafts``, tokens per drafted request-round, bonus included;
+- acceptance rate: ``accepted / draft tokens``;
+- acceptance by position: ``accepted at position i / drafts`` (vLLM's per-position rate);
+- verification tokens per request per round: ``draft tokens / drafts``;
+- the round split (dspark-serve): draft, schedule and verify seconds per engine round;
+- generation tokens: output tokens of the requests the server finished (``vllm:generation_tokens``).
+
+A server without these counters (or without ``/metrics``) gives ``None``: the benchmark still runs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+#: Counter families summed over every label but ``position``.
+COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "dspark_rounds",
+    "dspark_rounds_without_draft",
+    "vllm:generation_tokens",
+    "dspark_draft_seconds",
+    "dspark_schedule_seconds",
+    "dspark_verify_seconds",
+)
+
+Snapshot = dict[str, dict[str, float]]
+
+
+def parse(text: str) -> Snapshot:
+    """Counter values by family, then by position ("" for families without one), summed over other labels."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:  # by sample name: families group ``_total`` samples only with full metadata
+            name = sample.name.removesuffix("_total")
+            if name in COUNTERS:
+                out[name][sample.labels.get("position", "")] += sample.value
+    return {name: dict(values) for name, values in out.items()}
+
+
+async def scrape(client: httpx.AsyncClient, server_url: str) -> Snapshot | None:
+    """``/metrics`` of the server at ``server_url`` (its root, not ``/v1``), or ``None`` when it has none."""
+    try:
+        response = await client.get(server_url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        return parse(response.text)
+    except ValueError:  # not Prometheus text
+        return None
+
+
+def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[str, Any] | None:
+    """The speculative statistics of what happened between two snapshots (``None`` without the counters)."""
+    if before is None or after is None or "vllm:spec_decode_num_drafts" not in after:
+        return None
+
+    def delta(name: str, position: str = "") -> float:
+        return after.get(name, {}).get(position, 0.0) - before.get(name, {}).get(position, 0.0)
+
+    drafts = delta("vllm:spec_decode_num_drafts")
+    draft_tokens = delta("vllm:spec_decode_num_draft_tokens")
+    accepted = delta("vllm:spec_decode_num_accepted_tokens")
+    positions = sorted(after.get("vllm:spec_decode_num_accepted_tokens_per_pos", {}), key=int)
+    out: dict[str, Any] = {
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "acceptance_by_position": [
+            delta("vllm:spec_decode_num_accepted_tokens_per_pos", p) / drafts if drafts else None for p in positions
+        ],
+        "verify_tokens_per_request_round": draft_tokens / drafts if drafts else None,
+        "rounds": None,
+        "rounds_without_draft": None,
+        "generation_tokens": delta("vllm:generation_tokens") if "vllm:generation_tokens" in after else None,
+        "round_split_ms": None,
+    }
+    if "dspark_rounds" in after:
+        rounds = delta("dspark_rounds")
+        out["rounds"] = rounds
+        out["rounds_without_draft"] = delta("dspark_rounds_without_draft")
+        if rounds:
+            out["round_split_ms"] = {
+                part: 1000.0 * delta(f"dspark_{part}_seconds") / rounds for part in ("draft", "schedule", "verify")
+            }
+    return out

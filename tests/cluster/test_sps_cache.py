@@ -1,0 +1,91 @@
+"""The SPS cache: a profiled table is reused by the next start with the same fingerprint, a changed fingerprint
+profiles again (and says what changed), an explicit file wins, and ``dspark profile`` fills the cache that
+``dspark serve --no-ray`` then reads. Real engines over a tiny random pair on CPU; nothing is mocked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from model_factory import PairSpec, write_pair
+
+from cluster.cli import main
+from cluster.config import AppConfig
+from cluster.loading import build_verify_engine, drafter_block_size, load_or_profile_sps
+from cluster.serve_local import load_local_backend
+from scheduler.sps import load_sps_file
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_pair(tmp_path_factory.mktemp("sps-cache"), PairSpec(vocab=96, block_size=3, seed=2))
+
+
+def _config(target: Path, draft: Path, cache: Path, **engine: object) -> AppConfig:
+    return AppConfig.from_args({
+        "models": {"target": str(target), "draft": str(draft)},
+        "engine": {"max_requests": 2, "max_seq_len": 64, **engine},
+        "cache_dir": str(cache),
+    })
+
+
+def _load(config: AppConfig):
+    return load_or_profile_sps(config, build_verify_engine(config), drafter_block_size(config))
+
+
+def test_cached_table_is_reused_and_a_changed_fingerprint_profiles_again(
+    pair: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    target, draft = pair
+    cache = tmp_path / "cache"
+    first = _load(_config(target, draft, cache))
+    assert first.origin["source"] == "profiled"
+    assert Path(first.origin["path"]).is_file() and Path(first.origin["path"]).parent == cache / "sps"
+    again = _load(_config(target, draft, cache))
+    assert again.origin == {**first.origin, "source": "cache"}
+    assert again.sps.to_dict() == first.sps.to_dict()  # the measured numbers, not a re-profile
+
+    with caplog.at_level(logging.INFO, logger="cluster.sps_cache"):
+        other_shape = _load(_config(target, draft, cache, max_requests=3))
+    assert other_shape.origin["source"] == "profiled" and other_shape.origin["path"] != first.origin["path"]
+    assert "changed: engine.max_requests" in caplog.text
+
+    # The model changes (a copy of the target whose config differs): profiled anew, the change named.
+    changed = tmp_path / "models" / target.name
+    shutil.copytree(target, changed)
+    config_json = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config_json, "rope_theta": 12345.0}))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cluster.sps_cache"):
+        assert _load(_config(changed, draft, cache)).origin["source"] == "profiled"
+    assert "model_config" in caplog.text
+
+    # An explicit file wins over the cache.
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(first.sps.to_dict()))
+    explicit = AppConfig.from_args({"models": {"target": str(target), "draft": str(draft), "sps": str(table)},
+                                    "engine": {"max_requests": 2, "max_seq_len": 64}, "cache_dir": str(cache)})
+    assert _load(explicit).origin == {"source": "file", "path": str(table)}
+
+
+def test_dspark_profile_fills_the_cache_that_serve_no_ray_reads(pair: tuple[Path, Path], tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    target, draft = pair
+    cache, output = tmp_path / "cache", tmp_path / "sps.json"
+    flags = ["--target", str(target), "--draft", str(draft), "--max-requests", "2", "--max-seq-len", "64",
+             "--device", "cpu", "--cache-dir", str(cache)]
+    assert main(["profile", *flags, "--output", str(output)]) == 0
+    origin = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert origin["source"] == "profiled" and Path(origin["path"]).is_file()
+    cached = json.loads(Path(origin["path"]).read_text())["sps"]
+    assert load_sps_file(output).to_dict() == cached  # the same table as a plain file for --sps
+    backend = load_local_backend(target, draft, max_requests=2, max_seq_len=64, cache_dir=str(cache))
+    try:
+        info = asyncio.run(backend.model_info())
+    finally:
+        backend.close()
+    assert info["sps"]["local"]["origin"] == {**origin, "source": "cache"}
