@@ -190,15 +190,20 @@ class _GuardMiddleware:
 
 
 class _EventStream(StreamingResponse):
-    """SSE response that always closes its generator (so the request is aborted), however the send ends."""
+    """SSE response of ``run`` that always ends it, however the send ends: closing its event generator closes the
+    run (aborting it when unfinished); a generator that never started (the client was gone before the first
+    event: Starlette then cancels the send before iterating) runs no code of its own, so the run is aborted
+    here and ``on_abort`` told."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], run: _Run, on_abort: Callable[[], None]) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._events = content
+        self._run = run
+        self._on_abort = on_abort
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -206,6 +211,9 @@ class _EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()  # type: ignore[attr-defined]
+                if not self._run.closed:
+                    self._on_abort()
+                    await self._run.close()
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -346,6 +354,7 @@ class _Run:
         self.req_id = req_id
         self.stream = stream
         self.finished = False
+        self.closed = False
 
     async def next(self) -> GenerateDelta:
         delta = await anext(self.stream)
@@ -354,6 +363,7 @@ class _Run:
 
     async def close(self) -> None:
         """Close the stream and, if it did not finish, abort the request (idempotent, cancellation-proof)."""
+        self.closed = True
         with anyio.CancelScope(shield=True):
             await self.stream.aclose()  # type: ignore[attr-defined]
             if not self.finished:
@@ -578,7 +588,9 @@ def build_app(
                     head,
                     prompt_ids,
                     lambda d: choice(d.text, d.token_ids, d.finish_reason),
-                )
+                ),
+                run,
+                service.metrics.abort,
             )
         last, text, ids = await service.collect(request, run, first)
         service.metrics.finished(last, started)
@@ -640,7 +652,9 @@ def build_app(
 
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             return _EventStream(
-                _stream_events(service, run, first, started, body, head, prompt_ids, chunk_choice, prelude=role)
+                _stream_events(service, run, first, started, body, head, prompt_ids, chunk_choice, prelude=role),
+                run,
+                service.metrics.abort,
             )
         last, text, ids = await service.collect(request, run, first)
         service.metrics.finished(last, started)
