@@ -101,9 +101,11 @@ def _server(kind: str, target: Path, drafter: Path, device: str, dtype: str, sps
         env["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] or "0"
         device = "cuda"
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--target", str(target), "--draft", str(drafter),
-           "--sps", str(sps), "--max-requests", str(slots), "--max-seq-len", str(MAX_SEQ_LEN), "--device", device,
+           "--max-requests", str(slots), "--max-seq-len", str(MAX_SEQ_LEN), "--device", device,
            "--dtype", dtype, "--grpc-port", "0", "--log-level", "warning", "--feature-transport", transport,
            "--graphs", graphs]
+    if kind == "verify-server":
+        cmd += ["--sps", str(sps)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         address = _wait_listening(proc, kind)

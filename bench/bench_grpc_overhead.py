@@ -100,9 +100,11 @@ def _start_server(kind: str, drafter: Path, sps_path: Path, args: argparse.Names
     path = os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))  # keep a carried site tree
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--draft", str(drafter),
-           "--sps", str(sps_path), "--max-requests", str(args.concurrency), "--max-seq-len", "512", "--device", "cpu",
-           "--dtype", "float32", "--log-level", "warning", "--context-projection", args.context_projection,
-           "--feature-dtype", args.feature_dtype, *([] if args.draft_ahead else ["--no-draft-ahead"])]
+           "--max-requests", str(args.concurrency), "--max-seq-len", "512", "--device", "cpu",
+           "--dtype", "float32", "--log-level", "warning", "--context-projection", args.context_projection]
+    if kind == "verify-server":  # the verifier decides what travels and when drafters draft
+        cmd += ["--sps", str(sps_path), "--feature-dtype", args.feature_dtype,
+                *([] if args.draft_ahead else ["--no-draft-ahead"])]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

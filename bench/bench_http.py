@@ -168,13 +168,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _model_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--policy", args.policy, "--max-requests", str(args.max_requests), "--target", str(args.target)]
-    flags += ["--max-seq-len", str(args.max_seq_len), "--served-model-name", args.model, "--log-level", "warning"]
-    for flag, value in (("--draft", args.draft), ("--device", args.device), ("--sps", args.sps)):
-        if value:
-            flags += [flag, str(value)]
-    return flags
+def _model_flags(args: argparse.Namespace, server: str | None = None) -> list[str]:
+    """The ``dspark serve`` flags of this run; for a standalone ``server``, only those it takes."""
+    from cluster.standalone import SERVE_OPTIONS_TAKEN
+
+    pairs = [("--policy", args.policy), ("--max-requests", args.max_requests), ("--target", args.target),
+             ("--max-seq-len", args.max_seq_len), ("--served-model-name", args.model), ("--log-level", "warning"),
+             ("--draft", args.draft), ("--device", args.device), ("--sps", args.sps)]
+    taken = None if server is None else SERVE_OPTIONS_TAKEN[server]
+    return [part for flag, value in pairs if value and (taken is None or flag in taken) for part in (flag, str(value))]
 
 
 def wait_healthy(procs: list[subprocess.Popen], url: str, timeout_s: float = 300.0) -> None:
@@ -213,7 +215,7 @@ def start_grpc_servers(args: argparse.Namespace) -> tuple[list[subprocess.Popen[
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     for kind in (["draft-server"] if args.draft else []) + ["verify-server"]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", kind, *_model_flags(args)],
+            [sys.executable, "-m", "cluster.cli", kind, *_model_flags(args, kind)],
             cwd=ROOT, text=True, stdout=subprocess.PIPE, env=env,
         )
         procs.append(proc)
@@ -223,7 +225,7 @@ def start_grpc_servers(args: argparse.Namespace) -> tuple[list[subprocess.Popen[
             raise SystemExit(f"{kind} did not start: {line!r}")
         addresses.append(line.split()[-1])
     port = _free_port()
-    command = [sys.executable, "-m", "cluster.cli", "scheduler", "--port", str(port), *_model_flags(args)]
+    command = [sys.executable, "-m", "cluster.cli", "scheduler", "--port", str(port), *_model_flags(args, "scheduler")]
     if args.draft:
         command += ["--drafter", addresses[0]]
     command += ["--verifier", addresses[-1]]

@@ -82,7 +82,7 @@ class _Heartbeat:
                 self._register().result(timeout_s=30)
                 self._registered.set()
             except Exception as exc:  # the scheduler may be restarting; keep trying
-                logger.info("registration with the scheduler failed (%s); retrying", exc)
+                logger.debug("registration with the scheduler failed (%s); retrying", exc)
             self._stop.wait(HEARTBEAT_S)
 
     def wait_registered(self, kind: str, timeout_s: float = FIRST_REGISTRATION_S) -> None:
@@ -105,6 +105,11 @@ async def _leave(kind: str, replica_id: str, scheduler: DeploymentHandle, heartb
     waits until they have finished, at most ``timeout_s``, then unregisters. Requests are not moved elsewhere, so
     a request outliving the budget fails: size ``scheduler.drain_timeout_s`` for the longest completion.
     """
+    if await asyncio.to_thread(_application_deleting):
+        # The scheduler goes with it: nobody to drain for, and every call to it (a heartbeat's registration in
+        # flight too) could only wait for its timeout.
+        heartbeat.stop(timeout_s=0)
+        return
     await asyncio.to_thread(heartbeat.stop)
     drain = getattr(scheduler, f"drain_{kind}")
     deadline = time.monotonic() + timeout_s
@@ -118,6 +123,16 @@ async def _leave(kind: str, replica_id: str, scheduler: DeploymentHandle, heartb
         await asyncio.wait_for(getattr(scheduler, f"unregister_{kind}").remote(replica_id), LEAVE_CALL_TIMEOUT_S)
     except Exception as exc:  # the scheduler is gone too (application deleted): nobody left to drain for
         logger.warning("%s %s could not drain through the scheduler (%r)", kind, replica_id, exc)
+
+
+def _application_deleting() -> bool:
+    """Whether this replica's whole application is being deleted (``serve.delete``, ``dspark serve`` stopping)
+    rather than this replica alone being stopped (scaling down, rolling update); unknown counts as not."""
+    try:
+        status = serve.status().applications.get(serve.get_replica_context().app_name)
+    except Exception:
+        return False
+    return status is not None and status.status == "DELETING"
 
 
 def _check_own_health(server: ServerThread, token: str | None) -> None:
@@ -214,7 +229,10 @@ class VerifierReplica:
                 await asyncio.to_thread(self.server.stop)
 
 
-@serve.deployment(name="Scheduler", num_replicas=1, max_ongoing_requests=1000, health_check_period_s=10)
+#: The scheduler's calls are control traffic: every pool replica's heartbeat every HEARTBEAT_S, drains, lookups.
+#: Serve's access log would print a line per call forever; the hub itself logs what changes (registrations).
+@serve.deployment(name="Scheduler", num_replicas=1, max_ongoing_requests=1000, health_check_period_s=10,
+                  logging_config={"enable_access_log": False})
 class SchedulerReplica:
     def __init__(self, args: dict[str, Any]) -> None:
         from transformers import AutoTokenizer
@@ -266,6 +284,10 @@ class SchedulerReplica:
 
     def topology(self) -> dict[str, int]:
         return {"drafters": self.hub.num_drafters, "verifiers": self.hub.num_verifiers}
+
+    def endpoints(self) -> dict[str, Any]:
+        """The gRPC addresses of the deployment: this scheduler's and those of the registered pool replicas."""
+        return {"scheduler": self.server.address, **self.hub.addresses()}
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=1000)

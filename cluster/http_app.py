@@ -92,36 +92,57 @@ def _error_response(error: APIError) -> Response:
 
 
 # ------------------------------------------------------------------------------------------- middleware
+def _hang_up_on_failure(receive: Receive) -> Receive:
+    """``receive`` that reports a failure to deliver the next message as the client's disconnect.
+
+    Under Ray Serve the ingress replica fetches a request's ASGI messages from the proxy actor; when the proxy
+    drops the request because its client hung up, that fetch raises (``TaskCancelledError``) instead of
+    delivering ``http.disconnect``. Either way the client is gone, and the app must treat it as a hang-up (abort,
+    no 500, no traceback). A cancellation of the caller itself still propagates.
+    """
+
+    async def checked() -> Message:
+        try:
+            return await receive()
+        except Exception:
+            return {"type": "http.disconnect"}
+
+    return checked
+
+
 class _GuardMiddleware:
     """API key on /v1/*, a body size limit and UTF-8, before any parsing (pure ASGI: streaming stays intact).
 
     The key is checked first so an unauthenticated client learns nothing about the request format; the body is
     read here in full up to the limit (without a trusted Content-Length a chunked upload could be endless).
+    ``on_error`` is told the status of every error answered here, as the app's handlers tell it theirs.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, on_error: Callable[[int], None]
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        receive = _hang_up_on_failure(receive)
         if self.api_key is not None and scope["path"].startswith("/v1/") and not self._authorised(scope):
-            await _error_response(
-                APIError(
-                    401, "Missing or incorrect API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-                )
-            )(scope, receive, send)
+            await self._reject(
+                APIError(401, "Missing or incorrect API key: send 'Authorization: Bearer <key>'"), scope, receive, send
+            )
             return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        too_large = APIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
+        too_large = APIError(413, f"request body exceeds {self.max_body_bytes} bytes")
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
-                await _error_response(too_large)(scope, receive, send)
+                await self._reject(too_large, scope, receive, send)
                 return
         chunks: list[bytes] = []
         size = 0
@@ -133,7 +154,7 @@ class _GuardMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await _error_response(too_large)(scope, receive, send)
+                await self._reject(too_large, scope, receive, send)
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -141,13 +162,8 @@ class _GuardMiddleware:
         try:
             body.decode("utf-8")  # JSON between systems is UTF-8 (RFC 8259 section 8.1)
         except UnicodeDecodeError as error:
-            await _error_response(
-                APIError(
-                    400,
-                    f"the request body is not valid UTF-8 (byte {error.start}: {error.reason})",
-                    code="invalid_encoding",
-                )
-            )(scope, receive, send)
+            message = f"the request body is not valid UTF-8 (byte {error.start}: {error.reason})"
+            await self._reject(APIError(400, message, code="invalid_encoding"), scope, receive, send)
             return
         replayed = False
 
@@ -160,6 +176,10 @@ class _GuardMiddleware:
 
         await self.app(scope, replay, send)
 
+    async def _reject(self, error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+        self.on_error(error.status)
+        await _error_response(error)(scope, receive, send)
+
     def _authorised(self, scope: Scope) -> bool:
         assert self.api_key is not None
         for name, value in scope["headers"]:
@@ -170,15 +190,20 @@ class _GuardMiddleware:
 
 
 class _EventStream(StreamingResponse):
-    """SSE response that always closes its generator (so the request is aborted), however the send ends."""
+    """SSE response of ``run`` that always ends it, however the send ends: closing its event generator closes the
+    run (aborting it when unfinished); a generator that never started (the client was gone before the first
+    event: Starlette then cancels the send before iterating) runs no code of its own, so the run is aborted
+    here and ``on_abort`` told."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], run: _Run, on_abort: Callable[[], None]) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._events = content
+        self._run = run
+        self._on_abort = on_abort
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -186,6 +211,9 @@ class _EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()  # type: ignore[attr-defined]
+                if not self._run.closed:
+                    self._on_abort()
+                    await self._run.close()
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -207,7 +235,11 @@ class _HttpMetrics:
             registry=self.registry,
         )
         self.errors = Counter(
-            "dspark_http_errors", "Error responses by HTTP status.", [*labels, "status"], registry=self.registry
+            "dspark_http_errors",
+            "Error responses by HTTP status (every error status answered, and error events in started streams; "
+            "client hang-ups are counted as aborted instead).",
+            [*labels, "status"],
+            registry=self.registry,
         )
         self.aborted = Counter(
             "dspark_requests_aborted",
@@ -230,6 +262,12 @@ class _HttpMetrics:
             buckets=(*buckets, 120.0, 300.0),
             registry=self.registry,
         )
+
+    def error(self, status: int) -> None:
+        self.errors.labels(self.model_name, str(status)).inc()
+
+    def abort(self) -> None:
+        self.aborted.labels(self.model_name).inc()
 
     def finished(self, delta: GenerateDelta, started: float) -> None:
         m = self.model_name
@@ -316,6 +354,7 @@ class _Run:
         self.req_id = req_id
         self.stream = stream
         self.finished = False
+        self.closed = False
 
     async def next(self) -> GenerateDelta:
         delta = await anext(self.stream)
@@ -324,14 +363,17 @@ class _Run:
 
     async def close(self) -> None:
         """Close the stream and, if it did not finish, abort the request (idempotent, cancellation-proof)."""
+        self.closed = True
         with anyio.CancelScope(shield=True):
             await self.stream.aclose()  # type: ignore[attr-defined]
             if not self.finished:
                 await self.backend.abort(self.req_id)
 
 
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first (then ``work`` is cancelled)."""
+async def _until_disconnect(request: Request, work: Awaitable[T], on_abort: Callable[[], None]) -> T:
+    """Await ``work`` unless the client disconnects first (then ``work`` is cancelled and
+    :class:`ClientDisconnectedError` raised). ``on_abort`` is called once when the client went away: its
+    disconnect arrived, or the server cancelled this handler (Ray Serve does when the proxy sees the hang-up)."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -341,12 +383,16 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        on_abort()
+        raise
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(task, watcher, return_exceptions=True)  # both retrieved: no "never retrieved"
     if task.cancelled():
+        on_abort()
         raise ClientDisconnectedError
     return task.result()
 
@@ -409,11 +455,11 @@ class _Service:
         try:
             params = sampling_params(body, max_tokens)
         except SamplingError as error:
-            raise APIError(400, str(error), param=str(error).split(":", 1)[0]) from None
+            raise APIError(400, str(error), param=str(error).split(":", 1)[0], code="invalid_value") from None
         req_id = f"{prefix}-{uuid.uuid4().hex}"
         run = _Run(self.backend, req_id, self.backend.generate(req_id, prompt_ids, params))
         try:
-            first = await _until_disconnect(request, run.next())
+            first = await _until_disconnect(request, run.next(), self.metrics.abort)
         except ValueError as error:
             run.finished = True  # rejected: nothing to abort
             raise APIError(400, str(error), param=prompt_param) from None
@@ -434,7 +480,7 @@ class _Service:
             return delta, "".join(texts), ids
 
         try:
-            return await _until_disconnect(request, drain())
+            return await _until_disconnect(request, drain(), self.metrics.abort)
         finally:
             await run.close()
 
@@ -456,8 +502,10 @@ def build_app(
         version=__version__,
         description="OpenAI-compatible API of dspark-serve (lossless DSpark speculative decoding).",
     )
-    app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     service = _Service(backend, tokenizer)
+    app.add_middleware(
+        _GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, on_error=service.metrics.error
+    )
     app.state.service = service
     _install_error_handlers(app, service)
     _document_400_not_422(app)
@@ -540,7 +588,9 @@ def build_app(
                     head,
                     prompt_ids,
                     lambda d: choice(d.text, d.token_ids, d.finish_reason),
-                )
+                ),
+                run,
+                service.metrics.abort,
             )
         last, text, ids = await service.collect(request, run, first)
         service.metrics.finished(last, started)
@@ -558,7 +608,9 @@ def build_app(
         service.check_model(body.model)
         check_supported(body)
         if getattr(tokenizer, "chat_template", None) is None:
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+            raise APIError(
+                400, "this model has no chat template; use /v1/completions", param="messages", code="no_chat_template"
+            )
         conversation = [{"role": message.role, "content": message.text()} for message in body.messages]
 
         def render() -> list[int]:
@@ -600,7 +652,9 @@ def build_app(
 
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             return _EventStream(
-                _stream_events(service, run, first, started, body, head, prompt_ids, chunk_choice, prelude=role)
+                _stream_events(service, run, first, started, body, head, prompt_ids, chunk_choice, prelude=role),
+                run,
+                service.metrics.abort,
             )
         last, text, ids = await service.collect(request, run, first)
         service.metrics.finished(last, started)
@@ -664,6 +718,7 @@ async def _stream_events(
     chunk, then ``[DONE]``. Errors after the 200 went out become an error event (OpenAI clients raise on it)."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
+    failed = False
     try:
         if prelude is not None:
             first_chunk = {**head, "choices": [prelude], **extra}
@@ -683,24 +738,23 @@ async def _stream_events(
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(delta)})
     except Exception as error:
+        failed = True
         logger.exception("stream %s failed", run.req_id)
         status = 503 if isinstance(error, BackendUnavailableError) else 500
-        service.metrics.errors.labels(service.backend.model_name, str(status)).inc()
+        service.metrics.error(status)
         # Same body as the 503 answer before a stream starts: a client can tell a retryable failure.
         kind = "service_unavailable" if status == 503 else None
-        yield _sse(APIError(status, str(error), code=status, type=kind).body())
+        yield _sse(APIError(status, str(error), type=kind).body())
     finally:
-        if not run.finished:
-            service.metrics.aborted.labels(service.backend.model_name).inc()
+        if not run.finished and not failed:  # closed early: the client went away
+            service.metrics.abort()
         await run.close()
     yield "data: [DONE]\n\n"
 
 
 def _install_error_handlers(app: FastAPI, service: _Service) -> None:
-    model = service.backend.model_name
-
     def respond(error: APIError) -> Response:
-        service.metrics.errors.labels(model, str(error.status)).inc()
+        service.metrics.error(error.status)
         return _error_response(error)
 
     @app.exception_handler(APIError)
@@ -713,12 +767,12 @@ def _install_error_handlers(app: FastAPI, service: _Service) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, error: StarletteHTTPException) -> Response:
-        return respond(APIError(error.status_code, str(error.detail), code=error.status_code))
+        return respond(APIError(error.status_code, str(error.detail)))
 
     @app.exception_handler(ClientDisconnectedError)
     async def disconnected(_request: Request, _error: ClientDisconnectedError) -> Response:
-        service.metrics.aborted.labels(model).inc()
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        # Counted as aborted where it was detected; nobody reads this (nginx's "client closed request").
+        return Response(status_code=499)
 
     @app.exception_handler(BackendUnavailableError)
     async def unavailable(_request: Request, error: BackendUnavailableError) -> Response:

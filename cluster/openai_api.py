@@ -42,8 +42,26 @@ StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 
 
+#: The ``code`` of an error that names no more specific one, by HTTP status (docs/HTTP_API.md lists every code).
+DEFAULT_ERROR_CODES: dict[int, str] = {
+    400: "invalid_value",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
 class APIError(Exception):
-    """An error answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``."""
+    """An error answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+
+    ``code`` is always a snake_case string, so clients can branch on it without knowing the status: the specific
+    code when one is given, else the status' entry in :data:`DEFAULT_ERROR_CODES` (``http_<status>`` for a
+    status without one). ``type`` is OpenAI's coarse class: ``invalid_request_error`` for 4xx,
+    ``server_error`` for 5xx unless given (``service_unavailable`` marks a retryable 503).
+    """
 
     def __init__(
         self,
@@ -51,14 +69,14 @@ class APIError(Exception):
         message: str,
         *,
         param: str | None = None,
-        code: str | int | None = None,
+        code: str | None = None,
         type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or DEFAULT_ERROR_CODES.get(status, f"http_{status}")
         if type is None:
             type = "invalid_request_error" if status < 500 else "server_error"
         self.type = type
@@ -71,7 +89,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str
 
 
 class ErrorResponse(BaseModel):
@@ -80,9 +98,11 @@ class ErrorResponse(BaseModel):
 
 # ------------------------------------------------------------------------------------------------ requests
 class _Lenient(BaseModel):
-    """Strict types, unknown fields kept (in ``model_extra``) so they can be checked against UNSUPPORTED."""
+    """Strict types, unknown fields kept (in ``model_extra``) so they can be checked against UNSUPPORTED, and
+    finite numbers only: Python's JSON parser accepts ``NaN`` and ``Infinity``, which must be reported as what
+    they are rather than as a range violation (NaN fails every comparison)."""
 
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Lenient):
@@ -192,7 +212,9 @@ def check_supported(request: _SamplingRequest) -> None:
     fields.update({k: v for k, v in (request.model_extra or {}).items() if k in UNSUPPORTED})
     for name, value in fields.items():
         if value not in UNSUPPORTED[name]:
-            raise APIError(400, f"{name}={value!r} is not supported by this server", param=name)
+            raise APIError(
+                400, f"{name}={value!r} is not supported by this server", param=name, code="unsupported_parameter"
+            )
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 

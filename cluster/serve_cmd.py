@@ -12,14 +12,22 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 IMPORT_PATH = "cluster.app:build_app"
+APP_NAME = "dspark"
+#: How long a stop waits for the application's deletion before the embedded cluster is shut down regardless
+#: (a SIGTERM must end the process well within the grace period of Kubernetes, 30 s by default).
+STOP_BUDGET_S = 8.0
+#: How long start-up waits for the pool replicas to register before it lists the gRPC addresses.
+ENDPOINTS_WAIT_S = 30.0
 logger = logging.getLogger(__name__)
 
 
@@ -45,36 +53,44 @@ def load_serve_config(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the Ray mode on top of the model / engine options shared with ``--no-ray``."""
-    parser.add_argument("--config", help="Ray Serve config YAML (the same file the KubeRay manifest embeds)")
-    parser.add_argument("--address", help="join an existing Ray cluster at this address instead of starting one")
-    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded Ray node")
+    parser.add_argument("--config", help="Ray Serve config YAML, the same file the KubeRay manifest embeds "
+                        "(default: none, the flags describe the deployment)")
+    parser.add_argument("--address", help="join the existing Ray cluster at this address (default: none, start "
+                        "an embedded local cluster of this process's own)")
+    parser.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the embedded Ray node "
+                        "(default: the machine's cores, at least 4)")
 
 
 def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The AppConfig ``args`` equivalent of the command-line model / engine options."""
+    """The AppConfig ``args`` equivalent of the command-line model / engine options.
+
+    Options the parser does not have (a standalone server offers only those it uses) or left unset keep
+    AppConfig's defaults.
+    """
+    given = {name: value for name, value in vars(args).items() if value is not None}
+
+    def pick(*names: str) -> dict[str, Any]:
+        return {name: given[name] for name in names if name in given}
+
+    models = {name: str(value) for name, value in pick("target", "draft", "tokenizer", "sps").items()}
+    models.update(pick("device", "dtype"))
+    if given.get("policy") == "autoregressive":
+        models["draft"] = None
     out: dict[str, Any] = {
-        "models": {
-            "target": str(args.target),
-            "draft": None if args.policy == "autoregressive" else str(args.draft),
-            "tokenizer": None if args.tokenizer is None else str(args.tokenizer),
-            "sps": None if args.sps is None else str(args.sps),
-            "device": args.device or "cpu",
-            "dtype": args.dtype or "float32",
-        },
-        "engine": {"max_requests": args.max_requests, "draft_top_k": args.draft_top_k, "graphs": args.graphs},
-        "scheduler": {"policy": args.policy, "draft_cost": args.draft_cost},
-        "network": {"api_key": args.api_key},
-        "cache_dir": args.cache_dir,
+        "models": models,
+        "engine": pick("max_requests", "max_seq_len", "draft_top_k", "graphs"),
+        "scheduler": pick("policy", "draft_cost"),
+        "network": pick("api_key"),
     }
-    if args.max_seq_len is not None:
-        out["engine"]["max_seq_len"] = args.max_seq_len
-    if args.served_model_name:
-        out["model_name"] = args.served_model_name
+    if given.get("served_model_name"):
+        out["model_name"] = given["served_model_name"]
+    out.update(pick("cache_dir"))
     return out
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Entry point of ``dspark serve``: deploy, log where everything listens, serve until SIGINT or SIGTERM."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.no_ray:
         if args.config:
             print("dspark serve: --config describes a Ray deployment; use the flags with --no-ray", file=sys.stderr)
@@ -89,36 +105,101 @@ def run_serve(args: argparse.Namespace) -> int:
         args.port = http.get("port", args.port)
     else:
         app_args = app_args_from_flags(args)
+    busy = port_in_use(args.host, args.port)
+    if busy is not None:
+        logger.error("cannot start: %s:%d is in use (%s); is another dspark serve still running or stopping?",
+                     args.host, args.port, busy)
+        return 2
     import ray
     from ray import serve
 
     from cluster.app import assemble_app
 
-    if args.address:
-        ray.init(address=args.address)
-    else:
-        # Embedded mode: everything is on this machine, so the gRPC data plane stays on loopback unless the
-        # config says otherwise (Ray may register the node under a routable address).
-        network = app_args.setdefault("network", {})
-        if not network.get("grpc_host"):
-            network["grpc_host"] = "127.0.0.1"
-        # An embedded single-node cluster on loopback; the node carries both pools.
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(
-            _node_ip_address="127.0.0.1",
-            # Logical CPUs are Ray's accounting, not cores: four deployments of one CPU each must fit on a laptop.
-            num_cpus=args.num_cpus or max(4, os.cpu_count() or 1),
-            resources={"draft_pool": 1, "verify_pool": 1},
-            object_store_memory=256 * 1024 * 1024,
-            include_dashboard=False,
-        )
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(assemble_app(app_args, overrides), name="dspark", route_prefix="/")
-    logger.info("serving on http://%s:%d/v1 (Ctrl-C to stop)", args.host, args.port)
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
-    serve.shutdown()
-    ray.shutdown()
+    # SIGTERM (docker stop, Kubernetes, kill) stops exactly as Ctrl-C does, during start-up too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        if args.address:
+            ray.init(address=args.address)
+        else:
+            # Embedded mode: everything is on this machine, so the gRPC data plane stays on loopback unless the
+            # config says otherwise (Ray may register the node under a routable address).
+            network = app_args.setdefault("network", {})
+            if not network.get("grpc_host"):
+                network["grpc_host"] = "127.0.0.1"
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(
+                # A fresh head of our own, always: without "local" Ray joins the cluster it finds (RAY_ADDRESS, the
+                # last cluster started on this machine), e.g. a killed dspark serve's cluster that is still dying.
+                address="local",
+                _node_ip_address="127.0.0.1",
+                # Logical CPUs are Ray's accounting, not cores: four deployments of one CPU each must fit a laptop.
+                num_cpus=args.num_cpus or max(4, os.cpu_count() or 1),
+                resources={"draft_pool": 1, "verify_pool": 1},
+                object_store_memory=256 * 1024 * 1024,
+                include_dashboard=False,
+            )
+        # Ray's core worker installed a SIGTERM handler of its own (it prints a stack dump): ours again.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(assemble_app(app_args, overrides), name=APP_NAME, route_prefix="/")
+        _log_endpoints(serve.get_deployment_handle("Scheduler", app_name=APP_NAME), args)
+        threading.Event().wait()  # until SIGINT / SIGTERM raise KeyboardInterrupt here
+    except KeyboardInterrupt:
+        logger.info("stopping: deleting the application (at most %.0f s)", STOP_BUDGET_S)
+    finally:
+        _stop(serve, ray, joined=bool(args.address))
     return 0
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (None when it can): checked before Ray starts, so a port still held
+    by a stopping server is a one-line error instead of a Serve proxy failing minutes into start-up."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            return error.strerror or str(error)
+    return None
+
+
+def _log_endpoints(scheduler: Any, args: argparse.Namespace) -> None:
+    """Log the HTTP URL and every gRPC address, once the pool replicas have registered (bounded wait: a replica
+    that registers later is served all the same, only not listed here)."""
+    deadline = time.monotonic() + ENDPOINTS_WAIT_S
+    while True:
+        endpoints = scheduler.endpoints.remote().result(timeout_s=30)
+        if endpoints["verifiers"] or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    logger.info("scheduler gRPC on %s", endpoints["scheduler"])
+    for kind in ("verifiers", "drafters"):
+        for replica_id, address in sorted(endpoints[kind].items()):
+            logger.info("%s %s gRPC on %s", kind[:-1], replica_id, address)
+    logger.info("serving on http://%s:%d/v1 (Ctrl-C to stop)", args.host, args.port)
+
+
+def _stop(serve: Any, ray: Any, *, joined: bool) -> None:
+    """Delete the application (its replicas drain and close their servers), bounded by STOP_BUDGET_S, then leave.
+
+    ``serve.shutdown`` is not used for the embedded cluster: its proxy keeps draining for tens of seconds, and
+    ``ray.shutdown`` ends the whole embedded cluster anyway. On a joined cluster only this application goes;
+    Serve and the cluster stay for their other users. A second Ctrl-C skips the wait.
+    """
+    deadline = time.monotonic() + STOP_BUDGET_S
+    try:
+        if ray.is_initialized():
+            serve.delete(APP_NAME, _blocking=False)
+            while APP_NAME in serve.status().applications and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if APP_NAME in serve.status().applications:
+                logger.warning("the application was not deleted within %.0f s; its replicas are killed",
+                               STOP_BUDGET_S)
+            else:
+                logger.info("application deleted")
+    except KeyboardInterrupt:
+        logger.warning("interrupted again: not waiting for the application's deletion")
+    except Exception as error:  # e.g. Serve never started: nothing to delete
+        logger.warning("deleting the application: %r", error)
+    finally:
+        ray.shutdown()

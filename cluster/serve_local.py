@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,73 +27,69 @@ DEFAULT_MODEL_NAME = "dspark-demo"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def add_local_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of the in-process server (also used by ``dspark serve`` when it grows a Ray mode)."""
-    parser.add_argument("--target", type=Path, default=DEFAULT_TARGET, help="target model folder (HF Qwen3)")
-    parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT, help="DSpark drafter folder (DeepSpec layout)")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: the target's)")
-    parser.add_argument(
-        "--policy",
-        default="dspark",
-        help="verification policy: dspark, dspark-async, fixed-N, full, autoregressive (no drafter)",
-    )
-    parser.add_argument(
-        "--draft-cost",
-        choices=("none", "measured"),
-        default="none",
-        help="dspark policies: charge no draft time, or the draft time measured while serving (and skip drafting "
-        "when a plain round is faster)",
-    )
-    parser.add_argument(
-        "--sps",
-        type=Path,
-        default=None,
-        help="SPS JSON: a token table or tables by request count (default: the SPS cache's table for this "
-        "model and engine, profiled at start when missing)",
-    )
-    parser.add_argument(
-        "--cache-dir",
-        default=None,
-        help="cache folder of profiled SPS tables (default: $DSPARK_CACHE_DIR, else ~/.cache/dspark)",
-    )
-    parser.add_argument("--max-requests", type=int, default=16, help="KV / context slots (concurrent requests)")
-    parser.add_argument(
-        "--max-seq-len",
-        type=int,
-        default=None,
-        help="slot length = max prompt + completion tokens (default: the target's context, at most 2048)",
-    )
-    parser.add_argument("--draft-top-k", type=int, default=16, help="draft distribution support sent to the verifier")
-    parser.add_argument(
-        "--graphs",
-        choices=("auto", "capture", "static", "off"),
-        default="auto",
-        help="verify / draft steps: CUDA graphs of bucketed steps (capture), the same steps eagerly (static), "
-        "eager (off); auto: capture on CUDA, off on CPU",
-    )
-    parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on GPU")
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id of the API (default: dspark-demo for the demo target, else the target folder's name)",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="bind address")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("DSPARK_API_KEY"),
-        help="require this bearer key on /v1/* (default: $DSPARK_API_KEY; none = open)",
-    )
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection[str] | None = None) -> None:
+    """The model, engine and HTTP options of ``dspark serve`` (both modes), one definition each.
+
+    Every help text states the default that applies, per mode where the modes differ: the Ray mode (and the
+    standalone servers, which build the same :class:`~cluster.config.AppConfig`) and ``--no-ray``.
+    ``services``: for a standalone server, the option names (``--target``, ...) it uses, each with its
+    AppConfig default only; options it would ignore are not offered.
+    """
+
+    def add(flag: str, what: str, shown: str, *, local: str | None = None, **kwargs: Any) -> None:
+        """``shown``: the Ray / standalone default in words; ``local``: the ``--no-ray`` one where it differs."""
+        if services is not None and flag not in services:
+            return
+        if local is not None and services is None:
+            shown = f"{shown}; --no-ray: {local}"
+        parser.add_argument(flag, help=f"{what} (default: {shown})", **kwargs)
+
+    add("--target", "target model folder, HF Qwen3", str(DEFAULT_TARGET.relative_to(ROOT)), type=Path,
+        default=DEFAULT_TARGET)
+    add("--draft", "DSpark drafter folder, DeepSpec layout; unused with --policy autoregressive",
+        str(DEFAULT_DRAFT.relative_to(ROOT)), type=Path, default=DEFAULT_DRAFT)
+    add("--tokenizer", "tokenizer folder", "the target's", type=Path, default=None)
+    add("--policy", "verification policy: dspark, dspark-async, fixed-N, full, autoregressive (no drafter)",
+        "dspark", default="dspark")
+    add("--draft-cost", "dspark policies: charge no draft time, or the draft time measured while serving (and "
+        "skip drafting when a plain round is faster)", "none", choices=("none", "measured"), default="none")
+    add("--sps", "SPS JSON: a token table or tables by request count", "the SPS cache's table for this model and "
+        "engine, profiled at start when missing", type=Path, default=None)
+    add("--cache-dir", "cache folder of profiled SPS tables", "$DSPARK_CACHE_DIR, else ~/.cache/dspark",
+        default=None)
+    add("--max-requests", "KV / context slots, i.e. concurrent requests, per replica", "16", type=int, default=16)
+    add("--max-seq-len", "slot length = max prompt + completion tokens", "1024, serving 1023",
+        local="the target's context, at most 2048", type=int, default=None)
+    add("--draft-top-k", "draft distribution support sent to the verifier", "16", type=int, default=16)
+    add("--graphs", "verify / draft steps: CUDA graphs of bucketed steps (capture), the same steps eagerly "
+        "(static), eager (off), or auto = capture on CUDA, off on CPU", "auto",
+        choices=("auto", "capture", "static", "off"), default="auto")
+    add("--device", "cpu or cuda[:i]", "cpu", local="cuda if available, else cpu", default=None)
+    add("--dtype", "model dtype", "float32", local="float32 on CPU, bfloat16 on GPU", choices=DTYPES, default=None)
+    add("--served-model-name", "model id of the API", DEFAULT_MODEL_NAME,
+        local=f"{DEFAULT_MODEL_NAME} for the demo target, else the target folder's name", default=None)
+    add("--host", "HTTP bind address", "127.0.0.1", default="127.0.0.1")
+    add("--port", "HTTP port", "8000", type=int, default=8000)
+    add("--api-key", "require this bearer key on /v1/*", "$DSPARK_API_KEY; unset = open",
+        default=os.environ.get("DSPARK_API_KEY"))
+    add("--log-level", "log level of this process", "info", default="info",
+        choices=("debug", "info", "warning", "error"))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``dspark serve``: Ray Serve deployment by default, everything in this process with ``--no-ray``."""
     from cluster.serve_cmd import add_ray_arguments, run_serve
 
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (demo pair on CPU by default)")
-    p.add_argument("--no-ray", action="store_true", help="run target, drafter and scheduler in this process")
+    p = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API (demo pair on CPU by default)",
+        description="Serve the OpenAI-compatible API: a Ray Serve application on an embedded local Ray cluster "
+        "(default), an existing cluster (--address), or everything in this process (--no-ray). With --config "
+        "FILE the file's args decide models, engine and scheduler and the flags for them are ignored (--host "
+        "and --port apply when the file has no http_options).",
+    )
+    p.add_argument("--no-ray", action="store_true", help="run target, drafter and scheduler in this process "
+                   "(default: off, a Ray Serve application)")
     add_local_arguments(p)
     add_ray_arguments(p)
     p.set_defaults(handler=run_serve)

@@ -18,53 +18,85 @@ from cluster.config import AppConfig
 logger = logging.getLogger(__name__)
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    from cluster.serve_local import add_local_arguments
+_ENGINE_OPTIONS = ("--target", "--draft", "--policy", "--max-requests", "--max-seq-len", "--draft-top-k", "--graphs",
+                   "--device", "--dtype", "--log-level")
+#: The options of ``dspark serve`` (:func:`~cluster.serve_local.add_local_arguments`) each server takes: the ones
+#: it uses, so that none is offered and then ignored. Scripts that start servers filter their flags with it.
+SERVE_OPTIONS_TAKEN: dict[str, tuple[str, ...]] = {
+    "draft-server": _ENGINE_OPTIONS,
+    "verify-server": (*_ENGINE_OPTIONS, "--sps", "--cache-dir"),
+    "scheduler": ("--target", "--tokenizer", "--policy", "--draft-cost", "--served-model-name", "--host", "--port",
+                  "--api-key", "--log-level"),
+}
 
-    add_local_arguments(p)
-    p.add_argument("--grpc-host", default="127.0.0.1", help="gRPC bind address (default loopback)")
-    p.add_argument("--grpc-port", type=int, default=0, help="gRPC port (0 = any free port, printed at start)")
-    p.add_argument("--grpc-token", default=None, help="shared secret required on every gRPC call")
+
+def _add_grpc_server(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grpc-host", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=0,
+                   help="gRPC port; 0 = any free port, printed at start (default: 0)")
+
+
+def _add_grpc_token(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grpc-token", default=None,
+                   help="shared secret required on every gRPC call (default: none, calls are not authenticated)")
+
+
+def _add_feature_path(p: argparse.ArgumentParser) -> None:
+    """Options both ends of the context-feature path must agree on."""
     p.add_argument(
         "--context-projection",
         choices=("verifier", "drafter"),
         default="verifier",
-        help="who applies the drafter's context projection (verifier: 1/m of the feature bytes on the wire)",
-    )
-    p.add_argument(
-        "--feature-dtype",
-        choices=("model", "bfloat16", "float16"),
-        default="model",
-        help="dtype context features travel in (model: exact; narrower ones may change drafts, never outputs)",
+        help="who applies the drafter's context projection; verifier: 1/m of the feature bytes on the wire "
+        "(default: verifier)",
     )
     p.add_argument(
         "--feature-transport",
         choices=("grpc", "collective"),
         default="grpc",
         help="how context features travel: grpc (bytes in the push) or collective (torch.distributed p2p links: "
-        "gloo for CPU, NCCL for CUDA tensors; only metadata over gRPC)",
+        "gloo for CPU, NCCL for CUDA tensors; only metadata over gRPC) (default: grpc)",
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from cluster.serve_local import add_local_arguments
+
+    p = sub.add_parser("draft-server", help="run a drafter gRPC server (no Ray)")
+    add_local_arguments(p, services=SERVE_OPTIONS_TAKEN["draft-server"])
+    _add_grpc_server(p)
+    _add_grpc_token(p)
+    _add_feature_path(p)
+    p.set_defaults(handler=run_draft_server)
+    p = sub.add_parser(
+        "verify-server", help="run a verifier gRPC server (no Ray); its SPS table from the cache or profiled at start"
+    )
+    add_local_arguments(p, services=SERVE_OPTIONS_TAKEN["verify-server"])
+    _add_grpc_server(p)
+    _add_grpc_token(p)
+    _add_feature_path(p)
+    p.add_argument(
+        "--feature-dtype",
+        choices=("model", "bfloat16", "float16"),
+        default="model",
+        help="dtype context features travel in; model: exact, narrower ones may change drafts, never outputs "
+        "(default: model)",
     )
     p.add_argument(
         "--no-draft-ahead",
         dest="draft_ahead",
         action="store_false",
-        help="drafters wait for the scheduler's Propose instead of drafting as soon as the context arrives",
+        help="drafters wait for the scheduler's Propose instead of drafting as soon as the context arrives "
+        "(default: off, they draft ahead)",
     )
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("draft-server", help="run a drafter gRPC server (no Ray)")
-    _add_common(p)
-    p.set_defaults(handler=run_draft_server)
-    p = sub.add_parser(
-        "verify-server", help="run a verifier gRPC server (no Ray); its SPS table from the cache or profiled at start"
-    )
-    _add_common(p)
     p.set_defaults(handler=run_verify_server)
     p = sub.add_parser("scheduler", help="run the scheduler over given drafter / verifier servers, with the HTTP API")
-    _add_common(p)
-    p.add_argument("--drafter", action="append", default=[], help="drafter gRPC address (repeatable)")
-    p.add_argument("--verifier", action="append", default=[], required=True, help="verifier gRPC address (repeatable)")
+    add_local_arguments(p, services=SERVE_OPTIONS_TAKEN["scheduler"])
+    _add_grpc_token(p)
+    p.add_argument("--drafter", action="append", default=[],
+                   help="drafter gRPC address, repeatable (default: none; needed unless --policy autoregressive)")
+    p.add_argument("--verifier", action="append", default=[], required=True,
+                   help="verifier gRPC address, repeatable (required)")
     p.set_defaults(handler=run_scheduler)
 
 
@@ -73,12 +105,9 @@ def _config(args: argparse.Namespace) -> AppConfig:
 
     app_args = app_args_from_flags(args)
     app_args["network"]["grpc_token"] = args.grpc_token
-    app_args["engine"].update(
-        context_projection=args.context_projection,
-        feature_dtype=args.feature_dtype,
-        draft_ahead=args.draft_ahead,
-        feature_transport=args.feature_transport,
-    )
+    given = vars(args)  # each server has only the options it uses; AppConfig's defaults fill in the rest
+    engine_options = ("context_projection", "feature_dtype", "draft_ahead", "feature_transport")
+    app_args["engine"].update({name: given[name] for name in engine_options if name in given})
     return AppConfig.from_args(app_args)
 
 

@@ -27,11 +27,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from scheduler.evaluation import DecodeTraces
+if TYPE_CHECKING:  # the evaluation module imports torch and transformers: only the handler needs them
+    from scheduler.evaluation import DecodeTraces
 
 DEFAULT_THRESHOLDS = tuple(np.round(np.linspace(0.0, 0.95, 20), 2).tolist())
 

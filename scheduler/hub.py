@@ -229,6 +229,12 @@ class SchedulerHub:
         with self._lock:
             return {replica_id: len(group.active) for replica_id, group in self._groups.items()}
 
+    def addresses(self) -> dict[str, dict[str, str]]:
+        """gRPC addresses of the registered replicas: ``{"drafters": {id: address}, "verifiers": {id: address}}``."""
+        with self._lock:
+            verifiers = {replica_id: group.address for replica_id, group in self._groups.items()}
+            return {"drafters": dict(self._drafters), "verifiers": verifiers}
+
     def readiness(self) -> Readiness:
         """Whether a completion can be served end to end now, and what is missing when not."""
         with self._lock:

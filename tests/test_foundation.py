@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +67,21 @@ def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci/run").read_text()
     assert "make test" in readme and "exec make test" in ci
+
+
+def test_readme_example_answers_what_the_readme_says() -> None:
+    """The README's curl request, greedy, gives the continuation the README shows (the server is lossless, so the
+    target's own greedy decoding is what any deployment answers)."""
+    from transformers import AutoTokenizer
+
+    from verify_service.target import TargetModel
+
+    readme = (ROOT / "README.md").read_text()
+    request = json.loads(re.search(r"-d '(\{.*\})'", readme).group(1))
+    shown = json.loads(re.search(r'answers `"text": ("[^`]*")`', readme).group(1))
+    target_dir = ROOT / "models" / "demo" / "target"
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    ids = tokenizer.encode(request["prompt"], add_special_tokens=True)
+    assert request["temperature"] == 0
+    out = TargetModel.from_pretrained(target_dir).generate([ids], max_new_tokens=request["max_tokens"])[0]
+    assert tokenizer.decode(out, skip_special_tokens=True) == shown

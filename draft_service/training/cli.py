@@ -11,7 +11,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from draft_service.training.recipe import HEADS, DrafterShape, DrafterTrainConfig
+from draft_service.training.recipe import HEADS, DrafterShape, DrafterTrainConfig, ResponseConfig
 
 
 def _fail(message: str) -> int:
@@ -20,7 +20,7 @@ def _fail(message: str) -> int:
 
 
 def _cmd_gen_responses(args: argparse.Namespace) -> int:
-    from draft_service.training.responses import ResponseConfig, generate_responses
+    from draft_service.training.responses import generate_responses
 
     names = {f.name for f in fields(ResponseConfig)}
     cfg = ResponseConfig(**{k: v for k, v in vars(args).items() if k in names})
@@ -89,8 +89,6 @@ def _cmd_calibrate_drafter(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the drafter-training subcommands to the ``dspark`` parser."""
-    from draft_service.training.responses import ResponseConfig
-
     r = ResponseConfig()
     p = sub.add_parser(
         "gen-responses", help="regenerate responses to corpus prompts with the target (drafter data)"

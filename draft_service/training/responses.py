@@ -28,45 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from draft_service.training.recipe import ResponseConfig
+
 FORMAT = "dspark-responses/1"
 META_NAME = "meta.json"
 SPLITS = ("train", "val")
 TOKEN_DTYPE = np.dtype("<u2")
-
-
-@dataclass
-class ResponseConfig:
-    """How many responses to generate and how (defaults: the H200 recipe, a few tens of seconds there)."""
-
-    device: str = "cpu"
-    num_train: int = 8192
-    num_val: int = 512
-    batch_size: int = 512
-    #: Held-out prompts come in smaller equal-length batches, so the few of them still cover many lengths.
-    val_batch_size: int = 32
-    min_prompt_tokens: int = 32
-    max_prompt_tokens: int = 512
-    max_new_tokens: int = 256
-    greedy_fraction: float = 0.25
-    temperature: float = 1.0
-    seed: int = 0
-
-    def validate(self) -> None:
-        if self.num_train < 1 or self.num_val < 0 or min(self.batch_size, self.val_batch_size) < 1:
-            raise ValueError("need num_train >= 1, num_val >= 0 and batch sizes >= 1")
-        if not 1 <= self.min_prompt_tokens <= self.max_prompt_tokens:
-            raise ValueError(
-                f"need 1 <= min_prompt_tokens <= max_prompt_tokens, got {self.min_prompt_tokens}, "
-                f"{self.max_prompt_tokens}"
-            )
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0.0 <= self.greedy_fraction <= 1.0:
-            raise ValueError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction}")
-        if not self.temperature > 0:
-            raise ValueError(
-                f"temperature must be > 0 (the non-greedy share samples), got {self.temperature}"
-            )
 
 
 @dataclass

@@ -206,8 +206,10 @@ def test_a_link_lost_mid_stream_resends_the_push_as_bytes(pair) -> None:
 def _start(kind: str, pair, sps: Path) -> subprocess.Popen:
     target_dir, draft_dir = pair
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--target", str(target_dir), "--draft",
-           str(draft_dir), "--sps", str(sps), "--max-requests", "8", "--max-seq-len", "96", "--device", "cpu",
+           str(draft_dir), "--max-requests", "8", "--max-seq-len", "96", "--device", "cpu",
            "--dtype", "float32", "--log-level", "warning", "--feature-transport", "collective"]
+    if kind == "verify-server":
+        cmd += ["--sps", str(sps)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

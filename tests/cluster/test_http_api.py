@@ -5,6 +5,7 @@ client disconnects free the engine's slots, and /metrics carries the spec-decode
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -234,21 +235,55 @@ def test_seeded_sampling_is_reproducible(server: Server) -> None:
 
 
 def _aborted(server: Server) -> float:
-    return sum(s.value for s in server.metrics().get("dspark_requests_aborted", []))
+    return sum(s.value for s in server.metrics().get("dspark_requests_aborted", []) if s.name.endswith("_total"))
+
+
+def _errors(server: Server) -> dict[str, float]:
+    samples = server.metrics().get("dspark_http_errors", [])
+    return {s.labels["status"]: s.value for s in samples if s.name.endswith("_total")}
+
+
+class _ErrorRecords(logging.Handler):
+    """Collects error-level records of the app's loggers and of uvicorn's (which does not propagate to root)."""
+
+    LOGGERS = ("", "uvicorn")
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> _ErrorRecords:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self)
 
 
 def test_stream_disconnect_aborts_and_frees_slots(server: Server) -> None:
-    before = _aborted(server)
+    """A client hanging up mid-stream is an abort: caches freed, counted as aborted, no error status, no
+    error-level log (no traceback)."""
+    before, errors_before = _aborted(server), _errors(server)
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=60) as client, client.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        received = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: ")]
-        assert received
-        assert free_slots(server.backend)[0] < MAX_REQUESTS  # still generating while we hold the stream
-    # Leaving both blocks closed the connection mid-stream.
-    assert server.wait_idle() == (MAX_REQUESTS, MAX_REQUESTS, False)
+    with _ErrorRecords() as errors:
+        with httpx.Client(timeout=60) as client, client.stream(
+            "POST", f"{server.url}/v1/completions", json=body
+        ) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            received = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: ")]
+            assert received
+            assert free_slots(server.backend)[0] < MAX_REQUESTS  # still generating while we hold the stream
+        # Leaving both blocks closed the connection mid-stream.
+        assert server.wait_idle() == (MAX_REQUESTS, MAX_REQUESTS, False)
     assert _aborted(server) == before + 1
+    assert _errors(server) == errors_before
+    assert not errors.records, [r.getMessage() for r in errors.records]
     # The server keeps serving.
     resp = server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
     assert resp.choices[0].finish_reason in ("stop", "length")
@@ -257,10 +292,14 @@ def test_stream_disconnect_aborts_and_frees_slots(server: Server) -> None:
 def test_non_stream_disconnect_aborts_and_frees_slots(server: Server) -> None:
     before = _aborted(server)
     body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 220, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
-    assert server.wait_idle() == (MAX_REQUESTS, MAX_REQUESTS, False)
+    errors_before = _errors(server)
+    with _ErrorRecords() as errors:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+        assert server.wait_idle() == (MAX_REQUESTS, MAX_REQUESTS, False)
     assert _aborted(server) == before + 1
+    assert _errors(server) == errors_before
+    assert not errors.records, [r.getMessage() for r in errors.records]
 
 
 def test_metrics_have_spec_decode_counters(server: Server) -> None:

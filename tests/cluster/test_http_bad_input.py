@@ -4,6 +4,7 @@ serves a valid request right after it. The server here requires an API key."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import httpx
 import openai
 import pytest
 from http_harness import MODEL, demo_backend, demo_tokenizer, serve
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.http_app import build_app
 from cluster.sampling import MAX_STOP_STRINGS
@@ -48,6 +50,7 @@ def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and len(error["message"]) > 5
     assert isinstance(error["type"], str) and error["type"]
+    assert isinstance(error["code"], str) and re.fullmatch(r"[a-z][a-z0-9_]*", error["code"]), error  # one convention
     if param is not None:  # the field, or a path inside it such as prompt[3] or messages[0].content
         assert error["param"] == param or error["param"].startswith((f"{param}[", f"{param}.")), error
     return error
@@ -76,6 +79,14 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("deeply-nested", "/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
     ("nan-temperature", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("inf-top-p", "/v1/completions", b'{"prompt": "x", "top_p": Infinity}', 400, "top_p"),
+    (
+        "nan-penalty",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "presence_penalty": NaN}',
+        400,
+        "presence_penalty",
+    ),
+    ("inf-logit-bias", "/v1/completions", b'{"prompt": "x", "logit_bias": {"5": -Infinity}}', 400, "logit_bias"),
     # wrong types
     ("prompt-number", "/v1/completions", _c(prompt=5), 400, "prompt"),
     ("prompt-mixed-list", "/v1/completions", _c(prompt=[1, "a"]), 400, "prompt"),
@@ -200,17 +211,47 @@ def test_error_messages_say_what_is_wrong(client: httpx.Client) -> None:
     assert "Unicode" in message["message"] and message["param"] == "messages[0].content"
     message = _assert_error(client.post("/v1/completions", content=b'{"prompt": "x"}'), 400)["message"]
     assert "Content-Type: application/json" in message
+    for field, value in (("temperature", "NaN"), ("top_p", "Infinity"), ("frequency_penalty", "-Infinity")):
+        body = f'{{"prompt": "x", "{field}": {value}}}'.encode()
+        error = _assert_error(client.post("/v1/completions", content=body, headers=json_type), 400, field)
+        assert "finite number" in error["message"] and "equal to" not in error["message"], error
+
+
+def _error_counts(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        sample.labels["status"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "dspark_http_errors"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+def test_every_error_status_is_counted(url: str, client: httpx.Client) -> None:
+    """Errors answered before the app parses anything (key, size, encoding) are counted like the others."""
+    before = _error_counts(url)
+    assert httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=30).status_code == 401
+    assert client.post("/v1/completions", json=_c(prompt="x" * (2 << 20))).status_code == 413
+    assert client.post("/v1/completions", content=b'{"prompt": "\xff"}').status_code == 400
+    assert client.post("/v1/completions", json=_c(temperature=-1)).status_code == 400
+    assert client.get("/v1/nope").status_code == 404
+    after = _error_counts(url)
+    increase = {status: after[status] - before.get(status, 0.0) for status in after}
+    assert {k: v for k, v in increase.items() if v} == {"401": 1, "413": 1, "400": 2, "404": 1}
 
 
 def test_routes_and_methods(client: httpx.Client) -> None:
-    _assert_error(client.get("/v1/nope"), 404)
-    _assert_error(client.get("/v1/completions"), 405)
-    _assert_error(client.get("/v1/models/other-model"), 404, "model")
+    assert _assert_error(client.get("/v1/nope"), 404)["code"] == "not_found"
+    assert _assert_error(client.get("/v1/completions"), 405)["code"] == "method_not_allowed"
+    assert _assert_error(client.get("/v1/models/other-model"), 404, "model")["code"] == "model_not_found"
     _valid_request_works(client)
 
 
 def test_oversized_body_is_413(client: httpx.Client) -> None:
-    _assert_error(client.post("/v1/completions", json=_c(prompt="x" * (2 << 20))), 413)
+    assert _assert_error(client.post("/v1/completions", json=_c(prompt="x" * (2 << 20))), 413)["code"] == (
+        "request_too_large"
+    )
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: counted while reading
         yield b'{"prompt": "'

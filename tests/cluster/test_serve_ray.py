@@ -135,9 +135,38 @@ def test_concurrent_requests_and_disconnect_frees_caches(served: dict) -> None:
         texts = list(pool.map(one, range(6)))
     assert all(texts)
 
-    with httpx.stream("POST", f"{served['base']}/v1/completions", timeout=60,
-                      json={"model": "dspark-demo", "prompt": "class A:\n", "max_tokens": 200, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                break  # one chunk received, then hang up
-    _wait(lambda: _free_slots() == (8, 8), 60, "both replicas to free the aborted request's caches")
+    def hang_up(i: int) -> None:
+        body = {"model": "dspark-demo", "prompt": f"class A{i}:\n", "max_tokens": 200, "stream": i % 2 == 0}
+        if body["stream"]:
+            with httpx.stream("POST", f"{served['base']}/v1/completions", timeout=60, json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        break  # one chunk received, then hang up
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{served['base']}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+
+    aborted_before = _counter(served["base"], "dspark_requests_aborted")
+    errors_before = _counter(served["base"], "dspark_http_errors")  # start-up probes may have seen a 503
+    # Several hang-ups at once: under Serve a hang-up can surface as a failing ASGI receive (the proxy dropped the
+    # request), which must still be an abort, not a 500 with a traceback.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(hang_up, range(8)))
+    _wait(lambda: _free_slots() == (8, 8), 60, "both replicas to free the aborted requests' caches")
+    assert _counter(served["base"], "dspark_http_errors") == errors_before
+    aborted = _counter(served["base"], "dspark_requests_aborted")[""] - aborted_before.get("", 0.0)
+    assert 4 <= aborted <= 8  # every hang-up that reached the app (a request the proxy dropped first never did)
+
+
+def _counter(base: str, family: str) -> dict[str, float]:
+    """A counter's totals by its ``status`` label ("" when it has none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return {
+        sample.labels.get("status", ""): sample.value
+        for metric in text_string_to_metric_families(text)
+        if metric.name == family
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    }

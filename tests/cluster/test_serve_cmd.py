@@ -1,0 +1,86 @@
+"""`dspark serve` (Ray mode) as operators run it: a real process on an embedded local Ray cluster, on CPU."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
+    """The process's output, line by line, read on a thread (a full pipe would block the server)."""
+    out: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return out
+
+
+def _until(lines: queue.Queue[str], seen: list[str], marker: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(marker in line for line in seen):
+        try:
+            seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.01)))
+        except queue.Empty:
+            raise AssertionError(f"no {marker!r} within {timeout_s:.0f} s; output:\n{''.join(seen)}") from None
+
+
+def test_serve_starts_its_own_cluster_lists_its_ports_and_stops_on_sigterm() -> None:
+    port = _free_port()
+    # RAY_ADDRESS names a cluster that does not exist: plain ray.init() would try to join it (as it joins a killed
+    # server's dying cluster); dspark serve must start its own and ignore it.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": "127.0.0.1:1"}
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--max-requests", "2",
+               "--max-seq-len", "128", "--num-cpus", "4"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, seen = _lines(proc), []
+    try:
+        _until(lines, seen, "serving on http://", 240)
+        started = "".join(seen)
+        for kind in ("scheduler", "verifier", "drafter"):
+            assert f"{kind} " in started and "gRPC on 127.0.0.1:" in started, started
+        body = {"model": "dspark-demo", "prompt": "import os\n", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).status_code == 200
+        time.sleep(5)  # steady state: heartbeats run every 2 s and must not print a line each
+        while not lines.empty():
+            seen.append(lines.get())
+        steady = "".join(seen)[len(started):]
+        assert "register_" not in steady, steady
+        stop = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        stopped_after = time.monotonic() - stop
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    time.sleep(0.5)
+    while not lines.empty():
+        seen.append(lines.get())
+    output = "".join(seen)
+    assert proc.returncode == 0, output
+    assert "application deleted" in output and "Traceback" not in output, output
+    assert stopped_after < 15, output
