@@ -16,4 +16,4 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 bench/serve_matrix.py --inflate qwen3-4b --prompts-dir .data/prompts --layouts ${LAYOUTS:-no-ray ray} \
   --policies ${POLICIES:-autoregressive dspark full fixed-1 dspark-async} --concurrency ${LEVELS:-1 8 32 128} \
   --duration "${DURATION:-6}" --time-limit-s "$limit" --out-dir "$out" ${EXTRA:-}
-tar czf "$out/server_logs.tgz" -C /tmp/dspark-matrix --wildcards 'server-*.log' 2>/dev/null || true
+(cd /tmp/dspark-matrix && tar czf "$out/server_logs.tgz" server-*.log) || true
