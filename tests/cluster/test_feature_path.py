@@ -99,8 +99,10 @@ def test_projected_and_raw_rows_give_the_same_drafts(pair, graphs: str) -> None:
         proposals.append(engine.propose(items))
     raw, projected = proposals
     assert torch.equal(raw.tokens, projected.tokens)
-    assert torch.equal(raw.topk_probs, projected.topk_probs)
-    assert (raw.confidence_logits == projected.confidence_logits).all()
+    # The same modules in the same order, but a CPU BLAS may pick another kernel for another row batching (it does
+    # on some x86 CPUs below 8 rows), so the last bits can differ; only a draft could ever change, never an output.
+    torch.testing.assert_close(raw.topk_probs, projected.topk_probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(raw.confidence_logits, projected.confidence_logits, rtol=1e-5, atol=1e-6)
 
 
 def _deployment(pair, *, projection: bool, feature_dtype: torch.dtype | None = None):
