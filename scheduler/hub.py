@@ -27,6 +27,7 @@ from cluster.backend import BackendUnavailableError, GenerateDelta, LocalBackend
 from cluster.messages import AnyValue, Int, List, Message, Str
 from cluster.rpc import Service
 from cluster.sampling import SamplingParams
+from scheduler.admission import least_loaded
 from scheduler.engine import RequestRejectedError, SpeculativeEngine
 from scheduler.failover import Failover, release_stale
 from scheduler.metrics import MetricsSnapshot
@@ -227,7 +228,7 @@ class SchedulerHub:
                 raise BackendUnavailableError(
                     "no verifier replica is accepting requests (none registered yet, or all are draining)"
                 )
-            replica_id = min(accepting, key=lambda r: len(accepting[r].active))
+            replica_id = least_loaded({r: len(g.active) for r, g in accepting.items()})
             group = accepting[replica_id]
             group.active.add(req_id)
             self._owner[req_id] = replica_id
