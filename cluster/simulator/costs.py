@@ -30,7 +30,7 @@ import itertools
 import json
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,20 +46,26 @@ class CostFileError(ValueError):
     """A cost file that cannot be used, with the file and the field at fault in its message."""
 
 
-@dataclass(frozen=True)
 class CountCurve:
     """Seconds as a function of a request count: linear between measured counts, the first value below the
-    first count, the slope of the last two points beyond the last (flat for a single point)."""
+    first count, the slope of the last two points beyond the last (flat for a single point). Values are kept
+    per count once asked for (a simulation asks for the same few counts millions of times)."""
 
-    requests: np.ndarray
-    seconds: np.ndarray
+    def __init__(self, requests: np.ndarray, seconds: np.ndarray) -> None:
+        self.requests = requests
+        self.seconds = seconds
+        self._values: dict[int, float] = {}
 
     def __call__(self, count: int) -> float:
-        r, s = self.requests, self.seconds
-        if count <= r[-1] or r.size == 1:
-            return float(np.interp(count, r, s))
-        slope = (s[-1] - s[-2]) / (r[-1] - r[-2])
-        return float(s[-1] + slope * (count - r[-1]))
+        value = self._values.get(count)
+        if value is None:
+            r, s = self.requests, self.seconds
+            if count <= r[-1] or r.size == 1:
+                value = float(np.interp(count, r, s))
+            else:
+                value = float(s[-1] + (s[-1] - s[-2]) / (r[-1] - r[-2]) * (count - r[-1]))
+            self._values[count] = value
+        return value
 
 
 @dataclass(frozen=True)
@@ -80,11 +86,16 @@ class Costs:
     round_overhead_s: float
     verifier_start_s: float
     drafter_start_s: float
+    _verify: dict[tuple[int, int], float] = field(default_factory=dict, repr=False, compare=False)
 
     def verify_s(self, num_requests: int, batch_tokens: int) -> float:
         """One verify step of ``num_requests`` requests holding ``batch_tokens`` tokens (anchors + drafts)."""
-        table = self.sps.table_for(num_requests)
-        return self.verify_scale * float(table.dense_step_time(batch_tokens)[batch_tokens])
+        key = (num_requests, batch_tokens)
+        value = self._verify.get(key)
+        if value is None:
+            table = self.sps.table_for(num_requests)
+            value = self._verify[key] = self.verify_scale * float(table.dense_step_time(batch_tokens)[batch_tokens])
+        return value
 
     def prefill_s(self, prompt_tokens: int) -> float:
         """What ``prompt_tokens`` prompt tokens add to a round's target pass (0 for none)."""
@@ -177,6 +188,6 @@ def load_costs(path: str | Path) -> Costs:
         data = json.loads(Path(path).read_text())
     except OSError as error:
         raise CostFileError(f"{path}: cannot read ({error.strerror})") from None
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CostFileError(f"{path}: not valid JSON ({error})") from None
     return parse_costs(data, str(path))

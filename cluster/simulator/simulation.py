@@ -108,6 +108,7 @@ class SimResult:
     drafter_gpu_s: float  # GPU-seconds the disaggregated drafter pool held
     in_system_area: float  # integral over time of requests arrived and not finished
     waiting_area: float  # integral over time of requests routed and not admitted
+    running_area: float  # integral over time of requests holding slots (admitted, not finished)
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, verifiers, drafters, in system)
 
     @property
@@ -129,12 +130,17 @@ class Simulation:
     ) -> None:
         self.costs = costs
         self.spec = spec
-        prototype = make_policy(spec.policy, costs.sps, costs.block_size, spec.draft_cost)
+        try:
+            prototype = make_policy(spec.policy, costs.sps, costs.block_size, spec.draft_cost)
+        except ValueError as error:
+            raise SimulationError(str(error)) from None
         self.uses_drafter = prototype.uses_drafter
         spec.check(self.uses_drafter)
         if self.uses_drafter:
             if trace is None:
-                raise SimulationError(f"policy {spec.policy!r} drafts: give decoding traces")
+                raise SimulationError(
+                    f"policy {spec.policy!r} drafts: give decoding traces (`dspark eval --save-traces` writes them)"
+                )
             if trace.gamma != costs.block_size:
                 raise SimulationError(f"the traces have gamma {trace.gamma}, the cost file block {costs.block_size}")
         self._prototype = prototype
@@ -170,6 +176,7 @@ class Simulation:
         self._last_t = 0.0
         self.in_system_area = 0.0
         self.waiting_area = 0.0
+        self.running_area = 0.0
         self.timeline: list[tuple[float, int, int, int]] = []
         self._scalers: dict[str, PoolAutoscaler] = {}
         if spec.verifier_scaling is not None:
@@ -237,6 +244,7 @@ class Simulation:
         if dt > 0:
             self.in_system_area += self._in_system * dt
             self.waiting_area += self._waiting * dt
+            self.running_area += (self._in_system - self._waiting) * dt
             self._last_t = now
 
     def _arrive(self, i: int, now: float) -> None:
@@ -302,13 +310,16 @@ class Simulation:
             driver.draft_s = 0.0
             self._verify(driver, now)
             return
-        per_drafter = np.bincount(self.drafter_of[verified])
-        done = now
         arrival = now + self.hop
-        for index in np.flatnonzero(per_drafter).tolist():
-            end = self.drafters[index].gpu.run(arrival, costs.draft(int(per_drafter[index])))
-            if end > done:
-                done = end
+        if self.colocated:  # every request of the replica drafts on its own drafter
+            done = replica.gpu.run(arrival, costs.draft(verified.size))
+        else:
+            per_drafter = np.bincount(self.drafter_of[verified])
+            done = now
+            for index in np.flatnonzero(per_drafter).tolist():
+                end = self.drafters[index].gpu.run(arrival, costs.draft(int(per_drafter[index])))
+                if end > done:
+                    done = end
         driver.draft_s = done - now
         self.queue.push(done + self.hop, _DRAFT_DONE, driver)
 
@@ -502,6 +513,7 @@ class Simulation:
             drafter_gpu_s=0.0 if self.colocated else held(self.drafters),
             in_system_area=self.in_system_area,
             waiting_area=self.waiting_area,
+            running_area=self.running_area,
             timeline=self.timeline,
         )
 

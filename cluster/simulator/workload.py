@@ -121,6 +121,8 @@ def replayed(path: str | Path) -> Workload:
         lines = Path(path).read_text().splitlines()
     except OSError as error:
         raise WorkloadError(f"{path}: cannot read ({error.strerror})") from None
+    except UnicodeDecodeError:
+        raise WorkloadError(f"{path}: not a text file of requests") from None
     rows: list[tuple[float, int, int]] = []
     for number, line in enumerate(lines, 1):
         text = line.strip()
