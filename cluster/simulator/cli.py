@@ -161,42 +161,61 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if slo is None:
         print("error: plan needs an SLO (--slo-ttft-ms and/or --slo-tpot-ms)", file=sys.stderr)
         return 2
-    report: dict[str, Any] = {"slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "plans": []}
+    if not 0 < args.attainment <= 1:
+        print(f"error: --attainment must be in (0, 1], got {args.attainment}", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "attainment": args.attainment,
+        "plans": [],
+    }
     try:
         costs, trace = _inputs(args)
         base = _spec(args, verifier_scaling=None, drafter_scaling=None)
         for gpus in args.gpus:
-            rate = args.rate_per_gpu * gpus
-            specs = candidates(base, gpus, args.ratios, args.groups_list)
             rows = plan(
-                specs,
-                lambda rate=rate: _workload(args, rate),
+                candidates(base, gpus, args.ratios, args.groups_list),
+                lambda rate: _workload(args, rate),
                 costs,
                 trace,
                 slo,
+                attainment=args.attainment,
+                start_rate_per_gpu=args.start_rate_per_gpu,
+                max_sim_gpus=args.max_sim_gpus,
                 seed=args.seed,
                 progress=not args.no_progress,
             )
-            best = rows[0]
-            print(f"\n{gpus} GPUs, {rate:g} req/s ({args.rate_per_gpu:g} per GPU), policy {args.policy}:")
-            print("| deployment | goodput/GPU | SLO met | TTFT p90 ms | TPOT p90 ms | verifier busy | drafter busy |")
-            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+            print(
+                f"\n{gpus} GPUs, policy {args.policy}: goodput = highest rate with >= {args.attainment:.0%} "
+                "of requests within the SLO"
+            )
+            print(
+                "| deployment | goodput/GPU (req/s) | TTFT p90 ms | TPOT p90 ms | verifier busy | drafter busy | "
+                "simulated as |"
+            )
+            print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
             for row in rows:
                 s = row.summary
                 drafter_busy = "-" if not math.isfinite(s.drafter_busy) else f"{s.drafter_busy:.0%}"
+                simulated = f"slice of {row.spec.gpus} GPUs" if row.sliced else "whole"
                 print(
-                    f"| {row.label} | {s.goodput_per_gpu:.3f} | {s.slo_met:.1%} | {s.ttft_p90_s * 1e3:.1f} | "
-                    f"{s.tpot_p90_s * 1e3:.2f} | {s.verifier_busy:.0%} | {drafter_busy} |"
+                    f"| {row.label} | {row.goodput_per_gpu:.2f} | {s.ttft_p90_s * 1e3:.1f} | "
+                    f"{s.tpot_p90_s * 1e3:.2f} | {s.verifier_busy:.0%} | {drafter_busy} | {simulated} |"
                 )
+            best = rows[0]
             scaling = recommended_autoscaling(best)
             print(f"best: {best.label}; recommended autoscaling_config:")
             print(yaml.safe_dump(scaling, sort_keys=False).rstrip())
             report["plans"].append(
                 {
                     "gpus": gpus,
-                    "rate": rate,
                     "rows": [
-                        {"deployment": r.label, "spec": _spec_dict(r.spec), "summary": r.summary.to_dict()}
+                        {
+                            "deployment": r.label,
+                            "goodput_per_gpu": r.goodput_per_gpu,
+                            "simulated": _spec_dict(r.spec),
+                            "summary": r.summary.to_dict(),
+                        }
                         for r in rows
                     ],
                     "best": best.label,
@@ -226,7 +245,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-interval-s", type=float, default=1.0, help="autoscaler decision interval")
     p.add_argument("--rate", type=float, default=10.0, help="requests/s (Poisson, or gamma with --cv)")
     p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of the gaps (> 1: bursty)")
-    p.add_argument("--duration-s", type=float, default=60.0, help="arrival window in simulated seconds")
+    p.add_argument("--duration-s", type=float, default=60.0, help="arrival window in simulated seconds (per run)")
     p.add_argument("--input-len", default="uniform:11:399", help="N, uniform:A:B or lognormal:MEDIAN:SIGMA:MAX")
     p.add_argument("--output-len", default="uniform:96:160", help="N, uniform:A:B or lognormal:MEDIAN:SIGMA:MAX")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token bound of the SLO")
@@ -261,7 +280,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     planner = modes.add_parser("plan", help="best drafter:verifier ratio and placement per GPU count")
     _common(planner)
     planner.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 512], help="GPU counts to plan for")
-    planner.add_argument("--rate-per-gpu", type=float, default=5.0, help="offered requests/s per GPU")
+    planner.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLO")
+    planner.add_argument(
+        "--start-rate-per-gpu",
+        type=float,
+        default=10.0,
+        help="first rate the goodput search tries (requests/s per GPU)",
+    )
+    planner.add_argument(
+        "--max-sim-gpus", type=int, default=64, help="larger deployments are simulated as a slice with the same ratio"
+    )
     planner.add_argument(
         "--ratios",
         type=_ratio,
