@@ -91,8 +91,16 @@ class PoolAutoscaler:
         self._wanted_since: float | None = None
         self._direction = 0  # +1 up, -1 down, 0 none: the direction wanted since _wanted_since
 
-    def tick(self, now: float, held: dict[str, float], current: int) -> int:
-        """Record the replicas' held requests at ``now`` and return the new target replica count."""
+    def tick(self, now: float, held: dict[str, float], current: int, queued: int = 0) -> int:
+        """Record the replicas' held requests at ``now`` and return the new target replica count. ``queued``:
+        requests waiting for this pool; with no replica running, any of them starts one at once (Serve's cold
+        start)."""
+        if current == 0 and queued > 0:
+            scaling = self.scaling
+            self.target = min(
+                max(math.ceil(scaling.upscaling_factor), self.target, scaling.min_replicas, 1), scaling.max_replicas
+            )
+            return self.target
         self._reports.append((now, held))
         while self._reports and self._reports[0][0] < now - self.scaling.look_back_period_s:
             self._reports.popleft()

@@ -414,13 +414,15 @@ class Simulation:
         scaler = self._scalers.get("verifier")
         if scaler is not None:
             ready = [v for v in verifiers if v.ready_s <= now and not v.draining]
-            target = scaler.tick(now, {v.name: float(v.running) for v in verifiers if v.ready_s <= now}, len(ready))
+            held = {v.name: float(v.running) for v in verifiers if v.ready_s <= now}
+            target = scaler.tick(now, held, len(ready))
             self._resize(target, [v for v in verifiers if not v.draining], now, self.costs.verifier_start_s, True)
         scaler = self._scalers.get("drafter")
         if scaler is not None:
             drafters = [d for d in self.drafters if d.removed_s is None]
             ready = [d for d in drafters if d.ready_s <= now and not d.draining]
-            target = scaler.tick(now, {d.name: float(d.held) for d in drafters if d.ready_s <= now}, len(ready))
+            held = {d.name: float(d.held) for d in drafters if d.ready_s <= now}
+            target = scaler.tick(now, held, len(ready), self._waiting)
             self._resize(target, [d for d in drafters if not d.draining], now, self.costs.drafter_start_s, False)
 
     def _resize(

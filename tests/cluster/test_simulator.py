@@ -121,6 +121,24 @@ def test_autoscaling_follows_the_engine_load_policy(costs, trace) -> None:
     assert result.timeline[-1][3] <= 1  # the last tick saw the system (nearly) empty
 
 
+def test_a_drafter_pool_scaled_to_zero_starts_again_for_waiting_requests(costs, trace) -> None:
+    idle = PoolScaling(
+        min_replicas=0,
+        max_replicas=2,
+        target_ongoing_requests=4,
+        look_back_period_s=1,
+        upscale_delay_s=0,
+        downscale_delay_s=0,
+    )
+    spec = ClusterSpec(placement="disaggregated", verifiers=1, drafters=1, drafter_scaling=idle, control_interval_s=0.5)
+    two_bursts = Workload(np.array([0.0, 0.1, 30.0, 30.1]), np.full(4, 20), np.full(4, 32))
+    result = simulate(two_bursts, replace(costs, drafter_start_s=2.0), trace, spec, seed=0)
+    _check_conservation(two_bursts, result)
+    drafters = [d for _, _, d, _ in result.timeline]
+    assert 0 in drafters  # idle between the bursts
+    assert result.first_token_s[2] - result.arrival_s[2] >= 2.0  # waited for a drafter to start
+
+
 def test_serve_rules_around_the_policy() -> None:
     scaler = PoolAutoscaler(
         PoolScaling(
