@@ -410,7 +410,8 @@ class Simulation:
     # ---------------------------------------------------------------------------------------- autoscaling
     def _tick(self, now: float) -> None:
         verifiers = [v for v in self.verifiers if v.removed_s is None]
-        self.timeline.append((now, len(verifiers), sum(d.removed_s is None for d in self.drafters), self._in_system))
+        drafters = 0 if self.colocated else sum(d.removed_s is None for d in self.drafters)
+        self.timeline.append((now, len(verifiers), drafters, self._in_system))
         scaler = self._scalers.get("verifier")
         if scaler is not None:
             ready = [v for v in verifiers if v.ready_s <= now and not v.draining]
@@ -447,14 +448,10 @@ class Simulation:
         for replica in order[:surplus]:
             replica.draining = True
             if isinstance(replica, VerifierReplica):
-                self.router.stop_routing_to(replica)
-                if replica.drafter is not None:
-                    replica.drafter.draining = True
+                self.router.stop_routing_to(replica)  # a colocated drafter goes with its replica
             else:
                 self.router.stop_placing_on(replica)
             self._remove_if_done(replica, now)
-            if isinstance(replica, VerifierReplica) and replica.drafter is not None and replica.removed_s is not None:
-                replica.drafter.removed_s = now
 
     # ------------------------------------------------------------------------------------------------ loop
     def run(self, progress: bool = False) -> SimResult:
