@@ -197,7 +197,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             for row in rows:
                 s = row.summary
                 drafter_busy = "-" if not math.isfinite(s.drafter_busy) else f"{s.drafter_busy:.0%}"
-                simulated = f"slice of {row.spec.gpus} GPUs" if row.sliced else "whole"
+                simulated = f"slice {row.simulated.drafters}D:{row.simulated.verifiers}V" if row.sliced else "whole"
+                if row.sliced and row.simulated.placement == "colocated":
+                    simulated = f"slice x{row.simulated.verifiers}"
                 print(
                     f"| {row.label} | {row.goodput_per_gpu:.2f} | {s.ttft_p90_s * 1e3:.1f} | "
                     f"{s.tpot_p90_s * 1e3:.2f} | {s.verifier_busy:.0%} | {drafter_busy} | {simulated} |"
@@ -213,7 +215,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                         {
                             "deployment": r.label,
                             "goodput_per_gpu": r.goodput_per_gpu,
-                            "simulated": _spec_dict(r.spec),
+                            "simulated": _spec_dict(r.simulated),
                             "summary": r.summary.to_dict(),
                         }
                         for r in rows

@@ -7,10 +7,10 @@ with the request-group counts asked for. A candidate's goodput is the highest re
 simulated run of the workload at that rate); per GPU it is divided by all the candidate's GPUs.
 
 Deployments larger than ``max_sim_gpus`` are simulated as their largest slice of at most that many GPUs with
-the same drafter:verifier ratio, at the same rate per GPU: the router spreads requests over the replicas (fewest
-held requests first), so a slice of a large pool sees the load per replica the whole pool does. What a slice
-does not show is the smoothing of a larger pool (its burst per replica is smaller); the tables say which
-deployments were simulated as slices.
+the same drafter:verifier ratio (or the closest one), at the same rate per GPU: the router spreads requests
+over the replicas (fewest held requests first), so a slice of a large pool sees the load per replica the whole
+pool does. What a slice does not show is the smoothing of a larger pool (its burst per replica is smaller); the
+tables say which deployments were simulated as slices.
 
 The recommended ``autoscaling_config`` of each pool keeps the best candidate's sizes as ``max_replicas`` and
 sets ``target_ongoing_requests`` to the requests a replica of that pool held on average at the goodput rate (below
@@ -40,29 +40,29 @@ MAX_PROBES = 24  # simulated runs per candidate at most (doubling plus bisection
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One candidate deployment of ``gpus`` GPUs, simulated as ``spec`` (itself or a slice), at its goodput."""
+    """One candidate ``deployment``, simulated as ``simulated`` (itself or a slice), at its goodput."""
 
-    gpus: int
-    spec: ClusterSpec
-    goodput_rps: float  # highest rate meeting the attainment, for all ``gpus``
-    summary: Summary  # the run at that rate (of ``spec``)
+    deployment: ClusterSpec
+    simulated: ClusterSpec
+    goodput_rps: float  # highest rate meeting the attainment, for the whole deployment
+    summary: Summary  # the run at that rate (of ``simulated``)
     held_per_verifier: float
     held_per_drafter: float
 
     @property
     def goodput_per_gpu(self) -> float:
-        return self.goodput_rps / self.gpus
+        return self.goodput_rps / self.deployment.gpus
 
     @property
     def sliced(self) -> bool:
-        return self.spec.gpus != self.gpus
+        return self.simulated != self.deployment
 
     @property
     def label(self) -> str:
-        if self.spec.placement == "colocated":
-            return f"colocated x{self.gpus}"
-        verifiers = round(self.spec.verifiers * self.gpus / self.spec.gpus)
-        return f"{self.gpus - verifiers}D:{verifiers}V groups {self.spec.groups}"
+        spec = self.deployment
+        if spec.placement == "colocated":
+            return f"colocated x{spec.verifiers}"
+        return f"{spec.drafters}D:{spec.verifiers}V groups {spec.groups}"
 
 
 def candidates(
@@ -82,16 +82,20 @@ def candidates(
 
 
 def slice_of(spec: ClusterSpec, max_gpus: int) -> ClusterSpec:
-    """The largest deployment of at most ``max_gpus`` GPUs with ``spec``'s drafter:verifier ratio (``spec``
-    itself when it fits; a ratio that does not reduce that far keeps its smallest integer form)."""
+    """The largest deployment of at most ``max_gpus`` GPUs with ``spec``'s drafter:verifier ratio: ``spec``
+    itself when it fits, a multiple of the ratio's smallest integer form when that fits, else the split of
+    ``max_gpus`` closest to the ratio."""
     if spec.gpus <= max_gpus:
         return spec
     if spec.placement == "colocated":
         return replace(spec, verifiers=max_gpus)
     divisor = math.gcd(spec.verifiers, spec.drafters)
     v, d = spec.verifiers // divisor, spec.drafters // divisor
-    k = max(1, max_gpus // (v + d))
-    return replace(spec, verifiers=v * k, drafters=d * k)
+    if v + d <= max_gpus:
+        k = max_gpus // (v + d)
+        return replace(spec, verifiers=v * k, drafters=d * k)
+    verifiers = min(max(1, round(max_gpus * spec.verifiers / spec.gpus)), max_gpus - 1)
+    return replace(spec, verifiers=verifiers, drafters=max_gpus - verifiers)
 
 
 def _probe(
@@ -189,7 +193,7 @@ def plan(
         drafters = simulated.drafters if simulated.placement == "disaggregated" else simulated.verifiers
         rows.append(
             PlanRow(
-                spec.gpus,
+                spec,
                 simulated,
                 rate * spec.gpus / simulated.gpus,
                 summary,
@@ -203,8 +207,7 @@ def plan(
 
 def recommended_autoscaling(best: PlanRow) -> dict[str, dict[str, Any]]:
     """Serve ``autoscaling_config`` for the pools of the best deployment at its full size (module docstring)."""
-    spec = best.spec
-    verifiers = round(spec.verifiers * best.gpus / spec.gpus)
+    spec = best.deployment
     defaults = PoolScaling()
 
     def pool(replicas: int, held: float, slots: int) -> dict[str, Any]:
@@ -218,7 +221,7 @@ def recommended_autoscaling(best: PlanRow) -> dict[str, dict[str, Any]]:
             "policy": {"policy_function": POLICY_PATH},
         }
 
-    config = {"verifier": pool(verifiers, best.held_per_verifier, spec.verifier_slots)}
+    config = {"verifier": pool(spec.verifiers, best.held_per_verifier, spec.verifier_slots)}
     if spec.placement == "disaggregated":
-        config["drafter"] = pool(best.gpus - verifiers, best.held_per_drafter, spec.drafter_slots)
+        config["drafter"] = pool(spec.drafters, best.held_per_drafter, spec.drafter_slots)
     return config

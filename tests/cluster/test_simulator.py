@@ -173,11 +173,11 @@ def test_planner_ranks_candidates_and_recommends_pool_configs(costs, trace) -> N
     assert per_gpu == sorted(per_gpu, reverse=True) and per_gpu[-1] > 0
     for row in rows:  # the goodput rate meets the attainment; twice the rate (past the search's bracket) misses
         assert row.summary.slo_met >= 0.9
-        double = simulate(_workload(rate=2.2 * row.goodput_rps, duration=3.0), costs, trace, row.spec, seed=0)
+        double = simulate(_workload(rate=2.2 * row.goodput_rps, duration=3.0), costs, trace, row.simulated, seed=0)
         assert summarize(double, slo).slo_met < 0.9
     config = recommended_autoscaling(rows[0])
     assert 1 <= config["verifier"]["target_ongoing_requests"] < 64
-    assert config["verifier"]["max_replicas"] == rows[0].spec.verifiers
+    assert config["verifier"]["max_replicas"] == rows[0].deployment.verifiers
     for pool in config.values():
         PoolScaling.from_config(pool, "recommended")  # a valid autoscaling_config
 
@@ -187,6 +187,8 @@ def test_large_deployments_are_simulated_as_slices_with_the_same_ratio() -> None
     assert (slice_of(spec, 64).verifiers, slice_of(spec, 64).drafters, slice_of(spec, 64).groups) == (48, 16, 2)
     assert slice_of(replace(spec, placement="colocated", verifiers=512, drafters=0), 64).verifiers == 64
     assert slice_of(replace(spec, verifiers=6, drafters=2), 64) == replace(spec, verifiers=6, drafters=2)
+    near = slice_of(replace(spec, verifiers=341, drafters=171), 64)  # 341:171 does not reduce: the closest split
+    assert (near.verifiers, near.drafters) == (43, 21)
 
 
 def test_summary_goodput_counts_slo_meeting_requests(costs, trace) -> None:
