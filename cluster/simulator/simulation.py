@@ -204,10 +204,8 @@ class Simulation:
         )
         if self.colocated and self.uses_drafter:
             replica.drafter = self._new_drafter(now, ready, gpu)
-        replica.drivers = [
-            RoundDriver(replica, self._prototype if not self.verifiers and g == 0 else copy.deepcopy(self._prototype))
-            for g in range(self.spec.groups)
-        ]
+        # Every round driver starts from a fresh policy (nothing learned yet), also one started by the autoscaler.
+        replica.drivers = [RoundDriver(replica, copy.deepcopy(self._prototype)) for _ in range(self.spec.groups)]
         self.verifiers.append(replica)
         if ready <= now:
             self.router.add_verifier(replica)
