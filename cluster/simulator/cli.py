@@ -101,7 +101,7 @@ def _format(summary: Summary) -> str:
     ms = 1e3
     lines = [
         f"requests {summary.requests} (finished {summary.finished}, rejected {summary.rejected}) over "
-        f"{summary.duration_s:.1f} s simulated, {summary.rounds} rounds",
+        f"{summary.duration_s:.1f} s simulated, {summary.rounds} rounds ({summary.drafted_rounds} drafted)",
         f"output tokens/s {summary.output_tokens_per_s:.0f}; mean GPUs {summary.mean_gpus:.2f}; busy: verifier pool "
         f"{summary.verifier_busy:.0%}, drafter pool "
         + ("-" if not math.isfinite(summary.drafter_busy) else f"{summary.drafter_busy:.0%}"),

@@ -26,11 +26,14 @@ class Slo:
 
 @dataclass(frozen=True)
 class Summary:
+    """A run in numbers (module docstring for the definitions); NaN where a number does not apply."""
+
     requests: int
     finished: int
     rejected: int
     duration_s: float
     rounds: int
+    drafted_rounds: int
     output_tokens_per_s: float
     ttft_p50_s: float
     ttft_p90_s: float
@@ -82,6 +85,7 @@ def summarize(result: SimResult, slo: Slo | None = None) -> Summary:
         rejected=int(result.rejected.sum()),
         duration_s=result.end_s,
         rounds=result.total_rounds,
+        drafted_rounds=result.drafted_rounds,
         output_tokens_per_s=float(result.emitted.sum()) / duration,
         ttft_p50_s=_percentile(ttft, 50),
         ttft_p90_s=_percentile(ttft, 90),

@@ -102,6 +102,7 @@ class SimResult:
     rejected: np.ndarray
     end_s: float
     total_rounds: int
+    drafted_rounds: int  # rounds that ran the drafter (the others: plain target rounds, prefill-only rounds)
     verifier_busy_s: float
     drafter_busy_s: float
     verifier_gpu_s: float  # GPU-seconds the verifier pool held (colocated: the whole cluster)
@@ -171,6 +172,7 @@ class Simulation:
         self.drafters: list[DrafterReplica] = []
         self._starved: set[VerifierReplica] = set()
         self.total_rounds = 0
+        self.drafted_rounds = 0
         self._in_system = 0
         self._waiting = 0
         self._last_t = 0.0
@@ -343,6 +345,7 @@ class Simulation:
 
     def _end_round(self, driver: RoundDriver, now: float) -> None:
         self.total_rounds += 1
+        self.drafted_rounds += driver.drafting
         verified = driver.verified
         assert verified is not None
         finished: list[int] = []
@@ -504,6 +507,7 @@ class Simulation:
             rejected=self.rejected,
             end_s=end,
             total_rounds=self.total_rounds,
+            drafted_rounds=self.drafted_rounds,
             verifier_busy_s=sum(v.gpu.busy_s for v in self.verifiers),
             drafter_busy_s=0.0 if self.colocated else sum(d.gpu.busy_s for d in self.drafters),
             verifier_gpu_s=held(self.verifiers),

@@ -14,7 +14,7 @@ from cluster.simulator.autoscaler import PoolAutoscaler, PoolScaling, ScalingCon
 from cluster.simulator.costs import CostFileError, load_costs, parse_costs
 from cluster.simulator.planner import candidates, plan, recommended_autoscaling, slice_of
 from cluster.simulator.report import Slo, summarize
-from cluster.simulator.simulation import ClusterSpec, SimResult, simulate
+from cluster.simulator.simulation import ClusterSpec, SimResult, Simulation, simulate
 from cluster.simulator.traces import TraceFileError, load_traces
 from cluster.simulator.workload import LengthSpec, Workload, WorkloadError, generated, replayed
 from scheduler.sts import STSCalibration
@@ -82,6 +82,21 @@ def test_every_request_finishes_once_with_its_tokens(costs, trace, policy: str, 
     _check_conservation(workload, result)
     _check_littles_law(result)
     assert (result.waiting_area > 0) == (result.admit_s > result.arrival_s).any()
+
+
+@pytest.mark.parametrize("policy", ["dspark", "dspark-async"])
+def test_a_measured_draft_cost_learns_from_simulated_rounds(costs, trace, policy: str) -> None:
+    """With ``draft_cost measured`` the policies get every round's simulated timings (observe_round) and their
+    draft gate decides per round; requests still get exactly their tokens."""
+    workload = _workload(rate=300.0, duration=3.0)
+    spec = ClusterSpec(placement="colocated", verifiers=1, policy=policy, draft_cost="measured")
+    simulation = Simulation(workload, costs, trace, spec, seed=0)
+    result = simulation.run()
+    _check_conservation(workload, result)
+    assert 0 < result.drafted_rounds <= result.total_rounds
+    learned = simulation.verifiers[0].drivers[0].policy
+    if policy == "dspark":
+        assert learned.draft_cost is not None  # the estimator has measured the simulated draft time
 
 
 def test_colocated_steps_serialise_and_pipelined_groups_overlap(costs, trace) -> None:
