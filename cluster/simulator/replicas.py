@@ -66,7 +66,6 @@ class RoundDriver:
     drafting: bool = False
     caps: np.ndarray | None = None
     accepted: np.ndarray | None = None
-    started_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     host_s: float = 0.0

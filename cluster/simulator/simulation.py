@@ -293,7 +293,7 @@ class Simulation:
         verified = np.array(members, dtype=np.int64)
         admitted = [i for i, _ in joined]
         driver.members = members + admitted
-        driver.verified, driver.admitted, driver.started_s = verified, admitted, now
+        driver.verified, driver.admitted = verified, admitted
         costs = self.costs
         drafting = False
         if verified.size and self.uses_drafter:
