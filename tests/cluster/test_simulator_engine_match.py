@@ -52,7 +52,7 @@ class RecordingDrafter:
         return proposal
 
 
-@pytest.mark.parametrize("policy", ["dspark", "full"])
+@pytest.mark.parametrize("policy", ["dspark", "dspark-async", "full"])
 def test_one_replica_simulation_matches_the_engine_round_count(policy: str) -> None:
     costs = load_costs(COSTS)
     draft_model = load_draft_model(DEMO / "draft_dspark", target_dir=DEMO / "target")
