@@ -93,6 +93,13 @@ def _add_standalone(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    """``simulate``: the trace-driven cluster simulator (``run``) and pool planner (``plan``)."""
+    from cluster.simulator.cli import register
+
+    register(sub)
+
+
 #: Subcommand registrars, in the order ``dspark --help`` lists them.
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_version,
@@ -104,6 +111,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_demo,
     _add_drafter_training,
     _add_inflate,
+    _add_simulate,
 ]
 
 

@@ -38,6 +38,7 @@ from cluster.graphs import DeviceVerified
 from cluster.sampling import SamplingParams
 from draft_service.ahead import gather_rows
 from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEngine, PendingProposal, Proposal
+from scheduler.admission import draft_caps, free_slots
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
@@ -657,12 +658,9 @@ class SpeculativeEngine:
         admitted: list[_Request] = []
         if not self._waiting:
             return admitted
-        free = self.verify.num_free_slots if limit is None else min(limit, self.verify.num_free_slots)
-        if self.draft is not None:
-            free = min(free, self.draft.num_free_slots)
-        if self.max_running is not None:
-            free = min(free, self.max_running - len(self._running))
-        candidates = list(itertools.islice(self._waiting, max(free, 0)))
+        draft_free = self.draft.num_free_slots if self.draft is not None else None
+        free = free_slots(self.verify.num_free_slots, draft_free, len(self._running), self.max_running, limit)
+        candidates = list(itertools.islice(self._waiting, free))
         if self.draft is not None and candidates:
             # One call for the round's joiners (over gRPC: one AddRequests per drafter replica); a drafter shared
             # with other verifier groups may have filled up meanwhile: it takes a prefix, the rest retry next round.
@@ -681,8 +679,7 @@ class SpeculativeEngine:
 
     def _caps_from(self, tokens_left: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """:meth:`_caps` from arrays: the tokens each request may still emit and its anchor position."""
-        caps = np.minimum(tokens_left, self.verify.max_seq_len - positions)
-        return np.maximum(np.minimum(caps - 1, self.block_size), 0)
+        return draft_caps(tokens_left, positions, self.verify.max_seq_len, self.block_size)
 
     def _lengths(self, caps: np.ndarray, proposal: Proposal | None) -> np.ndarray:
         if proposal is None:

@@ -35,6 +35,7 @@ from cluster.messages import AnyValue, Int, List, Message, Str
 from cluster.readiness import IntervalLog, Readiness, ReadinessGate
 from cluster.rpc import Service
 from cluster.sampling import SamplingParams
+from scheduler.admission import least_loaded
 from scheduler.engine import RequestRejectedError, SpeculativeEngine
 from scheduler.failover import Failover, release_stale
 from scheduler.metrics import MetricsSnapshot
@@ -293,7 +294,7 @@ class SchedulerHub:
                     f"the model is not ready to serve: {reason} (waited {self.readiness_timeout_s:g} s); "
                     "retry later"
                 )
-            replica_id = min(accepting, key=lambda r: len(accepting[r].active))
+            replica_id = least_loaded({r: len(g.active) for r, g in accepting.items()})
             group = accepting[replica_id]
             group.active.add(req_id)
             self._owner[req_id] = replica_id

@@ -28,7 +28,6 @@ one process the two would share the device's stream.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +37,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from draft_service.engine import DraftEngine, DraftItem, Proposal
+from scheduler.admission import group_share
 from scheduler.engine import DetachedRequest, RequestOutput, SpeculativeEngine, _Request
 from scheduler.policy import VerifyPolicy
 from verify_service.engine import VerifyEngine
@@ -202,8 +202,7 @@ class PipelinedEngine(SpeculativeEngine):
 
     def _share(self, g: int) -> int:
         """How many waiting requests group ``g`` may take now: it fills up to an even split of all requests."""
-        total = len(self._running) + len(self._waiting)
-        return math.ceil(total / self.num_groups) - len(self._members[g])
+        return group_share(len(self._running) + len(self._waiting), self.num_groups, len(self._members[g]))
 
     def _admit_into(self, g: int) -> list[_Request]:
         admitted = self._admit(limit=max(self._share(g), 0))

@@ -20,6 +20,7 @@ import torch
 
 from cluster.rpc import SyncRpcClient
 from draft_service.engine import ContextItem, DraftItem, Proposal
+from scheduler.admission import place_by_free_slots
 from verify_service.engine import PrefillItem, StepResult, VerifyItem
 
 logger = logging.getLogger(__name__)
@@ -310,15 +311,11 @@ class DrafterPool:
                 raise ValueError("no drafter replica is accepting requests (all are draining)")
             free = {a: self._capacity[a] - self._load(a) for a in accepting}
             groups: dict[str, list[tuple[str, Any]]] = {}
-            placed = 0
-            for req_id, params in requests:
-                address = max(accepting, key=free.__getitem__)
-                if free[address] <= 0:
-                    break
-                free[address] -= 1
+            addresses = place_by_free_slots(free, len(requests))
+            for (req_id, params), address in zip(requests, addresses, strict=False):
                 self._owner[req_id] = address
                 groups.setdefault(address, []).append((req_id, params))
-                placed += 1
+            placed = len(addresses)
         done: list[str] = []
         try:
             for address, group in groups.items():

@@ -1,0 +1,536 @@
+"""The simulation loop: a cluster serving a workload, round by round, in simulated time.
+
+A round of one round driver (a verifier replica's request group), as the served pipeline runs it:
+1. admission (:mod:`cluster.simulator.router`): waiting requests join; they are prefilled in this round's
+   target pass;
+2. the policy's pre-draft decision (``should_draft``) on the count caps of the running requests; if it drafts,
+   one message to each drafter holding some of them, each drafter's GPU runs one draft step for its share,
+   and the replies come back (a hop each way);
+3. the policy (:mod:`scheduler.policy`, the project's own objects) picks the lengths from the recorded
+   confidences of each request's current trace row; each request accepts min(recorded accepted, length);
+4. one message to the verifier, whose GPU runs the target pass (verify B = R + sum of lengths tokens, plus the
+   joiners' prompt tokens), and the reply;
+5. host time (commit), then every request emits accepted + 1 tokens (at most what it still needs); finished
+   requests free their slots; the policy gets the round's timings (``observe_round``); the next round starts.
+
+Steps queue on the GPUs they run on (:class:`cluster.simulator.replicas.Gpu`), which is where placement,
+pipelined groups and a drafter pool shared by several verifiers interact. Autoscaling runs at every control
+tick (:mod:`cluster.simulator.autoscaler`); new replicas take requests once started; replicas scaled down drain
+(keep serving their requests, take no new ones) and go when empty.
+
+Costs come from a cost file (:mod:`cluster.simulator.costs`), confidences and acceptance from recorded traces
+(:mod:`cluster.simulator.traces`), requests from a workload (:mod:`cluster.simulator.workload`). A run is a
+function of those and the seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from cluster.simulator.autoscaler import PoolAutoscaler, PoolScaling
+from cluster.simulator.clock import EventQueue
+from cluster.simulator.costs import PLACEMENTS, Costs
+from cluster.simulator.replicas import DrafterReplica, Gpu, RoundDriver, VerifierReplica
+from cluster.simulator.router import Router
+from cluster.simulator.traces import AcceptanceTrace
+from cluster.simulator.workload import Workload
+from scheduler.admission import draft_caps
+from scheduler.policy import make_policy
+
+_DRAFT_DONE, _ROUND_END, _TICK, _READY, _WAKE = 0, 1, 2, 3, 4
+
+
+class SimulationError(ValueError):
+    """A cluster specification the simulator cannot run (message says which setting and why)."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What is deployed: placement, pool sizes (initial sizes when autoscaled), engine limits, policy.
+
+    ``drafters`` counts the disaggregated drafter pool; colocated replicas hold their own drafter.
+    ``verifier_scaling`` / ``drafter_scaling``: the pools' autoscaling_config (None: fixed size; colocated
+    replicas scale as one pool with ``verifier_scaling``). ``control_interval_s``: how often the autoscaler
+    decides.
+    """
+
+    placement: str = "disaggregated"
+    verifiers: int = 1
+    drafters: int = 1
+    verifier_slots: int = 128
+    drafter_slots: int = 128
+    groups: int = 1
+    max_seq_len: int = 4096
+    policy: str = "dspark"
+    draft_cost: str = "none"
+    verifier_scaling: PoolScaling | None = None
+    drafter_scaling: PoolScaling | None = None
+    control_interval_s: float = 1.0
+
+    def check(self, uses_drafter: bool) -> None:
+        if self.placement not in PLACEMENTS:
+            raise SimulationError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.verifiers < 1 or self.verifier_slots < 1 or self.drafter_slots < 1 or self.groups < 1:
+            raise SimulationError("need >= 1 verifier, >= 1 slot per replica and >= 1 request group")
+        if uses_drafter and self.placement == "disaggregated" and self.drafters < 1:
+            raise SimulationError(f"policy {self.policy!r} drafts: a disaggregated cluster needs >= 1 drafter")
+        if not self.control_interval_s > 0:
+            raise SimulationError("control_interval_s must be > 0")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of the initial deployment (a colocated replica holds one GPU for both engines)."""
+        return self.verifiers + (self.drafters if self.placement == "disaggregated" else 0)
+
+
+@dataclass
+class SimResult:
+    """Per request (index as in the workload; NaN where it never happened) and per run."""
+
+    arrival_s: np.ndarray
+    admit_s: np.ndarray
+    first_token_s: np.ndarray
+    finish_s: np.ndarray
+    output_tokens: np.ndarray
+    emitted: np.ndarray
+    rounds: np.ndarray  # verify rounds each request took part in (its prefill round not counted)
+    rejected: np.ndarray
+    end_s: float
+    total_rounds: int
+    drafted_rounds: int  # rounds that ran the drafter (the others: plain target rounds, prefill-only rounds)
+    verifier_busy_s: float
+    drafter_busy_s: float
+    verifier_gpu_s: float  # GPU-seconds the verifier pool held (colocated: the whole cluster)
+    drafter_gpu_s: float  # GPU-seconds the disaggregated drafter pool held
+    in_system_area: float  # integral over time of requests arrived and not finished
+    waiting_area: float  # integral over time of requests routed and not admitted
+    running_area: float  # integral over time of requests holding slots (admitted, not finished)
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, verifiers, drafters, in system)
+
+    @property
+    def gpu_seconds(self) -> float:
+        return self.verifier_gpu_s + self.drafter_gpu_s
+
+
+class Simulation:
+    """One run; :func:`simulate` is the entry point."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        costs: Costs,
+        trace: AcceptanceTrace | None,
+        spec: ClusterSpec,
+        seed: int,
+        replay_in_order: bool = False,
+    ) -> None:
+        self.costs = costs
+        self.spec = spec
+        try:
+            prototype = make_policy(spec.policy, costs.sps, costs.block_size, spec.draft_cost)
+        except ValueError as error:
+            raise SimulationError(str(error)) from None
+        self.uses_drafter = prototype.uses_drafter
+        spec.check(self.uses_drafter)
+        if self.uses_drafter:
+            if trace is None:
+                raise SimulationError(
+                    f"policy {spec.policy!r} drafts: give decoding traces (`dspark eval --save-traces` writes them)"
+                )
+            if trace.gamma != costs.block_size:
+                raise SimulationError(f"the traces have gamma {trace.gamma}, the cost file block {costs.block_size}")
+        self._prototype = prototype
+        self.trace = trace
+        self.block = costs.block_size
+        self.colocated = spec.placement == "colocated"
+        self.hop = costs.hop_s(spec.placement)
+        self.rng = np.random.default_rng(seed)
+        n = workload.size
+        self.arrival = workload.arrival_s.astype(np.float64)
+        self.inputs = workload.input_tokens.astype(np.int64)
+        self.outputs = workload.output_tokens.astype(np.int64)
+        self.emitted = np.zeros(n, dtype=np.int64)
+        self.rounds = np.zeros(n, dtype=np.int64)
+        self.admit_s = np.full(n, np.nan)
+        self.first_s = np.full(n, np.nan)
+        self.finish_s = np.full(n, np.nan)
+        self.rejected = np.zeros(n, dtype=bool)
+        self.drafter_of = np.full(n, -1, dtype=np.int64)
+        if trace is not None:
+            if replay_in_order:
+                self.row, self.row_end = trace.in_order(n)
+            else:
+                self.row, self.row_end = trace.row_ranges(n, self.rng)
+        self.queue = EventQueue()
+        self.router = Router(self.colocated, self.uses_drafter, spec.groups)
+        self.verifiers: list[VerifierReplica] = []
+        self.drafters: list[DrafterReplica] = []
+        self._starved: set[VerifierReplica] = set()
+        self.total_rounds = 0
+        self.drafted_rounds = 0
+        self._in_system = 0
+        self._waiting = 0
+        self._last_t = 0.0
+        self.in_system_area = 0.0
+        self.waiting_area = 0.0
+        self.running_area = 0.0
+        self.timeline: list[tuple[float, int, int, int]] = []
+        self._scalers: dict[str, PoolAutoscaler] = {}
+        if spec.verifier_scaling is not None:
+            self._scalers["verifier"] = PoolAutoscaler(spec.verifier_scaling, spec.verifiers)
+        if spec.drafter_scaling is not None and not self.colocated and self.uses_drafter:
+            self._scalers["drafter"] = PoolAutoscaler(spec.drafter_scaling, spec.drafters)
+        for _ in range(spec.verifiers):
+            self._start_verifier(0.0, ready=0.0)
+        if not self.colocated and self.uses_drafter:
+            for _ in range(spec.drafters):
+                self._start_drafter(0.0, ready=0.0)
+
+    # ------------------------------------------------------------------------------------------- replicas
+    def _new_drafter(self, now: float, ready: float, gpu: Gpu) -> DrafterReplica:
+        drafter = DrafterReplica(
+            f"drafter-{len(self.drafters)}", len(self.drafters), self.spec.drafter_slots, gpu, now, ready
+        )
+        self.drafters.append(drafter)
+        return drafter
+
+    def _start_verifier(self, now: float, ready: float) -> None:
+        gpu = Gpu()
+        replica = VerifierReplica(
+            f"verifier-{len(self.verifiers)}", len(self.verifiers), self.spec.verifier_slots, gpu, now, ready
+        )
+        if self.colocated and self.uses_drafter:
+            replica.drafter = self._new_drafter(now, ready, gpu)
+        # Every round driver starts from a fresh policy (nothing learned yet), also one started by the autoscaler.
+        replica.drivers = [RoundDriver(replica, copy.deepcopy(self._prototype)) for _ in range(self.spec.groups)]
+        self.verifiers.append(replica)
+        if ready <= now:
+            self.router.add_verifier(replica)
+        else:
+            self.queue.push(ready, _READY, replica)
+
+    def _start_drafter(self, now: float, ready: float) -> None:
+        drafter = self._new_drafter(now, ready, Gpu())
+        if ready <= now:
+            self.router.add_drafter(drafter)
+        else:
+            self.queue.push(ready, _READY, drafter)
+
+    def _ready(self, replica: VerifierReplica | DrafterReplica, now: float) -> None:
+        if replica.removed_s is not None:  # scaled down again before it started
+            return
+        if isinstance(replica, VerifierReplica):
+            self.router.add_verifier(replica)
+        else:
+            self.router.add_drafter(replica)
+            self._wake_starved(now)
+
+    def _remove_if_done(self, replica: VerifierReplica | DrafterReplica, now: float) -> None:
+        if not replica.draining or replica.removed_s is not None:
+            return
+        empty = replica.active == 0 if isinstance(replica, VerifierReplica) else replica.held == 0
+        if empty:
+            replica.removed_s = now
+
+    # ---------------------------------------------------------------------------------------- bookkeeping
+    def _advance(self, now: float) -> None:
+        """Integrate the number of requests in the system and waiting up to ``now`` (for Little's law)."""
+        dt = now - self._last_t
+        if dt > 0:
+            self.in_system_area += self._in_system * dt
+            self.waiting_area += self._waiting * dt
+            self.running_area += (self._in_system - self._waiting) * dt
+            self._last_t = now
+
+    def _arrive(self, i: int, now: float) -> None:
+        self._advance(now)
+        if self.inputs[i] + self.outputs[i] > self.spec.max_seq_len:
+            self.rejected[i] = True
+            return
+        replica = self.router.route()
+        if replica is None:
+            self.rejected[i] = True
+            return
+        self._in_system += 1
+        self._waiting += 1
+        replica.waiting.append(i)
+        for driver in replica.drivers:
+            if driver.idle:  # after every arrival of this instant: a round admits all of them, as the engine does
+                driver.idle = False
+                self.queue.push(now, _WAKE, driver)
+
+    def _wake_starved(self, now: float) -> None:
+        starved, self._starved = self._starved, set()
+        for replica in starved:
+            for driver in replica.drivers:
+                if driver.idle:
+                    self._start_round(driver, now)
+
+    # ------------------------------------------------------------------------------------------- the round
+    def _start_round(self, driver: RoundDriver, now: float) -> None:
+        replica = driver.replica
+        joined = self.router.admit(driver)
+        if joined:
+            self._advance(now)
+            self._waiting -= len(joined)
+            for i, drafter in joined:
+                self.admit_s[i] = now
+                if drafter is not None:
+                    self.drafter_of[i] = drafter.index
+            replica.running += len(joined)
+        if replica.waiting and not self.colocated and self.uses_drafter:
+            self._starved.add(replica)  # it may be short of drafter slots: woken when one frees
+        members = driver.members
+        if not members and not joined:
+            driver.idle = True
+            return
+        driver.idle = False
+        verified = np.array(members, dtype=np.int64)
+        admitted = [i for i, _ in joined]
+        driver.members = members + admitted
+        driver.verified, driver.admitted = verified, admitted
+        costs = self.costs
+        drafting = False
+        if verified.size and self.uses_drafter:
+            emitted = self.emitted[verified]
+            caps = draft_caps(
+                self.outputs[verified] - emitted, self.inputs[verified] + emitted - 1, self.spec.max_seq_len, self.block
+            )
+            driver.caps = caps
+            drafting = driver.policy.should_draft(caps)
+        driver.drafting = drafting
+        count = verified.size + len(admitted)
+        driver.host_s = (costs.host_drafted if drafting else costs.host_plain)(count)
+        if not drafting:
+            driver.draft_s = 0.0
+            self._verify(driver, now)
+            return
+        arrival = now + self.hop
+        if self.colocated:  # every request of the replica drafts on its own drafter
+            done = replica.gpu.run(arrival, costs.draft(verified.size))
+        else:
+            per_drafter = np.bincount(self.drafter_of[verified])
+            done = now
+            for index in np.flatnonzero(per_drafter).tolist():
+                end = self.drafters[index].gpu.run(arrival, costs.draft(int(per_drafter[index])))
+                if end > done:
+                    done = end
+        driver.draft_s = done - now
+        self.queue.push(done + self.hop, _DRAFT_DONE, driver)
+
+    def _verify(self, driver: RoundDriver, now: float) -> None:
+        verified = driver.verified
+        assert verified is not None
+        num = verified.size
+        if driver.drafting:
+            assert self.trace is not None and driver.caps is not None
+            rows = self.row[verified]
+            lengths = driver.policy.lengths(self.trace.confidences[rows], driver.caps)
+            driver.accepted = np.minimum(self.trace.accepted[rows], lengths)
+            tokens = num + int(lengths.sum())
+        else:
+            driver.accepted = None
+            tokens = num
+        prompt = int(self.inputs[driver.admitted].sum()) if driver.admitted else 0
+        costs = self.costs
+        step = costs.verify_s(max(num, 1), max(tokens, 1)) + costs.prefill_s(prompt)
+        end = driver.replica.gpu.run(now + self.hop, step)
+        driver.verify_s, driver.verify_tokens = step, tokens
+        self.queue.push(end + self.hop + driver.host_s + costs.round_overhead_s, _ROUND_END, driver)
+
+    def _end_round(self, driver: RoundDriver, now: float) -> None:
+        self.total_rounds += 1
+        self.drafted_rounds += driver.drafting
+        verified = driver.verified
+        assert verified is not None
+        finished: list[int] = []
+        if verified.size:
+            emitted = self.emitted[verified]
+            left = self.outputs[verified] - emitted
+            gained = 1 if driver.accepted is None else driver.accepted + 1
+            emitted += np.minimum(gained, left)
+            self.emitted[verified] = emitted
+            self.rounds[verified] += 1
+            if driver.drafting:
+                self._next_rows(verified)
+            done = emitted >= self.outputs[verified]
+            if done.any():
+                finished = verified[done].tolist()
+        for i in driver.admitted:
+            self.emitted[i] = 1
+            self.first_s[i] = now
+            if self.outputs[i] <= 1:
+                finished.append(i)
+        replica = driver.replica
+        if finished:
+            self._advance(now)
+            self._in_system -= len(finished)
+            gone = set(finished)
+            driver.members = [m for m in driver.members if m not in gone]
+            freed_drafter = False
+            for i in finished:
+                self.finish_s[i] = now
+                self.router.left(replica)
+                d = self.drafter_of[i]
+                if d >= 0:
+                    drafter = self.drafters[d]
+                    drafter.held -= 1
+                    freed_drafter = True
+                    self._remove_if_done(drafter, now)
+            replica.running -= len(finished)
+            self._remove_if_done(replica, now)
+        observe = getattr(driver.policy, "observe_round", None)
+        if observe is not None and verified.size:
+            observe(
+                verified.size, driver.drafting, driver.draft_s, driver.host_s, driver.verify_s, driver.verify_tokens
+            )
+        self._start_round(driver, now)
+        if finished:
+            for other in replica.drivers:
+                if other.idle:
+                    self._start_round(other, now)
+            if freed_drafter and self._starved:
+                self._wake_starved(now)
+
+    def _next_rows(self, verified: np.ndarray) -> None:
+        """Move each request to its next recorded round; one whose prompt ran out continues with another."""
+        assert self.trace is not None
+        rows = self.row[verified] + 1
+        self.row[verified] = rows
+        out = rows >= self.row_end[verified]
+        if out.any():
+            which = verified[out]
+            starts, ends = self.trace.row_ranges(which.size, self.rng)
+            self.row[which], self.row_end[which] = starts, ends
+
+    # ---------------------------------------------------------------------------------------- autoscaling
+    def _tick(self, now: float) -> None:
+        verifiers = [v for v in self.verifiers if v.removed_s is None]
+        drafters = 0 if self.colocated else sum(d.removed_s is None for d in self.drafters)
+        self.timeline.append((now, len(verifiers), drafters, self._in_system))
+        scaler = self._scalers.get("verifier")
+        if scaler is not None:
+            ready = [v for v in verifiers if v.ready_s <= now and not v.draining]
+            held = {v.name: float(v.running) for v in verifiers if v.ready_s <= now}
+            target = scaler.tick(now, held, len(ready))
+            self._resize(target, [v for v in verifiers if not v.draining], now, self.costs.verifier_start_s, True)
+        scaler = self._scalers.get("drafter")
+        if scaler is not None:
+            drafters = [d for d in self.drafters if d.removed_s is None]
+            ready = [d for d in drafters if d.ready_s <= now and not d.draining]
+            held = {d.name: float(d.held) for d in drafters if d.ready_s <= now}
+            target = scaler.tick(now, held, len(ready), self._waiting)
+            self._resize(target, [d for d in drafters if not d.draining], now, self.costs.drafter_start_s, False)
+
+    def _resize(
+        self,
+        target: int,
+        serving: list[VerifierReplica] | list[DrafterReplica],
+        now: float,
+        start_s: float,
+        verifier: bool,
+    ) -> None:
+        """Start or drain replicas so that ``target`` of them serve or are starting; the ones still starting
+        go first, then the newest."""
+        for _ in range(target - len(serving)):
+            if verifier:
+                self._start_verifier(now, now + start_s)
+            else:
+                self._start_drafter(now, now + start_s)
+        surplus = len(serving) - target
+        if surplus <= 0:
+            return
+        order = sorted(serving, key=lambda r: (r.ready_s <= now, -r.created_s, -r.index))
+        for replica in order[:surplus]:
+            replica.draining = True
+            if isinstance(replica, VerifierReplica):
+                self.router.stop_routing_to(replica)  # a colocated drafter goes with its replica
+            else:
+                self.router.stop_placing_on(replica)
+            self._remove_if_done(replica, now)
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def run(self, progress: bool = False) -> SimResult:
+        arrival = self.arrival
+        n = arrival.size
+        queue = self.queue
+        nxt = 0
+        horizon = float(arrival[-1]) if n else 0.0
+        if self._scalers or progress:
+            queue.push(0.0, _TICK, None)
+        bar = tqdm(total=max(1, math.ceil(horizon)), unit="sim s", disable=not progress, desc="simulate")
+        shown = 0
+        now = 0.0
+        while nxt < n or len(queue):
+            if nxt < n and arrival[nxt] <= queue.next_time():
+                now = float(arrival[nxt])
+                self._arrive(nxt, now)
+                nxt += 1
+                continue
+            now, kind, payload = queue.pop()
+            if kind == _ROUND_END:
+                self._end_round(payload, now)
+            elif kind == _DRAFT_DONE:
+                self._verify(payload, now)
+            elif kind == _WAKE:
+                self._start_round(payload, now)
+            elif kind == _TICK:
+                self._tick(now)
+                if nxt < n or self._in_system:
+                    queue.push(now + self.spec.control_interval_s, _TICK, None)
+                if now >= shown + 1 and shown < bar.total:
+                    step = min(int(now) - shown, bar.total - shown)
+                    bar.update(step)
+                    shown += step
+            else:
+                self._ready(payload, now)
+        bar.close()
+        self._advance(now)
+        end = now
+
+        def held(replicas: list[VerifierReplica] | list[DrafterReplica]) -> float:
+            return sum((r.removed_s if r.removed_s is not None else end) - r.created_s for r in replicas)
+
+        return SimResult(
+            arrival_s=self.arrival,
+            admit_s=self.admit_s,
+            first_token_s=self.first_s,
+            finish_s=self.finish_s,
+            output_tokens=self.outputs,
+            emitted=self.emitted,
+            rounds=self.rounds,
+            rejected=self.rejected,
+            end_s=end,
+            total_rounds=self.total_rounds,
+            drafted_rounds=self.drafted_rounds,
+            verifier_busy_s=sum(v.gpu.busy_s for v in self.verifiers),
+            drafter_busy_s=0.0 if self.colocated else sum(d.gpu.busy_s for d in self.drafters),
+            verifier_gpu_s=held(self.verifiers),
+            drafter_gpu_s=0.0 if self.colocated else held(self.drafters),
+            in_system_area=self.in_system_area,
+            waiting_area=self.waiting_area,
+            running_area=self.running_area,
+            timeline=self.timeline,
+        )
+
+
+def simulate(
+    workload: Workload,
+    costs: Costs,
+    trace: AcceptanceTrace | None,
+    spec: ClusterSpec,
+    *,
+    seed: int = 0,
+    progress: bool = False,
+    replay_in_order: bool = False,
+) -> SimResult:
+    """Run ``workload`` on the cluster ``spec`` until every request has finished (or was rejected).
+
+    ``replay_in_order``: request i replays recorded prompt i (modulo their number) instead of a random one, to
+    replay a recorded run request by request."""
+    return Simulation(workload, costs, trace, spec, seed, replay_in_order).run(progress)

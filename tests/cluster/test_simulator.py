@@ -1,0 +1,271 @@
+"""The cluster simulator: determinism, conservation, Little's law, placements, autoscaling, bad input."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.cli import main
+from cluster.simulator.autoscaler import PoolAutoscaler, PoolScaling, ScalingConfigError
+from cluster.simulator.costs import CostFileError, load_costs, parse_costs
+from cluster.simulator.planner import candidates, plan, recommended_autoscaling, slice_of
+from cluster.simulator.report import Slo, summarize
+from cluster.simulator.simulation import ClusterSpec, SimResult, Simulation, simulate
+from cluster.simulator.traces import TraceFileError, load_traces
+from cluster.simulator.workload import LengthSpec, Workload, WorkloadError, generated, replayed
+from scheduler.sts import STSCalibration
+
+ROOT = Path(__file__).resolve().parents[2]
+COSTS = ROOT / "docs" / "simulator" / "costs_h200.json"
+TRACES = ROOT / "tests" / "data" / "sim_traces_demo_mbpp.npz"
+STS = ROOT / "models" / "demo" / "draft_dspark" / "sts.json"
+POLICIES = ["autoregressive", "fixed-1", "full", "dspark", "dspark-async"]
+
+
+@pytest.fixture(scope="module")
+def costs():
+    return load_costs(COSTS)
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return load_traces(TRACES, STSCalibration.load(STS))
+
+
+def _workload(seed: int = 0, rate: float = 40.0, duration: float = 10.0, cv: float = 1.0) -> Workload:
+    rng = np.random.default_rng(seed)
+    return generated(rate, duration, LengthSpec.parse("uniform:11:399"), LengthSpec.parse("uniform:1:160"), rng, cv)
+
+
+def _check_conservation(workload: Workload, result: SimResult) -> None:
+    assert not result.rejected.any()
+    assert np.isfinite(result.finish_s).all()  # every request finished (once: finish_s is written at its end)
+    assert (result.emitted == workload.output_tokens).all()  # exactly the tokens it asked for
+    assert (result.admit_s >= result.arrival_s).all()
+    assert (result.first_token_s >= result.admit_s).all() and (result.finish_s >= result.first_token_s).all()
+
+
+def _check_littles_law(result: SimResult) -> None:
+    """L = lambda W on the whole run: the time integral of the number in the system (and of the queue)
+    equals the sum of the requests' times in it (waiting for a slot), so mean L = arrival rate x mean W."""
+    sojourn = result.finish_s - result.arrival_s
+    queued = result.admit_s - result.arrival_s
+    assert result.in_system_area == pytest.approx(sojourn.sum(), rel=1e-9)
+    assert result.waiting_area == pytest.approx(queued.sum(), rel=1e-9, abs=1e-9)
+    rate = result.arrival_s.size / result.end_s
+    assert result.in_system_area / result.end_s == pytest.approx(rate * sojourn.mean(), rel=1e-9)
+
+
+def test_a_run_is_a_function_of_its_seed(costs, trace) -> None:
+    spec = ClusterSpec(placement="disaggregated", verifiers=3, drafters=2, groups=2, policy="dspark")
+    first = simulate(_workload(), costs, trace, spec, seed=5)
+    again = simulate(_workload(), costs, trace, spec, seed=5)
+    other = simulate(_workload(), costs, trace, spec, seed=6)
+    for name in ("finish_s", "first_token_s", "rounds"):
+        np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
+    assert first.total_rounds == again.total_rounds
+    assert not np.array_equal(first.finish_s, other.finish_s)  # another seed replays other trace rows
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(("placement", "groups"), [("colocated", 1), ("disaggregated", 1), ("disaggregated", 2)])
+def test_every_request_finishes_once_with_its_tokens(costs, trace, policy: str, placement: str, groups: int) -> None:
+    workload = _workload(rate=60.0, duration=5.0, cv=3.0)  # bursty: queues form, slots fill
+    spec = ClusterSpec(
+        placement=placement, verifiers=2, drafters=1, verifier_slots=16, drafter_slots=24, groups=groups, policy=policy
+    )
+    result = simulate(workload, costs, trace, spec, seed=1)
+    _check_conservation(workload, result)
+    _check_littles_law(result)
+    assert (result.waiting_area > 0) == (result.admit_s > result.arrival_s).any()
+
+
+@pytest.mark.parametrize("policy", ["dspark", "dspark-async"])
+def test_a_measured_draft_cost_learns_from_simulated_rounds(costs, trace, policy: str) -> None:
+    """With ``draft_cost measured`` the policies get every round's simulated timings (observe_round) and their
+    draft gate decides per round; requests still get exactly their tokens."""
+    workload = _workload(rate=300.0, duration=3.0)
+    spec = ClusterSpec(placement="colocated", verifiers=1, policy=policy, draft_cost="measured")
+    simulation = Simulation(workload, costs, trace, spec, seed=0)
+    result = simulation.run()
+    _check_conservation(workload, result)
+    assert 0 < result.drafted_rounds <= result.total_rounds
+    learned = simulation.verifiers[0].drivers[0].policy
+    if policy == "dspark":
+        assert learned.draft_cost is not None  # the estimator has measured the simulated draft time
+
+
+def test_colocated_steps_serialise_and_pipelined_groups_overlap(costs, trace) -> None:
+    """One request alone: a colocated round is draft + verify on one GPU; disaggregated with two groups and
+    enough load keeps the drafter busy while the verifier verifies, so it finishes the same work sooner."""
+    one = Workload(np.zeros(1), np.array([50]), np.array([64]))
+    colocated = simulate(one, costs, trace, ClusterSpec(placement="colocated", policy="full"), seed=0)
+    assert colocated.drafter_busy_s == 0.0 and colocated.verifier_busy_s > 0
+    heavy = Workload(np.zeros(64), np.full(64, 50), np.full(64, 128))
+    spec = ClusterSpec(placement="disaggregated", verifiers=1, drafters=1, policy="full", verifier_slots=64)
+    plain = simulate(heavy, costs, trace, spec, seed=0)
+    pipelined = simulate(heavy, costs, trace, replace(spec, groups=2), seed=0)
+    assert pipelined.end_s < plain.end_s
+
+
+def test_autoscaling_follows_the_engine_load_policy(costs, trace) -> None:
+    """A load that needs several replicas at a target of 4 held requests each scales the pool up, and the
+    pool drains back to min_replicas once the arrivals stop."""
+    scaling = PoolScaling(
+        min_replicas=1,
+        max_replicas=6,
+        target_ongoing_requests=4,
+        look_back_period_s=2,
+        upscale_delay_s=1,
+        downscale_delay_s=2,
+    )
+    spec = ClusterSpec(
+        placement="colocated", verifiers=1, policy="dspark", verifier_scaling=scaling, control_interval_s=0.5
+    )
+    fast = replace(costs, verifier_start_s=1.0)
+    workload = generated(60.0, 20.0, LengthSpec.parse("64"), LengthSpec.parse("400"), np.random.default_rng(0))
+    result = simulate(workload, fast, trace, spec, seed=0)
+    _check_conservation(workload, result)
+    replicas = [v for _, v, _, _ in result.timeline]
+    assert max(replicas) > 2
+    assert replicas[-1] <= replicas[replicas.index(max(replicas))]
+    assert result.timeline[-1][3] <= 1  # the last tick saw the system (nearly) empty
+
+
+def test_a_drafter_pool_scaled_to_zero_starts_again_for_waiting_requests(costs, trace) -> None:
+    idle = PoolScaling(
+        min_replicas=0,
+        max_replicas=2,
+        target_ongoing_requests=4,
+        look_back_period_s=1,
+        upscale_delay_s=0,
+        downscale_delay_s=0,
+    )
+    spec = ClusterSpec(placement="disaggregated", verifiers=1, drafters=1, drafter_scaling=idle, control_interval_s=0.5)
+    two_bursts = Workload(np.array([0.0, 0.1, 30.0, 30.1]), np.full(4, 20), np.full(4, 32))
+    result = simulate(two_bursts, replace(costs, drafter_start_s=2.0), trace, spec, seed=0)
+    _check_conservation(two_bursts, result)
+    drafters = [d for _, _, d, _ in result.timeline]
+    assert 0 in drafters  # idle between the bursts
+    assert result.first_token_s[2] - result.arrival_s[2] >= 2.0  # waited for a drafter to start
+
+
+def test_serve_rules_around_the_policy() -> None:
+    scaler = PoolAutoscaler(
+        PoolScaling(
+            min_replicas=1,
+            max_replicas=10,
+            target_ongoing_requests=2,
+            look_back_period_s=2,
+            upscale_delay_s=3,
+            downscale_delay_s=5,
+        ),
+        initial=2,
+    )
+    assert scaler.tick(0.0, {"a": 8.0, "b": 8.0}, 2) == 2  # wants 8, waits for the upscale delay
+    assert scaler.tick(3.0, {"a": 8.0, "b": 8.0}, 2) == 8
+    assert scaler.tick(4.0, {"a": 0.0}, 8) == 8  # wants fewer: waits for the downscale delay
+    assert scaler.tick(20.0, {"a": 0.0}, 8) == 1  # look-back average is 0 now; never below one replica
+
+
+def test_planner_ranks_candidates_and_recommends_pool_configs(costs, trace) -> None:
+    base = ClusterSpec(policy="dspark", verifier_slots=64, drafter_slots=64)
+    specs = candidates(base, 4, [(1, 1), (1, 3)], [1, 2])
+    assert [(s.placement, s.verifiers, s.drafters, s.groups) for s in specs] == [
+        ("colocated", 4, 0, 1),
+        ("disaggregated", 2, 2, 1),
+        ("disaggregated", 2, 2, 2),
+        ("disaggregated", 3, 1, 1),
+        ("disaggregated", 3, 1, 2),
+    ]
+    slo = Slo(0.5, 0.02)
+    rows = plan(specs[:2], lambda rate: _workload(rate=rate, duration=3.0), costs, trace, slo, progress=False)
+    per_gpu = [r.goodput_per_gpu for r in rows]
+    assert per_gpu == sorted(per_gpu, reverse=True) and per_gpu[-1] > 0
+    for row in rows:  # the goodput rate meets the attainment; twice the rate (past the search's bracket) misses
+        assert row.summary.slo_met >= 0.9
+        double = simulate(_workload(rate=2.2 * row.goodput_rps, duration=3.0), costs, trace, row.simulated, seed=0)
+        assert summarize(double, slo).slo_met < 0.9
+    config = recommended_autoscaling(rows[0])
+    assert 1 <= config["verifier"]["target_ongoing_requests"] < 64
+    assert config["verifier"]["max_replicas"] == rows[0].deployment.verifiers
+    for pool in config.values():
+        PoolScaling.from_config(pool, "recommended")  # a valid autoscaling_config
+
+
+def test_large_deployments_are_simulated_as_slices_with_the_same_ratio() -> None:
+    spec = ClusterSpec(placement="disaggregated", verifiers=384, drafters=128, groups=2)
+    assert (slice_of(spec, 64).verifiers, slice_of(spec, 64).drafters, slice_of(spec, 64).groups) == (48, 16, 2)
+    assert slice_of(replace(spec, placement="colocated", verifiers=512, drafters=0), 64).verifiers == 64
+    assert slice_of(replace(spec, verifiers=6, drafters=2), 64) == replace(spec, verifiers=6, drafters=2)
+    near = slice_of(replace(spec, verifiers=341, drafters=171), 64)  # 341:171 does not reduce: the closest split
+    assert (near.verifiers, near.drafters) == (43, 21)
+
+
+def test_summary_goodput_counts_slo_meeting_requests(costs, trace) -> None:
+    workload = _workload(rate=20.0, duration=5.0)
+    result = simulate(workload, costs, trace, ClusterSpec(placement="colocated", verifiers=2), seed=0)
+    loose, tight = summarize(result, Slo(10.0, 1.0)), summarize(result, Slo(1e-4, 1e-4))
+    assert loose.slo_met == 1.0 and tight.slo_met == 0.0
+    assert loose.goodput_rps == pytest.approx(workload.size / result.end_s)
+    assert loose.goodput_per_gpu == pytest.approx(loose.goodput_rps / 2)
+
+
+def test_cost_file_errors_name_the_field() -> None:
+    data = json.loads(COSTS.read_text())
+    parse_costs(data)
+    broken = dict(data, draft={**data["draft"], "seconds": data["draft"]["seconds"][:-1]})
+    with pytest.raises(CostFileError, match="draft"):
+        parse_costs(broken)
+    with pytest.raises(CostFileError, match=r"hops\.colocated_s"):
+        parse_costs(dict(data, hops={**data["hops"], "colocated_s": -1}))
+    with pytest.raises(CostFileError, match="source"):
+        parse_costs(dict(data, host={k: v for k, v in data["host"].items() if k != "source"}))
+    with pytest.raises(CostFileError, match="format"):
+        parse_costs({"format": "other"})
+
+
+def test_bad_traces_workloads_and_scaling_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(TraceFileError, match="readable"):
+        load_traces(COSTS)
+    np.savez(
+        tmp_path / "t.npz",
+        logits=np.zeros((2, 7)),
+        accepted=np.array([1, 9]),
+        request=np.array([0, 0]),
+        has_confidence=np.array(True),
+    )
+    with pytest.raises(TraceFileError, match="accepted"):
+        load_traces(tmp_path / "t.npz")
+    log = tmp_path / "log.txt"
+    log.write_text("# arrival input output\n0.5 10 20\n0.1, 5, 7\n")
+    replay = replayed(log)
+    assert replay.arrival_s.tolist() == [0.1, 0.5] and replay.output_tokens.tolist() == [7, 20]
+    log.write_text("0.5 10\n")
+    with pytest.raises(WorkloadError, match=":1:"):
+        replayed(log)
+    with pytest.raises(WorkloadError, match="bad length"):
+        LengthSpec.parse("uniform:5:2")
+    with pytest.raises(ScalingConfigError, match="unknown field"):
+        PoolScaling.from_config({"min_replica": 1}, "verifier")
+
+
+def test_cli_runs_and_refuses_bad_input_with_exit_code_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--costs", str(COSTS), "--traces", str(TRACES), "--sts", str(STS), "--no-progress"]
+    out = tmp_path / "run.json"
+    argv = ["simulate", "run", *common, "--rate", "10", "--duration-s", "3", "--slo-ttft-ms", "500", "--json", str(out)]
+    assert main(argv) == 0
+    assert "SLO met by" in capsys.readouterr().out
+    assert json.loads(out.read_text())["summary"]["finished"] > 0
+    assert main(["simulate", "run", "--costs", str(TRACES), "--no-progress"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert main(["simulate", "run", "--costs", str(COSTS), "--policy", "dspark", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "Traceback" not in err
+    assert main(["simulate", "run", *common, "--policy", "fixed-x"]) == 2
+    assert main(["simulate", "plan", *common, "--gpus", "2"]) == 2  # no SLO
+    assert "needs an SLO" in capsys.readouterr().err
