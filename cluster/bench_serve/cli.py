@@ -197,7 +197,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     except (WorkloadError, ValueError, BenchError) as error:
         print(f"dspark bench serve: {error}", file=sys.stderr)
         return 2
-    result["command"] = ["dspark", *sys.argv[1:]] if sys.argv and "dspark" in Path(sys.argv[0]).name else sys.argv
+    result["command"] = sys.argv
     paths = report.write([result], args.out_dir, args.stem)
     print(report.level_table(result))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -70,9 +70,11 @@ async def _server_model(client: httpx.AsyncClient, base_url: str, api_key: str |
     try:
         listing = response.json()
         models = listing["data"]
-        assert isinstance(models, list) and models and all(isinstance(m.get("id"), str) for m in models)
-    except (ValueError, KeyError, TypeError, AssertionError):
-        raise BenchError(f"{url} did not answer an OpenAI model list: {response.text[:300]}") from None
+        valid = isinstance(models, list) and bool(models) and all(isinstance(m.get("id"), str) for m in models)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        valid = False
+    if not valid:
+        raise BenchError(f"{url} did not answer an OpenAI model list: {response.text[:300]}")
     return listing
 
 
