@@ -161,11 +161,17 @@ class NetworkConfig(_Strict):
 class AppConfig(_Strict):
     """Everything ``cluster.app.build_app`` needs; the ``args`` of the Serve application.
 
+    ``placement``: ``disaggregated`` (drafter and verifier deployments on their own pools, the scheduler's
+    round loops between them over gRPC) or ``colocated`` (one ``Engine`` deployment whose replicas each hold both
+    engines on one device and run the round pipeline in process, on the ``verify_pool``; the scheduler admits
+    and routes requests to them). docs/DEPLOYMENT.md says when each pays.
+
     ``cache_dir``: where profiled SPS tables are kept between starts (``<cache_dir>/sps``, see
     :mod:`cluster.sps_cache`); default ``$DSPARK_CACHE_DIR``, else ``~/.cache/dspark``. Each replica resolves it
     on its own node, so on a cluster it should be a volume that outlives the pod (docs/DEPLOYMENT.md)."""
 
     model_name: str = "dspark-demo"
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
     cache_dir: str | None = None
     models: ModelConfig = ModelConfig()
     draft_pool: PoolConfig = PoolConfig(resource="draft_pool")
