@@ -279,6 +279,9 @@ class EngineReplica:
     def address(self) -> str:
         return self.server.address
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     async def __del__(self) -> None:
         """Serve awaits this when it stops the replica: drain, then stop serving (see :func:`_leave`)."""
         if hasattr(self, "_heartbeat"):  # absent when the constructor failed
