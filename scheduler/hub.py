@@ -430,6 +430,10 @@ def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         waiting=sum(s.waiting for s in snapshots),
         recent_round_s=max(s.recent_round_s for s in snapshots),
         rounds_without_draft=sum(s.rounds_without_draft for s in snapshots),
+        round_draft_time_s=sum(s.round_draft_time_s for s in snapshots),
+        round_verify_time_s=sum(s.round_verify_time_s for s in snapshots),
+        transfer_time_s=sum(s.transfer_time_s for s in snapshots),
+        host_time_s=sum(s.host_time_s for s in snapshots),
     )
 
 
