@@ -364,6 +364,8 @@ class RpcServer:
                     continue
                 try:
                     response = await handler(request)
+                except asyncio.CancelledError:  # the handler gave up on this message: the stream ends with it
+                    await _abort(context, grpc.StatusCode.CANCELLED, f"{where} was cancelled")
                 except Exception as exc:
                     yield self._stream_error(*_status_for(exc, where))
                     continue
