@@ -128,13 +128,11 @@ class _Wire:
         probe = SyncRpcClient(self.verify_addr, timeout_s=10)
         features = probe.call("dspark.Verifier", "Info", {})["feature_bytes_sent"]
         probe.close()
-        drafters = list(self.pool._clients.values())
-        client = self.verify._client
         return {
-            "scheduler_to_drafter": sum(c.bytes_sent for c in drafters),
-            "drafter_to_scheduler": sum(c.bytes_received for c in drafters),
-            "scheduler_to_verifier": client.bytes_sent,
-            "verifier_to_scheduler": client.bytes_received,
+            "scheduler_to_drafter": self.pool.bytes_sent,
+            "drafter_to_scheduler": self.pool.bytes_received,
+            "scheduler_to_verifier": self.verify.bytes_sent,
+            "verifier_to_scheduler": self.verify.bytes_received,
             "verifier_to_drafter_features": features,
         }
 
