@@ -27,6 +27,7 @@ from model_factory import PairSpec, write_pair
 from cluster.messages import Int, Message
 from cluster.rpc import RoundStream, ServerThread, Service, StreamCallError, StreamLane, SyncRpcClient, stream_method
 from cluster.sampling import SamplingParams
+from cluster.wire import decode, encode
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
@@ -172,6 +173,13 @@ def test_a_refused_message_fails_only_itself_and_the_stream_serves_on(servers) -
         assert verifier.engine.num_free_slots == 7  # only the one good prefill was applied
     finally:
         lane.close()
+    # Bytes that are no msgpack at all, on a raw stream: an INVALID_ARGUMENT envelope, then the next message.
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    with grpc.insecure_channel(verify_server.address) as channel:
+        twin = channel.stream_stream(f"/{VERIFIER}/{stream_method('Step')}")
+        replies = [decode(r) for r in twin(iter([b"\xc1", encode(_prefill("b", [4, 5]))]), timeout=30,
+                                           metadata=metadata)]
+    assert replies[0]["code"] == "INVALID_ARGUMENT" and replies[1]["ok"]["req_ids"] == ["b"]
 
 
 @pytest.mark.parametrize("token", [None, "wrong"], ids=["missing", "wrong"])
