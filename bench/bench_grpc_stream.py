@@ -120,6 +120,10 @@ def _serve(sync_server: bool) -> None:
             await start
         print(json.dumps({"tcp": tcp.getsockname()[1], "grpc": port, "dspark": dspark.port}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+        await dspark.stop(None)
+        stop = server.stop(None)
+        if stop is not None:
+            await stop
 
     asyncio.run(main())
 

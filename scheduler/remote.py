@@ -329,8 +329,9 @@ class DrafterPool:
         return lane
 
     def _close_lane(self, lane: _Lane) -> None:
-        self._retired_bytes[0] += sum(s.bytes_sent for s in lane.streams.values())
-        self._retired_bytes[1] += sum(s.bytes_received for s in lane.streams.values())
+        with self._lock:
+            self._retired_bytes[0] += sum(s.bytes_sent for s in lane.streams.values())
+            self._retired_bytes[1] += sum(s.bytes_received for s in lane.streams.values())
         lane.lane.close()
 
     def _stream(self, lane: _Lane, address: str) -> RoundStream:
