@@ -872,8 +872,9 @@ class RoundStream(_ClientBase):
         self.streams_opened += 1
         headers = await call.initial_metadata()
         if headers is None or headers.get(_STREAM_OPEN) is None:  # trailers only: refused or gone
+            code, details = await call.code(), await call.details()  # the server's status, before cancelling
             self._drop()
-            raise StreamCallError(await call.code(), await call.details())
+            raise StreamCallError(code, details)
         return call
 
     async def _write(self, call: grpc.aio.StreamStreamCall, payload: bytes) -> None:
