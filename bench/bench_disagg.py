@@ -131,13 +131,12 @@ class _Replicas:
     def read(self) -> dict[str, float]:
         drafter = self.probes[DRAFTER].call(DRAFTER, "Info", {})
         verifier = self.probes[VERIFIER].call(VERIFIER, "Info", {})
-        clients = list(self.pool._clients.values())
         return {
             "wall_s": time.perf_counter(),
             "drafter_busy_s": drafter["engine_busy_s"],
             "verifier_busy_s": verifier["engine_busy_s"],
-            "scheduler_drafter_bytes": sum(c.bytes_sent + c.bytes_received for c in clients),
-            "scheduler_verifier_bytes": self.verifier._client.bytes_sent + self.verifier._client.bytes_received,
+            "scheduler_drafter_bytes": self.pool.bytes_sent + self.pool.bytes_received,
+            "scheduler_verifier_bytes": self.verifier.bytes_sent + self.verifier.bytes_received,
             "feature_bytes": verifier["feature_bytes_sent"] + verifier.get("feature_bytes_collective", 0),
         }
 

@@ -100,7 +100,7 @@ def _start_server(kind: str, drafter: Path, sps_path: Path, args: argparse.Names
     path = os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))  # keep a carried site tree
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--draft", str(drafter),
-           "--max-requests", str(args.concurrency), "--max-seq-len", "512", "--device", "cpu",
+           "--max-requests", str(max(2, args.concurrency)), "--max-seq-len", "512", "--device", "cpu",
            "--dtype", "float32", "--log-level", "warning", "--context-projection", args.context_projection]
     if kind == "verify-server":  # the verifier decides what travels and when drafters draft
         cmd += ["--sps", str(sps_path), "--feature-dtype", args.feature_dtype,
@@ -128,13 +128,11 @@ class _Wire:
         probe = SyncRpcClient(self.verify_addr, timeout_s=10)
         features = probe.call("dspark.Verifier", "Info", {})["feature_bytes_sent"]
         probe.close()
-        drafters = list(self.pool._clients.values())
-        client = self.verify._client
         return {
-            "scheduler_to_drafter": sum(c.bytes_sent for c in drafters),
-            "drafter_to_scheduler": sum(c.bytes_received for c in drafters),
-            "scheduler_to_verifier": client.bytes_sent,
-            "verifier_to_scheduler": client.bytes_received,
+            "scheduler_to_drafter": self.pool.bytes_sent,
+            "drafter_to_scheduler": self.pool.bytes_received,
+            "scheduler_to_verifier": self.verify.bytes_sent,
+            "verifier_to_scheduler": self.verify.bytes_received,
             "verifier_to_drafter_features": features,
         }
 
@@ -170,8 +168,9 @@ def main() -> int:
     else:
         sps = profile_target_sps(target, chunk=drafter.block_size + 1, max_batch_tokens=args.concurrency * 8)
 
-    local = build_engine(target, drafter, policy="dspark", sps=sps, max_requests=args.concurrency, max_seq_len=512,
-                         calibration=load_calibration(drafter_dir), groups=args.in_process_groups)
+    # At least two slots: the drafter's warm-up needs two (as the servers' --max-requests below).
+    local = build_engine(target, drafter, policy="dspark", sps=sps, max_requests=max(2, args.concurrency),
+                         max_seq_len=512, calibration=load_calibration(drafter_dir), groups=args.in_process_groups)
     _run(local, prompts[:1], 8, "warm-up")
     runs: dict[str, list[dict]] = {"in_process": [], "grpc": []}
     loads: list[float] = []

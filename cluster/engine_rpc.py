@@ -2,7 +2,9 @@
 
 Engines are synchronous and compute-bound; each service runs every engine call on ONE dedicated thread so calls
 are serialised (the engines are single-threaded by design) while the gRPC event loop stays free to answer health
-checks and to accept the next message.
+checks and to accept the next message. That is the one thread hand-off a per-round message meets in a replica
+(event loop -> engine thread -> event loop): running the engine on the loop itself would leave a wedged or long
+step unobservable (no health answer) and hold back the verifier's feature pushes, which the loop sends.
 """
 
 from __future__ import annotations
@@ -43,12 +45,17 @@ class EngineThread:
         self.busy_total_s = 0.0  # engine time of all finished calls: busy fraction = its growth / wall time
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return (await self.run_timed(fn, *args))[0]
+
+    async def run_timed(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+        """``fn(*args)`` on the engine thread, and the seconds it ran there (what a reply reports as the
+        server's engine time: the round driver tells transfer from compute with it)."""
         loop = asyncio.get_running_loop()
 
-        def timed() -> T:
+        def timed() -> tuple[T, float]:
             self._started = started = time.monotonic()
             try:
-                return fn(*args)
+                return fn(*args), time.monotonic() - started
             finally:
                 self._started = None
                 self.busy_total_s += time.monotonic() - started

@@ -331,6 +331,20 @@ class _SpecDecodeCollector:
         yield counter("dspark_draft_seconds", "Time spent drafting.", s.draft_time_s)
         yield counter("dspark_schedule_seconds", "Time spent choosing verification lengths.", s.schedule_time_s)
         yield counter("dspark_verify_seconds", "Time spent in target verify passes.", s.verify_time_s)
+        # The round split: five parts that add up to the rounds' wall time (scheduler.metrics).
+        split = (
+            ("draft", "Drafting, in the drafter replicas' own time when remote (transfer excluded).",
+             s.round_draft_time_s),
+            ("verify", "Target verify passes, in the verifier replica's own time when remote (transfer excluded).",
+             s.round_verify_time_s),
+            ("schedule", "Choosing verification lengths.", s.schedule_time_s),
+            ("transfer", "Round trips to the replicas minus the time the replicas report for them: codec, "
+             "transport, thread hand-offs (0 in one process).", s.transfer_time_s),
+            ("host", "The rest of the rounds in the round driver: admission, building messages, commit, releases.",
+             s.host_time_s),
+        )
+        for part, doc, value in split:
+            yield counter(f"dspark_round_{part}_seconds", doc, value)
         yield gauge("dspark_tau", "Mean tokens per request-round, bonus token included.", s.tau)
         yield gauge(
             "dspark_verify_budget",

@@ -61,6 +61,9 @@ SERVING, NOT_SERVING = "SERVING", "NOT_SERVING"
 _MAX_DETAILS_CHARS = 1000
 
 HEALTH_REQUEST = Message("HealthCheckRequest", {"service": Opt(Str(max_len=256))})
+# The envelope of a reply on a method's stream twin: {_OK: response} or {_CODE: status name, _DETAILS: message}.
+_OK, _CODE, _DETAILS = "ok", "code", "details"
+_STREAM_OPEN = "dspark-stream-open"  # header a stream twin sends once it accepted the stream
 
 UnaryHandler = Callable[[dict[str, Any]], Awaitable[Any]]
 StreamHandler = Callable[[dict[str, Any]], AsyncIterator[Any]]
@@ -101,6 +104,9 @@ class Service:
             handler = spec[0]
             if not (inspect.iscoroutinefunction(handler) or inspect.isasyncgenfunction(handler)):
                 raise TypeError(f"{self.name}/{method}: the handler must be an async def or async generator")
+        for method, (handler, _) in self.methods.items():
+            if inspect.iscoroutinefunction(handler) and stream_method(method) in self.methods:
+                raise ValueError(f"{self.name}/{stream_method(method)} is taken by the stream of {method}")
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,11 @@ HealthFn = Callable[[], HealthStatus | Awaitable[HealthStatus]]
 
 def _method_path(service: str, method: str) -> str:
     return f"/{service}/{method}"
+
+
+def stream_method(method: str) -> str:
+    """The bidirectional-stream twin of a unary method: the same handler and schema, one message each way."""
+    return f"{method}Stream"
 
 
 def _join_host_port(host: str, port: int) -> str:
@@ -270,6 +281,8 @@ class RpcServer:
             else:
                 behavior = self._unary_behavior(where, handler, schema)
                 handlers[method] = grpc.unary_unary_rpc_method_handler(behavior)
+                bidi = self._bidi_behavior(where, handler, schema)
+                handlers[stream_method(method)] = grpc.stream_stream_rpc_method_handler(bidi)
         return grpc.method_handlers_generic_handler(service.name, handlers)
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
@@ -329,6 +342,43 @@ class RpcServer:
                 await items.aclose()
 
         return behavior
+
+    def _bidi_behavior(
+        self, where: str, handler: UnaryHandler, schema: Type
+    ) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], AsyncIterator[bytes]]:
+        """The stream twin of a unary method: authorised once when the stream opens, then every message is
+        answered in order by the unary handler with an envelope (:func:`_envelope`), so that a refused message
+        fails only itself and the stream serves the next one. Messages are handled one at a time: a caller
+        sends its next message after the previous reply (one round in flight per stream)."""
+
+        async def behavior(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            await self._authorize(context)
+            # Headers now, marked: the client knows the stream is open before its first message (a refusal
+            # comes as trailers only, and a write racing it would turn its status into INTERNAL).
+            await context.send_initial_metadata(((_STREAM_OPEN, "1"),))
+            async for raw in requests:
+                try:
+                    request = validate(schema, decode(raw, limits=self.limits))
+                except WireError as exc:
+                    yield self._stream_error(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    continue
+                try:
+                    response = await handler(request)
+                except asyncio.CancelledError:  # the handler gave up on this message: the stream ends with it
+                    await _abort(context, grpc.StatusCode.CANCELLED, f"{where} was cancelled")
+                except Exception as exc:
+                    yield self._stream_error(*_status_for(exc, where))
+                    continue
+                try:
+                    yield encode({_OK: response}, limits=self.limits)
+                except WireError as exc:
+                    log.error("%s returned a value that cannot be sent: %s", where, exc)
+                    yield self._stream_error(grpc.StatusCode.INTERNAL, f"cannot encode the response: {exc}")
+
+        return behavior
+
+    def _stream_error(self, code: grpc.StatusCode, message: str) -> bytes:
+        return encode({_CODE: code.name, _DETAILS: message[:_MAX_DETAILS_CHARS]}, limits=self.limits)
 
     async def _health_check(self, request: dict[str, Any]) -> dict[str, Any]:
         if not self._serving:
@@ -594,3 +644,282 @@ class SyncRpcClient(_ClientBase):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Long-lived streams for the per-round messages
+
+
+class StreamCallError(grpc.RpcError):
+    """One message on a stream failed (its envelope carried an error status, or it ran past its deadline).
+
+    A ``grpc.RpcError`` with ``code()`` and ``details()`` like the error of a unary call, so that callers (the
+    round driver's failover, tests) treat a refused message exactly as a refused call."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_STATUS_BY_NAME = {code.name: code for code in grpc.StatusCode}
+
+
+class _ThreadLoop:
+    """The event loop on which one thread drives its streams, and the lock held while it runs.
+
+    Never closed: grpc delivers events of a channel's teardown some time after ``close`` returns, and an event
+    for a closed loop raises inside grpc's poller. A thread's loop lives as long as the process (a few
+    descriptors per thread that drove streams)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.lock = threading.Lock()
+
+
+_THREAD_LOOPS = threading.local()
+
+
+def _this_thread_loop() -> _ThreadLoop:
+    slot: _ThreadLoop | None = getattr(_THREAD_LOOPS, "slot", None)
+    if slot is None:
+        slot = _THREAD_LOOPS.slot = _ThreadLoop()
+    return slot
+
+
+class StreamLane:
+    """grpc.aio channels and long-lived streams driven by the thread that calls them, on that thread's loop.
+
+    The per-round messages of a round loop go here (one message each way per replica per round) instead of one
+    unary call each. The calling thread runs the event loop itself for each message or fan-out
+    (``run_until_complete``): it encodes, writes and waits for the reply there, so the message is handed to no
+    other Python thread. What remains is grpc's own: its poller thread wakes the loop when the reply arrives
+    (and when other event loops run in the process, e.g. a server's, the one that sees the wake-up first
+    forwards it to this loop). Between messages the loop does not run; grpc queues what arrives meanwhile.
+
+    One thread: the lane binds to the thread of its first call (a round loop, or a pipelined engine's drafter
+    thread), which makes one call at a time; a call from another thread while that thread's loop runs raises
+    ``RuntimeError``. :meth:`close` may come from any thread (it waits for a call in progress).
+    """
+
+    def __init__(self) -> None:
+        self._slot: _ThreadLoop | None = None  # the loop of the thread that drives the lane
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: list[RoundStream] = []
+        self._closed = False
+
+    def stream(
+        self,
+        target: str,
+        service: str,
+        method: str,
+        *,
+        response_schema: Type | None = None,
+        **options: Any,
+    ) -> RoundStream:
+        """A stream to the stream twin of ``service/method`` at ``target`` (keyword options as in
+        :class:`RpcClient`: token, timeout_s, limits). Opened lazily on its first message."""
+        stream = RoundStream(self, target, service, method, response_schema=response_schema, **options)
+        self._streams.append(stream)
+        return stream
+
+    def call(self, stream: RoundStream, request: Any, *, timeout_s: float | None = None) -> Any:
+        """Send one message on ``stream`` and return its reply (``timeout_s``: this message's deadline)."""
+        return self.call_many([(stream, request)], timeout_s=timeout_s)[0]
+
+    def call_many(
+        self, calls: Sequence[tuple[RoundStream, Any]], *, timeout_s: float | None = None
+    ) -> list[Any]:
+        """One message on each stream, all in flight at once (a round's fan-out to several replicas); returns
+        the replies in order once every one has ended, or raises the first error among them. The deadline
+        (default: the first stream's) covers the whole fan-out."""
+        if not calls:
+            return []
+        timeout = calls[0][0]._timeout(timeout_s)
+        outcomes = self._run(lambda: self._exchange_all(calls), timeout)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
+
+    async def _exchange_all(self, calls: Sequence[tuple[RoundStream, Any]]) -> list[Any]:
+        if len(calls) == 1:
+            stream, request = calls[0]
+            try:
+                return [await stream._exchange(request)]
+            except Exception as exc:
+                return [exc]
+        return await asyncio.gather(*(s._exchange(r) for s, r in calls), return_exceptions=True)
+
+    def _run(self, make: Callable[[], Awaitable[Any]], timeout_s: float | None = None, wait_s: float = 0.0) -> Any:
+        """Run ``make()`` on the lane's loop in this thread; ``wait_s``: how long to wait for a run in progress."""
+        if self._slot is None:
+            self._slot = _this_thread_loop()
+        slot = self._slot
+        if not slot.lock.acquire(timeout=wait_s) if wait_s > 0 else not slot.lock.acquire(blocking=False):
+            raise RuntimeError("a StreamLane serves one thread at a time and another thread is using its loop")
+        try:
+            if self._closed:
+                raise RuntimeError("the StreamLane is closed")
+            loop = slot.loop
+            task = loop.create_task(make())  # type: ignore[arg-type]
+            expired: list[bool] = []
+            timer = None
+            if timeout_s is not None:
+
+                def expire() -> None:
+                    expired.append(True)
+                    task.cancel()
+
+                timer = loop.call_later(timeout_s, expire)
+            try:
+                return loop.run_until_complete(task)
+            except asyncio.CancelledError:
+                if not expired:
+                    raise
+                # Each stream that was in flight dropped its call: it reopens for its next message.
+                raise StreamCallError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {timeout_s:g} s (the stream is dropped)"
+                ) from None
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        finally:
+            slot.lock.release()
+
+    def _channel(self, target: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = self._channels[target] = grpc.aio.insecure_channel(target, options=options)
+        return channel
+
+    def forget(self, target: str) -> None:
+        """Close the streams and the channel to ``target`` (a replica that left); from the driving thread."""
+        streams = [s for s in self._streams if s.target == target]
+        self._streams = [s for s in self._streams if s.target != target]
+        channel = self._channels.pop(target, None)
+        if self._slot is not None and (channel is not None or streams):
+            self._run(lambda: self._close_all(streams, [channel] if channel is not None else []))
+
+    async def _close_all(self, streams: Sequence[RoundStream], channels: Sequence[grpc.aio.Channel]) -> None:
+        calls = [call for call in (stream._drop() for stream in streams) if call is not None]
+        for call in calls:
+            await call.code()
+        for channel in channels:
+            await channel.close(None)
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Cancel the streams and close the channels, from any thread: waits up to ``wait_s`` for a call in
+        progress on the lane's loop; if it does not end, the lane is only marked closed (its sockets close with
+        the process)."""
+        if self._closed:
+            return
+        streams, self._streams = self._streams, []
+        channels = list(self._channels.values())
+        self._channels.clear()
+        try:
+            if self._slot is not None:
+                self._run(lambda: self._close_all(streams, channels), wait_s=wait_s)
+        except RuntimeError as exc:
+            log.warning("stream lane not closed cleanly: %s", exc)
+        finally:
+            self._closed = True
+
+
+class RoundStream(_ClientBase):
+    """One long-lived bidirectional stream to the stream twin of a unary method (:func:`stream_method`).
+
+    Each message is the unary method's request, answered with its response (the server wraps it in an envelope
+    that also carries a refusal: an ``INVALID_ARGUMENT`` fails that message only, as :class:`StreamCallError`,
+    and the stream serves the next). The stream opens on its first message and is reopened for the next
+    message after it broke (a server restart, a cancelled call, a deadline): never for the message that was in
+    flight, which fails with the stream's error, because a resent round could be applied twice. The bearer
+    token travels once, when the stream opens. Used through its :class:`StreamLane` (``call``)."""
+
+    def __init__(
+        self,
+        lane: StreamLane,
+        target: str,
+        service: str,
+        method: str,
+        *,
+        response_schema: Type | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(target, **options)
+        self.service = service
+        self.method = method
+        self._lane = lane
+        self._path = _method_path(service, stream_method(method))
+        self._response_schema = response_schema
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self.streams_opened = 0
+
+    def call(self, request: Any, *, timeout_s: float | None = None) -> Any:
+        """Send one message and wait for its reply (on the calling thread, through the lane's loop)."""
+        return self._lane.call(self, request, timeout_s=timeout_s)
+
+    async def _open(self) -> grpc.aio.StreamStreamCall:
+        """A new stream, once the server accepted it (its marked headers): else the refusal's status."""
+        channel = self._lane._channel(self.target, self._options)
+        call = self._call = channel.stream_stream(self._path)(metadata=self._metadata)
+        self.streams_opened += 1
+        headers = await call.initial_metadata()
+        if headers is None or headers.get(_STREAM_OPEN) is None:  # trailers only: refused or gone
+            code, details = await call.code(), await call.details()  # the server's status, before cancelling
+            self._drop()
+            raise StreamCallError(code, details)
+        return call
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, payload: bytes) -> None:
+        try:
+            await call.write(payload)
+        except asyncio.InvalidStateError:  # the call had ended: an RpcError with its status, as a unary call's
+            raise StreamCallError(await call.code(), await call.details()) from None
+
+    async def _exchange(self, request: Any) -> Any:
+        payload = self._encode(request)
+        call = self._call
+        fresh = call is None or call.done()
+        try:
+            if fresh:
+                call = await self._open()
+            try:
+                await self._write(call, payload)
+            except grpc.RpcError:
+                if fresh:
+                    raise
+                # The stream broke while idle (its end not seen yet: the lane's loop was not running), so the
+                # message did not leave this process: it goes on a new stream. Never after a successful write.
+                self._drop()
+                call = await self._open()
+                await self._write(call, payload)
+            raw = await call.read()
+        except BaseException:  # broken, refused, cancelled, past the deadline: no reply to match any more
+            self._drop()
+            raise
+        if raw is grpc.aio.EOF:  # the server ended the stream without an error status
+            self._drop()
+            raise StreamCallError(grpc.StatusCode.UNAVAILABLE, "the stream ended")
+        reply = self._decode(raw, None)
+        if type(reply) is dict and _OK in reply:
+            body = reply[_OK]
+            return body if self._response_schema is None else validate(self._response_schema, body)
+        if type(reply) is dict and _CODE in reply:
+            code = _STATUS_BY_NAME.get(reply[_CODE], grpc.StatusCode.UNKNOWN)
+            raise StreamCallError(code, str(reply.get(_DETAILS, "")))
+        self._drop()
+        raise StreamCallError(grpc.StatusCode.INTERNAL, "malformed reply on the stream")
+
+    def _drop(self) -> grpc.aio.StreamStreamCall | None:
+        """Cancel the stream (the next message opens a new one); returns the cancelled call, if any."""
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+        return call

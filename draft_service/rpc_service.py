@@ -289,9 +289,13 @@ class DrafterService:
             raise ValueError("Propose: req_ids, anchors and positions must have the same length")
         items = [DraftItem(r, a, p) for r, a, p in zip(request["req_ids"], request["anchors"], request["positions"],
                                                           strict=True)]
+        waited = 0.0
         if self._not_ready(items):
+            loop = asyncio.get_running_loop()
+            started = loop.time()
             await self._wait_for_context(items)
-        proposal, ahead = await self._thread.run(self._proposal, items)
+            waited = loop.time() - started
+        (proposal, ahead), engine_s = await self._thread.run_timed(self._proposal, items)
         self.proposals_ahead += ahead
         topk_ids, topk_probs = proposal.topk_ids, proposal.topk_probs
         # Greedy requests are verified without their draft distribution: only the others' rows travel.
@@ -309,6 +313,11 @@ class DrafterService:
             "distribution_rows": rows,
             "topk_ids": topk_ids.to(torch.int32).cpu(),
             "topk_probs": topk_probs.to(torch.float32).cpu(),
+            # Engine-thread time of this call (drafting, or taking the drafts made ahead), and how long it
+            # waited for context rows still on their way from the verifier (or being appended): the caller
+            # counts both as the drafter's time and the rest of its round trip as transfer.
+            "engine_ms": 1e3 * engine_s,
+            "wait_ms": 1e3 * waited,
         }
 
     async def _release(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,15 @@ _POSITION = operator.attrgetter("position")
 _GREEDY = operator.attrgetter("greedy")
 
 
+def _transfer_s(engine: object, phase_s: float) -> float:
+    """The part of a phase of ``phase_s`` seconds spent outside the engine's replicas: the phase minus the
+    replicas' time of the engine's last call (``last_server_s``, a remote engine's; 0 for an in-process one)."""
+    server_s = getattr(engine, "last_server_s", None)
+    if server_s is None:
+        return 0.0
+    return min(max(phase_s - server_s, 0.0), phase_s)
+
+
 class RequestRejectedError(ValueError):
     """A request can never be served as given (e.g. longer than the context limit); nothing was queued."""
 
@@ -216,6 +225,11 @@ class SpeculativeEngine:
             self._planned_lengths = getattr(policy, "planned_lengths", None)
         self._chain_draft = chain_draft and self._planned_lengths is not None and hasattr(self.draft, "propose_behind")
         self._observe_drafts: Callable[[np.ndarray, np.ndarray], None] | None = getattr(policy, "observe_drafts", None)
+        # The round split (scheduler.metrics): when the round began, and the part of its draft phase spent
+        # outside the drafters. A remote engine reports the replicas' time of its last call (``last_server_s``,
+        # scheduler.remote); an in-process engine has no transfer.
+        self._round_started = 0.0
+        self._draft_transfer_s = 0.0
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -334,6 +348,8 @@ class SpeculativeEngine:
     # --------------------------------------------------------------------------------------------- the round
     def step(self) -> list[RequestOutput]:
         """Run one round; returns the deltas of every request that emitted tokens or finished."""
+        self._round_started = time.perf_counter()
+        self._draft_transfer_s = 0.0
         admitted = self._admit()
         # Admitted requests were inserted last into the (insertion-ordered) running dict.
         running = list(self._running.values())
@@ -370,6 +386,8 @@ class SpeculativeEngine:
             )
             proposal = self.draft.propose(batch)
         t1 = time.perf_counter()
+        if proposal is not None and ahead is None:
+            self._draft_transfer_s = _transfer_s(self.draft, t1 - t_decided)
         lengths = self._lengths(caps, proposal)
         t2 = time.perf_counter()
         verifies = self._verify_items(verified, lengths, proposal, batch)
@@ -565,8 +583,19 @@ class SpeculativeEngine:
             self._release_finished()
         if len(verified_counts):
             num_out = sum(map(len, map(_NEW_TOKENS, outputs)))
+            verify_s = t3 - t2
+            host_s = time.perf_counter() - self._round_started - draft_s - schedule_s - verify_s
             self.metrics.record_round(
-                verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out, drafted=drafting
+                verified_counts,
+                accepted_counts,
+                draft_s,
+                schedule_s,
+                verify_s,
+                num_out,
+                drafted=drafting,
+                draft_transfer_s=self._draft_transfer_s,
+                verify_transfer_s=_transfer_s(self.verify, verify_s),
+                host_s=max(host_s, 0.0),
             )
             if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
                 other_s = schedule_s + time.perf_counter() - t3

@@ -3,7 +3,15 @@
 The engine records one entry per round; exporters (Prometheus in the serving layer, tables and plots in the
 benchmarks) read :class:`MetricsSnapshot`. Counters mirror vLLM's spec-decode metrics (drafts, draft tokens,
 accepted tokens, accepted tokens per position) so existing dashboards work, plus what DSpark adds: the verification
-budget chosen by the scheduler and the split of round time into draft, schedule and verify.
+budget chosen by the scheduler and the split of round time.
+
+The round split: ``draft_time_s`` and ``verify_time_s`` are the phases as the round driver sees them (a call to a
+remote replica included, from request to reply). ``transfer_time_s`` is the part of both outside the replicas
+(round trips minus the time the replicas report for the calls: codec, transport, thread hand-offs; 0 in one
+process), ``round_draft_time_s`` and ``round_verify_time_s`` what is left of each phase, and ``host_time_s`` the
+rest of the rounds' wall time (admission, building the messages' inputs, commit, releases). So round draft, round
+verify, schedule, transfer and host add up to the rounds' wall time; each grows by a non-negative amount per
+round (Prometheus counters).
 """
 
 from __future__ import annotations
@@ -58,6 +66,10 @@ class MetricsSnapshot:
     recent_round_s: float
     # Rounds that ran no drafter: the autoregressive policy, or the draft gate judged a plain target round faster.
     rounds_without_draft: int = 0
+    round_draft_time_s: float = 0.0
+    round_verify_time_s: float = 0.0
+    transfer_time_s: float = 0.0
+    host_time_s: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -99,6 +111,10 @@ class EngineMetrics:
         self.draft_time_s = 0.0
         self.schedule_time_s = 0.0
         self.verify_time_s = 0.0
+        self.round_draft_time_s = 0.0
+        self.round_verify_time_s = 0.0
+        self.transfer_time_s = 0.0
+        self.host_time_s = 0.0
         self._recent_rounds: deque[float] = deque(maxlen=window)
 
     def record_round(
@@ -110,10 +126,14 @@ class EngineMetrics:
         verify_s: float,
         output_tokens: int,
         drafted: bool = True,
+        draft_transfer_s: float = 0.0,
+        verify_transfer_s: float = 0.0,
+        host_s: float = 0.0,
     ) -> None:
         """Record one round over R requests: ``verified[r]`` draft tokens sent, ``accepted[r]`` of them accepted;
-        ``drafted``: whether the drafter ran. Both arrays are kept (not copied) until the next fold: pass arrays
-        or lists nobody changes afterwards."""
+        ``drafted``: whether the drafter ran; the transfer parts of the draft and verify phases (each between 0
+        and its phase) and the round's host time (>= 0) as in the module docstring. Both arrays are kept (not
+        copied) until the next fold: pass arrays or lists nobody changes afterwards."""
         self.rounds += 1
         if not drafted:
             self.rounds_without_draft += 1
@@ -126,6 +146,10 @@ class EngineMetrics:
         self.draft_time_s += draft_s
         self.schedule_time_s += schedule_s
         self.verify_time_s += verify_s
+        self.round_draft_time_s += draft_s - draft_transfer_s
+        self.round_verify_time_s += verify_s - verify_transfer_s
+        self.transfer_time_s += draft_transfer_s + verify_transfer_s
+        self.host_time_s += host_s
         self._recent_rounds.append(draft_s + schedule_s + verify_s)
 
     def _fold(self) -> None:
@@ -191,6 +215,10 @@ class EngineMetrics:
             waiting=waiting,
             recent_round_s=float(np.median(self._recent_rounds)) if self._recent_rounds else 0.0,
             rounds_without_draft=self.rounds_without_draft,
+            round_draft_time_s=self.round_draft_time_s,
+            round_verify_time_s=self.round_verify_time_s,
+            transfer_time_s=self.transfer_time_s,
+            host_time_s=self.host_time_s,
         )
 
 
@@ -227,6 +255,10 @@ def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         waiting=sum(s.waiting for s in snapshots),
         recent_round_s=max(s.recent_round_s for s in snapshots),
         rounds_without_draft=sum(s.rounds_without_draft for s in snapshots),
+        round_draft_time_s=sum(s.round_draft_time_s for s in snapshots),
+        round_verify_time_s=sum(s.round_verify_time_s for s in snapshots),
+        transfer_time_s=sum(s.transfer_time_s for s in snapshots),
+        host_time_s=sum(s.host_time_s for s in snapshots),
     )
 
 

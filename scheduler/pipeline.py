@@ -136,6 +136,8 @@ class PipelinedEngine(SpeculativeEngine):
     # ------------------------------------------------------------------------------------------ the tick
     def step(self) -> list[RequestOutput]:
         """One tick: verify one group (prefilling requests admitted into it) while the next group drafts."""
+        self._round_started = time.perf_counter()
+        self._draft_transfer_s = 0.0  # drafting overlaps the tick on the drafter thread: not split
         g = self._next_group()
         if g is None:
             return []

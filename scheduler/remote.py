@@ -5,6 +5,19 @@ process (tests, single-GPU benchmarks) and across replicas. ``RemoteVerifier`` s
 ``DrafterPool`` spreads requests over drafter replicas (sticky: a request keeps its drafter until it ends) and
 fans each round's ``Propose`` out to all of them in parallel. Context features go from the verifier straight to
 the owning drafter (the ``routes`` of a ``Step``), so only control data passes through this process.
+
+The per-round messages (``Step``, ``Propose``) travel on long-lived bidirectional streams, one message each way
+per replica per round (:class:`cluster.rpc.StreamLane`): a ``RemoteVerifier`` has one stream to its replica, and
+the ``DrafterPool`` one per calling thread and drafter (the pool is shared by every verifier group's round loop,
+and a stream carries one round at a time). The round loop's thread drives its streams itself, so a round hands
+its messages to no other Python thread on this side (a fan-out to several drafters is one event-loop run, not a
+thread pool). Control calls (``Info``, ``AddRequests``, ``Release``, ``AppendContext`` of inline features) stay
+unary. A stream that broke is reopened for the next round only: the round in flight fails with the gRPC error,
+as a unary call would, and failover takes it from there (:mod:`scheduler.failover`).
+
+Both report the server's time of the thread's last call (:attr:`RemoteVerifier.last_server_s`,
+:attr:`DrafterPool.last_server_s`, from the replies' ``engine_ms``), from which the round driver tells the time
+on the wire from the replicas' compute (:class:`scheduler.metrics.EngineMetrics`).
 """
 
 from __future__ import annotations
@@ -12,13 +25,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from cluster.rpc import SyncRpcClient
+from cluster.rpc import RoundStream, StreamLane, SyncRpcClient
 from draft_service.engine import ContextItem, DraftItem, Proposal
 from scheduler.admission import place_by_free_slots
 from verify_service.engine import PrefillItem, StepResult, VerifyItem
@@ -59,6 +72,19 @@ class RemoteVerifier:
         # Whether the round driver wants the context features of requests without a drafter route back (it
         # appends them itself); a driver without a drafter says False and the features stay on the replica.
         self.inline_features = inline_features
+        # Step goes on one stream, driven by the thread that steps (the group's round loop).
+        self._lane = StreamLane()
+        self._step = self._lane.stream(address, VERIFIER, "Step", token=token, timeout_s=timeout_s)
+        self.last_server_s = 0.0  # the verifier's engine time of the last step
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes sent to the replica (unary calls and the step stream)."""
+        return self._client.bytes_sent + self._step.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self._client.bytes_received + self._step.bytes_received
 
     @property
     def num_free_slots(self) -> int:
@@ -113,14 +139,16 @@ class RemoteVerifier:
         for p in prefills:
             self._held.add(p.req_id)
         try:
-            reply = self._client.call(VERIFIER, "Step", message)
+            reply = self._step.call(message)
         except Exception:
             for p in prefills:
                 self._held.discard(p.req_id)
             raise
+        self.last_server_s = 1e-3 * reply["engine_ms"]
         return _step_results(reply)
 
     def close(self) -> None:
+        self._lane.close()
         self._client.close()
 
 
@@ -168,6 +196,17 @@ def _step_results(reply: dict[str, Any]) -> list[StepResult]:
     return results
 
 
+@dataclass
+class _Lane:
+    """One calling thread's streams to the drafters: ``Propose`` streams by address."""
+
+    thread: threading.Thread
+    lane: StreamLane = field(default_factory=StreamLane)
+    streams: dict[str, RoundStream] = field(default_factory=dict)
+    gone: set[str] = field(default_factory=set)  # drafters removed since: their streams close at the next call
+    last_server_s: float = 0.0
+
+
 class DrafterPool:
     """The DraftEngine interface over one or more drafter replicas.
 
@@ -190,7 +229,9 @@ class DrafterPool:
         self._detached: set[str] = set()  # requests admitted while no drafter was there (degraded mode)
         self._projections: dict[str, str] = {}  # address -> fingerprint of the drafter's context projection
         self._required_projection: str | None = None  # what the verifiers project with (require_projection)
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="drafters")
+        self._local = threading.local()  # this thread's _Lane
+        self._lanes: list[_Lane] = []  # every thread's, to close them
+        self._retired_bytes = [0, 0]  # sent / received on the streams of lanes closed already
         first = self.add_drafter(addresses[0])
         self.block_size: int = first["block_size"]
         self.has_confidence_head: bool = first["has_confidence_head"]
@@ -267,9 +308,64 @@ class DrafterPool:
             lost = [r for r, a in self._owner.items() if a == address]
             for req_id in lost:
                 del self._owner[req_id]
+            for lane in self._lanes:
+                lane.gone.add(address)
         if client is not None:
             client.close()
         return lost
+
+    def _lane(self) -> _Lane:
+        """The calling thread's lane; lanes of threads that ended are closed on the way (nobody drives them)."""
+        lane: _Lane | None = getattr(self._local, "lane", None)
+        if lane is not None:
+            return lane
+        lane = self._local.lane = _Lane(threading.current_thread())
+        with self._lock:
+            ended = [old for old in self._lanes if not old.thread.is_alive()]
+            self._lanes = [old for old in self._lanes if old.thread.is_alive()]
+            self._lanes.append(lane)
+        for old in ended:
+            self._close_lane(old)
+        return lane
+
+    def _close_lane(self, lane: _Lane) -> None:
+        with self._lock:
+            self._retired_bytes[0] += sum(s.bytes_sent for s in lane.streams.values())
+            self._retired_bytes[1] += sum(s.bytes_received for s in lane.streams.values())
+        lane.lane.close()
+
+    def _stream(self, lane: _Lane, address: str) -> RoundStream:
+        stream = lane.streams.get(address)
+        if stream is None:
+            self._client(address)  # still in the pool
+            stream = lane.streams[address] = lane.lane.stream(
+                address, DRAFTER, "Propose", token=self._token, timeout_s=self._timeout_s
+            )
+        return stream
+
+    @property
+    def last_server_s(self) -> float:
+        """The drafters' time of the calling thread's last ``Propose`` (engine time and waiting for context;
+        the slowest drafter's when it fanned out)."""
+        lane: _Lane | None = getattr(self._local, "lane", None)
+        return 0.0 if lane is None else lane.last_server_s
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes sent to the drafters (unary calls and every thread's streams)."""
+        with self._lock:
+            streams = [s for lane in self._lanes for s in lane.streams.values()]
+            clients = list(self._clients.values())
+        return self._retired_bytes[0] + sum(c.bytes_sent for c in clients) + sum(s.bytes_sent for s in streams)
+
+    @property
+    def bytes_received(self) -> int:
+        with self._lock:
+            streams = [s for lane in self._lanes for s in lane.streams.values()]
+            clients = list(self._clients.values())
+        return self._retired_bytes[1] + sum(c.bytes_received for c in clients) + sum(
+            s.bytes_received for s in streams
+        )
 
     @property
     def addresses(self) -> list[str]:
@@ -378,22 +474,26 @@ class DrafterPool:
             else:
                 groups.setdefault(self._address_of(item.req_id), []).append(index)
 
-        def call(address: str, indices: list[int]) -> dict[str, Any]:
-            return self._client(address).call(
-                DRAFTER,
-                "Propose",
+        lane = self._lane()
+        if lane.gone:
+            with self._lock:
+                gone, lane.gone = lane.gone, set()
+            for address in gone:
+                lane.streams.pop(address, None)
+                lane.lane.forget(address)
+        calls = [
+            (
+                self._stream(lane, address),
                 {
                     "req_ids": [items[i].req_id for i in indices],
                     "anchors": [int(items[i].anchor) for i in indices],
                     "positions": [int(items[i].position) for i in indices],
                 },
             )
-
-        if len(groups) == 1:  # one drafter: no hop through the thread pool
-            replies = {a: call(a, idx) for a, idx in groups.items()}
-        else:
-            futures = {a: self._pool.submit(call, a, idx) for a, idx in groups.items()}
-            replies = {a: f.result() for a, f in futures.items()}
+            for address, indices in groups.items()
+        ]
+        replies = dict(zip(groups, lane.lane.call_many(calls), strict=True))
+        lane.last_server_s = 1e-3 * max((r["engine_ms"] + r["wait_ms"] for r in replies.values()), default=0.0)
         if detached:
             groups[""] = detached
             replies[""] = self._placeholder_reply(len(detached), next(iter(replies.values()), None))
@@ -445,6 +545,9 @@ class DrafterPool:
         }
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        with self._lock:
+            lanes, self._lanes = self._lanes, []
+        for lane in lanes:
+            self._close_lane(lane)
         for client in self._clients.values():
             client.close()

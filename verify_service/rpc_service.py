@@ -144,7 +144,7 @@ class VerifierService:
         prefills, verifies = _parse_step(request)
         routed = {req_id: address for address, ids in request["routes"].items() for req_id in ids}
         send_inline = request["inline_features"]
-        results, pushes, inline_features = await self._thread.run(
+        (results, pushes, inline_features), engine_s = await self._thread.run_timed(
             self._step_and_pack, prefills, verifies, routed, send_inline
         )
         self._push_features(pushes)
@@ -159,6 +159,9 @@ class VerifierService:
             "inline_req_ids": [r.req_id for r in inline],
             "inline_counts": [int(r.features.shape[0]) for r in inline],  # type: ignore[union-attr]
             "features": inline_features,
+            # Engine-thread time of this step (target pass, packing): the caller's round trip minus this is
+            # what the message cost on the way (codec, transport, hand-offs).
+            "engine_ms": 1e3 * engine_s,
         }
 
     def _step_and_pack(

@@ -7,7 +7,10 @@ vLLM's names are used (``vllm:spec_decode_num_drafts`` and friends), which dspar
 - acceptance rate: ``accepted / draft tokens``;
 - acceptance by position: ``accepted at position i / drafts`` (vLLM's per-position rate);
 - verification tokens per request per round: ``draft tokens / drafts``;
-- the round split (dspark-serve): draft, schedule and verify seconds per engine round;
+- the round split (dspark-serve): seconds per engine round in draft, verify, schedule, transfer (round trips to
+  the replicas minus their own time for the calls) and host time, which add up to the round
+  (``dspark_round_*_seconds``); from a server without them, draft, schedule and verify as the phases'
+  wall times (``dspark_{draft,schedule,verify}_seconds``, transfer inside draft and verify);
 - generation tokens: output tokens of the requests the server finished (``vllm:generation_tokens``).
 
 A server without these counters (or without ``/metrics``) gives ``None``: the benchmark still runs.
@@ -33,6 +36,7 @@ COUNTERS = (
     "dspark_draft_seconds",
     "dspark_schedule_seconds",
     "dspark_verify_seconds",
+    *(f"dspark_round_{part}_seconds" for part in ("draft", "verify", "schedule", "transfer", "host")),
 )
 
 Snapshot = dict[str, dict[str, float]]
@@ -94,7 +98,12 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
         rounds = delta("dspark_rounds")
         out["rounds"] = rounds
         out["rounds_without_draft"] = delta("dspark_rounds_without_draft")
-        if rounds:
+        if rounds and "dspark_round_transfer_seconds" in after:
+            out["round_split_ms"] = {
+                part: 1000.0 * delta(f"dspark_round_{part}_seconds") / rounds
+                for part in ("draft", "verify", "schedule", "transfer", "host")
+            }
+        elif rounds:
             out["round_split_ms"] = {
                 part: 1000.0 * delta(f"dspark_{part}_seconds") / rounds for part in ("draft", "schedule", "verify")
             }

@@ -161,6 +161,23 @@ def test_speculative_counters_from_prometheus_text() -> None:
     assert server_metrics.speculative_delta(None, after) is None
     assert server_metrics.speculative_delta(before, server_metrics.parse("# TYPE x counter\nx_total 1\n")) is None
 
+    def with_split(base: str, rounds: int) -> str:
+        """The five-part round split of dspark-serve (ms per round as below)."""
+        per_round = {"draft": 1.0, "verify": 2.0, "schedule": 0.5, "transfer": 3.0, "host": 1.0}
+        lines = [line for part, ms in per_round.items() for line in (
+            f"# TYPE dspark_round_{part}_seconds counter",
+            f'dspark_round_{part}_seconds_total{{model_name="m"}} {rounds * ms / 1000}',
+        )]
+        return base + "\n".join(lines) + "\n"
+
+    d = server_metrics.speculative_delta(
+        server_metrics.parse(with_split(text(10, 40, 20, [8, 6, 4, 2], 10), 10)),
+        server_metrics.parse(with_split(text(30, 100, 70, [26, 20, 15, 9], 30), 30)),
+    )
+    assert d is not None and d["round_split_ms"] == pytest.approx(
+        {"draft": 1.0, "verify": 2.0, "schedule": 0.5, "transfer": 3.0, "host": 1.0}
+    )
+
 
 # ------------------------------------------------------------------------------------------ workloads
 def test_prompt_sets_interleave_and_bad_files_say_where(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """The shared-secret gRPC token on the real services: every method of the drafter, verifier and scheduler (and
-their health endpoints) refuses a missing or wrong token with UNAUTHENTICATED, and a deployment whose parts all
-carry the token works end to end (scheduler -> verifier, scheduler -> drafter, verifier -> drafter feature push,
-ingress -> scheduler)."""
+their health endpoints, and the stream twin of every unary method) refuses a missing or wrong token with
+UNAUTHENTICATED, and a deployment whose parts all carry the token works end to end (scheduler -> verifier,
+scheduler -> drafter, verifier -> drafter feature push, ingress -> scheduler)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from model_factory import PairSpec, write_pair
 
 from cluster.remote_backend import RemoteBackend
-from cluster.rpc import HEALTH_METHOD, HEALTH_SERVICE, ServerThread, SyncRpcClient
+from cluster.rpc import HEALTH_METHOD, HEALTH_SERVICE, ServerThread, SyncRpcClient, stream_method
 from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
@@ -67,6 +67,12 @@ def test_every_method_refuses_a_missing_or_wrong_token(
                 if method == "Generate":
                     list(result)
             assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, path
+            if method == "Generate" or name == HEALTH_SERVICE:
+                continue
+            twin = channel.stream_stream(f"/{name}/{stream_method(method)}")  # the per-round stream
+            with pytest.raises(grpc.RpcError) as error:
+                list(twin(iter([b"\x80"]), timeout=10, metadata=metadata))
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, f"{path} stream"
 
 
 def test_with_the_token_everything_works_end_to_end(deployment: dict[str, Any]) -> None:

@@ -88,7 +88,7 @@ def test_plain_decoding_over_grpc_leaves_the_features_on_the_verifier(services) 
         engine = SpeculativeEngine(remote, None, make_policy("autoregressive", sps, 1))
         results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
         assert [r.token_ids for r in results] == target.generate(prompts, max_new_tokens=12)
-        received[inline] = remote._client.bytes_received
+        received[inline] = remote.bytes_received
         remote.close()
     assert received[False] * 4 < received[True]
     before = verifier._thread.busy_total_s
