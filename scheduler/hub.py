@@ -25,6 +25,7 @@ still lossless) until one registers.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -103,6 +104,9 @@ class SchedulerHub:
         self._owner: dict[str, str] = {}  # req id -> verifier replica id
         self._retired: MetricsSnapshot | None = None  # counters of unregistered verifier groups
         self._gone: set[str] = set()  # unregistered replica ids (Serve never reuses one): a late heartbeat is ignored
+        # Names this hub's counters in its Metrics replies: a client that sees another one knows they restarted
+        # from zero (a restarted scheduler) and keeps them monotonic (cluster.remote_backend).
+        self.incarnation = secrets.token_hex(8)
         self.failover = Failover(self)
 
     # ---------------------------------------------------------------------------------------- registration
@@ -369,7 +373,7 @@ class SchedulerHub:
             return {}
 
         async def metrics(request: dict[str, Any]) -> dict[str, Any]:
-            return snapshot_to_dict(await self.metrics())
+            return {**snapshot_to_dict(await self.metrics()), "incarnation": self.incarnation}
 
         async def info(request: dict[str, Any]) -> dict[str, Any]:
             state = self.readiness()
