@@ -380,24 +380,33 @@ def profile_sps(
     timer: Timer = wall_clock_timer,
     progress: bool = True,
 ) -> SPSTable:
-    """Measures SPS(B) = 1 / median step time of `run_step(B)` for each B, after `warmup` untimed calls.
+    """Measures SPS(B) = 1 / median step time of `run_step(B)` for each B: `warmup` untimed passes over every
+    B, then `repeats` timed passes, each timing one step at every B (ascending, then descending: slow drift
+    cancels), and the median of each B's `repeats` times.
 
-    Medians, not means: a GC pause or a co-tenant's burst should not move the table. Warm-up absorbs lazy
-    allocation, autotuning and CUDA-graph capture. On GPUs pass `timer=cuda_event_timer()` (or make `run_step`
-    synchronise and keep the wall clock).
+    Passes, not B after B: a co-tenant's burst or a GC pause then slows one pass of every B instead of all the
+    repeats of one B, so the median drops it, and the table keeps its shape (the ratios between Bs are what
+    Algorithm 1's choices depend on). Medians, not means, for the same reason. Warm-up absorbs lazy
+    allocation (the largest B first touches the most memory), autotuning and CUDA-graph capture. On GPUs pass
+    `timer=cuda_event_timer()` (or make `run_step` synchronise and keep the wall clock).
     """
     sizes = [int(b) for b in batch_sizes]
     if not sizes:
         raise ValueError("profile_sps needs at least one batch size")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
-    rates = []
-    for b in tqdm(sizes, desc="SPS profile", unit="B", disable=not progress):
-        if b < 1:
-            raise ValueError(f"batch sizes must be >= 1, got {b}")
-        for _ in range(warmup):
+    if min(sizes) < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {min(sizes)}")
+    for _ in range(warmup):
+        for b in sizes:
             run_step(b)
-        median = statistics.median(timer(lambda b=b: run_step(b)) for _ in range(repeats))
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    for timed_pass in tqdm(range(repeats), desc="SPS profile", unit="pass", disable=not progress):
+        for b in sizes if timed_pass % 2 == 0 else sizes[::-1]:
+            times[b].append(timer(lambda b=b: run_step(b)))
+    rates = []
+    for b in sizes:
+        median = statistics.median(times[b])
         if not median > 0:
             raise ValueError(f"timer returned a non-positive median step time ({median}) at B={b}")
         rates.append(1.0 / median)
