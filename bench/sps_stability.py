@@ -3,7 +3,11 @@
 Each profile is exactly what a verifier replica runs at start when the SPS cache is empty
 (``cluster.loading._profile_sps``: the eager token table on CPU, tables by request count with graphs) on the engine
 ``dspark serve`` builds for the same flags. Reported per batch size B: the median steps/s over the profiles and the
-spread ``(max - min) / median``; and the time each profile took. The goal (issue 31): every B within 10 %.
+spread ``(max - min) / median``, raw and of the table's shape (each profile divided by its own geometric mean over
+B: Algorithm 1's choices with ``draft_cost: none`` depend only on the ratios between Bs, so a table measured on a
+uniformly slower machine schedules the same); and the time each profile took. The goal (issue 31): every B within
+10 %. ``--threads`` is the torch intra-op threads of the profiling process: 1 is what a Ray verifier replica of one
+CPU gets (Ray sets ``OMP_NUM_THREADS`` to a replica's whole CPUs).
 
     python bench/sps_stability.py --profiles 5 --out docs/benchmarks/sps_stability_cpu.json
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -21,6 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +47,11 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def _spread(values: list[float]) -> float:
+    """(max - min) / median."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
 def _tables(sps: Any) -> dict[str, SPSTable]:
     """A token table as ``{"tokens": table}``; tables by request count as ``{"R=<r>": table}``."""
     if isinstance(sps, SPSTable):
@@ -55,12 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seq-len", type=int, default=1024, help="engine context (default: 1024)")
     parser.add_argument("--device", default="cpu", help="device (default: cpu)")
     parser.add_argument("--graphs", default="auto", help="engine step mode, as dspark serve (default: auto)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads, as a Ray verifier replica of one CPU has (default: 1)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (default: none)")
     args = parser.parse_args(argv)
     config = AppConfig.from_args({
         "models": {"device": args.device},
         "engine": {"max_requests": args.max_requests, "max_seq_len": args.max_seq_len, "graphs": args.graphs},
     })
+    torch.set_num_threads(args.threads)
     verify = build_verify_engine(config)
     block_size = drafter_block_size(config)
     profiles: list[dict[str, SPSTable]] = []
@@ -77,29 +91,37 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in profiles[0]:
         first = profiles[0][name]
+        means = [float(np.exp(np.log(p[name].steps_per_s).mean())) for p in profiles]
         for k, b in enumerate(first.batch_sizes.tolist()):
-            rates = [p[name].steps_per_s[k] for p in profiles]
-            median = statistics.median(rates)
-            rows.append({"table": name, "B": b, "median_sps": median, "spread": (max(rates) - min(rates)) / median,
-                         "sps": rates})
+            rates = [float(p[name].steps_per_s[k]) for p in profiles]
+            shape = [rate / mean for rate, mean in zip(rates, means, strict=True)]
+            rows.append({"table": name, "B": b, "median_sps": statistics.median(rates), "spread": _spread(rates),
+                         "shape_spread": _spread(shape), "sps": rates})
     spreads = [r["spread"] for r in rows]
-    print("\n| table | B | median steps/s | spread (max-min)/median |\n|---|---:|---:|---:|")
+    shapes = [r["shape_spread"] for r in rows]
+    print("\n| table | B | median steps/s | spread | shape spread |\n|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['table']} | {r['B']} | {r['median_sps']:.1f} | {100 * r['spread']:.1f} % |")
+        print(f"| {r['table']} | {r['B']} | {r['median_sps']:.1f} | {100 * r['spread']:.1f} % "
+              f"| {100 * r['shape_spread']:.1f} % |")
     print(f"\nspread over B: max {100 * max(spreads):.1f} %, median {100 * statistics.median(spreads):.1f} %; "
+          f"shape: max {100 * max(shapes):.1f} %, median {100 * statistics.median(shapes):.1f} %; "
           f"profile time {min(seconds):.1f}-{max(seconds):.1f} s")
     if args.out is not None:
         result = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"cpu": _cpu_name(), "cores": torch.get_num_threads(), "python": platform.python_version(),
+            "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "python": platform.python_version(),
                         "torch": torch.__version__},
+            "load_average": os.getloadavg(),
             "config": {"max_requests": args.max_requests, "max_seq_len": args.max_seq_len, "device": args.device,
                        "graphs": args.graphs, "block_size": block_size},
             "profile_seconds": seconds,
             "monotonicity_warnings": warned,
             "max_spread": max(spreads),
             "median_spread": statistics.median(spreads),
+            "max_shape_spread": max(shapes),
+            "median_shape_spread": statistics.median(shapes),
             "rows": rows,
         }
         args.out.write_text(json.dumps(result, indent=2) + "\n")
