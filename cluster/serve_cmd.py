@@ -180,7 +180,7 @@ def secure_embedded_cluster(network: dict[str, Any]) -> None:
         os.environ[variable] = secrets.token_urlsafe(32)
         logger.info("the gRPC data plane requires a token generated for this cluster ($%s)", variable)
     if "RAY_AUTH_MODE" not in os.environ:
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
 def port_in_use(host: str, port: int) -> str | None:

@@ -107,6 +107,8 @@ def _backend(where: dict[str, str]) -> RemoteBackend:
     """The ingress' backend: it asks ``where`` for the scheduler's address, like the Serve ingress asks Serve."""
 
     async def resolve() -> str:
+        if where.get("lost"):  # as Serve while it restarts the scheduler: the address is not known for a while
+            await asyncio.sleep(30)
         return where["address"]
 
     return RemoteBackend(resolve, model_name="m", max_context=127)
@@ -152,6 +154,8 @@ def test_scheduler_restart_fails_in_flight_requests_with_503_then_serves(replica
         streamed = pool.submit(_stream, url, 60, first_tokens)
         assert replicas["gate"].held.wait(60), "the requests were never both verified"
         assert first_tokens.wait(60), "the stream never received its first tokens"
+        where["lost"] = "yes"
+        killed = time.monotonic()
         server.stop(grace_s=None)  # the scheduler process dies with its requests
 
         response = plain.result(timeout=60)
@@ -159,6 +163,13 @@ def test_scheduler_restart_fails_in_flight_requests_with_503_then_serves(replica
         error = response.json()["error"]
         assert error["type"] == "service_unavailable" and "retried" in error["message"]
         events = streamed.result(timeout=60)
+        # Closed at once: a request lost with the scheduler is not aborted (that would wait to find it again).
+        assert time.monotonic() - killed < 5, "the streams were not closed at once"
+        probe = time.monotonic()
+        down = httpx.get(f"{url}/health", timeout=60)
+        assert down.status_code == 503 and "Retry-After" in down.headers
+        assert time.monotonic() - probe < 5  # /health answers while the scheduler cannot be found
+        where.pop("lost")
         assert events[-1]["error"]["code"] == "service_unavailable"
         assert events[-1]["error"]["type"] == "service_unavailable"
         assert any(e.get("choices") for e in events[:-1])  # it had streamed tokens before the failure
