@@ -321,8 +321,8 @@ class _SpecDecodeCollector:
         yield counter("dspark_rounds", "Engine rounds (one target verify pass each).", s.rounds)
         yield counter(
             "dspark_rounds_without_draft",
-            "Rounds that ran no drafter: the autoregressive policy, or the draft gate judged a plain target round "
-            "faster (high load).",
+            "Rounds that ran no drafter: the autoregressive policy, the draft gate judged a plain target round "
+            "faster (high load), or no drafter replica was left (degraded mode).",
             s.rounds_without_draft,
         )
         yield counter(

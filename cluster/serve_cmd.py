@@ -172,7 +172,8 @@ def secure_embedded_cluster(network: dict[str, Any]) -> None:
     a variable that is set, or ``grpc_insecure``. Ray's own ports: Ray 2.60 listens on every interface whatever the node
     address says (GCS, raylet, workers, object manager), so they keep Ray's token authentication, which Ray
     turns on for a new local cluster unless ``RAY_AUTH_MODE`` says otherwise (the operator's explicit choice
-    wins); the token is a fresh one in ``RAY_AUTH_TOKEN``, so Ray writes no token file to the home folder.
+    wins); the token is ``RAY_AUTH_TOKEN`` (a fresh one unless the environment has one), so Ray writes no
+    token file to the home folder.
     """
     variable = network.get("grpc_token_env")
     if not (network.get("grpc_token") or network.get("grpc_insecure") or (variable and os.environ.get(variable))):
