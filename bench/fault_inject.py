@@ -13,8 +13,9 @@ completions with the official ``openai`` client from ``--clients`` threads, and 
    Ray's state API needs the dashboard, which ``dspark serve`` leaves off. Recorded per fault: streams cut (in
    flight at the kill and ended with an error), the time until the first completion started after the kill
    succeeded, the longest stall of streams that survived the kill, the errors as the client saw them (exception
-   class, HTTP status, error code), how long ``/health`` took to answer while degraded and when it said 200
-   again, and whether every Prometheus counter served by the ingress stayed monotonic.
+   class, HTTP status, error code), how long ``/health`` took to answer, when it first said something else than
+   200 and when 200 again, whether every Prometheus counter served by the ingress stayed monotonic, and how many
+   rounds ``dspark_rounds_without_draft_total`` added.
 
 The openai client runs with ``max_retries=0`` so that every status is seen (by default it retries 503 twice,
 honouring ``Retry-After``, and 408/409/429/5xx too).
@@ -44,6 +45,7 @@ import grpc
 import httpx
 import openai
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,6 +59,7 @@ METHODS = {
     "drafter": ("dspark.Drafter", ("Info", "AddRequests", "AppendContext", "Propose", "Release")),
 }
 ROLES = {"scheduler": "Scheduler", "verifier": "Verifier", "drafter": "Drafter"}
+NO_DRAFT = 'dspark_rounds_without_draft_total{model_name="dspark-demo"}'
 
 
 @dataclass
@@ -191,14 +194,17 @@ def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, 
     killed = time.monotonic()
     os.kill(pids[0], signal.SIGKILL)
     health: list[tuple[float, int | None, float]] = []
-    healthy_at = None
+    down_at = healthy_at = None  # /health's first non-200 after the kill, and its first 200 after that
     while time.monotonic() - killed < recover_s:
         status, took = _health(base_url)
-        health.append((time.monotonic() - killed, status, took))
+        at = time.monotonic() - killed
+        health.append((at, status, took))
+        if status != 200 and down_at is None:
+            down_at = at
+        if status == 200 and down_at is not None and healthy_at is None:
+            healthy_at = at
         recovered = any(o.error is None and o.start >= killed for o in list(load.outcomes))
-        if status == 200 and healthy_at is None:
-            healthy_at = time.monotonic() - killed
-        if healthy_at is not None and recovered:
+        if recovered and (down_at is None or healthy_at is not None):
             break
         time.sleep(0.5)
     time.sleep(5)  # streams in flight at the kill end; the service settles
@@ -222,11 +228,30 @@ def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, 
         "first_success_after_kill_s": min(later_ok) if later_ok else None,
         "max_stall_of_surviving_streams_s": max(stalls) if stalls else None,
         "client_errors": errors,
-        "health_200_after_s": healthy_at,
+        "health_not_200_at_s": down_at,
+        "health_200_again_at_s": healthy_at,
+        "rounds_without_draft_added": None if before is None or after is None else after.get(NO_DRAFT, 0.0)
+        - before.get(NO_DRAFT, 0.0),
         "max_health_answer_s": max(took for _, _, took in health) if health else None,
         "metrics_monotonic": None if before is None or after is None else not decreased,
         "counters_decreased": decreased,
     }
+
+
+def _replicas_config(port: int, verifiers: int) -> Path:
+    """deploy/serve_config.yaml with ``verifiers`` fixed verifier replicas, one drafter, the engines of the flags'
+    deployment (16 slots x 256 tokens) and the HTTP port; written next to the server's log."""
+    config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = port
+    app = config["applications"][0]
+    app["args"]["engine"].update(max_requests=16, max_seq_len=256)
+    for deployment in app["deployments"]:
+        if deployment["name"] in ("Verifier", "Drafter"):
+            deployment.pop("autoscaling_config", None)
+            deployment["num_replicas"] = verifiers if deployment["name"] == "Verifier" else 1
+    path = Path(f"/tmp/fault_inject_{port}.yaml")
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,12 +262,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exhaust", type=int, default=64, help="unauthenticated prefills sent (default: 64)")
     parser.add_argument("--steady-s", type=float, default=10.0, help="load before each fault (default: 10)")
     parser.add_argument("--recover-s", type=float, default=120.0, help="longest wait for recovery (default: 120)")
+    parser.add_argument("--verifiers", type=int, default=1,
+                        help="verifier replicas; more than 1 serves deploy/serve_config.yaml with that many and one "
+                        "drafter, engines as with 1 (default: 1: the flags' demo deployment, one replica each)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (default: none)")
     args = parser.parse_args(argv)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_AUTH_MODE", None)  # the product's default: dspark serve secures its embedded cluster itself
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(args.port), "--max-requests", "16",
-               "--max-seq-len", "256"]
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(args.port)]
+    if args.verifiers > 1:
+        command += ["--config", str(_replicas_config(args.port, args.verifiers))]
+    else:
+        command += ["--max-requests", "16", "--max-seq-len", "256"]
     log_path = Path(f"/tmp/fault_inject_{args.port}.log")
     with log_path.open("w") as log:
         server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
