@@ -408,6 +408,7 @@ def assemble_app(
     """The application for ``serve.run``: ``overrides`` maps a deployment name to options, as under
     ``deployments:`` in a Serve config file (``dspark serve --config`` passes that section here)."""
     config = AppConfig.from_args(args)
+    config.require_grpc_auth()  # here too, so that a deployment without a token fails before any replica starts
     overrides = overrides or {}
     plain = config.model_dump()
 

@@ -140,11 +140,17 @@ class NetworkConfig(_Strict):
     environment variable that every replica reads at start (``grpc_token_env``, ``api_key_env``), e.g. filled from
     a Kubernetes Secret: the config file, the Serve controller's stored config and the KubeRay manifest then hold
     no secret. :meth:`AppConfig.resolve_secrets` does the reading, in the replicas only.
+
+    Secure by default: the data plane needs a token, and a replica refuses to start without one, unless
+    ``grpc_insecure: true`` says explicitly that it runs open (a trusted single-user machine, tests). Without a
+    token anyone who reaches a gRPC port could generate past the HTTP API key (``Scheduler/Generate``) or take
+    every KV slot (``Verifier/Step``). ``dspark serve`` on its embedded cluster generates a token itself.
     """
 
     grpc_host: str | None = None
     grpc_token: str | None = None
     grpc_token_env: str | None = Field(None, pattern=_ENV_NAME)
+    grpc_insecure: bool = False
     grpc_timeout_s: float = Field(60.0, gt=0)
     readiness_timeout_s: float = Field(30.0, ge=0, le=3600)
     api_key: str | None = None
@@ -155,6 +161,8 @@ class NetworkConfig(_Strict):
         for name in ("grpc_token", "api_key"):
             if getattr(self, name) is not None and getattr(self, f"{name}_env") is not None:
                 raise ValueError(f"set {name} or {name}_env, not both")
+        if self.grpc_insecure and (self.grpc_token is not None or self.grpc_token_env is not None):
+            raise ValueError("grpc_insecure runs the data plane without a token: set it or a token, not both")
         return self
 
 
@@ -193,13 +201,25 @@ class AppConfig(_Strict):
         """Validate the Serve ``args`` map (errors name the offending field)."""
         return cls.model_validate(args or {})
 
+    def require_grpc_auth(self) -> None:
+        """Raise unless the data plane has a token (inline or by variable name) or is explicitly insecure."""
+        network = self.network
+        if network.grpc_token is None and network.grpc_token_env is None and not network.grpc_insecure:
+            raise ValueError(
+                "the gRPC data plane needs a token: set network.grpc_token_env (the name of an environment "
+                "variable every replica has) or network.grpc_token, or network.grpc_insecure: true to run it "
+                "without authentication (dspark serve on its own embedded cluster generates one)"
+            )
+
     def resolve_secrets(self) -> AppConfig:
         """A copy with ``grpc_token`` / ``api_key`` read from the environment variables named by ``*_env``.
 
         Called where the secrets are used (each replica), never where the config is stored or forwarded, so the
         secret values stay out of Serve's deployment arguments. A named variable that is unset or empty is an
-        error: serving without the expected token or key must not happen silently.
+        error: serving without the expected token or key must not happen silently. So is a data plane without a
+        token that is not explicitly ``grpc_insecure`` (see :class:`NetworkConfig`).
         """
+        self.require_grpc_auth()
         update: dict[str, Any] = {}
         for name in ("grpc_token", "api_key"):
             variable = getattr(self.network, f"{name}_env")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -77,6 +77,41 @@ class EngineThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+#: A slot that no call has named for this long belongs to no live round loop (see IdleSlots).
+DEFAULT_IDLE_RECLAIM_S = 30.0
+
+
+class IdleSlots:
+    """When each request a replica holds was last named by a call, so that slots nobody drives can be reclaimed.
+
+    The scheduler's round loop names every request it runs on a replica in every round (milliseconds apart, a
+    pipelined loop's other group one tick later), and releases it when it ends; a restarted scheduler releases
+    what its predecessor left. A slot idle for ``idle_s`` while the replica is asked for a slot it does not
+    have is therefore held by nobody who still drives it: a caller that allocated and left (hostile, or a
+    client that died between its calls). Reclaiming those slots, only under that pressure, bounds what one
+    caller can take from the others. A wrongly reclaimed request would fail its next round with NOT_FOUND,
+    which failover answers by re-prefilling it: nothing is lost either way.
+    """
+
+    def __init__(self, idle_s: float = DEFAULT_IDLE_RECLAIM_S) -> None:
+        if not idle_s > 0:
+            raise ValueError(f"idle_s must be > 0, got {idle_s}")
+        self.idle_s = idle_s
+        self._seen: dict[str, float] = {}
+
+    def touch(self, req_ids: Iterable[str]) -> None:
+        now = time.monotonic()
+        for req_id in req_ids:
+            self._seen[req_id] = now
+
+    def idle(self, held: Iterable[str]) -> list[str]:
+        """The requests of ``held`` (what the engine holds now) idle for ``idle_s``; forgets the ones not held."""
+        now = time.monotonic()
+        seen = {req_id: self._seen.get(req_id, now) for req_id in held}
+        self._seen = seen
+        return [req_id for req_id, at in seen.items() if now - at > self.idle_s]
 
 
 def split_rows(counts: list[int], total: int, what: str) -> list[tuple[int, int]]:

@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+#: ``/health`` answers within this: a probe must learn "not ready" fast, also while the scheduler restarts.
+HEALTH_TIMEOUT_S = 3.0
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
@@ -319,8 +321,8 @@ class _SpecDecodeCollector:
         yield counter("dspark_rounds", "Engine rounds (one target verify pass each).", s.rounds)
         yield counter(
             "dspark_rounds_without_draft",
-            "Rounds that ran no drafter: the autoregressive policy, or the draft gate judged a plain target round "
-            "faster (high load).",
+            "Rounds that ran no drafter: the autoregressive policy, the draft gate judged a plain target round "
+            "faster (high load), or no drafter replica was left (degraded mode).",
             s.rounds_without_draft,
         )
         yield counter(
@@ -361,26 +363,35 @@ class _SpecDecodeCollector:
 
 # ----------------------------------------------------------------------------------------------- service
 class _Run:
-    """One backend generation as the app sees it: the stream plus whether it reached its final delta."""
+    """One backend generation as the app sees it: the stream plus whether it reached its final delta, or was
+    lost with the backend (then there is nothing to abort)."""
 
     def __init__(self, backend: GenerateBackend, req_id: str, stream: AsyncIterator[GenerateDelta]) -> None:
         self.backend = backend
         self.req_id = req_id
         self.stream = stream
         self.finished = False
+        self.lost = False
         self.closed = False
 
     async def next(self) -> GenerateDelta:
-        delta = await anext(self.stream)
+        try:
+            delta = await anext(self.stream)
+        except BackendUnavailableError:
+            self.lost = True
+            raise
         self.finished = delta.finished
         return delta
 
     async def close(self) -> None:
-        """Close the stream and, if it did not finish, abort the request (idempotent, cancellation-proof)."""
+        """Close the stream and, if it did not finish, abort the request (idempotent, cancellation-proof).
+
+        A request lost with its backend (the scheduler died) is not aborted: it went with the scheduler, and
+        an abort would first have to find the scheduler again, keeping the client's stream open meanwhile."""
         self.closed = True
         with anyio.CancelScope(shield=True):
             await self.stream.aclose()  # type: ignore[attr-defined]
-            if not self.finished:
+            if not (self.finished or self.lost):
                 await self.backend.abort(self.req_id)
 
 
@@ -527,9 +538,13 @@ def build_app(
     @app.get("/health", responses={503: {"model": ErrorResponse, "description": "not ready, or unavailable"}})
     async def health() -> Response:
         try:
-            await backend.health()
+            await asyncio.wait_for(backend.health(), HEALTH_TIMEOUT_S)
         except BackendUnavailableError as error:
             raise APIError(503, str(error), type="service_unavailable") from None
+        except asyncio.TimeoutError:  # e.g. a restarting scheduler that cannot be found yet
+            raise APIError(
+                503, f"the backend did not answer within {HEALTH_TIMEOUT_S:g} s", type="service_unavailable"
+            ) from None
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})

@@ -12,6 +12,12 @@ stream had started). The next call asks ``resolve`` for the scheduler's address 
 reach the restarted scheduler. A scheduler that runs but is not ready (no replicas yet) answers
 ``FAILED_PRECONDITION`` after its readiness wait: :class:`BackendNotReadyError`, also a retryable 503, with the
 channel kept. Aborts are best effort: a dead scheduler has nothing left to abort.
+
+Metrics stay monotonic across scheduler restarts: every ``Metrics`` reply names the scheduler incarnation whose
+counters it holds, and :class:`CounterBaseline` adds the last counters read from each earlier incarnation to the
+current one's (Prometheus counters served by the ingress never go down). What an incarnation counted after the
+ingress last read it is lost with it, so the totals undercount by at most one scrape interval per restart. Each
+ingress replica keeps its own baseline.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -27,7 +34,7 @@ from cluster.backend import BackendNotReadyError, BackendUnavailableError, Gener
 from cluster.backend_rpc import ENGINE, SCHEDULER
 from cluster.rpc import RpcClient
 from cluster.sampling import SamplingParams
-from scheduler.metrics import MetricsSnapshot, snapshot_from_dict
+from scheduler.metrics import MetricsSnapshot, merge_snapshots, snapshot_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +51,27 @@ UNAVAILABLE_CODES = frozenset(
 AddressResolver = Callable[[], Awaitable[str]]
 #: Deadline of the unary calls (abort, metrics); health checks get less.
 UNARY_TIMEOUT_S = 10.0
+
+
+class CounterBaseline:
+    """Keeps a scheduler's counters monotonic across its restarts (see the module doc).
+
+    :meth:`add` takes each reply's incarnation and snapshot and returns the totals: the current incarnation's
+    counters plus the last ones read from every earlier incarnation; gauges (running, waiting, recent round
+    time) are the current incarnation's alone.
+    """
+
+    def __init__(self) -> None:
+        self._incarnation: str | None = None
+        self._last: MetricsSnapshot | None = None  # the current incarnation's last snapshot
+        self._retired: MetricsSnapshot | None = None  # the earlier incarnations' counters, summed
+
+    def add(self, incarnation: str | None, snapshot: MetricsSnapshot) -> MetricsSnapshot:
+        if self._last is not None and incarnation != self._incarnation:
+            final = replace(self._last, running=0, waiting=0, recent_round_s=0.0)
+            self._retired = merge_snapshots([s for s in (self._retired, final) if s is not None])
+        self._incarnation, self._last = incarnation, snapshot
+        return snapshot if self._retired is None else merge_snapshots([self._retired, snapshot])
 
 
 class RemoteBackend:
@@ -81,6 +109,7 @@ class RemoteBackend:
         self._replicas: dict[tuple[asyncio.AbstractEventLoop, str], RpcClient] = {}
         self._routes: dict[str, str] = {}  # req id -> engine replica address, while it streams from there
         self._releases: set[asyncio.Task[Any]] = set()
+        self._counters = CounterBaseline()
 
     async def _client(self) -> RpcClient:
         # grpc.aio channels belong to the event loop that created them.
@@ -244,7 +273,8 @@ class RemoteBackend:
             reply = await (await self._client()).call(self._service, "Metrics", {}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
-        return snapshot_from_dict(reply)
+        incarnation = reply.pop("incarnation", None)
+        return self._counters.add(incarnation, snapshot_from_dict(reply))
 
     async def health(self) -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -28,6 +29,8 @@ APP_NAME = "dspark"
 STOP_BUDGET_S = 8.0
 #: How long start-up waits for the pool replicas to register before it lists the gRPC addresses.
 ENDPOINTS_WAIT_S = 30.0
+#: The environment variable that carries the embedded cluster's generated data-plane token to every replica.
+EMBEDDED_TOKEN_ENV = "DSPARK_EMBEDDED_GRPC_TOKEN"
 logger = logging.getLogger(__name__)
 
 
@@ -105,6 +108,14 @@ def run_serve(args: argparse.Namespace) -> int:
         args.port = http.get("port", args.port)
     else:
         app_args = app_args_from_flags(args)
+    if args.address:
+        from cluster.config import AppConfig
+
+        try:  # an embedded cluster gets a generated token; a joined one must be given one
+            AppConfig.from_args(app_args).require_grpc_auth()
+        except ValueError as error:
+            logger.error("cannot join %s: %s", args.address, error)
+            return 2
     busy = port_in_use(args.host, args.port)
     if busy is not None:
         logger.error("cannot start: %s:%d is in use (%s); is another dspark serve still running or stopping?",
@@ -126,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
             network = app_args.setdefault("network", {})
             if not network.get("grpc_host"):
                 network["grpc_host"] = "127.0.0.1"
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            secure_embedded_cluster(network)
             ray.init(
                 # A fresh head of our own, always: without "local" Ray joins the cluster it finds (RAY_ADDRESS, the
                 # last cluster started on this machine), e.g. a killed dspark serve's cluster that is still dying.
@@ -149,6 +160,28 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         _stop(serve, ray, joined=bool(args.address))
     return 0
+
+
+def secure_embedded_cluster(network: dict[str, Any]) -> None:
+    """Authentication of an embedded cluster that its config does not set up: random per-cluster tokens.
+
+    Everything of an embedded cluster is a child process of this one, so the tokens travel in the environment
+    that every Ray process inherits, never in an argument: Serve's stored deployment config and the command
+    lines hold no secret. The data plane's token goes by name (``network.grpc_token_env``: the config's variable
+    when it names one that is unset here, else a variable of our own) unless the config gives a token inline,
+    a variable that is set, or ``grpc_insecure``. Ray's own ports: Ray 2.60 listens on every interface whatever the node
+    address says (GCS, raylet, workers, object manager), so they keep Ray's token authentication, which Ray
+    turns on for a new local cluster unless ``RAY_AUTH_MODE`` says otherwise (the operator's explicit choice
+    wins); the token is ``RAY_AUTH_TOKEN`` (a fresh one unless the environment has one), so Ray writes no
+    token file to the home folder.
+    """
+    variable = network.get("grpc_token_env")
+    if not (network.get("grpc_token") or network.get("grpc_insecure") or (variable and os.environ.get(variable))):
+        variable = network["grpc_token_env"] = variable or EMBEDDED_TOKEN_ENV
+        os.environ[variable] = secrets.token_urlsafe(32)
+        logger.info("the gRPC data plane requires a token generated for this cluster ($%s)", variable)
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
 def port_in_use(host: str, port: int) -> str | None:

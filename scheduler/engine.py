@@ -230,6 +230,8 @@ class SpeculativeEngine:
         # scheduler.remote); an in-process engine has no transfer.
         self._round_started = 0.0
         self._draft_transfer_s = 0.0
+        # A drafter pool that lost every replica runs its requests detached (scheduler.remote, degraded mode).
+        self._is_detached: Callable[[str], bool] | None = getattr(self.draft, "is_detached", None)
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -462,9 +464,13 @@ class SpeculativeEngine:
         """The count caps of the requests to verify, and whether the drafter drafts for them this round.
 
         The policy may skip the drafter (a plain target round) from counts and past rounds only; the committed
-        context is still appended, so any later round can draft.
+        context is still appended, so any later round can draft. A round whose requests all run detached (no
+        drafter replica holds any of them) does not draft either: the pool could only return placeholder drafts
+        of confidence 0, so it is a plain target round and counted as one (``rounds_without_draft``).
         """
         drafting = self.draft is not None and bool(verified)
+        if drafting and self._is_detached is not None:
+            drafting = not all(self._is_detached(r.req_id) for r in verified)
         caps = self._caps(verified) if drafting else np.zeros(len(verified), dtype=np.int64)
         return caps, drafting and self.policy.should_draft(caps)
 

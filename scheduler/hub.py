@@ -25,13 +25,14 @@ still lossless) until one registers.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta, LocalBackend
-from cluster.backend_rpc import REQUEST_ID, SCHEDULER, backend_methods
+from cluster.backend_rpc import EMPTY, REQUEST_ID, SCHEDULER, backend_methods
 from cluster.messages import Bool, Message, Str
 from cluster.readiness import IntervalLog, Readiness, ReadinessGate
 from cluster.rpc import Service
@@ -40,7 +41,7 @@ from scheduler.admission import least_loaded
 from scheduler.colocated import EngineReplica, EngineReplicas
 from scheduler.engine import RequestRejectedError, SpeculativeEngine
 from scheduler.failover import Failover, release_stale
-from scheduler.metrics import MetricsSnapshot, merge_snapshots
+from scheduler.metrics import MetricsSnapshot, merge_snapshots, snapshot_to_dict
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
@@ -99,6 +100,9 @@ class SchedulerHub:
         self._owner: dict[str, str] = {}  # req id -> verifier replica id
         self._retired: MetricsSnapshot | None = None  # counters of unregistered verifier groups
         self._gone: set[str] = set()  # unregistered replica ids (Serve never reuses one): a late heartbeat is ignored
+        # Names this hub's counters in its Metrics replies: a client that sees another one knows they restarted
+        # from zero (a restarted scheduler) and keeps them monotonic (cluster.remote_backend).
+        self.incarnation = secrets.token_hex(8)
         self.failover = Failover(self)
         self.engines = EngineReplicas(model_name=model_name, token=token, max_context=max_context or 0)
 
@@ -422,7 +426,11 @@ class SchedulerHub:
             self._readiness_changed()
             return {}
 
+        async def metrics(request: dict[str, Any]) -> dict[str, Any]:
+            return {**snapshot_to_dict(await self.metrics()), "incarnation": self.incarnation}
+
         methods = backend_methods(self, self.info)
+        methods["Metrics"] = (metrics, EMPTY)  # named by incarnation (see __init__)
         methods["Route"] = (route, REQUEST_ID)
         methods["Release"] = (release, RELEASE)
         return Service(SCHEDULER, methods)

@@ -64,7 +64,8 @@ class MetricsSnapshot:
     running: int
     waiting: int
     recent_round_s: float
-    # Rounds that ran no drafter: the autoregressive policy, or the draft gate judged a plain target round faster.
+    # Rounds that ran no drafter: the autoregressive policy, the draft gate judged a plain target round faster, or
+    # no drafter replica held any of the round's requests (every one lost: degraded mode).
     rounds_without_draft: int = 0
     round_draft_time_s: float = 0.0
     round_verify_time_s: float = 0.0

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 import warnings
 from bisect import bisect_left
@@ -380,25 +379,38 @@ def profile_sps(
     timer: Timer = wall_clock_timer,
     progress: bool = True,
 ) -> SPSTable:
-    """Measures SPS(B) = 1 / median step time of `run_step(B)` for each B, after `warmup` untimed calls.
+    """Measures SPS(B) = 1 / step time of `run_step(B)` for each B: `warmup` untimed passes over every B, then
+    `repeats` timed passes, each timing one step at every B (ascending, then descending: slow drift cancels).
 
-    Medians, not means: a GC pause or a co-tenant's burst should not move the table. Warm-up absorbs lazy
-    allocation, autotuning and CUDA-graph capture. On GPUs pass `timer=cuda_event_timer()` (or make `run_step`
-    synchronise and keep the wall clock).
+    The step time of B is the table's shape times its level. The shape is the median over the passes of B's
+    time relative to its own pass (divided by the pass's geometric mean over B); the level is the lower
+    quartile of the passes' geometric means. Why: on a shared machine a co-tenant slows whole stretches of
+    time, so it moves a pass's level, not the ratios within it, and Algorithm 1's choices depend on the ratios
+    between Bs (with a plain objective, only on them); a co-tenant only ever slows a pass down, so the faster
+    passes are the machine's own speed, and a quartile rather than the minimum keeps one lucky pass out. Passes
+    rather than all the repeats of one B in a row, so that a burst hits one pass of every B instead of one B.
+    Warm-up absorbs lazy allocation (the largest B first touches the most memory), autotuning and CUDA-graph
+    capture. On GPUs pass `timer=cuda_event_timer()` (or make `run_step` synchronise and keep the wall clock).
     """
     sizes = [int(b) for b in batch_sizes]
     if not sizes:
         raise ValueError("profile_sps needs at least one batch size")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
-    rates = []
-    for b in tqdm(sizes, desc="SPS profile", unit="B", disable=not progress):
-        if b < 1:
-            raise ValueError(f"batch sizes must be >= 1, got {b}")
-        for _ in range(warmup):
+    if min(sizes) < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {min(sizes)}")
+    for _ in range(warmup):
+        for b in sizes:
             run_step(b)
-        median = statistics.median(timer(lambda b=b: run_step(b)) for _ in range(repeats))
-        if not median > 0:
-            raise ValueError(f"timer returned a non-positive median step time ({median}) at B={b}")
-        rates.append(1.0 / median)
+    times = np.empty((repeats, len(sizes)))  # [pass, B]
+    for timed_pass in tqdm(range(repeats), desc="SPS profile", unit="pass", disable=not progress):
+        order = range(len(sizes)) if timed_pass % 2 == 0 else range(len(sizes) - 1, -1, -1)
+        for k in order:
+            times[timed_pass, k] = timer(lambda b=sizes[k]: run_step(b))
+    bad = ~(times > 0).all(axis=0)
+    if bad.any():
+        raise ValueError(f"timer returned a non-positive step time at B={sizes[int(np.argmax(bad))]}")
+    levels = np.exp(np.log(times).mean(axis=1))
+    shape = np.median(times / levels[:, None], axis=0)
+    rates = (1.0 / (shape * np.quantile(levels, 0.25))).tolist()
     return SPSTable(sizes, rates, model=model, device=device, dtype=dtype)

@@ -28,7 +28,7 @@ from verify_service.target import TargetModel
 
 #: The version of what these profilers measure and how; part of the SPS cache's fingerprint, so raise it when a
 #: change makes tables profiled before it wrong (cluster.sps_cache).
-PROFILER_VERSION = 1
+PROFILER_VERSION = 2
 
 
 def profile_target_sps(
@@ -39,7 +39,7 @@ def profile_target_sps(
     context: int = 64,
     batch_sizes: Sequence[int] | None = None,
     warmup: int = 2,
-    repeats: int = 7,
+    repeats: int = 15,
     progress: bool = True,
 ) -> SPSTable:
     """Measure SPS(B) for B in ``batch_sizes`` (default: a grid up to ``max_batch_tokens``).

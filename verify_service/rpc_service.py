@@ -29,7 +29,16 @@ from typing import Any
 
 import torch
 
-from cluster.engine_rpc import COUNTS, DEFAULT_WEDGE_TIMEOUT_S, REQ_IDS, TOKENS, EngineThread, split_rows
+from cluster.engine_rpc import (
+    COUNTS,
+    DEFAULT_IDLE_RECLAIM_S,
+    DEFAULT_WEDGE_TIMEOUT_S,
+    REQ_IDS,
+    TOKENS,
+    EngineThread,
+    IdleSlots,
+    split_rows,
+)
 from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkSender
 from cluster.messages import AnyValue, Bool, Int, List, Map, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, RpcClient, Service
@@ -82,6 +91,7 @@ class VerifierService:
         draft_ahead: bool = True,
         feature_transport: str = "grpc",
         link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S,
+        idle_reclaim_s: float = DEFAULT_IDLE_RECLAIM_S,
     ) -> None:
         if feature_transport not in ("grpc", "collective"):
             raise ValueError(f"feature_transport must be grpc or collective, got {feature_transport!r}")
@@ -98,6 +108,7 @@ class VerifierService:
         self.draft_ahead = draft_ahead  # pushes name each request's next anchor: the drafter drafts at once
         self.sps = sps  # this replica's SPS table (SPSTable.to_dict()), for schedulers that discover it via Info
         self._thread = EngineThread("verifier", wedge_timeout_s)
+        self._idle = IdleSlots(idle_reclaim_s)  # slots no round loop drives, reclaimed when a prefill needs them
         self._token = token
         self._timeout_s = timeout_s
         self._drafters: dict[str, RpcClient] = {}
@@ -142,6 +153,10 @@ class VerifierService:
 
     async def _step(self, request: dict[str, Any]) -> dict[str, Any]:
         prefills, verifies = _parse_step(request)
+        self._idle.touch(request["verify_req_ids"])
+        if len(prefills) > self.engine.num_free_slots:
+            await self._reclaim_idle()
+        self._idle.touch(request["prefill_req_ids"])
         routed = {req_id: address for address, ids in request["routes"].items() for req_id in ids}
         send_inline = request["inline_features"]
         (results, pushes, inline_features), engine_s = await self._thread.run_timed(
@@ -250,6 +265,13 @@ class VerifierService:
         """Wait for the feature pushes in flight (before closing; tests that read drafter state)."""
         while self._pushes:
             await asyncio.gather(*list(self._pushes))
+
+    async def _reclaim_idle(self) -> None:
+        """Release the slots no call has named for ``idle_reclaim_s`` (see :class:`IdleSlots`)."""
+        stale = self._idle.idle(await self._thread.run(lambda: self.engine.running))
+        if stale:
+            log.warning("reclaiming %d KV slots idle for over %.0f s: %s", len(stale), self._idle.idle_s, stale[:8])
+            await self._thread.run(self.engine.release_many, stale)
 
     async def _release(self, request: dict[str, Any]) -> dict[str, Any]:
         def release() -> None:

@@ -107,6 +107,8 @@ def _backend(where: dict[str, str]) -> RemoteBackend:
     """The ingress' backend: it asks ``where`` for the scheduler's address, like the Serve ingress asks Serve."""
 
     async def resolve() -> str:
+        if where.get("lost"):  # as Serve while it restarts the scheduler: the address is not known for a while
+            await asyncio.sleep(30)
         return where["address"]
 
     return RemoteBackend(resolve, model_name="m", max_context=127)
@@ -152,6 +154,8 @@ def test_scheduler_restart_fails_in_flight_requests_with_503_then_serves(replica
         streamed = pool.submit(_stream, url, 60, first_tokens)
         assert replicas["gate"].held.wait(60), "the requests were never both verified"
         assert first_tokens.wait(60), "the stream never received its first tokens"
+        where["lost"] = "yes"
+        killed = time.monotonic()
         server.stop(grace_s=None)  # the scheduler process dies with its requests
 
         response = plain.result(timeout=60)
@@ -159,6 +163,13 @@ def test_scheduler_restart_fails_in_flight_requests_with_503_then_serves(replica
         error = response.json()["error"]
         assert error["type"] == "service_unavailable" and "retried" in error["message"]
         events = streamed.result(timeout=60)
+        # Closed at once: a request lost with the scheduler is not aborted (that would wait to find it again).
+        assert time.monotonic() - killed < 5, "the streams were not closed at once"
+        probe = time.monotonic()
+        down = httpx.get(f"{url}/health", timeout=60)
+        assert down.status_code == 503 and "Retry-After" in down.headers
+        assert time.monotonic() - probe < 5  # /health answers while the scheduler cannot be found
+        where.pop("lost")
         assert events[-1]["error"]["code"] == "service_unavailable"
         assert events[-1]["error"]["type"] == "service_unavailable"
         assert any(e.get("choices") for e in events[:-1])  # it had streamed tokens before the failure
@@ -210,3 +221,54 @@ def test_a_refused_request_does_not_cut_the_requests_still_running(replicas: dic
         finally:
             replicas["gate"].released.set()  # a failure above must not leave the pool waiting on a held round
             hub.close()
+
+
+def _counters(url: str) -> dict[str, float]:
+    """The ingress' Prometheus counters (``*_total`` samples, by name)."""
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("#") and "_total" in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_stay_monotonic_across_a_scheduler_restart(replicas: dict[str, Any]) -> None:
+    """Prometheus counters served by the ingress never go down when the scheduler restarts from zero."""
+    replicas["gate"].released.set()  # no round is held here
+    hub, server = _start_scheduler(replicas)
+    where = {"address": server.address}
+    app = build_app(_backend(where), demo_tokenizer())
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    with serve(app) as url:
+        try:
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+            before = _counters(url)
+            rounds = 'dspark_rounds_total{model_name="m"}'
+            assert before[rounds] > 0
+        finally:
+            server.stop(grace_s=None)
+            hub.close()
+        new_hub, new_server = _start_scheduler(replicas)
+        where["address"] = new_server.address
+        try:
+            # The first call after the restart finds the old channel dead (a retryable 503), then resolves again.
+            _wait_for(lambda: httpx.get(f"{url}/metrics", timeout=60).status_code == 200, "the new scheduler")
+            restarted = _counters(url)
+            assert all(restarted[name] >= value for name, value in before.items()), (before, restarted)
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+            after = _counters(url)
+            assert after[rounds] > restarted[rounds] >= before[rounds]
+            assert all(after[name] >= value for name, value in restarted.items())
+        finally:
+            new_server.stop()
+            new_hub.close()
+
+
+def _wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        threading.Event().wait(0.05)

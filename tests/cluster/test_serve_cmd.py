@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -11,9 +13,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import grpc
 import httpx
 import pytest
+import ray  # noqa: F401  (puts its vendored psutil on the path)
+import torch
+
+from cluster.rpc import SyncRpcClient
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -53,6 +61,8 @@ def test_serve_starts_its_own_cluster_lists_its_ports_and_stops_on_sigterm() -> 
     # RAY_ADDRESS names a cluster that does not exist: plain ray.init() would try to join it (as it joins a killed
     # server's dying cluster); dspark serve must start its own and ignore it.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": "127.0.0.1:1"}
+    env.pop("RAY_AUTH_MODE", None)  # the default: dspark serve secures its embedded cluster's Ray ports itself
+    env.pop("DSPARK_GRPC_TOKEN", None)
     command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--max-requests", "2",
                "--max-seq-len", "128", "--num-cpus", "4"]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -62,6 +72,7 @@ def test_serve_starts_its_own_cluster_lists_its_ports_and_stops_on_sigterm() -> 
         started = "".join(seen)
         for kind in ("scheduler", "verifier", "drafter"):
             assert f"{kind} " in started and "gRPC on 127.0.0.1:" in started, started
+        _assert_strangers_are_refused(proc.pid, started)
         body = {"model": "dspark-demo", "prompt": "import os\n", "max_tokens": 4, "temperature": 0}
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).status_code == 200
         time.sleep(5)  # steady state: heartbeats run every 2 s and must not print a line each
@@ -84,3 +95,39 @@ def test_serve_starts_its_own_cluster_lists_its_ports_and_stops_on_sigterm() -> 
     assert proc.returncode == 0, output
     assert "application deleted" in output and "Traceback" not in output, output
     assert stopped_after < 15, output
+
+
+def _descendants(pid: int) -> list[Any]:
+    psutil = importlib.import_module("psutil")  # Ray's vendored copy: on the path once ray is imported
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _assert_strangers_are_refused(pid: int, started: str) -> None:
+    """The embedded cluster's gRPC data plane and Ray's own ports refuse callers without its generated tokens:
+    a schema-valid ``Generate`` (the HTTP API key bypass) and a prefill ``Step`` (slot exhaustion) are
+    UNAUTHENTICATED, and the same calls with the token that the replicas got through their environment work."""
+    scheduler = re.search(r"scheduler gRPC on (\S+)", started).group(1)  # type: ignore[union-attr]
+    verifier = re.search(r"verifier \S+ gRPC on (\S+)", started).group(1)  # type: ignore[union-attr]
+    generate = {"req_id": "stranger", "prompt_ids": [1, 2, 3], "params": {"max_tokens": 2, "temperature": 0.0}}
+    step = {"prefill_req_ids": ["stranger"], "prefill_params": [{"max_tokens": 2}], "prefill_counts": [3],
+            "prefill_tokens": torch.tensor([1, 2, 3]), "prefill_anchors": [-1], "verify_req_ids": [],
+            "verify_anchors": [], "verify_counts": [], "verify_tokens": torch.zeros(0, dtype=torch.int64)}
+    replicas = [p for p in _descendants(pid) if "ServeReplica" in " ".join(p.cmdline())]
+    tokens = {p.environ().get("DSPARK_EMBEDDED_GRPC_TOKEN") for p in replicas}
+    assert len(tokens) == 1 and None not in tokens, "every replica has the one generated token"
+    token = tokens.pop()
+    assert token not in started  # never logged
+    for address, call in ((scheduler, lambda c: list(c.stream("dspark.Scheduler", "Generate", generate))),
+                          (verifier, lambda c: c.call("dspark.Verifier", "Step", step))):
+        with SyncRpcClient(address, timeout_s=30) as client, pytest.raises(grpc.RpcError) as error:
+            call(client)
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED, address
+        with SyncRpcClient(address, token=token, timeout_s=60) as client:
+            assert call(client)  # schema-valid: with the token it runs
+    with SyncRpcClient(verifier, token=token, timeout_s=60) as client:
+        client.call("dspark.Verifier", "Release", {"req_ids": ["stranger"]})
+    gcs = next(p for p in _descendants(pid) if p.name() == "gcs_server")
+    port = next(c.laddr.port for c in gcs.net_connections(kind="tcp") if c.status == "LISTEN")
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as error:
+        channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetAllNodeInfo")(b"", timeout=30)
+    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED  # Ray's token authentication is on

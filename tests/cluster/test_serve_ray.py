@@ -58,6 +58,7 @@ def served() -> Iterator[dict]:
         "engine": {"max_requests": 8, "max_seq_len": 256},
         "draft_pool": {"resource": "draft_pool", "num_cpus": 0.5},
         "verify_pool": {"resource": "verify_pool", "num_cpus": 0.5},
+        "network": {"grpc_token": "test-data-plane-token"},
     }
     overrides = {"Ingress": {"ray_actor_options": {"num_cpus": 0.2}},
                  "Scheduler": {"ray_actor_options": {"num_cpus": 0.2}}}

@@ -89,7 +89,7 @@ def _deploy() -> Iterator[str]:
         "scheduler": {"request_groups": 2},
         "draft_pool": {"resource": "draft_pool", "num_cpus": 0.5},
         "verify_pool": {"resource": "verify_pool", "num_cpus": 0.5},
-        "network": {"grpc_timeout_s": 20},
+        "network": {"grpc_timeout_s": 20, "grpc_token": "test-data-plane-token"},
     }
     overrides = {"Ingress": {"ray_actor_options": {"num_cpus": 0.2}},
                  "Scheduler": {"ray_actor_options": {"num_cpus": 0.2}},

@@ -55,6 +55,8 @@ def _test_config(port: int) -> dict[str, Any]:
     app["args"]["models"].update(target=str(DEMO_TARGET), draft=str(DEMO_DRAFT))
     app["args"]["engine"].update(max_requests=4, max_seq_len=256)
     app["args"]["scheduler"]["drain_timeout_s"] = 60
+    del app["args"]["network"]["grpc_token_env"]  # this test's cluster does not have the variable
+    app["args"]["network"]["grpc_token"] = "test-data-plane-token"
     deployments = {d["name"]: d for d in app["deployments"]}
     deployments["Verifier"]["autoscaling_config"].update(
         min_replicas=1,

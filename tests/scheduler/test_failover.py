@@ -242,6 +242,7 @@ def test_last_drafter_dies_requests_continue_without_one_then_reattach(
     drafter_gate, verifier_gate = cluster.gates["d0"], cluster.gates["v"]
     drafter_gate.arm(pass_more=2)
     detached_at_kill: list[str] = []
+    without_draft: list[int] = []
 
     def kill_then_replace(tokens: dict[str, list[int]]) -> None:
         assert drafter_gate.held.wait(60), "the drafter never reached its 3rd round"
@@ -253,12 +254,15 @@ def test_last_drafter_dies_requests_continue_without_one_then_reattach(
         pool = hub._pool
         assert pool is not None and not pool.addresses
         detached_at_kill.extend(r for r in tokens if pool.is_detached(r))
+        # The round that ran without a drafter is counted as one (dspark with draft_cost none drafts every other).
+        without_draft.append(asyncio.run(hub.metrics()).rounds_without_draft)
         hub.register_drafter("d1", cluster.add_drafter("d1", gate="Propose"))
         verifier_gate.released.set()
 
     try:
         tokens = asyncio.run(_stream_all(hub, GREEDY, kill_then_replace))
         assert detached_at_kill  # requests ran without a drafter ...
+        assert without_draft[0] >= 1  # ... and those rounds are counted
         assert cluster.gates["d1"].calls > 0  # ... and drafted again once one was back
         assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == expected
         _all_free(cluster, hub, ["v", "d1"])
