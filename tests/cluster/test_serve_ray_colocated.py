@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO_TARGET = ROOT / "models" / "demo" / "target"
 DEMO_DRAFT = ROOT / "models" / "demo" / "draft_dspark"
 SLOTS = 8
+TOKEN = "test-data-plane-token"
 
 
 def _free_port() -> int:
@@ -63,6 +64,7 @@ def served() -> Iterator[dict]:
         "models": {"target": str(DEMO_TARGET), "draft": str(DEMO_DRAFT)},
         "engine": {"max_requests": SLOTS, "max_seq_len": 256},
         "verify_pool": {"resource": "verify_pool", "num_cpus": 0.5},
+        "network": {"grpc_token": TOKEN},
     }
     overrides = {"Ingress": {"ray_actor_options": {"num_cpus": 0.2}},
                  "Scheduler": {"ray_actor_options": {"num_cpus": 0.2}}}
@@ -165,7 +167,7 @@ def _running() -> int:
     from cluster.rpc import SyncRpcClient
 
     (address,) = _handle("Scheduler").endpoints.remote().result()["engines"].values()
-    client = SyncRpcClient(address, timeout_s=10)
+    client = SyncRpcClient(address, token=TOKEN, timeout_s=10)
     try:
         reply = client.call(ENGINE, "Metrics", {})
     finally:
