@@ -42,6 +42,7 @@ from scheduler.metrics import MetricsSnapshot
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
+from scheduler.service_levels import ServiceLevels, TierSnapshot, merge_tiers
 from scheduler.sps import load_sps
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,10 @@ class SchedulerHub:
         timeout_s: float = 60.0,
         max_context: int | None = None,
         readiness_timeout_s: float = 0.0,
+        service_levels: ServiceLevels | None = None,
     ) -> None:
         self.model_name = model_name
+        self.service_levels = service_levels
         self.policy = policy
         self.draft_cost = draft_cost
         self.request_groups = request_groups
@@ -148,6 +151,7 @@ class SchedulerHub:
             options: dict[str, Any] = {
                 "decode": self.decode,
                 "eos_token_ids": self.eos_token_ids or verifier.eos_token_ids,
+                "service_levels": self.service_levels,
             }
             engine = (
                 PipelinedEngine(verifier, pool, policy, groups=self.request_groups, **options)  # type: ignore[arg-type]
@@ -430,6 +434,7 @@ def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         waiting=sum(s.waiting for s in snapshots),
         recent_round_s=max(s.recent_round_s for s in snapshots),
         rounds_without_draft=sum(s.rounds_without_draft for s in snapshots),
+        tiers=merge_tiers([s.tiers for s in snapshots]),
     )
 
 
@@ -447,4 +452,7 @@ def snapshot_from_dict(data: dict[str, Any]) -> MetricsSnapshot:
     fields = dict(data)
     for key in ("accepted_per_position", "verified_per_position", "reached_per_position"):
         fields[key] = tuple(fields[key])
+    fields["tiers"] = tuple(
+        TierSnapshot(**{**tier, "tpot_buckets": tuple(tier["tpot_buckets"])}) for tier in fields.get("tiers", ())
+    )
     return MetricsSnapshot(**fields)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from scheduler.service_levels import TierSnapshot
+
 
 @dataclass
 class RequestMetrics:
@@ -57,6 +59,8 @@ class MetricsSnapshot:
     recent_round_s: float
     # Rounds that ran no drafter: the autoregressive policy, or the draft gate judged a plain target round faster.
     rounds_without_draft: int = 0
+    # Per priority tier (scheduler.service_levels.TierSnapshot): requests, tokens, TPOT, SLO attainment, refusals.
+    tiers: tuple[TierSnapshot, ...] = ()
 
     @property
     def tau(self) -> float:
@@ -171,6 +175,11 @@ class EngineMetrics:
     def reached_per_position(self) -> np.ndarray:
         self._fold()
         return self._reached_per_position
+
+    @property
+    def recent_round_s(self) -> float:
+        """Median duration of the recent rounds (0 before the first)."""
+        return float(np.median(self._recent_rounds)) if self._recent_rounds else 0.0
 
     def snapshot(self, running: int = 0, waiting: int = 0) -> MetricsSnapshot:
         return MetricsSnapshot(
