@@ -370,6 +370,9 @@ def _tier_families(tiers: Sequence[TierSnapshot], labels: list[str], values: lis
         "Finished requests with a TPOT target, by whether their TPOT met it.",
         labels=[*labels, "attained"],
     )
+    budget = GaugeMetricFamily(
+        "dspark_tier_verify_budget", "Mean draft tokens verified per request-round of finished requests.", labels=labels
+    )
     tpot = HistogramMetricFamily(
         "dspark_tier_tpot_seconds", "Time per output token after the first, per finished request.", labels=labels
     )
@@ -380,11 +383,13 @@ def _tier_families(tiers: Sequence[TierSnapshot], labels: list[str], values: lis
         families["refused"].add_metric(tier, t.refused)
         slo.add_metric([*tier, "true"], t.slo_attained)
         slo.add_metric([*tier, "false"], t.slo_missed)
+        budget.add_metric(tier, t.draft_tokens / t.request_rounds if t.request_rounds else 0.0)
         cumulative = list(itertools.accumulate(t.tpot_buckets))
         bounds = [*(str(b) for b in TPOT_BUCKETS_S), "+Inf"]
         tpot.add_metric(tier, list(zip(bounds, cumulative, strict=True)), t.tpot_sum_s)
     yield from families.values()
     yield slo
+    yield budget
     yield tpot
 
 

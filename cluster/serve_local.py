@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cluster.backend import LocalBackend
+    from scheduler.service_levels import ServiceLevels
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ def load_local_backend(
     model_name: str = DEFAULT_MODEL_NAME,
     tokenizer: Any = None,
     graphs: str = "auto",
+    service_levels: ServiceLevels | None = None,
 ) -> LocalBackend:
     """Load the models, build and warm up the engines, load or profile the SPS table and start a
     :class:`LocalBackend` (its loop thread runs from here).
@@ -119,7 +121,8 @@ def load_local_backend(
     and cached, by the same :func:`cluster.loading.serving_sps` a Ray verifier uses.
 
     ``tokenizer`` is used for detokenisation and stop strings inside the engine; pass a tokenizer object that
-    no other thread uses (the HTTP app tokenises on its own instance).
+    no other thread uses (the HTTP app tokenises on its own instance). ``service_levels``: the defaults of
+    per-request service levels (:mod:`scheduler.service_levels`; None: the defaults of ``scheduler.service_levels``).
     """
     import torch
 
@@ -185,6 +188,7 @@ def load_local_backend(
         draft_ahead=graphs == "capture",  # the host commits a round while the device drafts the next
         chain_verify=graphs == "capture",  # rounds of known lengths: the verify step queued behind the drafter
         chain_draft=graphs == "capture",  # and the next round's draft step behind that verify step
+        service_levels=service_levels,
     )
     return LocalBackend(engine, model_name, info={"sps": {} if loaded is None else {"local": loaded.to_dict()}})
 

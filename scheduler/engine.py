@@ -957,7 +957,7 @@ class SpeculativeEngine:
         if finish is None:
             return RequestOutput(req.req_id, new, text, False, None, len(req.prompt), num_output)
         metrics.finish_time = time.perf_counter()
-        self.tiers.finished(req.level, num_output, req.tpot_s())
+        self.tiers.finished(req.level, num_output, req.tpot_s(), metrics.verified)
         self._running.pop(req.req_id, None)
         self._finished.append(req.req_id)  # released with the round's other finishers (_release_finished)
         return RequestOutput(req.req_id, new, text, True, finish, len(req.prompt), num_output, metrics)

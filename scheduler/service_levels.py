@@ -161,6 +161,8 @@ class _Tier:
     slo_attained: int = 0
     slo_missed: int = 0
     refused: int = 0
+    request_rounds: int = 0
+    draft_tokens: int = 0
     tpot_sum_s: float = 0.0
     tpot_buckets: list[int] = field(default_factory=lambda: [0] * (len(TPOT_BUCKETS_S) + 1))
 
@@ -169,7 +171,8 @@ class _Tier:
 class TierSnapshot:
     """Counters of one priority tier (cumulative): finished requests, their output tokens, TPOT histogram
     (``tpot_buckets[i]``: requests with TPOT <= ``TPOT_BUCKETS_S[i]``, not cumulative; the last: above all),
-    requests with a target that met / missed it, and requests refused at admission."""
+    requests with a target that met / missed it, requests refused at admission, and the finished requests'
+    rounds and the drafts they verified in them (their verification budget)."""
 
     priority: int
     requests: int
@@ -177,6 +180,8 @@ class TierSnapshot:
     slo_attained: int
     slo_missed: int
     refused: int
+    request_rounds: int
+    draft_tokens: int
     tpot_sum_s: float
     tpot_buckets: tuple[int, ...]
 
@@ -193,11 +198,14 @@ class TierMetrics:
             tier = self._tiers[priority] = _Tier()
         return tier
 
-    def finished(self, level: RequestLevel, num_output: int, tpot_s: float | None) -> None:
-        """A request finished with ``num_output`` tokens; ``tpot_s`` None when it emitted fewer than two."""
+    def finished(self, level: RequestLevel, num_output: int, tpot_s: float | None, verified: Sequence[int]) -> None:
+        """A request finished with ``num_output`` tokens, ``verified[i]`` drafts verified in its round i;
+        ``tpot_s`` None when it emitted fewer than two."""
         tier = self._tier(level.priority)
         tier.requests += 1
         tier.output_tokens += num_output
+        tier.request_rounds += len(verified)
+        tier.draft_tokens += sum(verified)
         if tpot_s is None:
             return
         tier.tpot_sum_s += tpot_s
@@ -213,8 +221,8 @@ class TierMetrics:
 
     def snapshot(self) -> tuple[TierSnapshot, ...]:
         return tuple(
-            TierSnapshot(p, t.requests, t.output_tokens, t.slo_attained, t.slo_missed, t.refused, t.tpot_sum_s,
-                         tuple(t.tpot_buckets))
+            TierSnapshot(p, t.requests, t.output_tokens, t.slo_attained, t.slo_missed, t.refused, t.request_rounds,
+                         t.draft_tokens, t.tpot_sum_s, tuple(t.tpot_buckets))
             for p, t in sorted(self._tiers.items())
         )
 
@@ -228,6 +236,7 @@ def merge_tiers(groups: Sequence[Sequence[TierSnapshot]]) -> tuple[TierSnapshot,
             merged[t.priority] = t if m is None else TierSnapshot(
                 t.priority, m.requests + t.requests, m.output_tokens + t.output_tokens,
                 m.slo_attained + t.slo_attained, m.slo_missed + t.slo_missed, m.refused + t.refused,
-                m.tpot_sum_s + t.tpot_sum_s, tuple(a + b for a, b in zip(m.tpot_buckets, t.tpot_buckets, strict=True)),
+                m.request_rounds + t.request_rounds, m.draft_tokens + t.draft_tokens, m.tpot_sum_s + t.tpot_sum_s,
+                tuple(a + b for a, b in zip(m.tpot_buckets, t.tpot_buckets, strict=True)),
             )
     return tuple(merged[p] for p in sorted(merged))

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from cluster.backend import LocalBackend
 from cluster.serve_local import DEFAULT_TARGET, load_local_backend
 from draft_service.checkpoint import save_draft_model
+from scheduler.service_levels import ServiceLevels
 
 DEMO_TARGET = DEFAULT_TARGET
 MODEL = "dspark-test"
@@ -29,7 +30,13 @@ def write_demo_drafter(root: Path) -> Path:
     return save_draft_model(random_draft(DEMO_TARGET, spec), root / "draft")
 
 
-def demo_backend(draft_dir: Path | None, policy: str = "dspark", max_requests: int = 4, max_seq_len: int = 256):
+def demo_backend(
+    draft_dir: Path | None,
+    policy: str = "dspark",
+    max_requests: int = 4,
+    max_seq_len: int = 256,
+    service_levels: ServiceLevels | None = None,
+):
     return load_local_backend(
         DEMO_TARGET,
         draft_dir,
@@ -38,6 +45,7 @@ def demo_backend(draft_dir: Path | None, policy: str = "dspark", max_requests: i
         max_seq_len=max_seq_len,
         model_name=MODEL,
         tokenizer=AutoTokenizer.from_pretrained(DEMO_TARGET),
+        service_levels=service_levels,
     )
 
 
