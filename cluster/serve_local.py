@@ -58,6 +58,8 @@ def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection
         "engine, profiled at start when missing", type=Path, default=None)
     add("--cache-dir", "cache folder of profiled SPS tables", "$DSPARK_CACHE_DIR, else ~/.cache/dspark",
         default=None)
+    add("--slo-admission", "a request whose tpot_slo_ms cannot be met at the current load: refused (429 + "
+        "Retry-After) or queued until it can be", "refuse", choices=("refuse", "queue"), default=None)
     add("--max-requests", "KV / context slots, i.e. concurrent requests, per replica", "16", type=int, default=16)
     add("--max-seq-len", "slot length = max prompt + completion tokens", "1024, serving 1023",
         local="the target's context, at most 2048", type=int, default=None)
@@ -200,6 +202,7 @@ def run_local(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from cluster.http_app import build_app
+    from scheduler.service_levels import ServiceLevels
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -224,6 +227,7 @@ def run_local(args: argparse.Namespace) -> int:
             dtype=dtype,
             model_name=model_name,
             tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
+            service_levels=ServiceLevels(slo_admission=args.slo_admission or "refuse"),
         )
     except (OSError, ValueError) as error:
         logger.error("cannot start: %s", error)

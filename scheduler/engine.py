@@ -66,6 +66,9 @@ _PLAIN = operator.attrgetter("plain")
 _PRIORITY = operator.attrgetter("level.priority")
 #: ``Retry-After`` of a request refused for its TPOT target: the load a round sees changes within seconds.
 SLO_RETRY_AFTER_S = 1
+#: Rounds whose median time the service-level rules take as the current round time: few enough to follow the
+#: load as requests join and leave, enough that one slow round (a long prefill) does not decide alone.
+ROUND_TIME_WINDOW = 16
 
 
 class RequestRejectedError(ValueError):
@@ -478,8 +481,8 @@ class SpeculativeEngine:
         )
 
     def _round_s(self) -> float:
-        """The recent median round time (0 before the first round)."""
-        return self.metrics.recent_round_s
+        """The median time of the last few rounds (0 before the first round): the load a request meets now."""
+        return self.metrics.last_rounds_s(ROUND_TIME_WINDOW)
 
     def _predicted_tpot_s(self, level: RequestLevel) -> float:
         """The TPOT a request of ``level`` joining now is predicted to get (see :func:`predicted_tpot_s`)."""
@@ -802,8 +805,8 @@ class SpeculativeEngine:
 
         Waiting requests go in tier order, FIFO within a tier (:func:`admission_order`); while a running request
         is behind its TPOT target, lower tiers wait; with ``slo_admission: queue`` a request whose target is not
-        attainable now waits while others run. ``off`` requests need no drafter slot. The admitted requests are
-        a prefix of that order (the first that does not fit ends it)."""
+        attainable now waits while others run, and holds lower tiers back meanwhile. ``off`` requests need no
+        drafter slot. The admitted requests are a prefix of that order (the first that does not fit ends it)."""
         admitted: list[_Request] = []
         if not self._waiting:
             return admitted
@@ -859,6 +862,7 @@ class SpeculativeEngine:
             if late and lower_tier_held(level.priority, late):
                 continue
             if queue and level.tpot_slo_s is not None and self._predicted_tpot_s(level) > level.tpot_slo_s:
+                late.append(level.priority)  # it waits for the load to fall: lower tiers must not refill it
                 continue
             out.append(req)
         return out

@@ -8,6 +8,7 @@ budget chosen by the scheduler and the split of round time into draft, schedule 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -176,10 +177,11 @@ class EngineMetrics:
         self._fold()
         return self._reached_per_position
 
-    @property
-    def recent_round_s(self) -> float:
-        """Median duration of the recent rounds (0 before the first)."""
-        return float(np.median(self._recent_rounds)) if self._recent_rounds else 0.0
+    def last_rounds_s(self, count: int) -> float:
+        """Median duration of the last ``count`` rounds (0 before the first)."""
+        if not self._recent_rounds:
+            return 0.0
+        return float(np.median(list(itertools.islice(reversed(self._recent_rounds), count))))
 
     def snapshot(self, running: int = 0, waiting: int = 0) -> MetricsSnapshot:
         return MetricsSnapshot(

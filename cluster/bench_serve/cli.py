@@ -97,8 +97,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        help="open loop: arrivals per second (inf: all at once)")
     shape.add_argument("--population", action="append", default=None, metavar="SPEC",
                        help="open loop of one client population, repeatable, all in one level: "
-                       "rate=R[,name=N][,priority=P][,tpot_slo_ms=T][,speculative=S]; reports SLO attainment "
-                       "per population (its tpot_slo_ms, else --slo) and their aggregate goodput")
+                       "rate=R[,name=N][,priority=P][,tpot_slo_ms=T][,speculative=S][,goal_tpot_ms=G]; reports SLO "
+                       "attainment per population (its tpot_slo_ms or goal_tpot_ms, not sent; else --slo) and "
+                       "their aggregate goodput")
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="open loop: gamma shape of the gaps (1 Poisson, < 1 burstier)")
     load.add_argument("--max-concurrency", type=_positive_int, default=None,

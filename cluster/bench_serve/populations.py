@@ -4,8 +4,9 @@
 arrivals at its own rate, all at once, each sending its fields in the request body (``priority``,
 ``tpot_slo_ms``, ``speculative``: dspark-serve's service levels, docs/HTTP_API.md; any other server ignores or
 rejects them, as it would in ``extra_body``). Each population is summarised on its own, with its SLO attainment:
-the fraction of its measured requests whose TPOT met its ``tpot_slo_ms`` (a refused or failed request misses),
-or, without a target, the run's ``--slo``. The aggregate goodput is the sum over populations of requests per
+the fraction of its measured requests whose TPOT met its ``tpot_slo_ms`` (a refused or failed request misses);
+``goal_tpot_ms`` is the same objective without sending it (the same traffic without tiers); without either, the
+run's ``--slo``. The aggregate goodput is the sum over populations of requests per
 second that met their population's objectives (a population with neither a target nor ``--slo`` counts every
 completed request), so "with tiers" and "without tiers" runs of the same traffic compare on one number.
 
@@ -39,19 +40,20 @@ class Population:
     name: str
     rate: float
     fields: dict[str, Any]
+    goal_tpot_ms: float | None = None  # a TPOT objective measured, not sent
 
     @property
     def tpot_slo_s(self) -> float | None:
-        target = self.fields.get("tpot_slo_ms")
+        target = self.fields.get("tpot_slo_ms", self.goal_tpot_ms)
         return None if target is None else float(target) / 1000.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "rate": self.rate, "fields": dict(self.fields)}
+        return {"name": self.name, "rate": self.rate, "fields": dict(self.fields), "goal_tpot_ms": self.goal_tpot_ms}
 
 
 def parse_population(text: str, index: int) -> Population:
-    """Parse ``rate=R[,name=N][,priority=P][,tpot_slo_ms=T][,speculative=S]``; raises ValueError naming the
-    part that does not parse. The name defaults to ``p<index>``."""
+    """Parse ``rate=R[,name=N][,priority=P][,tpot_slo_ms=T][,speculative=S][,goal_tpot_ms=G]``; raises
+    ValueError naming the part that does not parse. The name defaults to ``p<index>``."""
     values: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
@@ -70,16 +72,21 @@ def parse_population(text: str, index: int) -> Population:
     if not (rate > 0 and math.isfinite(rate)):
         raise ValueError(f"population {text!r}: rate must be a positive finite number")
     name = values.pop("name", f"p{index}")
+    goal = values.pop("goal_tpot_ms", None)
+    try:
+        goal_ms = None if goal is None else float(goal)
+    except ValueError:
+        raise ValueError(f"population {name}: goal_tpot_ms must be a number, got {goal!r}") from None
     fields: dict[str, Any] = {}
     for key, value in values.items():
         kind = FIELDS.get(key)
         if kind is None:
-            raise ValueError(f"population key {key!r} is not one of rate, name, {', '.join(FIELDS)}")
+            raise ValueError(f"population key {key!r} is not one of rate, name, goal_tpot_ms, {', '.join(FIELDS)}")
         try:
             fields[key] = kind(value)
         except ValueError:
             raise ValueError(f"population {name}: {key} must be {kind.__name__}, got {value!r}") from None
-    return Population(name, rate, fields)
+    return Population(name, rate, fields, goal_ms)
 
 
 async def run_populations(

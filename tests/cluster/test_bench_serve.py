@@ -353,6 +353,8 @@ def test_populations_parse_and_say_what_is_wrong() -> None:
     assert gold.name == "gold" and gold.rate == 2.5 and gold.fields == {"priority": -1, "tpot_slo_ms": 40.0}
     assert gold.tpot_slo_s == pytest.approx(0.04)
     assert parse_population("rate=1,speculative=off", 3).name == "p3"
+    plain = parse_population("rate=1,goal_tpot_ms=25", 0)
+    assert plain.fields == {} and plain.tpot_slo_s == pytest.approx(0.025)  # measured, not sent
     for text, message in [("priority=1", "needs rate"), ("rate=0", "positive"), ("rate=1,colour=red", "colour"),
                           ("rate=1,priority=high", "priority must be int"), ("rate=1,rate=2", "twice"),
                           ("rate", "does not parse")]:
