@@ -49,6 +49,7 @@ from scheduler.service_levels import (
     SLOUnattainableError,
     TierMetrics,
     admission_order,
+    at_risk,
     behind_target,
     lateness_weights,
     lower_tier_held,
@@ -491,12 +492,17 @@ class SpeculativeEngine:
         return predicted_tpot_s(self._round_s(), tau, level.speculative)
 
     def _late_priorities(self) -> list[int]:
-        """Tiers of the running requests that are behind their TPOT target now."""
+        """Tiers of the running requests whose TPOT target is at risk: behind it, or missing it at the current
+        pace (:func:`at_risk`)."""
         running = [r for r in self._running.values() if r.level.tpot_slo_s is not None]
         if not running:
             return []
-        behind = self._behind(running)
-        return [r.level.priority for r, late in zip(running, behind, strict=True) if late]
+        behind, round_s = self._behind(running), self._round_s()
+        return [
+            r.level.priority
+            for r, late in zip(running, behind, strict=True)
+            if late or at_risk(r.level.tpot_slo_s, round_s, len(r.output), len(r.metrics.verified))  # type: ignore[arg-type]
+        ]
 
     def _behind(self, requests: list[_Request]) -> np.ndarray:
         """Per request, whether it is behind its TPOT target (False without one): timings and counts only."""
@@ -804,7 +810,7 @@ class SpeculativeEngine:
         """Move waiting requests (at most ``limit``) into the running set while both engines have free slots.
 
         Waiting requests go in tier order, FIFO within a tier (:func:`admission_order`); while a running request
-        is behind its TPOT target, lower tiers wait; with ``slo_admission: queue`` a request whose target is not
+        has its TPOT target at risk, lower tiers wait; with ``slo_admission: queue`` a request whose target is not
         attainable now waits while others run, and holds lower tiers back meanwhile. ``off`` requests need no
         drafter slot. The admitted requests are a prefix of that order (the first that does not fit ends it)."""
         admitted: list[_Request] = []
@@ -852,7 +858,7 @@ class SpeculativeEngine:
 
     def _eligible(self, waiting: list[_Request]) -> list[_Request]:
         """The waiting requests (in admission order) that may join now: none of a tier below one whose running
-        request is behind its target, and, with ``slo_admission: queue``, none whose target is predicted to be
+        request has its target at risk, and, with ``slo_admission: queue``, none whose target is predicted to be
         missed while other requests run."""
         late = self._late_priorities()
         queue = self.service_levels.slo_admission == "queue" and bool(self._running)

@@ -11,7 +11,9 @@ decoding lossless:
   cap allows; more when Algorithm 1 says so).
 - ``priority``: an integer tier; a SMALLER value is served first (vLLM's convention, so clients that send vLLM's
   ``priority`` get the same order). Waiting requests are admitted in tier order, FIFO within a tier, and while a
-  running request with a TPOT target is behind it, requests of a lower tier (larger value) are not admitted.
+  running request's TPOT target is at risk (it is behind it, or the recent round time over its tokens per round
+  exceeds it: :func:`at_risk`), requests of a lower tier (larger value) are not admitted, so the batch shrinks
+  as lower-tier requests finish until the target holds again.
 - ``tpot_slo_ms``: a target for time per output token. Every round, the first confidence of each request that
   is NOT behind its target (and of every request without one) is multiplied by ``on_target_weight``, which
   multiplies all of its prefix survival probabilities by the same factor: Algorithm 1 walks late requests'
@@ -120,6 +122,13 @@ def behind_target(tpot_slo_s: float, elapsed_s: float, num_output: int, round_s:
     ``elapsed_s`` ago; if this round (``round_s``, the recent median) gives it only the target's own token, its
     TPOT since the first token, (elapsed + round) / num_output, would exceed the target."""
     return elapsed_s + round_s > tpot_slo_s * max(num_output, 1)
+
+
+def at_risk(tpot_slo_s: float, round_s: float, num_output: int, rounds: int) -> bool:
+    """Whether a running request would miss its target at the current pace: the recent round time over the
+    tokens it got per verify round so far (``num_output - 1`` tokens in ``rounds`` rounds; 1 before any)."""
+    per_round = (num_output - 1) / rounds if rounds else 1.0
+    return round_s > tpot_slo_s * max(per_round, 1.0)
 
 
 def lateness_weights(behind: np.ndarray, has_target: np.ndarray, on_target_weight: float) -> np.ndarray | None:
