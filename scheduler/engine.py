@@ -43,14 +43,18 @@ from scheduler.admission import draft_caps, free_slots
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.service_levels import (
+    AT_RISK_SHARE,
+    GUARD_S,
     PLAIN_LEVEL,
     RequestLevel,
+    RoundTimes,
     ServiceLevels,
     SLOUnattainableError,
     TierMetrics,
     admission_order,
     at_risk,
     behind_target,
+    guard_target,
     lateness_weights,
     lower_tier_held,
     predicted_tpot_s,
@@ -256,6 +260,9 @@ class SpeculativeEngine:
         self.tiers = TierMetrics()
         self._off: set[str] = set()  # running requests with speculation off (verified with no drafts)
         self._no_drafter: set[str] = set()  # running requests that hold no drafter slot (off, plain round driver)
+        # Per tier, when a request with a target last joined or finished, and its target (seconds per token).
+        self._guards: dict[int, tuple[float, float]] = {}
+        self._round_at = RoundTimes()  # round time by request count, learned while targets are about
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -485,11 +492,14 @@ class SpeculativeEngine:
         """The median time of the last few rounds (0 before the first round): the load a request meets now."""
         return self.metrics.last_rounds_s(ROUND_TIME_WINDOW)
 
+    def _tau(self) -> float:
+        """Tokens per request-round so far, bonus included (1 before any round)."""
+        metrics = self.metrics
+        return (metrics.num_accepted_tokens + metrics.num_drafts) / metrics.num_drafts if metrics.num_drafts else 1.0
+
     def _predicted_tpot_s(self, level: RequestLevel) -> float:
         """The TPOT a request of ``level`` joining now is predicted to get (see :func:`predicted_tpot_s`)."""
-        metrics = self.metrics
-        tau = (metrics.num_accepted_tokens + metrics.num_drafts) / metrics.num_drafts if metrics.num_drafts else 1.0
-        return predicted_tpot_s(self._round_s(), tau, level.speculative)
+        return predicted_tpot_s(self._round_s(), self._tau(), level.speculative)
 
     def _late_priorities(self) -> list[int]:
         """Tiers of the running requests whose TPOT target is at risk: behind it, or missing it at the current
@@ -714,6 +724,8 @@ class SpeculativeEngine:
             self.metrics.record_round(
                 verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out, drafted=drafting
             )
+            if self._guards:  # targets seen lately: learn the round time at this request count
+                self._round_at.observe(len(verified) + len(admitted), draft_s + schedule_s + t3 - t2)
             if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
                 other_s = schedule_s + time.perf_counter() - t3
                 verify_tokens = len(verified) + int(np.add.reduce(verified_counts))  # anchors + drafts
@@ -851,6 +863,8 @@ class SpeculativeEngine:
             self._running[req.req_id] = req
             if req.level.speculative == "off":
                 self._off.add(req.req_id)
+            if req.level.tpot_slo_s is not None:
+                self._guards[req.level.priority] = (time.perf_counter(), req.level.tpot_slo_s)
             if self.draft is not None and id(req) not in drafted_ids:
                 self._no_drafter.add(req.req_id)
             admitted.append(req)
@@ -858,14 +872,24 @@ class SpeculativeEngine:
 
     def _eligible(self, waiting: list[_Request]) -> list[_Request]:
         """The waiting requests (in admission order) that may join now: none of a tier below one whose running
-        request has its target at risk, and, with ``slo_admission: queue``, none whose target is predicted to be
-        missed while other requests run."""
+        request has its target at risk, none of a tier below one that had a request with a target lately
+        (:data:`GUARD_S`) when the round time learned at the larger request count would put that target at risk
+        (:class:`RoundTimes`: headroom kept for the next such request, which cannot preempt anyone), and, with
+        ``slo_admission: queue``, none whose target is predicted to be missed while other requests run."""
         late = self._late_priorities()
         queue = self.service_levels.slo_admission == "queue" and bool(self._running)
+        now = time.perf_counter()
+        guards = [(p, target) for p, (seen, target) in self._guards.items() if now - seen < GUARD_S]
+        tau = self._tau()
         out = []
         for req in waiting:
             level = req.level
             if late and lower_tier_held(level.priority, late):
+                continue
+            target = guard_target(level.priority, guards)
+            if target is not None and self._round_at.exceeds(
+                len(self._running) + len(out) + 1, AT_RISK_SHARE * target * tau
+            ):
                 continue
             if queue and level.tpot_slo_s is not None and self._predicted_tpot_s(level) > level.tpot_slo_s:
                 late.append(level.priority)  # it waits for the load to fall: lower tiers must not refill it
@@ -968,6 +992,8 @@ class SpeculativeEngine:
             return RequestOutput(req.req_id, new, text, False, None, len(req.prompt), num_output)
         metrics.finish_time = time.perf_counter()
         self.tiers.finished(req.level, num_output, req.tpot_s(), metrics.verified)
+        if req.level.tpot_slo_s is not None:
+            self._guards[req.level.priority] = (metrics.finish_time, req.level.tpot_slo_s)
         self._running.pop(req.req_id, None)
         self._finished.append(req.req_id)  # released with the round's other finishers (_release_finished)
         return RequestOutput(req.req_id, new, text, True, finish, len(req.prompt), num_output, metrics)
