@@ -43,18 +43,14 @@ from scheduler.admission import draft_caps, free_slots
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.service_levels import (
-    AT_RISK_SHARE,
-    GUARD_S,
     PLAIN_LEVEL,
     RequestLevel,
-    RoundTimes,
     ServiceLevels,
     SLOUnattainableError,
     TierMetrics,
     admission_order,
     at_risk,
     behind_target,
-    guard_target,
     lateness_weights,
     lower_tier_held,
     predicted_tpot_s,
@@ -74,6 +70,8 @@ SLO_RETRY_AFTER_S = 1
 #: Rounds whose median time the service-level rules take as the current round time: few enough to follow the
 #: load as requests join and leave, enough that one slow round (a long prefill) does not decide alone.
 ROUND_TIME_WINDOW = 16
+#: Weight of the newest round in the moving average of rounds that prefill joining prompts.
+JOIN_ROUND_ALPHA = 0.2
 
 
 class RequestRejectedError(ValueError):
@@ -260,9 +258,7 @@ class SpeculativeEngine:
         self.tiers = TierMetrics()
         self._off: set[str] = set()  # running requests with speculation off (verified with no drafts)
         self._no_drafter: set[str] = set()  # running requests that hold no drafter slot (off, plain round driver)
-        # Per tier, when a request with a target last joined or finished, and its target (seconds per token).
-        self._guards: dict[int, tuple[float, float]] = {}
-        self._round_at = RoundTimes()  # round time by request count, learned while targets are about
+        self._join_round_s = 0.0  # moving average of rounds in which prompts joined (0: none yet)
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -502,21 +498,26 @@ class SpeculativeEngine:
         return predicted_tpot_s(self._round_s(), self._tau(), level.speculative)
 
     def _late_priorities(self) -> list[int]:
-        """Tiers of the running requests whose TPOT target is at risk: behind it, or missing it at the current
-        pace (:func:`at_risk`)."""
+        """Tiers of the running requests whose TPOT target is at risk: behind it after a round that prefills a
+        joining prompt (what admitting one costs them; the learned time of such rounds), or missing it at the
+        current pace (:func:`at_risk`)."""
         running = [r for r in self._running.values() if r.level.tpot_slo_s is not None]
         if not running:
             return []
-        behind, round_s = self._behind(running), self._round_s()
+        round_s = self._round_s()
+        behind = self._behind(running, max(self._join_round_s, round_s))
         return [
             r.level.priority
             for r, late in zip(running, behind, strict=True)
             if late or at_risk(r.level.tpot_slo_s, round_s, len(r.output), len(r.metrics.verified))  # type: ignore[arg-type]
         ]
 
-    def _behind(self, requests: list[_Request]) -> np.ndarray:
-        """Per request, whether it is behind its TPOT target (False without one): timings and counts only."""
-        now, round_s = time.perf_counter(), self._round_s()
+    def _behind(self, requests: list[_Request], round_s: float | None = None) -> np.ndarray:
+        """Per request, whether it is behind its TPOT target (False without one) after a round of ``round_s``
+        (default: the current round time): timings and counts only."""
+        now = time.perf_counter()
+        if round_s is None:
+            round_s = self._round_s()
         out = np.zeros(len(requests), dtype=bool)
         for i, r in enumerate(requests):
             target = r.level.tpot_slo_s
@@ -724,8 +725,10 @@ class SpeculativeEngine:
             self.metrics.record_round(
                 verified_counts, accepted_counts, draft_s, schedule_s, t3 - t2, num_out, drafted=drafting
             )
-            if self._guards:  # targets seen lately: learn the round time at this request count
-                self._round_at.observe(len(verified) + len(admitted), draft_s + schedule_s + t3 - t2)
+            if admitted:  # a round that prefilled joining prompts: what admitting one more costs the others
+                seconds = draft_s + schedule_s + t3 - t2
+                join = self._join_round_s
+                self._join_round_s = seconds if join == 0.0 else join + JOIN_ROUND_ALPHA * (seconds - join)
             if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
                 other_s = schedule_s + time.perf_counter() - t3
                 verify_tokens = len(verified) + int(np.add.reduce(verified_counts))  # anchors + drafts
@@ -823,7 +826,7 @@ class SpeculativeEngine:
 
         Waiting requests go in tier order, FIFO within a tier (:func:`admission_order`); while a running request
         has its TPOT target at risk, lower tiers wait; with ``slo_admission: queue`` a request whose target is not
-        attainable now waits while others run, and holds lower tiers back meanwhile. ``off`` requests need no
+        attainable now waits while others run. ``off`` requests need no
         drafter slot. The admitted requests are a prefix of that order (the first that does not fit ends it)."""
         admitted: list[_Request] = []
         if not self._waiting:
@@ -863,8 +866,7 @@ class SpeculativeEngine:
             self._running[req.req_id] = req
             if req.level.speculative == "off":
                 self._off.add(req.req_id)
-            if req.level.tpot_slo_s is not None:
-                self._guards[req.level.priority] = (time.perf_counter(), req.level.tpot_slo_s)
+
             if self.draft is not None and id(req) not in drafted_ids:
                 self._no_drafter.add(req.req_id)
             admitted.append(req)
@@ -872,27 +874,16 @@ class SpeculativeEngine:
 
     def _eligible(self, waiting: list[_Request]) -> list[_Request]:
         """The waiting requests (in admission order) that may join now: none of a tier below one whose running
-        request has its target at risk, none of a tier below one that had a request with a target lately
-        (:data:`GUARD_S`) when the round time learned at the larger request count would put that target at risk
-        (:class:`RoundTimes`: headroom kept for the next such request, which cannot preempt anyone), and, with
-        ``slo_admission: queue``, none whose target is predicted to be missed while other requests run."""
+        request has its target at risk, and, with ``slo_admission: queue``, none whose target is predicted to be
+        missed while other requests run."""
         late = self._late_priorities()
         queue = self.service_levels.slo_admission == "queue" and bool(self._running)
-        now = time.perf_counter()
-        guards = [(p, target) for p, (seen, target) in self._guards.items() if now - seen < GUARD_S]
-        tau = self._tau()
         out = []
         for req in waiting:
             level = req.level
             if late and lower_tier_held(level.priority, late):
                 continue
-            target = guard_target(level.priority, guards)
-            if target is not None and self._round_at.exceeds(
-                len(self._running) + len(out) + 1, AT_RISK_SHARE * target * tau
-            ):
-                continue
             if queue and level.tpot_slo_s is not None and self._predicted_tpot_s(level) > level.tpot_slo_s:
-                late.append(level.priority)  # it waits for the load to fall: lower tiers must not refill it
                 continue
             out.append(req)
         return out
@@ -992,8 +983,7 @@ class SpeculativeEngine:
             return RequestOutput(req.req_id, new, text, False, None, len(req.prompt), num_output)
         metrics.finish_time = time.perf_counter()
         self.tiers.finished(req.level, num_output, req.tpot_s(), metrics.verified)
-        if req.level.tpot_slo_s is not None:
-            self._guards[req.level.priority] = (metrics.finish_time, req.level.tpot_slo_s)
+
         self._running.pop(req.req_id, None)
         self._finished.append(req.req_id)  # released with the round's other finishers (_release_finished)
         return RequestOutput(req.req_id, new, text, True, finish, len(req.prompt), num_output, metrics)

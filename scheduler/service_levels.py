@@ -13,9 +13,10 @@ decoding lossless:
   ``priority`` get the same order). Waiting requests are admitted in tier order, FIFO within a tier, and while a
   running request's TPOT target is at risk (it is behind it, or the recent round time over its tokens per round
   exceeds 80% of it: :func:`at_risk`), requests of a lower tier (larger value) are not admitted, so the batch shrinks
-  as lower-tier requests finish until the target holds again; and for 10 s after a tier had a request with a
-  target, lower tiers join only up to the request count whose learned round time keeps that target (a request
-  that joins a full batch cannot preempt anyone, so headroom is kept for it).
+  as lower-tier requests finish until the target holds again. "Behind" is judged here after a round that
+  prefills a joining prompt (the learned time of such rounds), since admitting a request costs every running
+  one that round: on the CPU demo pair such a round takes 2-3 rounds' time, more than one more request in the
+  batch costs (docs/BENCHMARKS.md "Service levels").
 - ``tpot_slo_ms``: a target for time per output token. Every round, the first confidence of each request that
   is NOT behind its target (and of every request without one) is multiplied by ``on_target_weight``, which
   multiplies all of its prefix survival probabilities by the same factor: Algorithm 1 walks late requests'
@@ -137,37 +138,6 @@ def at_risk(tpot_slo_s: float, round_s: float, num_output: int, rounds: int) -> 
     any) exceeds :data:`AT_RISK_SHARE` of the target."""
     per_round = (num_output - 1) / rounds if rounds else 1.0
     return round_s > AT_RISK_SHARE * tpot_slo_s * max(per_round, 1.0)
-
-
-#: How long a tier that had a request with a TPOT target keeps lower tiers to the batch size its target allows
-#: (seconds since such a request last joined or finished).
-GUARD_S = 10.0
-
-
-def guard_target(priority: int, guards: Sequence[tuple[int, float]]) -> float | None:
-    """The tightest target (seconds per token) among the guarded tiers above ``priority`` (smaller values);
-    None when there is none."""
-    targets = [target for tier, target in guards if tier < priority]
-    return min(targets) if targets else None
-
-
-class RoundTimes:
-    """Round time by request count, an exponential moving average per count (weight ``alpha`` on the newest),
-    learned from the rounds that ran; a count never seen predicts nothing."""
-
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha = alpha
-        self._seconds: dict[int, float] = {}
-
-    def observe(self, count: int, seconds: float) -> None:
-        old = self._seconds.get(count)
-        self._seconds[count] = seconds if old is None else old + self.alpha * (seconds - old)
-
-    def exceeds(self, count: int, limit_s: float) -> bool:
-        """Whether the round time learned at ``count`` requests is over ``limit_s`` (False when unknown: the
-        count is tried, and learned)."""
-        seconds = self._seconds.get(count)
-        return seconds is not None and seconds > limit_s
 
 
 def lateness_weights(behind: np.ndarray, has_target: np.ndarray, on_target_weight: float) -> np.ndarray | None:
