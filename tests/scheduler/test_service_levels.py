@@ -207,3 +207,18 @@ def _engine_free_tiers():
     snap = tiers.snapshot()
     assert snap[0].slo_attained == 1 and snap[0].slo_missed == 1 and snap[0].draft_tokens == 10
     return snap
+
+
+def test_tier_snapshots_survive_the_hubs_wire() -> None:
+    """The scheduler hub ships snapshots as msgpack maps and merges its verifier groups' tiers."""
+    from dataclasses import replace
+
+    import msgpack
+
+    from scheduler.hub import merge_snapshots, snapshot_from_dict, snapshot_to_dict
+    from scheduler.metrics import EngineMetrics
+
+    snap = replace(EngineMetrics(4).snapshot(), tiers=_engine_free_tiers())
+    back = snapshot_from_dict(msgpack.unpackb(msgpack.packb(snapshot_to_dict(snap))))
+    assert back == snap
+    assert merge_snapshots([snap, back]).tiers[0].requests == 4
