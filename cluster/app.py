@@ -314,6 +314,7 @@ class SchedulerReplica:
             token=self.config.network.grpc_token,
             timeout_s=self.config.network.grpc_timeout_s,
             readiness_timeout_s=self.config.network.readiness_timeout_s,
+            service_levels=self.config.scheduler.service_levels.levels(),
         )
         self.server = ServerThread([self.hub.service()], host=_grpc_host(self.config),
                                    token=self.config.network.grpc_token)

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from scheduler.service_levels import ServiceLevels
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO_ROOT / "models" / "demo" / "target"
 DEMO_DRAFT = REPO_ROOT / "models" / "demo" / "draft_dspark"
@@ -95,12 +97,32 @@ class EngineConfig(_Strict):
     graph_prefill_rows: int = Field(512, ge=0, le=65536)
 
 
+class ServiceLevelsConfig(_Strict):
+    """Server defaults for the per-request service levels (docs/HTTP_API.md "Service levels";
+    :mod:`scheduler.service_levels`): what a request that does not set ``speculative`` / ``priority`` /
+    ``tpot_slo_ms`` gets, what happens to a request whose target cannot be met at admission (``refuse``: 429 +
+    ``Retry-After``; ``queue``: it waits), and ``on_target_weight``, the factor on the survival probabilities
+    of requests that are not behind a target (1 = no lateness weighting)."""
+
+    default_priority: int = Field(0, ge=-100, le=100)
+    default_speculative: Literal["auto", "off", "on"] = "auto"
+    default_tpot_slo_ms: float | None = Field(None, gt=0, le=1e6)
+    slo_admission: Literal["refuse", "queue"] = "refuse"
+    on_target_weight: float = Field(0.5, gt=0, le=1)
+
+    def levels(self) -> ServiceLevels:
+        """The scheduler's record of these settings."""
+        return ServiceLevels(**self.model_dump())
+
+
 class SchedulerConfig(_Strict):
     """``draft_cost``: what the scheduled policies (``dspark``, ``dspark-async``) charge for drafting: ``none``
     (Algorithm 1's plain objective; the drafter runs every round) or ``measured`` (each round loop learns the
     draft time per round, gRPC round trip included, from its own timings, and charges it: Algorithm 1 maximises
     tokens per second of the whole round and a round skips the drafter when a plain target round is predicted
     faster; lossless either way). Other policies ignore it.
+
+    ``service_levels``: the defaults of per-request service levels (:class:`ServiceLevelsConfig`).
 
     ``request_groups``: more than 1 splits each verifier replica's requests into that many groups and verifies
     one group while its drafters draft the next group's blocks (:mod:`scheduler.pipeline`). It pays when drafting
@@ -117,6 +139,7 @@ class SchedulerConfig(_Strict):
     max_running_per_verifier: int | None = Field(None, ge=1)
     request_groups: int = Field(1, ge=1, le=8)
     drain_timeout_s: float = Field(120.0, gt=0)
+    service_levels: ServiceLevelsConfig = ServiceLevelsConfig()
 
     @field_validator("policy")
     @classmethod

@@ -9,7 +9,8 @@ Rules this module keeps:
   waits for the backend's first delta (where a backend reports rejection) before sending headers.
 - A request whose client goes away is aborted in the backend at once, streaming or not, so its KV and context
   caches are freed for others; the abort is shielded from the cancellation that the disconnect itself causes.
-- Every 503 (not ready yet, a replica or the scheduler gone) carries ``Retry-After``: it is retryable.
+- Every 503 (not ready yet, a replica or the scheduler gone) carries ``Retry-After``: it is retryable; so does a
+  429 (a TPOT target the scheduler cannot meet at the current load, refused at admission).
 - The tokenizer is used from worker threads under one lock (a Rust tokenizer must not be re-entered while its
   settings are in use), so a long prompt never blocks the event loop.
 """
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -32,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -58,6 +60,7 @@ from cluster.openai_api import (
 from cluster.readiness import RETRY_AFTER_S
 from cluster.sampling import SamplingError
 from scheduler.metrics import MetricsSnapshot
+from scheduler.service_levels import TPOT_BUCKETS_S, SLOUnattainableError, TierSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "unknown model"},
     413: {"model": ErrorResponse, "description": "request body too large"},
+    429: {"model": ErrorResponse, "description": "tpot_slo_ms cannot be met at the current load (Retry-After)"},
 }
 _SSE_DOC = {"text/event-stream": {"schema": {"type": "string"}, "description": "with stream=true"}}
 #: Hints appended to pydantic's messages where its wording alone would not say what to do.
@@ -89,7 +93,8 @@ def _error_response(error: APIError) -> Response:
     # ensure_ascii: an echoed field (e.g. a model name holding a lone surrogate) must still serialise.
     body = json.dumps(error.body(), ensure_ascii=True)
     # Every 503 is retryable (not ready yet, or a replica went away): say when to come back.
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+    retry_after = error.retry_after_s if error.retry_after_s is not None else RETRY_AFTER_S
+    headers = {"Retry-After": str(retry_after)} if error.status in (429, 503) else None
     return Response(body, status_code=error.status, media_type="application/json", headers=headers)
 
 
@@ -359,6 +364,49 @@ class _SpecDecodeCollector:
         yield gauge("dspark_num_requests_waiting", "Requests queued for capacity.", s.waiting)
         yield gauge("vllm:num_requests_running", "Requests holding caches.", s.running)
         yield gauge("vllm:num_requests_waiting", "Requests queued for capacity.", s.waiting)
+        yield from _tier_families(s.tiers, labels, values)
+
+
+def _tier_families(tiers: Sequence[TierSnapshot], labels: list[str], values: list[str]) -> Iterator[Any]:
+    """The per-tier service-level series (label ``priority``); none before a request finished or was refused."""
+    if not tiers:
+        return
+    labels = [*labels, "priority"]
+    families = {
+        "requests": CounterMetricFamily("dspark_tier_requests", "Finished requests by priority tier.", labels=labels),
+        "output_tokens": CounterMetricFamily(
+            "dspark_tier_output_tokens", "Output tokens of finished requests by priority tier.", labels=labels
+        ),
+        "refused": CounterMetricFamily(
+            "dspark_tier_refused", "Requests refused at admission (429): TPOT target not attainable.", labels=labels
+        ),
+    }
+    slo = CounterMetricFamily(
+        "dspark_tier_slo_requests",
+        "Finished requests with a TPOT target, by whether their TPOT met it.",
+        labels=[*labels, "attained"],
+    )
+    budget = GaugeMetricFamily(
+        "dspark_tier_verify_budget", "Mean draft tokens verified per request-round of finished requests.", labels=labels
+    )
+    tpot = HistogramMetricFamily(
+        "dspark_tier_tpot_seconds", "Time per output token after the first, per finished request.", labels=labels
+    )
+    for t in tiers:
+        tier = [*values, str(t.priority)]
+        families["requests"].add_metric(tier, t.requests)
+        families["output_tokens"].add_metric(tier, t.output_tokens)
+        families["refused"].add_metric(tier, t.refused)
+        slo.add_metric([*tier, "true"], t.slo_attained)
+        slo.add_metric([*tier, "false"], t.slo_missed)
+        budget.add_metric(tier, t.draft_tokens / t.request_rounds if t.request_rounds else 0.0)
+        cumulative = list(itertools.accumulate(t.tpot_buckets))
+        bounds = [*(str(b) for b in TPOT_BUCKETS_S), "+Inf"]
+        tpot.add_metric(tier, list(zip(bounds, cumulative, strict=True)), t.tpot_sum_s)
+    yield from families.values()
+    yield slo
+    yield budget
+    yield tpot
 
 
 # ----------------------------------------------------------------------------------------------- service
@@ -485,6 +533,11 @@ class _Service:
         run = _Run(self.backend, req_id, self.backend.generate(req_id, prompt_ids, params))
         try:
             first = await _until_disconnect(request, run.next(), self.metrics.abort)
+        except SLOUnattainableError as error:
+            run.finished = True  # refused: nothing to abort
+            raise APIError(
+                429, str(error), param="tpot_slo_ms", code="slo_unattainable", retry_after_s=error.retry_after_s
+            ) from None
         except ValueError as error:
             run.finished = True  # rejected: nothing to abort
             raise APIError(400, str(error), param=prompt_param) from None

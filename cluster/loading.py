@@ -260,6 +260,7 @@ def build_round_engine(
             draft_ahead=overlap and config.engine.draft_ahead,
             chain_verify=overlap and config.engine.chain_rounds,
             chain_draft=overlap and config.engine.chain_rounds,
+            service_levels=config.scheduler.service_levels.levels(),
         )
 
     if overlap:

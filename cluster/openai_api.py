@@ -18,10 +18,12 @@ from cluster.sampling import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TPOT_SLO_MS,
     MIN_TEMPERATURE,
     MIN_TOP_P,
     SamplingParams,
 )
+from scheduler.service_levels import MAX_PRIORITY, MIN_PRIORITY
 
 #: OpenAI's documented default for the legacy completions endpoint.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -49,6 +51,7 @@ DEFAULT_ERROR_CODES: dict[int, str] = {
     404: "not_found",
     405: "method_not_allowed",
     413: "request_too_large",
+    429: "slo_unattainable",
     500: "internal_error",
     503: "service_unavailable",
 }
@@ -59,8 +62,9 @@ class APIError(Exception):
 
     ``code`` is always a snake_case string, so clients can branch on it without knowing the status: the specific
     code when one is given, else the status' entry in :data:`DEFAULT_ERROR_CODES` (``http_<status>`` for a
-    status without one). ``type`` is OpenAI's coarse class: ``invalid_request_error`` for 4xx,
-    ``server_error`` for 5xx unless given (``service_unavailable`` marks a retryable 503).
+    status without one); ``retry_after_s``: the ``Retry-After`` header of a retryable error. ``type`` is OpenAI's
+    coarse class: ``invalid_request_error`` for 4xx, ``server_error`` for 5xx unless given
+    (``service_unavailable`` marks a retryable 503).
     """
 
     def __init__(
@@ -71,8 +75,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.retry_after_s = retry_after_s
         self.status = status
         self.message = message
         self.param = param
@@ -133,6 +139,16 @@ class _SamplingRequest(_Lenient):
     logit_bias: dict[str, float] | None = Field(None, description="only empty is supported")
     user: Text | None = None
     return_token_ids: bool = Field(False, description="vLLM extension: also return prompt and output token ids")
+    # Service levels (docs/HTTP_API.md "Service levels"); omitted = the server's default.
+    speculative: Literal["auto", "off", "on"] | None = Field(
+        None, description="dspark extension: auto (the scheduler decides), off (no drafts), on (drafted every round)"
+    )
+    priority: int | None = Field(
+        None, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="tier; a smaller value is served first (as in vLLM)"
+    )
+    tpot_slo_ms: float | None = Field(
+        None, gt=0, le=MAX_TPOT_SLO_MS, description="dspark extension: target time per output token (ms)"
+    )
 
 
 class CompletionRequest(_SamplingRequest):
@@ -232,6 +248,9 @@ def sampling_params(request: _SamplingRequest, max_tokens: int) -> SamplingParam
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stop_token_ids=tuple(request.stop_token_ids or ()),
         ignore_eos=request.ignore_eos,
+        speculative=request.speculative,
+        priority=request.priority,
+        tpot_slo_ms=None if request.tpot_slo_ms is None else float(request.tpot_slo_ms),
     )
 
 

@@ -12,6 +12,8 @@ import secrets
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from scheduler.service_levels import MAX_PRIORITY, MIN_PRIORITY, SPECULATIVE_MODES
+
 #: Upper bound on stop strings per request: bounds the per-round matching work (issue: "thousands of stop strings").
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -19,6 +21,7 @@ MAX_STOP_TOKEN_IDS = 64
 #: The sampling kernels reject anything else in a batch, failing the whole round: the edge must be as strict.
 MIN_TEMPERATURE = 1e-5  # kernels/checks.py: temperature is 0 (greedy) or >= this
 MIN_TOP_P = 2.0**-126  # smallest normal float32: smaller values become 0 (or denormal) on the device
+MAX_TPOT_SLO_MS = 1e6
 
 
 class SamplingError(ValueError):
@@ -37,6 +40,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Service level (scheduler.service_levels); None = the server's default.
+    speculative: str | None = None  # auto | off | on
+    priority: int | None = None  # tier: a smaller value is served first
+    tpot_slo_ms: float | None = None  # target time per output token
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +68,12 @@ class SamplingParams:
             raise SamplingError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, low=0, high=1 << 31)
+        if self.speculative is not None and self.speculative not in SPECULATIVE_MODES:
+            raise SamplingError(f"speculative: must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        if self.priority is not None:
+            _check_int("priority", self.priority, low=MIN_PRIORITY, high=MAX_PRIORITY)
+        if self.tpot_slo_ms is not None:
+            _check_number("tpot_slo_ms", self.tpot_slo_ms, low=0.0, high=MAX_TPOT_SLO_MS, low_open=True)
 
     @property
     def greedy(self) -> bool:
@@ -83,7 +96,8 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Build from a decoded wire/JSON map; unknown keys are an error so typos do not pass silently."""
-        known = {"temperature", "top_k", "top_p", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos"}
+        known = {"temperature", "top_k", "top_p", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
+                 "speculative", "priority", "tpot_slo_ms"}
         unknown = set(data) - known
         if unknown:
             raise SamplingError(f"unknown sampling parameter(s): {sorted(unknown)}")

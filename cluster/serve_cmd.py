@@ -85,6 +85,8 @@ def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         "scheduler": pick("policy", "draft_cost"),
         "network": pick("api_key"),
     }
+    if given.get("slo_admission"):
+        out["scheduler"]["service_levels"] = {"slo_admission": given["slo_admission"]}
     if given.get("served_model_name"):
         out["model_name"] = given["served_model_name"]
     out.update(pick("cache_dir"))

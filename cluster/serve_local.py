@@ -58,6 +58,8 @@ def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection
         "engine, profiled at start when missing", type=Path, default=None)
     add("--cache-dir", "cache folder of profiled SPS tables", "$DSPARK_CACHE_DIR, else ~/.cache/dspark",
         default=None)
+    add("--slo-admission", "a request whose tpot_slo_ms cannot be met at the current load: refused (429 + "
+        "Retry-After) or queued until it can be", "refuse", choices=("refuse", "queue"), default=None)
     add("--max-requests", "KV / context slots, i.e. concurrent requests, per replica", "64", type=int,
         default=None)
     add("--max-seq-len", "slot length = max prompt + completion tokens", "1024", type=int, default=None)

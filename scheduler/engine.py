@@ -28,11 +28,12 @@ import operator
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from cluster.graphs import DeviceVerified
 from cluster.sampling import SamplingParams
@@ -41,6 +42,19 @@ from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEng
 from scheduler.admission import draft_caps, free_slots
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
+from scheduler.service_levels import (
+    PLAIN_LEVEL,
+    RequestLevel,
+    ServiceLevels,
+    SLOUnattainableError,
+    TierMetrics,
+    admission_order,
+    at_risk,
+    behind_target,
+    lateness_weights,
+    lower_tier_held,
+    predicted_tpot_s,
+)
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
 from verify_service.engine import PrefillItem, StepResult, StepResults, VerifyBatch, VerifyEngine, VerifyItem
 
@@ -49,6 +63,15 @@ _NEW_TOKENS = operator.attrgetter("new_token_ids")
 _ANCHOR = operator.attrgetter("anchor")
 _POSITION = operator.attrgetter("position")
 _GREEDY = operator.attrgetter("greedy")
+_PLAIN = operator.attrgetter("plain")
+_PRIORITY = operator.attrgetter("level.priority")
+#: ``Retry-After`` of a request refused for its TPOT target: the load a round sees changes within seconds.
+SLO_RETRY_AFTER_S = 1
+#: Rounds whose median time the service-level rules take as the current round time: few enough to follow the
+#: load as requests join and leave, enough that one slow round (a long prefill) does not decide alone.
+ROUND_TIME_WINDOW = 16
+#: Weight of the newest round in the moving average of rounds that prefill joining prompts.
+JOIN_ROUND_ALPHA = 0.2
 
 
 def _transfer_s(engine: object, phase_s: float) -> float:
@@ -97,13 +120,23 @@ class _Request:
     position: int = 0  # absolute position of the anchor = committed context length
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     rehomed: int = 0  # times this request was moved to another replica after a failure
+    level: RequestLevel = PLAIN_LEVEL  # its service level (scheduler.service_levels)
     # Copies of params fields read every round (an attribute chain per request and round adds up).
     max_tokens: int = field(init=False)
     greedy: bool = field(init=False)
+    plain: bool = field(init=False)  # speculation auto and no TPOT target: the round needs no service-level rule
 
     def __post_init__(self) -> None:
         self.max_tokens = self.params.max_tokens
         self.greedy = self.params.greedy
+        self.plain = self.level.speculative == "auto" and self.level.tpot_slo_s is None
+
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None before two tokens or without a first-token time)."""
+        metrics = self.metrics
+        if metrics.first_token_time is None or metrics.finish_time is None or len(self.output) < 2:
+            return None
+        return (metrics.finish_time - metrics.first_token_time) / (len(self.output) - 1)
 
     def prefill_item(self) -> PrefillItem:
         """A fresh request samples its first token; one that already emitted tokens (moved here after a replica
@@ -180,8 +213,13 @@ class SpeculativeEngine:
         draft_ahead: bool = False,
         chain_verify: bool = False,
         chain_draft: bool = False,
+        service_levels: ServiceLevels | None = None,
     ) -> None:
-        """``draft_ahead``: launch the next round's drafting right after a round's context append, before its
+        """``service_levels``: the defaults and admission rule of per-request service levels (speculation on or
+        off, priority tiers, TPOT targets: :mod:`scheduler.service_levels`); rounds in which every request is
+        ``auto`` without a target run exactly as without them.
+
+        ``draft_ahead``: launch the next round's drafting right after a round's context append, before its
         commit, so that the host commits while the device drafts (a drafter with ``propose_start``: the
         in-process draft engine; rounds without joining requests on a local verifier's bucketed (graph) path,
         whose results come as one StepResults; see :meth:`_launch_ahead`).
@@ -232,6 +270,11 @@ class SpeculativeEngine:
         self._draft_transfer_s = 0.0
         # A drafter pool that lost every replica runs its requests detached (scheduler.remote, degraded mode).
         self._is_detached: Callable[[str], bool] | None = getattr(self.draft, "is_detached", None)
+        self.service_levels = service_levels if service_levels is not None else ServiceLevels()
+        self.tiers = TierMetrics()
+        self._off: set[str] = set()  # running requests with speculation off (verified with no drafts)
+        self._no_drafter: set[str] = set()  # running requests that hold no drafter slot (off, plain round driver)
+        self._join_round_s = 0.0  # moving average of rounds in which prompts joined (0: none yet)
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -253,6 +296,16 @@ class SpeculativeEngine:
                 f"the prompt has {len(prompt)} tokens; this deployment accepts at most {limit - 1}"
             )
         params = params.with_seed()
+        level = RequestLevel.resolve(params.speculative, params.priority, params.tpot_slo_ms, self.service_levels)
+        if level.tpot_slo_s is not None and self.service_levels.slo_admission == "refuse":
+            predicted = self._predicted_tpot_s(level)
+            if predicted > level.tpot_slo_s:
+                self.tiers.refused(level.priority)
+                raise SLOUnattainableError(
+                    f"tpot_slo_ms: a target of {level.tpot_slo_s * 1000:.1f} ms per token cannot be met now "
+                    f"(predicted {predicted * 1000:.1f} ms at the current load); retry later",
+                    SLO_RETRY_AFTER_S,
+                )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.stop and self.decode is None:
             raise RequestRejectedError("stop strings need a tokenizer; none is configured")
@@ -263,6 +316,7 @@ class SpeculativeEngine:
             stop_ids=stop_ids,
             detok=IncrementalDetokenizer(self.decode) if self.decode is not None else None,
             stops=StopStringMatcher(params.stop) if params.stop else None,
+            level=level,
         )
         req.metrics.arrival_time = time.perf_counter()
         self._waiting.append(req)
@@ -292,6 +346,8 @@ class SpeculativeEngine:
         taken += [r for r in self._waiting if wanted is None or r.req_id in wanted]
         for req in taken:
             self._running.pop(req.req_id, None)
+            self._off.discard(req.req_id)
+            self._no_drafter.discard(req.req_id)
         self._waiting = deque(r for r in self._waiting if wanted is not None and r.req_id not in wanted)
         return taken
 
@@ -325,7 +381,8 @@ class SpeculativeEngine:
             ahead.drop()
 
     def snapshot(self) -> MetricsSnapshot:
-        return self.metrics.snapshot(running=len(self._running), waiting=len(self._waiting))
+        snap = self.metrics.snapshot(running=len(self._running), waiting=len(self._waiting))
+        return replace(snap, tiers=self.tiers.snapshot())
 
     def _free(self, req_id: str) -> None:
         self._free_many([req_id])
@@ -339,6 +396,9 @@ class SpeculativeEngine:
         """Release requests on both engines, in one call each (over gRPC: one round trip per replica, not per
         request). A release that fails (the replica died) must not fail the round: the finished requests'
         tokens are committed already, and the dead replica's cache went with it."""
+        if self._off or self._no_drafter:
+            self._off.difference_update(req_ids)
+            self._no_drafter.difference_update(req_ids)
         for engine in (self.verify, self.draft):
             if engine is None:
                 continue
@@ -356,6 +416,8 @@ class SpeculativeEngine:
         # Admitted requests were inserted last into the (insertion-ordered) running dict.
         running = list(self._running.values())
         verified = running[: len(running) - len(admitted)]
+        if verified and not all(map(_PLAIN, verified)):
+            return self._leveled_round(admitted, verified)
 
         t0 = time.perf_counter()
         ahead = self._take_ahead(verified)
@@ -396,6 +458,101 @@ class SpeculativeEngine:
         return self._verify_and_commit(
             admitted, verified, verifies, drafting, t1 - t_decided, (t_decided - t0) + (t2 - t1), t2
         )
+
+    def _leveled_round(self, admitted: list[_Request], verified: list[_Request]) -> list[RequestOutput]:
+        """A round in which some request has a service level (speculation off or on, a TPOT target): drafted
+        eagerly for the requests that draft, never chained or drafted ahead (drafts launched ahead for it are
+        dropped). ``off`` rows get no drafter row and length 0; the round drafts whenever a request is ``on``,
+        else when the policy would; lengths come from the policy on confidences weighted by lateness
+        (:func:`scheduler.service_levels.lateness_weights`), and an ``on`` request verifies at least one draft
+        its cap allows. Every rule reads settings, counts and timings only: lossless."""
+        t0 = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.drop()
+        num = len(verified)
+        caps = self._caps(verified) if self.draft is not None else np.zeros(num, dtype=np.int64)
+        modes = [r.level.speculative for r in verified]
+        drafts = np.fromiter((m != "off" for m in modes), dtype=bool, count=num)
+        forced = np.fromiter((m == "on" for m in modes), dtype=bool, count=num)
+        drafting = self.draft is not None and bool(drafts.any()) and (
+            bool(forced.any()) or self.policy.should_draft(caps)
+        )
+        weights = self._weights(verified)
+        t_decided = time.perf_counter()
+        proposal = None
+        if drafting:
+            rows = np.flatnonzero(drafts)
+            drafters = [verified[i] for i in rows]
+            count = len(drafters)
+            proposal = self.draft.propose(  # type: ignore[union-attr]
+                DraftBatch(
+                    [r.req_id for r in drafters],
+                    np.fromiter(map(_ANCHOR, drafters), dtype=np.int64, count=count),
+                    np.fromiter(map(_POSITION, drafters), dtype=np.int64, count=count),
+                )
+            )
+            if count < num:
+                proposal = _scatter_rows(proposal, rows, [r.req_id for r in verified])
+        t1 = time.perf_counter()
+        lengths = self._lengths(caps, proposal, weights)
+        if proposal is not None and forced.any():
+            lengths = np.maximum(lengths, np.minimum(forced.astype(np.int64), caps))
+        t2 = time.perf_counter()
+        verifies = self._verify_items(verified, lengths, proposal)
+        return self._verify_and_commit(
+            admitted, verified, verifies, drafting, t1 - t_decided, (t_decided - t0) + (t2 - t1), t2
+        )
+
+    def _round_s(self) -> float:
+        """The median time of the last few rounds (0 before the first round): the load a request meets now."""
+        return self.metrics.last_rounds_s(ROUND_TIME_WINDOW)
+
+    def _tau(self) -> float:
+        """Tokens per request-round so far, bonus included (1 before any round)."""
+        metrics = self.metrics
+        return (metrics.num_accepted_tokens + metrics.num_drafts) / metrics.num_drafts if metrics.num_drafts else 1.0
+
+    def _predicted_tpot_s(self, level: RequestLevel) -> float:
+        """The TPOT a request of ``level`` joining now is predicted to get (see :func:`predicted_tpot_s`)."""
+        return predicted_tpot_s(self._round_s(), self._tau(), level.speculative)
+
+    def _late_priorities(self) -> list[int]:
+        """Tiers of the running requests whose TPOT target is at risk: behind it after a round that prefills a
+        joining prompt (what admitting one costs them; the learned time of such rounds), or missing it at the
+        current pace (:func:`at_risk`)."""
+        running = [r for r in self._running.values() if r.level.tpot_slo_s is not None]
+        if not running:
+            return []
+        round_s = self._round_s()
+        behind = self._behind(running, max(self._join_round_s, round_s))
+        return [
+            r.level.priority
+            for r, late in zip(running, behind, strict=True)
+            if late or at_risk(r.level.tpot_slo_s, round_s, len(r.output), len(r.metrics.verified))  # type: ignore[arg-type]
+        ]
+
+    def _behind(self, requests: list[_Request], round_s: float | None = None) -> np.ndarray:
+        """Per request, whether it is behind its TPOT target (False without one) after a round of ``round_s``
+        (default: the current round time): timings and counts only."""
+        now = time.perf_counter()
+        if round_s is None:
+            round_s = self._round_s()
+        out = np.zeros(len(requests), dtype=bool)
+        for i, r in enumerate(requests):
+            target = r.level.tpot_slo_s
+            if target is not None:
+                first = r.metrics.first_token_time
+                started = first if first is not None else r.metrics.arrival_time
+                out[i] = behind_target(target, now - started, len(r.output), round_s)
+        return out
+
+    def _weights(self, verified: list[_Request]) -> np.ndarray | None:
+        """This round's lateness weights of ``verified`` (None: no request is behind a target)."""
+        has_target = np.fromiter((r.level.tpot_slo_s is not None for r in verified), dtype=bool, count=len(verified))
+        if not has_target.any():
+            return None
+        return lateness_weights(self._behind(verified), has_target, self.service_levels.on_target_weight)
 
     def _chained_round(
         self,
@@ -603,6 +760,10 @@ class SpeculativeEngine:
                 verify_transfer_s=_transfer_s(self.verify, verify_s),
                 host_s=max(host_s, 0.0),
             )
+            if admitted:  # a round that prefilled joining prompts: what admitting one more costs the others
+                seconds = draft_s + schedule_s + t3 - t2
+                join = self._join_round_s
+                self._join_round_s = seconds if join == 0.0 else join + JOIN_ROUND_ALPHA * (seconds - join)
             if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
                 other_s = schedule_s + time.perf_counter() - t3
                 verify_tokens = len(verified) + int(np.add.reduce(verified_counts))  # anchors + drafts
@@ -619,7 +780,8 @@ class SpeculativeEngine:
         """Append the step's context features to the drafter and commit every request's tokens; returns the
         outputs and the verified / accepted draft counts of the verify items. ``decided``: the next round's
         drafting, decided before the results (only with a chained round's results: a verify-only bucketed step's)."""
-        if isinstance(results, StepResults) and not admitted:  # a bucketed step of a local verifier: the columns
+        no_drafter = self._no_drafter
+        if isinstance(results, StepResults) and not admitted and not no_drafter:  # a local bucketed step: columns
             if self.draft is not None and results.features is not None:
                 self.draft.append_context(
                     ContextBatch(
@@ -639,7 +801,9 @@ class SpeculativeEngine:
         else:
             if self.draft is not None:
                 contexts = [
-                    ContextItem(r.req_id, r.feature_start, r.features) for r in results if r.features is not None
+                    ContextItem(r.req_id, r.feature_start, r.features)
+                    for r in results
+                    if r.features is not None and r.req_id not in no_drafter
                 ]
                 self.draft.append_context(contexts)
             for req, res in zip([*admitted, *verified], results, strict=True):  # prefills first, then verifies
@@ -688,41 +852,104 @@ class SpeculativeEngine:
             proposal.topk_probs,  # type: ignore[attr-defined]
         )
 
+    #: Whether ``off`` requests join without a drafter slot (the plain round driver drafts only for the others;
+    #: a pipelined driver drafts whole groups, so there they hold a slot and are verified with no drafts).
+    _OFF_WITHOUT_DRAFTER = True
+
     def _admit(self, limit: int | None = None) -> list[_Request]:
-        """Move waiting requests (at most ``limit``) into the running set while both engines have free slots."""
+        """Move waiting requests (at most ``limit``) into the running set while both engines have free slots.
+
+        Waiting requests go in tier order, FIFO within a tier (:func:`admission_order`); while a running request
+        has its TPOT target at risk, lower tiers wait; with ``slo_admission: queue`` a request whose target is not
+        attainable now waits while others run. ``off`` requests need no
+        drafter slot. The admitted requests are a prefix of that order (the first that does not fit ends it)."""
         admitted: list[_Request] = []
         if not self._waiting:
             return admitted
-        draft_free = self.draft.num_free_slots if self.draft is not None else None
-        free = free_slots(self.verify.num_free_slots, draft_free, len(self._running), self.max_running, limit)
-        candidates = list(itertools.islice(self._waiting, free))
-        if self.draft is not None and candidates:
+        waiting = list(self._waiting)
+        if (
+            not all(map(_PLAIN, waiting))
+            or not all(map(_PLAIN, self._running.values()))
+            or any(r.level.priority != waiting[0].level.priority for r in waiting)
+        ):
+            waiting = [waiting[i] for i in admission_order(list(map(_PRIORITY, waiting)))]
+            waiting = self._eligible(waiting)
+        free = free_slots(self.verify.num_free_slots, None, len(self._running), self.max_running, limit)
+        draft_free = self.draft.num_free_slots if self.draft is not None else 0
+        candidates: list[_Request] = []
+        drafted: list[_Request] = []
+        for req in waiting:
+            if len(candidates) >= free:
+                break
+            if self.draft is not None and not (self._OFF_WITHOUT_DRAFTER and req.level.speculative == "off"):
+                if len(drafted) >= draft_free:
+                    break
+                drafted.append(req)
+            candidates.append(req)
+        if drafted:
             # One call for the round's joiners (over gRPC: one AddRequests per drafter replica); a drafter shared
             # with other verifier groups may have filled up meanwhile: it takes a prefix, the rest retry next round.
-            candidates = candidates[: self.draft.add_requests([(r.req_id, r.params) for r in candidates])]
+            added = self.draft.add_requests([(r.req_id, r.params) for r in drafted])  # type: ignore[union-attr]
+            if added < len(drafted):
+                candidates = candidates[: candidates.index(drafted[added])]
+        if not candidates:
+            return admitted
+        drafted_ids = {id(r) for r in drafted}
+        taken = {id(r) for r in candidates}
+        self._waiting = deque(r for r in self._waiting if id(r) not in taken)
         for req in candidates:
-            self._waiting.popleft()
             self._running[req.req_id] = req
+            if req.level.speculative == "off":
+                self._off.add(req.req_id)
+
+            if self.draft is not None and id(req) not in drafted_ids:
+                self._no_drafter.add(req.req_id)
             admitted.append(req)
         return admitted
 
+    def _eligible(self, waiting: list[_Request]) -> list[_Request]:
+        """The waiting requests (in admission order) that may join now: none of a tier below one whose running
+        request has its target at risk, and, with ``slo_admission: queue``, none whose target is predicted to be
+        missed while other requests run."""
+        late = self._late_priorities()
+        queue = self.service_levels.slo_admission == "queue" and bool(self._running)
+        out = []
+        for req in waiting:
+            level = req.level
+            if late and lower_tier_held(level.priority, late):
+                continue
+            if queue and level.tpot_slo_s is not None and self._predicted_tpot_s(level) > level.tpot_slo_s:
+                continue
+            out.append(req)
+        return out
+
     def _caps(self, verified: list[_Request]) -> np.ndarray:
-        """Caps that only depend on counts: never verify past max_tokens or past the KV slot."""
+        """Caps that only depend on counts and settings: never verify past max_tokens or past the KV slot, no
+        drafts for a request with speculation off."""
         num = len(verified)
         tokens_left = np.fromiter((r.max_tokens - len(r.output) for r in verified), dtype=np.int64, count=num)
-        return self._caps_from(tokens_left, np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num))
+        caps = self._caps_from(tokens_left, np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num))
+        if self._off:
+            off = self._off
+            caps[np.fromiter((r.req_id in off for r in verified), dtype=bool, count=num)] = 0
+        return caps
 
     def _caps_from(self, tokens_left: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """:meth:`_caps` from arrays: the tokens each request may still emit and its anchor position."""
         return draft_caps(tokens_left, positions, self.verify.max_seq_len, self.block_size)
 
-    def _lengths(self, caps: np.ndarray, proposal: Proposal | None) -> np.ndarray:
+    def _lengths(self, caps: np.ndarray, proposal: Proposal | None, weights: np.ndarray | None = None) -> np.ndarray:
+        """The policy's lengths for ``proposal`` under ``caps``; ``weights``: lateness weights of the requests
+        (:mod:`scheduler.service_levels`), for the policies that take them."""
         if proposal is None:
             return np.zeros(len(caps), dtype=np.int64)
         confidences = proposal.confidences
         if confidences is None:
             confidences = np.ones((len(caps), self.block_size))
-        return self.policy.lengths(np.asarray(confidences, dtype=np.float64), caps)
+        confidences = np.asarray(confidences, dtype=np.float64)
+        if weights is None:
+            return self.policy.lengths(confidences, caps)
+        return self.policy.lengths(confidences, caps, weights=weights)
 
     def _commit(
         self, req: _Request, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool = False
@@ -790,6 +1017,8 @@ class SpeculativeEngine:
         if finish is None:
             return RequestOutput(req.req_id, new, text, False, None, len(req.prompt), num_output)
         metrics.finish_time = time.perf_counter()
+        self.tiers.finished(req.level, num_output, req.tpot_s(), metrics.verified)
+
         self._running.pop(req.req_id, None)
         self._finished.append(req.req_id)  # released with the round's other finishers (_release_finished)
         return RequestOutput(req.req_id, new, text, True, finish, len(req.prompt), num_output, metrics)
@@ -814,3 +1043,30 @@ class SpeculativeEngine:
                         out.req_id, tokens[out.req_id], "".join(texts[out.req_id]), out.finish_reason, out.metrics
                     )
         return [done[i] for i in ids]
+
+
+def _scatter_rows(proposal: Proposal, rows: np.ndarray, req_ids: list[str]) -> Proposal:
+    """A proposal for ``req_ids`` holding ``proposal``'s rows at ``rows`` and empty rows elsewhere (requests
+    drafted for nobody: speculation off). Empty rows have zero confidence, so no policy admits their drafts."""
+    num, index = len(req_ids), torch.as_tensor(rows, dtype=torch.long)
+
+    def spread(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros((num, *t.shape[1:]))
+        out[index.to(t.device)] = t
+        return out
+
+    def spread_np(a: np.ndarray | None) -> np.ndarray | None:
+        if a is None:
+            return None
+        out = np.zeros((num, *a.shape[1:]), dtype=a.dtype)
+        out[rows] = a
+        return out
+
+    return Proposal(
+        req_ids=list(req_ids),
+        tokens=spread(proposal.tokens),
+        confidences=spread_np(proposal.confidences),
+        confidence_logits=spread_np(proposal.confidence_logits),
+        topk_ids=spread(proposal.topk_ids),
+        topk_probs=spread(proposal.topk_probs),
+    )

@@ -45,6 +45,7 @@ from scheduler.metrics import MetricsSnapshot, merge_snapshots, snapshot_to_dict
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
+from scheduler.service_levels import ServiceLevels
 from scheduler.sps import load_sps
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,10 @@ class SchedulerHub:
         timeout_s: float = 60.0,
         max_context: int | None = None,
         readiness_timeout_s: float = 0.0,
+        service_levels: ServiceLevels | None = None,
     ) -> None:
         self.model_name = model_name
+        self.service_levels = service_levels
         self.policy = policy
         self.draft_cost = draft_cost
         self.request_groups = request_groups
@@ -149,6 +152,7 @@ class SchedulerHub:
             options: dict[str, Any] = {
                 "decode": self.decode,
                 "eos_token_ids": self.eos_token_ids or verifier.eos_token_ids,
+                "service_levels": self.service_levels,
             }
             engine = (
                 PipelinedEngine(verifier, pool, policy, groups=self.request_groups, **options)  # type: ignore[arg-type]

@@ -16,12 +16,15 @@ round (Prometheus counters).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from scheduler.service_levels import TierSnapshot, merge_tiers
 
 
 @dataclass
@@ -71,6 +74,8 @@ class MetricsSnapshot:
     round_verify_time_s: float = 0.0
     transfer_time_s: float = 0.0
     host_time_s: float = 0.0
+    # Per priority tier (scheduler.service_levels.TierSnapshot): requests, tokens, TPOT, SLO attainment, refusals.
+    tiers: tuple[TierSnapshot, ...] = ()
 
     @property
     def tau(self) -> float:
@@ -198,6 +203,12 @@ class EngineMetrics:
         self._fold()
         return self._reached_per_position
 
+    def last_rounds_s(self, count: int) -> float:
+        """Median duration of the last ``count`` rounds (0 before the first)."""
+        if not self._recent_rounds:
+            return 0.0
+        return float(np.median(list(itertools.islice(reversed(self._recent_rounds), count))))
+
     def snapshot(self, running: int = 0, waiting: int = 0) -> MetricsSnapshot:
         return MetricsSnapshot(
             rounds=self.rounds,
@@ -260,6 +271,7 @@ def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         round_verify_time_s=sum(s.round_verify_time_s for s in snapshots),
         transfer_time_s=sum(s.transfer_time_s for s in snapshots),
         host_time_s=sum(s.host_time_s for s in snapshots),
+        tiers=merge_tiers([s.tiers for s in snapshots]),
     )
 
 
@@ -275,4 +287,7 @@ def snapshot_from_dict(data: dict[str, Any]) -> MetricsSnapshot:
     fields = dict(data)
     for key in ("accepted_per_position", "verified_per_position", "reached_per_position"):
         fields[key] = tuple(fields[key])
+    fields["tiers"] = tuple(
+        TierSnapshot(**{**tier, "tpot_buckets": tuple(tier["tpot_buckets"])}) for tier in fields.get("tiers", ())
+    )
     return MetricsSnapshot(**fields)

@@ -40,6 +40,7 @@ from draft_service.engine import DraftEngine, DraftItem, Proposal
 from scheduler.admission import group_share
 from scheduler.engine import DetachedRequest, RequestOutput, SpeculativeEngine, _Request
 from scheduler.policy import VerifyPolicy
+from scheduler.service_levels import ServiceLevels
 from verify_service.engine import VerifyEngine
 
 T = TypeVar("T")
@@ -106,6 +107,8 @@ class _Pending:
 class PipelinedEngine(SpeculativeEngine):
     """:class:`SpeculativeEngine` with its requests in ``groups`` whose drafting and verification overlap."""
 
+    _OFF_WITHOUT_DRAFTER = False  # a group's round drafts every member
+
     def __init__(
         self,
         verify: VerifyEngine,
@@ -116,11 +119,22 @@ class PipelinedEngine(SpeculativeEngine):
         decode: Callable[[Sequence[int]], str] | None = None,
         eos_token_ids: Iterable[int] = (),
         max_running: int | None = None,
+        service_levels: ServiceLevels | None = None,
     ) -> None:
+        """``service_levels``: as for :class:`SpeculativeEngine`, except that a group's round drafts the whole
+        group, so ``off`` requests hold a drafter slot here (verified with no drafts all the same), and rounds
+        are neither weighted by lateness nor drafted for ``on`` against the gate (admission order, holds and
+        refusals apply)."""
         if groups < 2:
             raise ValueError(f"a pipelined engine needs at least 2 request groups, got {groups}")
         super().__init__(
-            verify, draft, policy, decode=decode, eos_token_ids=eos_token_ids, max_running=max_running
+            verify,
+            draft,
+            policy,
+            decode=decode,
+            eos_token_ids=eos_token_ids,
+            max_running=max_running,
+            service_levels=service_levels,
         )
         if self.draft is not None:
             self.draft = SerialDrafter(self.draft)  # type: ignore[assignment]

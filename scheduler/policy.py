@@ -9,6 +9,8 @@ pre-draft decision ``should_draft`` (may this round skip the drafter, i.e. be a 
 counts and the confidences of earlier, already verified rounds (:mod:`scheduler.draft_gate`). A measured draft
 cost (:class:`scheduler.draft_cost_estimate.OnlineDraftCost`, fed by ``observe_round`` after every round) only
 adds wall-clock timings and request counts of finished rounds to what a decision sees, so it keeps all of this.
+Lateness weights (``lengths(..., weights=)``, :mod:`scheduler.service_levels`) scale each request's survivals by
+a factor fixed before its drafts were sampled, which keeps the walk's prefix order and its early-stop argument.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from scheduler.async_capacity import AsyncCapacityScheduler
 from scheduler.chain_plan import CHAIN_TOLERANCE, ChainPlanner
 from scheduler.draft_cost_estimate import OnlineDraftCost
 from scheduler.draft_gate import DraftGate
+from scheduler.service_levels import weighted_confidences
 from scheduler.sps import SPSSource, check_sps_source
 
 
@@ -35,7 +38,13 @@ class VerifyPolicy(Protocol):
         """Before drafting: whether this round calls the drafter at all (False: every l_r = 0, no proposal)."""
         ...
 
-    def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray: ...
+    def lengths(
+        self, confidences: np.ndarray, max_lengths: np.ndarray, *, weights: np.ndarray | None = None
+    ) -> np.ndarray:
+        """``weights``: per request, a factor (0, 1] on its prefix survival probabilities, fixed before the
+        round's drafts (lateness, :mod:`scheduler.service_levels`); the scheduled policies rank and value drafts
+        by the weighted survivals, the others ignore it."""
+        ...
 
 
 #: The scheduled policies also have ``observe_round(num_requests, drafted, draft_s, other_s, verify_s,
@@ -130,7 +139,9 @@ class Autoregressive:
     def should_draft(self, max_lengths: np.ndarray) -> bool:
         return False
 
-    def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
+    def lengths(
+        self, confidences: np.ndarray, max_lengths: np.ndarray, *, weights: np.ndarray | None = None
+    ) -> np.ndarray:
         return np.zeros(len(max_lengths), dtype=np.int64)
 
 
@@ -148,7 +159,9 @@ class FixedLength:
     def should_draft(self, max_lengths: np.ndarray) -> bool:
         return True
 
-    def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
+    def lengths(
+        self, confidences: np.ndarray, max_lengths: np.ndarray, *, weights: np.ndarray | None = None
+    ) -> np.ndarray:
         return np.minimum(np.minimum(self.n, confidences.shape[1]), max_lengths).astype(np.int64)
 
     def planned_lengths(self, max_lengths: np.ndarray, block_size: int) -> np.ndarray:
@@ -211,14 +224,18 @@ class DSparkScheduled(_LearnsRoundCosts):
         self._cost.current()  # refreshes the gate's costs
         return self.gate is None or self.gate.should_draft(max_lengths)
 
-    def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
+    def lengths(
+        self, confidences: np.ndarray, max_lengths: np.ndarray, *, weights: np.ndarray | None = None
+    ) -> np.ndarray:
         capped = _capped(confidences, max_lengths)
         table = self.sps.table_for(capped.shape[0])
         cost = self._cost.current()
-        lengths = schedule_lengths(capped, table, draft_cost=cost)
+        ranked = capped if weights is None else weighted_confidences(capped, weights)
+        lengths = schedule_lengths(ranked, table, draft_cost=cost)
         if self.gate is not None:  # after the schedule: it validated them when no cap bound (the same array)
             self.gate.observe(confidences, validated=capped is confidences)
-        self.chain.observe(capped, max_lengths, lengths, table, cost, scheduled=True)
+        if weights is None:  # a weighted round is no plan for the next unweighted one (it never chains)
+            self.chain.observe(capped, max_lengths, lengths, table, cost, scheduled=True)
         return lengths
 
     def planned_lengths(self, max_lengths: np.ndarray, block_size: int) -> np.ndarray | None:
@@ -277,10 +294,12 @@ class DSparkAsync(_LearnsRoundCosts):
         self._scheduler.reset()
         return False
 
-    def lengths(self, confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
+    def lengths(
+        self, confidences: np.ndarray, max_lengths: np.ndarray, *, weights: np.ndarray | None = None
+    ) -> np.ndarray:
         self._scheduler.draft_cost = self._cost.current()
         capped = _capped(confidences, max_lengths)
-        lengths = self._scheduler.step(capped)
+        lengths = self._scheduler.step(capped if weights is None else weighted_confidences(capped, weights))
         if self.gate is not None:  # after the schedule: it validated them when no cap bound (the same array)
             self.gate.observe(confidences, validated=capped is confidences)
         return lengths

@@ -25,6 +25,18 @@ def _rate(text: str) -> float:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -73,6 +85,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     samp.add_argument("--temperature", type=float, default=0.0)
     samp.add_argument("--top-p", type=float, default=None)
     samp.add_argument("--seed", type=int, default=None, help="request i is sent seed + i (reproducible sampling)")
+    samp.add_argument("--extra-body", type=_json_object, default={},
+                      help="JSON object merged into every request body, e.g. '{\"priority\": 1}'")
 
     load = p.add_argument_group("load levels (closed loop, open loop, or the trace's arrivals)")
     shape = load.add_mutually_exclusive_group()
@@ -81,6 +95,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        "(default: 1 8 32)")
     shape.add_argument("--request-rate", type=_rate, nargs="+", default=None,
                        help="open loop: arrivals per second (inf: all at once)")
+    shape.add_argument("--population", action="append", default=None, metavar="SPEC",
+                       help="open loop of one client population, repeatable, all in one level: "
+                       "rate=R[,name=N][,priority=P][,tpot_slo_ms=T][,speculative=S][,goal_tpot_ms=G]; reports SLO "
+                       "attainment per population (its tpot_slo_ms or goal_tpot_ms, not sent; else --slo) and "
+                       "their aggregate goodput")
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="open loop: gamma shape of the gaps (1 Poisson, < 1 burstier)")
     load.add_argument("--max-concurrency", type=_positive_int, default=None,
@@ -141,12 +160,20 @@ def _levels(args: argparse.Namespace) -> list[Any]:
     from cluster.bench_serve.load import LoadLevel
 
     if args.trace is not None:
-        if args.concurrency or args.request_rate:
-            raise ValueError("a trace brings its own arrivals: --concurrency / --request-rate do not apply")
+        if args.concurrency or args.request_rate or args.population:
+            raise ValueError("a trace brings its own arrivals: no --concurrency, --request-rate or --population")
         return [LoadLevel("trace", f) for f in args.trace_speedup]
     if args.request_rate:
         return [LoadLevel("open", r) for r in args.request_rate]
+    if args.population:
+        return [LoadLevel("open", sum(p.rate for p in _populations(args)))]
     return [LoadLevel("closed", c) for c in (args.concurrency or [1, 8, 32])]
+
+
+def _populations(args: argparse.Namespace) -> list[Any]:
+    from cluster.bench_serve.populations import parse_population
+
+    return [parse_population(text, i) for i, text in enumerate(args.population or ())]
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -181,7 +208,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             base_url=args.base_url,
             options=RequestOptions(model=args.model, endpoint=args.endpoint, stream=not args.no_stream,
                                    temperature=args.temperature, top_p=args.top_p, ignore_eos=args.ignore_eos,
-                                   seed=args.seed),
+                                   seed=args.seed, extra_body=args.extra_body),
             requests=requests,
             levels=levels,
             window=window,
@@ -192,6 +219,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             label=args.label,
             progress=not args.no_progress,
             client_processes=args.client_processes,
+            populations=_populations(args),
         )
         result = run(config)
     except (WorkloadError, ValueError, BenchError) as error:

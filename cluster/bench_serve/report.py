@@ -44,6 +44,19 @@ def level_table(result: Result) -> str:
             f"| {_fmt(lv['e2e_s']['p50'], 1, 2)} / {_fmt(lv['e2e_s']['p99'], 1, 2)} "
             f"| {goodput} | {_fmt(tau, 1, 2)} | {_fmt(budget, 1, 2)} | {_fmt(lag.get('p99'), 1, 1)} |"
         )
+    populations = [(lv, p) for lv in result["levels"] for p in lv.get("populations") or ()]
+    if populations:
+        rows += ["", "| load | population | rate /s | fields | done | errors | TPOT p50 / p99 ms | SLO attainment "
+                 "| aggregate goodput req/s |", "| --- " * 9 + "|"]
+        for lv, p in populations:
+            fields = ", ".join(f"{k}={v}" for k, v in p["fields"].items()) or "-"
+            attained = p["slo_attainment"]
+            rows.append(
+                f"| {lv['load']['label']} | {p['name']} | {_fmt(p['rate'], 1, 2)} | {fields} | {p['completed']} "
+                f"| {_errors(p)} | {_fmt(p['tpot_s']['p50'], 1e3, 1)} / {_fmt(p['tpot_s']['p99'], 1e3, 1)} "
+                f"| {'-' if attained is None else _fmt(attained, 100) + ' %'} "
+                f"| {_fmt(lv['goodput_aggregate']['requests_per_s'], 1, 2)} |"
+            )
     return "\n".join(rows)
 
 

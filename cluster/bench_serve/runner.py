@@ -23,6 +23,7 @@ from cluster.bench_serve import server_metrics
 from cluster.bench_serve.client import RequestOptions, api_base, make_client, send
 from cluster.bench_serve.fanout import run_closed_fanout
 from cluster.bench_serve.load import LevelRun, LoadLevel, LoopLag, Window, run_closed, run_open
+from cluster.bench_serve.populations import Population, merged_run, population_results, run_populations
 from cluster.bench_serve.stats import SLO, summarize
 from cluster.bench_serve.workload import BenchRequest
 
@@ -47,6 +48,9 @@ class BenchConfig:
     label: str = ""
     progress: bool = True
     client_processes: int | None = None
+    #: Client populations (:mod:`cluster.bench_serve.populations`): when given, ``levels`` is their one open
+    #: loop level (the total rate) and each is sent and summarised on its own.
+    populations: Sequence[Population] = ()
 
 
 def client_processes(concurrency: int, asked: int | None) -> int:
@@ -110,6 +114,9 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
             async def one(request: BenchRequest, index: int) -> Any:
                 return await send(client, request, options, index)
 
+            async def one_with(request: BenchRequest, index: int, with_options: RequestOptions) -> Any:
+                return await send(client, request, with_options, index)
+
             levels = []
             for level in config.levels:
                 before: dict[str, server_metrics.Snapshot | None] = {}
@@ -120,8 +127,15 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
                 label = f"{config.label} {level.label}".strip()
                 processes = client_processes(int(level.value), config.client_processes) if level.kind == "closed" else 1
                 child_lags = None
+                groups = None
                 with LoopLag() as lag:
-                    if processes > 1:
+                    if config.populations:
+                        runs = await run_populations(one_with, options, config.requests, config.populations,
+                                                     config.window, on_measure_start=snapshot,
+                                                     progress=config.progress)
+                        run = merged_run(runs)
+                        groups = population_results(config.populations, runs, config.slo)
+                    elif processes > 1:
                         try:
                             run, child_lags = await run_closed_fanout(
                                 config.base_url, config.api_key, config.request_timeout_s, options, config.requests,
@@ -138,8 +152,11 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
                 after = await server_metrics.scrape(plain, config.base_url)
                 spec = server_metrics.speculative_delta(before.get("snap"), after)
                 lags = lag.summary() if child_lags is None else LoopLag.summarize(child_lags)
-                levels.append({**_level_result(level, run, config.slo, spec), "client_processes": processes,
-                               "client_loop_lag_ms": lags})
+                result = {**_level_result(level, run, config.slo, spec), "client_processes": processes,
+                          "client_loop_lag_ms": lags}
+                if groups is not None:
+                    result["populations"], result["goodput_aggregate"] = groups
+                levels.append(result)
         finally:
             await client.close()
     return {

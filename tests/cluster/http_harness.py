@@ -7,6 +7,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 
 import uvicorn
@@ -19,6 +20,7 @@ from cluster.config import AppConfig
 from cluster.loading import build_local_backend
 from cluster.serve_local import DEFAULT_TARGET
 from draft_service.checkpoint import save_draft_model
+from scheduler.service_levels import ServiceLevels
 
 DEMO_TARGET = DEFAULT_TARGET
 MODEL = "dspark-test"
@@ -31,12 +33,21 @@ def write_demo_drafter(root: Path) -> Path:
     return save_draft_model(random_draft(DEMO_TARGET, spec), root / "draft")
 
 
-def demo_backend(draft_dir: Path | None, policy: str = "dspark", max_requests: int = 4, max_seq_len: int = 256):
+def demo_backend(
+    draft_dir: Path | None,
+    policy: str = "dspark",
+    max_requests: int = 4,
+    max_seq_len: int = 256,
+    service_levels: ServiceLevels | None = None,
+):
+    scheduler: dict = {"policy": policy}
+    if service_levels is not None:
+        scheduler["service_levels"] = asdict(service_levels)
     config = AppConfig.from_args({
         "model_name": MODEL,
         "models": {"target": str(DEMO_TARGET), "draft": None if draft_dir is None else str(draft_dir)},
         "engine": {"max_requests": max_requests, "max_seq_len": max_seq_len},
-        "scheduler": {"policy": policy},
+        "scheduler": scheduler,
     })
     return build_local_backend(config, tokenizer=AutoTokenizer.from_pretrained(DEMO_TARGET))
 

@@ -360,3 +360,56 @@ def test_bad_input_gets_a_clear_message(server: str, prompts: Path, tmp_path: Pa
     assert "broken.jsonl:2: not JSON" in fails("--base-url", server, "--prompts", str(broken), "--num-requests", "1")
     assert "--tokenizer" in fails("--base-url", server, "--random", "--endpoint", "chat", "--num-requests", "1")
     assert main(["bench", "report", str(broken), "--out-dir", str(tmp_path)]) == 2
+
+
+# ------------------------------------------------------------------------------------------ populations
+def test_populations_parse_and_say_what_is_wrong() -> None:
+    from cluster.bench_serve.populations import parse_population
+
+    gold = parse_population("name=gold, rate=2.5, priority=-1, tpot_slo_ms=40", 0)
+    assert gold.name == "gold" and gold.rate == 2.5 and gold.fields == {"priority": -1, "tpot_slo_ms": 40.0}
+    assert gold.tpot_slo_s == pytest.approx(0.04)
+    assert parse_population("rate=1,speculative=off", 3).name == "p3"
+    plain = parse_population("rate=1,goal_tpot_ms=25", 0)
+    assert plain.fields == {} and plain.tpot_slo_s == pytest.approx(0.025)  # measured, not sent
+    for text, message in [("priority=1", "needs rate"), ("rate=0", "positive"), ("rate=1,colour=red", "colour"),
+                          ("rate=1,priority=high", "priority must be int"), ("rate=1,rate=2", "twice"),
+                          ("rate", "does not parse")]:
+        with pytest.raises(ValueError, match=message):
+            parse_population(text, 0)
+
+
+def test_population_attainment_and_aggregate_goodput() -> None:
+    from cluster.bench_serve.load import LevelRun
+    from cluster.bench_serve.populations import Population, population_results
+
+    def rec(tpot: float, error: str | None = None) -> RequestRecord:
+        # 11 tokens: the first after 0.1 s, then 10 more at ``tpot`` each.
+        return RequestRecord(start_s=0.0, end_s=0.1 + 10 * tpot, output_tokens=11, ttft_s=0.1, error=error)
+
+    gold = Population("gold", 1.0, {"priority": -1, "tpot_slo_ms": 50.0})
+    bulk = Population("bulk", 2.0, {})
+    runs = [LevelRun([rec(0.04), rec(0.06), rec(0.01, "429")], 0.0, 10.0), LevelRun([rec(0.2), rec(0.3)], 0.0, 10.0)]
+    results, aggregate = population_results([gold, bulk], runs, None)
+    assert results[0]["slo_attainment"] == pytest.approx(1 / 3)  # the refused request is a miss
+    assert results[0]["errors"] == {"429": 1} and results[0]["fields"] == gold.fields
+    assert results[1]["slo_attainment"] is None  # no target, no --slo: every completed request counts as good
+    assert aggregate == {"requests_per_s": pytest.approx(0.3), "fraction": pytest.approx(0.6), "met": 3,
+                         "measured": 5}
+    _, with_slo = population_results([gold, bulk], runs, SLO(tpot_s=0.25))
+    assert with_slo["met"] == 2  # bulk now has the run's objective: one of its two met it
+
+
+@pytest.mark.slow
+def test_two_populations_in_one_open_loop_level(server: str, prompts: Path, tmp_path: Path) -> None:
+    doc = _bench(tmp_path, "--base-url", server, "--prompts", str(prompts), "--output-len", "6", "--ignore-eos",
+                 "--population", "name=gold,rate=4,priority=-1,tpot_slo_ms=60000",
+                 "--population", "name=bulk,rate=4,priority=1,speculative=off",
+                 "--extra-body", '{"top_k": 0}', "--num-requests", "3", "--warmup-requests", "1")
+    (level,) = doc["levels"]
+    assert level["load"]["label"] == "rate=8/s" and doc["request"]["extra_body"] == {"top_k": 0}
+    gold, bulk = level["populations"]
+    assert gold["name"] == "gold" and gold["completed"] == 3 and gold["slo_attainment"] == 1.0
+    assert bulk["fields"] == {"priority": 1, "speculative": "off"} and bulk["completed"] == 3
+    assert level["completed"] == 6 and level["goodput_aggregate"]["met"] == 6
+    assert "| rate=8/s | gold |" in (tmp_path / "bench_serve.md").read_text()

@@ -337,6 +337,6 @@ def test_models_health_and_openapi(server: Server) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"):
         assert path in schema["paths"]
     completion = schema["paths"]["/v1/completions"]["post"]
-    assert {"200", "400", "401", "404", "413"} == set(completion["responses"])  # 400, not FastAPI's 422
+    assert {"200", "400", "401", "404", "413", "429"} == set(completion["responses"])  # 400, not FastAPI's 422
     request = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     assert request["n"]["maximum"] == 1 and request["stop"]["anyOf"]  # ranges are documented for fuzzers

@@ -1,0 +1,260 @@
+"""Per-request service levels: speculation on or off, priority tiers and time-per-output-token targets.
+
+A request may carry three settings (``SamplingParams.speculative`` / ``priority`` / ``tpot_slo_ms``; None means
+the server's default, :class:`ServiceLevels`). The round driver applies them with the pure functions of this
+module, which read request settings, counts and wall-clock timings only, never token values, so every rule keeps
+decoding lossless:
+
+- ``speculative``: ``auto`` (the policy decides, as for every request before), ``off`` (verified with no drafts,
+  length 0 every round, and never placed on a drafter: it costs no drafter slot), ``on`` (the round drafts even
+  when the draft gate would run a plain target round, and the request verifies at least one draft whenever its
+  cap allows; more when Algorithm 1 says so).
+- ``priority``: an integer tier; a SMALLER value is served first (vLLM's convention, so clients that send vLLM's
+  ``priority`` get the same order). Waiting requests are admitted in tier order, FIFO within a tier, and while a
+  running request's TPOT target is at risk (it is behind it, or the recent round time over its tokens per round
+  exceeds 80% of it: :func:`at_risk`), requests of a lower tier (larger value) are not admitted, so the batch shrinks
+  as lower-tier requests finish until the target holds again. "Behind" is judged here after a round that
+  prefills a joining prompt (the learned time of such rounds), since admitting a request costs every running
+  one that round: on the CPU demo pair such a round takes 2-3 rounds' time, more than one more request in the
+  batch costs (docs/BENCHMARKS.md "Service levels").
+- ``tpot_slo_ms``: a target for time per output token. Every round, the first confidence of each request that
+  is NOT behind its target (and of every request without one) is multiplied by ``on_target_weight``, which
+  multiplies all of its prefix survival probabilities by the same factor: Algorithm 1 walks late requests'
+  drafts first and values best-effort drafts less, so under load (where the SPS curve falls with B) its early
+  stop gives the verification budget to late requests and trims best-effort ones; on a flat curve everyone keeps
+  every draft. A request is behind when, taking only the target's own token this round, its TPOT since its first
+  token would exceed the target (:func:`behind_target`). At admission, a request whose target cannot be met at
+  the current round time and acceptance (:func:`predicted_tpot_s`) is refused (HTTP 429 with ``Retry-After``) or
+  kept waiting until it can be (``slo_admission``).
+
+Why the weights stay lossless: scaling request r's survivals by a factor w_r keeps each request's items in the
+walk in position order (w_r * a[r, j] is still non-increasing in j), so the walk still admits prefixes, and the
+early-stop argument of :mod:`scheduler.algorithm` holds unchanged as long as w_r is fixed before the round's
+drafts are sampled: it is a function of past rounds' timings and counts and the request's settings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+Speculative = Literal["auto", "off", "on"]
+SPECULATIVE_MODES: tuple[str, ...] = ("auto", "off", "on")
+SloAdmission = Literal["refuse", "queue"]
+#: Priority tiers: a bounded range keeps the per-tier metric series bounded.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+#: TPOT histogram buckets (seconds), the per-tier ``dspark_tier_tpot_seconds``.
+TPOT_BUCKETS_S: tuple[float, ...] = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+class SLOUnattainableError(ValueError):
+    """A request's TPOT target cannot be met at the current load and the server refuses such requests (HTTP
+    429); ``retry_after_s``: when to try again (a whole number of seconds, at least 1)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class ServiceLevels:
+    """The server's defaults for requests that do not set a field, and the admission rule for targets.
+
+    ``on_target_weight`` in (0, 1]: the factor on the survival probabilities of requests that are not behind a
+    target (1 turns lateness weighting off). ``slo_admission``: ``refuse`` (429 + ``Retry-After``) or ``queue``
+    (wait, admitted once the prediction meets the target or nothing else runs)."""
+
+    default_priority: int = 0
+    default_speculative: Speculative = "auto"
+    default_tpot_slo_ms: float | None = None
+    slo_admission: SloAdmission = "refuse"
+    on_target_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.default_speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"default_speculative must be one of {SPECULATIVE_MODES}: {self.default_speculative!r}")
+        if not MIN_PRIORITY <= self.default_priority <= MAX_PRIORITY:
+            raise ValueError(f"default_priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
+        if self.default_tpot_slo_ms is not None and not (
+            math.isfinite(self.default_tpot_slo_ms) and self.default_tpot_slo_ms > 0
+        ):
+            raise ValueError("default_tpot_slo_ms must be a positive number")
+        if self.slo_admission not in ("refuse", "queue"):
+            raise ValueError(f"slo_admission must be refuse or queue, got {self.slo_admission!r}")
+        if not 0.0 < self.on_target_weight <= 1.0:
+            raise ValueError(f"on_target_weight must be in (0, 1], got {self.on_target_weight}")
+
+
+@dataclass(frozen=True)
+class RequestLevel:
+    """One request's resolved service level: its own settings, else the server's defaults."""
+
+    speculative: Speculative
+    priority: int
+    tpot_slo_s: float | None
+
+    @classmethod
+    def resolve(
+        cls, speculative: str | None, priority: int | None, tpot_slo_ms: float | None, defaults: ServiceLevels
+    ) -> RequestLevel:
+        mode = speculative if speculative is not None else defaults.default_speculative
+        target_ms = tpot_slo_ms if tpot_slo_ms is not None else defaults.default_tpot_slo_ms
+        return cls(
+            mode,  # type: ignore[arg-type]  # validated by SamplingParams / ServiceLevels
+            priority if priority is not None else defaults.default_priority,
+            None if target_ms is None else target_ms / 1000.0,
+        )
+
+
+#: The level of a request that sets nothing on a server with the default :class:`ServiceLevels`.
+PLAIN_LEVEL = RequestLevel("auto", 0, None)
+
+
+def admission_order(priorities: Sequence[int]) -> list[int]:
+    """Indices of waiting requests (given in queue order) in the order they are admitted: by tier, smaller
+    value first, queue order (FIFO) within a tier (a stable sort)."""
+    return sorted(range(len(priorities)), key=priorities.__getitem__)
+
+
+def behind_target(tpot_slo_s: float, elapsed_s: float, num_output: int, round_s: float) -> bool:
+    """Whether a request with target ``tpot_slo_s`` is behind it: ``num_output`` tokens emitted, the first one
+    ``elapsed_s`` ago; if this round (``round_s``, the recent median) gives it only the target's own token, its
+    TPOT since the first token, (elapsed + round) / num_output, would exceed the target."""
+    return elapsed_s + round_s > tpot_slo_s * max(num_output, 1)
+
+
+#: A target is at risk once the current pace reaches this share of it: requests admitted meanwhile lengthen
+#: the rounds before the next check, so the hold starts with some room left.
+AT_RISK_SHARE = 0.8
+
+
+def at_risk(tpot_slo_s: float, round_s: float, num_output: int, rounds: int) -> bool:
+    """Whether a running request is close to missing its target at the current pace: the recent round time
+    over the tokens it got per verify round so far (``num_output - 1`` tokens in ``rounds`` rounds; 1 before
+    any) exceeds :data:`AT_RISK_SHARE` of the target."""
+    per_round = (num_output - 1) / rounds if rounds else 1.0
+    return round_s > AT_RISK_SHARE * tpot_slo_s * max(per_round, 1.0)
+
+
+def lateness_weights(behind: np.ndarray, has_target: np.ndarray, on_target_weight: float) -> np.ndarray | None:
+    """Per request, the factor on its survival probabilities this round: 1 for a request behind its target,
+    ``on_target_weight`` for all others; None when no request is behind (nothing to reorder: every weight would
+    be the same, and one common factor changes no comparison of the walk except against the anchors' tau)."""
+    late = behind & has_target
+    if not late.any() or on_target_weight >= 1.0:
+        return None
+    return np.where(late, 1.0, on_target_weight)
+
+
+def weighted_confidences(confidences: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Confidences whose prefix products are ``weights[r] * a[r, j]``: the first column scaled (a copy)."""
+    out = np.array(confidences, dtype=np.float64, copy=True)
+    out[:, 0] *= weights
+    return out
+
+
+def predicted_tpot_s(round_s: float, tau: float, speculative: str) -> float:
+    """TPOT a request joining now is predicted to get: the recent median round time over the tokens a request
+    gets per round (``tau``, bonus included; 1 for a request verified without drafts). 0 with no history."""
+    if round_s <= 0.0:
+        return 0.0
+    per_round = 1.0 if speculative == "off" or tau < 1.0 else tau
+    return round_s / per_round
+
+
+def lower_tier_held(priority: int, late_priorities: Sequence[int]) -> bool:
+    """Whether a waiting request of tier ``priority`` is held back this round: some running request of a
+    higher tier (smaller value) is behind its target."""
+    return any(p < priority for p in late_priorities)
+
+
+@dataclass
+class _Tier:
+    requests: int = 0
+    output_tokens: int = 0
+    slo_attained: int = 0
+    slo_missed: int = 0
+    refused: int = 0
+    request_rounds: int = 0
+    draft_tokens: int = 0
+    tpot_sum_s: float = 0.0
+    tpot_buckets: list[int] = field(default_factory=lambda: [0] * (len(TPOT_BUCKETS_S) + 1))
+
+
+@dataclass(frozen=True)
+class TierSnapshot:
+    """Counters of one priority tier (cumulative): finished requests, their output tokens, TPOT histogram
+    (``tpot_buckets[i]``: requests with TPOT <= ``TPOT_BUCKETS_S[i]``, not cumulative; the last: above all),
+    requests with a target that met / missed it, requests refused at admission, and the finished requests'
+    rounds and the drafts they verified in them (their verification budget)."""
+
+    priority: int
+    requests: int
+    output_tokens: int
+    slo_attained: int
+    slo_missed: int
+    refused: int
+    request_rounds: int
+    draft_tokens: int
+    tpot_sum_s: float
+    tpot_buckets: tuple[int, ...]
+
+
+class TierMetrics:
+    """Per-tier counters, kept by the round driver (single-threaded)."""
+
+    def __init__(self) -> None:
+        self._tiers: dict[int, _Tier] = {}
+
+    def _tier(self, priority: int) -> _Tier:
+        tier = self._tiers.get(priority)
+        if tier is None:
+            tier = self._tiers[priority] = _Tier()
+        return tier
+
+    def finished(self, level: RequestLevel, num_output: int, tpot_s: float | None, verified: Sequence[int]) -> None:
+        """A request finished with ``num_output`` tokens, ``verified[i]`` drafts verified in its round i;
+        ``tpot_s`` None when it emitted fewer than two."""
+        tier = self._tier(level.priority)
+        tier.requests += 1
+        tier.output_tokens += num_output
+        tier.request_rounds += len(verified)
+        tier.draft_tokens += sum(verified)
+        if tpot_s is None:
+            return
+        tier.tpot_sum_s += tpot_s
+        tier.tpot_buckets[int(np.searchsorted(TPOT_BUCKETS_S, tpot_s))] += 1
+        if level.tpot_slo_s is not None:
+            if tpot_s <= level.tpot_slo_s:
+                tier.slo_attained += 1
+            else:
+                tier.slo_missed += 1
+
+    def refused(self, priority: int) -> None:
+        self._tier(priority).refused += 1
+
+    def snapshot(self) -> tuple[TierSnapshot, ...]:
+        return tuple(
+            TierSnapshot(p, t.requests, t.output_tokens, t.slo_attained, t.slo_missed, t.refused, t.request_rounds,
+                         t.draft_tokens, t.tpot_sum_s, tuple(t.tpot_buckets))
+            for p, t in sorted(self._tiers.items())
+        )
+
+
+def merge_tiers(groups: Sequence[Sequence[TierSnapshot]]) -> tuple[TierSnapshot, ...]:
+    """Per-tier sums over several round drivers' snapshots (the scheduler hub's verifier groups)."""
+    merged: dict[int, TierSnapshot] = {}
+    for tiers in groups:
+        for t in tiers:
+            m = merged.get(t.priority)
+            merged[t.priority] = t if m is None else TierSnapshot(
+                t.priority, m.requests + t.requests, m.output_tokens + t.output_tokens,
+                m.slo_attained + t.slo_attained, m.slo_missed + t.slo_missed, m.refused + t.refused,
+                m.request_rounds + t.request_rounds, m.draft_tokens + t.draft_tokens, m.tpot_sum_s + t.tpot_sum_s,
+                tuple(a + b for a, b in zip(m.tpot_buckets, t.tpot_buckets, strict=True)),
+            )
+    return tuple(merged[p] for p in sorted(merged))

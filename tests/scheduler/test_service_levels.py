@@ -1,0 +1,224 @@
+"""Service-level rules of the round driver (scheduler.service_levels): each keeps greedy output equal to the
+target's own, and none lets a verification length depend on a token value.
+
+Token independence is checked the way the early stop is argued (scheduler.algorithm): the confidence c[r, j+1]
+is a function of the sampled token x[r, j], so whether l_r >= j may depend on c[r, <= j] but never on
+c[r, j+1:]; rewriting those entries must leave {l_r >= j} unchanged, with lateness weights as without them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.sampling import SamplingError, SamplingParams
+from draft_service.checkpoint import load_draft_model
+from draft_service.engine import DraftEngine
+from scheduler.engine import SLO_RETRY_AFTER_S, SpeculativeEngine
+from scheduler.policy import make_policy
+from scheduler.service_levels import (
+    RequestLevel,
+    ServiceLevels,
+    SLOUnattainableError,
+    admission_order,
+    behind_target,
+    lateness_weights,
+    lower_tier_held,
+    merge_tiers,
+    predicted_tpot_s,
+)
+from scheduler.sps import SPSTable
+from verify_service.engine import VerifyEngine
+from verify_service.target import TargetModel
+
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "deepspec_tiny_a"
+STEEP = SPSTable([1, 4, 8, 16, 32], [100.0, 80.0, 50.0, 25.0, 10.0])
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return json.loads((FIXTURE / "reference.json").read_text())
+
+
+def _engine(levels: ServiceLevels | None = None, policy: str = "dspark", max_requests: int = 8) -> SpeculativeEngine:
+    draft_model = load_draft_model(FIXTURE / "draft", target_dir=FIXTURE / "target")
+    target = TargetModel.from_pretrained(FIXTURE / "target", feature_layer_ids=draft_model.config.target_layer_ids)
+    verify = VerifyEngine(target, max_requests=max_requests, max_seq_len=160)
+    draft = DraftEngine(draft_model, max_requests=max_requests, max_seq_len=160)
+    policy_ = make_policy(policy, STEEP, draft_model.block_size)
+    return SpeculativeEngine(verify, draft, policy_, service_levels=levels)
+
+
+def _greedy(reference: dict, **levels: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=reference["max_new_tokens"], **levels)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["dspark", "dspark-async", "full"])
+@pytest.mark.parametrize(
+    "levels",
+    [
+        {"speculative": "off"},
+        {"speculative": "on"},
+        {"priority": -3},
+        {"tpot_slo_ms": 1e-6},  # always behind: weight 1 against the others' 0.5
+    ],
+    ids=["off", "on", "priority", "target"],
+)
+def test_each_rule_keeps_greedy_output(reference: dict, policy: str, levels: dict) -> None:
+    """Every other request carries the level (mixed rounds: off rows beside drafted ones, weighted beside
+    unweighted); the output is the target's greedy output token for token."""
+    engine = _engine(ServiceLevels(slo_admission="queue"), policy)
+    prompts = reference["prompts"]
+    params = [_greedy(reference, **levels) if i % 2 else _greedy(reference) for i in range(len(prompts))]
+    results = engine.generate(prompts, params)
+    for i, res in enumerate(results):
+        assert res.token_ids == reference["b"]["target_greedy_new_tokens"][i], (levels, i)
+    if "speculative" in levels and levels["speculative"] == "off":
+        for i, res in enumerate(results):
+            if i % 2:
+                assert sum(res.metrics.verified) == 0  # verified with no drafts, every round
+        assert engine.draft is not None and engine.draft.num_free_slots == 8  # and released their slots
+
+
+def test_off_requests_take_no_drafter_slot(reference: dict) -> None:
+    engine = _engine(max_requests=2)
+    prompt = reference["prompts"][0]
+    engine.add_request(prompt, _greedy(reference, speculative="off"))
+    engine.add_request(prompt, _greedy(reference, speculative="off"))
+    engine.step()
+    assert engine.num_running == 2
+    assert engine.draft is not None and engine.draft.num_free_slots == 2
+    assert engine.snapshot().rounds_without_draft == engine.snapshot().rounds
+
+
+def test_all_off_round_does_not_call_the_drafter(reference: dict) -> None:
+    engine = _engine()
+    results = engine.generate(reference["prompts"][:2], _greedy(reference, speculative="off"))
+    snap = engine.snapshot()
+    assert snap.num_draft_tokens == 0 and snap.rounds_without_draft == snap.rounds > 0
+    assert [r.token_ids for r in results] == reference["b"]["target_greedy_new_tokens"][:2]
+
+
+def test_on_request_verifies_a_draft_every_round(reference: dict) -> None:
+    engine = _engine(policy="dspark")
+    # A steep curve and many requests: Algorithm 1 alone would verify no draft in some rounds.
+    prompts = reference["prompts"] * 2
+    params = [_greedy(reference, speculative="on")] + [_greedy(reference)] * (len(prompts) - 1)
+    results = engine.generate(prompts, params)
+    verified = results[0].metrics.verified
+    caps_left = reference["max_new_tokens"] - 1  # the last round may be capped to 0 drafts
+    assert all(v >= 1 for v in verified[:-1]) and sum(verified) <= caps_left + len(verified) * 8
+
+
+def test_priority_admission_order_is_tier_then_fifo() -> None:
+    assert admission_order([0, 5, -1, 0, -1]) == [2, 4, 0, 3, 1]
+    assert lower_tier_held(3, [1]) and not lower_tier_held(1, [1]) and not lower_tier_held(0, [1])
+
+
+def test_engine_admits_waiting_requests_by_priority(reference: dict) -> None:
+    engine = _engine(max_requests=1)
+    prompt = reference["prompts"][0]
+    first = engine.add_request(prompt, _greedy(reference))
+    order = [out.req_id for out in engine.step() if out.finished]  # ``first`` holds the only slot
+    low = engine.add_request(prompt, _greedy(reference, priority=4))
+    high = engine.add_request(prompt, _greedy(reference, priority=-4))
+    while engine.has_unfinished():
+        order += [out.req_id for out in engine.step() if out.finished]
+    assert order == [first, high, low]
+
+
+def test_unattainable_target_is_refused_once_rounds_are_timed(reference: dict) -> None:
+    engine = _engine()
+    engine.generate(reference["prompts"][:1], _greedy(reference))
+    with pytest.raises(SLOUnattainableError) as refused:
+        engine.add_request(reference["prompts"][0], _greedy(reference, tpot_slo_ms=1e-6, priority=2))
+    assert refused.value.retry_after_s == SLO_RETRY_AFTER_S
+    tier = {t.priority: t for t in engine.snapshot().tiers}[2]
+    assert tier.refused == 1 and tier.requests == 0
+    engine.add_request(reference["prompts"][0], _greedy(reference, tpot_slo_ms=1e6))  # attainable: queued
+
+
+def test_server_defaults_apply_to_requests_that_set_nothing(reference: dict) -> None:
+    engine = _engine(ServiceLevels(default_speculative="off", default_priority=7))
+    results = engine.generate(reference["prompts"][:1], _greedy(reference))
+    assert sum(results[0].metrics.verified) == 0
+    assert [t.priority for t in engine.snapshot().tiers] == [7]
+
+
+def test_weighted_lengths_never_depend_on_later_confidences() -> None:
+    """{l_r >= j} may read c[r, <= j] only: rewriting c[r, j+1:] (functions of the token x[r, j]) must not
+    change it, for every request, position and random weights."""
+    rng = np.random.default_rng(0)
+    policy = make_policy("dspark", STEEP, 6)
+    for _ in range(60):
+        num = int(rng.integers(1, 9))
+        confidences = rng.uniform(0.05, 1.0, size=(num, 6))
+        caps = rng.integers(0, 7, size=num)
+        weights = np.where(rng.random(num) < 0.5, 1.0, rng.uniform(0.05, 1.0))
+        lengths = policy.lengths(confidences, caps, weights=weights)
+        for r in range(num):
+            for j in range(1, 7):
+                changed = confidences.copy()
+                changed[r, j:] = rng.uniform(0.05, 1.0, size=6 - j)
+                again = policy.lengths(changed, caps, weights=weights)
+                assert (again[r] >= j) == (lengths[r] >= j), (r, j)
+
+
+def test_weights_are_functions_of_timings_counts_and_settings() -> None:
+    # Behind: 3 tokens, the first 0.25 s ago, a 0.1 s round: (0.25 + 0.1) / 3 > 0.1 s per token.
+    assert behind_target(0.1, 0.25, 3, 0.1)
+    assert not behind_target(0.2, 0.25, 3, 0.1)
+    weights = lateness_weights(np.array([True, False, True]), np.array([True, True, False]), 0.5)
+    assert weights is not None and weights.tolist() == [1.0, 0.5, 0.5]
+    assert lateness_weights(np.array([False, False]), np.array([True, True]), 0.5) is None
+    assert predicted_tpot_s(0.03, 3.0, "auto") == pytest.approx(0.01)
+    assert predicted_tpot_s(0.03, 3.0, "off") == pytest.approx(0.03)
+    assert predicted_tpot_s(0.0, 3.0, "auto") == 0.0
+
+
+def test_levels_resolve_and_validate() -> None:
+    defaults = ServiceLevels(default_priority=2, default_tpot_slo_ms=50.0)
+    assert RequestLevel.resolve(None, None, None, defaults) == RequestLevel("auto", 2, 0.05)
+    assert RequestLevel.resolve("off", -1, 10.0, defaults) == RequestLevel("off", -1, 0.01)
+    for bad in ({"speculative": "maybe"}, {"priority": 101}, {"priority": True}, {"tpot_slo_ms": 0.0}):
+        with pytest.raises(SamplingError, match=next(iter(bad))):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+    params = SamplingParams(speculative="on", priority=3, tpot_slo_ms=20.0)
+    assert SamplingParams.from_dict(params.to_dict()) == params
+    with pytest.raises(ValueError):
+        ServiceLevels(on_target_weight=0.0)
+
+
+def test_tier_snapshots_merge() -> None:
+    engine_tiers = _engine_free_tiers()
+    merged = merge_tiers([engine_tiers, engine_tiers])
+    assert merged[0].requests == 2 * engine_tiers[0].requests
+    assert merged[0].tpot_buckets == tuple(2 * b for b in engine_tiers[0].tpot_buckets)
+
+
+def _engine_free_tiers():
+    from scheduler.service_levels import TierMetrics
+
+    tiers = TierMetrics()
+    tiers.finished(RequestLevel("auto", 0, 0.02), 10, 0.015, [3, 2, 4])
+    tiers.finished(RequestLevel("auto", 0, 0.02), 10, 0.05, [1])
+    snap = tiers.snapshot()
+    assert snap[0].slo_attained == 1 and snap[0].slo_missed == 1 and snap[0].draft_tokens == 10
+    return snap
+
+
+def test_tier_snapshots_survive_the_hubs_wire() -> None:
+    """The scheduler hub ships snapshots as msgpack maps and merges its verifier groups' tiers."""
+    from dataclasses import replace
+
+    import msgpack
+
+    from scheduler.hub import merge_snapshots, snapshot_from_dict, snapshot_to_dict
+    from scheduler.metrics import EngineMetrics
+
+    snap = replace(EngineMetrics(4).snapshot(), tiers=_engine_free_tiers())
+    back = snapshot_from_dict(msgpack.unpackb(msgpack.packb(snapshot_to_dict(snap))))
+    assert back == snap
+    assert merge_snapshots([snap, back]).tiers[0].requests == 4
