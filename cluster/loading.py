@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cluster.compile_cache import use_compile_cache
 from cluster.config import AppConfig
 from cluster.graphs import resolve_graph_mode
 from cluster.sps_cache import EngineShape, SPSCache, fingerprint_digest, sps_fingerprint
@@ -61,6 +62,7 @@ def drafter_block_size(config: AppConfig) -> int:
 
 
 def build_verify_engine(config: AppConfig) -> VerifyEngine:
+    use_compile_cache(config.cache_path)  # before the warm-up compiles the kernels
     target = TargetModel.from_pretrained(
         config.models.target,
         feature_layer_ids=draft_layer_ids(config),
@@ -90,6 +92,7 @@ def verifier_projects(config: AppConfig) -> bool:
 def build_draft_engine(config: AppConfig) -> DraftEngine:
     if config.models.draft is None:
         raise ValueError("this deployment has no drafter (models.draft is null)")
+    use_compile_cache(config.cache_path)  # before the warm-up compiles the kernels
     model = load_draft_model(
         config.models.draft,
         target_dir=config.models.target,

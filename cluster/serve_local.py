@@ -124,6 +124,7 @@ def load_local_backend(
     import torch
 
     from cluster.backend import LocalBackend
+    from cluster.compile_cache import use_compile_cache
     from cluster.config import AppConfig
     from cluster.graphs import resolve_graph_mode
     from cluster.loading import serving_sps
@@ -162,6 +163,7 @@ def load_local_backend(
         "scheduler": {"policy": policy, "draft_cost": draft_cost},
         "cache_dir": cache_dir,
     })
+    use_compile_cache(config.cache_path)  # before the warm-up compiles the kernels
     bucketed = {} if graphs == "off" else {"graphs": graphs, "max_drafts": block_size, "draft_top_k": draft_top_k,
                                            "graph_prefill_rows": config.engine.graph_prefill_rows}
     verify = VerifyEngine(target_model, max_requests=max_requests, max_seq_len=max_seq_len, **bucketed)
