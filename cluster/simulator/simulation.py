@@ -88,6 +88,21 @@ class ClusterSpec:
         return self.verifiers + (self.drafters if self.placement == "disaggregated" else 0)
 
 
+@dataclass(frozen=True)
+class ClosedLoop:
+    """A closed-loop workload, as ``dspark bench serve --concurrency`` sends it: ``users`` users each send
+    their next request (the workload's next, in order) when their last one ended; it reaches the scheduler
+    ``delay_s`` later (the client-to-scheduler path the simulator does not model: HTTP, ingress, tokenising).
+    The workload's own arrival times are ignored."""
+
+    users: int
+    delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.users < 1 or not self.delay_s >= 0:
+            raise SimulationError(f"a closed loop needs >= 1 user and a delay >= 0, got {self}")
+
+
 @dataclass
 class SimResult:
     """Per request (index as in the workload; NaN where it never happened) and per run."""
@@ -128,6 +143,7 @@ class Simulation:
         spec: ClusterSpec,
         seed: int,
         replay_in_order: bool = False,
+        closed_loop: ClosedLoop | None = None,
     ) -> None:
         self.costs = costs
         self.spec = spec
@@ -152,6 +168,12 @@ class Simulation:
         self.rng = np.random.default_rng(seed)
         n = workload.size
         self.arrival = workload.arrival_s.astype(np.float64)
+        self.closed_loop = closed_loop
+        self._released = n
+        if closed_loop is not None:  # the first `users` requests start at once, each later one when one ends
+            self.arrival[:] = np.inf
+            self.arrival[: closed_loop.users] = closed_loop.delay_s
+            self._released = min(closed_loop.users, n)
         self.inputs = workload.input_tokens.astype(np.int64)
         self.outputs = workload.output_tokens.astype(np.int64)
         self.emitted = np.zeros(n, dtype=np.int64)
@@ -251,10 +273,12 @@ class Simulation:
         self._advance(now)
         if self.inputs[i] + self.outputs[i] > self.spec.max_seq_len:
             self.rejected[i] = True
+            self._release(now)
             return
         replica = self.router.route()
         if replica is None:
             self.rejected[i] = True
+            self._release(now)
             return
         self._in_system += 1
         self._waiting += 1
@@ -263,6 +287,13 @@ class Simulation:
             if driver.idle:  # after every arrival of this instant: a round admits all of them, as the engine does
                 driver.idle = False
                 self.queue.push(now, _WAKE, driver)
+
+    def _release(self, now: float) -> None:
+        """Closed loop: the user whose request just ended (finished or rejected) sends the workload's next
+        request, which arrives ``delay_s`` later. Releases happen in time order, so arrivals stay sorted."""
+        if self.closed_loop is not None and self._released < self.arrival.size:
+            self.arrival[self._released] = now + self.closed_loop.delay_s
+            self._released += 1
 
     def _wake_starved(self, now: float) -> None:
         starved, self._starved = self._starved, set()
@@ -375,6 +406,7 @@ class Simulation:
             freed_drafter = False
             for i in finished:
                 self.finish_s[i] = now
+                self._release(now)
                 self.router.left(replica)
                 d = self.drafter_of[i]
                 if d >= 0:
@@ -460,7 +492,7 @@ class Simulation:
         n = arrival.size
         queue = self.queue
         nxt = 0
-        horizon = float(arrival[-1]) if n else 0.0
+        horizon = float(arrival[-1]) if n and self.closed_loop is None else 0.0
         if self._scalers or progress:
             queue.push(0.0, _TICK, None)
         bar = tqdm(total=max(1, math.ceil(horizon)), unit="sim s", disable=not progress, desc="simulate")
@@ -528,9 +560,12 @@ def simulate(
     seed: int = 0,
     progress: bool = False,
     replay_in_order: bool = False,
+    closed_loop: ClosedLoop | None = None,
 ) -> SimResult:
     """Run ``workload`` on the cluster ``spec`` until every request has finished (or was rejected).
 
     ``replay_in_order``: request i replays recorded prompt i (modulo their number) instead of a random one, to
-    replay a recorded run request by request."""
-    return Simulation(workload, costs, trace, spec, seed, replay_in_order).run(progress)
+    replay a recorded run request by request. ``closed_loop``: send the requests as a closed loop of users
+    (:class:`ClosedLoop`) instead of at their arrival times; ``arrival_s`` of the result holds when each
+    request reached the scheduler."""
+    return Simulation(workload, costs, trace, spec, seed, replay_in_order, closed_loop).run(progress)
