@@ -36,9 +36,9 @@ curves of level c fitted on the other three levels only, interpolated in R, extr
 the cost file's rules: the check that matters for predicting unmeasured deployments).
 
 Acceptance comes from recorded decoding traces of the demo pair (greedy, 128 tokens), concatenated from the
-files given (default: the shipped MBPP fixture, plus a HumanEval recording when present); the served tau is
-printed beside the simulated one, since a trace whose acceptance differs from the served prompts' moves every
-token rate by the same factor.
+files given (default: the first 96 prompts of HumanEval and of MBPP, the two served sets; docs/SIMULATOR.md
+has the commands that recorded them); the served tau is printed beside the simulated one, since a trace whose
+acceptance differs from the served prompts' moves every token rate by the same factor.
 
     PYTHONPATH=. python bench/calibrate_simulator.py --json docs/simulator/calibration.json
 """
@@ -119,10 +119,10 @@ def _host_of(level: Level, base: Costs) -> float:
     return level.round_s - verify - prefill - level.draft_s
 
 
-def derived_costs(base_doc: dict[str, Any], base: Costs, levels: Sequence[Level], layout: str,
-                  clamped: list[str]) -> Costs:
-    """The cost file of one layout from its measured ``levels`` (see the module docstring); ``clamped``
-    collects the levels whose derived host time was negative (kept at 0)."""
+def derived_cost_doc(base_doc: dict[str, Any], base: Costs, levels: Sequence[Level], layout: str,
+                     clamped: list[str]) -> dict[str, Any]:
+    """The cost file (as JSON) of one layout from its measured ``levels`` (see the module docstring);
+    ``clamped`` collects the levels whose derived host time was negative (kept at 0)."""
     mine = [lv for lv in levels if lv.layout == layout]
     drafted = [lv for lv in mine if lv.policy != "autoregressive"]
     plain = [lv for lv in mine if lv.policy == "autoregressive"]
@@ -152,7 +152,14 @@ def derived_costs(base_doc: dict[str, Any], base: Costs, levels: Sequence[Level]
         "hops": {"colocated_s": 0.0, "disaggregated_s": 0.0, "round_overhead_s": 0.0,
                  "source": "inside the measured call times of the round split"},
     }
-    return parse_costs(doc, f"derived {layout}")
+    parse_costs(doc, f"derived {layout}")  # refuses what the simulator could not load
+    return doc
+
+
+def derived_costs(base_doc: dict[str, Any], base: Costs, levels: Sequence[Level], layout: str,
+                  clamped: list[str]) -> Costs:
+    """:func:`derived_cost_doc`, loaded."""
+    return parse_costs(derived_cost_doc(base_doc, base, levels, layout, clamped), f"derived {layout}")
 
 
 def prompt_lengths(files: Sequence[Path], tokenizer: Path) -> np.ndarray:
@@ -233,20 +240,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--matrix", type=Path, default=ROOT / "docs" / "benchmarks" / "serve_matrix.json")
     p.add_argument("--costs", type=Path, default=ROOT / "docs" / "simulator" / "costs_h200.json")
-    p.add_argument("--traces", type=Path, nargs="+", default=None,
-                   help="decoding traces (default: tests/data/sim_traces_demo_mbpp.npz, and "
-                        "docs/simulator/traces_demo_humaneval.npz when present)")
+    p.add_argument("--traces", type=Path, nargs="+",
+                   default=[ROOT / "tests" / "data" / f"sim_traces_demo_{name}.npz" for name in ("humaneval", "mbpp")],
+                   help="decoding traces of the served prompt sets (concatenated)")
     p.add_argument("--sts", type=Path, default=ROOT / "models" / "demo" / "draft_dspark" / "sts.json")
     p.add_argument("--prompts-dir", type=Path, default=ROOT.parent / "shared" / "data" / "prompts")
     p.add_argument("--tokenizer", type=Path, default=ROOT / "models" / "demo" / "target" / "tokenizer.json")
-    p.add_argument("--json", type=Path, default=None, help="write every prediction and the derived costs")
+    p.add_argument("--json", type=Path, default=None, help="write every prediction as JSON")
+    p.add_argument("--costs-out", type=Path, default=None,
+                   help="write each layout's cost file fitted on all levels here (costs_served_<layout>.json)")
     args = p.parse_args(argv)
 
     matrix = json.loads(args.matrix.read_text())
     base_doc = json.loads(args.costs.read_text())
     base = parse_costs(base_doc, str(args.costs))
-    traces = args.traces or [ROOT / "tests" / "data" / "sim_traces_demo_mbpp.npz",
-                             *[q for q in [ROOT / "docs" / "simulator" / "traces_demo_humaneval.npz"] if q.exists()]]
+    traces = args.traces
     trace = joined_traces(traces, STSCalibration.load(args.sts))
     first_run = matrix["runs"][0]
     files = [args.prompts_dir / Path(f).name for f in first_run["workload"]["files"]]
@@ -291,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         return rows
 
     rows = run_fit("all") + run_fit("held-out")
+    if args.costs_out is not None:
+        args.costs_out.mkdir(parents=True, exist_ok=True)
+        for layout in layouts:
+            doc = derived_cost_doc(base_doc, base, levels, layout, [])
+            doc["model"] += f"; served by `dspark serve` ({layout}), fitted by bench/calibrate_simulator.py"
+            (args.costs_out / f"costs_served_{layout}.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(f"\n{len(rows)} simulated cells in {time.perf_counter() - began:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps({
