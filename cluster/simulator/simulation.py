@@ -360,14 +360,14 @@ class Simulation:
         num = verified.size
         if driver.drafting:
             assert self.trace is not None and driver.caps is not None
-            rows = self.row[verified]
+            rows = driver.rows = self.row[verified]
             lengths = driver.policy.lengths(self.trace.confidences[rows], driver.caps)
             driver.accepted = np.minimum(self.trace.accepted[rows], lengths)
-            tokens = num + int(lengths.sum())
+            tokens = num + sum(lengths.tolist())  # Python ints: exact, and ~10x faster than .sum() at small R
         else:
             driver.accepted = None
             tokens = num
-        prompt = int(self.inputs[driver.admitted].sum()) if driver.admitted else 0
+        prompt = sum(self.inputs[driver.admitted].tolist()) if driver.admitted else 0
         costs = self.costs
         step = costs.verify_s(max(num, 1), max(tokens, 1)) + costs.prefill_s(prompt)
         end = driver.replica.gpu.run(now + self.hop, step)
@@ -382,15 +382,16 @@ class Simulation:
         finished: list[int] = []
         if verified.size:
             emitted = self.emitted[verified]
-            left = self.outputs[verified] - emitted
+            outputs = self.outputs[verified]
             gained = 1 if driver.accepted is None else driver.accepted + 1
-            emitted += np.minimum(gained, left)
+            emitted += np.minimum(gained, outputs - emitted)
             self.emitted[verified] = emitted
             self.rounds[verified] += 1
             if driver.drafting:
-                self._next_rows(verified)
-            done = emitted >= self.outputs[verified]
-            if done.any():
+                assert driver.rows is not None
+                self._next_rows(verified, driver.rows)
+            done = emitted >= outputs
+            if np.count_nonzero(done):  # ndarray.any() costs ~1.5 us through numpy's Python wrapper
                 finished = verified[done].tolist()
         for i in driver.admitted:
             self.emitted[i] = 1
@@ -429,13 +430,14 @@ class Simulation:
             if freed_drafter and self._starved:
                 self._wake_starved(now)
 
-    def _next_rows(self, verified: np.ndarray) -> None:
-        """Move each request to its next recorded round; one whose prompt ran out continues with another."""
+    def _next_rows(self, verified: np.ndarray, rows: np.ndarray) -> None:
+        """Move each request to its next recorded round (``rows``: their current ones, as the round read them);
+        one whose prompt ran out continues with another."""
         assert self.trace is not None
-        rows = self.row[verified] + 1
+        rows = rows + 1
         self.row[verified] = rows
         out = rows >= self.row_end[verified]
-        if out.any():
+        if np.count_nonzero(out):
             which = verified[out]
             starts, ends = self.trace.row_ranges(which.size, self.rng)
             self.row[which], self.row_end[which] = starts, ends
