@@ -8,6 +8,9 @@ model). For every measured cell (layout, policy, concurrency) it simulates the s
 the same prompts in the same order with their token lengths, 128 tokens each, the same warm-up and window) and
 prints predicted against measured per-user tokens/s (median of 1 / TPOT), aggregate tokens/s and TTFT p50.
 
+The verify tables are the ones the layout's dspark server served with when the results file recorded them
+(``dspark bench serve`` keeps the server's model cards), else the cost file's profiled tables.
+
 What the matrix measures and the simulator needs, per layout (``no-ray``, ``ray``; both run drafter and
 verifier on the one GPU, so the simulated placement is ``colocated``):
 
@@ -117,6 +120,30 @@ def _host_of(level: Level, base: Costs) -> float:
     verify = base.verify_s(level.users, max(level.users, round(level.batch_tokens)))
     prefill = level.joins_per_round * base.prefill_s(round(level.mean_prompt))
     return level.round_s - verify - prefill - level.draft_s
+
+
+def served_sps(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The SPS table a run's server priced rounds with, from the model cards ``dspark bench serve`` records
+    (``server.cards[].dspark.sps``: one table per verifier); None when the results file has none (files
+    written before the cards were recorded, or a policy that uses no table)."""
+    for card in (run.get("server") or {}).get("cards") or []:
+        for table in ((card.get("dspark") or {}).get("sps") or {}).values():
+            if isinstance(table, dict) and "format" in table:
+                return {k: v for k, v in table.items() if k != "origin"}
+    return None
+
+
+def layout_base(base_doc: dict[str, Any], matrix: dict[str, Any], layout: str) -> tuple[dict[str, Any], Costs]:
+    """The cost file a layout's costs are derived from: the measured one, with the verify table its dspark
+    server served with when the matrix recorded it (what its Algorithm 1 priced rounds with, and what its verify
+    steps are then measured against), else the profiled tables of the cost file."""
+    for run in matrix["runs"]:
+        table = served_sps(run) if run["layout"] == layout else None
+        if table is not None:
+            doc = {**base_doc, "verify": {"sps": table, "scale": 1.0,
+                                          "source": f"the SPS table `dspark serve` ({layout}) served with"}}
+            return doc, parse_costs(doc, f"served {layout}")
+    return base_doc, parse_costs(base_doc, "costs")
 
 
 def derived_cost_doc(base_doc: dict[str, Any], base: Costs, levels: Sequence[Level], layout: str,
@@ -253,7 +280,6 @@ def main(argv: list[str] | None = None) -> int:
 
     matrix = json.loads(args.matrix.read_text())
     base_doc = json.loads(args.costs.read_text())
-    base = parse_costs(base_doc, str(args.costs))
     traces = args.traces
     trace = joined_traces(traces, STSCalibration.load(args.sts))
     first_run = matrix["runs"][0]
@@ -263,11 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     slots, max_seq_len = int(matrix["matrix"]["slots"]), int(matrix["matrix"]["max_seq_len"])
     levels = measured_levels(matrix)
     layouts = sorted({lv.layout for lv in levels})
+    bases = {layout: layout_base(base_doc, matrix, layout) for layout in layouts}
     began = time.perf_counter()
 
     def run_fit(name: str) -> list[dict[str, Any]]:
         clamped: list[str] = []
-        full = {layout: derived_costs(base_doc, base, levels, layout, clamped) for layout in layouts}
+        full = {layout: derived_costs(*bases[layout], levels, layout, clamped) for layout in layouts}
         delays = {}
         for layout in layouts:  # the client-side delay, fitted at c = 1 on the all-level costs
             ones = [lv for lv in levels if lv.layout == layout and lv.users == 1]
@@ -280,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 costs = full[lv.layout]
             else:
                 rest = [x for x in levels if x.users != lv.users]
-                costs = derived_costs(base_doc, base, rest, lv.layout, [])
+                costs = derived_costs(*bases[lv.layout], rest, lv.layout, [])
             pred = simulate_level(costs, trace, lengths, lv.policy, lv.users, lv.window_s, delays[lv.layout],
                                   output_len, slots, max_seq_len)
             rows.append({"fit": name, "layout": lv.layout, "policy": lv.policy, "users": lv.users,
@@ -302,13 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.costs_out is not None:
         args.costs_out.mkdir(parents=True, exist_ok=True)
         for layout in layouts:
-            doc = derived_cost_doc(base_doc, base, levels, layout, [])
+            doc = derived_cost_doc(*bases[layout], levels, layout, [])
             doc["model"] += f"; served by `dspark serve` ({layout}), fitted by bench/calibrate_simulator.py"
             (args.costs_out / f"costs_served_{layout}.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(f"\n{len(rows)} simulated cells in {time.perf_counter() - began:.0f} s")
     if args.json is not None:
         args.json.write_text(json.dumps({
             "command": "PYTHONPATH=. python bench/calibrate_simulator.py", "date": time.strftime("%Y-%m-%d"),
+            "verify_tables": {layout: bases[layout][0]["verify"]["source"] for layout in layouts},
             "matrix": str(args.matrix.relative_to(ROOT) if args.matrix.is_relative_to(ROOT) else args.matrix),
             "traces": [str(t.relative_to(ROOT) if t.is_relative_to(ROOT) else t) for t in traces],
             "goals": GOALS, "cells": rows}, indent=1) + "\n")

@@ -155,7 +155,9 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "client_host": {"hostname": socket.gethostname(), "platform": platform.platform(),
                         "python": platform.python_version()},
-        "server": {"base_url": config.base_url, "model": options.model, "models": models},
+        # The model cards as served: dspark-serve's hold what it serves with (its SPS table and where it came
+        # from), which a simulator calibration prices rounds with.
+        "server": {"base_url": config.base_url, "model": options.model, "models": models, "cards": listing["data"]},
         "request": {k: v for k, v in asdict(options).items() if k != "model"},
         "workload": config.workload,
         "window": asdict(config.window),

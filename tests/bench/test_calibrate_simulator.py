@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.calibrate_simulator import ROOT, _host_of, main, measured_levels
+from bench.calibrate_simulator import ROOT, _host_of, layout_base, main, measured_levels, served_sps
 from cluster.simulator.costs import load_costs
 
 MATRIX = ROOT / "docs" / "benchmarks" / "serve_matrix.json"
@@ -38,3 +38,15 @@ def test_every_cell_is_predicted_and_the_plain_rounds_compose(tmp_path: Path) ->
     for layout in ("no-ray", "ray"):
         costs = load_costs(tmp_path / f"costs_served_{layout}.json")  # loads as a cost file the simulator takes
         assert costs.calibrated and costs.hop_s("colocated") == 0.0
+
+
+def test_the_served_table_wins_when_the_results_hold_it() -> None:
+    base_doc = json.loads((ROOT / "docs" / "simulator" / "costs_h200.json").read_text())
+    table = base_doc["prefill"]["sps"]  # a real token table, standing in for what a server reported
+    card = {"id": "m", "dspark": {"sps": {"local": {**table, "origin": {"source": "cache"}}}}}
+    matrix = {"runs": [{"layout": "ray", "server": {"cards": [{"id": "m", "dspark": {}}]}},
+                       {"layout": "no-ray", "server": {"cards": [card]}}]}
+    assert served_sps(matrix["runs"][1]) == table and served_sps(matrix["runs"][0]) is None
+    doc, costs = layout_base(base_doc, matrix, "no-ray")
+    assert doc["verify"]["sps"] == table and costs.verify_s(1, 1) == costs.prefill_sps.dense_step_time(1)[1]
+    assert layout_base(base_doc, matrix, "ray")[0] is base_doc  # nothing recorded: the profiled tables

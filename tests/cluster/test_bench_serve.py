@@ -291,6 +291,8 @@ def test_closed_loop_sweep_against_a_real_server(server: str, prompts: Path, tmp
                  "--concurrency", "1", "2", "--num-requests", "3", "--slo", "ttft=10s,tpot=2s", "--label", "demo")
     scrape_after = server_metrics.parse(httpx.get(server + "/metrics").text)
     assert doc["server"]["model"] == "dspark-demo" and doc["label"] == "demo"
+    card = doc["server"]["cards"][0]  # the served SPS table and its origin, as /v1/models shows them
+    assert card["id"] == "dspark-demo" and card["dspark"]["sps"]["local"]["origin"]["source"] in {"cache", "profiled"}
     assert doc["command"] and doc["workload"]["requests"] == 4 and doc["request"]["ignore_eos"] is True
     assert [lv["load"]["label"] for lv in doc["levels"]] == ["c=1", "c=2"]
     for lv in doc["levels"]:
