@@ -15,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # shellcheck disable=SC2086  # word lists on purpose
-python3 bench/serve_matrix.py --inflate qwen3-4b --prompts-dir .data/prompts --layouts ${LAYOUTS:-no-ray ray} \
+python3 bench/serve_matrix.py --inflate qwen3-4b --prompts-dir .data/prompts --layouts ${LAYOUTS:-no-ray ray ray-colocated} \
   --policies ${POLICIES:-autoregressive dspark full fixed-1 dspark-async} --concurrency ${LEVELS:-1 8 32 128} \
   --duration "${DURATION:-6}" --time-limit-s "$limit" --out-dir "$out" ${REPEAT_START:+--repeat-start} ${EXTRA:-}
 (cd /tmp/dspark-matrix && tar czf "$out/server_logs.tgz" server-*.log) || true

@@ -1,21 +1,22 @@
 """The serving matrix: `dspark serve` in every layout and policy, measured through HTTP with `dspark bench serve`.
 
-For each layout (``no-ray``: everything in one process; ``ray``: the Ray Serve application, drafter and verifier
-deployments sharing the one GPU) and each policy, the script starts ``dspark serve`` as a user would, waits until
-``/health`` reports ready and a completion succeeds (both times from the process start are recorded: start-up as
-users see it), sweeps the closed-loop concurrency levels with the project's benchmark client (each level's first
-wave, the first request of every user, is reported against its steady state), stops the server and moves on.
-With ``--repeat-start`` every cell starts twice on the same cache folder (``--cache-dir``: SPS tables and Triton
-kernels, emptied before the first start), so start-up is measured cold and warm. Every cell goes into one results file,
-lined up side by side, with the ratios the serving goals are stated in (Ray against ``--no-ray``, and each
-policy against autoregressive decoding in the same layout), and plots. Results are rewritten after every cell, so a
-run cut short keeps what it measured; ``--time-limit-s`` skips the cells that would not fit.
+For each layout (``no-ray``: everything in one process; ``ray``: the Ray Serve application in the ``disaggregated``
+placement, drafter and verifier deployments sharing the one GPU; ``ray-colocated``: the Ray Serve application in the
+``colocated`` placement, one engine replica with the whole GPU) and each policy, the script starts ``dspark serve``
+as a user would, waits until ``/health`` reports ready and a completion succeeds (both times from the process start
+are recorded: start-up as users see it), sweeps the closed-loop concurrency levels with the project's benchmark
+client (each level's first wave, the first request of every user, is reported against its steady state), stops the
+server and moves on. With ``--repeat-start`` every cell starts twice on the same cache folder (``--cache-dir``: SPS
+tables and Triton kernels, emptied before the first start), so start-up is measured cold and warm. Every cell goes
+into one results file, lined up side by side, with the ratios the serving goals are stated in (Ray against
+``--no-ray``, and each policy against autoregressive decoding in the same layout), and plots. Results are rewritten
+after every cell, so a run cut short keeps what it measured; ``--time-limit-s`` skips the cells that would not fit.
 
 With ``--inflate SHAPE`` the trained demo pair is first inflated (``dspark inflate``, function-preserving) to a real
 Qwen3 shape, so that every step costs what that model costs:
 
     PYTHONUNBUFFERED=1 python3 bench/serve_matrix.py --inflate qwen3-4b --prompts-dir .data/prompts \\
-        --layouts no-ray ray --policies autoregressive fixed-1 full dspark dspark-async --out-dir $OUT
+        --layouts no-ray ray ray-colocated --policies autoregressive fixed-1 full dspark dspark-async --out-dir $OUT
     python3 bench/serve_matrix.py --layouts no-ray --policies autoregressive dspark --concurrency 1 4 \\
         --duration 3 --output-len 32 --out-dir /tmp/matrix    # the demo pair on CPU, a quick check
 """
@@ -58,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", type=Path, default=DEMO / "draft_dspark")
     p.add_argument("--inflate", default=None, help="inflate the pair to this Qwen3 shape first (e.g. qwen3-4b)")
     p.add_argument("--scratch", type=Path, default=Path("/tmp/dspark-matrix"), help="inflated models and configs")
-    p.add_argument("--layouts", nargs="+", choices=("no-ray", "ray"), default=["no-ray", "ray"])
+    p.add_argument("--layouts", nargs="+", choices=("no-ray", "ray", "ray-colocated"),
+                   default=["no-ray", "ray", "ray-colocated"])
     p.add_argument("--policies", nargs="+", default=["autoregressive", "fixed-1", "full", "dspark", "dspark-async"])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--prompts-dir", type=Path, default=ROOT.parent / "shared" / "data" / "prompts")
@@ -97,9 +99,11 @@ def inflate(args: argparse.Namespace, device: str, dtype: str) -> tuple[Path, Pa
 
 
 def ray_config(args: argparse.Namespace, target: Path, draft: Path, policy: str, device: str, dtype: str,
-               slots: int, port: int, cache: Path | None) -> Path:
-    """A Serve config for one machine: both pools on its GPU (half each), one replica of every deployment."""
-    gpu = 0.5 if device.startswith("cuda") else 0.0
+               slots: int, port: int, placement: str, cache: Path | None) -> Path:
+    """A Serve config for one machine, one replica of every deployment: ``disaggregated``, both pools on its GPU
+    (half each); ``colocated``, one engine replica with the whole GPU. ``cache``: the application's cache_dir."""
+    colocated = placement == "colocated"
+    gpu = (1.0 if colocated else 0.5) if device.startswith("cuda") else 0.0
     models: dict[str, Any] = {"target": str(target), "draft": None if policy == "autoregressive" else str(draft),
                               "device": device, "dtype": dtype}
     if args.sps is not None:
@@ -114,6 +118,7 @@ def ray_config(args: argparse.Namespace, target: Path, draft: Path, policy: str,
             "args": {
                 "model_name": MODEL_NAME,
                 **({} if cache is None else {"cache_dir": str(cache)}),
+                "placement": placement,
                 "models": models,
                 "draft_pool": {"resource": "draft_pool", "num_gpus": gpu, "num_cpus": 1},
                 "verify_pool": {"resource": "verify_pool", "num_gpus": gpu, "num_cpus": 1},
@@ -123,9 +128,11 @@ def ray_config(args: argparse.Namespace, target: Path, draft: Path, policy: str,
             "deployments": [{"name": "Verifier", "num_replicas": 1}, {"name": "Drafter", "num_replicas": 1}],
         }],
     }
-    if policy == "autoregressive":
+    if colocated:
+        doc["applications"][0]["deployments"] = [{"name": "Engine", "num_replicas": 1}]
+    elif policy == "autoregressive":
         doc["applications"][0]["deployments"] = [{"name": "Verifier", "num_replicas": 1}]
-    path = args.scratch / f"serve-{policy}.yaml"
+    path = args.scratch / f"serve-{placement}-{policy}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
@@ -133,8 +140,10 @@ def ray_config(args: argparse.Namespace, target: Path, draft: Path, policy: str,
 def serve_command(args: argparse.Namespace, layout: str, policy: str, target: Path, draft: Path, device: str,
                   dtype: str, slots: int, port: int, cache: Path | None) -> list[str]:
     base = [sys.executable, "-m", "cluster.cli", "serve"]
-    if layout == "ray":
-        return [*base, "--config", str(ray_config(args, target, draft, policy, device, dtype, slots, port, cache))]
+    if layout.startswith("ray"):
+        placement = "colocated" if layout == "ray-colocated" else "disaggregated"
+        config = ray_config(args, target, draft, policy, device, dtype, slots, port, placement, cache)
+        return [*base, "--config", str(config)]
     cmd = [*base, "--no-ray", "--target", str(target), "--draft", str(draft), "--policy", policy,
            "--device", device, "--dtype", dtype, "--max-requests", str(slots), "--max-seq-len",
            str(args.max_seq_len), "--served-model-name", MODEL_NAME, "--port", str(port)]
@@ -234,10 +243,10 @@ def ratios(runs: list[dict[str, Any]]) -> str:
     out += ["", "Ray against --no-ray, same policy:", "", head, "| --- " + "| ---: " * 2 * len(loads) + "|"]
     for (layout, policy), by in cells.items():
         base = cells.get(("no-ray", policy))
-        if layout != "ray" or base is None:
+        if not layout.startswith("ray") or base is None:
             continue
         row = [f"{ratio(by.get(x), base.get(x), f)}" for x in loads for f in (user, agg)]
-        out.append(f"| {policy} | " + " | ".join(row) + " |")
+        out.append(f"| {layout} {policy} | " + " | ".join(row) + " |")
     return "\n".join(out) + "\n"
 
 

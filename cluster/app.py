@@ -1,6 +1,6 @@
 """The Ray Serve application: drafter and verifier pools, the scheduler, and the OpenAI-compatible ingress.
 
-Four deployments, each a thin shell over Ray-free objects:
+Four deployments in the ``disaggregated`` placement (the default), each a thin shell over Ray-free objects:
 
 * ``Drafter`` replicas (placed on the ``draft_pool`` resource) each own a :class:`DraftEngine` behind a gRPC server;
 * ``Verifier`` replicas (``verify_pool``) each own a :class:`VerifyEngine` behind a gRPC server, profile their SPS
@@ -9,6 +9,11 @@ Four deployments, each a thin shell over Ray-free objects:
   one round loop per verifier replica;
 * ``Ingress`` serves HTTP (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/metrics``) and streams
   from the scheduler over gRPC.
+
+In the ``colocated`` placement ``Engine`` replicas (``verify_pool``) take the place of both pools: each builds
+the in-process round pipeline (:func:`cluster.loading.build_local_backend`, the same builder as ``dspark serve
+--no-ray``) and serves its requests over gRPC (``dspark.Engine``); the scheduler admits and routes requests to
+them and the ingress streams from the chosen replica directly.
 
 Replicas announce their gRPC address to the scheduler and keep re-announcing it (a heartbeat), so a restarted
 scheduler relearns the topology within seconds and autoscaled replicas join without any restart.
@@ -42,7 +47,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.autoscaling import engine_load
 from cluster.config import AppConfig
-from cluster.rpc import ServerThread, SyncRpcClient
+from cluster.rpc import HealthStatus, ServerThread, SyncRpcClient
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +234,65 @@ class VerifierReplica:
                 await asyncio.to_thread(self.server.stop)
 
 
+@serve.deployment(name="Engine", max_ongoing_requests=8, health_check_period_s=10, health_check_timeout_s=30)
+class EngineReplica:
+    """A colocated replica: target and drafter on one device, the round pipeline in this process."""
+
+    def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle) -> None:
+        from transformers import AutoTokenizer
+
+        from cluster.backend_rpc import ENGINE, backend_methods
+        from cluster.loading import build_local_backend
+        from cluster.rpc import Service
+
+        self.config = AppConfig.from_args(args).resolve_secrets()
+        tokenizer = AutoTokenizer.from_pretrained(self.config.models.tokenizer_path, local_files_only=True)
+        self.backend = build_local_backend(self.config, tokenizer=tokenizer)
+        sps = self.backend.info["sps"].get("local")
+        service = Service(ENGINE, backend_methods(self.backend, self._info))
+        self.server = ServerThread([service], host=_grpc_host(self.config), token=self.config.network.grpc_token,
+                                   health=self._health)
+        self._scheduler = scheduler
+        self._replica_id = replica_id = _replica_id()
+        self._heartbeat = _Heartbeat(lambda: scheduler.register_engine.remote(replica_id, self.server.address, sps))
+        self._heartbeat.wait_registered("engine")
+
+    def _info(self) -> dict[str, Any]:
+        try:
+            self.backend.check_alive()
+        except Exception as error:  # reported, not raised: Info must answer
+            return {"ready": False, "reason": str(error)}
+        return {"ready": True, "reason": ""}
+
+    def _health(self) -> HealthStatus:
+        state = self._info()
+        return HealthStatus(state["ready"], {"reason": state["reason"]})
+
+    def check_health(self) -> None:
+        _check_own_health(self.server, self.config.network.grpc_token)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling hook: requests running or waiting here (see cluster.autoscaling)."""
+        snapshot = self.backend.snapshot
+        return engine_load(snapshot.running + snapshot.waiting, self.config.engine.max_requests)
+
+    def address(self) -> str:
+        return self.server.address
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def __del__(self) -> None:
+        """Serve awaits this when it stops the replica: drain, then stop serving (see :func:`_leave`)."""
+        if hasattr(self, "_heartbeat"):  # absent when the constructor failed
+            await _leave("engine", self._replica_id, self._scheduler, self._heartbeat,
+                         self.config.scheduler.drain_timeout_s)
+        if hasattr(self, "server"):
+            await asyncio.to_thread(self.server.stop)
+        if hasattr(self, "backend"):
+            await asyncio.to_thread(self.backend.close)
+
+
 #: The scheduler's calls are control traffic: every pool replica's heartbeat every HEARTBEAT_S, drains, lookups.
 #: Serve's access log would print a line per call forever; the hub itself logs what changes (registrations).
 @serve.deployment(name="Scheduler", num_replicas=1, max_ongoing_requests=1000, health_check_period_s=10,
@@ -259,6 +323,15 @@ class SchedulerReplica:
 
     async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
         await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
+
+    async def register_engine(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
+        await asyncio.to_thread(self.hub.register_engine, replica_id, address, sps)
+
+    async def drain_engine(self, replica_id: str) -> int:
+        return await asyncio.to_thread(self.hub.drain_engine, replica_id)
+
+    async def unregister_engine(self, replica_id: str) -> None:
+        await asyncio.to_thread(self.hub.unregister_engine, replica_id)
 
     async def drain_drafter(self, replica_id: str) -> int:
         return await asyncio.to_thread(self.hub.drain_drafter, replica_id)
@@ -315,6 +388,7 @@ class IngressReplica:
             model_name=self.config.model_name,
             max_context=self.config.engine.max_seq_len - 1,
             token=self.config.network.grpc_token,
+            routed=self.config.placement == "colocated",
         )
         return build_app(backend, tokenizer, api_key=self.config.network.api_key)
 
@@ -343,6 +417,9 @@ def assemble_app(
     # A pool replica's drain (see _leave) must fit in Serve's shutdown budget, or Serve kills it mid-drain.
     shutdown = {"graceful_shutdown_timeout_s": config.scheduler.drain_timeout_s + SHUTDOWN_MARGIN_S}
     scheduler = options(SchedulerReplica, {}).bind(plain)
+    if config.placement == "colocated":
+        engine = options(EngineReplica, {"ray_actor_options": config.verify_pool.actor_options(), **shutdown})
+        return options(IngressReplica, {}).bind(plain, scheduler, engine.bind(plain, scheduler))
     verifier = options(VerifierReplica, {"ray_actor_options": config.verify_pool.actor_options(), **shutdown})
     pools: list[Any] = [verifier.bind(plain, scheduler)]
     if config.scheduler.policy != "autoregressive":

@@ -230,6 +230,11 @@ class LocalBackend:
     async def metrics(self) -> MetricsSnapshot:
         return self._snapshot
 
+    @property
+    def snapshot(self) -> MetricsSnapshot:
+        """The metrics as of the last round (any thread)."""
+        return self._snapshot
+
     async def health(self) -> None:
         self.check_alive()
 

@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 TRITON_ENV = "TRITON_CACHE_DIR"
 
+_ours: str | None = None  # the value this module set in this process (a later call for the same folder is quiet)
+
 
 def use_compile_cache(cache_root: Path) -> Path:
     """Point this process's Triton cache at ``<cache_root>/triton`` unless ``$TRITON_CACHE_DIR`` is set (a user's
@@ -30,7 +32,10 @@ def use_compile_cache(cache_root: Path) -> Path:
     triton`` but before a launch is enough. The folder is created when it can be; a folder that cannot be created
     (read-only volume) is left to Triton, which then fails or falls back as it does without this setting.
     """
+    global _ours
     configured = os.environ.get(TRITON_ENV)
+    if configured and configured == _ours:  # set here already (both engines of one process)
+        return Path(configured)
     if configured:
         folder = Path(configured).expanduser()
         logger.info("Triton kernel cache: %s ($%s)", folder, TRITON_ENV)
@@ -40,6 +45,6 @@ def use_compile_cache(cache_root: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         logger.warning("Triton kernel cache %s cannot be created (%s)", folder, error)
-    os.environ[TRITON_ENV] = str(folder)
+    os.environ[TRITON_ENV] = _ours = str(folder)
     logger.info("Triton kernel cache: %s (cache_dir)", folder)
     return folder

@@ -64,7 +64,12 @@ class EngineConfig(_Strict):
     drafter computes in it anyway) or a narrower one (``bfloat16`` for a float32 deployment halves the bytes
     again but rounds the drafter's context, so drafts may differ: output stays lossless, acceptance may move).
     ``draft_ahead``: drafters draft a request's next block as soon as its context arrives (the verifier names the
-    next anchor), overlapping the scheduler's commit instead of waiting for its ``Propose``.
+    next anchor), overlapping the scheduler's commit instead of waiting for its ``Propose``; in the in-process
+    placement (``colocated``, ``--no-ray``) with captured graphs, the round driver launches the next round's draft
+    step before it commits the round. ``chain_rounds`` (in-process placement with captured graphs): rounds whose
+    lengths are planned from earlier rounds queue the verify step behind the draft step and the next draft step
+    behind the verify step on the device, with no host round trip between them (lossless: lengths depend on
+    counts and earlier rounds only).
     ``feature_transport``: how the rows travel, ``grpc`` (bytes inside the ``AppendContext`` message, default) or
     ``collective`` (a torch.distributed point-to-point link per verifier/drafter pair, gloo for CPU tensors, NCCL
     for CUDA ones, with only metadata over gRPC; a drafter whose link cannot be built gets bytes over gRPC; see
@@ -83,6 +88,7 @@ class EngineConfig(_Strict):
     context_projection: Literal["verifier", "drafter"] = "verifier"
     feature_dtype: Literal["model", "bfloat16", "float16"] = "model"
     draft_ahead: bool = True
+    chain_rounds: bool = True
     feature_transport: Literal["grpc", "collective"] = "grpc"
     feature_link_timeout_s: float = Field(30.0, gt=0)
     graphs: Literal["auto", "capture", "static", "off"] = "auto"
@@ -155,11 +161,17 @@ class NetworkConfig(_Strict):
 class AppConfig(_Strict):
     """Everything ``cluster.app.build_app`` needs; the ``args`` of the Serve application.
 
+    ``placement``: ``disaggregated`` (drafter and verifier deployments on their own pools, the scheduler's
+    round loops between them over gRPC) or ``colocated`` (one ``Engine`` deployment whose replicas each hold both
+    engines on one device and run the round pipeline in process, on the ``verify_pool``; the scheduler admits
+    and routes requests to them). docs/DEPLOYMENT.md says when each pays.
+
     ``cache_dir``: where profiled SPS tables are kept between starts (``<cache_dir>/sps``, see
     :mod:`cluster.sps_cache`); default ``$DSPARK_CACHE_DIR``, else ``~/.cache/dspark``. Each replica resolves it
     on its own node, so on a cluster it should be a volume that outlives the pod (docs/DEPLOYMENT.md)."""
 
     model_name: str = "dspark-demo"
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
     cache_dir: str | None = None
     models: ModelConfig = ModelConfig()
     draft_pool: PoolConfig = PoolConfig(resource="draft_pool")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,9 @@ from verify_service.target import TargetModel
 from verify_service.warmup import warm_up_verify
 
 if TYPE_CHECKING:
+    from cluster.backend import LocalBackend
     from draft_service.rpc_service import DrafterService
+    from scheduler.engine import SpeculativeEngine
     from verify_service.rpc_service import VerifierService
 
 logger = logging.getLogger(__name__)
@@ -89,8 +92,23 @@ def verifier_projects(config: AppConfig) -> bool:
     return config.engine.context_projection == "verifier" and bool(draft_layer_ids(config))
 
 
-def build_draft_engine(config: AppConfig) -> DraftEngine:
-    if config.models.draft is None:
+def uses_drafter(config: AppConfig) -> bool:
+    """Whether this deployment's policy drafts (``autoregressive`` and ``fixed-0`` do not)."""
+    from scheduler.policy import make_policy
+
+    policy = config.scheduler.policy
+    return uses_sps(policy) or make_policy(policy, None, 1).uses_drafter
+
+
+def build_draft_engine(config: AppConfig, *, projected: bool | None = None) -> DraftEngine:
+    """The drafter's engine. ``projected``: whether it receives context rows the verifier already projected
+    (default: :func:`verifier_projects`; an in-process round driver appends the target's raw features)."""
+    if config.models.draft is None or not Path(config.models.draft).is_dir():
+        if config.models.draft is not None:
+            raise ValueError(
+                f"drafter folder {config.models.draft} not found: pass --draft DIR (models.draft), or serve "
+                "without speculation with --policy autoregressive"
+            )
         raise ValueError("this deployment has no drafter (models.draft is null)")
     use_compile_cache(config.cache_path)  # before the warm-up compiles the kernels
     model = load_draft_model(
@@ -109,7 +127,7 @@ def build_draft_engine(config: AppConfig) -> DraftEngine:
         config.engine.max_seq_len,
         draft_top_k=config.engine.draft_top_k,
         calibration=calibration,
-        projected_context=verifier_projects(config),
+        projected_context=verifier_projects(config) if projected is None else projected,
         graphs=graph_mode(config),
     )
 
@@ -202,6 +220,68 @@ def serving_sps(config: AppConfig, verify: VerifyEngine, block_size: int) -> Loa
     if not uses_sps(config.scheduler.policy):
         return None
     return load_or_profile_sps(config, verify, block_size)
+
+
+def build_round_engine(
+    config: AppConfig, *, decode: Callable[[Sequence[int]], str] | None = None
+) -> tuple[SpeculativeEngine, LoadedSPS | None]:
+    """Both engines and the round driver in one process: the in-process placement of the round pipeline (what
+    ``dspark serve --no-ray`` and a ``colocated`` Serve replica run), built from the same :class:`AppConfig`
+    as the disaggregated replicas (:func:`build_verifier_service`, :func:`build_drafter_service`).
+
+    The engines are warmed up one by one, the SPS table is loaded or profiled (:func:`serving_sps`), then, with
+    captured graphs, the whole pipeline is warmed up at every request count its buckets cover
+    (:func:`scheduler.warmup.warm_up_rounds`) on a throw-away driver, and the serving driver is built fresh
+    over the same engines. With captured graphs the driver overlaps the round's phases on the device
+    (``engine.draft_ahead``; ``engine.chain_rounds``: verify queued behind the draft step and the next draft
+    step behind the verify step); those need both engines on one device, which is why only this placement has
+    them. ``decode`` turns token ids into text for stop strings and streamed text (None: no text).
+    """
+    from scheduler.engine import SpeculativeEngine
+    from scheduler.policy import make_policy
+    from scheduler.warmup import warm_up_rounds
+
+    block_size = drafter_block_size(config) if uses_drafter(config) else 1
+    verify = build_verify_engine(config)
+    warm_up_verify(verify, block_size)
+    draft = None
+    if uses_drafter(config):
+        draft = build_draft_engine(config, projected=False)
+        warm_up_draft(draft, projected=False)
+    loaded = serving_sps(config, verify, block_size)
+    overlap = graph_mode(config) == "capture"
+
+    def driver() -> SpeculativeEngine:
+        policy = make_policy(config.scheduler.policy, None if loaded is None else loaded.sps, block_size,
+                             config.scheduler.draft_cost)
+        return SpeculativeEngine(
+            verify,
+            draft,
+            policy,
+            decode=decode,
+            eos_token_ids=verify.target.eos_token_ids,
+            draft_ahead=overlap and config.engine.draft_ahead,
+            chain_verify=overlap and config.engine.chain_rounds,
+            chain_draft=overlap and config.engine.chain_rounds,
+        )
+
+    if overlap:
+        scratch = driver()
+        warm_up_rounds(scratch, profiled_request_counts(config.engine.max_requests))
+        scratch.close()
+    return driver(), loaded
+
+
+def build_local_backend(config: AppConfig, *, tokenizer: Any = None) -> LocalBackend:
+    """:func:`build_round_engine` behind a :class:`LocalBackend` (its loop thread runs from here), reporting
+    the SPS table it prices rounds with as ``/v1/models`` metadata. ``tokenizer``: used for detokenising and
+    stop strings on the loop thread; pass one no other thread uses (the HTTP app tokenises on its own)."""
+    from cluster.backend import LocalBackend
+
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+    engine, loaded = build_round_engine(config, decode=decode)
+    info = {"sps": {} if loaded is None else {"local": loaded.to_dict()}}
+    return LocalBackend(engine, config.model_name, info=info)
 
 
 def build_verifier_service(config: AppConfig) -> VerifierService:

@@ -1,5 +1,10 @@
 """A :class:`GenerateBackend` that streams from the scheduler over gRPC (what the HTTP ingress replicas use).
 
+With ``routed`` (the ``colocated`` placement) each request first asks the scheduler where to run (``Route``:
+admission, load-aware) and then streams from that engine replica directly, telling the scheduler when it ended
+(``Release``), so no token passes through the scheduler. A scheduler without engine replicas answers ``Route``
+with no address and the request streams from the scheduler as usual.
+
 The scheduler is one replica that Serve restarts when it dies, on a new port (maybe a new node). Its requests die
 with it: a stream that breaks (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, INTERNAL, UNKNOWN) raises
 :class:`BackendUnavailableError`, which the HTTP layer answers with a retryable 503 (an error event when the
@@ -19,10 +24,10 @@ from typing import Any
 import grpc
 
 from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta
+from cluster.backend_rpc import ENGINE, SCHEDULER
 from cluster.rpc import RpcClient
 from cluster.sampling import SamplingParams
-from scheduler.hub import SERVICE, snapshot_from_dict
-from scheduler.metrics import MetricsSnapshot
+from scheduler.metrics import MetricsSnapshot, snapshot_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +50,9 @@ class RemoteBackend:
     """Each request is one server stream of deltas; the first message or an INVALID_ARGUMENT arrives at once.
 
     ``address``: the scheduler's ``host:port``, or an async callable returning it (asked again after the
-    scheduler was unreachable). ``timeout_s`` is the deadline of one whole stream.
+    scheduler was unreachable). ``timeout_s`` is the deadline of one whole stream. ``service``: the gRPC service
+    streamed from (the scheduler's, or an engine replica's when the scheduler reads a replica's metrics through
+    this class). ``routed``: ask the scheduler's ``Route`` first (see the module doc).
     """
 
     def __init__(
@@ -57,6 +64,8 @@ class RemoteBackend:
         token: str | None = None,
         timeout_s: float = 3600.0,
         resolve_timeout_s: float = 10.0,
+        service: str = SCHEDULER,
+        routed: bool = False,
     ) -> None:
         self._resolve = None if isinstance(address, str) else address
         self.address: str | None = address if isinstance(address, str) else None
@@ -67,6 +76,11 @@ class RemoteBackend:
         self._resolve_timeout_s = resolve_timeout_s
         self._clients: dict[asyncio.AbstractEventLoop, RpcClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._service = service
+        self._routed = routed
+        self._replicas: dict[tuple[asyncio.AbstractEventLoop, str], RpcClient] = {}
+        self._routes: dict[str, str] = {}  # req id -> engine replica address, while it streams from there
+        self._releases: set[asyncio.Task[Any]] = set()
 
     async def _client(self) -> RpcClient:
         # grpc.aio channels belong to the event loop that created them.
@@ -111,21 +125,19 @@ class RemoteBackend:
         self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerateDelta]:
         request = {"req_id": req_id, "prompt_ids": [int(t) for t in prompt_ids], "params": params.to_dict()}
+        address = await self._route(req_id) if self._routed else None
+        if address is not None:
+            async for delta in self._generate_on(address, request):
+                yield delta
+            return
         # A scheduler that was restarted is only found again after a failed call: one retry, and only before
         # any delta was received (nothing reached the client, and the failed attempt died with its scheduler).
         for attempt in range(2 if self._resolve is not None else 1):
             received = False
             try:
-                async for message in (await self._client()).stream(SERVICE, "Generate", request):
+                async for message in (await self._client()).stream(self._service, "Generate", request):
                     received = True
-                    yield GenerateDelta(
-                        token_ids=tuple(message["token_ids"]),
-                        text=message["text"],
-                        finished=message["finished"],
-                        finish_reason=message["finish_reason"],
-                        num_prompt_tokens=message["num_prompt_tokens"],
-                        num_output_tokens=message["num_output_tokens"],
-                    )
+                    yield _delta(message)
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -149,9 +161,71 @@ class RemoteBackend:
                     "the scheduler is unavailable (its channel was closed); the request can be retried"
                 ) from None
 
-    async def abort(self, req_id: str) -> None:
+    async def _route(self, req_id: str) -> str | None:
+        """The engine replica the scheduler admitted ``req_id`` to (None: stream from the scheduler itself)."""
         try:
-            await (await self._client()).call(SERVICE, "Abort", {"req_id": req_id}, timeout_s=UNARY_TIMEOUT_S)
+            reply = await (await self._client()).call(SCHEDULER, "Route", {"req_id": req_id},
+                                                      timeout_s=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from None
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise BackendNotReadyError(exc.details()) from None
+            raise self._unreachable(exc) from None
+        return reply["address"]
+
+    async def _generate_on(self, address: str, request: dict[str, Any]) -> AsyncIterator[GenerateDelta]:
+        """Stream a routed request from its engine replica; the scheduler is told when it ended (and whether
+        the replica was unreachable) whatever happened."""
+        req_id = request["req_id"]
+        loop = asyncio.get_running_loop()
+        client = self._replicas.get((loop, address))
+        if client is None:
+            client = self._replicas[(loop, address)] = RpcClient(address, token=self._token, timeout_s=self._timeout_s)
+        self._routes[req_id] = address
+        lost = False
+        try:
+            async for message in client.stream(ENGINE, "Generate", request):
+                yield _delta(message)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from None
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise BackendNotReadyError(exc.details()) from None
+            if exc.code() not in UNAVAILABLE_CODES:
+                raise
+            lost = exc.code() == grpc.StatusCode.UNAVAILABLE
+            if lost:
+                self._replicas.pop((loop, address), None)
+            raise BackendUnavailableError(
+                f"the engine replica is unavailable ({exc.code().name}: {exc.details()}); the request can be "
+                "retried"
+            ) from None
+        finally:
+            self._routes.pop(req_id, None)
+            task = loop.create_task(self._release(req_id, lost))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release(self, req_id: str, lost: bool) -> None:
+        try:
+            await (await self._client()).call(SCHEDULER, "Release", {"req_id": req_id, "lost": lost},
+                                              timeout_s=UNARY_TIMEOUT_S)
+        except Exception as exc:
+            logger.info("release of %s not delivered (%s)", req_id, exc)
+
+    async def abort(self, req_id: str) -> None:
+        address = self._routes.get(req_id)
+        if address is not None:
+            client = self._replicas.get((asyncio.get_running_loop(), address))
+            if client is not None:
+                try:
+                    await client.call(ENGINE, "Abort", {"req_id": req_id}, timeout_s=UNARY_TIMEOUT_S)
+                except grpc.aio.AioRpcError as exc:
+                    logger.info("abort of %s not delivered (%s): its replica went with it", req_id, exc.code().name)
+                return
+        try:
+            await (await self._client()).call(self._service, "Abort", {"req_id": req_id}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             error = self._unreachable(exc)
             logger.info("abort of %s not delivered (%s): the scheduler went with its requests", req_id, error)
@@ -167,14 +241,14 @@ class RemoteBackend:
 
     async def metrics(self) -> MetricsSnapshot:
         try:
-            reply = await (await self._client()).call(SERVICE, "Metrics", {}, timeout_s=UNARY_TIMEOUT_S)
+            reply = await (await self._client()).call(self._service, "Metrics", {}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
         return snapshot_from_dict(reply)
 
     async def health(self) -> None:
         try:
-            info = await (await self._client()).call(SERVICE, "Info", {}, timeout_s=5.0)
+            info = await (await self._client()).call(self._service, "Info", {}, timeout_s=5.0)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
         if not info["ready"]:
@@ -182,6 +256,17 @@ class RemoteBackend:
 
     async def model_info(self) -> dict[str, Any]:
         try:
-            return await (await self._client()).call(SERVICE, "ModelInfo", {}, timeout_s=UNARY_TIMEOUT_S)
+            return await (await self._client()).call(self._service, "ModelInfo", {}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
+
+
+def _delta(message: dict[str, Any]) -> GenerateDelta:
+    return GenerateDelta(
+        token_ids=tuple(message["token_ids"]),
+        text=message["text"],
+        finished=message["finished"],
+        finish_reason=message["finish_reason"],
+        num_prompt_tokens=message["num_prompt_tokens"],
+        num_output_tokens=message["num_output_tokens"],
+    )

@@ -169,11 +169,11 @@ def _log_endpoints(scheduler: Any, args: argparse.Namespace) -> None:
     deadline = time.monotonic() + ENDPOINTS_WAIT_S
     while True:
         endpoints = scheduler.endpoints.remote().result(timeout_s=30)
-        if endpoints["verifiers"] or time.monotonic() >= deadline:
+        if endpoints["verifiers"] or endpoints["engines"] or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
     logger.info("scheduler gRPC on %s", endpoints["scheduler"])
-    for kind in ("verifiers", "drafters"):
+    for kind in ("verifiers", "drafters", "engines"):
         for replica_id, address in sorted(endpoints[kind].items()):
             logger.info("%s %s gRPC on %s", kind[:-1], replica_id, address)
     logger.info("serving on http://%s:%d/v1 (Ctrl-C to stop)", args.host, args.port)

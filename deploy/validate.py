@@ -35,8 +35,10 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 IMPORT_PATH = "cluster.app:build_app"
-POOL_DEPLOYMENTS = ("Drafter", "Verifier")
-DEPLOYMENTS = ("Scheduler", "Verifier", "Drafter", "Ingress")
+POOL_DEPLOYMENTS = ("Drafter", "Verifier", "Engine")
+#: The deployments of each placement (``args.placement``).
+DEPLOYMENTS = {"disaggregated": ("Scheduler", "Verifier", "Drafter", "Ingress"),
+               "colocated": ("Scheduler", "Engine", "Ingress")}
 _ObjectMetaKeys = {"name", "namespace", "labels", "annotations"}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are ~1 MB: the C loader is much faster
@@ -207,10 +209,11 @@ def serve_config_errors(raw: Any, prefix: tuple[Any, ...] = ()) -> list[str]:
     except ValidationError as error:
         errors += _pydantic_errors(error, (*app_path, "args"))
         config = None
+    names = DEPLOYMENTS[config.placement] if config is not None else tuple(dict.fromkeys(sum(DEPLOYMENTS.values(), ())))
     for d_index, deployment in enumerate(schema.applications[index].deployments or []):
         d_path = (*app_path, "deployments", d_index)
-        if deployment.name not in DEPLOYMENTS:
-            errors.append(f"{format_path((*d_path, 'name'))}: {deployment.name!r} is not one of {list(DEPLOYMENTS)}")
+        if deployment.name not in names:
+            errors.append(f"{format_path((*d_path, 'name'))}: {deployment.name!r} is not one of {list(names)}")
         autoscaling = app["deployments"][d_index].get("autoscaling_config")
         if autoscaling is None:
             continue
@@ -359,8 +362,8 @@ def rayservice_errors(doc: Mapping[str, Any]) -> list[str]:
     groups = cluster.get("workerGroupSpecs", [])
     head = ("spec", "rayClusterConfig", "headGroupSpec")
     needs_models: list[tuple[tuple[Any, ...], Mapping[str, Any]]] = [(head, cluster.get("headGroupSpec", {}))]
-    pools = [("Verifier", config.verify_pool)]
-    if config.scheduler.policy != "autoregressive":
+    pools = [("Engine" if config.placement == "colocated" else "Verifier", config.verify_pool)]
+    if config.scheduler.policy != "autoregressive" and config.placement == "disaggregated":
         pools.append(("Drafter", config.draft_pool))
     for name, pool in pools:
         hosts = [(i, g) for i, g in enumerate(groups) if pool.resource in _group_resources(g)]

@@ -187,7 +187,7 @@ class Failover:
         logger.warning("verifier %s at %s is gone; its group is retired", replica_id, group.address)
 
         def close() -> None:  # not on the group's own loop thread, which is the caller
-            from scheduler.hub import merge_snapshots
+            from scheduler.metrics import merge_snapshots
 
             try:  # keep its counters in the totals (a Prometheus counter must not go down)
                 final = group.backend.call(lambda engine: engine.snapshot()).result(hub.timeout_s)

@@ -31,14 +31,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta, LocalBackend
-from cluster.messages import AnyValue, Int, List, Message, Str
+from cluster.backend_rpc import REQUEST_ID, SCHEDULER, backend_methods
+from cluster.messages import Bool, Message, Str
 from cluster.readiness import IntervalLog, Readiness, ReadinessGate
 from cluster.rpc import Service
 from cluster.sampling import SamplingParams
 from scheduler.admission import least_loaded
+from scheduler.colocated import EngineReplica, EngineReplicas
 from scheduler.engine import RequestRejectedError, SpeculativeEngine
 from scheduler.failover import Failover, release_stale
-from scheduler.metrics import MetricsSnapshot
+from scheduler.metrics import MetricsSnapshot, merge_snapshots
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
@@ -46,13 +48,7 @@ from scheduler.sps import load_sps
 
 logger = logging.getLogger(__name__)
 
-SERVICE = "dspark.Scheduler"
-GENERATE = Message(
-    "Generate",
-    {"req_id": Str(min_len=1, max_len=128), "prompt_ids": List(Int(min=0), max_len=1 << 20), "params": AnyValue()},
-)
-ABORT = Message("Abort", {"req_id": Str(min_len=1, max_len=128)})
-EMPTY = Message("Empty", {})
+RELEASE = Message("Release", {"req_id": Str(min_len=1, max_len=128), "lost": Bool()})
 
 
 @dataclass
@@ -104,6 +100,7 @@ class SchedulerHub:
         self._retired: MetricsSnapshot | None = None  # counters of unregistered verifier groups
         self._gone: set[str] = set()  # unregistered replica ids (Serve never reuses one): a late heartbeat is ignored
         self.failover = Failover(self)
+        self.engines = EngineReplicas(model_name=model_name, token=token, max_context=max_context or 0)
 
     # ---------------------------------------------------------------------------------------- registration
     def register_drafter(self, replica_id: str, address: str) -> None:
@@ -225,6 +222,24 @@ class SchedulerHub:
         self._readiness_changed()
         logger.info("drafter %s unregistered", replica_id)
 
+    def register_engine(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
+        """Idempotent (the heartbeat); a colocated engine replica (both engines and the round pipeline in one
+        process, see :mod:`scheduler.colocated`) takes requests from now on."""
+        if self.engines.register(replica_id, address, sps):
+            logger.info("engine %s registered at %s", replica_id, address)
+        self._readiness_changed()
+
+    def drain_engine(self, replica_id: str) -> int:
+        """Stop routing new requests to this engine replica; returns how many of its requests still run."""
+        held = self.engines.drain(replica_id)
+        self._readiness_changed()
+        return held
+
+    def unregister_engine(self, replica_id: str) -> None:
+        self.engines.unregister(replica_id)
+        self._readiness_changed()
+        logger.info("engine %s unregistered", replica_id)
+
     def verifier_loads(self) -> dict[str, int]:
         """Requests each registered verifier group holds (running or waiting for a slot), by replica id."""
         with self._lock:
@@ -234,15 +249,19 @@ class SchedulerHub:
         """gRPC addresses of the registered replicas: ``{"drafters": {id: address}, "verifiers": {id: address}}``."""
         with self._lock:
             verifiers = {replica_id: group.address for replica_id, group in self._groups.items()}
-            return {"drafters": dict(self._drafters), "verifiers": verifiers}
+            return {"drafters": dict(self._drafters), "verifiers": verifiers, "engines": self.engines.addresses()}
 
     def readiness(self) -> Readiness:
         """Whether a completion can be served end to end now, and what is missing when not."""
+        if self.engines.accepting():
+            return Readiness(True)
         with self._lock:
             accepting = [g for g in self._groups.values() if not g.draining]
             groups = len(self._groups)
             drafters = len(self._drafters)
             accepting_drafters = drafters - len(self._draining_drafters)
+        if not accepting and len(self.engines):
+            return Readiness(False, "every engine replica is draining or unreachable")
         if not accepting:
             return Readiness(False, "every verifier replica is draining" if groups else
                              "no verifier replica is registered yet")
@@ -255,6 +274,7 @@ class SchedulerHub:
         """Re-evaluate admission (an accepting verifier group) and wake the requests waiting for it."""
         with self._lock:
             can_admit = any(not g.draining for g in self._groups.values())
+        can_admit = can_admit or bool(self.engines.accepting())
         self._admission.set(Readiness(True) if can_admit else self.readiness())
 
     @property
@@ -278,13 +298,19 @@ class SchedulerHub:
             return self._max_context or 0
         return min(g.backend.max_context for g in groups)
 
-    async def _admit(self, req_id: str) -> _Group:
-        """Assign a new request to the accepting verifier group with the fewest requests, waiting for one up to
-        ``readiness_timeout_s``.
+    async def _admit(self, req_id: str) -> _Group | EngineReplica:
+        """Assign a new request to the accepting engine replica (colocated) or verifier group with the fewest
+        requests, waiting for one up to ``readiness_timeout_s``.
 
         Under the lock, so a concurrent drain either sees the request (and waits for it) or excludes the group.
         """
+        if req_id in self._owner or self.engines.owns(req_id):
+            # A replayed Generate must not take over the running request's routing.
+            raise RequestRejectedError(f"request id {req_id!r} is already in use")
         waited = await self._admission.wait(self.readiness_timeout_s)
+        routed = self.engines.admit(req_id)
+        if routed is not None:
+            return routed[1]
         with self._lock:
             accepting = {r: g for r, g in self._groups.items() if not g.draining}
             if not accepting:
@@ -300,23 +326,47 @@ class SchedulerHub:
             self._owner[req_id] = replica_id
             return group
 
+    async def route(self, req_id: str) -> str | None:
+        """Admit a new request to a colocated engine replica and return its address, for a caller that
+        streams from the replica itself and calls ``Release`` when done; None when this deployment has no
+        engine replica (the caller then streams through :meth:`generate`)."""
+        if not len(self.engines):
+            return None
+        target = await self._admit(req_id)
+        if isinstance(target, EngineReplica):
+            return target.address
+        self._forget(req_id, target)
+        return None
+
+    def _forget(self, req_id: str, group: _Group) -> None:
+        with self._lock:
+            group.active.discard(req_id)
+            current = self._groups.get(self._owner.pop(req_id, ""))  # failover may have moved it
+            if current is not None:
+                current.active.discard(req_id)
+
     async def generate(
         self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerateDelta]:
-        if req_id in self._owner:  # a replayed Generate must not take over the running request's routing
-            raise RequestRejectedError(f"request id {req_id!r} is already in use")
         group = await self._admit(req_id)
+        if isinstance(group, EngineReplica):  # relayed from the replica (callers that do not route themselves)
+            try:
+                async for delta in group.backend.generate(req_id, prompt_ids, params):
+                    yield delta
+            finally:
+                self.engines.release(req_id)
+            return
         try:
             async for delta in group.backend.generate(req_id, prompt_ids, params):
                 yield delta
         finally:
-            with self._lock:
-                group.active.discard(req_id)
-                current = self._groups.get(self._owner.pop(req_id, ""))  # failover may have moved it
-                if current is not None:
-                    current.active.discard(req_id)
+            self._forget(req_id, group)
 
     async def abort(self, req_id: str) -> None:
+        engine = self.engines.owner(req_id)
+        if engine is not None:
+            await engine.backend.abort(req_id)
+            return
         replica_id = self._owner.get(req_id)
         if replica_id is not None and replica_id in self._groups:
             await self._groups[replica_id].backend.abort(req_id)
@@ -325,7 +375,7 @@ class SchedulerHub:
         snapshots = [await g.backend.metrics() for g in list(self._groups.values())]
         if self._retired is not None:
             snapshots.append(self._retired)
-        return merge_snapshots(snapshots)
+        return merge_snapshots([*snapshots, *await self.engines.snapshots()])
 
     async def health(self) -> None:
         state = self.readiness()
@@ -337,7 +387,7 @@ class SchedulerHub:
     async def model_info(self) -> dict[str, Any]:
         """The SPS table each verifier replica registered with (and where it came from), by replica id."""
         with self._lock:
-            return {"sps": {replica_id: sps for replica_id, sps in self._sps.items()}}
+            return {"sps": {**self._sps, **self.engines.sps()}}
 
     def close(self) -> None:
         for group in list(self._groups.values()):
@@ -347,104 +397,32 @@ class SchedulerHub:
             self._pool.close()
 
     # ----------------------------------------------------------------------------------------------- gRPC
+    def info(self) -> dict[str, Any]:
+        """What ``Info`` answers: the model, the topology and readiness."""
+        state = self.readiness()
+        return {
+            "model_name": self.model_name,
+            "max_context": self.max_context,
+            "verifiers": self.num_verifiers,
+            "drafters": self.num_drafters,
+            "engines": len(self.engines),
+            "ready": state.ready,
+            "reason": state.reason,
+        }
+
     def service(self) -> Service:
-        """``dspark.Scheduler``: what the HTTP ingress replicas call."""
+        """``dspark.Scheduler``: what the HTTP ingress replicas call (the request-level methods of
+        :mod:`cluster.backend_rpc`, plus ``Route`` / ``Release`` of the colocated placement)."""
 
-        async def generate(request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-            if not isinstance(request["params"], dict):
-                raise ValueError("params: expected a map")
-            params = SamplingParams.from_dict(request["params"])
-            async for delta in self.generate(request["req_id"], request["prompt_ids"], params):
-                yield {
-                    "token_ids": list(delta.token_ids),
-                    "text": delta.text,
-                    "finished": delta.finished,
-                    "finish_reason": delta.finish_reason,
-                    "num_prompt_tokens": delta.num_prompt_tokens,
-                    "num_output_tokens": delta.num_output_tokens,
-                }
+        async def route(request: dict[str, Any]) -> dict[str, Any]:
+            return {"address": await self.route(request["req_id"])}
 
-        async def abort(request: dict[str, Any]) -> dict[str, Any]:
-            await self.abort(request["req_id"])
+        async def release(request: dict[str, Any]) -> dict[str, Any]:
+            self.engines.release(request["req_id"], lost=request["lost"])
+            self._readiness_changed()
             return {}
 
-        async def metrics(request: dict[str, Any]) -> dict[str, Any]:
-            return snapshot_to_dict(await self.metrics())
-
-        async def info(request: dict[str, Any]) -> dict[str, Any]:
-            state = self.readiness()
-            return {
-                "model_name": self.model_name,
-                "max_context": self.max_context,
-                "verifiers": self.num_verifiers,
-                "drafters": self.num_drafters,
-                "ready": state.ready,
-                "reason": state.reason,
-            }
-
-        async def model_info(request: dict[str, Any]) -> dict[str, Any]:
-            return await self.model_info()
-
-        return Service(
-            SERVICE,
-            {
-                "Generate": (generate, GENERATE),
-                "Abort": (abort, ABORT),
-                "Metrics": (metrics, EMPTY),
-                "Info": (info, EMPTY),
-                "ModelInfo": (model_info, EMPTY),
-            },
-        )
-
-
-def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
-    """Sum counters over verifier groups (times add up; the recent round time is the slowest group's)."""
-    if not snapshots:
-        return MetricsSnapshot(0, 0, 0, 0, 0, (), (), (), 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0)
-    width = max(len(s.accepted_per_position) for s in snapshots)
-
-    def vec(name: str) -> tuple[int, ...]:
-        out = [0] * width
-        for s in snapshots:
-            for i, v in enumerate(getattr(s, name)):
-                out[i] += v
-        return tuple(out)
-
-    rounds = sum(s.rounds for s in snapshots)
-    return MetricsSnapshot(
-        rounds=rounds,
-        num_drafts=sum(s.num_drafts for s in snapshots),
-        num_draft_tokens=sum(s.num_draft_tokens for s in snapshots),
-        num_accepted_tokens=sum(s.num_accepted_tokens for s in snapshots),
-        num_output_tokens=sum(s.num_output_tokens for s in snapshots),
-        accepted_per_position=vec("accepted_per_position"),
-        verified_per_position=vec("verified_per_position"),
-        reached_per_position=vec("reached_per_position"),
-        draft_time_s=sum(s.draft_time_s for s in snapshots),
-        schedule_time_s=sum(s.schedule_time_s for s in snapshots),
-        verify_time_s=sum(s.verify_time_s for s in snapshots),
-        verify_tokens_per_round=(
-            sum(s.verify_tokens_per_round * s.rounds for s in snapshots) / rounds if rounds else 0.0
-        ),
-        running=sum(s.running for s in snapshots),
-        waiting=sum(s.waiting for s in snapshots),
-        recent_round_s=max(s.recent_round_s for s in snapshots),
-        rounds_without_draft=sum(s.rounds_without_draft for s in snapshots),
-    )
-
-
-def snapshot_to_dict(snapshot: MetricsSnapshot) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    out = asdict(snapshot)
-    for key, value in out.items():
-        if isinstance(value, tuple):
-            out[key] = list(value)
-    return out
-
-
-def snapshot_from_dict(data: dict[str, Any]) -> MetricsSnapshot:
-    fields = dict(data)
-    for key in ("accepted_per_position", "verified_per_position", "reached_per_position"):
-        fields[key] = tuple(fields[key])
-    return MetricsSnapshot(**fields)
+        methods = backend_methods(self, self.info)
+        methods["Route"] = (route, REQUEST_ID)
+        methods["Release"] = (release, RELEASE)
+        return Service(SCHEDULER, methods)

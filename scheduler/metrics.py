@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -191,3 +192,54 @@ class EngineMetrics:
             recent_round_s=float(np.median(self._recent_rounds)) if self._recent_rounds else 0.0,
             rounds_without_draft=self.rounds_without_draft,
         )
+
+
+def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
+    """Sum counters over verifier groups (times add up; the recent round time is the slowest group's)."""
+    if not snapshots:
+        return MetricsSnapshot(0, 0, 0, 0, 0, (), (), (), 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0)
+    width = max(len(s.accepted_per_position) for s in snapshots)
+
+    def vec(name: str) -> tuple[int, ...]:
+        out = [0] * width
+        for s in snapshots:
+            for i, v in enumerate(getattr(s, name)):
+                out[i] += v
+        return tuple(out)
+
+    rounds = sum(s.rounds for s in snapshots)
+    return MetricsSnapshot(
+        rounds=rounds,
+        num_drafts=sum(s.num_drafts for s in snapshots),
+        num_draft_tokens=sum(s.num_draft_tokens for s in snapshots),
+        num_accepted_tokens=sum(s.num_accepted_tokens for s in snapshots),
+        num_output_tokens=sum(s.num_output_tokens for s in snapshots),
+        accepted_per_position=vec("accepted_per_position"),
+        verified_per_position=vec("verified_per_position"),
+        reached_per_position=vec("reached_per_position"),
+        draft_time_s=sum(s.draft_time_s for s in snapshots),
+        schedule_time_s=sum(s.schedule_time_s for s in snapshots),
+        verify_time_s=sum(s.verify_time_s for s in snapshots),
+        verify_tokens_per_round=(
+            sum(s.verify_tokens_per_round * s.rounds for s in snapshots) / rounds if rounds else 0.0
+        ),
+        running=sum(s.running for s in snapshots),
+        waiting=sum(s.waiting for s in snapshots),
+        recent_round_s=max(s.recent_round_s for s in snapshots),
+        rounds_without_draft=sum(s.rounds_without_draft for s in snapshots),
+    )
+
+
+def snapshot_to_dict(snapshot: MetricsSnapshot) -> dict[str, Any]:
+    out = asdict(snapshot)
+    for key, value in out.items():
+        if isinstance(value, tuple):
+            out[key] = list(value)
+    return out
+
+
+def snapshot_from_dict(data: dict[str, Any]) -> MetricsSnapshot:
+    fields = dict(data)
+    for key in ("accepted_per_position", "verified_per_position", "reached_per_position"):
+        fields[key] = tuple(fields[key])
+    return MetricsSnapshot(**fields)

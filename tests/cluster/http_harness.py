@@ -15,7 +15,9 @@ from model_factory import PairSpec, random_draft
 from transformers import AutoTokenizer
 
 from cluster.backend import LocalBackend
-from cluster.serve_local import DEFAULT_TARGET, load_local_backend
+from cluster.config import AppConfig
+from cluster.loading import build_local_backend
+from cluster.serve_local import DEFAULT_TARGET
 from draft_service.checkpoint import save_draft_model
 
 DEMO_TARGET = DEFAULT_TARGET
@@ -30,15 +32,13 @@ def write_demo_drafter(root: Path) -> Path:
 
 
 def demo_backend(draft_dir: Path | None, policy: str = "dspark", max_requests: int = 4, max_seq_len: int = 256):
-    return load_local_backend(
-        DEMO_TARGET,
-        draft_dir,
-        policy=policy,
-        max_requests=max_requests,
-        max_seq_len=max_seq_len,
-        model_name=MODEL,
-        tokenizer=AutoTokenizer.from_pretrained(DEMO_TARGET),
-    )
+    config = AppConfig.from_args({
+        "model_name": MODEL,
+        "models": {"target": str(DEMO_TARGET), "draft": None if draft_dir is None else str(draft_dir)},
+        "engine": {"max_requests": max_requests, "max_seq_len": max_seq_len},
+        "scheduler": {"policy": policy},
+    })
+    return build_local_backend(config, tokenizer=AutoTokenizer.from_pretrained(DEMO_TARGET))
 
 
 def demo_tokenizer():

@@ -44,9 +44,11 @@ def test_every_option_states_its_default(command: str) -> None:
 
 def test_serve_help_states_both_modes_where_they_differ() -> None:
     options = _options("serve")
-    for flag in ("--max-seq-len", "--device", "--dtype", "--served-model-name"):
+    for flag in ("--device", "--dtype", "--served-model-name"):
         assert "--no-ray: " in options[flag], (flag, options[flag])
-    assert "--no-ray" not in options["--max-requests"] + options["--sps"]  # the same either way
+    # One AppConfig for every placement: the engine shape and the SPS source are the same either way.
+    for flag in ("--max-requests", "--max-seq-len", "--draft-top-k", "--sps"):
+        assert "--no-ray" not in options[flag], (flag, options[flag])
 
 
 def test_standalone_servers_offer_only_options_they_use() -> None:

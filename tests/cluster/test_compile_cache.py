@@ -1,4 +1,4 @@
-"""The compile cache follows the deployment's ``cache_dir``: a ``--no-ray`` backend and the Ray replicas'
+"""The compile cache follows the deployment's ``cache_dir``: the ``--no-ray`` backend and the Ray replicas'
 engine builders point Triton's cache at ``<cache_dir>/triton`` before their warm-up, unless the user set
 ``$TRITON_CACHE_DIR``. Real engines over a tiny random pair on CPU; Triton's own cache manager then writes
 there."""
@@ -14,8 +14,7 @@ from triton.runtime.cache import get_cache_manager
 
 from cluster.compile_cache import TRITON_ENV, use_compile_cache
 from cluster.config import AppConfig
-from cluster.loading import build_draft_engine, build_verify_engine
-from cluster.serve_local import load_local_backend
+from cluster.loading import build_draft_engine, build_local_backend, build_verify_engine
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +33,10 @@ def test_no_ray_backend_puts_the_triton_cache_under_cache_dir(
 ) -> None:
     monkeypatch.delenv(TRITON_ENV, raising=False)
     target, draft = pair
-    backend = load_local_backend(target, draft, policy="full", max_requests=2, max_seq_len=64,
-                                 cache_dir=str(tmp_path / "cache"))
-    backend.close()
+    config = AppConfig.from_args({"models": {"target": str(target), "draft": str(draft)},
+                                  "engine": {"max_requests": 2, "max_seq_len": 64},
+                                  "scheduler": {"policy": "full"}, "cache_dir": str(tmp_path / "cache")})
+    build_local_backend(config).close()  # what `dspark serve --no-ray` serves with
     folder = tmp_path / "cache" / "triton"
     assert folder.is_dir() and knobs.cache.dir == str(folder)
     _triton_writes_to(folder)

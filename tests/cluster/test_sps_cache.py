@@ -15,8 +15,7 @@ from model_factory import PairSpec, write_pair
 
 from cluster.cli import main
 from cluster.config import AppConfig
-from cluster.loading import build_verify_engine, drafter_block_size, load_or_profile_sps
-from cluster.serve_local import load_local_backend
+from cluster.loading import build_local_backend, build_verify_engine, drafter_block_size, load_or_profile_sps
 from scheduler.sps import load_sps_file
 
 
@@ -83,7 +82,9 @@ def test_dspark_profile_fills_the_cache_that_serve_no_ray_reads(pair: tuple[Path
     assert origin["source"] == "profiled" and Path(origin["path"]).is_file()
     cached = json.loads(Path(origin["path"]).read_text())["sps"]
     assert load_sps_file(output).to_dict() == cached  # the same table as a plain file for --sps
-    backend = load_local_backend(target, draft, max_requests=2, max_seq_len=64, cache_dir=str(cache))
+    config = AppConfig.from_args({"models": {"target": str(target), "draft": str(draft)}, "cache_dir": str(cache),
+                                  "engine": {"max_requests": 2, "max_seq_len": 64}})
+    backend = build_local_backend(config)
     try:
         info = asyncio.run(backend.model_info())
     finally:

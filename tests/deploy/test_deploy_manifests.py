@@ -27,7 +27,8 @@ from deploy import render, validate
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 YAML_FILES = sorted(DEPLOY.glob("*.yaml"))
-SERVE_CONFIGS = [DEPLOY / "serve_config.yaml", DEPLOY / "serve_config.gpu.yaml"]
+SERVE_CONFIGS = [DEPLOY / name for name in ("serve_config.yaml", "serve_config.gpu.yaml",
+                                             "serve_config.colocated.gpu.yaml")]
 
 
 @pytest.fixture(scope="module")
@@ -219,12 +220,16 @@ def test_serve_configs_load_for_dspark_serve_and_for_serve_deploy(path: Path) ->
 
     args, overrides, http = load_serve_config(path)  # what `dspark serve --config` does
     config = AppConfig.from_args(args)
-    assert set(overrides) == {"Scheduler", "Verifier", "Drafter", "Ingress"}
+    colocated = config.placement == "colocated"
+    pools = [("Engine", config.verify_pool)] if colocated else [("Verifier", config.verify_pool),
+                                                                 ("Drafter", config.draft_pool)]
+    assert set(overrides) == {"Scheduler", "Ingress", *(name for name, _ in pools)}
     assert http["port"] == 8000
     # `serve deploy` / KubeRay: Serve calls the import path's builder with `args` (and insists on one parameter).
     call_user_app_builder_with_args_if_necessary(build_app, args)
     built = {d.name: d for d in serve_build_app(assemble_app(args, overrides), name="dspark").deployments}
-    for name, pool in (("Verifier", config.verify_pool), ("Drafter", config.draft_pool)):
+    assert set(built) == set(overrides)
+    for name, pool in pools:
         deployment_config = built[name]._deployment_config
         autoscaling = deployment_config.autoscaling_config
         assert autoscaling.policy.policy_function == POLICY_PATH

@@ -6,8 +6,7 @@ import math
 
 import numpy as np
 
-from scheduler.hub import merge_snapshots, snapshot_from_dict, snapshot_to_dict
-from scheduler.metrics import EngineMetrics, RequestMetrics
+from scheduler.metrics import EngineMetrics, RequestMetrics, merge_snapshots, snapshot_from_dict, snapshot_to_dict
 
 
 def test_round_counters_and_conditional_acceptance() -> None:
