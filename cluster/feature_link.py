@@ -91,7 +91,7 @@ def build_group(
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
         options._timeout = timeout
         group = dist.ProcessGroupGloo(prefixed, rank, 2, options)
-    elif backend == "nccl":  # not run on a GPU yet (docs/ARCHITECTURE.md "The direct feature path")
+    elif backend == "nccl":  # not run on a GPU yet (docs/ROUND_PIPELINE.md, "The direct feature path")
         if device.index is not None:
             torch.cuda.set_device(device)
         nccl_options = dist.ProcessGroupNCCL.Options()
