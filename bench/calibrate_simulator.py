@@ -146,6 +146,14 @@ def layout_base(base_doc: dict[str, Any], matrix: dict[str, Any], layout: str) -
     return base_doc, parse_costs(base_doc, "costs")
 
 
+def _round_terms(level: Level, base: Costs) -> dict[str, float]:
+    """A level's measured round and the terms the host time is derived from, in ms: what the served verify step
+    took against what the SPS table says (the gap is the verify-under-load excess the host curve absorbs)."""
+    return {"round": level.round_s * 1e3, "draft": level.draft_s * 1e3, "verify_measured": level.verify_s * 1e3,
+            "verify_sps": base.verify_s(level.users, max(level.users, round(level.batch_tokens))) * 1e3,
+            "host": _host_of(level, base) * 1e3}
+
+
 def derived_cost_doc(base_doc: dict[str, Any], base: Costs, levels: Sequence[Level], layout: str,
                      clamped: list[str]) -> dict[str, Any]:
     """The cost file (as JSON) of one layout from its measured ``levels`` (see the module docstring);
@@ -319,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "aggregate": _err(pred.aggregate, lv.aggregate),
                                    "generated": _err(pred.generated, lv.generated),
                                    "ttft": _err(pred.ttft_s, lv.ttft_s)},
-                         "delay_s": delays[lv.layout], "ttft_fitted": lv.users == 1})
+                         "delay_s": delays[lv.layout], "ttft_fitted": lv.users == 1,
+                         "round_ms": _round_terms(lv, bases[lv.layout][1])})
         print(f"\n## fit: {name} (negative host times kept at 0: {', '.join(clamped) or 'none'}; "
               f"client delay: {', '.join(f'{k} {v * 1e3:.1f} ms' for k, v in delays.items())})\n")
         print(table(rows))
