@@ -4,6 +4,8 @@
 # layout and policy through HTTP. Run from the repository root, carrying .gpu-ray (the tree of ../shared/wheels),
 # .whl (openai<2, distro, jiter, sniffio for Python 3.12) and .data/prompts (humaneval.jsonl, mbpp.jsonl):
 #   LAYOUTS="no-ray" POLICIES="autoregressive dspark full" bash bench/gpu_serve_matrix.sh $OUT 540
+# REPEAT_START=1 starts every cell a second time on its filled cache folder (SPS tables, Triton kernels): the
+# start-up times then come cold and warm.
 set -uo pipefail
 out=${1:?usage: bench/gpu_serve_matrix.sh OUT_DIR [TIME_LIMIT_S]}
 limit=${2:-540}
@@ -15,5 +17,5 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # shellcheck disable=SC2086  # word lists on purpose
 python3 bench/serve_matrix.py --inflate qwen3-4b --prompts-dir .data/prompts --layouts ${LAYOUTS:-no-ray ray ray-colocated} \
   --policies ${POLICIES:-autoregressive dspark full fixed-1 dspark-async} --concurrency ${LEVELS:-1 8 32 128} \
-  --duration "${DURATION:-6}" --time-limit-s "$limit" --out-dir "$out" ${EXTRA:-}
+  --duration "${DURATION:-6}" --time-limit-s "$limit" --out-dir "$out" ${REPEAT_START:+--repeat-start} ${EXTRA:-}
 (cd /tmp/dspark-matrix && tar czf "$out/server_logs.tgz" server-*.log) || true

@@ -3,9 +3,12 @@
 For each layout (``no-ray``: everything in one process; ``ray``: the Ray Serve application in the ``disaggregated``
 placement, drafter and verifier deployments sharing the one GPU; ``ray-colocated``: the Ray Serve application in the
 ``colocated`` placement, one engine replica with the whole GPU) and each policy, the script starts ``dspark serve``
-as a user would, waits until a completion succeeds (the time it took is recorded: start-up as users see it), sweeps
-the closed-loop concurrency levels with the project's benchmark client, stops the server and moves on. Every cell
-goes into one results file, lined up side by side, with the ratios the serving goals are stated in (Ray against
+as a user would, waits until ``/health`` reports ready and a completion succeeds (both times from the process start
+are recorded: start-up as users see it), sweeps the closed-loop concurrency levels with the project's benchmark
+client (each level's first wave, the first request of every user, is reported against its steady state), stops the
+server and moves on. With ``--repeat-start`` every cell starts twice on the same cache folder (``--cache-dir``: SPS
+tables and Triton kernels, emptied before the first start), so start-up is measured cold and warm. Every cell goes
+into one results file, lined up side by side, with the ratios the serving goals are stated in (Ray against
 ``--no-ray``, and each policy against autoregressive decoding in the same layout), and plots. Results are rewritten
 after every cell, so a run cut short keeps what it measured; ``--time-limit-s`` skips the cells that would not fit.
 
@@ -24,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sps", type=Path, default=None, help="SPS table file given to every server")
     p.add_argument("--extra-serve-args", nargs=argparse.REMAINDER, default=[],
                    help="appended to every `dspark serve --no-ray` command line")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="every server's cache_dir is <this>/<layout>-<policy> (SPS tables, Triton kernels); default: "
+                        "the servers' own, or <scratch>/cache with --repeat-start")
+    p.add_argument("--repeat-start", action="store_true",
+                   help="empty each cell's cache folder, and after its sweep start it once more on the filled "
+                        "folder: start-up cold and warm")
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument("--time-limit-s", type=float, default=None, help="skip cells that would start after this")
@@ -89,9 +99,9 @@ def inflate(args: argparse.Namespace, device: str, dtype: str) -> tuple[Path, Pa
 
 
 def ray_config(args: argparse.Namespace, target: Path, draft: Path, policy: str, device: str, dtype: str,
-               slots: int, port: int, placement: str) -> Path:
+               slots: int, port: int, placement: str, cache: Path | None) -> Path:
     """A Serve config for one machine, one replica of every deployment: ``disaggregated``, both pools on its GPU
-    (half each); ``colocated``, one engine replica with the whole GPU."""
+    (half each); ``colocated``, one engine replica with the whole GPU. ``cache``: the application's cache_dir."""
     colocated = placement == "colocated"
     gpu = (1.0 if colocated else 0.5) if device.startswith("cuda") else 0.0
     models: dict[str, Any] = {"target": str(target), "draft": None if policy == "autoregressive" else str(draft),
@@ -107,6 +117,7 @@ def ray_config(args: argparse.Namespace, target: Path, draft: Path, policy: str,
             "route_prefix": "/",
             "args": {
                 "model_name": MODEL_NAME,
+                **({} if cache is None else {"cache_dir": str(cache)}),
                 "placement": placement,
                 "models": models,
                 "draft_pool": {"resource": "draft_pool", "num_gpus": gpu, "num_cpus": 1},
@@ -127,35 +138,59 @@ def ray_config(args: argparse.Namespace, target: Path, draft: Path, policy: str,
 
 
 def serve_command(args: argparse.Namespace, layout: str, policy: str, target: Path, draft: Path, device: str,
-                  dtype: str, slots: int, port: int) -> list[str]:
+                  dtype: str, slots: int, port: int, cache: Path | None) -> list[str]:
     base = [sys.executable, "-m", "cluster.cli", "serve"]
     if layout.startswith("ray"):
         placement = "colocated" if layout == "ray-colocated" else "disaggregated"
-        config = ray_config(args, target, draft, policy, device, dtype, slots, port, placement)
+        config = ray_config(args, target, draft, policy, device, dtype, slots, port, placement, cache)
         return [*base, "--config", str(config)]
     cmd = [*base, "--no-ray", "--target", str(target), "--draft", str(draft), "--policy", policy,
            "--device", device, "--dtype", dtype, "--max-requests", str(slots), "--max-seq-len",
            str(args.max_seq_len), "--served-model-name", MODEL_NAME, "--port", str(port)]
     if args.sps is not None:
         cmd += ["--sps", str(args.sps)]
+    if cache is not None:
+        cmd += ["--cache-dir", str(cache)]
     return cmd + list(args.extra_serve_args)
 
 
-def wait_for_completion(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> float:
-    """Seconds until a completion succeeded; raises when the server died or the time ran out."""
-    start = time.perf_counter()
+def wait_until_serving(url: str, proc: subprocess.Popen[bytes], started: float, timeout_s: float) -> dict[str, float]:
+    """Seconds from ``started`` (the process start, ``perf_counter``) until ``/health`` answered 200
+    (``health_s``) and then until a completion succeeded (``completion_s``); raises when the server died or the
+    time ran out. Polled every 0.25 s, so each time is late by at most that."""
     body = {"model": MODEL_NAME, "prompt": "def main():\n", "max_tokens": 4, "temperature": 0}
+    times: dict[str, float] = {}
     with httpx.Client(timeout=60.0) as client:
-        while time.perf_counter() - start < timeout_s:
+        while time.perf_counter() - started < timeout_s:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with code {proc.returncode} before serving")
             try:
-                if client.post(url + "/v1/completions", json=body).status_code == 200:
-                    return time.perf_counter() - start
+                if "health_s" not in times:
+                    if client.get(url + "/health").status_code == 200:
+                        times["health_s"] = time.perf_counter() - started
+                        continue
+                elif client.post(url + "/v1/completions", json=body).status_code == 200:
+                    times["completion_s"] = time.perf_counter() - started
+                    return times
             except httpx.HTTPError:
                 pass
-            time.sleep(1.0)
-    raise RuntimeError(f"no completion succeeded within {timeout_s:.0f} s")
+            time.sleep(0.25)
+    waited = "/health" if "health_s" not in times else "a completion"
+    raise RuntimeError(f"{waited} did not succeed within {timeout_s:.0f} s of the start")
+
+
+def start_server(cmd: list[str], log_path: Path, cache: Path | None) -> tuple[subprocess.Popen[bytes], float]:
+    """``cmd`` in its own process group, output appended to ``log_path``; returns it and its start time. With a
+    cache folder, ``$DSPARK_CACHE_DIR`` and ``$TRITON_CACHE_DIR`` are left to it (a caller's own would win)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    if cache is not None:
+        env.pop("TRITON_CACHE_DIR", None)
+        env["DSPARK_CACHE_DIR"] = str(cache)
+    with log_path.open("ab") as log:
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
+    return proc, started
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -172,6 +207,13 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def port_free(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def wait_port_free(port: int, timeout_s: float = 60.0) -> None:
+    """Until nothing listens on ``port`` (a stopped server's socket may linger a moment), at most ``timeout_s``."""
+    deadline = time.perf_counter() + timeout_s
+    while not port_free(port) and time.perf_counter() < deadline:
+        time.sleep(1.0)
 
 
 def ratios(runs: list[dict[str, Any]]) -> str:
@@ -216,8 +258,9 @@ def write_all(args: argparse.Namespace, runs: list[dict[str, Any]], meta: dict[s
     doc = doc if "runs" in doc else {"runs": [doc]}
     doc["matrix"] = meta
     paths[0].write_text(json.dumps(doc, indent=1) + "\n")
-    startup = "| cell | first completion after start (s) |\n| --- | ---: |\n" + "".join(
-        f"| {r['label']} | {r['startup_s']:.1f} |\n" for r in runs)
+    startup = "| cell | caches | /health ready (s) | first completion (s) |\n| --- | --- | ---: | ---: |\n" + "".join(
+        f"| {r['label']} | {start['caches']} | {start['health_s']:.1f} | {start['completion_s']:.1f} |\n"
+        for r in runs for start in r["starts"])
     cells = "\n".join(f"## {r['label']}\n\n{report.level_table(r)}\n" for r in runs)
     (args.out_dir / "serve_matrix.md").write_text(
         "\n".join([report.side_by_side(runs), ratios(runs), startup, cells])
@@ -240,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": sys.argv, "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
             "dtype": dtype, "inflate": args.inflate, "slots": slots, "max_seq_len": args.max_seq_len,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "skipped": []}
+    cache_root = args.cache_dir or (args.scratch / "cache" if args.repeat_start else None)
+    meta["cache_dir"] = None if cache_root is None else str(cache_root)
     runs: list[dict[str, Any]] = []
     # Policy by policy, each in every layout: a run cut short by its time limit still pairs the layouts it measured.
     cells = [(layout, policy) for policy in args.policies for layout in args.layouts]
@@ -250,40 +295,53 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- skip {layout} {policy}: {elapsed:.0f} s used of {args.time_limit_s:.0f}", flush=True)
             continue
         port = args.port + i
-        log = (args.scratch / f"server-{layout}-{policy}.log").open("wb")
-        cmd = serve_command(args, layout, policy, target, draft, device, dtype, slots, port)
+        log_path = args.scratch / f"server-{layout}-{policy}.log"
+        log_path.write_bytes(b"")
+        cache = None if cache_root is None else cache_root / f"{layout}-{policy}"
+        if cache is not None and args.repeat_start:
+            shutil.rmtree(cache, ignore_errors=True)  # the first start is cold
+        cmd = serve_command(args, layout, policy, target, draft, device, dtype, slots, port, cache)
         print(f"--- {layout} {policy}: $ {' '.join(cmd)}", flush=True)
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         url = f"http://127.0.0.1:{port}"
+        starts: list[dict[str, Any]] = []
         try:
-            startup = wait_for_completion(url, proc, args.startup_timeout_s)
-            print(f"    first completion {startup:.1f} s after start", flush=True)
-            config = BenchConfig(
-                base_url=url,
-                options=RequestOptions(model=MODEL_NAME, ignore_eos=True),
-                requests=requests,
-                levels=[LoadLevel("closed", c) for c in args.concurrency],
-                window=Window(duration_s=args.duration, warmup_requests=args.warmup_requests),
-                workload={"source": "prompts", "files": [str(f) for f in files], "output_len": args.output_len},
-                label=f"{layout} {policy}",
-                progress=False,
-            )
-            result = run(config)
-            result.update(layout=layout, policy=policy, startup_s=startup)
+            proc, started = start_server(cmd, log_path, cache)
+            try:
+                starts.append({"caches": "cold" if args.repeat_start else "as found",
+                               **wait_until_serving(url, proc, started, args.startup_timeout_s)})
+                print(f"    /health ready {starts[0]['health_s']:.1f} s, first completion "
+                      f"{starts[0]['completion_s']:.1f} s after start", flush=True)
+                config = BenchConfig(
+                    base_url=url,
+                    options=RequestOptions(model=MODEL_NAME, ignore_eos=True),
+                    requests=requests,
+                    levels=[LoadLevel("closed", c) for c in args.concurrency],
+                    window=Window(duration_s=args.duration, warmup_requests=args.warmup_requests),
+                    workload={"source": "prompts", "files": [str(f) for f in files], "output_len": args.output_len},
+                    label=f"{layout} {policy}",
+                    progress=False,
+                )
+                result = run(config)
+            finally:
+                stop(proc)
+            if args.repeat_start:
+                wait_port_free(port)
+                proc, started = start_server(cmd, log_path, cache)
+                try:
+                    starts.append({"caches": "warm", **wait_until_serving(url, proc, started,
+                                                                          args.startup_timeout_s)})
+                finally:
+                    stop(proc)
+                print(f"    warm start: /health ready {starts[1]['health_s']:.1f} s, first completion "
+                      f"{starts[1]['completion_s']:.1f} s", flush=True)
+            result.update(layout=layout, policy=policy, startup_s=starts[0]["completion_s"], starts=starts)
             runs.append(result)
             print(report.level_table(result), flush=True)
         except (RuntimeError, BenchError) as error:
-            print(f"    FAILED: {error}; server log {log.name}:", flush=True)
-            print(Path(log.name).read_text(errors="replace")[-3000:], flush=True)
+            print(f"    FAILED: {error}; server log {log_path}:", flush=True)
+            print(log_path.read_text(errors="replace")[-3000:], flush=True)
             meta["skipped"].append(f"{layout} {policy} (failed: {error})")
-        finally:
-            stop(proc)
-            log.close()
-        for _ in range(60):
-            if port_free(port):
-                break
-            time.sleep(1.0)
+        wait_port_free(port)
         write_all(args, runs, meta)
     write_all(args, runs, meta)
     if runs:

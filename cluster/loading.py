@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cluster.compile_cache import use_compile_cache
 from cluster.config import AppConfig
 from cluster.graphs import resolve_graph_mode
 from cluster.sps_cache import EngineShape, SPSCache, fingerprint_digest, sps_fingerprint
@@ -64,6 +65,7 @@ def drafter_block_size(config: AppConfig) -> int:
 
 
 def build_verify_engine(config: AppConfig) -> VerifyEngine:
+    use_compile_cache(config.cache_path)  # before the warm-up compiles the kernels
     target = TargetModel.from_pretrained(
         config.models.target,
         feature_layer_ids=draft_layer_ids(config),
@@ -108,6 +110,7 @@ def build_draft_engine(config: AppConfig, *, projected: bool | None = None) -> D
                 "without speculation with --policy autoregressive"
             )
         raise ValueError("this deployment has no drafter (models.draft is null)")
+    use_compile_cache(config.cache_path)  # before the warm-up compiles the kernels
     model = load_draft_model(
         config.models.draft,
         target_dir=config.models.target,

@@ -273,6 +273,41 @@ def _pvc_mounts(group: Mapping[str, Any]) -> list[str]:
     return [m["mountPath"].rstrip("/") for m in mounts if m.get("name") in claims]
 
 
+def _writable_pvc_mounts(group: Mapping[str, Any]) -> list[str]:
+    """Mount paths of the Ray container from a PersistentVolumeClaim that the pod may write (a cache needs it)."""
+    spec = group.get("template", {}).get("spec", {})
+    claims = {v["name"] for v in spec.get("volumes", [])
+              if "persistentVolumeClaim" in v and not v["persistentVolumeClaim"].get("readOnly")}
+    containers = _containers(group)
+    mounts = containers[0].get("volumeMounts", []) if containers else []
+    return [m["mountPath"].rstrip("/") for m in mounts if m.get("name") in claims and not m.get("readOnly")]
+
+
+def _env_value(group: Mapping[str, Any], name: str) -> str | None:
+    containers = _containers(group)
+    for entry in containers[0].get("env", []) if containers else []:
+        if entry.get("name") == name:
+            return entry.get("value")
+    return None
+
+
+def _cache_errors(path: tuple[Any, ...], group: Mapping[str, Any], cache_dir: str | None) -> list[str]:
+    """A pool pod's start-up caches (SPS tables, Triton kernels: ``<cache_dir>/sps``, ``<cache_dir>/triton``)
+    must be on a writable claim, or every new pod profiles and compiles again (issue 27's start-up time).
+    ``cache_dir`` is the application's; else the pod's ``$DSPARK_CACHE_DIR`` decides, as in the replica."""
+    folder = cache_dir or _env_value(group, "DSPARK_CACHE_DIR")
+    where = format_path((*path, "template", "spec", "containers", 0))
+    if not folder:
+        return [f"{where}.env: no cache folder (args.cache_dir or DSPARK_CACHE_DIR): SPS tables and compiled "
+                "kernels would be lost with every pod"]
+    folder = folder.rstrip("/")
+    mounts = _writable_pvc_mounts(group)
+    if not any(folder == m or folder.startswith(m + "/") for m in mounts):
+        return [f"{where}.volumeMounts: the cache folder {folder} is not on a writable PersistentVolumeClaim "
+                f"(writable claims mounted: {mounts})"]
+    return []
+
+
 def _env_names(group: Mapping[str, Any]) -> set[str]:
     containers = _containers(group)
     return {e.get("name") for e in (containers[0].get("env", []) if containers else [])}
@@ -341,6 +376,7 @@ def rayservice_errors(doc: Mapping[str, Any]) -> list[str]:
         index, group = hosts[0]
         path = ("spec", "rayClusterConfig", "workerGroupSpecs", index)
         needs_models.append((path, group))
+        errors += _cache_errors(path, group, config.cache_dir)
         per_pod = math.floor(_group_resources(group)[pool.resource] / pool.resource_per_replica + 1e-9)
         gpus = _gpus(group)
         if pool.num_gpus > 0:

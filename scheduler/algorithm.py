@@ -384,7 +384,8 @@ def scalar_round(
                 survival[j * num_requests + r] = a
                 n_pos += 1
                 total += a
-                smallest = min(smallest, a)
+                if a < smallest:  # min() as a builtin call costs more than the test, per item
+                    smallest = a
     check_sps(sps)
     if n_pos == 0:
         return np.zeros(num_requests, dtype=np.int64), 0

@@ -40,9 +40,10 @@ class _Share:
 
 
 def _child(share: _Share, warmed: Any, go: Any, out: Any) -> None:
-    """Entry point of a client process: run the share, send back (records, t0, t1, unfinished, loop lags)."""
+    """Entry point of a client process: run the share, send back (records, t0, t1, unfinished, loop lags, first
+    wave)."""
 
-    async def main() -> tuple[list[RequestRecord], float, float, int, list[float]]:
+    async def main() -> tuple[list[RequestRecord], float, float, int, list[float], list[RequestRecord]]:
         client = make_client(share.base_url, share.api_key, share.timeout_s)
 
         async def one(request: BenchRequest, local: int) -> RequestRecord:
@@ -56,7 +57,7 @@ def _child(share: _Share, warmed: Any, go: Any, out: Any) -> None:
             with LoopLag() as lag:
                 run = await run_closed(one, share.requests, share.users, share.window, on_measure_start=meet,
                                        progress=False)
-            return run.records, run.t0, run.t1, run.unfinished, lag.lags
+            return run.records, run.t0, run.t1, run.unfinished, lag.lags, run.first_wave
         finally:
             await client.close()
 
@@ -130,7 +131,8 @@ async def run_closed_fanout(
     t0 = min(run[1] for run in runs)
     t1 = t0 + window.duration_s if window.duration_s is not None else max(run[2] for run in runs)
     lags = [lag for run in runs for lag in run[4]]
-    return LevelRun(records, t0, t1, sum(run[3] for run in runs)), lags
+    first_wave = sorted((rec for run in runs for rec in run[5]), key=lambda rec: rec.end_s)
+    return LevelRun(records, t0, t1, sum(run[3] for run in runs), first_wave), lags
 
 
 def _receive(pipe: Any) -> tuple[str, Any]:

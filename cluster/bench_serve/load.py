@@ -23,7 +23,7 @@ import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -80,12 +80,18 @@ class Window:
 @dataclass
 class LevelRun:
     """The measured requests of a level, its window ``[t0, t1]`` on the ``perf_counter`` clock, and how many
-    requests were cut off unfinished when a duration window closed."""
+    requests were cut off unfinished when a duration window closed.
+
+    ``first_wave``: in a closed loop, the first request of every user (a warm-up request unless the warm-up is
+    zero requests), in the order they ended: what the first requests at a new concurrency cost against the steady
+    state (compilation or graph capture that the server's start-up warm-up missed shows here). Empty for open
+    loops and traces."""
 
     records: list[RequestRecord]
     t0: float
     t1: float
     unfinished: int = 0
+    first_wave: list[RequestRecord] = field(default_factory=list)
 
     @property
     def window_s(self) -> float:
@@ -150,6 +156,7 @@ async def run_closed(
     stop = False
     t0 = math.inf
     measured: list[RequestRecord] = []
+    first_wave: list[RequestRecord] = []
     started_measured = 0
     bar = _bar(window, label, progress)
 
@@ -164,6 +171,8 @@ async def run_closed(
             index = next(order)
             record = await send(requests[index], index)
             finished += 1
+            if finished == 1:
+                first_wave.append(record)
             if warmed is not None and finished == window.warmup_requests:
                 warm_users += 1
                 if warm_users == concurrency:
@@ -192,9 +201,9 @@ async def run_closed(
             t1 = t0 + window.duration_s
             stop = True
             unfinished = sum(not u.done() for u in users)
-            return LevelRun([r for r in measured if r.end_s <= t1], t0, t1, unfinished)
+            return LevelRun([r for r in measured if r.end_s <= t1], t0, t1, unfinished, first_wave)
         await asyncio.gather(*users)
-        return LevelRun(measured, t0, max((r.end_s for r in measured), default=t0))
+        return LevelRun(measured, t0, max((r.end_s for r in measured), default=t0), first_wave=first_wave)
     finally:
         stop = True
         for u in users:

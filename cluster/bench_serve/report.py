@@ -24,11 +24,24 @@ def _errors(level: dict[str, Any]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in errors.items()) if errors else "0"
 
 
+def first_wave_cell(level: dict[str, Any]) -> str:
+    """``E2E max s (ratio to the steady p50)`` of a level's first wave, and its TTFT max the same way; ``-`` for
+    a level without one (open loop, or a results file written before first waves were recorded)."""
+    wave = level.get("first_wave")
+    if not wave:
+        return "-"
+    ratio = wave["ratio"]
+    e2e = f"{_fmt(wave['e2e_s']['max'], 1, 2)} s ({_fmt(ratio['e2e_max'], 1, 2)}x)"
+    ttft = f"{_fmt(wave['ttft_s']['max'], 1e3)} ms ({_fmt(ratio['ttft_max'], 1, 2)}x)"
+    miss = "" if wave["within_goal"] is not False else " over goal"
+    return f"{e2e}, TTFT {ttft}{miss}"
+
+
 def level_table(result: Result) -> str:
     """Markdown table of one run, a row per level."""
     head = ("| load | done | errors | tok/s/user p50 (p10) | aggregate tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
             "| ITL p50 / p99 ms | E2E p50 / p99 s | goodput req/s (met) | tau | verify tok/req/round "
-            "| client lag p99 ms |")
+            "| client lag p99 ms | first wave max E2E, TTFT (x steady p50) |")
     rows = [head, "| --- " * (head.count("|") - 1) + "|"]
     for lv in result["levels"]:
         user, spec, good = lv["tokens_per_s_per_user"], lv["speculative"] or {}, lv["goodput"]
@@ -42,7 +55,8 @@ def level_table(result: Result) -> str:
             f"| {_fmt(lv['tpot_s']['p50'], 1e3, 1)} / {_fmt(lv['tpot_s']['p99'], 1e3, 1)} "
             f"| {_fmt(lv['itl_s']['p50'], 1e3, 1)} / {_fmt(lv['itl_s']['p99'], 1e3, 1)} "
             f"| {_fmt(lv['e2e_s']['p50'], 1, 2)} / {_fmt(lv['e2e_s']['p99'], 1, 2)} "
-            f"| {goodput} | {_fmt(tau, 1, 2)} | {_fmt(budget, 1, 2)} | {_fmt(lag.get('p99'), 1, 1)} |"
+            f"| {goodput} | {_fmt(tau, 1, 2)} | {_fmt(budget, 1, 2)} | {_fmt(lag.get('p99'), 1, 1)} "
+            f"| {first_wave_cell(lv)} |"
         )
     populations = [(lv, p) for lv in result["levels"] for p in lv.get("populations") or ()]
     if populations:
@@ -64,18 +78,27 @@ def _label(result: Result, index: int) -> str:
     return result.get("label") or f"run {index + 1}"
 
 
+def _first_wave_ratio(level: dict[str, Any]) -> float | None:
+    wave = level.get("first_wave")
+    return None if not wave else wave["ratio"]["e2e_max"]
+
+
 def side_by_side(results: Sequence[Result]) -> str:
-    """Two markdown tables over several runs: tokens/s per user (median) and aggregate tokens/s, by level."""
+    """Three markdown tables over several runs, by level: tokens/s per user (median), aggregate tokens/s, and
+    the first wave's slowest E2E over the steady p50 E2E (goal: at most 1.5)."""
     loads: list[str] = []
     for result in results:
         for lv in result["levels"]:
             if lv["load"]["label"] not in loads:
                 loads.append(lv["load"]["label"])
+    tables: list[tuple[str, Any, int]] = [
+        ("tokens/s per user (median)", lambda lv: lv["tokens_per_s_per_user"]["median"], 0),
+        ("aggregate output tokens/s", lambda lv: lv["output_throughput"], 0),
+    ]
+    if any(_first_wave_ratio(lv) for r in results for lv in r["levels"]):
+        tables.append(("first wave: slowest E2E / steady p50 E2E (goal <= 1.5)", _first_wave_ratio, 2))
     out = []
-    for title, pick in (
-        ("tokens/s per user (median)", lambda lv: lv["tokens_per_s_per_user"]["median"]),
-        ("aggregate output tokens/s", lambda lv: lv["output_throughput"]),
-    ):
+    for title, pick, digits in tables:
         out.append(f"| {title} | " + " | ".join(loads) + " |")
         out.append("| --- " + "| ---: " * len(loads) + "|")
         for i, result in enumerate(results):
@@ -83,7 +106,7 @@ def side_by_side(results: Sequence[Result]) -> str:
             cells = []
             for load in loads:
                 lv = by_load.get(load)
-                cell = "-" if lv is None else _fmt(pick(lv))
+                cell = "-" if lv is None else _fmt(pick(lv), digits=digits)
                 if lv is not None and lv["errors"]:
                     cell += f" ({sum(lv['errors'].values())} err)"
                 cells.append(cell)

@@ -24,7 +24,7 @@ from cluster.bench_serve.client import RequestOptions, api_base, make_client, se
 from cluster.bench_serve.fanout import run_closed_fanout
 from cluster.bench_serve.load import LevelRun, LoadLevel, LoopLag, Window, run_closed, run_open
 from cluster.bench_serve.populations import Population, merged_run, population_results, run_populations
-from cluster.bench_serve.stats import SLO, summarize
+from cluster.bench_serve.stats import SLO, RequestRecord, first_wave_summary, summarize
 from cluster.bench_serve.workload import BenchRequest
 
 
@@ -85,7 +85,14 @@ async def _server_model(client: httpx.AsyncClient, base_url: str, api_key: str |
 def _level_result(level: LoadLevel, run: LevelRun, slo: SLO | None, spec: dict[str, Any] | None) -> dict[str, Any]:
     summary = summarize(run.records, run.window_s, slo)
     return {"load": {"kind": level.kind, "value": _json_number(level.value), "label": level.label},
-            **summary, "unfinished": run.unfinished, "speculative": spec}
+            **summary, "unfinished": run.unfinished, "first_wave": first_wave_summary(run.first_wave, summary),
+            "speculative": spec}
+
+
+def _probe_result(probe: RequestRecord) -> dict[str, Any]:
+    """The run's very first request (sent alone before any level): on a freshly started server, what the first
+    user meets."""
+    return {"e2e_s": probe.e2e_s, "ttft_s": probe.ttft_s, "output_tokens": probe.output_tokens}
 
 
 def _json_number(value: float) -> float | str:
@@ -165,11 +172,14 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "client_host": {"hostname": socket.gethostname(), "platform": platform.platform(),
                         "python": platform.python_version()},
-        "server": {"base_url": config.base_url, "model": options.model, "models": models},
+        # The model cards as served: dspark-serve's hold what it serves with (its SPS table and where it came
+        # from), which a simulator calibration prices rounds with.
+        "server": {"base_url": config.base_url, "model": options.model, "models": models, "cards": listing["data"]},
         "request": {k: v for k, v in asdict(options).items() if k != "model"},
         "workload": config.workload,
         "window": asdict(config.window),
         "slo": None if config.slo is None else config.slo.as_dict(),
+        "probe": _probe_result(probe),
         "levels": levels,
     }
 

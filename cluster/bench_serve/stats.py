@@ -165,6 +165,51 @@ def summarize(records: Sequence[RequestRecord], window_s: float, slo: SLO | None
     return summary
 
 
+#: The goal on a first wave: its slowest request within this factor of the steady state's median (issue 27).
+FIRST_WAVE_GOAL = 1.5
+
+
+def first_wave_summary(first: Sequence[RequestRecord], steady: dict[str, Any]) -> dict[str, Any] | None:
+    """E2E and TTFT (p50 and max) of a closed-loop level's first wave, the first request of every user, next to
+    the steady state's p50 (``steady``: the level's :func:`summarize`), and their ratios; ``None`` when the level
+    had no first wave (open loop, trace).
+
+    ``within_goal`` compares the wave's slowest E2E with the measured median E2E (:data:`FIRST_WAVE_GOAL`): a
+    whole request is what a user waits for. The TTFT ratio is reported beside it but not judged: all C first
+    requests arrive at once and are prefilled together, which the staggered arrivals of the steady state never
+    are, so it exceeds 1 at high concurrency even on a warm server.
+    """
+    if not first:
+        return None
+    done = [r for r in first if r.ok]
+    e2e = [r.e2e_s for r in done]
+    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+
+    def p50_max(values: Sequence[float]) -> dict[str, float | None]:
+        if not values:
+            return {"p50": None, "max": None}
+        return {"p50": float(np.percentile(values, 50)), "max": float(max(values))}
+
+    def ratio(value: float | None, base: float | None) -> float | None:
+        return None if value is None or not base else value / base
+
+    wave_e2e, wave_ttft = p50_max(e2e), p50_max(ttft)
+    steady_e2e, steady_ttft = steady["e2e_s"]["p50"], steady["ttft_s"]["p50"]
+    e2e_max_ratio = ratio(wave_e2e["max"], steady_e2e)
+    return {
+        "requests": len(first),
+        "errors": len(first) - len(done),
+        "e2e_s": wave_e2e,
+        "ttft_s": wave_ttft,
+        "steady_p50": {"e2e_s": steady_e2e, "ttft_s": steady_ttft},
+        "ratio": {"e2e_p50": ratio(wave_e2e["p50"], steady_e2e), "e2e_max": e2e_max_ratio,
+                  "ttft_p50": ratio(wave_ttft["p50"], steady_ttft), "ttft_max": ratio(wave_ttft["max"], steady_ttft)},
+        "goal": FIRST_WAVE_GOAL,
+        "within_goal": None if e2e_max_ratio is None else bool(len(done) == len(first)
+                                                              and e2e_max_ratio <= FIRST_WAVE_GOAL),
+    }
+
+
 def _error_examples(records: Sequence[RequestRecord]) -> dict[str, str]:
     """The first message seen for each error kind (what a user needs to see what went wrong)."""
     examples: dict[str, str] = {}

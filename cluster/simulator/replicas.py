@@ -65,6 +65,7 @@ class RoundDriver:
     admitted: list[int] = field(default_factory=list)
     drafting: bool = False
     caps: np.ndarray | None = None
+    rows: np.ndarray | None = None  # the trace rows the round's drafts replayed (drafted rounds)
     accepted: np.ndarray | None = None
     draft_s: float = 0.0
     verify_s: float = 0.0

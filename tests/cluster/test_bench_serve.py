@@ -23,7 +23,14 @@ import pytest
 from cluster.bench_serve import server_metrics
 from cluster.bench_serve.fanout import shares
 from cluster.bench_serve.load import LoadLevel, Window, _schedule, arrival_times
-from cluster.bench_serve.stats import SLO, RequestRecord, distribution, parse_slo, summarize
+from cluster.bench_serve.stats import (
+    SLO,
+    RequestRecord,
+    distribution,
+    first_wave_summary,
+    parse_slo,
+    summarize,
+)
 from cluster.bench_serve.workload import (
     BenchRequest,
     WorkloadError,
@@ -81,6 +88,22 @@ def test_summary_rates_and_goodput_on_known_requests() -> None:
     assert s["tokens_per_s_per_user"]["p10"] == pytest.approx(float(np.percentile(per_user, 10)))
     assert s["e2e_s"]["p50"] == pytest.approx(1.0)
     assert summarize(fast, 1.0)["goodput"] is None
+
+
+def test_first_wave_against_the_steady_state() -> None:
+    first = [RequestRecord(0.0, 3.0, 10, ttft_s=0.5), RequestRecord(0.0, 1.0, 10, ttft_s=0.2),
+             RequestRecord(0.0, 2.0, 10, ttft_s=0.3)]
+    steady = summarize([RequestRecord(5.0, 6.0, 10, ttft_s=0.1), RequestRecord(6.0, 8.0, 10, ttft_s=0.1)], 4.0)
+    wave = first_wave_summary(first, steady)
+    assert wave is not None and wave["requests"] == 3 and wave["errors"] == 0
+    assert wave["e2e_s"] == {"p50": 2.0, "max": 3.0} and wave["ttft_s"] == {"p50": 0.3, "max": 0.5}
+    assert wave["steady_p50"] == {"e2e_s": 1.5, "ttft_s": 0.1}
+    assert wave["ratio"]["e2e_max"] == pytest.approx(2.0) and wave["ratio"]["ttft_p50"] == pytest.approx(3.0)
+    assert wave["within_goal"] is False  # 3 s against a 1.5 s median: twice, over the 1.5x goal
+    assert first_wave_summary(first[1:2], steady)["within_goal"] is True  # type: ignore[index]
+    failed = [*first[1:2], RequestRecord(0.0, 0.1, error="503")]
+    assert first_wave_summary(failed, steady)["within_goal"] is False  # type: ignore[index]
+    assert first_wave_summary([], steady) is None
 
 
 @pytest.mark.parametrize(
@@ -269,7 +292,7 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 LEVEL_FIELDS = {"load", "window_s", "completed", "errors", "error_examples", "prompt_tokens", "output_tokens",
                 "request_throughput", "output_throughput", "tokens_per_s_per_user", "ttft_s", "tpot_s", "itl_s",
-                "e2e_s", "goodput", "unfinished", "speculative", "client_loop_lag_ms",
+                "e2e_s", "goodput", "unfinished", "first_wave", "speculative", "client_loop_lag_ms",
                 "client_processes"}
 
 
@@ -285,6 +308,8 @@ def test_closed_loop_sweep_against_a_real_server(server: str, prompts: Path, tmp
                  "--concurrency", "1", "2", "--num-requests", "3", "--slo", "ttft=10s,tpot=2s", "--label", "demo")
     scrape_after = server_metrics.parse(httpx.get(server + "/metrics").text)
     assert doc["server"]["model"] == "dspark-demo" and doc["label"] == "demo"
+    card = doc["server"]["cards"][0]  # the served SPS table and its origin, as /v1/models shows them
+    assert card["id"] == "dspark-demo" and card["dspark"]["sps"]["local"]["origin"]["source"] in {"cache", "profiled"}
     assert doc["command"] and doc["workload"]["requests"] == 4 and doc["request"]["ignore_eos"] is True
     assert [lv["load"]["label"] for lv in doc["levels"]] == ["c=1", "c=2"]
     for lv in doc["levels"]:
@@ -302,8 +327,16 @@ def test_closed_loop_sweep_against_a_real_server(server: str, prompts: Path, tmp
     level_drafts = sum(lv["speculative"]["drafts"] for lv in doc["levels"])
     total_drafts = scrape_after["vllm:spec_decode_num_drafts"][""] - scrape_before["vllm:spec_decode_num_drafts"][""]
     assert 0 < level_drafts <= total_drafts  # warm-up and the probe account for the rest
+    for lv, users in zip(doc["levels"], (1, 2), strict=True):
+        wave = lv["first_wave"]  # the first request of every user, warm-up, next to the measured median
+        assert wave["requests"] == users and wave["errors"] == 0
+        assert 0 < wave["e2e_s"]["p50"] <= wave["e2e_s"]["max"] and 0 < wave["ttft_s"]["p50"] <= wave["ttft_s"]["max"]
+        assert wave["steady_p50"]["e2e_s"] == lv["e2e_s"]["p50"]
+        assert wave["ratio"]["e2e_max"] == pytest.approx(wave["e2e_s"]["max"] / lv["e2e_s"]["p50"])
+        assert isinstance(wave["within_goal"], bool)
+    assert doc["probe"]["e2e_s"] > 0 and doc["probe"]["output_tokens"] == 12
     md = (tmp_path / "bench_serve.md").read_text()
-    assert "| c=1 |" in md and "| c=2 |" in md
+    assert "| c=1 |" in md and "| c=2 |" in md and "first wave max E2E" in md
     assert (tmp_path / "bench_serve_pareto.png").stat().st_size > 0
     assert (tmp_path / "bench_serve_latency.png").stat().st_size > 0
 
@@ -317,6 +350,7 @@ def test_users_spread_over_client_processes(server: str, prompts: Path, tmp_path
     assert level["client_processes"] == 2 and level["completed"] == 5 and level["errors"] == {}
     assert level["speculative"]["generation_tokens"] == 40  # both processes' windows opened on an idle server
     assert level["client_loop_lag_ms"]["p50"] is not None
+    assert level["first_wave"]["requests"] == 3  # every process's users, merged
 
 
 @pytest.mark.slow
@@ -328,6 +362,7 @@ def test_open_loop_and_chat_against_a_real_server(server: str, prompts: Path, tm
     for lv in doc["levels"]:
         assert set(lv) == LEVEL_FIELDS and lv["completed"] == 4 and lv["output_tokens"] == 24
         assert lv["prompt_tokens"] == 4 * 16
+        assert lv["first_wave"] is None  # an open loop has no users
     chat = _bench(tmp_path / "chat", "--base-url", server, "--prompts", str(prompts), "--endpoint", "chat",
                   "--output-len", "5", "--ignore-eos", "--no-stream", "--concurrency", "2", "--duration", "2")
     level = chat["levels"][0]
@@ -335,7 +370,8 @@ def test_open_loop_and_chat_against_a_real_server(server: str, prompts: Path, tm
     assert level["ttft_s"]["p50"] is None and level["e2e_s"]["p50"] is not None  # no stream, no TTFT
     assert main(["bench", "report", str(tmp_path / "open" / "bench_serve.json"),
                  str(tmp_path / "chat" / "bench_serve.json"), "--out-dir", str(tmp_path / "both")]) == 0
-    assert "| aggregate output tokens/s |" in (tmp_path / "both" / "comparison.md").read_text()
+    both = (tmp_path / "both" / "comparison.md").read_text()
+    assert "| aggregate output tokens/s |" in both and "| first wave: slowest E2E" in both  # the chat run's loop
 
 
 @pytest.mark.slow

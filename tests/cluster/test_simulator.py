@@ -14,7 +14,7 @@ from cluster.simulator.autoscaler import PoolAutoscaler, PoolScaling, ScalingCon
 from cluster.simulator.costs import CostFileError, load_costs, parse_costs
 from cluster.simulator.planner import candidates, plan, recommended_autoscaling, slice_of
 from cluster.simulator.report import Slo, summarize
-from cluster.simulator.simulation import ClusterSpec, SimResult, Simulation, simulate
+from cluster.simulator.simulation import ClosedLoop, ClusterSpec, SimResult, Simulation, SimulationError, simulate
 from cluster.simulator.traces import TraceFileError, load_traces
 from cluster.simulator.workload import LengthSpec, Workload, WorkloadError, generated, replayed
 from scheduler.sts import STSCalibration
@@ -82,6 +82,24 @@ def test_every_request_finishes_once_with_its_tokens(costs, trace, policy: str, 
     _check_conservation(workload, result)
     _check_littles_law(result)
     assert (result.waiting_area > 0) == (result.admit_s > result.arrival_s).any()
+
+
+@pytest.mark.parametrize("policy", ["autoregressive", "dspark"])
+def test_a_closed_loop_sends_each_request_when_one_ends(costs, trace, policy: str) -> None:
+    users, delay = 5, 0.004
+    base = _workload(rate=40.0, duration=2.0)  # its arrival times are ignored: only lengths and order count
+    spec = ClusterSpec(placement="colocated", verifiers=1, verifier_slots=8, policy=policy)
+    result = simulate(base, costs, trace, spec, seed=1, closed_loop=ClosedLoop(users, delay))
+    _check_conservation(base, result)
+    # The first `users` requests arrive at once; request k > users-1 when the (k - users)-th end came, plus the delay.
+    np.testing.assert_array_equal(result.arrival_s[:users], np.full(users, delay))
+    ends = np.sort(result.finish_s)
+    np.testing.assert_allclose(result.arrival_s[users:], ends[: base.size - users] + delay, rtol=0, atol=1e-12)
+    assert result.in_system_area <= users * result.end_s * (1 + 1e-12)  # never more than `users` in the system
+    again = simulate(base, costs, trace, spec, seed=1, closed_loop=ClosedLoop(users, delay))
+    np.testing.assert_array_equal(result.finish_s, again.finish_s)
+    with pytest.raises(SimulationError, match="closed loop"):
+        ClosedLoop(0)
 
 
 @pytest.mark.parametrize("policy", ["dspark", "dspark-async"])

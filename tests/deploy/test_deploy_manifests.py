@@ -137,6 +137,21 @@ BROKEN = {
         "spec.rayClusterConfig.workerGroupSpecs[1].template.spec.containers[0].volumeMounts: models.target "
         "/models/target is not on a mounted PersistentVolumeClaim",
     ),
+    "cache folder not set": (
+        lambda d: _container(_worker(d, 1)).update(env=[e for e in _container(_worker(d, 1))["env"]
+                                                        if e["name"] != "DSPARK_CACHE_DIR"]),
+        "spec.rayClusterConfig.workerGroupSpecs[1].template.spec.containers[0].env: no cache folder",
+    ),
+    "cache folder not on a claim": (
+        lambda d: _set_serve(d, "      model_name:", "      cache_dir: /tmp/cache\n      model_name:"),
+        "spec.rayClusterConfig.workerGroupSpecs[0].template.spec.containers[0].volumeMounts: the cache folder "
+        "/tmp/cache is not on a writable PersistentVolumeClaim",
+    ),
+    "cache claim read-only": (
+        lambda d: [m.update(readOnly=True) for m in _container(_worker(d, 0))["volumeMounts"] if m["name"] == "cache"],
+        "spec.rayClusterConfig.workerGroupSpecs[0].template.spec.containers[0].volumeMounts: the cache folder "
+        "/cache/dspark is not on a writable PersistentVolumeClaim",
+    ),
     "secret variable missing": (
         lambda d: _container(d["spec"]["rayClusterConfig"]["headGroupSpec"]).update(env=[]),
         "spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].env: DSPARK_API_KEY is not set",

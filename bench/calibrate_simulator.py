@@ -1,0 +1,379 @@
+"""Calibrate the cluster simulator against the measured HTTP serving matrix, and say how close it comes.
+
+Input: a serving-matrix results file (``bench/serve_matrix.py``; default ``docs/benchmarks/serve_matrix.json``:
+one H200, the demo pair inflated to the Qwen3-4B shape, closed loops of 1 / 8 / 32 / 128 users, 128-token
+outputs, humaneval + mbpp prompts) and the simulator's measured cost file (``docs/simulator/costs_h200.json``:
+the SPS tables of the verify step by request count and the prefill token table, profiled on the same GPU and
+model). For every measured cell (layout, policy, concurrency) it simulates the same closed loop (the same users,
+the same prompts in the same order with their token lengths, 128 tokens each, the same warm-up and window) and
+prints predicted against measured per-user tokens/s (median of 1 / TPOT), aggregate tokens/s and TTFT p50.
+
+The verify tables are the ones the layout's dspark server served with when the results file recorded them
+(``dspark bench serve`` keeps the server's model cards), else the cost file's profiled tables.
+
+What the matrix measures and the simulator needs, per layout (``no-ray``, ``ray``; both run drafter and
+verifier on the one GPU, so the simulated placement is ``colocated``):
+
+- the round time of level c: the level's window over the server's rounds in it (closed loop: the engine never
+  idles but for the few ms between a request's end and the next one's arrival);
+- its split: draft, schedule and verify milliseconds per round (the served path's own timers; in Ray they are
+  call times, gRPC hops included, so the cost files set hops to 0);
+- the verify tokens per request per round, hence the batch B = c * (1 + that) the verify step held, and the
+  prompt tokens and requests that joined during the window.
+
+Not measured, so derived here (the same rules for every cell, nothing tuned by hand):
+
+- ``draft(R)``: the measured draft ms per round at R = c, the mean over the layout's drafting cells;
+- ``host(R)`` per round, drafted and plain: measured round time - SPS-predicted verify step at (c, B) - the
+  draft ms - the predicted prefill of the requests that joined per round (measured joins per round, times the
+  prefill table's cost of the mean measured prompt). Drafted from the layout's drafting cells (mean), plain
+  from its autoregressive cell; a negative value (draft and verify overlap on the device in ``--no-ray``'s
+  chained rounds) is kept at 0 and reported;
+- ``delay``: the client-to-scheduler time the simulator does not model (HTTP, the ingress, tokenising, the
+  first chunk's way back): measured TTFT p50 - simulated TTFT p50 at c = 1, the mean over the layout's cells,
+  added to every simulated request of that layout. Its TTFT at c = 1 is therefore fitted, not predicted.
+
+Two fits, both printed: ``all`` (each layout's cost curves from all four levels: checks that the round model,
+the recorded acceptance, the closed loop and the joins compose into the measured rates) and ``held-out`` (the
+curves of level c fitted on the other three levels only, interpolated in R, extrapolated at c = 1 and 128 with
+the cost file's rules: the check that matters for predicting unmeasured deployments).
+
+Acceptance comes from recorded decoding traces of the demo pair (greedy, 128 tokens), concatenated from the
+files given (default: the first 96 prompts of HumanEval and of MBPP, the two served sets; docs/SIMULATOR.md
+has the commands that recorded them); the served tau is printed beside the simulated one, since a trace whose
+acceptance differs from the served prompts' moves every token rate by the same factor.
+
+    PYTHONPATH=. python bench/calibrate_simulator.py --json docs/simulator/calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cluster.bench_serve.workload import prompt_set_requests
+from cluster.simulator.costs import Costs, parse_costs
+from cluster.simulator.simulation import ClosedLoop, ClusterSpec, SimResult, simulate
+from cluster.simulator.traces import AcceptanceTrace, load_traces
+from cluster.simulator.workload import Workload
+from scheduler.sts import STSCalibration
+
+ROOT = Path(__file__).resolve().parents[1]
+GOALS = {"per_user": 0.10, "aggregate": 0.10, "ttft": 0.20}
+
+
+@dataclass(frozen=True)
+class Level:
+    """One measured level of one cell, with what the calibration reads from it."""
+
+    layout: str
+    policy: str
+    users: int
+    window_s: float
+    per_user: float
+    aggregate: float
+    ttft_s: float
+    round_s: float
+    draft_s: float
+    verify_s: float
+    batch_tokens: float
+    joins_per_round: float
+    mean_prompt: float
+    tau: float
+    generated: float  # tokens/s the engine generated during the window: rounds / window * c * tau
+
+
+def measured_levels(matrix: dict[str, Any]) -> list[Level]:
+    """Every closed-loop level of the matrix with the server's round counters (levels without are skipped)."""
+    out = []
+    for run in matrix["runs"]:
+        for lv in run["levels"]:
+            spec = lv.get("speculative") or {}
+            split = spec.get("round_split_ms")
+            if lv["load"]["kind"] != "closed" or not spec.get("rounds") or split is None:
+                continue
+            c = int(lv["load"]["value"])
+            rounds = float(spec["rounds"])
+            out.append(Level(
+                layout=run["layout"], policy=run["policy"], users=c, window_s=lv["window_s"],
+                per_user=lv["tokens_per_s_per_user"]["median"], aggregate=lv["output_throughput"],
+                ttft_s=lv["ttft_s"]["p50"], round_s=lv["window_s"] / rounds, draft_s=split["draft"] / 1e3,
+                verify_s=split["verify"] / 1e3,
+                batch_tokens=c * (1.0 + (spec.get("verify_tokens_per_request_round") or 0.0)),
+                joins_per_round=lv["completed"] / rounds, mean_prompt=lv["prompt_tokens"] / max(lv["completed"], 1),
+                tau=spec.get("mean_acceptance_length") or 1.0,
+                generated=c * (spec.get("mean_acceptance_length") or 1.0) / (lv["window_s"] / rounds),
+            ))
+    return out
+
+
+def _host_of(level: Level, base: Costs) -> float:
+    """Measured round time minus what the cost file prices (verify step, prefill of the joins) and the draft."""
+    verify = base.verify_s(level.users, max(level.users, round(level.batch_tokens)))
+    prefill = level.joins_per_round * base.prefill_s(round(level.mean_prompt))
+    return level.round_s - verify - prefill - level.draft_s
+
+
+def served_sps(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The SPS table a run's server priced rounds with, from the model cards ``dspark bench serve`` records
+    (``server.cards[].dspark.sps``: one table per verifier); None when the results file has none (files
+    written before the cards were recorded, or a policy that uses no table)."""
+    for card in (run.get("server") or {}).get("cards") or []:
+        for table in ((card.get("dspark") or {}).get("sps") or {}).values():
+            if isinstance(table, dict) and "format" in table:
+                return {k: v for k, v in table.items() if k != "origin"}
+    return None
+
+
+def layout_base(base_doc: dict[str, Any], matrix: dict[str, Any], layout: str) -> tuple[dict[str, Any], Costs]:
+    """The cost file a layout's costs are derived from: the measured one, with the verify table its dspark
+    server served with when the matrix recorded it (what its Algorithm 1 priced rounds with, and what its verify
+    steps are then measured against), else the profiled tables of the cost file."""
+    for run in matrix["runs"]:
+        table = served_sps(run) if run["layout"] == layout else None
+        if table is not None:
+            doc = {**base_doc, "verify": {"sps": table, "scale": 1.0,
+                                          "source": f"the SPS table `dspark serve` ({layout}) served with"}}
+            return doc, parse_costs(doc, f"served {layout}")
+    return base_doc, parse_costs(base_doc, "costs")
+
+
+def _round_terms(level: Level, base: Costs) -> dict[str, float]:
+    """A level's measured round and the terms the host time is derived from, in ms: what the served verify step
+    took against what the SPS table says (the gap is the verify-under-load excess the host curve absorbs)."""
+    return {"round": level.round_s * 1e3, "draft": level.draft_s * 1e3, "verify_measured": level.verify_s * 1e3,
+            "verify_sps": base.verify_s(level.users, max(level.users, round(level.batch_tokens))) * 1e3,
+            "host": _host_of(level, base) * 1e3}
+
+
+def derived_cost_doc(base_doc: dict[str, Any], base: Costs, levels: Sequence[Level], layout: str,
+                     clamped: list[str]) -> dict[str, Any]:
+    """The cost file (as JSON) of one layout from its measured ``levels`` (see the module docstring);
+    ``clamped`` collects the levels whose derived host time was negative (kept at 0)."""
+    mine = [lv for lv in levels if lv.layout == layout]
+    drafted = [lv for lv in mine if lv.policy != "autoregressive"]
+    plain = [lv for lv in mine if lv.policy == "autoregressive"]
+
+    def curve(rows: Sequence[Level], value: Any) -> tuple[list[int], list[float]]:
+        counts = sorted({lv.users for lv in rows})
+        values = []
+        for c in counts:
+            v = float(np.mean([value(lv) for lv in rows if lv.users == c]))
+            if v < 0:
+                clamped.append(f"{layout} c={c}: {v * 1e3:.2f} ms")
+            values.append(max(v, 0.0))
+        return counts, values
+
+    draft_r, draft_s = curve(drafted or plain, lambda lv: lv.draft_s)
+    host_d_r, host_d = curve(drafted or plain, lambda lv: _host_of(lv, base))
+    host_p_r, host_p = curve(plain or drafted, lambda lv: _host_of(lv, base))
+    # The cost format keeps one request axis for both host curves: the plain curve on the drafted counts.
+    host_p_on_d = list(np.interp(host_d_r, host_p_r, host_p))
+    doc = {
+        **base_doc,
+        "calibrated": True,
+        "verify": {**base_doc["verify"], "scale": 1.0},
+        "draft": {"requests": draft_r, "seconds": draft_s, "source": f"serve matrix, {layout}: draft ms per round"},
+        "host": {"requests": host_d_r, "drafted_s": host_d, "plain_s": host_p_on_d,
+                 "source": f"serve matrix, {layout}: round time - SPS verify - prefill of joins - draft"},
+        "hops": {"colocated_s": 0.0, "disaggregated_s": 0.0, "round_overhead_s": 0.0,
+                 "source": "inside the measured call times of the round split"},
+    }
+    parse_costs(doc, f"derived {layout}")  # refuses what the simulator could not load
+    return doc
+
+
+def derived_costs(base_doc: dict[str, Any], base: Costs, levels: Sequence[Level], layout: str,
+                  clamped: list[str]) -> Costs:
+    """:func:`derived_cost_doc`, loaded."""
+    return parse_costs(derived_cost_doc(base_doc, base, levels, layout, clamped), f"derived {layout}")
+
+
+def prompt_lengths(files: Sequence[Path], tokenizer: Path) -> np.ndarray:
+    """Token counts of the prompts in the benchmark's order (the files interleaved line by line)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    return np.array([len(tok.encode(r.prompt).ids) for r in prompt_set_requests(files, 128)], dtype=np.int64)
+
+
+def joined_traces(paths: Sequence[Path], calibration: STSCalibration) -> AcceptanceTrace:
+    """The recorded traces of several files as one (prompts renumbered after each other)."""
+    traces = [load_traces(p, calibration) for p in paths]
+    if len(traces) == 1:
+        return traces[0]
+    conf, acc, req = [], [], []
+    offset = 0
+    for t in traces:
+        conf.append(t.confidences)
+        acc.append(t.accepted)
+        req.append(np.repeat(np.arange(t.num_prompts) + offset, np.diff(t.starts)))
+        offset += t.num_prompts
+    return AcceptanceTrace.from_arrays(np.concatenate(conf), np.concatenate(acc), np.concatenate(req))
+
+
+@dataclass(frozen=True)
+class Predicted:
+    per_user: float
+    aggregate: float
+    ttft_s: float
+    tau: float
+    generated: float
+
+
+def simulate_level(costs: Costs, trace: AcceptanceTrace, lengths: np.ndarray, policy: str, users: int,
+                   window_s: float, delay_s: float, output_len: int, slots: int, max_seq_len: int) -> Predicted:
+    """The bench's closed loop in the simulator: warm-up until every user finished one request, then the
+    requests that end within ``window_s``; rates and TTFT as ``dspark bench serve`` computes them."""
+    spec = ClusterSpec(placement="colocated", verifiers=1, verifier_slots=slots, drafter_slots=slots,
+                       max_seq_len=max_seq_len, policy=policy)
+    count = max(4 * users, 64)
+    while True:
+        inputs = np.resize(lengths, count)
+        workload = Workload(np.zeros(count), inputs, np.full(count, output_len, dtype=np.int64))
+        result = simulate(workload, costs, trace, spec, seed=0, closed_loop=ClosedLoop(users, delay_s))
+        t0 = float(np.max(result.finish_s[:users]))
+        if float(np.nanmax(result.finish_s)) >= t0 + window_s:
+            break
+        count *= 2
+    return _window_stats(result, t0, window_s, delay_s)
+
+
+def _window_stats(result: SimResult, t0: float, window_s: float, delay_s: float) -> Predicted:
+    inside = (result.finish_s >= t0) & (result.finish_s <= t0 + window_s) & ~result.rejected
+    sent = result.arrival_s[inside] - delay_s  # when the simulated user sent it
+    first, finish, out = result.first_token_s[inside], result.finish_s[inside], result.output_tokens[inside]
+    tpot = (finish - first) / np.maximum(out - 1, 1)
+    drafted = result.rounds[inside].sum()
+    # Tokens emitted inside the window by every request (its first at first_token_s, the others evenly to its
+    # end): the engine's generation rate, which no request boundary quantises.
+    f_all, e_all, n_all = result.first_token_s, result.finish_s, result.output_tokens
+    ok = np.isfinite(f_all) & np.isfinite(e_all)
+    f_all, e_all, n_all = f_all[ok], e_all[ok], n_all[ok]
+    span = np.maximum(e_all - f_all, 1e-12)
+    overlap = np.clip(np.minimum(e_all, t0 + window_s) - np.maximum(f_all, t0), 0.0, None) / span
+    firsts = ((f_all >= t0) & (f_all <= t0 + window_s)).sum()
+    generated = float(((n_all - 1) * overlap).sum() + firsts) / window_s
+    return Predicted(per_user=float(np.median(1.0 / tpot)), aggregate=float(out.sum() / window_s),
+                     ttft_s=float(np.median(first - sent)),
+                     tau=float((out - 1).sum() / drafted) if drafted else math.nan, generated=generated)
+
+
+def _err(predicted: float, measured: float) -> float:
+    return predicted / measured - 1.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--matrix", type=Path, default=ROOT / "docs" / "benchmarks" / "serve_matrix.json")
+    p.add_argument("--costs", type=Path, default=ROOT / "docs" / "simulator" / "costs_h200.json")
+    p.add_argument("--traces", type=Path, nargs="+",
+                   default=[ROOT / "tests" / "data" / f"sim_traces_demo_{name}.npz" for name in ("humaneval", "mbpp")],
+                   help="decoding traces of the served prompt sets (concatenated)")
+    p.add_argument("--sts", type=Path, default=ROOT / "models" / "demo" / "draft_dspark" / "sts.json")
+    p.add_argument("--prompts-dir", type=Path, default=ROOT.parent / "shared" / "data" / "prompts")
+    p.add_argument("--tokenizer", type=Path, default=ROOT / "models" / "demo" / "target" / "tokenizer.json")
+    p.add_argument("--json", type=Path, default=None, help="write every prediction as JSON")
+    p.add_argument("--costs-out", type=Path, default=None,
+                   help="write each layout's cost file fitted on all levels here (costs_served_<layout>.json)")
+    args = p.parse_args(argv)
+
+    matrix = json.loads(args.matrix.read_text())
+    base_doc = json.loads(args.costs.read_text())
+    traces = args.traces
+    trace = joined_traces(traces, STSCalibration.load(args.sts))
+    first_run = matrix["runs"][0]
+    files = [args.prompts_dir / Path(f).name for f in first_run["workload"]["files"]]
+    lengths = prompt_lengths(files, args.tokenizer)
+    output_len = int(first_run["workload"]["output_len"])
+    slots, max_seq_len = int(matrix["matrix"]["slots"]), int(matrix["matrix"]["max_seq_len"])
+    levels = measured_levels(matrix)
+    layouts = sorted({lv.layout for lv in levels})
+    bases = {layout: layout_base(base_doc, matrix, layout) for layout in layouts}
+    began = time.perf_counter()
+
+    def run_fit(name: str) -> list[dict[str, Any]]:
+        clamped: list[str] = []
+        full = {layout: derived_costs(*bases[layout], levels, layout, clamped) for layout in layouts}
+        delays = {}
+        for layout in layouts:  # the client-side delay, fitted at c = 1 on the all-level costs
+            ones = [lv for lv in levels if lv.layout == layout and lv.users == 1]
+            delays[layout] = max(0.0, float(np.mean([
+                lv.ttft_s - simulate_level(full[layout], trace, lengths, lv.policy, 1, lv.window_s, 0.0,
+                                           output_len, slots, max_seq_len).ttft_s for lv in ones])))
+        rows = []
+        for lv in levels:
+            if name == "all":
+                costs = full[lv.layout]
+            else:
+                rest = [x for x in levels if x.users != lv.users]
+                costs = derived_costs(*bases[lv.layout], rest, lv.layout, [])
+            pred = simulate_level(costs, trace, lengths, lv.policy, lv.users, lv.window_s, delays[lv.layout],
+                                  output_len, slots, max_seq_len)
+            rows.append({"fit": name, "layout": lv.layout, "policy": lv.policy, "users": lv.users,
+                         "measured": {"per_user": lv.per_user, "aggregate": lv.aggregate, "ttft_s": lv.ttft_s,
+                                      "tau": lv.tau, "generated": lv.generated},
+                         "predicted": {"per_user": pred.per_user, "aggregate": pred.aggregate,
+                                       "ttft_s": pred.ttft_s, "tau": pred.tau, "generated": pred.generated},
+                         "error": {"per_user": _err(pred.per_user, lv.per_user),
+                                   "aggregate": _err(pred.aggregate, lv.aggregate),
+                                   "generated": _err(pred.generated, lv.generated),
+                                   "ttft": _err(pred.ttft_s, lv.ttft_s)},
+                         "delay_s": delays[lv.layout], "ttft_fitted": lv.users == 1,
+                         "round_ms": _round_terms(lv, bases[lv.layout][1])})
+        print(f"\n## fit: {name} (negative host times kept at 0: {', '.join(clamped) or 'none'}; "
+              f"client delay: {', '.join(f'{k} {v * 1e3:.1f} ms' for k, v in delays.items())})\n")
+        print(table(rows))
+        return rows
+
+    rows = run_fit("all") + run_fit("held-out")
+    if args.costs_out is not None:
+        args.costs_out.mkdir(parents=True, exist_ok=True)
+        for layout in layouts:
+            doc = derived_cost_doc(*bases[layout], levels, layout, [])
+            doc["model"] += f"; served by `dspark serve` ({layout}), fitted by bench/calibrate_simulator.py"
+            (args.costs_out / f"costs_served_{layout}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"\n{len(rows)} simulated cells in {time.perf_counter() - began:.0f} s")
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "command": "PYTHONPATH=. python bench/calibrate_simulator.py", "date": time.strftime("%Y-%m-%d"),
+            "verify_tables": {layout: bases[layout][0]["verify"]["source"] for layout in layouts},
+            "matrix": str(args.matrix.relative_to(ROOT) if args.matrix.is_relative_to(ROOT) else args.matrix),
+            "traces": [str(t.relative_to(ROOT) if t.is_relative_to(ROOT) else t) for t in traces],
+            "goals": GOALS, "cells": rows}, indent=1) + "\n")
+    return 0
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: predicted / measured and the error of each metric, a mark where it misses its goal."""
+
+    def cell(pred: float, meas: float, err: float, goal: float, digits: int, scale: float = 1.0) -> str:
+        miss = "" if abs(err) <= goal else " **miss**"
+        return f"{pred * scale:.{digits}f} / {meas * scale:.{digits}f} ({err:+.1%}){miss}"
+
+    out = ["| cell | c | tok/s per user: pred / meas (err) | aggregate tok/s (bench) | generated tok/s (engine) "
+           "| TTFT p50 ms | tau pred / meas |",
+           "| --- | ---: | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        m, q, e = r["measured"], r["predicted"], r["error"]
+        ttft = cell(q["ttft_s"], m["ttft_s"], e["ttft"], GOALS["ttft"], 1, 1e3)
+        if r["ttft_fitted"]:
+            ttft = ttft.replace(" **miss**", "") + " (fitted)"
+        out.append(f"| {r['layout']} {r['policy']} | {r['users']} "
+                   f"| {cell(q['per_user'], m['per_user'], e['per_user'], GOALS['per_user'], 0)} "
+                   f"| {cell(q['aggregate'], m['aggregate'], e['aggregate'], GOALS['aggregate'], 0)} "
+                   f"| {cell(q['generated'], m['generated'], e['generated'], GOALS['aggregate'], 0)} "
+                   f"| {ttft} | {q['tau']:.2f} / {m['tau']:.2f} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
