@@ -89,7 +89,7 @@ def _free_slots() -> tuple[int, int]:
 
     out = []
     for name, service in (("Drafter", "dspark.Drafter"), ("Verifier", "dspark.Verifier")):
-        client = SyncRpcClient(_handle(name).address.remote().result(), timeout_s=10)
+        client = SyncRpcClient(_handle(name).address.remote().result(), token="test-data-plane-token", timeout_s=10)
         out.append(client.call(service, "Info", {})["free_slots"])
         client.close()
     return out[0], out[1]

@@ -156,5 +156,5 @@ def test_killing_a_verifier_replica_mid_stream_loses_nothing(served: str) -> Non
     from cluster.rpc import SyncRpcClient
 
     address = serve.get_deployment_handle("Drafter", app_name="dspark").address.remote().result(timeout_s=30)
-    with SyncRpcClient(address, timeout_s=30) as drafter:
+    with SyncRpcClient(address, token="test-data-plane-token", timeout_s=30) as drafter:
         assert drafter.call("dspark.Drafter", "Info", {})["feature_links"] >= 1  # the surviving verifier's

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -20,8 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from cluster.backend import LocalBackend
+from cluster.config import AppConfig
 from cluster.http_app import build_app
-from cluster.serve_local import load_local_backend
+from cluster.loading import build_local_backend
 from scheduler.service_levels import ServiceLevels
 from scheduler.sps import SPSTable
 from verify_service.target import TargetModel
@@ -54,18 +56,13 @@ class Served:
 
 def _start(root: Path, levels: ServiceLevels, max_requests: int) -> LocalBackend:
     sps = SPSTable([1, 2, 4, 8, 16, 32], [100.0, 90.0, 70.0, 45.0, 25.0, 12.0]).save(root / "sps.json")
-    backend = load_local_backend(
-        DEMO_TARGET,
-        write_demo_drafter(root),
-        policy="dspark",
-        sps=sps,
-        max_requests=max_requests,
-        max_seq_len=256,
-        model_name=MODEL,
-        tokenizer=AutoTokenizer.from_pretrained(DEMO_TARGET),
-        service_levels=levels,
-    )
-    return backend
+    config = AppConfig.from_args({
+        "model_name": MODEL,
+        "models": {"target": str(DEMO_TARGET), "draft": str(write_demo_drafter(root)), "sps": str(sps)},
+        "engine": {"max_requests": max_requests, "max_seq_len": 256},
+        "scheduler": {"policy": "dspark", "service_levels": asdict(levels)},
+    })
+    return build_local_backend(config, tokenizer=AutoTokenizer.from_pretrained(DEMO_TARGET))
 
 
 @pytest.fixture(scope="module")
