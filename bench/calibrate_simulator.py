@@ -1,6 +1,7 @@
 """Calibrate the cluster simulator against the measured HTTP serving matrix, and say how close it comes.
 
-Input: a serving-matrix results file (``bench/serve_matrix.py``; default ``docs/benchmarks/serve_matrix.json``:
+Input: a serving-matrix results file (``bench/serve_matrix.py``; default
+``docs/simulator/serve_matrix_calibration.json``, the matrix the calibration table was fitted on:
 one H200, the demo pair inflated to the Qwen3-4B shape, closed loops of 1 / 8 / 32 / 128 users, 128-token
 outputs, humaneval + mbpp prompts) and the simulator's measured cost file (``docs/simulator/costs_h200.json``:
 the SPS tables of the verify step by request count and the prefill token table, profiled on the same GPU and
@@ -273,7 +274,7 @@ def _err(predicted: float, measured: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--matrix", type=Path, default=ROOT / "docs" / "benchmarks" / "serve_matrix.json")
+    p.add_argument("--matrix", type=Path, default=ROOT / "docs" / "simulator" / "serve_matrix_calibration.json")
     p.add_argument("--costs", type=Path, default=ROOT / "docs" / "simulator" / "costs_h200.json")
     p.add_argument("--traces", type=Path, nargs="+",
                    default=[ROOT / "tests" / "data" / f"sim_traces_demo_{name}.npz" for name in ("humaneval", "mbpp")],

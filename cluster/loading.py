@@ -241,7 +241,13 @@ def build_round_engine(
     from scheduler.policy import make_policy
     from scheduler.warmup import warm_up_rounds
 
-    block_size = drafter_block_size(config) if uses_drafter(config) else 1
+    drafting = uses_drafter(config)
+    if drafting and (config.models.draft is None or not Path(config.models.draft).is_dir()):
+        raise ValueError(
+            f"drafter folder {config.models.draft} not found: pass --draft DIR (models.draft), or serve without "
+            "speculation with --policy autoregressive"
+        )
+    block_size = drafter_block_size(config) if drafting else 1
     verify = build_verify_engine(config)
     warm_up_verify(verify, block_size)
     draft = None

@@ -12,7 +12,7 @@ import pytest
 from bench.calibrate_simulator import ROOT, _host_of, layout_base, main, measured_levels, served_sps
 from cluster.simulator.costs import load_costs
 
-MATRIX = ROOT / "docs" / "benchmarks" / "serve_matrix.json"
+MATRIX = ROOT / "docs" / "simulator" / "serve_matrix_calibration.json"
 
 
 def test_levels_and_the_host_rule() -> None:

@@ -215,8 +215,7 @@ def test_tier_snapshots_survive_the_hubs_wire() -> None:
 
     import msgpack
 
-    from scheduler.hub import merge_snapshots, snapshot_from_dict, snapshot_to_dict
-    from scheduler.metrics import EngineMetrics
+    from scheduler.metrics import EngineMetrics, merge_snapshots, snapshot_from_dict, snapshot_to_dict
 
     snap = replace(EngineMetrics(4).snapshot(), tiers=_engine_free_tiers())
     back = snapshot_from_dict(msgpack.unpackb(msgpack.packb(snapshot_to_dict(snap))))
