@@ -169,10 +169,7 @@ class RemoteBackend:
                     yield _delta(message)
                 return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise ValueError(exc.details()) from None
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    raise BackendNotReadyError(exc.details()) from None
+                _raise_request_error(exc)
                 if exc.code() not in UNAVAILABLE_CODES:
                     raise
                 error = self._unreachable(exc)
@@ -196,10 +193,7 @@ class RemoteBackend:
             reply = await (await self._client()).call(SCHEDULER, "Route", {"req_id": req_id},
                                                       timeout_s=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(exc.details()) from None
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise BackendNotReadyError(exc.details()) from None
+            _raise_request_error(exc)
             raise self._unreachable(exc) from None
         return reply["address"]
 
@@ -217,10 +211,7 @@ class RemoteBackend:
             async for message in client.stream(ENGINE, "Generate", request):
                 yield _delta(message)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(exc.details()) from None
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise BackendNotReadyError(exc.details()) from None
+            _raise_request_error(exc)
             if exc.code() not in UNAVAILABLE_CODES:
                 raise
             lost = exc.code() == grpc.StatusCode.UNAVAILABLE
@@ -300,3 +291,12 @@ def _delta(message: dict[str, Any]) -> GenerateDelta:
         num_prompt_tokens=message["num_prompt_tokens"],
         num_output_tokens=message["num_output_tokens"],
     )
+
+
+def _raise_request_error(exc: grpc.aio.AioRpcError) -> None:
+    """The statuses that belong to the request, not to the server's reachability: INVALID_ARGUMENT is the
+    request's fault (a 400), FAILED_PRECONDITION a server that is not ready yet (a retryable 503)."""
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        raise ValueError(exc.details()) from None
+    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        raise BackendNotReadyError(exc.details()) from None
