@@ -352,6 +352,12 @@ class _SpecDecodeCollector:
         )
         for part, doc, value in split:
             yield counter(f"dspark_round_{part}_seconds", doc, value)
+        yield counter(
+            "dspark_round_transfer_in_replica_seconds",
+            "Of the transfer: the replicas' processes holding the round's messages around their engine calls "
+            "(decoding, validation, thread hand-offs); the rest is the wire and the round driver's codec.",
+            s.transfer_in_replica_time_s,
+        )
         yield gauge("dspark_tau", "Mean tokens per request-round, bonus token included.", s.tau)
         yield gauge(
             "dspark_verify_budget",

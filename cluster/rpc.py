@@ -39,6 +39,7 @@ import inspect
 import logging
 import math
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -61,8 +62,11 @@ SERVING, NOT_SERVING = "SERVING", "NOT_SERVING"
 _MAX_DETAILS_CHARS = 1000
 
 HEALTH_REQUEST = Message("HealthCheckRequest", {"service": Opt(Str(max_len=256))})
-# The envelope of a reply on a method's stream twin: {_OK: response} or {_CODE: status name, _DETAILS: message}.
-_OK, _CODE, _DETAILS = "ok", "code", "details"
+# The envelope of a reply on a method's stream twin: {_OK: response, _HELD: microseconds} or {_CODE: status name,
+# _DETAILS: message}. _HELD is how long the message stayed in the server process, from its arrival on the stream
+# to its reply's encoding (decode, validation, the handler and its thread hand-offs): the caller tells the time on
+# the wire from the time inside the replica with it.
+_OK, _CODE, _DETAILS, _HELD = "ok", "code", "details", "held_us"
 _STREAM_OPEN = "dspark-stream-open"  # header a stream twin sends once it accepted the stream
 
 UnaryHandler = Callable[[dict[str, Any]], Awaitable[Any]]
@@ -357,6 +361,7 @@ class RpcServer:
             # comes as trailers only, and a write racing it would turn its status into INTERNAL).
             await context.send_initial_metadata(((_STREAM_OPEN, "1"),))
             async for raw in requests:
+                arrived = time.perf_counter()
                 try:
                     request = validate(schema, decode(raw, limits=self.limits))
                 except WireError as exc:
@@ -369,8 +374,9 @@ class RpcServer:
                 except Exception as exc:
                     yield self._stream_error(*_status_for(exc, where))
                     continue
+                held_us = int(1e6 * (time.perf_counter() - arrived))
                 try:
-                    yield encode({_OK: response}, limits=self.limits)
+                    yield encode({_OK: response, _HELD: held_us}, limits=self.limits)
                 except WireError as exc:
                     log.error("%s returned a value that cannot be sent: %s", where, exc)
                     yield self._stream_error(grpc.StatusCode.INTERNAL, f"cannot encode the response: {exc}")
@@ -510,6 +516,7 @@ class RpcClient(_ClientBase):
 
     def __init__(self, target: str, **options: Any) -> None:
         super().__init__(target, **options)
+        self._client_options = options  # token, timeout_s, limits: what its round streams are built with
         self._channel = grpc.aio.insecure_channel(target, options=self._options)
         self._unary_calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._stream_calls: dict[str, grpc.aio.UnaryStreamMultiCallable] = {}
@@ -542,6 +549,15 @@ class RpcClient(_ClientBase):
         payload = self._encode(request)
         raw = await callable_(payload, timeout=self._timeout(timeout_s), metadata=self._metadata)
         return self._decode(raw, response_schema)
+
+    def round_stream(self, service: str, method: str, response_schema: Type | None = None) -> RoundStream:
+        """A long-lived stream to the stream twin of ``service/method`` on this client's channel, for messages
+        sent from this client's loop (``await stream.exchange(request)``), e.g. a replica's per-round push to
+        another replica. Opened on its first message; it ends with the channel (:meth:`close`)."""
+        return RoundStream(
+            lambda target, options: self._channel, self.target, service, method, response_schema=response_schema,
+            **self._client_options,
+        )
 
     async def stream(
         self,
@@ -725,7 +741,8 @@ class StreamLane:
     ) -> RoundStream:
         """A stream to the stream twin of ``service/method`` at ``target`` (keyword options as in
         :class:`RpcClient`: token, timeout_s, limits). Opened lazily on its first message."""
-        stream = RoundStream(self, target, service, method, response_schema=response_schema, **options)
+        stream = RoundStream(self._channel, target, service, method, lane=self, response_schema=response_schema,
+                             **options)
         self._streams.append(stream)
         return stream
 
@@ -844,30 +861,51 @@ class RoundStream(_ClientBase):
 
     def __init__(
         self,
-        lane: StreamLane,
+        channel: Callable[[str, list[tuple[str, Any]]], grpc.aio.Channel],
         target: str,
         service: str,
         method: str,
         *,
+        lane: StreamLane | None = None,
         response_schema: Type | None = None,
         **options: Any,
     ) -> None:
         super().__init__(target, **options)
         self.service = service
         self.method = method
+        self._channel_for = channel
         self._lane = lane
         self._path = _method_path(service, stream_method(method))
         self._response_schema = response_schema
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._turn: asyncio.Lock | None = None  # one message at a time when awaited from coroutines (exchange)
         self.streams_opened = 0
+        self.last_held_s = 0.0  # how long the server held the last reply's message (its envelope's _HELD)
 
     def call(self, request: Any, *, timeout_s: float | None = None) -> Any:
         """Send one message and wait for its reply (on the calling thread, through the lane's loop)."""
+        if self._lane is None:
+            raise RuntimeError("this stream belongs to an RpcClient: await exchange() on its loop")
         return self._lane.call(self, request, timeout_s=timeout_s)
+
+    async def exchange(self, request: Any, *, timeout_s: float | None = None) -> Any:
+        """Send one message and await its reply on the running loop (the loop of the stream's channel). Callers
+        may overlap: messages go one at a time, in the order the callers came (``timeout_s``: this message's
+        deadline, its wait for an earlier one included)."""
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        try:
+            async with asyncio.timeout(self._timeout(timeout_s)):
+                async with self._turn:
+                    return await self._exchange(request)
+        except TimeoutError:
+            raise StreamCallError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self._timeout(timeout_s):g} s"
+            ) from None
 
     async def _open(self) -> grpc.aio.StreamStreamCall:
         """A new stream, once the server accepted it (its marked headers): else the refusal's status."""
-        channel = self._lane._channel(self.target, self._options)
+        channel = self._channel_for(self.target, self._options)
         call = self._call = channel.stream_stream(self._path)(metadata=self._metadata)
         self.streams_opened += 1
         headers = await call.initial_metadata()
@@ -909,6 +947,7 @@ class RoundStream(_ClientBase):
             raise StreamCallError(grpc.StatusCode.UNAVAILABLE, "the stream ended")
         reply = self._decode(raw, None)
         if type(reply) is dict and _OK in reply:
+            self.last_held_s = 1e-6 * float(reply.get(_HELD, 0))
             body = reply[_OK]
             return body if self._response_schema is None else validate(self._response_schema, body)
         if type(reply) is dict and _CODE in reply:

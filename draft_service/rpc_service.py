@@ -34,7 +34,7 @@ from cluster.rpc import HealthStatus, Service
 from cluster.sampling import SamplingParams
 from cluster.wire import DEFAULT_LIMITS, WIRE_DTYPES
 from draft_service.ahead import DraftAhead
-from draft_service.engine import ContextItem, DraftEngine, DraftItem, Proposal
+from draft_service.engine import ContextItem, DraftEngine, DraftItem
 from draft_service.projection import model_fingerprint
 
 log = logging.getLogger(__name__)
@@ -276,13 +276,6 @@ class DrafterService:
             for i in items
         )
 
-    def _proposal(self, items: list[DraftItem]) -> tuple[Proposal, bool]:
-        """On the engine thread: the drafts made ahead for exactly these items, else fresh ones."""
-        proposal = self._ahead.take(items)
-        if proposal is not None:
-            return proposal, True
-        return self.engine.propose(items), False
-
     async def _propose(self, request: dict[str, Any]) -> dict[str, Any]:
         n = len(request["req_ids"])
         if not len(request["anchors"]) == len(request["positions"]) == n:
@@ -295,8 +288,14 @@ class DrafterService:
             started = loop.time()
             await self._wait_for_context(items)
             waited = loop.time() - started
-        (proposal, ahead), engine_s = await self._thread.run_timed(self._proposal, items)
-        self.proposals_ahead += ahead
+        # Drafts made ahead are taken here on the loop: no hand-off to the engine thread and back on the round's
+        # critical path. Safe: this request's append (which stored them) has ended, and nothing else touches its
+        # entry until this Propose is answered.
+        proposal, engine_s = self._ahead.take(items), 0.0
+        if proposal is not None:
+            self.proposals_ahead += 1
+        else:
+            proposal, engine_s = await self._thread.run_timed(self.engine.propose, items)
         topk_ids, topk_probs = proposal.topk_ids, proposal.topk_probs
         # Greedy requests are verified without their draft distribution: only the others' rows travel.
         rows = None

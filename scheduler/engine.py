@@ -74,13 +74,27 @@ ROUND_TIME_WINDOW = 16
 JOIN_ROUND_ALPHA = 0.2
 
 
-def _transfer_s(engine: object, phase_s: float) -> float:
-    """The part of a phase of ``phase_s`` seconds spent outside the engine's replicas: the phase minus the
-    replicas' time of the engine's last call (``last_server_s``, a remote engine's; 0 for an in-process one)."""
+class _Transfer(NamedTuple):
+    """The part of a phase spent outside the replicas' engines, and of that the part inside their processes."""
+
+    total_s: float
+    in_replica_s: float
+
+
+_NO_TRANSFER = _Transfer(0.0, 0.0)
+
+
+def _transfer(engine: object, phase_s: float) -> _Transfer:
+    """Of a phase of ``phase_s`` seconds: the time outside the engine's replicas' engines (the phase minus the
+    replicas' time of the engine's last call, ``last_server_s``: a remote engine's; nothing for an in-process
+    one), and of that the time their processes held the call around the engine (``last_held_s`` minus it:
+    decoding, validation, thread hand-offs); the rest is the wire and this side's codec."""
     server_s = getattr(engine, "last_server_s", None)
     if server_s is None:
-        return 0.0
-    return min(max(phase_s - server_s, 0.0), phase_s)
+        return _NO_TRANSFER
+    total = min(max(phase_s - server_s, 0.0), phase_s)
+    held_s = getattr(engine, "last_held_s", server_s)
+    return _Transfer(total, min(max(held_s - server_s, 0.0), total))
 
 
 class RequestRejectedError(ValueError):
@@ -267,7 +281,7 @@ class SpeculativeEngine:
         # outside the drafters. A remote engine reports the replicas' time of its last call (``last_server_s``,
         # scheduler.remote); an in-process engine has no transfer.
         self._round_started = 0.0
-        self._draft_transfer_s = 0.0
+        self._draft_transfer = _NO_TRANSFER
         # A drafter pool that lost every replica runs its requests detached (scheduler.remote, degraded mode).
         self._is_detached: Callable[[str], bool] | None = getattr(self.draft, "is_detached", None)
         self.service_levels = service_levels if service_levels is not None else ServiceLevels()
@@ -411,7 +425,7 @@ class SpeculativeEngine:
     def step(self) -> list[RequestOutput]:
         """Run one round; returns the deltas of every request that emitted tokens or finished."""
         self._round_started = time.perf_counter()
-        self._draft_transfer_s = 0.0
+        self._draft_transfer = _NO_TRANSFER
         admitted = self._admit()
         # Admitted requests were inserted last into the (insertion-ordered) running dict.
         running = list(self._running.values())
@@ -451,7 +465,7 @@ class SpeculativeEngine:
             proposal = self.draft.propose(batch)
         t1 = time.perf_counter()
         if proposal is not None and ahead is None:
-            self._draft_transfer_s = _transfer_s(self.draft, t1 - t_decided)
+            self._draft_transfer = _transfer(self.draft, t1 - t_decided)
         lengths = self._lengths(caps, proposal)
         t2 = time.perf_counter()
         verifies = self._verify_items(verified, lengths, proposal, batch)
@@ -756,8 +770,8 @@ class SpeculativeEngine:
                 verify_s,
                 num_out,
                 drafted=drafting,
-                draft_transfer_s=self._draft_transfer_s,
-                verify_transfer_s=_transfer_s(self.verify, verify_s),
+                draft_transfer=self._draft_transfer,
+                verify_transfer=_transfer(self.verify, verify_s),
                 host_s=max(host_s, 0.0),
             )
             if admitted:  # a round that prefilled joining prompts: what admitting one more costs the others

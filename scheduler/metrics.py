@@ -8,7 +8,8 @@ budget chosen by the scheduler and the split of round time.
 The round split: ``draft_time_s`` and ``verify_time_s`` are the phases as the round driver sees them (a call to a
 remote replica included, from request to reply). ``transfer_time_s`` is the part of both outside the replicas
 (round trips minus the time the replicas report for the calls: codec, transport, thread hand-offs; 0 in one
-process), ``round_draft_time_s`` and ``round_verify_time_s`` what is left of each phase, and ``host_time_s`` the
+process; ``transfer_in_replica_time_s`` is the part of it inside the replicas' processes, around their engine
+calls), ``round_draft_time_s`` and ``round_verify_time_s`` what is left of each phase, and ``host_time_s`` the
 rest of the rounds' wall time (admission, building the messages' inputs, commit, releases). So round draft, round
 verify, schedule, transfer and host add up to the rounds' wall time; each grows by a non-negative amount per
 round (Prometheus counters).
@@ -74,6 +75,8 @@ class MetricsSnapshot:
     round_verify_time_s: float = 0.0
     transfer_time_s: float = 0.0
     host_time_s: float = 0.0
+    # Of transfer_time_s: inside the replicas' processes, around their engine calls (decode, hand-offs).
+    transfer_in_replica_time_s: float = 0.0
     # Per priority tier (scheduler.service_levels.TierSnapshot): requests, tokens, TPOT, SLO attainment, refusals.
     tiers: tuple[TierSnapshot, ...] = ()
 
@@ -120,6 +123,7 @@ class EngineMetrics:
         self.round_draft_time_s = 0.0
         self.round_verify_time_s = 0.0
         self.transfer_time_s = 0.0
+        self.transfer_in_replica_time_s = 0.0
         self.host_time_s = 0.0
         self._recent_rounds: deque[float] = deque(maxlen=window)
 
@@ -132,14 +136,15 @@ class EngineMetrics:
         verify_s: float,
         output_tokens: int,
         drafted: bool = True,
-        draft_transfer_s: float = 0.0,
-        verify_transfer_s: float = 0.0,
+        draft_transfer: tuple[float, float] = (0.0, 0.0),
+        verify_transfer: tuple[float, float] = (0.0, 0.0),
         host_s: float = 0.0,
     ) -> None:
         """Record one round over R requests: ``verified[r]`` draft tokens sent, ``accepted[r]`` of them accepted;
-        ``drafted``: whether the drafter ran; the transfer parts of the draft and verify phases (each between 0
-        and its phase) and the round's host time (>= 0) as in the module docstring. Both arrays are kept (not
-        copied) until the next fold: pass arrays or lists nobody changes afterwards."""
+        ``drafted``: whether the drafter ran; the transfer parts of the draft and verify phases (each a pair: the
+        part between 0 and its phase, and of that the part inside the replicas' processes) and the round's host
+        time (>= 0) as in the module docstring. Both arrays are kept (not copied) until the next fold: pass arrays
+        or lists nobody changes afterwards."""
         self.rounds += 1
         if not drafted:
             self.rounds_without_draft += 1
@@ -152,9 +157,10 @@ class EngineMetrics:
         self.draft_time_s += draft_s
         self.schedule_time_s += schedule_s
         self.verify_time_s += verify_s
-        self.round_draft_time_s += draft_s - draft_transfer_s
-        self.round_verify_time_s += verify_s - verify_transfer_s
-        self.transfer_time_s += draft_transfer_s + verify_transfer_s
+        self.round_draft_time_s += draft_s - draft_transfer[0]
+        self.round_verify_time_s += verify_s - verify_transfer[0]
+        self.transfer_time_s += draft_transfer[0] + verify_transfer[0]
+        self.transfer_in_replica_time_s += draft_transfer[1] + verify_transfer[1]
         self.host_time_s += host_s
         self._recent_rounds.append(draft_s + schedule_s + verify_s)
 
@@ -231,6 +237,7 @@ class EngineMetrics:
             round_verify_time_s=self.round_verify_time_s,
             transfer_time_s=self.transfer_time_s,
             host_time_s=self.host_time_s,
+            transfer_in_replica_time_s=self.transfer_in_replica_time_s,
         )
 
 
@@ -271,6 +278,7 @@ def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         round_verify_time_s=sum(s.round_verify_time_s for s in snapshots),
         transfer_time_s=sum(s.transfer_time_s for s in snapshots),
         host_time_s=sum(s.host_time_s for s in snapshots),
+        transfer_in_replica_time_s=sum(s.transfer_in_replica_time_s for s in snapshots),
         tiers=merge_tiers([s.tiers for s in snapshots]),
     )
 

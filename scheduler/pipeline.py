@@ -38,7 +38,7 @@ import numpy as np
 
 from draft_service.engine import DraftEngine, DraftItem, Proposal
 from scheduler.admission import group_share
-from scheduler.engine import DetachedRequest, RequestOutput, SpeculativeEngine, _Request
+from scheduler.engine import _NO_TRANSFER, DetachedRequest, RequestOutput, SpeculativeEngine, _Request
 from scheduler.policy import VerifyPolicy
 from scheduler.service_levels import ServiceLevels
 from verify_service.engine import VerifyEngine
@@ -151,7 +151,7 @@ class PipelinedEngine(SpeculativeEngine):
     def step(self) -> list[RequestOutput]:
         """One tick: verify one group (prefilling requests admitted into it) while the next group drafts."""
         self._round_started = time.perf_counter()
-        self._draft_transfer_s = 0.0  # drafting overlaps the tick on the drafter thread: not split
+        self._draft_transfer = _NO_TRANSFER  # drafting overlaps the tick on the drafter thread: not split
         g = self._next_group()
         if g is None:
             return []

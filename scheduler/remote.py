@@ -16,8 +16,9 @@ unary. A stream that broke is reopened for the next round only: the round in fli
 as a unary call would, and failover takes it from there (:mod:`scheduler.failover`).
 
 Both report the server's time of the thread's last call (:attr:`RemoteVerifier.last_server_s`,
-:attr:`DrafterPool.last_server_s`, from the replies' ``engine_ms``), from which the round driver tells the time
-on the wire from the replicas' compute (:class:`scheduler.metrics.EngineMetrics`).
+:attr:`DrafterPool.last_server_s`, from the replies' ``engine_ms``) and how long the replica's process held it
+(``last_held_s``, from the stream envelope), from which the round driver tells the replicas' compute, their
+gRPC handling around it and the time on the wire apart (:class:`scheduler.metrics.EngineMetrics`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class RemoteVerifier:
         self._lane = StreamLane()
         self._step = self._lane.stream(address, VERIFIER, "Step", token=token, timeout_s=timeout_s)
         self.last_server_s = 0.0  # the verifier's engine time of the last step
+        self.last_held_s = 0.0  # how long the verifier's process held the last step (its engine time included)
 
     @property
     def bytes_sent(self) -> int:
@@ -145,6 +147,7 @@ class RemoteVerifier:
                 self._held.discard(p.req_id)
             raise
         self.last_server_s = 1e-3 * reply["engine_ms"]
+        self.last_held_s = self._step.last_held_s
         return _step_results(reply)
 
     def close(self) -> None:
@@ -205,6 +208,7 @@ class _Lane:
     streams: dict[str, RoundStream] = field(default_factory=dict)
     gone: set[str] = field(default_factory=set)  # drafters removed since: their streams close at the next call
     last_server_s: float = 0.0
+    last_held_s: float = 0.0
 
 
 class DrafterPool:
@@ -351,6 +355,12 @@ class DrafterPool:
         return 0.0 if lane is None else lane.last_server_s
 
     @property
+    def last_held_s(self) -> float:
+        """How long the drafters' processes held the calling thread's last ``Propose`` (the slowest's)."""
+        lane: _Lane | None = getattr(self._local, "lane", None)
+        return 0.0 if lane is None else lane.last_held_s
+
+    @property
     def bytes_sent(self) -> int:
         """Payload bytes sent to the drafters (unary calls and every thread's streams)."""
         with self._lock:
@@ -494,6 +504,7 @@ class DrafterPool:
         ]
         replies = dict(zip(groups, lane.lane.call_many(calls), strict=True))
         lane.last_server_s = 1e-3 * max((r["engine_ms"] + r["wait_ms"] for r in replies.values()), default=0.0)
+        lane.last_held_s = max((stream.last_held_s for stream, _ in calls), default=0.0)
         if detached:
             groups[""] = detached
             replies[""] = self._placeholder_reply(len(detached), next(iter(replies.values()), None))

@@ -14,6 +14,9 @@ and sends the next ``Propose``, which each drafter holds until the request's row
 :mod:`draft_service.rpc_service`). A push that fails is logged; its requests' next ``Propose`` then fails (their
 rows never arrive) and failover re-prefills them, the same path as a drafter lost mid-round. Each push also names
 the requests' next anchors, so that the drafter drafts their next blocks at once (:mod:`draft_service.ahead`).
+Pushes to a drafter are messages on one long-lived ``AppendContext`` stream (a round's push is on the critical
+path of the drafter's next block, and a message on an open stream costs less than half a unary call), one at a
+time and in the order of the steps that made them.
 
 With ``feature_transport="collective"`` the rows themselves travel over a torch.distributed link to each drafter
 (:mod:`cluster.feature_link`) and the push carries only their metadata; a drafter without a working link gets bytes
@@ -41,7 +44,7 @@ from cluster.engine_rpc import (
 )
 from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkSender
 from cluster.messages import AnyValue, Bool, Int, List, Map, Message, Opt, Str, Tensor
-from cluster.rpc import HealthStatus, RpcClient, Service
+from cluster.rpc import HealthStatus, RoundStream, RpcClient, Service
 from cluster.sampling import SamplingParams
 from draft_service.projection import ContextProjection
 from verify_service.engine import PrefillItem, StepResult, VerifyEngine, VerifyItem
@@ -112,6 +115,8 @@ class VerifierService:
         self._token = token
         self._timeout_s = timeout_s
         self._drafters: dict[str, RpcClient] = {}
+        # One long-lived AppendContext stream per drafter: a push per round is one message on it, in order.
+        self._appends: dict[str, RoundStream] = {}
         self._pushes: set[asyncio.Task[None]] = set()  # feature pushes in flight (strong references)
         # collective: the rows go over torch.distributed links to the drafters, only metadata over gRPC.
         self.links = None if feature_transport == "grpc" else LinkSender(engine.target.device, link_timeout_s)
@@ -128,7 +133,7 @@ class VerifierService:
             "feature_dtype": None if self.feature_dtype is None else str(self.feature_dtype).removeprefix("torch."),
             "eos_token_ids": list(target.eos_token_ids),
             "sps": self.sps,
-            "feature_bytes_sent": sum(c.bytes_sent for c in self._drafters.values()),
+            "feature_bytes_sent": sum(c.bytes_sent for c in (*self._drafters.values(), *self._appends.values())),
             "feature_bytes_collective": 0 if self.links is None else self.links.bytes_sent,
             "feature_links": 0 if self.links is None else self.links.num_links,
             "running": self.engine.running,  # a restarted scheduler releases what nobody owns any more
@@ -219,6 +224,7 @@ class VerifierService:
             client = self._drafters.get(address)
             if client is None:
                 client = self._drafters[address] = RpcClient(address, token=self._token, timeout_s=self._timeout_s)
+                self._appends[address] = client.round_stream("dspark.Drafter", "AppendContext")
             task = asyncio.ensure_future(self._push(client, address, message))
             self._pushes.add(task)
             task.add_done_callback(self._pushes.discard)
@@ -231,7 +237,7 @@ class VerifierService:
             if message["features"].device.type != "cpu":
                 message["features"] = await asyncio.to_thread(message["features"].cpu)
         try:
-            await client.call("dspark.Drafter", "AppendContext", message)
+            await self._appends[address].exchange(message)
         except Exception as exc:  # the drafter died or refused: its requests' next Propose fails, failover follows
             log.warning("context feature push to drafter %s failed: %s", address, exc)
 
@@ -250,7 +256,7 @@ class VerifierService:
             )
             # Not one after the other: a send may only return once the drafter receives (NCCL), after the metadata.
             work, reply = await asyncio.gather(
-                sending, client.call("dspark.Drafter", "AppendContext", metadata), return_exceptions=True
+                sending, self._appends[address].exchange(metadata), return_exceptions=True
             )
             for outcome in (reply, work):
                 if isinstance(outcome, BaseException):

@@ -9,7 +9,8 @@ vLLM's names are used (``vllm:spec_decode_num_drafts`` and friends), which dspar
 - verification tokens per request per round: ``draft tokens / drafts``;
 - the round split (dspark-serve): seconds per engine round in draft, verify, schedule, transfer (round trips to
   the replicas minus their own time for the calls) and host time, which add up to the round
-  (``dspark_round_*_seconds``); from a server without them, draft, schedule and verify as the phases'
+  (``dspark_round_*_seconds``), and ``transfer_in_replica``, the part of transfer inside the replicas'
+  processes around their engine calls; from a server without them, draft, schedule and verify as the phases'
   wall times (``dspark_{draft,schedule,verify}_seconds``, transfer inside draft and verify);
 - generation tokens: output tokens of the requests the server finished (``vllm:generation_tokens``).
 
@@ -37,6 +38,7 @@ COUNTERS = (
     "dspark_schedule_seconds",
     "dspark_verify_seconds",
     *(f"dspark_round_{part}_seconds" for part in ("draft", "verify", "schedule", "transfer", "host")),
+    "dspark_round_transfer_in_replica_seconds",
 )
 
 Snapshot = dict[str, dict[str, float]]
@@ -103,6 +105,10 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
                 part: 1000.0 * delta(f"dspark_round_{part}_seconds") / rounds
                 for part in ("draft", "verify", "schedule", "transfer", "host")
             }
+            if "dspark_round_transfer_in_replica_seconds" in after:  # a sub-part of transfer, not a sixth part
+                out["round_split_ms"]["transfer_in_replica"] = (
+                    1000.0 * delta("dspark_round_transfer_in_replica_seconds") / rounds
+                )
         elif rounds:
             out["round_split_ms"] = {
                 part: 1000.0 * delta(f"dspark_{part}_seconds") / rounds for part in ("draft", "schedule", "verify")

@@ -25,7 +25,16 @@ from hub_client import generate_all
 from model_factory import PairSpec, write_pair
 
 from cluster.messages import Int, Message
-from cluster.rpc import RoundStream, ServerThread, Service, StreamCallError, StreamLane, SyncRpcClient, stream_method
+from cluster.rpc import (
+    RoundStream,
+    RpcClient,
+    ServerThread,
+    Service,
+    StreamCallError,
+    StreamLane,
+    SyncRpcClient,
+    stream_method,
+)
 from cluster.sampling import SamplingParams
 from cluster.wire import decode, encode
 from draft_service.checkpoint import load_draft_model
@@ -98,7 +107,8 @@ def test_standalone_servers_on_streams_give_the_target_greedy_output(
 ) -> None:
     """`dspark draft-server` and `dspark verify-server` processes with a token: every round is one message each way
     on one stream per replica (each opened once), the output is the target's greedy output, and the round split
-    adds up: the replicas' reported time is inside the phases, the transfer is the rest of them."""
+    adds up: the replicas' reported time is inside the phases, the transfer is the rest of them, and the part of the
+    transfer inside the replicas' processes is within it."""
     procs = [_start("draft-server", pair), _start("verify-server", pair)]
     try:
         drafter, verifier = (_address(p) for p in procs)
@@ -116,6 +126,9 @@ def test_standalone_servers_on_streams_give_the_target_greedy_output(
             assert remote._step.streams_opened == 1 and [s.streams_opened for s in propose_streams] == [1]
             assert remote._step.bytes_sent > 0 and remote.bytes_received > remote._step.bytes_received > 0
             assert remote.last_server_s > 0 and pool.last_server_s > 0
+            # The replicas held each message at least as long as their engine call took.
+            assert remote.last_held_s >= remote.last_server_s - 1e-6 and pool.last_held_s > 0
+            assert 0 < snap.transfer_in_replica_time_s <= snap.transfer_time_s
             assert snap.transfer_time_s > 0 and snap.round_verify_time_s > 0 and snap.round_draft_time_s > 0
             assert snap.round_draft_time_s + snap.round_verify_time_s + snap.transfer_time_s == pytest.approx(
                 snap.draft_time_s + snap.verify_time_s
@@ -254,6 +267,33 @@ def test_broken_and_timed_out_streams_fail_their_message_and_reopen_for_the_next
     assert stream_method("Step") == "StepStream"
     with pytest.raises(ValueError, match="taken by the stream"):
         Service("t.Bad", {"Echo": (echo.echo, ECHO), "EchoStream": (echo.echo, ECHO)})
+
+
+def test_a_client_round_stream_serves_overlapping_callers_in_order_on_one_stream() -> None:
+    """``RpcClient.round_stream`` (a replica's per-round push): callers that overlap on one loop get their own
+    replies, their messages go one at a time on one stream in the order the callers came, each reply reports
+    how long the server held it, a stalled message fails alone at its deadline and the next opens a new stream."""
+    echo = _Echo()
+    server = ServerThread([echo.service()])
+
+    async def run() -> None:
+        client = RpcClient(server.address, timeout_s=1.0)
+        stream = client.round_stream("t.Echo", "Echo")
+        try:
+            replies = await asyncio.gather(*(stream.exchange({"x": x}) for x in (3, 4, 5, 6)))
+            assert replies == [{"x": x} for x in (3, 4, 5, 6)] and stream.streams_opened == 1
+            assert 0 < stream.last_held_s < 1.0
+            with pytest.raises(StreamCallError) as error:
+                await stream.exchange({"x": 2}, timeout_s=0.5)
+            assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert await stream.exchange({"x": 7}) == {"x": 7} and stream.streams_opened == 2
+        finally:
+            await client.close()
+
+    try:
+        server.run(run())
+    finally:
+        server.stop()
 
 
 def test_a_stream_broken_mid_run_fails_its_round_and_failover_recovers(
