@@ -90,13 +90,13 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            wait_s = HEARTBEAT_RETRY_S
             try:
-                self._register().result(timeout_s=30)
-                self._registered.set()
-                wait_s = HEARTBEAT_S
+                if self._register().result(timeout_s=30) is not False:  # False: not yet (see register_verifier)
+                    self._registered.set()
+                    wait_s = HEARTBEAT_S
             except Exception as exc:  # the scheduler may be restarting; keep trying
                 logger.debug("registration with the scheduler failed (%s); retrying", exc)
-                wait_s = HEARTBEAT_RETRY_S
             self._stop.wait(wait_s)
 
     def wait_registered(self, kind: str, timeout_s: float = FIRST_REGISTRATION_S) -> None:
@@ -340,8 +340,17 @@ class SchedulerReplica:
     async def register_drafter(self, replica_id: str, address: str) -> None:
         await asyncio.to_thread(self.hub.register_drafter, replica_id, address)
 
-    async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
-        await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
+    async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> bool:
+        """False while no drafter is registered (a verifier's round loop needs one): a restarted scheduler hears
+        its replicas' heartbeats in any order, and the verifier's heartbeat then tries again at once."""
+        from cluster.backend import BackendUnavailableError
+
+        try:
+            await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
+        except BackendUnavailableError as error:
+            logger.debug("verifier %s not registered yet: %s", replica_id, error)
+            return False
+        return True
 
     async def register_engine(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
         await asyncio.to_thread(self.hub.register_engine, replica_id, address, sps)
