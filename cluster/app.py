@@ -162,6 +162,9 @@ class _OwnHealth:
         if status.get("status") != "SERVING":
             raise RuntimeError(f"replica reports {status}")
 
+    def close(self) -> None:
+        self._client.close()
+
 
 @serve.deployment(name="Drafter", max_ongoing_requests=8, health_check_period_s=HEALTH_CHECK_PERIOD_S,
                   health_check_timeout_s=30)
@@ -199,6 +202,8 @@ class DrafterReplica:
         if hasattr(self, "_heartbeat"):  # absent when the constructor failed
             await _leave("drafter", self._replica_id, self._scheduler, self._heartbeat,
                          self.config.scheduler.drain_timeout_s)
+        if hasattr(self, "_own_health"):
+            self._own_health.close()
         if hasattr(self, "server"):
             await asyncio.to_thread(self.server.stop)
         if hasattr(self, "service"):
@@ -241,6 +246,8 @@ class VerifierReplica:
         if hasattr(self, "_heartbeat"):  # absent when the constructor failed
             await _leave("verifier", self._replica_id, self._scheduler, self._heartbeat,
                          self.config.scheduler.drain_timeout_s)
+        if hasattr(self, "_own_health"):
+            self._own_health.close()
         if hasattr(self, "server"):
             try:  # pushes in flight, feature links (each wait on one is bounded by its timeout), engine thread
                 wait_s = 3 * self.config.engine.feature_link_timeout_s
@@ -304,6 +311,8 @@ class EngineReplica:
         if hasattr(self, "_heartbeat"):  # absent when the constructor failed
             await _leave("engine", self._replica_id, self._scheduler, self._heartbeat,
                          self.config.scheduler.drain_timeout_s)
+        if hasattr(self, "_own_health"):
+            self._own_health.close()
         if hasattr(self, "server"):
             await asyncio.to_thread(self.server.stop)
         if hasattr(self, "backend"):
