@@ -5,6 +5,7 @@ deployment uses the collective feature links and two request groups per verifier
 Two verifier replicas share the verify pool's node; ``ray.kill`` ends one replica actor (its process, its gRPC
 server and its KV caches) once every client has received text. The scheduler re-prefills the dead replica's
 requests on the other one from prompt + emitted tokens; Serve then starts a replacement, which re-registers.
+Then the scheduler is killed: Serve replaces it, every pool replica registers with the new one, and it serves.
 """
 
 from __future__ import annotations
