@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.bench_grpc_overhead import _wait_listening
+from bench.bench_grpc_overhead import TOKEN, _wait_listening
 from bench.bench_policies_gpu import SMALL_SHAPE, CellBudget, load_prompt_mix, plot_throughput, run_cell
 from bench.engine_setup import DEMO_TARGET, demo_drafter, load_calibration, load_pair, tokenizer_for
 from cluster.loading import profiled_request_counts
@@ -96,7 +96,8 @@ def _server(kind: str, target: Path, drafter: Path, device: str, dtype: str, sps
             transport: str, graphs: str) -> Iterator[str]:
     """A standalone ``dspark`` server process pinned to ``device``; yields its gRPC address."""
     path = os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))  # keep a carried site tree
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               DSPARK_GRPC_TOKEN=TOKEN)
     if device.startswith("cuda"):
         env["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] or "0"
         device = "cuda"
@@ -124,8 +125,8 @@ class _Replicas:
     def __init__(self, pool: DrafterPool, verifier: RemoteVerifier, draft_addr: str, verify_addr: str) -> None:
         self.pool, self.verifier = pool, verifier
         self.probes = {
-            DRAFTER: SyncRpcClient(draft_addr, timeout_s=30),
-            VERIFIER: SyncRpcClient(verify_addr, timeout_s=30),
+            DRAFTER: SyncRpcClient(draft_addr, token=TOKEN, timeout_s=30),
+            VERIFIER: SyncRpcClient(verify_addr, token=TOKEN, timeout_s=30),
         }
 
     def read(self) -> dict[str, float]:
@@ -274,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                     _server("verify-server", target_dir, draft_dir, args.verify_device, dtype, sps_path, slots,
                             args.feature_transport, args.graphs) as va,
                 ):
-                    pool = DrafterPool([da])
-                    remote = RemoteVerifier(va, pool.route_of)
+                    pool = DrafterPool([da], token=TOKEN)
+                    remote = RemoteVerifier(va, pool.route_of, token=TOKEN)
                     pool.require_projection(remote.context_projection, va)
                     counters = _Replicas(pool, remote, da, va)
                     _cells("processes", lambda p, g: _driver(remote, pool, p, sps, block, g, eos), args, mix,

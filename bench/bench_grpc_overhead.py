@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,9 @@ from scheduler.policy import make_policy
 from scheduler.remote import DrafterPool, RemoteVerifier
 from scheduler.sps import SPSTable
 from verify_service.profiling import profile_target_sps
+
+#: The data plane's token of this run's servers: handed to them in the environment, never on a command line.
+TOKEN = secrets.token_urlsafe(32)
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -98,7 +102,7 @@ def _run(
 
 def _start_server(kind: str, drafter: Path, sps_path: Path, args: argparse.Namespace) -> subprocess.Popen:
     path = os.pathsep.join(filter(None, [".", os.environ.get("PYTHONPATH")]))  # keep a carried site tree
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", DSPARK_GRPC_TOKEN=TOKEN)
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--draft", str(drafter),
            "--max-requests", str(max(2, args.concurrency)), "--max-seq-len", "512", "--device", "cpu",
            "--dtype", "float32", "--log-level", "warning", "--context-projection", args.context_projection]
@@ -125,7 +129,7 @@ class _Wire:
         self.pool, self.verify, self.verify_addr = pool, verify, verify_addr
 
     def read(self) -> dict[str, int]:
-        probe = SyncRpcClient(self.verify_addr, timeout_s=10)
+        probe = SyncRpcClient(self.verify_addr, token=TOKEN, timeout_s=10)
         features = probe.call("dspark.Verifier", "Info", {})["feature_bytes_sent"]
         probe.close()
         return {
@@ -181,8 +185,8 @@ def main() -> int:
         try:
             draft_addr = _wait_listening(draft_proc, "draft-server")
             verify_addr = _wait_listening(verify_proc, "verify-server")
-            pool = DrafterPool([draft_addr])
-            remote_verify = RemoteVerifier(verify_addr, pool.route_of)
+            pool = DrafterPool([draft_addr], token=TOKEN)
+            remote_verify = RemoteVerifier(verify_addr, pool.route_of, token=TOKEN)
             pool.require_projection(remote_verify.context_projection, verify_addr)
             policy = make_policy("dspark", sps, pool.block_size)
             remote = (
@@ -204,7 +208,7 @@ def main() -> int:
                         run["wire"] = {k: v - before[k] for k, v in wire.read().items()}
                     runs[name].append(run)
                 loads.append(os.getloadavg()[0])
-            drafter_info = SyncRpcClient(draft_addr, timeout_s=10).call("dspark.Drafter", "Info", {})
+            drafter_info = SyncRpcClient(draft_addr, token=TOKEN, timeout_s=10).call("dspark.Drafter", "Info", {})
             pool.close()
             remote_verify.close()
         finally:

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -212,7 +213,9 @@ def start_grpc_servers(args: argparse.Namespace) -> tuple[list[subprocess.Popen[
     """Drafter and verifier gRPC servers, then the scheduler with the HTTP API over them (the last process)."""
     procs: list[subprocess.Popen[str]] = []
     addresses = []
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # The servers share a token made for this run (in the environment, never on a command line).
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               DSPARK_GRPC_TOKEN=secrets.token_urlsafe(32))
     for kind in (["draft-server"] if args.draft else []) + ["verify-server"]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cluster.cli", kind, *_model_flags(args, kind)],

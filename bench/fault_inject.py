@@ -15,7 +15,10 @@ completions with the official ``openai`` client from ``--clients`` threads, and 
    succeeded, the longest stall of streams that survived the kill, the errors as the client saw them (exception
    class, HTTP status, error code), how long ``/health`` took to answer, when it first said something else than
    200 and when 200 again, whether every Prometheus counter served by the ingress stayed monotonic, and how many
-   rounds ``dspark_rounds_without_draft_total`` added.
+   rounds ``dspark_rounds_without_draft_total`` added. Where the time went comes from the server's log (Ray's
+   timestamps, seconds after the kill): when Serve's controller saw the replica dead (its next health check),
+   when it started the replacement, and for a pool replica when the replacement made its first call to the
+   scheduler (its first heartbeat: constructor done, model loaded and warmed up).
 
 The openai client runs with ``max_retries=0`` so that every status is seen (by default it retries 503 twice,
 honouring ``Retry-After``, and 408/409/429/5xx too).
@@ -184,14 +187,42 @@ def _call(channel: grpc.Channel, path: str, payload: bytes, *, stream: bool) -> 
     return "OK"
 
 
-def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, recover_s: float) -> dict[str, Any]:
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+
+
+def timeline(log_path: Path, role: str, killed_at: float) -> dict[str, float | None]:
+    """Seconds from the kill (``killed_at``: wall clock) to the restart's steps as the server's log shows them."""
+    name = ROLES[role]
+    marks: dict[str, tuple[str, ...]] = {
+        "controller_saw_it_dead_s": (f"deployment='{name}'", "crashed"),
+        "replacement_started_s": (f"Adding 1 replica to Deployment(name='{name}'",),
+    }
+    if role != "scheduler":
+        marks["replacement_first_call_to_scheduler_s"] = (f"ServeReplica:dspark:{name} pid=",
+                                                          "SharedRouterLongPollClient")
+    out: dict[str, float | None] = dict.fromkeys(marks)
+    for line in log_path.read_text(errors="replace").splitlines():
+        stamp = _STAMP.search(line)
+        if stamp is None:
+            continue
+        at = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - killed_at  # local time
+        if at < 0:
+            continue
+        for key, needles in marks.items():
+            if out[key] is None and all(n in line for n in needles):
+                out[key] = round(at, 2)
+    return out
+
+
+def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, recover_s: float,
+           log_path: Path) -> dict[str, Any]:
     """SIGKILL ``role``'s replica process mid-stream and watch the service come back."""
     title = f"ServeReplica:dspark:{ROLES[role]}"
     pids = [pid for pid, name in replica_processes(server.pid, []).items() if name == title]
     if not pids:
         return {"role": role, "error": f"no process titled {title}"}
     before = _counters(base_url)
-    killed = time.monotonic()
+    killed, killed_wall = time.monotonic(), time.time()
     os.kill(pids[0], signal.SIGKILL)
     health: list[tuple[float, int | None, float]] = []
     down_at = healthy_at = None  # /health's first non-200 after the kill, and its first 200 after that
@@ -235,6 +266,7 @@ def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, 
         "max_health_answer_s": max(took for _, _, took in health) if health else None,
         "metrics_monotonic": None if before is None or after is None else not decreased,
         "counters_decreased": decreased,
+        "timeline": timeline(log_path, role, killed_wall),
     }
 
 
@@ -295,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         load = Load(base_url, args.clients, args.max_tokens)
         for role in ("scheduler", "verifier", "drafter"):
             time.sleep(args.steady_s)
-            results["faults"].append(inject(role, server, base_url, load, args.recover_s))
+            results["faults"].append(inject(role, server, base_url, load, args.recover_s, log_path))
             print(json.dumps(results["faults"][-1], indent=1), flush=True)
     finally:
         if load is not None:

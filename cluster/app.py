@@ -52,6 +52,13 @@ from cluster.rpc import HealthStatus, ServerThread, SyncRpcClient
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
+#: After a failed registration (the scheduler restarting, or a verifier that came before any drafter) the heartbeat
+#: tries again this soon: a restarted scheduler is back in service only once its replicas registered again.
+HEARTBEAT_RETRY_S = 0.2
+#: Serve learns that a replica's process died only from its next health check (a pending check then fails at
+#: once), so this period bounds how long a dead replica goes unnoticed and unreplaced. Each check is one
+#: loopback gRPC health call (pool replicas) or a look at the round loops (scheduler): cheap enough every second.
+HEALTH_CHECK_PERIOD_S = 1.0
 DRAIN_POLL_S = 0.5
 #: Bound on one call to the scheduler while leaving: when the whole application is being deleted the scheduler
 #: may already be gone, and a replica must not wait its full shutdown budget for it.
@@ -83,12 +90,14 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            wait_s = HEARTBEAT_RETRY_S
             try:
-                self._register().result(timeout_s=30)
-                self._registered.set()
+                if self._register().result(timeout_s=30) is not False:  # False: not yet (see register_verifier)
+                    self._registered.set()
+                    wait_s = HEARTBEAT_S
             except Exception as exc:  # the scheduler may be restarting; keep trying
                 logger.debug("registration with the scheduler failed (%s); retrying", exc)
-            self._stop.wait(HEARTBEAT_S)
+            self._stop.wait(wait_s)
 
     def wait_registered(self, kind: str, timeout_s: float = FIRST_REGISTRATION_S) -> None:
         """Block until the first registration went through (the constructor's last step; see the module doc)."""
@@ -140,19 +149,25 @@ def _application_deleting() -> bool:
     return status is not None and status.status == "DELETING"
 
 
-def _check_own_health(server: ServerThread, token: str | None) -> None:
-    """Serve's health check: the replica's own gRPC health endpoint must answer SERVING (a wedged engine does not).
-    Serve runs it first after the constructor, which has already warmed the engine up and registered it."""
-    client = SyncRpcClient(server.address, token=token, timeout_s=5.0)
-    try:
-        status = client.health()
-    finally:
-        client.close()
-    if status.get("status") != "SERVING":
-        raise RuntimeError(f"replica reports {status}")
+class _OwnHealth:
+    """Serve's health check of a pool replica: its own gRPC health endpoint must answer SERVING (a wedged engine
+    does not). One channel for the replica's life (the check runs every second). Serve runs it first after the
+    constructor, which has already warmed the engine up and registered it."""
+
+    def __init__(self, server: ServerThread, token: str | None) -> None:
+        self._client = SyncRpcClient(server.address, token=token, timeout_s=5.0)
+
+    def check(self) -> None:
+        status = self._client.health()
+        if status.get("status") != "SERVING":
+            raise RuntimeError(f"replica reports {status}")
+
+    def close(self) -> None:
+        self._client.close()
 
 
-@serve.deployment(name="Drafter", max_ongoing_requests=8, health_check_period_s=10, health_check_timeout_s=30)
+@serve.deployment(name="Drafter", max_ongoing_requests=8, health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                  health_check_timeout_s=30)
 class DrafterReplica:
     def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle) -> None:
         from cluster.loading import build_drafter_service
@@ -162,13 +177,14 @@ class DrafterReplica:
         token = self.config.network.grpc_token
         self.server = ServerThread([self.service.service()], host=_grpc_host(self.config), token=token,
                                    health=self.service.health)
+        self._own_health = _OwnHealth(self.server, token)
         self._scheduler = scheduler
         self._replica_id = replica_id = _replica_id()
         self._heartbeat = _Heartbeat(lambda: scheduler.register_drafter.remote(replica_id, self.server.address))
         self._heartbeat.wait_registered("drafter")
 
     def check_health(self) -> None:
-        _check_own_health(self.server, self.config.network.grpc_token)
+        self._own_health.check()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling hook: requests holding a context-cache slot here (see cluster.autoscaling)."""
@@ -186,13 +202,16 @@ class DrafterReplica:
         if hasattr(self, "_heartbeat"):  # absent when the constructor failed
             await _leave("drafter", self._replica_id, self._scheduler, self._heartbeat,
                          self.config.scheduler.drain_timeout_s)
+        if hasattr(self, "_own_health"):
+            self._own_health.close()
         if hasattr(self, "server"):
             await asyncio.to_thread(self.server.stop)
         if hasattr(self, "service"):
             self.service.close()  # its feature links and their store
 
 
-@serve.deployment(name="Verifier", max_ongoing_requests=8, health_check_period_s=10, health_check_timeout_s=30)
+@serve.deployment(name="Verifier", max_ongoing_requests=8, health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                  health_check_timeout_s=30)
 class VerifierReplica:
     def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle) -> None:
         from cluster.loading import build_verifier_service
@@ -203,13 +222,14 @@ class VerifierReplica:
         token = self.config.network.grpc_token
         self.server = ServerThread([self.service.service()], host=_grpc_host(self.config), token=token,
                                    health=self.service.health)
+        self._own_health = _OwnHealth(self.server, token)
         self._scheduler = scheduler
         self._replica_id = replica_id = _replica_id()
         self._heartbeat = _Heartbeat(lambda: scheduler.register_verifier.remote(replica_id, self.server.address, sps))
         self._heartbeat.wait_registered("verifier")
 
     def check_health(self) -> None:
-        _check_own_health(self.server, self.config.network.grpc_token)
+        self._own_health.check()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling hook: requests holding a KV slot here (see cluster.autoscaling)."""
@@ -226,6 +246,8 @@ class VerifierReplica:
         if hasattr(self, "_heartbeat"):  # absent when the constructor failed
             await _leave("verifier", self._replica_id, self._scheduler, self._heartbeat,
                          self.config.scheduler.drain_timeout_s)
+        if hasattr(self, "_own_health"):
+            self._own_health.close()
         if hasattr(self, "server"):
             try:  # pushes in flight, feature links (each wait on one is bounded by its timeout), engine thread
                 wait_s = 3 * self.config.engine.feature_link_timeout_s
@@ -234,7 +256,8 @@ class VerifierReplica:
                 await asyncio.to_thread(self.server.stop)
 
 
-@serve.deployment(name="Engine", max_ongoing_requests=8, health_check_period_s=10, health_check_timeout_s=30)
+@serve.deployment(name="Engine", max_ongoing_requests=8, health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                  health_check_timeout_s=30)
 class EngineReplica:
     """A colocated replica: target and drafter on one device, the round pipeline in this process."""
 
@@ -252,6 +275,7 @@ class EngineReplica:
         service = Service(ENGINE, backend_methods(self.backend, self._info))
         self.server = ServerThread([service], host=_grpc_host(self.config), token=self.config.network.grpc_token,
                                    health=self._health)
+        self._own_health = _OwnHealth(self.server, self.config.network.grpc_token)
         self._scheduler = scheduler
         self._replica_id = replica_id = _replica_id()
         self._heartbeat = _Heartbeat(lambda: scheduler.register_engine.remote(replica_id, self.server.address, sps))
@@ -269,7 +293,7 @@ class EngineReplica:
         return HealthStatus(state["ready"], {"reason": state["reason"]})
 
     def check_health(self) -> None:
-        _check_own_health(self.server, self.config.network.grpc_token)
+        self._own_health.check()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling hook: requests running or waiting here (see cluster.autoscaling)."""
@@ -287,6 +311,8 @@ class EngineReplica:
         if hasattr(self, "_heartbeat"):  # absent when the constructor failed
             await _leave("engine", self._replica_id, self._scheduler, self._heartbeat,
                          self.config.scheduler.drain_timeout_s)
+        if hasattr(self, "_own_health"):
+            self._own_health.close()
         if hasattr(self, "server"):
             await asyncio.to_thread(self.server.stop)
         if hasattr(self, "backend"):
@@ -295,7 +321,8 @@ class EngineReplica:
 
 #: The scheduler's calls are control traffic: every pool replica's heartbeat every HEARTBEAT_S, drains, lookups.
 #: Serve's access log would print a line per call forever; the hub itself logs what changes (registrations).
-@serve.deployment(name="Scheduler", num_replicas=1, max_ongoing_requests=1000, health_check_period_s=10,
+@serve.deployment(name="Scheduler", num_replicas=1, max_ongoing_requests=1000,
+                  health_check_period_s=HEALTH_CHECK_PERIOD_S,
                   logging_config={"enable_access_log": False})
 class SchedulerReplica:
     def __init__(self, args: dict[str, Any]) -> None:
@@ -322,8 +349,17 @@ class SchedulerReplica:
     async def register_drafter(self, replica_id: str, address: str) -> None:
         await asyncio.to_thread(self.hub.register_drafter, replica_id, address)
 
-    async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
-        await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
+    async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> bool:
+        """False while no drafter is registered (a verifier's round loop needs one): a restarted scheduler hears
+        its replicas' heartbeats in any order, and the verifier's heartbeat then tries again at once."""
+        from cluster.backend import BackendUnavailableError
+
+        try:
+            await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
+        except BackendUnavailableError as error:
+            logger.debug("verifier %s not registered yet: %s", replica_id, error)
+            return False
+        return True
 
     async def register_engine(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
         await asyncio.to_thread(self.hub.register_engine, replica_id, address, sps)
@@ -364,7 +400,7 @@ class SchedulerReplica:
         return {"scheduler": self.server.address, **self.hub.addresses()}
 
 
-@serve.deployment(name="Ingress", max_ongoing_requests=1000)
+@serve.deployment(name="Ingress", max_ongoing_requests=1000, health_check_period_s=HEALTH_CHECK_PERIOD_S)
 @serve.ingress()
 class IngressReplica:
     def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle, *pools: DeploymentHandle) -> None:

@@ -3,6 +3,12 @@
 The GPU benchmark machines have no Ray, and a two-GPU run pins one process per GPU; these commands run exactly the
 objects the Ray deployments wrap (:class:`DrafterService`, :class:`VerifierService`, :class:`SchedulerHub` plus the
 OpenAI HTTP app), wired by addresses given on the command line instead of heartbeats.
+
+Secure by default, as the Ray deployment: every server requires the data plane's token unless started with
+``--grpc-insecure``. The token comes from ``--grpc-token-file``, else ``$DSPARK_GRPC_TOKEN``, else the default
+token file (:data:`~cluster.token_file.DEFAULT_TOKEN_FILE`), which the first server on a machine creates: servers
+of one user on one machine then share it with no flag at all; on other machines, copy the file or set the
+variable. Never on the command line, where every local user can read it (``/proc/<pid>/cmdline``).
 """
 
 from __future__ import annotations
@@ -10,10 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 from cluster.config import AppConfig
+from cluster.token_file import DEFAULT_TOKEN_FILE, load_or_create_token
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +46,40 @@ def _add_grpc_server(p: argparse.ArgumentParser) -> None:
                    help="gRPC port; 0 = any free port, printed at start (default: 0)")
 
 
+#: The variable a token can be given in (scripts that start servers and call them themselves).
+TOKEN_ENV = "DSPARK_GRPC_TOKEN"
+
+
 def _add_grpc_token(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grpc-token", default=None,
-                   help="shared secret required on every gRPC call (default: none, calls are not authenticated)")
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--grpc-token-file", type=Path, default=None,
+        help="file holding the shared secret every gRPC call needs (mode 0600), created with a random token "
+        f"when missing (default: ${TOKEN_ENV} if set, else {DEFAULT_TOKEN_FILE})",
+    )
+    auth.add_argument(
+        "--grpc-insecure", action="store_true",
+        help="serve and call the data plane without a token: anyone who reaches the port can use it "
+        "(only on a trusted single-user machine) (default: off)",
+    )
+
+
+def grpc_token(args: argparse.Namespace) -> str | None:
+    """The data plane's token for this server (None with ``--grpc-insecure``); says on stderr where it came from
+    (never the token itself; stdout is for the ``listening on`` line that scripts read)."""
+    if args.grpc_insecure:
+        print("gRPC data plane WITHOUT authentication (--grpc-insecure)", file=sys.stderr, flush=True)
+        return None
+    if args.grpc_token_file is None and os.environ.get(TOKEN_ENV):
+        print(f"gRPC token from ${TOKEN_ENV}", file=sys.stderr, flush=True)
+        return os.environ[TOKEN_ENV]
+    path = (args.grpc_token_file or DEFAULT_TOKEN_FILE).expanduser()
+    try:
+        token, created = load_or_create_token(path)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"gRPC token {'created in' if created else 'from'} {path}", file=sys.stderr, flush=True)
+    return token
 
 
 def _add_feature_path(p: argparse.ArgumentParser) -> None:
@@ -101,10 +142,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace) -> AppConfig:
+    """The servers' config from their flags; the data plane's token resolved (see :func:`grpc_token`)."""
     from cluster.serve_cmd import app_args_from_flags
 
     app_args = app_args_from_flags(args)
-    app_args["network"]["grpc_token"] = args.grpc_token
+    token = grpc_token(args)
+    app_args["network"].update(grpc_token=token, grpc_insecure=token is None)
     given = vars(args)  # each server has only the options it uses; AppConfig's defaults fill in the rest
     engine_options = ("context_projection", "feature_dtype", "draft_ahead", "feature_transport")
     app_args["engine"].update({name: given[name] for name in engine_options if name in given})
@@ -112,11 +155,11 @@ def _config(args: argparse.Namespace) -> AppConfig:
 
 
 async def _serve_forever(
-    services: list[Any], args: argparse.Namespace, health: Any = None, close: Any = None
+    services: list[Any], args: argparse.Namespace, token: str | None, health: Any = None, close: Any = None
 ) -> None:
     from cluster.rpc import RpcServer
 
-    server = RpcServer(services, host=args.grpc_host, port=args.grpc_port, token=args.grpc_token, health=health)
+    server = RpcServer(services, host=args.grpc_host, port=args.grpc_port, token=token, health=health)
     await server.start()
     print(f"listening on {server.address}", flush=True)
     stop = asyncio.Event()
@@ -133,9 +176,10 @@ def run_draft_server(args: argparse.Namespace) -> int:
     from cluster.loading import build_drafter_service
 
     logging.basicConfig(level=args.log_level.upper())
-    service = build_drafter_service(_config(args), args.grpc_host)
+    config = _config(args)
+    service = build_drafter_service(config, args.grpc_host)
     try:
-        asyncio.run(_serve_forever([service.service()], args, service.health))
+        asyncio.run(_serve_forever([service.service()], args, config.network.grpc_token, service.health))
     finally:
         service.close()
     return 0
@@ -145,12 +189,14 @@ def run_verify_server(args: argparse.Namespace) -> int:
     from cluster.loading import build_verifier_service
 
     logging.basicConfig(level=args.log_level.upper())
-    service = build_verifier_service(_config(args))
-    asyncio.run(_serve_forever([service.service()], args, service.health, service.close))
+    config = _config(args)
+    service = build_verifier_service(config)
+    asyncio.run(_serve_forever([service.service()], args, config.network.grpc_token, service.health, service.close))
     return 0
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
+    import grpc
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -168,17 +214,23 @@ def run_scheduler(args: argparse.Namespace) -> int:
         draft_cost=config.scheduler.draft_cost,
         request_groups=config.scheduler.request_groups,
         decode=lambda ids: engine_tokenizer.decode(ids, skip_special_tokens=True),
-        token=args.grpc_token,
+        token=config.network.grpc_token,
         timeout_s=config.network.grpc_timeout_s,
         readiness_timeout_s=config.network.readiness_timeout_s,
     )
-    for i, address in enumerate(args.drafter):
-        hub.register_drafter(f"drafter-{i}", address)
-    for i, address in enumerate(args.verifier):
-        client = SyncRpcClient(address, token=args.grpc_token, timeout_s=30)
-        info = client.call("dspark.Verifier", "Info", {})
-        client.close()
-        hub.register_verifier(f"verifier-{i}", address, info["sps"])
+    try:
+        for i, address in enumerate(args.drafter):
+            hub.register_drafter(f"drafter-{i}", address)
+        for i, address in enumerate(args.verifier):
+            with SyncRpcClient(address, token=config.network.grpc_token, timeout_s=30) as client:
+                info = client.call("dspark.Verifier", "Info", {})
+            hub.register_verifier(f"verifier-{i}", address, info["sps"])
+    except grpc.RpcError as error:
+        hub.close()
+        if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise SystemExit(f"error: a server refused this scheduler's gRPC token ({error.details()}): start "
+                             f"every server with the same token (--grpc-token-file or ${TOKEN_ENV})") from None
+        raise
     app = build_app(hub, tokenizer, api_key=config.network.api_key)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

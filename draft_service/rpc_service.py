@@ -16,6 +16,11 @@ meanwhile (it finished in that round) is skipped, not an error. A push that name
 With ``link_host`` set (``engine.feature_transport: collective``) the drafter also hosts the direct feature path
 (:mod:`cluster.feature_link`): verifiers open a link with ``OpenLink``, and an ``AppendContext`` naming a link
 carries only metadata; its rows are received from that link, in the link's sequence order, before the append.
+
+Context-cache slots that no call has named for ``idle_reclaim_s`` are reclaimed when an ``AddRequests`` needs
+more slots than are free (:class:`~cluster.engine_rpc.IdleSlots`, as the verifier's KV slots): the scheduler
+names each request it runs in every round's ``Propose`` and the verifier in every push, so such a slot belongs
+to a caller that allocated and left, and one caller cannot keep the others out for good.
 """
 
 from __future__ import annotations
@@ -27,7 +32,16 @@ from typing import Any
 
 import torch
 
-from cluster.engine_rpc import COUNTS, DEFAULT_WEDGE_TIMEOUT_S, REQ_IDS, TOKENS, EngineThread, split_rows
+from cluster.engine_rpc import (
+    COUNTS,
+    DEFAULT_IDLE_RECLAIM_S,
+    DEFAULT_WEDGE_TIMEOUT_S,
+    REQ_IDS,
+    TOKENS,
+    EngineThread,
+    IdleSlots,
+    split_rows,
+)
 from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkHost
 from cluster.messages import AnyValue, Int, List, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, Service
@@ -87,6 +101,7 @@ class DrafterService:
         link_host: str | None = None,
         link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S,
         link_advertise: str | None = None,
+        idle_reclaim_s: float = DEFAULT_IDLE_RECLAIM_S,
     ) -> None:
         self.engine = engine
         # The direct feature path's store and links (None: features only arrive as bytes over gRPC).
@@ -96,6 +111,7 @@ class DrafterService:
         self.projection = model_fingerprint(engine.model)
         self.context_wait_s = context_wait_s
         self._thread = EngineThread("drafter", wedge_timeout_s)
+        self._idle = IdleSlots(idle_reclaim_s)  # slots nobody drives, reclaimed when an AddRequests needs them
         self._context_arrived = asyncio.Condition()
         self._appending: dict[str, int] = {}  # request -> appends submitted and not finished (loop thread only)
         self._ahead = DraftAhead()  # engine thread only
@@ -150,6 +166,9 @@ class DrafterService:
         if len(request["params"]) != len(request["req_ids"]):
             raise ValueError("AddRequests: one params map per request id is required")
         params = [SamplingParams.from_dict(p) if isinstance(p, dict) else _bad_params(p) for p in request["params"]]
+        if len(request["req_ids"]) > self.engine.num_free_slots:
+            await self._reclaim_idle()
+        self._idle.touch(request["req_ids"])
 
         def add() -> None:
             added = []
@@ -211,6 +230,7 @@ class DrafterService:
                 f"AppendContext: features projected by context projection {projection}, but this drafter's is "
                 f"{self.projection}: the verifier loaded other drafter weights (or another dtype) than this drafter"
             )
+        self._idle.touch(request["req_ids"])
         anchors = request["draft_anchors"]
         if anchors is not None and len(anchors) != len(request["req_ids"]):
             raise ValueError("AppendContext: one draft anchor per request id is required")
@@ -282,6 +302,7 @@ class DrafterService:
             raise ValueError("Propose: req_ids, anchors and positions must have the same length")
         items = [DraftItem(r, a, p) for r, a, p in zip(request["req_ids"], request["anchors"], request["positions"],
                                                           strict=True)]
+        self._idle.touch(request["req_ids"])
         waited = 0.0
         if self._not_ready(items):
             loop = asyncio.get_running_loop()
@@ -320,18 +341,27 @@ class DrafterService:
         }
 
     async def _release(self, request: dict[str, Any]) -> dict[str, Any]:
-        def release() -> None:
-            for req_id in request["req_ids"]:
-                self._greedy.discard(req_id)
-                self._ahead.drop(req_id)
-                if self.engine.has(req_id):
-                    self._released[req_id] = None
-                    if len(self._released) > _RELEASED_MEMORY:
-                        self._released.popitem(last=False)
-                self.engine.release(req_id)
-
-        await self._thread.run(release)
+        await self._thread.run(self._release_now, request["req_ids"])
         return {}
+
+    def _release_now(self, req_ids: list[str]) -> None:
+        """On the engine thread: free the requests' slots and forget their drafts (unknown ids: no-op)."""
+        for req_id in req_ids:
+            self._greedy.discard(req_id)
+            self._ahead.drop(req_id)
+            if self.engine.has(req_id):
+                self._released[req_id] = None
+                if len(self._released) > _RELEASED_MEMORY:
+                    self._released.popitem(last=False)
+            self.engine.release(req_id)
+
+    async def _reclaim_idle(self) -> None:
+        """Release the slots no call has named for ``idle_reclaim_s`` (see :class:`IdleSlots`)."""
+        stale = self._idle.idle(await self._thread.run(lambda: self.engine.running))
+        if stale:
+            log.warning("reclaiming %d context slots idle for over %.0f s: %s", len(stale), self._idle.idle_s,
+                        stale[:8])
+            await self._thread.run(self._release_now, stale)
 
     def close(self) -> None:
         if self.links is not None:

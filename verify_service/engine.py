@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -30,7 +30,9 @@ from cluster.slot_lookups import SlotLookups
 from kernels.rejection import RejectionOutput, rejection_sample_reference
 from verify_service.graphs import GraphItem, VerifyGraphRunner
 from verify_service.kv_cache import KVCapacityError, NoFreeSlotError
-from verify_service.target import TargetModel
+
+if TYPE_CHECKING:  # a type only: the scheduler imports the item types without loading transformers
+    from verify_service.target import TargetModel
 
 
 class UnknownRequestError(KeyError):

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -49,7 +50,9 @@ from cluster.graphs import (
 from kernels.rejection import RejectionOutput
 from verify_service.attention import CachedAttentionMetadata
 from verify_service.kv_cache import SlotKVCache
-from verify_service.target import TargetModel
+
+if TYPE_CHECKING:  # a type only: the scheduler imports this module without loading transformers
+    from verify_service.target import TargetModel
 
 Sampler = Callable[..., RejectionOutput]
 Params = tuple[float, int, float, int]  # temperature, top_k, top_p, seed

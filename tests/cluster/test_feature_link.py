@@ -203,11 +203,12 @@ def test_a_link_lost_mid_stream_resends_the_push_as_bytes(pair) -> None:
     assert info["feature_links"] == 0 and info["feature_bytes_collective"] > 0
 
 
-def _start(kind: str, pair, sps: Path) -> subprocess.Popen:
+def _start(kind: str, pair, sps: Path, token_file: Path) -> subprocess.Popen:
     target_dir, draft_dir = pair
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--target", str(target_dir), "--draft",
            str(draft_dir), "--max-requests", "8", "--max-seq-len", "96", "--device", "cpu",
-           "--dtype", "float32", "--log-level", "warning", "--feature-transport", "collective"]
+           "--dtype", "float32", "--log-level", "warning", "--feature-transport", "collective",
+           "--grpc-token-file", str(token_file)]
     if kind == "verify-server":
         cmd += ["--sps", str(sps)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -224,14 +225,17 @@ def _address(proc: subprocess.Popen) -> str:
 
 def test_standalone_server_processes_over_collective_links(pair, tmp_path: Path) -> None:
     """`dspark draft-server` and `verify-server --feature-transport collective` as two processes: the link's ranks
-    live in different processes, as deployed; output equals the target's greedy output."""
+    live in different processes, as deployed; output equals the target's greedy output. The two share the token
+    file the first of them created (the verifier pushes to the drafter with it)."""
     expected = _target(pair).generate(PROMPTS, max_new_tokens=16)
     sps = SPS.save(tmp_path / "sps.json")
-    procs = [_start("draft-server", pair, sps), _start("verify-server", pair, sps)]
+    token_file = tmp_path / "grpc-token"
+    procs = [_start("draft-server", pair, sps, token_file), _start("verify-server", pair, sps, token_file)]
     try:
         drafter, verifier = (_address(p) for p in procs)
-        pool = DrafterPool([drafter])
-        remote = RemoteVerifier(verifier, pool.route_of)
+        token = token_file.read_text().strip()
+        pool = DrafterPool([drafter], token=token)
+        remote = RemoteVerifier(verifier, pool.route_of, token=token)
         pool.require_projection(remote.context_projection, remote.address)
         engine = SpeculativeEngine(remote, pool, make_policy("dspark", SPS, pool.block_size))
         try:
@@ -239,13 +243,13 @@ def test_standalone_server_processes_over_collective_links(pair, tmp_path: Path)
         finally:
             pool.close()
             remote.close()
-        info = SyncRpcClient(verifier).call("dspark.Verifier", "Info", {})
+        info = SyncRpcClient(verifier, token=token).call("dspark.Verifier", "Info", {})
         assert tokens == expected
         assert info["feature_links"] == 1 and info["feature_bytes_collective"] > 0
-        assert SyncRpcClient(drafter).call("dspark.Drafter", "Info", {})["feature_links"] == 1
+        assert SyncRpcClient(drafter, token=token).call("dspark.Drafter", "Info", {})["feature_links"] == 1
         procs[1].send_signal(signal.SIGTERM)  # the verifier closes its link on the drafter as it stops
         assert procs[1].wait(LINK_TIMEOUT_S + 30) == 0
-        assert SyncRpcClient(drafter).call("dspark.Drafter", "Info", {})["feature_links"] == 0
+        assert SyncRpcClient(drafter, token=token).call("dspark.Drafter", "Info", {})["feature_links"] == 0
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -82,13 +82,14 @@ def _ids(values: list[int]) -> Any:
 
 
 def test_a_wedged_engine_thread_fails_the_health_check_and_calls_hit_their_deadline(pair: tuple[Path, Path]) -> None:
-    from cluster.app import _check_own_health
+    from cluster.app import _OwnHealth
 
     for service_name, service, engine_method, call in _services(pair):
         with ServerThread([service.service()], health=service.health) as server:
             client = SyncRpcClient(server.address, timeout_s=10)
             assert client.health()["status"] == SERVING
-            _check_own_health(server, None)  # the Serve check passes on a healthy replica
+            own_health = _OwnHealth(server, None)
+            own_health.check()  # the Serve check passes on a healthy replica
             release = _wedge(service.engine, engine_method)
             with pytest.raises(grpc.RpcError) as error:
                 client.call(service_name, call["method"], call["request"], timeout_s=1.0)
@@ -97,10 +98,11 @@ def test_a_wedged_engine_thread_fails_the_health_check_and_calls_hit_their_deadl
             _wait(lambda c=client: c.health()["status"] == NOT_SERVING, 30, f"{service_name} to report the wedge")
             assert client.health()["payload"]["busy_s"] > WEDGE_S
             with pytest.raises(RuntimeError, match="NOT_SERVING"):
-                _check_own_health(server, None)
+                own_health.check()
             release.set()
             _wait(lambda c=client: c.health()["status"] == SERVING, 30, f"{service_name} to recover")
             client.close()
+            own_health.close()
 
 
 def test_a_wedged_round_loop_fails_the_scheduler_health_check(pair: tuple[Path, Path]) -> None:

@@ -5,6 +5,7 @@ deployment uses the collective feature links and two request groups per verifier
 Two verifier replicas share the verify pool's node; ``ray.kill`` ends one replica actor (its process, its gRPC
 server and its KV caches) once every client has received text. The scheduler re-prefills the dead replica's
 requests on the other one from prompt + emitted tokens; Serve then starts a replacement, which re-registers.
+Then the scheduler is killed: Serve replaces it, every pool replica registers with the new one, and it serves.
 """
 
 from __future__ import annotations
@@ -158,3 +159,30 @@ def test_killing_a_verifier_replica_mid_stream_loses_nothing(served: str) -> Non
     address = serve.get_deployment_handle("Drafter", app_name="dspark").address.remote().result(timeout_s=30)
     with SyncRpcClient(address, token="test-data-plane-token", timeout_s=30) as drafter:
         assert drafter.call("dspark.Drafter", "Info", {})["feature_links"] >= 1  # the surviving verifier's
+
+
+def test_a_killed_scheduler_is_replaced_and_relearns_every_replica(served: str) -> None:
+    """Serve notices the scheduler's death at its next health check (every second) and starts another; the pool
+    replicas' heartbeats register with it in whatever order they arrive (a verifier heard before the drafter is
+    told "not yet" and retries), and it then serves the target's greedy output."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from verify_service.target import TargetModel
+
+    def schedulers() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == "serve" and "#Scheduler#" in a["name"]]
+
+    (victim,) = schedulers()
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    _wait(lambda: len(schedulers()) == 1 and victim not in schedulers(), 120, "Serve to replace the scheduler")
+    _wait(lambda: httpx.get(f"{served}/health", timeout=5).status_code == 200, 180, "the new scheduler to be ready")
+    _wait(lambda: _topology() == {"drafters": 1, "verifiers": 2}, 120, "every replica to register again")
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    want = tokenizer.decode(TargetModel.from_pretrained(DEMO_TARGET).generate(
+        [tokenizer(PROMPTS[0]).input_ids], max_new_tokens=32)[0], skip_special_tokens=True)
+    body = {"model": "dspark-demo", "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{served}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == want

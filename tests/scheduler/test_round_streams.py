@@ -89,8 +89,8 @@ def _start(kind: str, pair: tuple[Path, Path]) -> subprocess.Popen:
     target_dir, draft_dir = pair
     cmd = [sys.executable, "-m", "cluster.cli", kind, "--grpc-port", "0", "--target", str(target_dir), "--draft",
            str(draft_dir), "--max-requests", "8", "--max-seq-len", "96", "--device", "cpu", "--dtype", "float32",
-           "--log-level", "warning", "--grpc-token", TOKEN]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+           "--log-level", "warning"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DSPARK_GRPC_TOKEN=TOKEN)
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
