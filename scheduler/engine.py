@@ -419,9 +419,9 @@ class SpeculativeEngine:
         running = list(self._running.values())
         verified = running[: len(running) - len(admitted)]
         if verified and not all(map(_PLAIN, verified)):
-            weights = self._weights(verified)
-            if weights is not None or any(r.level.speculative != "auto" for r in verified):
-                return self._leveled_round(admitted, verified, weights)
+            late = self._late(verified)
+            if late is not None or any(r.level.speculative != "auto" for r in verified):
+                return self._leveled_round(admitted, verified, late)
             # Targets on track and speculation auto everywhere: the round is a plain one (drafts ahead, chains).
 
         t0 = time.perf_counter()
@@ -465,15 +465,15 @@ class SpeculativeEngine:
         )
 
     def _leveled_round(
-        self, admitted: list[_Request], verified: list[_Request], weights: np.ndarray | None
+        self, admitted: list[_Request], verified: list[_Request], late: np.ndarray | None
     ) -> list[RequestOutput]:
-        """A round in which some request has speculation off or on or is behind its TPOT target (``weights``:
-        the round's lateness weights, None when nobody is behind): drafted
-        eagerly for the requests that draft, never chained or drafted ahead (drafts launched ahead for it are
-        dropped). ``off`` rows get no drafter row and length 0; the round drafts whenever a request is ``on``,
-        else when the policy would; lengths come from the policy on confidences weighted by lateness
-        (:func:`scheduler.service_levels.lateness_weights`), and an ``on`` request verifies at least one draft
-        its cap allows. Every rule reads settings, counts and timings only: lossless."""
+        """A round in which some request has speculation off or on or is behind its TPOT target (``late``: which
+        are, None when none is): drafted eagerly for the requests that draft, never chained or drafted ahead
+        (drafts launched ahead for it are dropped). ``off`` rows get no drafter row and length 0; the round
+        drafts whenever a request is ``on``, else when the policy would; lengths come from the policy on
+        confidences weighted by lateness (:func:`scheduler.service_levels.lateness_weights`), and an ``on``
+        request verifies at least one draft its cap allows. Every rule reads settings, counts and timings only:
+        lossless."""
         t0 = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
@@ -486,6 +486,7 @@ class SpeculativeEngine:
         drafting = self.draft is not None and bool(drafts.any()) and (
             bool(forced.any()) or self.policy.should_draft(caps)
         )
+        weights = None if late is None else lateness_weights(late, self.service_levels.on_target_weight)
         t_decided = time.perf_counter()
         proposal = None
         if drafting:
@@ -560,12 +561,12 @@ class SpeculativeEngine:
                 out[i] = behind_target(target, now - started, len(r.output), round_s)
         return out
 
-    def _weights(self, verified: list[_Request]) -> np.ndarray | None:
-        """This round's lateness weights of ``verified`` (None: no request is behind a target)."""
-        has_target = np.fromiter((r.level.tpot_slo_s is not None for r in verified), dtype=bool, count=len(verified))
-        if not has_target.any():
+    def _late(self, verified: list[_Request]) -> np.ndarray | None:
+        """Per request of ``verified``, whether it is behind its TPOT target this round; None when none is."""
+        if all(r.level.tpot_slo_s is None for r in verified):
             return None
-        return lateness_weights(self._behind(verified), has_target, self.service_levels.on_target_weight)
+        late = self._behind(verified)
+        return late if late.any() else None
 
     def _chained_round(
         self,

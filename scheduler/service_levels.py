@@ -67,14 +67,18 @@ class ServiceLevels:
     """The server's defaults for requests that do not set a field, and the admission rule for targets.
 
     ``on_target_weight`` in (0, 1]: the factor on the survival probabilities of requests that are not behind a
-    target (1 turns lateness weighting off). ``slo_admission``: ``refuse`` (429 + ``Retry-After``) or ``queue``
-    (wait, admitted once the prediction meets the target or nothing else runs)."""
+    target (1 turns lateness weighting off); small by default because the walk compares a late request's deeper
+    drafts (survivals that fall with depth) with the others' first ones: at one half, a late request's drafts past
+    a survival of 0.5 still rank behind every on-track request's first draft, and late requests got no more
+    budget than the others (docs/BENCHMARKS.md "Service levels"). ``slo_admission``: ``refuse`` (429 +
+    ``Retry-After``) or ``queue`` (wait, admitted once the prediction leaves :data:`BUDGET_SHARE` of the target
+    room or nothing else runs)."""
 
     default_priority: int = 0
     default_speculative: Speculative = "auto"
     default_tpot_slo_ms: float | None = None
     slo_admission: SloAdmission = "refuse"
-    on_target_weight: float = 0.5
+    on_target_weight: float = 0.1
 
     def __post_init__(self) -> None:
         if self.default_speculative not in SPECULATIVE_MODES:
@@ -165,11 +169,11 @@ def joiners_allowed(slacks: Sequence[float], join_cost_s: float) -> int:
     return -1 if join_cost_s <= 0.0 else int(least // join_cost_s)
 
 
-def lateness_weights(behind: np.ndarray, has_target: np.ndarray, on_target_weight: float) -> np.ndarray | None:
-    """Per request, the factor on its survival probabilities this round: 1 for a request behind its target,
-    ``on_target_weight`` for all others; None when no request is behind (nothing to reorder: every weight would
-    be the same, and one common factor changes no comparison of the walk except against the anchors' tau)."""
-    late = behind & has_target
+def lateness_weights(late: np.ndarray, on_target_weight: float) -> np.ndarray | None:
+    """Per request, the factor on its survival probabilities this round: 1 for a request behind its target
+    (``late``), ``on_target_weight`` for all others; None when no request is behind or the weight is 1 (nothing
+    to reorder: every weight would be the same, and one common factor changes no comparison of the walk except
+    against the anchors' tau)."""
     if not late.any() or on_target_weight >= 1.0:
         return None
     return np.where(late, 1.0, on_target_weight)

@@ -63,7 +63,7 @@ def _greedy(reference: dict, **levels: object) -> SamplingParams:
         {"speculative": "off"},
         {"speculative": "on"},
         {"priority": -3},
-        {"tpot_slo_ms": 1e-6},  # always behind: weight 1 against the others' 0.5
+        {"tpot_slo_ms": 1e-6},  # always behind: weight 1 against the others' 0.1
     ],
     ids=["off", "on", "priority", "target"],
 )
@@ -188,9 +188,10 @@ def test_weights_are_functions_of_timings_counts_and_settings() -> None:
     # Behind: 3 tokens, the first 0.25 s ago, a 0.1 s round: (0.25 + 0.1) / 3 > 0.1 s per token.
     assert behind_target(0.1, 0.25, 3, 0.1)
     assert not behind_target(0.2, 0.25, 3, 0.1)
-    weights = lateness_weights(np.array([True, False, True]), np.array([True, True, False]), 0.5)
+    weights = lateness_weights(np.array([True, False, False]), 0.5)
     assert weights is not None and weights.tolist() == [1.0, 0.5, 0.5]
-    assert lateness_weights(np.array([False, False]), np.array([True, True]), 0.5) is None
+    assert lateness_weights(np.array([True, False]), 1.0) is None
+    assert lateness_weights(np.array([False, False]), 0.5) is None
     assert predicted_tpot_s(0.03, 3.0, "auto") == pytest.approx(0.01)
     assert predicted_tpot_s(0.03, 3.0, "off") == pytest.approx(0.03)
     assert predicted_tpot_s(0.0, 3.0, "auto") == 0.0
