@@ -17,10 +17,11 @@ Steps, all over HTTP against one `dspark serve --no-ray` started here:
 
 It reports, for both runs, the high population's SLO attainment (a refused request is a miss), its TPOT and
 TTFT, the low population's completions, and the aggregate goodput (requests/s that met their population's
-objective: the high one's target; every completed low request). Writes ``service_levels.json`` and ``.md``.
+objective: the high one's target; every completed low request), and the goal against the result. Writes
+``service_levels.json`` and ``.md``. On the lent GPU, ``bench/gpu_service_levels.sh`` runs it in one device call.
 
     python3 bench/bench_service_levels.py --out-dir /tmp/slo --output-len 24 --duration 20   # demo pair, CPU
-    python3 bench/bench_service_levels.py --inflate qwen3-4b --max-requests 32 --out-dir $OUT  # the GPU goal
+    python3 bench/bench_service_levels.py --inflate qwen3-4b --max-requests 32 --duration 15 --out-dir $OUT  # GPU
 """
 
 from __future__ import annotations
