@@ -17,10 +17,11 @@ Steps, all over HTTP against one `dspark serve --no-ray` started here:
 
 It reports, for both runs, the high population's SLO attainment (a refused request is a miss), its TPOT and
 TTFT, the low population's completions, and the aggregate goodput (requests/s that met their population's
-objective: the high one's target; every completed low request). Writes ``service_levels.json`` and ``.md``.
+objective: the high one's target; every completed low request), and the goal against the result. Writes
+``service_levels.json`` and ``.md``. On the lent GPU, ``bench/gpu_service_levels.sh`` runs it in one device call.
 
     python3 bench/bench_service_levels.py --out-dir /tmp/slo --output-len 24 --duration 20   # demo pair, CPU
-    python3 bench/bench_service_levels.py --inflate qwen3-4b --max-requests 32 --out-dir $OUT  # the GPU goal
+    python3 bench/bench_service_levels.py --inflate qwen3-4b --max-requests 32 --duration 15 --out-dir $OUT  # GPU
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve_matrix import DEMO, MODEL_NAME, inflate, port_free, stop, wait_for_completion  # noqa: E402
+from serve_matrix import DEMO, MODEL_NAME, inflate, start_server, stop, wait_port_free, wait_until_serving  # noqa: E402
 
 from cluster.bench_serve.client import RequestOptions  # noqa: E402
 from cluster.bench_serve.load import LoadLevel, Window  # noqa: E402
@@ -141,6 +141,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def goal(rows: list[dict[str, Any]]) -> str:
+    """Issue 29's goal against the two runs: the high tier's attainment with tiers >= 95%, without < 50%, and
+    aggregate goodput with tiers not lower than without."""
+    by = {r["run"]: r for r in rows}
+    flat, tiered = by["no tiers"], by["tiers"]
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.0f}%"
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    high, base = tiered["high_attainment"] or 0.0, flat["high_attainment"] or 0.0
+    good = (tiered["goodput_req_s"] or 0.0) >= (flat["goodput_req_s"] or 0.0)
+    return (f"goal: high tier {pct(tiered['high_attainment'])} with tiers (>= 95%: {met(high >= 0.95)}), "
+            f"{pct(flat['high_attainment'])} without (< 50%: {met(base < 0.5)}); aggregate goodput "
+            f"{tiered['goodput_req_s'] or 0:.2f} vs {flat['goodput_req_s'] or 0:.2f} req/s (not lower: {met(good)})")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -155,13 +174,11 @@ def main(argv: list[str] | None = None) -> int:
            "--device", device, "--dtype", dtype, "--max-requests", str(args.max_requests), "--max-seq-len",
            str(args.max_seq_len), "--slo-admission", args.slo_admission, "--served-model-name", MODEL_NAME,
            "--port", str(args.port), "--log-level", "warning"]
-    log = (args.scratch / "server.log").open("wb")
     print("$ " + " ".join(cmd), flush=True)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    proc, started = start_server(cmd, args.scratch / "server.log", None)
     url = f"http://127.0.0.1:{args.port}"
     try:
-        wait_for_completion(url, proc, args.startup_timeout_s)
+        wait_until_serving(url, proc, started, args.startup_timeout_s)
         calibration = calibrate(args, url, requests)
         rate = args.overload * calibration["saturating_rate"]
         print(f"calibration {calibration}; offered {rate:.2f} requests/s", flush=True)
@@ -173,18 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             print(table([row(name, runs[name]["levels"][0])]), flush=True)
     finally:
         stop(proc)
-        log.close()
-    for _ in range(30):
-        if port_free(args.port):
-            break
-        time.sleep(1.0)
+    wait_port_free(args.port)
     rows = [row(name, result["levels"][0]) for name, result in runs.items()]
     meta = {"command": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "device": torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
             "dtype": dtype, "inflate": args.inflate, "slots": args.max_requests, "slo_admission": args.slo_admission,
             "overload": args.overload, "high_share": args.high_share, "offered_rate": rate, **calibration}
     (args.out_dir / "service_levels.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
-    text = (f"# Service levels, {meta['date']}\n\n{json.dumps(meta)}\n\n{table(rows)}\n")
+    text = f"# Service levels, {meta['date']}\n\n{json.dumps(meta)}\n\n{goal(rows)}\n\n{table(rows)}\n"
     (args.out_dir / "service_levels.md").write_text(text)
     print(text, flush=True)
     return 0

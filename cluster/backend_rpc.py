@@ -13,8 +13,10 @@ from typing import Any
 
 from cluster.backend import GenerateBackend
 from cluster.messages import AnyValue, Int, List, Message, Str
+from cluster.rpc import RetryLaterError
 from cluster.sampling import SamplingParams
 from scheduler.metrics import snapshot_to_dict
+from scheduler.service_levels import SLOUnattainableError
 
 SCHEDULER = "dspark.Scheduler"
 ENGINE = "dspark.Engine"
@@ -33,21 +35,29 @@ def backend_methods(
 ) -> dict[str, tuple[Callable[..., Any], Message]]:
     """The request-level methods over ``backend``; ``info`` answers ``Info`` (``ready`` and ``reason`` at
     least, which the ingress's health check reads). Merge more methods in before building the
-    :class:`~cluster.rpc.Service`."""
+    :class:`~cluster.rpc.Service`.
+
+    A request refused at admission for its TPOT target (:class:`SLOUnattainableError`, a ``ValueError`` in
+    process) leaves ``Generate`` as :class:`~cluster.rpc.RetryLaterError` (``RESOURCE_EXHAUSTED`` with its
+    retry-after), not as INVALID_ARGUMENT, so the ingress answers it 429 + ``Retry-After``
+    (:class:`~cluster.remote_backend.RemoteBackend` turns it back)."""
 
     async def generate(request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         if not isinstance(request["params"], dict):
             raise ValueError("params: expected a map")
         params = SamplingParams.from_dict(request["params"])
-        async for delta in backend.generate(request["req_id"], request["prompt_ids"], params):
-            yield {
-                "token_ids": list(delta.token_ids),
-                "text": delta.text,
-                "finished": delta.finished,
-                "finish_reason": delta.finish_reason,
-                "num_prompt_tokens": delta.num_prompt_tokens,
-                "num_output_tokens": delta.num_output_tokens,
-            }
+        try:
+            async for delta in backend.generate(request["req_id"], request["prompt_ids"], params):
+                yield {
+                    "token_ids": list(delta.token_ids),
+                    "text": delta.text,
+                    "finished": delta.finished,
+                    "finish_reason": delta.finish_reason,
+                    "num_prompt_tokens": delta.num_prompt_tokens,
+                    "num_output_tokens": delta.num_output_tokens,
+                }
+        except SLOUnattainableError as error:  # raised at admission, before any delta
+            raise RetryLaterError(str(error), error.retry_after_s) from None
 
     async def abort(request: dict[str, Any]) -> dict[str, Any]:
         await backend.abort(request["req_id"])

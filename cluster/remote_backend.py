@@ -11,7 +11,10 @@ with it: a stream that breaks (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, INTERN
 stream had started). The next call asks ``resolve`` for the scheduler's address again, so clients that retry
 reach the restarted scheduler. A scheduler that runs but is not ready (no replicas yet) answers
 ``FAILED_PRECONDITION`` after its readiness wait: :class:`BackendNotReadyError`, also a retryable 503, with the
-channel kept. Aborts are best effort: a dead scheduler has nothing left to abort.
+channel kept. A request refused at admission for its TPOT target comes as ``RESOURCE_EXHAUSTED`` with a
+retry-after trailer (from the scheduler or an engine replica alike) and is raised as the
+:class:`SLOUnattainableError` it was there (a 429 with ``Retry-After``). Aborts are best effort: a dead
+scheduler has nothing left to abort.
 
 Metrics stay monotonic across scheduler restarts: every ``Metrics`` reply names the scheduler incarnation whose
 counters it holds, and :class:`CounterBaseline` adds the last counters read from each earlier incarnation to the
@@ -32,9 +35,10 @@ import grpc
 
 from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta
 from cluster.backend_rpc import ENGINE, SCHEDULER
-from cluster.rpc import RpcClient
+from cluster.rpc import RpcClient, retry_after_s
 from cluster.sampling import SamplingParams
 from scheduler.metrics import MetricsSnapshot, merge_snapshots, snapshot_from_dict
+from scheduler.service_levels import SLOUnattainableError
 
 logger = logging.getLogger(__name__)
 
@@ -295,8 +299,13 @@ def _delta(message: dict[str, Any]) -> GenerateDelta:
 
 def _raise_request_error(exc: grpc.aio.AioRpcError) -> None:
     """The statuses that belong to the request, not to the server's reachability: INVALID_ARGUMENT is the
-    request's fault (a 400), FAILED_PRECONDITION a server that is not ready yet (a retryable 503)."""
+    request's fault (a 400), FAILED_PRECONDITION a server that is not ready yet (a retryable 503),
+    RESOURCE_EXHAUSTED with a retry-after (:class:`cluster.rpc.RetryLaterError`) a TPOT target refused at
+    admission (a 429 with ``Retry-After``)."""
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
         raise ValueError(exc.details()) from None
+    seconds = retry_after_s(exc)
+    if seconds is not None:
+        raise SLOUnattainableError(exc.details(), seconds) from None
     if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
         raise BackendNotReadyError(exc.details()) from None

@@ -16,6 +16,7 @@ undecodable or schema-invalid request    ``INVALID_ARGUMENT``
 handler raised ``ValueError``            ``INVALID_ARGUMENT``
 handler raised :class:`NotFoundError`    ``NOT_FOUND``
 handler raised :class:`NotReadyError`    ``FAILED_PRECONDITION`` (not logged: expected while starting)
+handler raised :class:`RetryLaterError`  ``RESOURCE_EXHAUSTED``, seconds in trailer ``dspark-retry-after-s``
 handler raised anything else             ``INTERNAL``
 request over ``max_message_bytes``       ``RESOURCE_EXHAUSTED`` (grpc refuses it before reading it all)
 call ran past its deadline               ``DEADLINE_EXCEEDED`` (the handler task is cancelled)
@@ -68,10 +69,13 @@ HEALTH_REQUEST = Message("HealthCheckRequest", {"service": Opt(Str(max_len=256))
 # the wire from the time inside the replica with it.
 _OK, _CODE, _DETAILS, _HELD = "ok", "code", "details", "held_us"
 _STREAM_OPEN = "dspark-stream-open"  # header a stream twin sends once it accepted the stream
+#: Trailing metadata of a RESOURCE_EXHAUSTED from :class:`RetryLaterError`: whole seconds to wait before retrying.
+RETRY_AFTER_KEY = "dspark-retry-after-s"
 
 UnaryHandler = Callable[[dict[str, Any]], Awaitable[Any]]
 StreamHandler = Callable[[dict[str, Any]], AsyncIterator[Any]]
 Handler = UnaryHandler | StreamHandler
+Trailers = tuple[tuple[str, str], ...]
 
 
 class NotFoundError(LookupError):
@@ -83,6 +87,31 @@ class NotReadyError(RuntimeError):
 
     Not ``UNAVAILABLE``, which clients read as "this server is gone, find it again"; and not logged with a
     traceback, since a retrying client meets it once per attempt while a deployment starts."""
+
+
+class RetryLaterError(RuntimeError):
+    """The service refuses this call for its current load; the caller may retry after ``retry_after_s`` whole
+    seconds (at least 1): ``RESOURCE_EXHAUSTED`` with the seconds in the trailer :data:`RETRY_AFTER_KEY`, which
+    :func:`retry_after_s` reads back. The trailer tells it from grpc's own RESOURCE_EXHAUSTED (a message over the
+    size limit), which has none. Not logged: a loaded server refuses many."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(int(retry_after_s), 1)
+
+
+def retry_after_s(error: grpc.RpcError) -> int | None:
+    """The seconds a :class:`RetryLaterError` refusal asks the caller to wait (None: not such a refusal)."""
+    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(int(value), 1)
+            except ValueError:
+                return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -154,22 +183,27 @@ def _bearer(token: str | None) -> str | None:
     return f"Bearer {token}"
 
 
-def _status_for(exc: Exception, where: str) -> tuple[grpc.StatusCode, str]:
-    """Map a handler's exception to a status: bad input and unknown ids are the caller's, the rest ours."""
+def _status_for(exc: Exception, where: str) -> tuple[grpc.StatusCode, str, Trailers]:
+    """Map a handler's exception to a status, its details and trailing metadata: bad input and unknown ids are
+    the caller's, a refusal for load says when to retry, the rest is ours."""
+    if isinstance(exc, RetryLaterError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ((RETRY_AFTER_KEY, str(exc.retry_after_s)),)
     if isinstance(exc, NotFoundError):
-        return grpc.StatusCode.NOT_FOUND, str(exc) or "not found"
+        return grpc.StatusCode.NOT_FOUND, str(exc) or "not found", ()
     if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc) or type(exc).__name__
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc) or type(exc).__name__, ()
     if isinstance(exc, NotReadyError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc) or "not ready"
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc) or "not ready", ()
     log.exception("%s failed", where)
     if isinstance(exc, grpc.aio.AioRpcError):
-        return grpc.StatusCode.INTERNAL, f"upstream call failed: {exc.code().name}: {exc.details()}"
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        return grpc.StatusCode.INTERNAL, f"upstream call failed: {exc.code().name}: {exc.details()}", ()
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}", ()
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message[:_MAX_DETAILS_CHARS])
+async def _abort(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, trailers: Trailers = ()
+) -> NoReturn:
+    await context.abort(code, message[:_MAX_DETAILS_CHARS], trailing_metadata=trailers)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
@@ -372,7 +406,8 @@ class RpcServer:
                 except asyncio.CancelledError:  # the handler gave up on this message: the stream ends with it
                     await _abort(context, grpc.StatusCode.CANCELLED, f"{where} was cancelled")
                 except Exception as exc:
-                    yield self._stream_error(*_status_for(exc, where))
+                    code, message, _ = _status_for(exc, where)  # a stream twin's envelope has no trailers
+                    yield self._stream_error(code, message)
                     continue
                 held_us = int(1e6 * (time.perf_counter() - arrived))
                 try:

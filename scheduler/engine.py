@@ -43,16 +43,17 @@ from scheduler.admission import draft_caps, free_slots
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.service_levels import (
+    BUDGET_SHARE,
     PLAIN_LEVEL,
     RequestLevel,
     ServiceLevels,
     SLOUnattainableError,
     TierMetrics,
     admission_order,
-    at_risk,
     behind_target,
+    join_slack_s,
+    joiners_allowed,
     lateness_weights,
-    lower_tier_held,
     predicted_tpot_s,
 )
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
@@ -70,7 +71,7 @@ SLO_RETRY_AFTER_S = 1
 #: Rounds whose median time the service-level rules take as the current round time: few enough to follow the
 #: load as requests join and leave, enough that one slow round (a long prefill) does not decide alone.
 ROUND_TIME_WINDOW = 16
-#: Weight of the newest round in the moving average of rounds that prefill joining prompts.
+#: Weight of the newest round in the moving averages of rounds with and without joining prompts.
 JOIN_ROUND_ALPHA = 0.2
 
 
@@ -288,7 +289,8 @@ class SpeculativeEngine:
         self.tiers = TierMetrics()
         self._off: set[str] = set()  # running requests with speculation off (verified with no drafts)
         self._no_drafter: set[str] = set()  # running requests that hold no drafter slot (off, plain round driver)
-        self._join_round_s = 0.0  # moving average of rounds in which prompts joined (0: none yet)
+        self._plain_round_s = 0.0  # moving average of rounds no prompt joined (0: none yet)
+        self._join_cost_s = 0.0  # moving average of what one joining prompt adds to a round (0: not known yet)
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
@@ -431,7 +433,10 @@ class SpeculativeEngine:
         running = list(self._running.values())
         verified = running[: len(running) - len(admitted)]
         if verified and not all(map(_PLAIN, verified)):
-            return self._leveled_round(admitted, verified)
+            late = self._late(verified)
+            if late is not None or any(r.level.speculative != "auto" for r in verified):
+                return self._leveled_round(admitted, verified, late)
+            # Targets on track and speculation auto everywhere: the round is a plain one (drafts ahead, chains).
 
         t0 = time.perf_counter()
         ahead = self._take_ahead(verified)
@@ -473,13 +478,16 @@ class SpeculativeEngine:
             admitted, verified, verifies, drafting, t1 - t_decided, (t_decided - t0) + (t2 - t1), t2
         )
 
-    def _leveled_round(self, admitted: list[_Request], verified: list[_Request]) -> list[RequestOutput]:
-        """A round in which some request has a service level (speculation off or on, a TPOT target): drafted
-        eagerly for the requests that draft, never chained or drafted ahead (drafts launched ahead for it are
-        dropped). ``off`` rows get no drafter row and length 0; the round drafts whenever a request is ``on``,
-        else when the policy would; lengths come from the policy on confidences weighted by lateness
-        (:func:`scheduler.service_levels.lateness_weights`), and an ``on`` request verifies at least one draft
-        its cap allows. Every rule reads settings, counts and timings only: lossless."""
+    def _leveled_round(
+        self, admitted: list[_Request], verified: list[_Request], late: np.ndarray | None
+    ) -> list[RequestOutput]:
+        """A round in which some request has speculation off or on or is behind its TPOT target (``late``: which
+        are, None when none is): drafted eagerly for the requests that draft, never chained or drafted ahead
+        (drafts launched ahead for it are dropped). ``off`` rows get no drafter row and length 0; the round
+        drafts whenever a request is ``on``, else when the policy would; lengths come from the policy on
+        confidences weighted by lateness (:func:`scheduler.service_levels.lateness_weights`), and an ``on``
+        request verifies at least one draft its cap allows. Every rule reads settings, counts and timings only:
+        lossless."""
         t0 = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
@@ -492,7 +500,7 @@ class SpeculativeEngine:
         drafting = self.draft is not None and bool(drafts.any()) and (
             bool(forced.any()) or self.policy.should_draft(caps)
         )
-        weights = self._weights(verified)
+        weights = None if late is None else lateness_weights(late, self.service_levels.on_target_weight)
         t_decided = time.perf_counter()
         proposal = None
         if drafting:
@@ -531,27 +539,33 @@ class SpeculativeEngine:
         """The TPOT a request of ``level`` joining now is predicted to get (see :func:`predicted_tpot_s`)."""
         return predicted_tpot_s(self._round_s(), self._tau(), level.speculative)
 
-    def _late_priorities(self) -> list[int]:
-        """Tiers of the running requests whose TPOT target is at risk: behind it after a round that prefills a
-        joining prompt (what admitting one costs them; the learned time of such rounds), or missing it at the
-        current pace (:func:`at_risk`)."""
+    def _slacks(self) -> list[tuple[int, float]]:
+        """(tier, slack) of every running request with a target that can still meet it: the seconds of rounds
+        that prefill joining prompts it can absorb (:func:`join_slack_s`, at the pace of rounds without a
+        joining prompt and its own tokens per round so far, the server's before its first verify round)."""
         running = [r for r in self._running.values() if r.level.tpot_slo_s is not None]
         if not running:
             return []
-        round_s = self._round_s()
-        behind = self._behind(running, max(self._join_round_s, round_s))
-        return [
-            r.level.priority
-            for r, late in zip(running, behind, strict=True)
-            if late or at_risk(r.level.tpot_slo_s, round_s, len(r.output), len(r.metrics.verified))  # type: ignore[arg-type]
-        ]
-
-    def _behind(self, requests: list[_Request], round_s: float | None = None) -> np.ndarray:
-        """Per request, whether it is behind its TPOT target (False without one) after a round of ``round_s``
-        (default: the current round time): timings and counts only."""
         now = time.perf_counter()
-        if round_s is None:
-            round_s = self._round_s()
+        round_s = self._plain_round_s or self._round_s()
+        tau = self._tau()
+        out = []
+        for r in running:
+            first, rounds = r.metrics.first_token_time, len(r.metrics.verified)
+            if first is None:
+                continue
+            per_round = (len(r.output) - 1) / rounds if rounds else tau
+            target: float = r.level.tpot_slo_s  # type: ignore[assignment]  # the running ones with a target
+            slack = join_slack_s(target, now - first, len(r.output), r.max_tokens, per_round, round_s)
+            if slack is not None:
+                out.append((r.level.priority, slack))
+        return out
+
+    def _behind(self, requests: list[_Request]) -> np.ndarray:
+        """Per request, whether it is behind its TPOT target (False without one) after a round of the current
+        round time: timings and counts only."""
+        now = time.perf_counter()
+        round_s = self._round_s()
         out = np.zeros(len(requests), dtype=bool)
         for i, r in enumerate(requests):
             target = r.level.tpot_slo_s
@@ -561,12 +575,12 @@ class SpeculativeEngine:
                 out[i] = behind_target(target, now - started, len(r.output), round_s)
         return out
 
-    def _weights(self, verified: list[_Request]) -> np.ndarray | None:
-        """This round's lateness weights of ``verified`` (None: no request is behind a target)."""
-        has_target = np.fromiter((r.level.tpot_slo_s is not None for r in verified), dtype=bool, count=len(verified))
-        if not has_target.any():
+    def _late(self, verified: list[_Request]) -> np.ndarray | None:
+        """Per request of ``verified``, whether it is behind its TPOT target this round; None when none is."""
+        if all(r.level.tpot_slo_s is None for r in verified):
             return None
-        return lateness_weights(self._behind(verified), has_target, self.service_levels.on_target_weight)
+        late = self._behind(verified)
+        return late if late.any() else None
 
     def _chained_round(
         self,
@@ -774,10 +788,13 @@ class SpeculativeEngine:
                 verify_transfer=_transfer(self.verify, verify_s),
                 host_s=max(host_s, 0.0),
             )
-            if admitted:  # a round that prefilled joining prompts: what admitting one more costs the others
-                seconds = draft_s + schedule_s + t3 - t2
-                join = self._join_round_s
-                self._join_round_s = seconds if join == 0.0 else join + JOIN_ROUND_ALPHA * (seconds - join)
+            seconds = draft_s + schedule_s + t3 - t2
+            plain = self._plain_round_s
+            if not admitted:
+                self._plain_round_s = seconds if plain == 0.0 else plain + JOIN_ROUND_ALPHA * (seconds - plain)
+            elif plain > 0.0:  # what one joining prompt costs the running requests, against a round without
+                cost, join = max(seconds - plain, 0.0) / len(admitted), self._join_cost_s
+                self._join_cost_s = cost if join == 0.0 else join + JOIN_ROUND_ALPHA * (cost - join)
             if self._observe_round is not None:  # other host time: schedule + commit (all but draft and verify)
                 other_s = schedule_s + time.perf_counter() - t3
                 verify_tokens = len(verified) + int(np.add.reduce(verified_counts))  # anchors + drafts
@@ -873,10 +890,9 @@ class SpeculativeEngine:
     def _admit(self, limit: int | None = None) -> list[_Request]:
         """Move waiting requests (at most ``limit``) into the running set while both engines have free slots.
 
-        Waiting requests go in tier order, FIFO within a tier (:func:`admission_order`); while a running request
-        has its TPOT target at risk, lower tiers wait; with ``slo_admission: queue`` a request whose target is not
-        attainable now waits while others run. ``off`` requests need no
-        drafter slot. The admitted requests are a prefix of that order (the first that does not fit ends it)."""
+        Waiting requests go in tier order, FIFO within a tier (:func:`admission_order`), as far as the running
+        requests' targets leave room and the queued targets let them (:meth:`_eligible`). ``off`` requests need
+        no drafter slot. The admitted requests are a prefix of that order (the first that does not fit ends it)."""
         admitted: list[_Request] = []
         if not self._waiting:
             return admitted
@@ -922,17 +938,30 @@ class SpeculativeEngine:
         return admitted
 
     def _eligible(self, waiting: list[_Request]) -> list[_Request]:
-        """The waiting requests (in admission order) that may join now: none of a tier below one whose running
-        request has its target at risk, and, with ``slo_admission: queue``, none whose target is predicted to be
-        missed while other requests run."""
-        late = self._late_priorities()
+        """The waiting requests (in admission order) that may join now.
+
+        Joining prompts are prefilled in the round, which lengthens it for every running request: a request
+        of tier p joins only while the running requests of tier p or higher (smaller value) with a target
+        can absorb one more joining prompt's cost and still meet their targets (:func:`joiners_allowed`);
+        the first that cannot join ends the list (everyone after it is of its tier or lower, held by the
+        same requests). With ``slo_admission: queue`` a request whose predicted TPOT leaves less than
+        :data:`BUDGET_SHARE` of its target room (the share admissions plan with) waits while others run, and so
+        does every request of a lower tier: nobody overtakes a higher tier."""
+        slacks = self._slacks()
         queue = self.service_levels.slo_admission == "queue" and bool(self._running)
-        out = []
+        cost = self._join_cost_s
+        out: list[_Request] = []
+        queued_tier: int | None = None
         for req in waiting:
             level = req.level
-            if late and lower_tier_held(level.priority, late):
-                continue
-            if queue and level.tpot_slo_s is not None and self._predicted_tpot_s(level) > level.tpot_slo_s:
+            if queued_tier is not None and level.priority > queued_tier:
+                break
+            allowed = joiners_allowed([s for p, s in slacks if p <= level.priority], cost)
+            if 0 <= allowed <= len(out):
+                break
+            target = level.tpot_slo_s
+            if queue and target is not None and self._predicted_tpot_s(level) > BUDGET_SHARE * target:
+                queued_tier = level.priority if queued_tier is None else queued_tier
                 continue
             out.append(req)
         return out

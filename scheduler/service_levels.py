@@ -10,22 +10,24 @@ decoding lossless:
   when the draft gate would run a plain target round, and the request verifies at least one draft whenever its
   cap allows; more when Algorithm 1 says so).
 - ``priority``: an integer tier; a SMALLER value is served first (vLLM's convention, so clients that send vLLM's
-  ``priority`` get the same order). Waiting requests are admitted in tier order, FIFO within a tier, and while a
-  running request's TPOT target is at risk (it is behind it, or the recent round time over its tokens per round
-  exceeds 80% of it: :func:`at_risk`), requests of a lower tier (larger value) are not admitted, so the batch shrinks
-  as lower-tier requests finish until the target holds again. "Behind" is judged here after a round that
-  prefills a joining prompt (the learned time of such rounds), since admitting a request costs every running
-  one that round: on the CPU demo pair such a round takes 2-3 rounds' time, more than one more request in the
-  batch costs (docs/BENCHMARKS.md "Service levels").
-- ``tpot_slo_ms``: a target for time per output token. Every round, the first confidence of each request that
-  is NOT behind its target (and of every request without one) is multiplied by ``on_target_weight``, which
-  multiplies all of its prefix survival probabilities by the same factor: Algorithm 1 walks late requests'
-  drafts first and values best-effort drafts less, so under load (where the SPS curve falls with B) its early
-  stop gives the verification budget to late requests and trims best-effort ones; on a flat curve everyone keeps
-  every draft. A request is behind when, taking only the target's own token this round, its TPOT since its first
-  token would exceed the target (:func:`behind_target`). At admission, a request whose target cannot be met at
-  the current round time and acceptance (:func:`predicted_tpot_s`) is refused (HTTP 429 with ``Retry-After``) or
-  kept waiting until it can be (``slo_admission``).
+  ``priority`` get the same order). Waiting requests are admitted in tier order, FIFO within a tier, and nobody
+  overtakes a higher tier that waits. A joining prompt is prefilled in the round it joins, which lengthens that
+  round for every running request (on the CPU demo pair such a round takes 2-3 rounds' time:
+  docs/BENCHMARKS.md "Service levels"), so a request of tier p joins only while every running request of tier
+  p or higher with a target has the slack to absorb one more joining prompt's learned cost and still meet its
+  target over its remaining tokens (:func:`join_slack_s`, :func:`joiners_allowed`); as requests finish and
+  none replace them, the rounds get shorter until the targets hold again.
+- ``tpot_slo_ms``: a target for time per output token. In a round in which some request is behind its target
+  (:func:`behind_target`: taking only the target's own token this round, its TPOT since its first token would
+  exceed the target), the first confidence of each request that is NOT behind (and of every request without a
+  target) is multiplied by ``on_target_weight``, which multiplies all of its prefix survival probabilities by
+  the same factor: Algorithm 1 walks late requests' drafts first and values the others' less, so under load
+  (where the SPS curve falls with B) its early stop gives the verification budget to late requests and trims
+  the rest; on a flat curve everyone keeps every draft. Rounds in which every target is on track (and every
+  request's speculation is ``auto``) run as plain rounds (drafted ahead, chained where the engine can). At
+  admission, a request whose target cannot be met at the current round time and acceptance
+  (:func:`predicted_tpot_s`) is refused (HTTP 429 with ``Retry-After``), or, with ``slo_admission: queue``,
+  waits while others run until the prediction leaves :data:`BUDGET_SHARE` of the target room.
 
 Why the weights stay lossless: scaling request r's survivals by a factor w_r keeps each request's items in the
 walk in position order (w_r * a[r, j] is still non-increasing in j), so the walk still admits prefixes, and the
@@ -65,14 +67,18 @@ class ServiceLevels:
     """The server's defaults for requests that do not set a field, and the admission rule for targets.
 
     ``on_target_weight`` in (0, 1]: the factor on the survival probabilities of requests that are not behind a
-    target (1 turns lateness weighting off). ``slo_admission``: ``refuse`` (429 + ``Retry-After``) or ``queue``
-    (wait, admitted once the prediction meets the target or nothing else runs)."""
+    target (1 turns lateness weighting off); small by default because the walk compares a late request's deeper
+    drafts (survivals that fall with depth) with the others' first ones: at one half, a late request's drafts past
+    a survival of 0.5 still rank behind every on-track request's first draft, and late requests got no more
+    budget than the others (docs/BENCHMARKS.md "Service levels"). ``slo_admission``: ``refuse`` (429 +
+    ``Retry-After``) or ``queue`` (wait, admitted once the prediction leaves :data:`BUDGET_SHARE` of the target
+    room or nothing else runs)."""
 
     default_priority: int = 0
     default_speculative: Speculative = "auto"
     default_tpot_slo_ms: float | None = None
     slo_admission: SloAdmission = "refuse"
-    on_target_weight: float = 0.5
+    on_target_weight: float = 0.1
 
     def __post_init__(self) -> None:
         if self.default_speculative not in SPECULATIVE_MODES:
@@ -127,24 +133,47 @@ def behind_target(tpot_slo_s: float, elapsed_s: float, num_output: int, round_s:
     return elapsed_s + round_s > tpot_slo_s * max(num_output, 1)
 
 
-#: A target is at risk once the current pace reaches this share of it: requests admitted meanwhile lengthen
-#: the rounds before the next check, so the hold starts with some room left.
-AT_RISK_SHARE = 0.8
+#: Share of a running request's time budget that admissions plan with: the requests admitted now lengthen
+#: every later round of the running ones a little, which the pace measured so far does not show yet.
+BUDGET_SHARE = 0.8
 
 
-def at_risk(tpot_slo_s: float, round_s: float, num_output: int, rounds: int) -> bool:
-    """Whether a running request is close to missing its target at the current pace: the recent round time
-    over the tokens it got per verify round so far (``num_output - 1`` tokens in ``rounds`` rounds; 1 before
-    any) exceeds :data:`AT_RISK_SHARE` of the target."""
-    per_round = (num_output - 1) / rounds if rounds else 1.0
-    return round_s > AT_RISK_SHARE * tpot_slo_s * max(per_round, 1.0)
+def join_slack_s(
+    tpot_slo_s: float, since_first_s: float, num_output: int, max_tokens: int, per_round: float, round_s: float
+) -> float | None:
+    """Seconds of rounds that prefill joining prompts a running request with a target can still absorb and
+    meet it; None once it cannot meet it whatever happens next (its time budget is spent), so it holds no
+    admission back.
+
+    Its budget to its last token is ``tpot_slo_s * (max_tokens - 1)`` from its first token, ``since_first_s``
+    ago; of what is left (:data:`BUDGET_SHARE` of it) the rounds its ``max_tokens - num_output`` remaining
+    tokens need at the current pace (``round_s`` per round without a joining prompt, ``per_round`` tokens a
+    round) are taken; the rest is the slack. Negative: it misses at this pace unless the batch shrinks.
+    Settings, counts and timings only."""
+    left = tpot_slo_s * max(max_tokens - 1, 1) - since_first_s
+    if left <= 0.0:
+        return None
+    rounds = math.ceil(max(max_tokens - num_output, 0) / max(per_round, 1.0))
+    return BUDGET_SHARE * left - rounds * round_s
 
 
-def lateness_weights(behind: np.ndarray, has_target: np.ndarray, on_target_weight: float) -> np.ndarray | None:
-    """Per request, the factor on its survival probabilities this round: 1 for a request behind its target,
-    ``on_target_weight`` for all others; None when no request is behind (nothing to reorder: every weight would
-    be the same, and one common factor changes no comparison of the walk except against the anchors' tau)."""
-    late = behind & has_target
+def joiners_allowed(slacks: Sequence[float], join_cost_s: float) -> int:
+    """How many prompts may join this round beside running requests of these slacks (``join_slack_s``), each
+    joining prompt costing every running request ``join_cost_s`` (the learned extra time of a round per
+    prompt it prefills): as many as the smallest slack pays for. No slack: no limit (-1)."""
+    if not slacks:
+        return -1
+    least = min(slacks)
+    if least < 0.0:
+        return 0
+    return -1 if join_cost_s <= 0.0 else int(least // join_cost_s)
+
+
+def lateness_weights(late: np.ndarray, on_target_weight: float) -> np.ndarray | None:
+    """Per request, the factor on its survival probabilities this round: 1 for a request behind its target
+    (``late``), ``on_target_weight`` for all others; None when no request is behind or the weight is 1 (nothing
+    to reorder: every weight would be the same, and one common factor changes no comparison of the walk except
+    against the anchors' tau)."""
     if not late.any() or on_target_weight >= 1.0:
         return None
     return np.where(late, 1.0, on_target_weight)
@@ -164,12 +193,6 @@ def predicted_tpot_s(round_s: float, tau: float, speculative: str) -> float:
         return 0.0
     per_round = 1.0 if speculative == "off" or tau < 1.0 else tau
     return round_s / per_round
-
-
-def lower_tier_held(priority: int, late_priorities: Sequence[int]) -> bool:
-    """Whether a waiting request of tier ``priority`` is held back this round: some running request of a
-    higher tier (smaller value) is behind its target."""
-    return any(p < priority for p in late_priorities)
 
 
 @dataclass

@@ -7,6 +7,7 @@ at a time, like a verifier's KV cache, so unknown ids, replayed rounds and disco
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -22,11 +23,13 @@ from cluster.messages import AnyValue, Float, Int, List, Map, Message, Opt, Str,
 from cluster.rpc import (
     HealthStatus,
     NotFoundError,
+    RetryLaterError,
     RpcClient,
     RpcServer,
     ServerThread,
     Service,
     SyncRpcClient,
+    retry_after_s,
     start_server,
 )
 from cluster.wire import WIRE_DTYPES, WireError, WireLimits, encode
@@ -107,6 +110,12 @@ class Ledger:
         finally:
             self.streams_closed += 1
 
+    async def busy(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Refuses before the first item while asked to wait (an admission refusal for load)."""
+        if request["seconds"] > 0:
+            raise RetryLaterError("too busy now", math.ceil(request["seconds"]))
+        yield {"busy": False}
+
     def service(self) -> Service:
         return Service(
             SERVICE,
@@ -119,6 +128,7 @@ class Ledger:
                 "Boom": (self.boom, EMPTY),
                 "Unsendable": (self.unsendable, EMPTY),
                 "Tokens": (self.stream_tokens, TOKENS),
+                "Busy": (self.busy, SLOW),
             },
         )
 
@@ -272,6 +282,24 @@ def test_server_stream_delivers_items_and_errors(client: SyncRpcClient) -> None:
     )
 
 
+def test_a_refusal_for_load_is_resource_exhausted_with_its_retry_after(client: SyncRpcClient) -> None:
+    error = _code(lambda: list(client.stream(SERVICE, "Busy", {"seconds": 2.5})))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "too busy now" in error.details()
+    assert retry_after_s(error) == 3
+    assert list(client.stream(SERVICE, "Busy", {"seconds": 0.0})) == [{"busy": False}]  # still serving
+    other = _code(lambda: list(client.stream(SERVICE, "Tokens", {"n": 5, "fail_at": 0})))
+    assert other.code() == grpc.StatusCode.NOT_FOUND and retry_after_s(other) is None
+
+    async def over_aio() -> grpc.aio.AioRpcError:
+        async with RpcClient(client.target) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in c.stream(SERVICE, "Busy", {"seconds": 1.0}):
+                    pass
+            return info.value
+
+    assert retry_after_s(asyncio.run(over_aio())) == 1
+
+
 def test_client_leaving_a_stream_runs_the_handlers_cleanup(
     ledger_server: tuple[Ledger, ServerThread], client: SyncRpcClient
 ) -> None:
@@ -374,6 +402,7 @@ def test_size_limits_on_both_ends() -> None:
             oversized = encode({"tensors": {"x": torch.zeros(20_000)}, "meta": None})
             error = _code(lambda: ch.unary_unary(f"/{SERVICE}/Echo")(oversized, timeout=5))
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert retry_after_s(error) is None  # grpc's own: no retry-after trailer
             too_long = encode({"request_id": "x", "round": 0, "tokens": list(range(101))})
             error = _code(lambda: ch.unary_unary(f"/{SERVICE}/Step")(too_long, timeout=5))
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT

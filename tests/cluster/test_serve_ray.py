@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from ray_start import start_local_cluster
+from slo_refusal import assert_unattainable_target_refused
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -171,3 +172,7 @@ def _counter(base: str, family: str) -> dict[str, float]:
         for sample in metric.samples
         if sample.name.endswith("_total")
     }
+
+
+def test_unattainable_target_is_refused_with_429_and_retry_after(served: dict) -> None:
+    assert_unattainable_target_refused(served["base"], "dspark-demo")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from ray_start import start_local_cluster
+from slo_refusal import assert_unattainable_target_refused
 from stats import chi_square_p_value
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -198,3 +199,7 @@ def test_concurrent_requests_and_disconnect_free_the_slots(served: dict) -> None
     assert _handle("Scheduler").endpoints.remote().result()["engines"]  # still registered
     text = httpx.get(f"{served['base']}/metrics", timeout=30).text
     assert "dspark_output_tokens_total" in text
+
+
+def test_unattainable_target_is_refused_with_429_and_retry_after(served: dict) -> None:
+    assert_unattainable_target_refused(served["base"], "dspark-demo")
