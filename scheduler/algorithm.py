@@ -391,10 +391,12 @@ def scalar_round(
     columns = []  # per request: its survivals along the row (flushed to 0 from the first below _TINY on)
     counts = []  # per request: how many are positive
     n_pos, total, smallest = 0, 0.0, 1.0
-    for row in conf.tolist():
-        if not (min(row) >= 0.0 and max(row) <= 1.0 and sum(row) >= 0.0):  # a NaN fails the sum, wherever it is
-            validate_confidences(conf)  # raises the error the vectorised path raises
-        survival = list(accumulate(row, mul))  # non-increasing: the positives are a prefix of the row
+    values = conf.ravel().tolist()  # row after row
+    if not (min(values) >= 0.0 and max(values) <= 1.0 and sum(values) >= 0.0):  # a NaN fails the sum, wherever
+        validate_confidences(conf)  # raises the error the vectorised path raises
+    for start in range(0, num_requests * gamma, gamma):
+        # Non-increasing along the row: the positives are a prefix of it.
+        survival = list(accumulate(values[start : start + gamma], mul))
         if survival[-1] >= _TINY:
             positive = gamma
         else:
