@@ -271,12 +271,14 @@ def _prices(sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamm
     return sps.memo(("algorithm1", draft_cost, num_requests, gamma), build)
 
 
-def _every_step_improves(survival: np.ndarray, n_pos: int, smallest: float, num_requests: int, prices: _Prices) -> bool:
-    """A sufficient test, without the sort, that Theta strictly improves at EVERY step of the walk as computed.
+def _every_step_improves(total: float, n_pos: int, smallest: float, num_requests: int, growth: float) -> bool:
+    """A sufficient test, without the sort, that Theta strictly improves at EVERY step of the walk as computed;
+    the one test of both walks (the numpy walk and :func:`scalar_round`).
 
     Then the early stop admits all n_pos positive items (and the global argmax of Theta is the last prefix),
     whatever their order. Claim: if a_min > (R + S)(1 + m)(G + m), with a_min = ``smallest`` positive survival,
-    S the sum of all of them, G = growth[n_pos] and m = _MARGIN = 1e-9, every step n = 1..n_pos has
+    S = ``total`` the sum of all of them (summed in any order), G = ``growth`` = _Prices.growth[n_pos] and
+    m = _MARGIN = 1e-9, every step n = 1..n_pos has
     Theta_n > Theta_{n-1} in float64.
 
     Proof. Write u = 2^-53, t_k the computed tau after k items (t_0 = R), p_k = factor[k] and
@@ -293,8 +295,7 @@ def _every_step_improves(survival: np.ndarray, n_pos: int, smallest: float, num_
     """
     if n_pos > _FAST_PATH_MAX_ITEMS:
         return False
-    bound = (num_requests + float(_add(survival))) * (1.0 + _MARGIN) * (float(prices.growth[n_pos]) + _MARGIN)
-    return bool(smallest > bound)
+    return smallest > (num_requests + total) * (1.0 + _MARGIN) * (growth + _MARGIN)
 
 
 def _positive_counts(survival: np.ndarray, num_requests: int) -> np.ndarray:
@@ -381,9 +382,9 @@ def scalar_round(
 
     It decides exactly what the vectorised paths decide: the same IEEE operations in the same order (survival
     products along each row in float64, tau summed sequentially along the walk, Theta = tau * or / the same
-    factors), the same walk order and the same sufficient every-step test (its S is summed in another order,
-    within the rounding its proof allows: a pass is as sound, and a failed test only means the walk runs and finds
-    the same answer). The order: a stable sort of the survivals, descending (equal ones by flat index j * R + r),
+    factors), the same walk order and the same sufficient test :func:`_every_step_improves` (its S summed row by
+    row, an order its proof allows: a pass is as sound, and a failed test only means the walk runs and finds the
+    same answer). The order: a stable sort of the survivals, descending (equal ones by flat index j * R + r),
     is the packed key's order (:func:`_walk_order`) unless two unequal survivals share the key's survival bits,
     which needs them within a factor 1 + 2^(shift - 52) of each other; when two neighbours of the sorted order are
     within 1 + 2^-40 (shift <= 5 here) the packed key itself orders them. ``conf``: a real 2-D array whose values
@@ -415,7 +416,7 @@ def scalar_round(
     if n_pos == 0:
         return np.zeros(num_requests, dtype=np.int64), 0
     factor, growth, divide = _scalar_prices(sps, draft_cost, num_requests, gamma)
-    improves = smallest > (num_requests + total) * (1.0 + _MARGIN) * (growth[n_pos] + _MARGIN)
+    improves = _every_step_improves(total, n_pos, smallest, num_requests, growth[n_pos])
     if improves and (capacity is None or capacity >= n_pos):  # admit every positive item; Theta peaks last
         return np.array(counts, dtype=np.int64), n_pos if plan else 0
     # The survivals flat, index j * R + r, as the vectorised path lays them out.
@@ -477,7 +478,9 @@ def schedule_lengths(
     ws = _workspace()
     survival, n_pos, smallest = _survival(conf, ws)
     prices = _prices(sps, draft_cost, num_requests, gamma)
-    if n_pos == 0 or _every_step_improves(survival, n_pos, smallest, num_requests, prices):
+    if n_pos == 0 or _every_step_improves(
+        float(_add(survival)), n_pos, smallest, num_requests, float(prices.growth[n_pos])
+    ):
         return _positive_counts(survival, num_requests)
     order = _walk_order(survival, n_pos, ws)
     theta = _theta_path(survival, order, num_requests, prices, ws)
