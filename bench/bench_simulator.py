@@ -70,6 +70,7 @@ def main() -> None:
         "cpu_s": cpu,
         "us_per_round": wall / result.total_rounds * 1e6,
         "wall_s_per_simulated_hour": wall * 3600.0 / result.end_s,
+        "cpu_s_per_simulated_hour": cpu * 3600.0 / result.end_s,  # what a shared machine's other jobs disturb less
     }
     print(json.dumps(record, indent=1))
     if args.out is not None:

@@ -58,6 +58,8 @@ import math
 import struct
 import threading
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import mul, truediv
 
 import numpy as np
 
@@ -77,6 +79,8 @@ _FAST_PATH_MAX_ITEMS = 1 << 20
 # (docs/benchmarks/scheduler.md, "Python-float walk").
 _SCALAR_MAX_ITEMS = 24
 _FLIP = 0xFFFF_FFFF_FFFF_FFFF
+# Neighbours of the scalar walk's float sort closer than this ratio may share the packed key's survival bits.
+_NEAR_TIE = 1.0 + 2.0**-40
 
 
 @dataclass(frozen=True)
@@ -267,12 +271,14 @@ def _prices(sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamm
     return sps.memo(("algorithm1", draft_cost, num_requests, gamma), build)
 
 
-def _every_step_improves(survival: np.ndarray, n_pos: int, smallest: float, num_requests: int, prices: _Prices) -> bool:
-    """A sufficient test, without the sort, that Theta strictly improves at EVERY step of the walk as computed.
+def _every_step_improves(total: float, n_pos: int, smallest: float, num_requests: int, growth: float) -> bool:
+    """A sufficient test, without the sort, that Theta strictly improves at EVERY step of the walk as computed;
+    the one test of both walks (the numpy walk and :func:`scalar_round`).
 
     Then the early stop admits all n_pos positive items (and the global argmax of Theta is the last prefix),
     whatever their order. Claim: if a_min > (R + S)(1 + m)(G + m), with a_min = ``smallest`` positive survival,
-    S the sum of all of them, G = growth[n_pos] and m = _MARGIN = 1e-9, every step n = 1..n_pos has
+    S = ``total`` the sum of all of them (summed in any order), G = ``growth`` = _Prices.growth[n_pos] and
+    m = _MARGIN = 1e-9, every step n = 1..n_pos has
     Theta_n > Theta_{n-1} in float64.
 
     Proof. Write u = 2^-53, t_k the computed tau after k items (t_0 = R), p_k = factor[k] and
@@ -289,8 +295,7 @@ def _every_step_improves(survival: np.ndarray, n_pos: int, smallest: float, num_
     """
     if n_pos > _FAST_PATH_MAX_ITEMS:
         return False
-    bound = (num_requests + float(_add(survival))) * (1.0 + _MARGIN) * (float(prices.growth[n_pos]) + _MARGIN)
-    return bool(smallest > bound)
+    return smallest > (num_requests + total) * (1.0 + _MARGIN) * (growth + _MARGIN)
 
 
 def _positive_counts(survival: np.ndarray, num_requests: int) -> np.ndarray:
@@ -350,6 +355,16 @@ def takes_scalar_walk(conf: np.ndarray) -> bool:
     return conf.ndim == 2 and 0 < conf.size <= _SCALAR_MAX_ITEMS and _is_real(conf.dtype)
 
 
+def _packed_walk(survival: list[float]) -> list[int]:
+    """The walk's order by the packed sort key of :func:`_walk_order` (survival bits above ``shift``, then the
+    flat index j * R + r), on Python ints: all n flat indices, zeros last."""
+    n = len(survival)
+    shift = max(1, (n - 1).bit_length())
+    low = (1 << shift) - 1
+    bits = struct.unpack(f"{n}Q", struct.pack(f"{n}d", *survival))
+    return [key & low for key in sorted((((b ^ _FLIP) >> shift) << shift) | i for i, b in enumerate(bits))]
+
+
 def scalar_round(
     conf: np.ndarray,
     sps: SPSTable,
@@ -367,51 +382,61 @@ def scalar_round(
 
     It decides exactly what the vectorised paths decide: the same IEEE operations in the same order (survival
     products along each row in float64, tau summed sequentially along the walk, Theta = tau * or / the same
-    factors), the same packed sort key (survival bits above ``shift``, then the flat index j * R + r) and the same
-    sufficient every-step test (its S is summed in another order, within the rounding its proof allows: a pass is
-    as sound, and a failed test only means the walk runs and finds the same answer). ``conf``: a real 2-D array
-    whose values are checked here (outside [0, 1] or NaN: validate_confidences raises the vectorised path's
-    error)."""
-    survival = [0.0] * (num_requests * gamma)  # flat, index j * R + r, as the vectorised path lays it out
+    factors), the same walk order and the same sufficient test :func:`_every_step_improves` (its S summed row by
+    row, an order its proof allows: a pass is as sound, and a failed test only means the walk runs and finds the
+    same answer). The order: a stable sort of the survivals, descending (equal ones by flat index j * R + r),
+    is the packed key's order (:func:`_walk_order`) unless two unequal survivals share the key's survival bits,
+    which needs them within a factor 1 + 2^(shift - 52) of each other; when two neighbours of the sorted order are
+    within 1 + 2^-40 (shift <= 5 here) the packed key itself orders them. ``conf``: a real 2-D array whose values
+    are checked here (outside [0, 1] or NaN: validate_confidences raises the vectorised path's error)."""
+    columns = []  # per request: its survivals along the row (flushed to 0 from the first below _TINY on)
+    counts = []  # per request: how many are positive
     n_pos, total, smallest = 0, 0.0, 1.0
-    for r, row in enumerate(conf.tolist()):
-        a = 1.0
-        for j, c in enumerate(row):
-            if not 0.0 <= c <= 1.0:  # NaN fails too
-                validate_confidences(conf)  # raises the error the vectorised path raises
-            a = float(c) if j == 0 else a * c
-            if a >= _TINY:
-                survival[j * num_requests + r] = a
-                n_pos += 1
-                total += a
-                if a < smallest:  # min() as a builtin call costs more than the test, per item
-                    smallest = a
+    values = conf.ravel().tolist()  # row after row
+    if not (min(values) >= 0.0 and max(values) <= 1.0 and sum(values) >= 0.0):  # a NaN fails the sum, wherever
+        validate_confidences(conf)  # raises the error the vectorised path raises
+    for start in range(0, num_requests * gamma, gamma):
+        # Non-increasing along the row: the positives are a prefix of it.
+        survival = list(accumulate(values[start : start + gamma], mul))
+        if survival[-1] >= _TINY:
+            positive = gamma
+        else:
+            positive = 0
+            while survival[positive] >= _TINY:
+                positive += 1
+            survival[positive:] = [0.0] * (gamma - positive)
+        if positive:
+            n_pos += positive
+            total += sum(survival)
+            if survival[positive - 1] < smallest:
+                smallest = survival[positive - 1]
+        columns.append(survival)
+        counts.append(positive)
     check_sps(sps)
     if n_pos == 0:
         return np.zeros(num_requests, dtype=np.int64), 0
     factor, growth, divide = _scalar_prices(sps, draft_cost, num_requests, gamma)
-    counts = [0] * num_requests
-    improves = smallest > (num_requests + total) * (1.0 + _MARGIN) * (growth[n_pos] + _MARGIN)
+    improves = _every_step_improves(total, n_pos, smallest, num_requests, growth[n_pos])
     if improves and (capacity is None or capacity >= n_pos):  # admit every positive item; Theta peaks last
-        for index, a in enumerate(survival):
-            if a > 0.0:
-                counts[index % num_requests] += 1
         return np.array(counts, dtype=np.int64), n_pos if plan else 0
-    n = len(survival)
-    shift = max(1, (n - 1).bit_length())
-    low = (1 << shift) - 1
-    bits = struct.unpack(f"{n}Q", struct.pack(f"{n}d", *survival))
-    walk = [key & low for key in sorted((((b ^ _FLIP) >> shift) << shift) | i for i, b in enumerate(bits))]
+    # The survivals flat, index j * R + r, as the vectorised path lays them out.
+    flat = columns[0] if num_requests == 1 else [a for column in zip(*columns, strict=True) for a in column]
+    walk = sorted(range(len(flat)), key=flat.__getitem__, reverse=True)[:n_pos]
+    if n_pos > 1:
+        values = list(map(flat.__getitem__, walk))
+        if min(map(truediv, values, values[1:])) <= _NEAR_TIE:
+            walk = _packed_walk(flat)[:n_pos]
+    counts = [0] * num_requests
     if capacity is not None:  # top-capacity admission (and the plan, if asked, from the same walk below)
-        for index in walk[: min(capacity, n_pos)]:
+        for index in walk[:capacity]:
             counts[index % num_requests] += 1
         if improves or not plan:  # with plan, improves: Theta peaks at the last prefix
             return np.array(counts, dtype=np.int64), n_pos if plan else 0
     tau = float(num_requests)
     previous = best = tau / factor[0] if divide else tau * factor[0]
     best_step, stopped = 0, capacity is not None
-    for step, index in enumerate(walk[:n_pos], 1):  # the walk: up to its early stop, or all of it for the plan
-        tau += survival[index]
+    for step, index in enumerate(walk, 1):  # the walk: up to its early stop, or all of it for the plan
+        tau += flat[index]
         theta = tau / factor[step] if divide else tau * factor[step]
         if theta > best:
             best, best_step = theta, step
@@ -453,7 +478,9 @@ def schedule_lengths(
     ws = _workspace()
     survival, n_pos, smallest = _survival(conf, ws)
     prices = _prices(sps, draft_cost, num_requests, gamma)
-    if n_pos == 0 or _every_step_improves(survival, n_pos, smallest, num_requests, prices):
+    if n_pos == 0 or _every_step_improves(
+        float(_add(survival)), n_pos, smallest, num_requests, float(prices.growth[n_pos])
+    ):
         return _positive_counts(survival, num_requests)
     order = _walk_order(survival, n_pos, ws)
     theta = _theta_path(survival, order, num_requests, prices, ws)

@@ -85,7 +85,9 @@ def _lengths_and_plan(
     ws = _workspace()
     survival, n_pos, smallest = _survival(conf, ws)
     prices = _prices(sps, draft_cost, num_requests, gamma)
-    if n_pos == 0 or _every_step_improves(survival, n_pos, smallest, num_requests, prices):
+    if n_pos == 0 or _every_step_improves(
+        float(np.add.reduce(survival)), n_pos, smallest, num_requests, float(prices.growth[n_pos])
+    ):
         if capacity is None or capacity >= n_pos:
             return _positive_counts(survival, num_requests), n_pos
         return _lengths_of_prefix(_walk_order(survival, n_pos, ws), capacity, num_requests, ws), n_pos

@@ -10,6 +10,7 @@ several verifiers sharing the drafter pool).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,16 +62,20 @@ class RoundDriver:
     members: list[int] = field(default_factory=list)
     idle: bool = True
     # The round in flight: its requests, joiners, drafting decision, caps and (after the schedule) outcome.
-    verified: np.ndarray | None = None
+    verified: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
     drafting: bool = False
     caps: np.ndarray | None = None
-    rows: np.ndarray | None = None  # the trace rows the round's drafts replayed (drafted rounds)
-    accepted: np.ndarray | None = None
+    rows: list[int] | None = None  # the trace rows the round's drafts replayed (drafted rounds)
+    accepted: list[int] | None = None  # per request of ``verified`` (drafted rounds)
     draft_s: float = 0.0
     verify_s: float = 0.0
     host_s: float = 0.0
     verify_tokens: int = 0
+    observe: Callable[..., None] | None = field(init=False, default=None)  # the policy's observe_round, if any
+
+    def __post_init__(self) -> None:
+        self.observe = getattr(self.policy, "observe_round", None)
 
 
 @dataclass(eq=False)

@@ -144,10 +144,11 @@ COSTS = [None, DraftCost(), DraftCost(fixed_s=2.2e-3), DraftCost(fixed_s=1e-3, p
 @st.composite
 def confidences(draw: st.DrawFn, max_requests: int = 40) -> np.ndarray:
     """Realistic and adversarial confidences: high (the fast path), mixed, exact 0 and 1, products near the
-    2^-960 flush and increments too small to move tau in float64."""
+    2^-960 flush, increments too small to move tau in float64, and near ties (rows a few ulps apart, whose
+    survivals share the packed sort key's high bits: its index decides their order, not their values)."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     num_requests, gamma = draw(st.integers(1, max_requests)), draw(st.integers(1, 9))
-    kind = draw(st.sampled_from(["high", "beta", "uniform", "special"]))
+    kind = draw(st.sampled_from(["high", "beta", "uniform", "special", "near"]))
     if kind == "high":
         conf = 1.0 - rng.beta(1.0, 30.0, size=(num_requests, gamma))
     elif kind == "beta":
@@ -158,6 +159,9 @@ def confidences(draw: st.DrawFn, max_requests: int = 40) -> np.ndarray:
         specials = np.array([0.0, 1.0, 1.0, 1e-17, 1e-300, 2.0**-480, 0.5, np.nextafter(1.0, 0.0)])
         mask = rng.random(conf.shape) < 0.4
         conf[mask] = rng.choice(specials, size=int(mask.sum()))
+    if kind == "near":
+        ulps = rng.integers(-3, 4, size=conf.shape)
+        conf = np.clip(conf[:1] * (1.0 + ulps * 2.0**-52), 0.0, 1.0)
     return conf
 
 
