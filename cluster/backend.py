@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from cluster.rpc import NotReadyError
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.engine import DetachedRequest, RequestOutput, SpeculativeEngine
 from scheduler.metrics import MetricsSnapshot
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from cluster.backend import GenerateBackend
 from cluster.messages import AnyValue, Int, List, Message, Str
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.metrics import snapshot_to_dict
 
 SCHEDULER = "dspark.Scheduler"

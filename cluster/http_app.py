@@ -58,7 +58,7 @@ from cluster.openai_api import (
     sampling_params,
 )
 from cluster.readiness import RETRY_AFTER_S
-from cluster.sampling import SamplingError
+from kernels.sampling import SamplingError
 from scheduler.metrics import MetricsSnapshot
 from scheduler.service_levels import TPOT_BUCKETS_S, SLOUnattainableError, TierSnapshot
 

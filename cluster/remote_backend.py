@@ -33,7 +33,7 @@ import grpc
 from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta
 from cluster.backend_rpc import ENGINE, SCHEDULER
 from cluster.rpc import RpcClient
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.metrics import MetricsSnapshot, merge_snapshots, snapshot_from_dict
 
 logger = logging.getLogger(__name__)

@@ -21,12 +21,12 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, DeviceDrafts, DeviceVerified, check_graph_mode
-from cluster.sampling import SamplingParams
-from cluster.slot_lookups import SlotLookups
 from draft_service.graphs import DraftGraphRunner, LaunchedDraft
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import kernel_backend, sample_block_keyed
+from kernels.graphs import DEFAULT_BUCKETS, DeviceDrafts, DeviceVerified, check_graph_mode
+from kernels.sampling import SamplingParams
+from kernels.slot_lookups import SlotLookups
 
 
 class UnknownDraftRequestError(KeyError):
@@ -177,7 +177,7 @@ class _Entry:
 class DraftEngine:
     """Holds the drafter and the context cache of every request assigned to this replica.
 
-    ``graphs``: how ``propose`` runs (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the bucketed
+    ``graphs``: how ``propose`` runs (:mod:`kernels.graphs`): ``off`` (eager), ``static`` (the bucketed
     CUDA-graph layout run eagerly; any device) or ``capture`` (one CUDA graph per bucket, replayed). The
     bucketed modes reserve one extra context slot (empty) for the padding requests. ``projected_context``: the
     kind of context rows the bucketed append expects, raw features [n, m*H] or rows the verifier already
@@ -427,7 +427,7 @@ class DraftEngine:
 
     def _lookup(self, req_ids: Sequence[str]) -> tuple[list[_Entry], np.ndarray]:
         """Entries and context slots (int64, read-only) of requests, kept per request list
-        (:mod:`cluster.slot_lookups`: a round asks for the same lists several times)."""
+        (:mod:`kernels.slot_lookups`: a round asks for the same lists several times)."""
         return self._lookups.get(req_ids, self._entries)
 
     def propose(self, items: Sequence[DraftItem]) -> Proposal:

@@ -35,10 +35,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from cluster.graphs import DeviceVerified
-from cluster.sampling import SamplingParams
 from draft_service.ahead import gather_rows
 from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEngine, PendingProposal, Proposal
+from kernels.graphs import DeviceVerified
+from kernels.sampling import SamplingParams
 from scheduler.admission import draft_caps, free_slots
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy

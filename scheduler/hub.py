@@ -36,7 +36,7 @@ from cluster.backend_rpc import EMPTY, REQUEST_ID, SCHEDULER, backend_methods
 from cluster.messages import Bool, Message, Str
 from cluster.readiness import IntervalLog, Readiness, ReadinessGate
 from cluster.rpc import Service
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.admission import least_loaded
 from scheduler.colocated import EngineReplica, EngineReplicas
 from scheduler.engine import RequestRejectedError, SpeculativeEngine

@@ -24,10 +24,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, DeviceDrafts, DeviceVerified, check_graph_mode
-from cluster.sampling import SamplingParams
-from cluster.slot_lookups import SlotLookups
+from kernels.graphs import DEFAULT_BUCKETS, DeviceDrafts, DeviceVerified, check_graph_mode
 from kernels.rejection import RejectionOutput, rejection_sample_reference
+from kernels.sampling import SamplingParams
+from kernels.slot_lookups import SlotLookups
 from verify_service.graphs import GraphItem, VerifyGraphRunner
 from verify_service.kv_cache import KVCapacityError, NoFreeSlotError
 from verify_service.target import TargetModel
@@ -237,7 +237,7 @@ _NONE_TYPE = {type(None)}
 class VerifyEngine:
     """Holds the target and the KV cache of every running request on this replica.
 
-    ``graphs``: how steps run (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the token-bucketed CUDA-graph
+    ``graphs``: how steps run (:mod:`kernels.graphs`): ``off`` (eager), ``static`` (the token-bucketed CUDA-graph
     layout of :mod:`verify_service.graphs` run eagerly; any device) or ``capture`` (one CUDA graph per bucket,
     replayed). A step takes the graph path when it fits a bucket: every verify-only step of up to
     ``max_requests`` requests, and steps with joining prompts whose tokens fit the room left by the verify chunks
@@ -456,7 +456,7 @@ class VerifyEngine:
 
     def _lookup(self, req_ids: tuple[str, ...]) -> tuple[list[_Slot], np.ndarray]:
         """Entries and KV slots (int64, read-only) of a step's verify requests, kept per request list
-        (:mod:`cluster.slot_lookups`); raises KeyError for an unknown one."""
+        (:mod:`kernels.slot_lookups`); raises KeyError for an unknown one."""
         requests = self._requests
         return self._lookups.get(req_ids, lambda ids: [requests[req_id] for req_id in ids])
 

@@ -36,7 +36,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from cluster.graphs import (
+from kernels.graphs import (
     DEFAULT_BUCKETS,
     DeviceDrafts,
     DeviceVerified,

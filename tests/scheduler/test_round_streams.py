@@ -26,11 +26,11 @@ from model_factory import PairSpec, write_pair
 
 from cluster.messages import Int, Message
 from cluster.rpc import RoundStream, ServerThread, Service, StreamCallError, StreamLane, SyncRpcClient, stream_method
-from cluster.sampling import SamplingParams
 from cluster.wire import decode, encode
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.hub import SchedulerHub
 from scheduler.policy import make_policy

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.sps import RequestSPS, SPSTable, cuda_event_timer, default_batch_grid, profile_sps, wall_clock_timer
 from verify_service.engine import PrefillItem, VerifyEngine
 from verify_service.graphs import GraphItem
