@@ -36,10 +36,11 @@ import numpy as np
 import torch
 
 from draft_service.ahead import gather_rows
-from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEngine, PendingProposal, Proposal
+from draft_service.engine import ContextBatch, ContextItem, DraftBatch, PendingProposal, Proposal
 from kernels.graphs import DeviceVerified
 from kernels.sampling import SamplingParams
 from scheduler.admission import draft_caps, free_slots
+from scheduler.interfaces import ChainingVerifier, DetachingDrafter, Drafter, LaunchingDrafter, RemoteTimed, Verifier
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.service_levels import (
@@ -56,7 +57,7 @@ from scheduler.service_levels import (
     predicted_tpot_s,
 )
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
-from verify_service.engine import PrefillItem, StepResult, StepResults, VerifyBatch, VerifyEngine, VerifyItem
+from verify_service.engine import PrefillItem, StepResult, StepResults, VerifyBatch, VerifyItem
 
 logger = logging.getLogger(__name__)
 _NEW_TOKENS = operator.attrgetter("new_token_ids")
@@ -76,11 +77,10 @@ JOIN_ROUND_ALPHA = 0.2
 
 def _transfer_s(engine: object, phase_s: float) -> float:
     """The part of a phase of ``phase_s`` seconds spent outside the engine's replicas: the phase minus the
-    replicas' time of the engine's last call (``last_server_s``, a remote engine's; 0 for an in-process one)."""
-    server_s = getattr(engine, "last_server_s", None)
-    if server_s is None:
+    replicas' time of the engine's last call (a :class:`RemoteTimed` engine's; 0 for an in-process one)."""
+    if not isinstance(engine, RemoteTimed):
         return 0.0
-    return min(max(phase_s - server_s, 0.0), phase_s)
+    return min(max(phase_s - engine.last_server_s, 0.0), phase_s)
 
 
 class RequestRejectedError(ValueError):
@@ -203,8 +203,8 @@ class SpeculativeEngine:
 
     def __init__(
         self,
-        verify: VerifyEngine,
-        draft: DraftEngine | None,
+        verify: Verifier,
+        draft: Drafter | None,
         policy: VerifyPolicy,
         *,
         decode: Callable[[Sequence[int]], str] | None = None,
@@ -241,7 +241,7 @@ class SpeculativeEngine:
         if policy.name.startswith("dspark") and draft is not None and not draft.has_confidence_head:
             raise ValueError(f"policy {policy.name!r} needs a drafter with a confidence head")
         self.verify = verify
-        self.draft = draft if policy.uses_drafter else None
+        self.draft: Drafter | None = draft if policy.uses_drafter else None
         self.policy = policy
         # Past rounds' wall-clock timings only (never token values): feeding them back keeps the policy causal.
         self._observe_round: Callable[[int, bool, float, float, float, int], None] | None = getattr(
@@ -256,12 +256,15 @@ class SpeculativeEngine:
         self._running: dict[str, _Request] = {}
         self._finished: list[str] = []  # requests finished this round: released together at its end
         self._ids = itertools.count()
-        self._draft_ahead = draft_ahead and self.draft is not None and hasattr(self.draft, "propose_start")
+        # The overlaps need an in-process pair's capabilities (scheduler.interfaces); other engines run plain rounds.
+        self._launching = self.draft if isinstance(self.draft, LaunchingDrafter) else None
+        self._chaining = verify if isinstance(verify, ChainingVerifier) else None
+        self._draft_ahead = draft_ahead and self._launching is not None
         self._ahead: _Ahead | None = None  # the next round's drafts, launched before this round's commit
         self._planned_lengths: Callable[[np.ndarray, int], np.ndarray | None] | None = None
-        if chain_verify and hasattr(self.draft, "propose_start") and hasattr(verify, "start_chained"):
+        if chain_verify and self._launching is not None and self._chaining is not None:
             self._planned_lengths = getattr(policy, "planned_lengths", None)
-        self._chain_draft = chain_draft and self._planned_lengths is not None and hasattr(self.draft, "propose_behind")
+        self._chain_draft = chain_draft and self._planned_lengths is not None
         self._observe_drafts: Callable[[np.ndarray, np.ndarray], None] | None = getattr(policy, "observe_drafts", None)
         # The round split (scheduler.metrics): when the round began, and the part of its draft phase spent
         # outside the drafters. A remote engine reports the replicas' time of its last call (``last_server_s``,
@@ -269,7 +272,7 @@ class SpeculativeEngine:
         self._round_started = 0.0
         self._draft_transfer_s = 0.0
         # A drafter pool that lost every replica runs its requests detached (scheduler.remote, degraded mode).
-        self._is_detached: Callable[[str], bool] | None = getattr(self.draft, "is_detached", None)
+        self._is_detached = self.draft.is_detached if isinstance(self.draft, DetachingDrafter) else None
         self.service_levels = service_levels if service_levels is not None else ServiceLevels()
         self.tiers = TierMetrics()
         self._off: set[str] = set()  # running requests with speculation off (verified with no drafts)
@@ -328,8 +331,7 @@ class SpeculativeEngine:
             if req.req_id == req_id:
                 self._waiting.remove(req)
                 return True
-        req = self._running.pop(req_id, None)
-        if req is None:
+        if self._running.pop(req_id, None) is None:
             return False
         self._free(req_id)
         return True
@@ -569,8 +571,8 @@ class SpeculativeEngine:
         verifier cannot chain the step (:meth:`VerifyEngine.start_chained` says None) the drafts are verified
         the usual way, with the same lengths. The draft time runs to the drafts' arrival on the host (the
         verify step starts on the device then), the verify time from there to its results."""
-        draft = self.draft
-        assert draft is not None
+        draft, chaining = self._launching, self._chaining
+        assert draft is not None and chaining is not None  # chained rounds are enabled only with both
         if ahead is not None and ahead.pending is not None and ahead.batch is not None:
             pending, batch = ahead.pending, ahead.batch
         else:
@@ -580,10 +582,10 @@ class SpeculativeEngine:
                 np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num),
                 np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
             )
-            pending = draft.propose_start(batch)  # type: ignore[attr-defined]
+            pending = draft.propose_start(batch)
         finish = None
         if pending.device_tokens is not None:
-            finish = self.verify.start_chained(  # type: ignore[attr-defined]
+            finish = chaining.start_chained(
                 batch.req_ids, batch.anchors, batch.positions, lengths, pending.device_tokens
             )
         proposal = pending.result()
@@ -612,7 +614,8 @@ class SpeculativeEngine:
         left = np.fromiter((r.max_tokens - len(r.output) for r in verified), dtype=np.int64, count=num)
         if not self.policy.should_draft(self._caps_from(left - emitted, batch.positions + emitted)):
             return _Decided(False, None)
-        pending = self.draft.propose_behind(  # type: ignore[union-attr]
+        assert self._launching is not None  # chain_draft is enabled only with a launching drafter
+        pending = self._launching.propose_behind(
             batch.req_ids, batch.positions, on_device, self.verify.vocab_size
         )
         return _Decided(True, pending)
@@ -696,14 +699,15 @@ class SpeculativeEngine:
         else:
             drafting, pending = decided
         if drafting and pending is None:
-            pending = self.draft.propose_start(batch)  # type: ignore[union-attr]
+            assert self._launching is not None  # drafts are launched ahead only by a launching drafter
+            pending = self._launching.propose_start(batch)
         self._ahead = _Ahead(list(verified), batch, pending, drafting)
 
     def _verify_and_commit(
         self,
         admitted: list[_Request],
         verified: list[_Request],
-        verifies: list[VerifyItem],
+        verifies: Sequence[VerifyItem],
         drafting: bool,
         draft_s: float,
         schedule_s: float,
@@ -797,7 +801,8 @@ class SpeculativeEngine:
             commit = self._commit
             outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
             # The step's own lists (made for this round, changed by nobody): the metrics keep them as they are.
-            verified_counts, accepted_counts = results.num_drafts, results.num_accepted
+            verified_counts: Sequence[int] | np.ndarray = results.num_drafts
+            accepted_counts: Sequence[int] | np.ndarray = results.num_accepted
         else:
             if self.draft is not None:
                 contexts = [

@@ -155,9 +155,9 @@ class SchedulerHub:
                 "service_levels": self.service_levels,
             }
             engine = (
-                PipelinedEngine(verifier, pool, policy, groups=self.request_groups, **options)  # type: ignore[arg-type]
+                PipelinedEngine(verifier, pool, policy, groups=self.request_groups, **options)
                 if self.request_groups > 1 and pool is not None
-                else SpeculativeEngine(verifier, pool, policy, **options)  # type: ignore[arg-type]
+                else SpeculativeEngine(verifier, pool, policy, **options)
             )
             backend = LocalBackend(
                 engine, self.model_name, max_context=self._max_context, failover=self.failover.hook(replica_id)
