@@ -98,8 +98,11 @@ class GenerateBackend(Protocol):
     - ``model_name`` is the id served under ``/v1/models``; ``max_context`` bounds prompt + completion tokens.
     """
 
-    model_name: str
-    max_context: int
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_context(self) -> int: ...
 
     def generate(
         self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
