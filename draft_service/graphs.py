@@ -214,7 +214,7 @@ class DraftGraphRunner:
             try:
                 if first.device != rows.device or first.dtype != rows.dtype:
                     raise TypeError("the rows need a conversion")
-                torch.cat(features, out=rows)  # straight into the static buffer: one device copy
+                torch.cat(tuple(features), out=rows)  # straight into the static buffer: one device copy
             except (TypeError, RuntimeError):
                 rows.copy_(torch.cat([f.to(rows.device) for f in features]))
         self._staged_counts[slots] = counts

@@ -129,7 +129,7 @@ class VerifyBatch(Sequence[VerifyItem]):
             self._items = items
         return self._items
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         return self.items()[index]
 
     def __iter__(self):
@@ -184,7 +184,7 @@ class StepResults(Sequence[StepResult]):
     def __len__(self) -> int:
         return len(self.req_ids)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return list(self)[index]
         i = range(len(self))[index]
@@ -355,7 +355,7 @@ class VerifyEngine:
         checked = self._validate(prefills, verifies)
         bucketed = self._bucketed(prefills, verifies, checked)
         if bucketed and not prefills:
-            return self._run_bucketed(prefills, verifies, checked, bucketed if bucketed is not True else None)
+            return self._run_bucketed(prefills, verifies, checked, bucketed if isinstance(bucketed, tuple) else None)
         new_slots = self._allocate(prefills)
         try:
             if bucketed:
@@ -643,7 +643,11 @@ class VerifyEngine:
         offset = num
         for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True)):
             n = num_drafts[r]
-            dist = None if e.greedy or v.draft_probs is None or not n else (v.draft_prob_ids, v.draft_probs)
+            dist = (
+                None
+                if e.greedy or v.draft_probs is None or v.draft_prob_ids is None or not n
+                else (v.draft_prob_ids, v.draft_probs)
+            )
             (temperature, top_p), (top_k, seed) = sampling_float[r], sampling_int[r]
             chunk = [tokens[r], *tokens[offset : offset + n]]
             offset += n
@@ -685,7 +689,7 @@ class VerifyEngine:
             sampled = [
                 (r, v.draft_prob_ids, v.draft_probs)
                 for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True))
-                if not e.greedy and v.draft_probs is not None and len(v.draft_tokens)
+                if not e.greedy and v.draft_probs is not None and v.draft_prob_ids is not None and len(v.draft_tokens)
             ]
         accepted, tokens, kept = self.graphs.run_verify(
             slots, checked.lengths, checked.tokens, checked.num_drafts, sampling_float, sampling_int, sampled, key
@@ -807,10 +811,10 @@ class VerifyEngine:
         Narrower rows are padded with probability-0 entries (harmless: duplicate ids add up). Greedy requests
         carry no distribution; they get a one-hot row on their draft, which the sampler ignores for them.
         """
-        sampled = [v for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
+        sampled = [v.draft_probs for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
         if not sampled:
             return None, None
-        width = max(int(v.draft_probs.shape[1]) for v in sampled)
+        width = max(int(probs.shape[1]) for probs in sampled)
         id_rows: list[torch.Tensor] = []
         prob_rows: list[torch.Tensor] = []
         for v in verifies:
