@@ -108,7 +108,10 @@ class RequestOutput:
 
 
 @dataclass
-class _Request:
+class RequestState:
+    """A request in a round driver: its prompt, settings, output so far, detokenizer and stop-string state and
+    metrics (the drivers of this module and :mod:`scheduler.pipeline` keep one per running request)."""
+
     req_id: str
     prompt: list[int]
     params: SamplingParams
@@ -151,7 +154,7 @@ class _Ahead:
     """The next round's drafts, launched before a round's commit (``draft_ahead``): for these requests (in
     running order) at these anchors and positions, with the policy's decision to draft."""
 
-    requests: list[_Request]
+    requests: list[RequestState]
     batch: DraftBatch
     pending: PendingProposal | None
     drafting: bool
@@ -184,7 +187,7 @@ class _AheadTaken(NamedTuple):
 
 #: A request taken out of one engine with everything it carries (output so far, detokenizer and stop-string
 #: state, metrics), to be adopted by another engine: see :meth:`SpeculativeEngine.detach`.
-DetachedRequest = _Request
+DetachedRequest = RequestState
 
 
 @dataclass
@@ -252,8 +255,8 @@ class SpeculativeEngine:
         self.max_running = max_running
         self.block_size = draft.block_size if draft is not None else 0
         self.metrics = EngineMetrics(max(self.block_size, 1))
-        self._waiting: deque[_Request] = deque()
-        self._running: dict[str, _Request] = {}
+        self._waiting: deque[RequestState] = deque()
+        self._running: dict[str, RequestState] = {}
         self._finished: list[str] = []  # requests finished this round: released together at its end
         self._ids = itertools.count()
         # The overlaps need an in-process pair's capabilities (scheduler.interfaces); other engines run plain rounds.
@@ -312,7 +315,7 @@ class SpeculativeEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.stop and self.decode is None:
             raise RequestRejectedError("stop strings need a tokenizer; none is configured")
-        req = _Request(
+        req = RequestState(
             req_id=req_id,
             prompt=prompt,
             params=params,
@@ -461,7 +464,7 @@ class SpeculativeEngine:
             admitted, verified, verifies, drafting, t1 - t_decided, (t_decided - t0) + (t2 - t1), t2
         )
 
-    def _leveled_round(self, admitted: list[_Request], verified: list[_Request]) -> list[RequestOutput]:
+    def _leveled_round(self, admitted: list[RequestState], verified: list[RequestState]) -> list[RequestOutput]:
         """A round in which some request has a service level (speculation off or on, a TPOT target): drafted
         eagerly for the requests that draft, never chained or drafted ahead (drafts launched ahead for it are
         dropped). ``off`` rows get no drafter row and length 0; the round drafts whenever a request is ``on``,
@@ -534,7 +537,7 @@ class SpeculativeEngine:
             if late or at_risk(r.level.tpot_slo_s, round_s, len(r.output), len(r.metrics.verified))  # type: ignore[arg-type]
         ]
 
-    def _behind(self, requests: list[_Request], round_s: float | None = None) -> np.ndarray:
+    def _behind(self, requests: list[RequestState], round_s: float | None = None) -> np.ndarray:
         """Per request, whether it is behind its TPOT target (False without one) after a round of ``round_s``
         (default: the current round time): timings and counts only."""
         now = time.perf_counter()
@@ -549,7 +552,7 @@ class SpeculativeEngine:
                 out[i] = behind_target(target, now - started, len(r.output), round_s)
         return out
 
-    def _weights(self, verified: list[_Request]) -> np.ndarray | None:
+    def _weights(self, verified: list[RequestState]) -> np.ndarray | None:
         """This round's lateness weights of ``verified`` (None: no request is behind a target)."""
         has_target = np.fromiter((r.level.tpot_slo_s is not None for r in verified), dtype=bool, count=len(verified))
         if not has_target.any():
@@ -558,7 +561,7 @@ class SpeculativeEngine:
 
     def _chained_round(
         self,
-        verified: list[_Request],
+        verified: list[RequestState],
         caps: np.ndarray,
         lengths: np.ndarray,
         ahead: _AheadTaken | None,
@@ -602,7 +605,7 @@ class SpeculativeEngine:
         return self._commit_round([], verified, finish.results(), True, draft_s, schedule_s, t_drafted, behind)
 
     def _launch_behind(
-        self, verified: list[_Request], batch: DraftBatch, lengths: np.ndarray, on_device: DeviceVerified
+        self, verified: list[RequestState], batch: DraftBatch, lengths: np.ndarray, on_device: DeviceVerified
     ) -> _Decided:
         """Decide the next round's drafting now and, when it drafts, queue its draft step behind this round's
         verify step (on the device, from its outcome there). The policy decides as it does for drafts launched
@@ -620,7 +623,7 @@ class SpeculativeEngine:
         )
         return _Decided(True, pending)
 
-    def _plan(self, verified: list[_Request]) -> tuple[np.ndarray, bool]:
+    def _plan(self, verified: list[RequestState]) -> tuple[np.ndarray, bool]:
         """The count caps of the requests to verify, and whether the drafter drafts for them this round.
 
         The policy may skip the drafter (a plain target round) from counts and past rounds only; the committed
@@ -634,7 +637,7 @@ class SpeculativeEngine:
         caps = self._caps(verified) if drafting else np.zeros(len(verified), dtype=np.int64)
         return caps, drafting and self.policy.should_draft(caps)
 
-    def _take_ahead(self, verified: list[_Request]) -> _AheadTaken | None:
+    def _take_ahead(self, verified: list[RequestState]) -> _AheadTaken | None:
         """This round's caps, draft decision and drafts from the drafts launched ahead, when they were launched
         for exactly this round's requests at their committed anchors and positions (or for a superset, when some
         finished: then the policy decides again and the rows are taken); None otherwise (drafts launched for
@@ -675,7 +678,7 @@ class SpeculativeEngine:
 
     def _launch_ahead(
         self,
-        verified: list[_Request],
+        verified: list[RequestState],
         tokens: Sequence[Sequence[int]],
         accepted: Sequence[int],
         decided: _Decided | None = None,
@@ -705,8 +708,8 @@ class SpeculativeEngine:
 
     def _verify_and_commit(
         self,
-        admitted: list[_Request],
-        verified: list[_Request],
+        admitted: list[RequestState],
+        verified: list[RequestState],
         verifies: Sequence[VerifyItem],
         drafting: bool,
         draft_s: float,
@@ -725,8 +728,8 @@ class SpeculativeEngine:
 
     def _commit_round(
         self,
-        admitted: list[_Request],
-        verified: list[_Request],
+        admitted: list[RequestState],
+        verified: list[RequestState],
         results: Sequence[StepResult] | StepResults,
         drafting: bool,
         draft_s: float,
@@ -776,8 +779,8 @@ class SpeculativeEngine:
 
     def _commit_results(
         self,
-        admitted: list[_Request],
-        verified: list[_Request],
+        admitted: list[RequestState],
+        verified: list[RequestState],
         results: Sequence[StepResult] | StepResults,
         decided: _Decided | None = None,
     ) -> tuple[list[RequestOutput], Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]:
@@ -830,7 +833,7 @@ class SpeculativeEngine:
         return outputs, verified_counts, accepted_counts
 
     def _verify_items(
-        self, verified: list[_Request], lengths: np.ndarray, proposal: object, drafted: DraftBatch | None = None
+        self, verified: list[RequestState], lengths: np.ndarray, proposal: object, drafted: DraftBatch | None = None
     ) -> Sequence[VerifyItem]:
         """Each running request's anchor and its first lengths[r] drafts (with their distribution if sampled):
         a :class:`VerifyBatch` (arrays, no item per request) when there is a proposal; ``drafted``: the
@@ -861,14 +864,14 @@ class SpeculativeEngine:
     #: a pipelined driver drafts whole groups, so there they hold a slot and are verified with no drafts).
     _OFF_WITHOUT_DRAFTER = True
 
-    def _admit(self, limit: int | None = None) -> list[_Request]:
+    def _admit(self, limit: int | None = None) -> list[RequestState]:
         """Move waiting requests (at most ``limit``) into the running set while both engines have free slots.
 
         Waiting requests go in tier order, FIFO within a tier (:func:`admission_order`); while a running request
         has its TPOT target at risk, lower tiers wait; with ``slo_admission: queue`` a request whose target is not
         attainable now waits while others run. ``off`` requests need no
         drafter slot. The admitted requests are a prefix of that order (the first that does not fit ends it)."""
-        admitted: list[_Request] = []
+        admitted: list[RequestState] = []
         if not self._waiting:
             return admitted
         waiting = list(self._waiting)
@@ -881,8 +884,8 @@ class SpeculativeEngine:
             waiting = self._eligible(waiting)
         free = free_slots(self.verify.num_free_slots, None, len(self._running), self.max_running, limit)
         draft_free = self.draft.num_free_slots if self.draft is not None else 0
-        candidates: list[_Request] = []
-        drafted: list[_Request] = []
+        candidates: list[RequestState] = []
+        drafted: list[RequestState] = []
         for req in waiting:
             if len(candidates) >= free:
                 break
@@ -912,7 +915,7 @@ class SpeculativeEngine:
             admitted.append(req)
         return admitted
 
-    def _eligible(self, waiting: list[_Request]) -> list[_Request]:
+    def _eligible(self, waiting: list[RequestState]) -> list[RequestState]:
         """The waiting requests (in admission order) that may join now: none of a tier below one whose running
         request has its target at risk, and, with ``slo_admission: queue``, none whose target is predicted to be
         missed while other requests run."""
@@ -928,7 +931,7 @@ class SpeculativeEngine:
             out.append(req)
         return out
 
-    def _caps(self, verified: list[_Request]) -> np.ndarray:
+    def _caps(self, verified: list[RequestState]) -> np.ndarray:
         """Caps that only depend on counts and settings: never verify past max_tokens or past the KV slot, no
         drafts for a request with speculation off."""
         num = len(verified)
@@ -957,7 +960,7 @@ class SpeculativeEngine:
         return self.policy.lengths(confidences, caps, weights=weights)
 
     def _commit(
-        self, req: _Request, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool = False
+        self, req: RequestState, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool = False
     ) -> RequestOutput:
         """Append a step's tokens to the request, apply stop conditions, finish and free it if done."""
         output = req.output

@@ -39,7 +39,7 @@ import numpy as np
 from draft_service.engine import ContextItem, DraftItem, Proposal
 from kernels.sampling import SamplingParams
 from scheduler.admission import group_share
-from scheduler.engine import DetachedRequest, RequestOutput, SpeculativeEngine, _Request
+from scheduler.engine import DetachedRequest, RequestOutput, RequestState, SpeculativeEngine
 from scheduler.interfaces import Drafter, Verifier
 from scheduler.policy import VerifyPolicy
 from scheduler.service_levels import ServiceLevels
@@ -141,7 +141,7 @@ class PipelinedEngine(SpeculativeEngine):
         self.num_groups = groups
         # The policy given serves group 0; the others get copies (their learned state starts empty, as it is).
         self.policies: list[VerifyPolicy] = [policy, *(copy.deepcopy(policy) for _ in range(groups - 1))]
-        self._members: list[dict[str, _Request]] = [{} for _ in range(groups)]
+        self._members: list[dict[str, RequestState]] = [{} for _ in range(groups)]
         self._group_of: dict[str, int] = {}
         self._pending: dict[int, _Pending] = {}
         self._turn = 0
@@ -220,7 +220,7 @@ class PipelinedEngine(SpeculativeEngine):
         """How many waiting requests group ``g`` may take now: it fills up to an even split of all requests."""
         return group_share(len(self._running) + len(self._waiting), self.num_groups, len(self._members[g]))
 
-    def _admit_into(self, g: int) -> list[_Request]:
+    def _admit_into(self, g: int) -> list[RequestState]:
         admitted = self._admit(limit=max(self._share(g), 0))
         for req in admitted:
             self._members[g][req.req_id] = req
