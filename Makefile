@@ -17,10 +17,16 @@ serve: $(STAMP)
 	$(BIN)/dspark serve
 
 # pytest exits 5 when it collected nothing: treated as a failure, like any other non-zero code.
+# lint-imports checks the one-way layers of pyproject.toml ([tool.importlinter]) in this checkout, and mypy its
+# packages ([tool.mypy]), before any test runs.
 test: $(STAMP)
 	$(BIN)/ruff check .
+	PYTHONPATH=$(CURDIR) $(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	PYTHONPATH=$(CURDIR) $(BIN)/lint-imports
+	$(BIN)/mypy

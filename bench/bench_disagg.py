@@ -56,10 +56,10 @@ from draft_service.engine import DraftEngine
 from scheduler.engine import SpeculativeEngine
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
+from scheduler.profiling import profile_graph_sps_by_requests, profile_target_sps
 from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
 from scheduler.sps import SPSSource, load_sps_file
 from verify_service.engine import VerifyEngine
-from verify_service.profiling import profile_graph_sps_by_requests, profile_target_sps
 
 MAX_SEQ_LEN = 1024
 

@@ -40,7 +40,7 @@ from bench.engine_setup import (
     tokenizer_for,
     write_random_drafter,
 )
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.sps import SPSMonotonicityWarning, profile_sps
 from verify_service.target import TargetModel
 

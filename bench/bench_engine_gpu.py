@@ -47,7 +47,7 @@ from bench.engine_setup import (
     tokenizer_for,
     write_random_drafter,
 )
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 
 HOST_GOAL_MS = 0.5

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from draft_service.training.responses import decode_batch
-from scheduler.reference_loop import load_target
+from scheduler.evaluation.reference_loop import load_target
 from verify_service.target import TargetModel
 
 

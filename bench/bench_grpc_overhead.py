@@ -37,13 +37,13 @@ from bench.engine_setup import (
     tokenizer_for,
 )
 from cluster.rpc import SyncRpcClient
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
+from scheduler.profiling import profile_target_sps
 from scheduler.remote import DrafterPool, RemoteVerifier
 from scheduler.sps import SPSTable
-from verify_service.profiling import profile_target_sps
 
 #: The data plane's token of this run's servers: handed to them in the environment, never on a command line.
 TOKEN = secrets.token_urlsafe(32)

@@ -71,19 +71,19 @@ from tqdm import tqdm
 
 from bench.engine_setup import DEMO_TARGET, ROOT, chat_prompts, load_calibration, tokenizer_for
 from bench.timing import timed
-from cluster.sampling import SamplingParams
 from draft_service.engine import DraftEngine
 from draft_service.inflate import inflate_pair
+from kernels.sampling import SamplingParams
 from scheduler.algorithm import DraftCost
 from scheduler.draft_gate import DraftGate
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import DSparkAsync, DSparkScheduled, VerifyPolicy, make_policy
+from scheduler.profiling import profile_graph_sps, profile_graph_sps_by_requests, profile_target_sps
 from scheduler.sps import SPSMonotonicityWarning, SPSSource, SPSTable, default_batch_grid
 from scheduler.sts import STSCalibration
 from verify_service.attention import CachedAttentionMetadata
 from verify_service.engine import VerifyEngine
 from verify_service.inflate import SHAPES, Qwen3Shape
-from verify_service.profiling import profile_graph_sps, profile_graph_sps_by_requests, profile_target_sps
 from verify_service.target import TargetModel
 
 POLICIES = ("autoregressive", "fixed-1", "full", "dspark", "dspark-async")

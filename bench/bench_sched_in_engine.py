@@ -35,8 +35,8 @@ import torch
 from tqdm import tqdm
 
 from bench.engine_setup import DEMO_TARGET, demo_drafter, load_calibration, load_pair, synthetic_sps
-from cluster.sampling import SamplingParams
 from draft_service.engine import DraftEngine
+from kernels.sampling import SamplingParams
 from scheduler import draft_cost_estimate, draft_gate, policy
 from scheduler.engine import SpeculativeEngine
 from verify_service.engine import VerifyEngine

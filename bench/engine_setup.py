@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from cluster.graphs import DEFAULT_BUCKETS
 from draft_service.checkpoint import load_draft_model, save_draft_model
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
 from draft_service.model import DSparkDraftModel
+from kernels.graphs import DEFAULT_BUCKETS
 from scheduler.engine import SpeculativeEngine
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy

@@ -32,9 +32,9 @@ from tqdm import tqdm
 
 from bench.bench_policies_gpu import SMALL_SHAPE, copy_bandwidth
 from bench.profile_verify_gpu import kernel_table
-from cluster.sampling import SamplingParams
 from draft_service.engine import ContextBatch, DraftEngine, DraftItem
 from draft_service.inflate import inflate_pair
+from kernels.sampling import SamplingParams
 from verify_service.inflate import SHAPES
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "demo"

@@ -47,9 +47,9 @@ from torch.overrides import TorchFunctionMode
 
 from bench.bench_engine_gpu import exactness
 from bench.engine_setup import DEMO_TARGET, build_engine, code_prompts, demo_drafter, load_pair, tokenizer_for
-from cluster import graphs as cluster_graphs
-from cluster.graphs import GraphStep
-from cluster.sampling import SamplingParams
+from kernels import graphs as kernel_graphs
+from kernels.graphs import GraphStep
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 
 
@@ -94,8 +94,8 @@ class CallCounter(TorchFunctionMode):
     def __enter__(self):
         for owner, name, label in (
             (GraphStep, "__call__", "graph launch (GraphStep)"),
-            (cluster_graphs.StagingFence, "copies_issued", "fence record (StagingFence.copies_issued)"),
-            (cluster_graphs.StagingFence, "wait_before_write", "fence wait (StagingFence.wait_before_write)"),
+            (kernel_graphs.StagingFence, "copies_issued", "fence record (StagingFence.copies_issued)"),
+            (kernel_graphs.StagingFence, "wait_before_write", "fence wait (StagingFence.wait_before_write)"),
         ):
             original = getattr(owner, name)
 

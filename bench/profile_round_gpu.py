@@ -54,13 +54,13 @@ from bench.bench_policies_gpu import (
     sps_grid,
 )
 from bench.engine_setup import DEMO_TARGET, load_calibration, tokenizer_for
-from cluster.sampling import SamplingParams
 from draft_service.inflate import inflate_pair
+from kernels.sampling import SamplingParams
 from scheduler.algorithm import DraftCost
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
+from scheduler.profiling import profile_graph_sps, profile_target_sps
 from verify_service.inflate import SHAPES
-from verify_service.profiling import profile_graph_sps, profile_target_sps
 
 DEMO_DRAFTER = DEMO_TARGET.parent / "draft_dspark"
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -46,17 +46,17 @@ from bench.bench_policies_gpu import (
     weight_bytes,
 )
 from bench.engine_setup import DEMO_TARGET
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.inflate import inflate_pair
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
+from scheduler.profiling import graph_verify_items
 from scheduler.sps import SPSTable
 from verify_service.engine import VerifyEngine
 from verify_service.graphs import GraphItem
 from verify_service.inflate import SHAPES
-from verify_service.profiling import graph_verify_items
 from verify_service.target import TargetModel
 
 BUCKETS = (1, 8, 32)

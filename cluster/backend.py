@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from cluster.rpc import NotReadyError
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.engine import DetachedRequest, RequestOutput, SpeculativeEngine
 from scheduler.metrics import MetricsSnapshot
 
@@ -98,8 +98,11 @@ class GenerateBackend(Protocol):
     - ``model_name`` is the id served under ``/v1/models``; ``max_context`` bounds prompt + completion tokens.
     """
 
-    model_name: str
-    max_context: int
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_context(self) -> int: ...
 
     def generate(
         self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams

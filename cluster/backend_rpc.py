@@ -14,7 +14,7 @@ from typing import Any
 from cluster.backend import GenerateBackend
 from cluster.messages import AnyValue, Int, List, Message, Str
 from cluster.rpc import RetryLaterError
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.metrics import snapshot_to_dict
 from scheduler.service_levels import SLOUnattainableError
 

@@ -60,7 +60,7 @@ def _add_drafter_training(sub: argparse._SubParsersAction) -> None:
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     """``eval``: offline accepted length, acceptance, threshold sweep and calibration of drafters."""
-    from scheduler.eval_report import register
+    from scheduler.evaluation.report import register
 
     register(sub)
 

@@ -58,7 +58,7 @@ from cluster.openai_api import (
     sampling_params,
 )
 from cluster.readiness import RETRY_AFTER_S
-from cluster.sampling import SamplingError
+from kernels.sampling import SamplingError
 from scheduler.metrics import MetricsSnapshot
 from scheduler.service_levels import TPOT_BUCKETS_S, SLOUnattainableError, TierSnapshot
 
@@ -169,8 +169,8 @@ class _GuardMiddleware:
         try:
             body.decode("utf-8")  # JSON between systems is UTF-8 (RFC 8259 section 8.1)
         except UnicodeDecodeError as error:
-            message = f"the request body is not valid UTF-8 (byte {error.start}: {error.reason})"
-            await self._reject(APIError(400, message, code="invalid_encoding"), scope, receive, send)
+            reason = f"the request body is not valid UTF-8 (byte {error.start}: {error.reason})"
+            await self._reject(APIError(400, reason, code="invalid_encoding"), scope, receive, send)
             return
         replayed = False
 
@@ -651,7 +651,7 @@ def build_app(
         if isinstance(prompt, str):
             prompt_ids = await service.tokenize(lambda: list(tokenizer.encode(prompt, add_special_tokens=True)))
         else:
-            prompt_ids = list(prompt)  # type: ignore[arg-type]
+            prompt_ids = list(prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         started = time.perf_counter()
         run, first = await service.start(request, body, prompt_ids, max_tokens, "prompt", "cmpl")

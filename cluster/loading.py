@@ -17,16 +17,16 @@ import torch
 
 from cluster.compile_cache import use_compile_cache
 from cluster.config import AppConfig
-from cluster.graphs import resolve_graph_mode
 from cluster.sps_cache import EngineShape, SPSCache, fingerprint_digest, sps_fingerprint
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.warmup import warm_up_draft
+from kernels.graphs import resolve_graph_mode
 from scheduler.policy import uses_sps
+from scheduler.profiling import PROFILER_VERSION, profile_graph_sps_by_requests, profile_target_sps
 from scheduler.sps import SPSSource, load_sps_file
 from scheduler.sts import STSCalibration
 from verify_service.engine import VerifyEngine
-from verify_service.profiling import PROFILER_VERSION, profile_graph_sps_by_requests, profile_target_sps
 from verify_service.target import TargetModel
 from verify_service.warmup import warm_up_verify
 

@@ -14,16 +14,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from cluster.sampling import (
+from kernels.sampling import (
+    MAX_PRIORITY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TPOT_SLO_MS,
+    MIN_PRIORITY,
     MIN_TEMPERATURE,
     MIN_TOP_P,
     SamplingParams,
 )
-from scheduler.service_levels import MAX_PRIORITY, MIN_PRIORITY
 
 #: OpenAI's documented default for the legacy completions endpoint.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

@@ -36,7 +36,7 @@ import grpc
 from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta
 from cluster.backend_rpc import ENGINE, SCHEDULER
 from cluster.rpc import RpcClient, retry_after_s
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.metrics import MetricsSnapshot, merge_snapshots, snapshot_from_dict
 from scheduler.service_levels import SLOUnattainableError
 

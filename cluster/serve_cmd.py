@@ -75,7 +75,8 @@ def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     def pick(*names: str) -> dict[str, Any]:
         return {name: given[name] for name in names if name in given}
 
-    models = {name: str(value) for name, value in pick("target", "draft", "tokenizer", "sps").items()}
+    named = pick("target", "draft", "tokenizer", "sps")
+    models: dict[str, str | None] = {name: str(value) for name, value in named.items()}
     models.update(pick("device", "dtype"))
     if given.get("policy") == "autoregressive":
         models["draft"] = None

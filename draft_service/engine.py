@@ -21,12 +21,12 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, DeviceDrafts, DeviceVerified, check_graph_mode
-from cluster.sampling import SamplingParams
-from cluster.slot_lookups import SlotLookups
 from draft_service.graphs import DraftGraphRunner, LaunchedDraft
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import kernel_backend, sample_block_keyed
+from kernels.graphs import DEFAULT_BUCKETS, DeviceDrafts, DeviceVerified, check_graph_mode
+from kernels.sampling import SamplingParams
+from kernels.slot_lookups import SlotLookups
 
 
 class UnknownDraftRequestError(KeyError):
@@ -73,7 +73,7 @@ class ContextBatch(Sequence[ContextItem]):
     def __len__(self) -> int:
         return len(self.req_ids)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return list(self)[index]
         i = range(len(self))[index]
@@ -113,7 +113,7 @@ class DraftBatch(Sequence[DraftItem]):
             self._items = list(map(DraftItem, self.req_ids, self.anchors.tolist(), self.positions.tolist()))
         return self._items
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         return self.items()[index]
 
     def __iter__(self):
@@ -177,7 +177,7 @@ class _Entry:
 class DraftEngine:
     """Holds the drafter and the context cache of every request assigned to this replica.
 
-    ``graphs``: how ``propose`` runs (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the bucketed
+    ``graphs``: how ``propose`` runs (:mod:`kernels.graphs`): ``off`` (eager), ``static`` (the bucketed
     CUDA-graph layout run eagerly; any device) or ``capture`` (one CUDA graph per bucket, replayed). The
     bucketed modes reserve one extra context slot (empty) for the padding requests. ``projected_context``: the
     kind of context rows the bucketed append expects, raw features [n, m*H] or rows the verifier already
@@ -312,6 +312,8 @@ class DraftEngine:
         num = len(items)
         config = self.model.config
         width = config.hidden_size if projected else config.context_feature_size
+        req_ids: Sequence[str]
+        features: Sequence[torch.Tensor]
         if isinstance(items, ContextBatch) and items.features.ndim == 2 and items.features.shape[1] == width:
             req_ids = items.req_ids
             if items.arrays is not None:
@@ -427,7 +429,7 @@ class DraftEngine:
 
     def _lookup(self, req_ids: Sequence[str]) -> tuple[list[_Entry], np.ndarray]:
         """Entries and context slots (int64, read-only) of requests, kept per request list
-        (:mod:`cluster.slot_lookups`: a round asks for the same lists several times)."""
+        (:mod:`kernels.slot_lookups`: a round asks for the same lists several times)."""
         return self._lookups.get(req_ids, self._entries)
 
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
@@ -442,6 +444,9 @@ class DraftEngine:
             raise ValueError("propose needs at least one request")
         if self.graphs is not None:
             self.graphs.settle()
+        req_ids: Sequence[str]
+        anchors: np.ndarray | None
+        positions: np.ndarray | None
         if isinstance(items, DraftBatch):
             req_ids, anchors, positions = items.req_ids, items.anchors, items.positions
         else:
@@ -451,7 +456,7 @@ class DraftEngine:
         if self.graphs is not None and len(items) <= self.graphs.max_requests:
             # No grad-mode switch here: the graph step runs under no_grad itself (see VerifyEngine.step).
             num = len(items)
-            if anchors is None:
+            if anchors is None or positions is None:  # both or neither
                 anchors = np.fromiter(item_anchors, dtype=np.int64, count=num)
                 positions = np.fromiter(item_positions, dtype=np.int64, count=num)
             return self._propose_bucketed(req_ids, slots, anchors, positions, distinct)

@@ -26,7 +26,7 @@ are dropped. Longer appends (prefills) run eagerly.
 
 Drafting behind a verify step (:meth:`DraftGraphRunner.launch_behind`): the propose step's anchors, positions and
 append fields, and its context rows, are written on the device from a verify step's outcome queued before it on
-the same stream (``cluster.graphs.DeviceVerified``), so the next round drafts before the host has the results.
+the same stream (``kernels.graphs.DeviceVerified``), so the next round drafts before the host has the results.
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from cluster.graphs import (
+from draft_service.context_cache import DraftContextCache
+from draft_service.model import DSparkDraftModel
+from draft_service.sequential_head import kernel_backend, sample_block_keyed
+from kernels.graphs import (
     DEFAULT_BUCKETS,
     DeviceDrafts,
     DeviceVerified,
@@ -50,9 +53,6 @@ from cluster.graphs import (
     pinned_empty,
     split_views,
 )
-from draft_service.context_cache import DraftContextCache
-from draft_service.model import DSparkDraftModel
-from draft_service.sequential_head import kernel_backend, sample_block_keyed
 
 
 @dataclass
@@ -214,7 +214,7 @@ class DraftGraphRunner:
             try:
                 if first.device != rows.device or first.dtype != rows.dtype:
                     raise TypeError("the rows need a conversion")
-                torch.cat(features, out=rows)  # straight into the static buffer: one device copy
+                torch.cat(tuple(features), out=rows)  # straight into the static buffer: one device copy
             except (TypeError, RuntimeError):
                 rows.copy_(torch.cat([f.to(rows.device) for f in features]))
         self._staged_counts[slots] = counts

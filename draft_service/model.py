@@ -17,7 +17,7 @@ pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,8 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """HF 'rotate-half' RoPE with ``inv_freq[i] = theta^(-2i/head_dim)`` at arbitrary absolute positions."""
+
+    inv_freq: torch.Tensor  # a non-persistent buffer
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -257,6 +259,11 @@ class DSparkDraftModel(nn.Module):
         self._fused: FusedDrafter | None = None
 
     @property
+    def draft_layers(self) -> Sequence[DraftLayer]:
+        """The backbone layers, typed (``layers`` is the ModuleList that registers their weights)."""
+        return cast("Sequence[DraftLayer]", self.layers)
+
+    @property
     def use_fused(self) -> bool:
         """Whether the inference paths (context append, ``backbone_slots``) run the fused layer kernels
         (:mod:`draft_service.fused`); training (``forward_blocks``) always runs the modules."""
@@ -366,7 +373,7 @@ class DSparkDraftModel(nn.Module):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per draft layer, K/V of projected context rows [..., S, H] at absolute positions [..., S]."""
         cos, sin = self.rotary(positions, self.dtype)
-        return [layer.self_attn.key_value(projected, cos, sin) for layer in self.layers]
+        return [layer.self_attn.key_value(projected, cos, sin) for layer in self.draft_layers]
 
     @torch.no_grad()
     def append_context(
@@ -495,7 +502,7 @@ class DSparkDraftModel(nn.Module):
             return self.fused_drafter().backbone_slots(
                 x, cos, sin, cache, slots, context_lens, _slot_attention_impl(backend)
             )
-        for layer_idx, layer in enumerate(self.layers):
+        for layer_idx, layer in enumerate(self.draft_layers):
             x = layer.forward_slots(
                 x, cos, sin, cache.k[layer_idx], cache.v[layer_idx], slots, context_lens, backend
             )

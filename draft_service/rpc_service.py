@@ -45,11 +45,11 @@ from cluster.engine_rpc import (
 from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkHost
 from cluster.messages import AnyValue, Int, List, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, Service
-from cluster.sampling import SamplingParams
 from cluster.wire import DEFAULT_LIMITS, WIRE_DTYPES
 from draft_service.ahead import DraftAhead
 from draft_service.engine import ContextItem, DraftEngine, DraftItem
 from draft_service.projection import model_fingerprint
+from kernels.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

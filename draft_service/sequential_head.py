@@ -180,7 +180,6 @@ def sample_block_prepared(
     V = model.config.vocab_size
     dev = block_hidden.device
     K = draft_top_k
-    any_sampled = uniforms is not None
     if base_logits is None:
         base_logits = model.base_logits(block_hidden, drafting=True)
     head = model.markov_head
@@ -198,6 +197,7 @@ def sample_block_prepared(
         if conf is not None:
             confs.append(conf)
         greedy_tok = logits.argmax(dim=-1)
+        ids: torch.Tensor | None
         if K > 0:
             vals, ids = logits.topk(K, dim=-1)
             keep = torch.arange(K, device=dev)[None, :] < k_eff[:, None]
@@ -224,7 +224,7 @@ def sample_block_prepared(
             p = torch.where(greedy[:, None], torch.nn.functional.one_hot(greedy_tok, V).to(p.dtype), p)
             greedy_j = greedy_tok
             ids = None
-        j = torch.where(greedy, greedy_j, inverse_cdf(p, uniforms[:, k])) if any_sampled else greedy_j
+        j = torch.where(greedy, greedy_j, inverse_cdf(p, uniforms[:, k])) if uniforms is not None else greedy_j
         tok = ids[rows, j] if ids is not None else j
         tokens.append(tok)
         token_probs.append(p[rows, j])

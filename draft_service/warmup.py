@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from cluster.sampling import SamplingParams
 from draft_service.engine import ContextItem, DraftEngine, DraftItem
+from kernels.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ program of an output tile (an int32 ticket from ``tl.atomic_add``) combine them 
 must start at zero, and the kernels reset them after use, so one zeroed buffer serves forever. A buffer made
 during a CUDA graph capture would be zeroed only at the first replay and could come from the graph's private
 pool, handed out again once the graph is gone; hence the per-device default is made on first eager use (the
-captured callers warm up eagerly first: cluster.graphs.GraphStep) and refused inside a capture.
+captured callers warm up eagerly first: kernels.graphs.GraphStep) and refused inside a capture.
 """
 
 from __future__ import annotations

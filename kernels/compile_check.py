@@ -85,8 +85,8 @@ def _skinny(block_m: int, split: int, gated: bool = False, residual: bool = Fals
 
 # Arguments the launcher specialises as multiples of 16 (aligned pointers; the Qwen3 shapes' N, K and strides):
 # the W and x loads are vectorised and pipelined only with that knowledge, as they are at run time.
-_SKINNY_ALIGNED = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "N", "K", "stride_xm", "stride_wn",
-                   "stride_ym", "up_offset")  # fmt: skip
+_SKINNY_ALIGNED: tuple[str, ...] = ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "N", "K", "stride_xm",
+                                    "stride_wn", "stride_ym", "up_offset")  # fmt: skip
 
 
 # (kernel, constexprs, num_warps, num_stages, signature, 16-divisible arguments) of kernels/skinny_gemm_triton.py:

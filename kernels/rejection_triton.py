@@ -63,6 +63,8 @@ graph; the work for filtered rows is in the per-row combine kernel, skipped by r
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -876,7 +878,7 @@ def rejection_sample_triton(
     block_v = _block(TUNING["row_block_v"], vocab)
     split_size, num_splits = _splits(vocab, block_v, TUNING["row_splits"])
     groups = min(SKETCH_GROUPS, block_v)
-    f32 = dict(dtype=torch.float32, device=device)
+    f32: dict[str, Any] = {"dtype": torch.float32, "device": device}
     part_max = torch.empty((rows, num_splits), **f32)
     part_sum = torch.empty((rows, num_splits), **f32)
     part_arg = torch.empty((rows, num_splits), dtype=torch.int32, device=device)

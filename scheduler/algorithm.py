@@ -43,13 +43,18 @@ walk.
 Fast path (every step improves): at small R the walk is dominated by fixed per-call costs, and when the SPS
 curve is nearly flat over the batch sizes the round can reach (B = R .. R + n_pos) every positive item improves
 Theta, so the early stop admits all of them and l_r = the number of positive survivals of request r; then the
-sort, the Theta path and the bincount are skipped (:func:`_every_step_improves` states and proves the test).
+sort, the Theta path and the bincount are skipped (:func:`every_step_improves` states and proves the test).
 The decision is the same as the walk's, bit for bit (tests/scheduler/test_sched_fast_path.py).
 
 Zero survival is never admitted. Survivals below 2^-960 are treated as zero: added to tau >= 1 they round to
 nothing, so Theta could not improve there (SPS is non-increasing in B and the draft cost non-decreasing) and
 the walk would stop at them anyway; flushing them makes zeros sort strictly last. Empty batches (R = 0) return
 an empty length array; gamma = 0 returns zeros.
+
+The walk's steps (:func:`survival_probabilities`, :func:`walk_order`, :func:`walk_prices`, :func:`theta_path`,
+:func:`early_stop`, :func:`lengths_of_prefix`, :func:`every_step_improves`, :func:`positive_counts`, on the
+per-thread :class:`Workspace`) are public: the asynchronous variant (:mod:`scheduler.async_capacity`) walks the
+same way with another stopping rule.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ _TINY = 2.0**-960
 # Reductions called as ufunc methods: ndarray.min / sum / cumsum and np.count_nonzero(axis=) wrap them in Python
 # layers that cost more than the work itself on the few hundred elements of a small-R round.
 _minimum, _maximum, _add, _accumulate = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.add.accumulate
-# Fast-path margins (see _every_step_improves): far above float64 rounding (~1e-16 per operation, 3 * n * 1e-16
+# Fast-path margins (see every_step_improves): far above float64 rounding (~1e-16 per operation, 3 * n * 1e-16
 # over a sum of n <= _FAST_PATH_MAX_ITEMS survivals), far below any gain that matters to the decision.
 _MARGIN = 1e-9
 _FAST_PATH_MAX_ITEMS = 1 << 20
@@ -114,8 +119,8 @@ class DraftCost:
             raise ValueError(f"DraftCost scale factor must be a finite number > 0, got {factor!r}")
         return DraftCost(self.fixed_s * factor, self.per_request_s * factor, self.per_token_s * factor)
 
-    def seconds(self, num_requests: int, batch_tokens: np.ndarray) -> np.ndarray:
-        """Draft time for each candidate batch size (vectorised over B)."""
+    def seconds(self, num_requests: int, batch_tokens: np.ndarray | int) -> np.ndarray:
+        """Draft time for each candidate batch size (vectorised over B; one B gives a 0-d array)."""
         return self.fixed_s + self.per_request_s * num_requests + self.per_token_s * np.asarray(batch_tokens)
 
 
@@ -164,7 +169,7 @@ def validate_confidences(confidences: np.ndarray) -> np.ndarray:
     return conf
 
 
-class _Workspace:
+class Workspace:
     """Per-thread preallocated buffers, grown to the largest R * gamma seen (no steady-state allocation)."""
 
     def __init__(self) -> None:
@@ -190,14 +195,14 @@ class _Workspace:
 _local = threading.local()
 
 
-def _workspace() -> _Workspace:
+def thread_workspace() -> Workspace:
     workspace = getattr(_local, "workspace", None)
     if workspace is None:
-        workspace = _local.workspace = _Workspace()
+        workspace = _local.workspace = Workspace()
     return workspace
 
 
-def _survival(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, int, float]:
+def survival_probabilities(conf: np.ndarray, ws: Workspace) -> tuple[np.ndarray, int, float]:
     """Survival probabilities a[r, j] (flat, index j * R + r; below _TINY flushed to 0), how many are > 0 and
     the smallest of those (1.0 if none). Usually none is below _TINY: one minimum then answers all three."""
     num_requests, gamma = conf.shape
@@ -216,7 +221,7 @@ def _survival(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, int, float]
     return survival, int(np.count_nonzero(survival)), float(survival.min(initial=1.0, where=survival > 0))
 
 
-def _walk_order(survival: np.ndarray, n_pos: int, ws: _Workspace) -> np.ndarray:
+def walk_order(survival: np.ndarray, n_pos: int, ws: Workspace) -> np.ndarray:
     """The walk: flat indices j * R + r of the n_pos positive survivals in Algorithm 1's order."""
     n = survival.size
     # Key = high bits of ~float_bits(a) (descending a) | flat index j * R + r (position asc, then request
@@ -232,20 +237,20 @@ def _walk_order(survival: np.ndarray, n_pos: int, ws: _Workspace) -> np.ndarray:
     return order.view(np.int64)
 
 
-def _sorted_walk(conf: np.ndarray, ws: _Workspace) -> tuple[np.ndarray, np.ndarray, int]:
+def _sorted_walk(conf: np.ndarray, ws: Workspace) -> tuple[np.ndarray, np.ndarray, int]:
     """Survival probabilities (flat, index j * R + r) and the walk order over the n_pos positive ones."""
-    survival, n_pos, _ = _survival(conf, ws)
-    return survival, _walk_order(survival, n_pos, ws), n_pos
+    survival, n_pos, _ = survival_probabilities(conf, ws)
+    return survival, walk_order(survival, n_pos, ws), n_pos
 
 
 @dataclass(frozen=True)
-class _Prices:
+class WalkPrices:
     """What the walk of R requests x gamma positions multiplies tau by, for one SPS table and draft cost.
 
     ``factor[n]`` prices batch B = R + n: Theta_n = tau_n * factor[n] (plain objective, factor = SPS(B)) or
     tau_n / factor[n] (draft cost, factor = T_draft(R, B) + 1 / SPS(B)). ``growth[n]`` bounds how much the
     price worsens from B = R to R + n: the largest relative step max_{k<=n} factor ratio - 1 (>= 0, the curve
-    is monotone), what one more token must beat for Theta to improve (see _every_step_improves). Both depend
+    is monotone), what one more token must beat for Theta to improve (see every_step_improves). Both depend
     on R, gamma, the table and the draft cost only, so they are built once (SPSTable.memo), not per round.
     """
 
@@ -254,8 +259,8 @@ class _Prices:
     divide: bool
 
 
-def _prices(sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamma: int) -> _Prices:
-    def build() -> _Prices:
+def walk_prices(sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamma: int) -> WalkPrices:
+    def build() -> WalkPrices:
         last_b = num_requests * (gamma + 1)
         if draft_cost is None:
             factor = sps.dense(last_b)[num_requests : last_b + 1]
@@ -266,12 +271,12 @@ def _prices(sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamm
             ratio = factor[1:] / factor[:-1]  # round time T(B) / T(B - 1) >= 1
         growth = np.zeros(factor.size)
         np.maximum.accumulate(ratio - 1.0, out=growth[1:])
-        return _Prices(factor, growth, draft_cost is not None)
+        return WalkPrices(factor, growth, draft_cost is not None)
 
     return sps.memo(("algorithm1", draft_cost, num_requests, gamma), build)
 
 
-def _every_step_improves(total: float, n_pos: int, smallest: float, num_requests: int, growth: float) -> bool:
+def every_step_improves(total: float, n_pos: int, smallest: float, num_requests: int, growth: float) -> bool:
     """A sufficient test, without the sort, that Theta strictly improves at EVERY step of the walk as computed;
     the one test of both walks (the numpy walk and :func:`scalar_round`).
 
@@ -298,13 +303,13 @@ def _every_step_improves(total: float, n_pos: int, smallest: float, num_requests
     return smallest > (num_requests + total) * (1.0 + _MARGIN) * (growth + _MARGIN)
 
 
-def _positive_counts(survival: np.ndarray, num_requests: int) -> np.ndarray:
+def positive_counts(survival: np.ndarray, num_requests: int) -> np.ndarray:
     """l_r when every positive item is admitted: survival is non-increasing in j, so a prefix of each row."""
     return _add(survival.reshape(-1, num_requests) > 0, axis=0, dtype=np.int64)
 
 
-def _theta_path(
-    survival: np.ndarray, order: np.ndarray, num_requests: int, prices: _Prices, ws: _Workspace
+def theta_path(
+    survival: np.ndarray, order: np.ndarray, num_requests: int, prices: WalkPrices, ws: Workspace
 ) -> np.ndarray:
     """Theta_n for n = 0..n_pos along the walk (a view into the workspace)."""
     n_pos = order.size
@@ -319,7 +324,7 @@ def _theta_path(
     return theta
 
 
-def _early_stop(theta: np.ndarray, ws: _Workspace) -> int:
+def early_stop(theta: np.ndarray, ws: Workspace) -> int:
     """n* = the last n such that Theta strictly improved at every step 1..n (the causal early stop)."""
     steps = theta.size - 1
     if steps == 0:
@@ -330,7 +335,7 @@ def _early_stop(theta: np.ndarray, ws: _Workspace) -> int:
     return steps if improving[first] else first
 
 
-def _lengths_of_prefix(order: np.ndarray, count: int, num_requests: int, ws: _Workspace) -> np.ndarray:
+def lengths_of_prefix(order: np.ndarray, count: int, num_requests: int, ws: Workspace) -> np.ndarray:
     """l_r = number of request r's items in the first `count` of the walk (a valid prefix: module doc)."""
     requests = ws.requests[:count]
     np.remainder(order[:count].view(np.uint64), np.uint64(num_requests), out=requests)
@@ -340,10 +345,10 @@ def _lengths_of_prefix(order: np.ndarray, count: int, num_requests: int, ws: _Wo
 def _scalar_prices(
     sps: SPSTable, draft_cost: DraftCost | None, num_requests: int, gamma: int
 ) -> tuple[list[float], list[float], bool]:
-    """:func:`_prices` as Python lists (factor, growth, divide), for the scalar walk; memoised alike."""
+    """:func:`walk_prices` as Python lists (factor, growth, divide), for the scalar walk; memoised alike."""
 
     def build() -> tuple[list[float], list[float], bool]:
-        prices = _prices(sps, draft_cost, num_requests, gamma)
+        prices = walk_prices(sps, draft_cost, num_requests, gamma)
         return prices.factor.tolist(), prices.growth.tolist(), prices.divide
 
     return sps.memo(("algorithm1-scalar", draft_cost, num_requests, gamma), build)
@@ -382,7 +387,7 @@ def scalar_round(
 
     It decides exactly what the vectorised paths decide: the same IEEE operations in the same order (survival
     products along each row in float64, tau summed sequentially along the walk, Theta = tau * or / the same
-    factors), the same walk order and the same sufficient test :func:`_every_step_improves` (its S summed row by
+    factors), the same walk order and the same sufficient test :func:`every_step_improves` (its S summed row by
     row, an order its proof allows: a pass is as sound, and a failed test only means the walk runs and finds the
     same answer). The order: a stable sort of the survivals, descending (equal ones by flat index j * R + r),
     is the packed key's order (:func:`_walk_order`) unless two unequal survivals share the key's survival bits,
@@ -416,7 +421,7 @@ def scalar_round(
     if n_pos == 0:
         return np.zeros(num_requests, dtype=np.int64), 0
     factor, growth, divide = _scalar_prices(sps, draft_cost, num_requests, gamma)
-    improves = _every_step_improves(total, n_pos, smallest, num_requests, growth[n_pos])
+    improves = every_step_improves(total, n_pos, smallest, num_requests, growth[n_pos])
     if improves and (capacity is None or capacity >= n_pos):  # admit every positive item; Theta peaks last
         return np.array(counts, dtype=np.int64), n_pos if plan else 0
     # The survivals flat, index j * R + r, as the vectorised path lays them out.
@@ -469,22 +474,23 @@ def schedule_lengths(
     """
     conf = np.asarray(confidences)
     if takes_scalar_walk(conf):
-        return scalar_round(conf, sps, draft_cost, *conf.shape, None, plan=False)[0]
+        num_requests, gamma = conf.shape
+        return scalar_round(conf, sps, draft_cost, num_requests, gamma, None, plan=False)[0]
     conf = validate_confidences(conf)
     check_sps(sps)
     num_requests, gamma = conf.shape
     if num_requests == 0 or gamma == 0:
         return np.zeros(num_requests, dtype=np.int64)
-    ws = _workspace()
-    survival, n_pos, smallest = _survival(conf, ws)
-    prices = _prices(sps, draft_cost, num_requests, gamma)
-    if n_pos == 0 or _every_step_improves(
+    ws = thread_workspace()
+    survival, n_pos, smallest = survival_probabilities(conf, ws)
+    prices = walk_prices(sps, draft_cost, num_requests, gamma)
+    if n_pos == 0 or every_step_improves(
         float(_add(survival)), n_pos, smallest, num_requests, float(prices.growth[n_pos])
     ):
-        return _positive_counts(survival, num_requests)
-    order = _walk_order(survival, n_pos, ws)
-    theta = _theta_path(survival, order, num_requests, prices, ws)
-    return _lengths_of_prefix(order, _early_stop(theta, ws), num_requests, ws)
+        return positive_counts(survival, num_requests)
+    order = walk_order(survival, n_pos, ws)
+    theta = theta_path(survival, order, num_requests, prices, ws)
+    return lengths_of_prefix(order, early_stop(theta, ws), num_requests, ws)
 
 
 def greedy_path(
@@ -501,13 +507,13 @@ def greedy_path(
     if num_requests == 0:
         empty = np.zeros(0, dtype=np.int64)
         return GreedyPath(empty, empty, np.zeros(0), np.zeros(1), 0)
-    ws = _workspace()
+    ws = thread_workspace()
     survival, order, _ = _sorted_walk(conf, ws)
-    theta = _theta_path(survival, order, num_requests, _prices(sps, draft_cost, num_requests, gamma), ws)
+    theta = theta_path(survival, order, num_requests, walk_prices(sps, draft_cost, num_requests, gamma), ws)
     return GreedyPath(
         requests=order % num_requests,
         positions=order // num_requests + 1,
         survival=survival[order],
         theta=theta.copy(),
-        stop=_early_stop(theta, ws),
+        stop=early_stop(theta, ws),
     )

@@ -26,19 +26,19 @@ import numpy as np
 
 from scheduler.algorithm import (
     DraftCost,
-    _early_stop,
-    _every_step_improves,
-    _lengths_of_prefix,
-    _positive_counts,
-    _prices,
-    _survival,
-    _theta_path,
-    _walk_order,
-    _workspace,
     check_sps,
+    early_stop,
+    every_step_improves,
+    lengths_of_prefix,
+    positive_counts,
     scalar_round,
+    survival_probabilities,
     takes_scalar_walk,
+    theta_path,
+    thread_workspace,
     validate_confidences,
+    walk_order,
+    walk_prices,
 )
 from scheduler.sps import SPSSource, SPSTable, check_sps_source
 
@@ -62,11 +62,11 @@ def admit_top_k(confidences: np.ndarray, capacity: int) -> np.ndarray:
     num_requests = conf.shape[0]
     if num_requests == 0 or conf.shape[1] == 0:
         return np.zeros(num_requests, dtype=np.int64)
-    ws = _workspace()
-    survival, n_pos, _ = _survival(conf, ws)
+    ws = thread_workspace()
+    survival, n_pos, _ = survival_probabilities(conf, ws)
     if capacity >= n_pos:  # every positive item fits: no order needed
-        return _positive_counts(survival, num_requests)
-    return _lengths_of_prefix(_walk_order(survival, n_pos, ws), int(capacity), num_requests, ws)
+        return positive_counts(survival, num_requests)
+    return lengths_of_prefix(walk_order(survival, n_pos, ws), int(capacity), num_requests, ws)
 
 
 def _lengths_and_plan(
@@ -76,26 +76,26 @@ def _lengths_and_plan(
     ``capacity`` is None) and the capacity planned from the same confidences (global argmax of Theta).
 
     Both read the same survivals, order and Theta path, which the separate calls would each recompute. When
-    Theta improves at every step (algorithm._every_step_improves), its first maximum is the last prefix, so the
+    Theta improves at every step (algorithm.every_step_improves), its first maximum is the last prefix, so the
     plan is n_pos and Algorithm 1 admits every positive item: neither needs the sort.
     """
     num_requests, gamma = conf.shape
     if num_requests == 0 or gamma == 0:
         return np.zeros(num_requests, dtype=np.int64), 0
-    ws = _workspace()
-    survival, n_pos, smallest = _survival(conf, ws)
-    prices = _prices(sps, draft_cost, num_requests, gamma)
-    if n_pos == 0 or _every_step_improves(
+    ws = thread_workspace()
+    survival, n_pos, smallest = survival_probabilities(conf, ws)
+    prices = walk_prices(sps, draft_cost, num_requests, gamma)
+    if n_pos == 0 or every_step_improves(
         float(np.add.reduce(survival)), n_pos, smallest, num_requests, float(prices.growth[n_pos])
     ):
         if capacity is None or capacity >= n_pos:
-            return _positive_counts(survival, num_requests), n_pos
-        return _lengths_of_prefix(_walk_order(survival, n_pos, ws), capacity, num_requests, ws), n_pos
-    order = _walk_order(survival, n_pos, ws)
-    theta = _theta_path(survival, order, num_requests, prices, ws)
+            return positive_counts(survival, num_requests), n_pos
+        return lengths_of_prefix(walk_order(survival, n_pos, ws), capacity, num_requests, ws), n_pos
+    order = walk_order(survival, n_pos, ws)
+    theta = theta_path(survival, order, num_requests, prices, ws)
     plan = int(theta.argmax())
-    admitted = _early_stop(theta, ws) if capacity is None else min(capacity, n_pos)
-    return _lengths_of_prefix(order, admitted, num_requests, ws), plan
+    admitted = early_stop(theta, ws) if capacity is None else min(capacity, n_pos)
+    return lengths_of_prefix(order, admitted, num_requests, ws), plan
 
 
 class AsyncCapacityScheduler:
@@ -138,7 +138,8 @@ class AsyncCapacityScheduler:
         table = self.sps.table_for(conf.shape[0])
         capacity = self._plans[0] if len(self._plans) == self.lag else None
         if small:
-            lengths, plan = scalar_round(conf, table, self.draft_cost, *conf.shape, capacity, plan=True)
+            num_requests, gamma = conf.shape
+            lengths, plan = scalar_round(conf, table, self.draft_cost, num_requests, gamma, capacity, plan=True)
         else:
             lengths, plan = _lengths_and_plan(conf, table, self.draft_cost, capacity)
         if capacity is not None:

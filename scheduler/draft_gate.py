@@ -168,11 +168,13 @@ class DraftGate:
             rows, gamma = conf.shape
             curve = self._curve_of(conf)
             if self._curve is None or gamma != self._gamma:
-                self._curve, self._gamma = curve, gamma
+                self._gamma = gamma
             else:
                 weight = min(1.0, rows / self.history_rows)
-                self._curve = (1.0 - weight) * self._curve + weight * curve
+                curve = (1.0 - weight) * self._curve + weight * curve
+            self._curve = curve
         self._pending.clear()
+        assert self._curve is not None  # called with rounds pending
         np.add.accumulate(self._curve, out=self._cumulative[1:])  # np.cumsum, without its Python wrapper
 
     def _curve_of(self, conf: np.ndarray) -> np.ndarray:
@@ -267,7 +269,8 @@ class DraftGate:
         reuse its answer; a prediction to skip drops the one kept there."""
         if rates is None:  # nothing observed yet: nothing is kept either
             return
-        walk = self._walk_size(max_lengths)  # not None: rates were predicted
+        walk = self._walk_size(max_lengths)
+        assert walk is not None  # rates were predicted, so there were requests
         if rates[0] > rates[1] > 0.0:
             if len(self._drafted_at) >= _MAX_KEPT:  # bounded: a few R values under a steady load
                 self._drafted_at.clear()

@@ -35,11 +35,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from cluster.graphs import DeviceVerified
-from cluster.sampling import SamplingParams
 from draft_service.ahead import gather_rows
-from draft_service.engine import ContextBatch, ContextItem, DraftBatch, DraftEngine, PendingProposal, Proposal
+from draft_service.engine import ContextBatch, ContextItem, DraftBatch, PendingProposal, Proposal
+from kernels.graphs import DeviceVerified
+from kernels.sampling import SamplingParams
 from scheduler.admission import draft_caps, free_slots
+from scheduler.interfaces import ChainingVerifier, DetachingDrafter, Drafter, LaunchingDrafter, RemoteTimed, Verifier
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.service_levels import (
@@ -57,7 +58,7 @@ from scheduler.service_levels import (
     predicted_tpot_s,
 )
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
-from verify_service.engine import PrefillItem, StepResult, StepResults, VerifyBatch, VerifyEngine, VerifyItem
+from verify_service.engine import PrefillItem, StepResult, StepResults, VerifyBatch, VerifyItem
 
 logger = logging.getLogger(__name__)
 _NEW_TOKENS = operator.attrgetter("new_token_ids")
@@ -75,27 +76,26 @@ ROUND_TIME_WINDOW = 16
 JOIN_ROUND_ALPHA = 0.2
 
 
-class _Transfer(NamedTuple):
+class Transfer(NamedTuple):
     """The part of a phase spent outside the replicas' engines, and of that the part inside their processes."""
 
     total_s: float
     in_replica_s: float
 
 
-_NO_TRANSFER = _Transfer(0.0, 0.0)
+NO_TRANSFER = Transfer(0.0, 0.0)
 
 
-def _transfer(engine: object, phase_s: float) -> _Transfer:
+def _transfer(engine: object, phase_s: float) -> Transfer:
     """Of a phase of ``phase_s`` seconds: the time outside the engine's replicas' engines (the phase minus the
-    replicas' time of the engine's last call, ``last_server_s``: a remote engine's; nothing for an in-process
-    one), and of that the time their processes held the call around the engine (``last_held_s`` minus it:
-    decoding, validation, thread hand-offs); the rest is the wire and this side's codec."""
-    server_s = getattr(engine, "last_server_s", None)
-    if server_s is None:
-        return _NO_TRANSFER
+    replicas' time of the engine's last call: a :class:`RemoteTimed` engine's; nothing for an in-process one),
+    and of that the time their processes held the call around the engine (``last_held_s`` minus it: decoding,
+    validation, thread hand-offs); the rest is the wire and this side's codec."""
+    if not isinstance(engine, RemoteTimed):
+        return NO_TRANSFER
+    server_s = engine.last_server_s
     total = min(max(phase_s - server_s, 0.0), phase_s)
-    held_s = getattr(engine, "last_held_s", server_s)
-    return _Transfer(total, min(max(held_s - server_s, 0.0), total))
+    return Transfer(total, min(max(engine.last_held_s - server_s, 0.0), total))
 
 
 class RequestRejectedError(ValueError):
@@ -123,7 +123,10 @@ class RequestOutput:
 
 
 @dataclass
-class _Request:
+class RequestState:
+    """A request in a round driver: its prompt, settings, output so far, detokenizer and stop-string state and
+    metrics (the drivers of this module and :mod:`scheduler.pipeline` keep one per running request)."""
+
     req_id: str
     prompt: list[int]
     params: SamplingParams
@@ -166,7 +169,7 @@ class _Ahead:
     """The next round's drafts, launched before a round's commit (``draft_ahead``): for these requests (in
     running order) at these anchors and positions, with the policy's decision to draft."""
 
-    requests: list[_Request]
+    requests: list[RequestState]
     batch: DraftBatch
     pending: PendingProposal | None
     drafting: bool
@@ -199,7 +202,7 @@ class _AheadTaken(NamedTuple):
 
 #: A request taken out of one engine with everything it carries (output so far, detokenizer and stop-string
 #: state, metrics), to be adopted by another engine: see :meth:`SpeculativeEngine.detach`.
-DetachedRequest = _Request
+DetachedRequest = RequestState
 
 
 @dataclass
@@ -218,8 +221,8 @@ class SpeculativeEngine:
 
     def __init__(
         self,
-        verify: VerifyEngine,
-        draft: DraftEngine | None,
+        verify: Verifier,
+        draft: Drafter | None,
         policy: VerifyPolicy,
         *,
         decode: Callable[[Sequence[int]], str] | None = None,
@@ -256,7 +259,7 @@ class SpeculativeEngine:
         if policy.name.startswith("dspark") and draft is not None and not draft.has_confidence_head:
             raise ValueError(f"policy {policy.name!r} needs a drafter with a confidence head")
         self.verify = verify
-        self.draft = draft if policy.uses_drafter else None
+        self.draft: Drafter | None = draft if policy.uses_drafter else None
         self.policy = policy
         # Past rounds' wall-clock timings only (never token values): feeding them back keeps the policy causal.
         self._observe_round: Callable[[int, bool, float, float, float, int], None] | None = getattr(
@@ -267,24 +270,27 @@ class SpeculativeEngine:
         self.max_running = max_running
         self.block_size = draft.block_size if draft is not None else 0
         self.metrics = EngineMetrics(max(self.block_size, 1))
-        self._waiting: deque[_Request] = deque()
-        self._running: dict[str, _Request] = {}
+        self._waiting: deque[RequestState] = deque()
+        self._running: dict[str, RequestState] = {}
         self._finished: list[str] = []  # requests finished this round: released together at its end
         self._ids = itertools.count()
-        self._draft_ahead = draft_ahead and self.draft is not None and hasattr(self.draft, "propose_start")
+        # The overlaps need an in-process pair's capabilities (scheduler.interfaces); other engines run plain rounds.
+        self._launching = self.draft if isinstance(self.draft, LaunchingDrafter) else None
+        self._chaining = verify if isinstance(verify, ChainingVerifier) else None
+        self._draft_ahead = draft_ahead and self._launching is not None
         self._ahead: _Ahead | None = None  # the next round's drafts, launched before this round's commit
         self._planned_lengths: Callable[[np.ndarray, int], np.ndarray | None] | None = None
-        if chain_verify and hasattr(self.draft, "propose_start") and hasattr(verify, "start_chained"):
+        if chain_verify and self._launching is not None and self._chaining is not None:
             self._planned_lengths = getattr(policy, "planned_lengths", None)
-        self._chain_draft = chain_draft and self._planned_lengths is not None and hasattr(self.draft, "propose_behind")
+        self._chain_draft = chain_draft and self._planned_lengths is not None
         self._observe_drafts: Callable[[np.ndarray, np.ndarray], None] | None = getattr(policy, "observe_drafts", None)
         # The round split (scheduler.metrics): when the round began, and the part of its draft phase spent
         # outside the drafters. A remote engine reports the replicas' time of its last call (``last_server_s``,
         # scheduler.remote); an in-process engine has no transfer.
         self._round_started = 0.0
-        self._draft_transfer = _NO_TRANSFER
+        self._draft_transfer = NO_TRANSFER
         # A drafter pool that lost every replica runs its requests detached (scheduler.remote, degraded mode).
-        self._is_detached: Callable[[str], bool] | None = getattr(self.draft, "is_detached", None)
+        self._is_detached = self.draft.is_detached if isinstance(self.draft, DetachingDrafter) else None
         self.service_levels = service_levels if service_levels is not None else ServiceLevels()
         self.tiers = TierMetrics()
         self._off: set[str] = set()  # running requests with speculation off (verified with no drafts)
@@ -325,7 +331,7 @@ class SpeculativeEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.stop and self.decode is None:
             raise RequestRejectedError("stop strings need a tokenizer; none is configured")
-        req = _Request(
+        req = RequestState(
             req_id=req_id,
             prompt=prompt,
             params=params,
@@ -344,8 +350,7 @@ class SpeculativeEngine:
             if req.req_id == req_id:
                 self._waiting.remove(req)
                 return True
-        req = self._running.pop(req_id, None)
-        if req is None:
+        if self._running.pop(req_id, None) is None:
             return False
         self._free(req_id)
         return True
@@ -427,7 +432,7 @@ class SpeculativeEngine:
     def step(self) -> list[RequestOutput]:
         """Run one round; returns the deltas of every request that emitted tokens or finished."""
         self._round_started = time.perf_counter()
-        self._draft_transfer = _NO_TRANSFER
+        self._draft_transfer = NO_TRANSFER
         admitted = self._admit()
         # Admitted requests were inserted last into the (insertion-ordered) running dict.
         running = list(self._running.values())
@@ -479,7 +484,7 @@ class SpeculativeEngine:
         )
 
     def _leveled_round(
-        self, admitted: list[_Request], verified: list[_Request], late: np.ndarray | None
+        self, admitted: list[RequestState], verified: list[RequestState], late: np.ndarray | None
     ) -> list[RequestOutput]:
         """A round in which some request has speculation off or on or is behind its TPOT target (``late``: which
         are, None when none is): drafted eagerly for the requests that draft, never chained or drafted ahead
@@ -561,7 +566,7 @@ class SpeculativeEngine:
                 out.append((r.level.priority, slack))
         return out
 
-    def _behind(self, requests: list[_Request]) -> np.ndarray:
+    def _behind(self, requests: list[RequestState]) -> np.ndarray:
         """Per request, whether it is behind its TPOT target (False without one) after a round of the current
         round time: timings and counts only."""
         now = time.perf_counter()
@@ -575,7 +580,7 @@ class SpeculativeEngine:
                 out[i] = behind_target(target, now - started, len(r.output), round_s)
         return out
 
-    def _late(self, verified: list[_Request]) -> np.ndarray | None:
+    def _late(self, verified: list[RequestState]) -> np.ndarray | None:
         """Per request of ``verified``, whether it is behind its TPOT target this round; None when none is."""
         if all(r.level.tpot_slo_s is None for r in verified):
             return None
@@ -584,7 +589,7 @@ class SpeculativeEngine:
 
     def _chained_round(
         self,
-        verified: list[_Request],
+        verified: list[RequestState],
         caps: np.ndarray,
         lengths: np.ndarray,
         ahead: _AheadTaken | None,
@@ -597,8 +602,8 @@ class SpeculativeEngine:
         verifier cannot chain the step (:meth:`VerifyEngine.start_chained` says None) the drafts are verified
         the usual way, with the same lengths. The draft time runs to the drafts' arrival on the host (the
         verify step starts on the device then), the verify time from there to its results."""
-        draft = self.draft
-        assert draft is not None
+        draft, chaining = self._launching, self._chaining
+        assert draft is not None and chaining is not None  # chained rounds are enabled only with both
         if ahead is not None and ahead.pending is not None and ahead.batch is not None:
             pending, batch = ahead.pending, ahead.batch
         else:
@@ -608,10 +613,10 @@ class SpeculativeEngine:
                 np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num),
                 np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
             )
-            pending = draft.propose_start(batch)  # type: ignore[attr-defined]
+            pending = draft.propose_start(batch)
         finish = None
         if pending.device_tokens is not None:
-            finish = self.verify.start_chained(  # type: ignore[attr-defined]
+            finish = chaining.start_chained(
                 batch.req_ids, batch.anchors, batch.positions, lengths, pending.device_tokens
             )
         proposal = pending.result()
@@ -628,7 +633,7 @@ class SpeculativeEngine:
         return self._commit_round([], verified, finish.results(), True, draft_s, schedule_s, t_drafted, behind)
 
     def _launch_behind(
-        self, verified: list[_Request], batch: DraftBatch, lengths: np.ndarray, on_device: DeviceVerified
+        self, verified: list[RequestState], batch: DraftBatch, lengths: np.ndarray, on_device: DeviceVerified
     ) -> _Decided:
         """Decide the next round's drafting now and, when it drafts, queue its draft step behind this round's
         verify step (on the device, from its outcome there). The policy decides as it does for drafts launched
@@ -640,12 +645,13 @@ class SpeculativeEngine:
         left = np.fromiter((r.max_tokens - len(r.output) for r in verified), dtype=np.int64, count=num)
         if not self.policy.should_draft(self._caps_from(left - emitted, batch.positions + emitted)):
             return _Decided(False, None)
-        pending = self.draft.propose_behind(  # type: ignore[union-attr]
+        assert self._launching is not None  # chain_draft is enabled only with a launching drafter
+        pending = self._launching.propose_behind(
             batch.req_ids, batch.positions, on_device, self.verify.vocab_size
         )
         return _Decided(True, pending)
 
-    def _plan(self, verified: list[_Request]) -> tuple[np.ndarray, bool]:
+    def _plan(self, verified: list[RequestState]) -> tuple[np.ndarray, bool]:
         """The count caps of the requests to verify, and whether the drafter drafts for them this round.
 
         The policy may skip the drafter (a plain target round) from counts and past rounds only; the committed
@@ -659,7 +665,7 @@ class SpeculativeEngine:
         caps = self._caps(verified) if drafting else np.zeros(len(verified), dtype=np.int64)
         return caps, drafting and self.policy.should_draft(caps)
 
-    def _take_ahead(self, verified: list[_Request]) -> _AheadTaken | None:
+    def _take_ahead(self, verified: list[RequestState]) -> _AheadTaken | None:
         """This round's caps, draft decision and drafts from the drafts launched ahead, when they were launched
         for exactly this round's requests at their committed anchors and positions (or for a superset, when some
         finished: then the policy decides again and the rows are taken); None otherwise (drafts launched for
@@ -700,7 +706,7 @@ class SpeculativeEngine:
 
     def _launch_ahead(
         self,
-        verified: list[_Request],
+        verified: list[RequestState],
         tokens: Sequence[Sequence[int]],
         accepted: Sequence[int],
         decided: _Decided | None = None,
@@ -724,14 +730,15 @@ class SpeculativeEngine:
         else:
             drafting, pending = decided
         if drafting and pending is None:
-            pending = self.draft.propose_start(batch)  # type: ignore[union-attr]
+            assert self._launching is not None  # drafts are launched ahead only by a launching drafter
+            pending = self._launching.propose_start(batch)
         self._ahead = _Ahead(list(verified), batch, pending, drafting)
 
     def _verify_and_commit(
         self,
-        admitted: list[_Request],
-        verified: list[_Request],
-        verifies: list[VerifyItem],
+        admitted: list[RequestState],
+        verified: list[RequestState],
+        verifies: Sequence[VerifyItem],
         drafting: bool,
         draft_s: float,
         schedule_s: float,
@@ -749,8 +756,8 @@ class SpeculativeEngine:
 
     def _commit_round(
         self,
-        admitted: list[_Request],
-        verified: list[_Request],
+        admitted: list[RequestState],
+        verified: list[RequestState],
         results: Sequence[StepResult] | StepResults,
         drafting: bool,
         draft_s: float,
@@ -803,8 +810,8 @@ class SpeculativeEngine:
 
     def _commit_results(
         self,
-        admitted: list[_Request],
-        verified: list[_Request],
+        admitted: list[RequestState],
+        verified: list[RequestState],
         results: Sequence[StepResult] | StepResults,
         decided: _Decided | None = None,
     ) -> tuple[list[RequestOutput], Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]:
@@ -828,7 +835,8 @@ class SpeculativeEngine:
             commit = self._commit
             outputs = list(map(commit, verified, results.tokens, results.num_drafts, results.num_accepted))
             # The step's own lists (made for this round, changed by nobody): the metrics keep them as they are.
-            verified_counts, accepted_counts = results.num_drafts, results.num_accepted
+            verified_counts: Sequence[int] | np.ndarray = results.num_drafts
+            accepted_counts: Sequence[int] | np.ndarray = results.num_accepted
         else:
             if self.draft is not None:
                 contexts = [
@@ -856,7 +864,7 @@ class SpeculativeEngine:
         return outputs, verified_counts, accepted_counts
 
     def _verify_items(
-        self, verified: list[_Request], lengths: np.ndarray, proposal: object, drafted: DraftBatch | None = None
+        self, verified: list[RequestState], lengths: np.ndarray, proposal: object, drafted: DraftBatch | None = None
     ) -> Sequence[VerifyItem]:
         """Each running request's anchor and its first lengths[r] drafts (with their distribution if sampled):
         a :class:`VerifyBatch` (arrays, no item per request) when there is a proposal; ``drafted``: the
@@ -887,13 +895,13 @@ class SpeculativeEngine:
     #: a pipelined driver drafts whole groups, so there they hold a slot and are verified with no drafts).
     _OFF_WITHOUT_DRAFTER = True
 
-    def _admit(self, limit: int | None = None) -> list[_Request]:
+    def _admit(self, limit: int | None = None) -> list[RequestState]:
         """Move waiting requests (at most ``limit``) into the running set while both engines have free slots.
 
         Waiting requests go in tier order, FIFO within a tier (:func:`admission_order`), as far as the running
         requests' targets leave room and the queued targets let them (:meth:`_eligible`). ``off`` requests need
         no drafter slot. The admitted requests are a prefix of that order (the first that does not fit ends it)."""
-        admitted: list[_Request] = []
+        admitted: list[RequestState] = []
         if not self._waiting:
             return admitted
         waiting = list(self._waiting)
@@ -906,8 +914,8 @@ class SpeculativeEngine:
             waiting = self._eligible(waiting)
         free = free_slots(self.verify.num_free_slots, None, len(self._running), self.max_running, limit)
         draft_free = self.draft.num_free_slots if self.draft is not None else 0
-        candidates: list[_Request] = []
-        drafted: list[_Request] = []
+        candidates: list[RequestState] = []
+        drafted: list[RequestState] = []
         for req in waiting:
             if len(candidates) >= free:
                 break
@@ -937,7 +945,7 @@ class SpeculativeEngine:
             admitted.append(req)
         return admitted
 
-    def _eligible(self, waiting: list[_Request]) -> list[_Request]:
+    def _eligible(self, waiting: list[RequestState]) -> list[RequestState]:
         """The waiting requests (in admission order) that may join now.
 
         Joining prompts are prefilled in the round, which lengthens it for every running request: a request
@@ -950,7 +958,7 @@ class SpeculativeEngine:
         slacks = self._slacks()
         queue = self.service_levels.slo_admission == "queue" and bool(self._running)
         cost = self._join_cost_s
-        out: list[_Request] = []
+        out: list[RequestState] = []
         queued_tier: int | None = None
         for req in waiting:
             level = req.level
@@ -966,7 +974,7 @@ class SpeculativeEngine:
             out.append(req)
         return out
 
-    def _caps(self, verified: list[_Request]) -> np.ndarray:
+    def _caps(self, verified: list[RequestState]) -> np.ndarray:
         """Caps that only depend on counts and settings: never verify past max_tokens or past the KV slot, no
         drafts for a request with speculation off."""
         num = len(verified)
@@ -995,7 +1003,7 @@ class SpeculativeEngine:
         return self.policy.lengths(confidences, caps, weights=weights)
 
     def _commit(
-        self, req: _Request, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool = False
+        self, req: RequestState, tokens: list[int], num_drafts: int, num_accepted: int, prefill: bool = False
     ) -> RequestOutput:
         """Append a step's tokens to the request, apply stop conditions, finish and free it if done."""
         output = req.output

@@ -36,7 +36,7 @@ from cluster.backend_rpc import EMPTY, REQUEST_ID, SCHEDULER, backend_methods
 from cluster.messages import Bool, Message, Str
 from cluster.readiness import IntervalLog, Readiness, ReadinessGate
 from cluster.rpc import Service
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.admission import least_loaded
 from scheduler.colocated import EngineReplica, EngineReplicas
 from scheduler.engine import RequestRejectedError, SpeculativeEngine
@@ -155,9 +155,9 @@ class SchedulerHub:
                 "service_levels": self.service_levels,
             }
             engine = (
-                PipelinedEngine(verifier, pool, policy, groups=self.request_groups, **options)  # type: ignore[arg-type]
+                PipelinedEngine(verifier, pool, policy, groups=self.request_groups, **options)
                 if self.request_groups > 1 and pool is not None
-                else SpeculativeEngine(verifier, pool, policy, **options)  # type: ignore[arg-type]
+                else SpeculativeEngine(verifier, pool, policy, **options)
             )
             backend = LocalBackend(
                 engine, self.model_name, max_context=self._max_context, failover=self.failover.hook(replica_id)

@@ -116,7 +116,8 @@ class EngineMetrics:
         # Position k was "reached" when it was verified and every earlier draft was accepted.
         self._reached_per_position = np.zeros(block_size, dtype=np.int64)
         self._positions = np.arange(block_size)[None, :]
-        self._kept: list[tuple[Sequence[int], Sequence[int]]] = []  # rounds not folded into the counts yet
+        # Rounds not folded into the counts yet: (verified, accepted) per request.
+        self._kept: list[tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]] = []
         self.draft_time_s = 0.0
         self.schedule_time_s = 0.0
         self.verify_time_s = 0.0

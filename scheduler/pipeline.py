@@ -36,12 +36,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from draft_service.engine import DraftEngine, DraftItem, Proposal
+from draft_service.engine import ContextItem, DraftItem, Proposal
+from kernels.sampling import SamplingParams
 from scheduler.admission import group_share
-from scheduler.engine import _NO_TRANSFER, DetachedRequest, RequestOutput, SpeculativeEngine, _Request
+from scheduler.engine import NO_TRANSFER, DetachedRequest, RequestOutput, RequestState, SpeculativeEngine
+from scheduler.interfaces import Drafter, Verifier
 from scheduler.policy import VerifyPolicy
 from scheduler.service_levels import ServiceLevels
-from verify_service.engine import VerifyEngine
 
 T = TypeVar("T")
 
@@ -54,11 +55,15 @@ class SerialDrafter:
     are not ordered with the calls in flight.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Drafter) -> None:
         self.engine = engine
         self.block_size: int = engine.block_size
         self.has_confidence_head: bool = engine.has_confidence_head
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipelined-drafter")
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.engine.num_free_slots
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -66,19 +71,13 @@ class SerialDrafter:
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return self._thread.submit(fn, *args).result()
 
-    def add_request(self, req_id: str, params: Any) -> None:
-        self._call(self.engine.add_request, req_id, params)
-
-    def add_requests(self, requests: Sequence[tuple[str, Any]]) -> int:
+    def add_requests(self, requests: Sequence[tuple[str, SamplingParams]]) -> int:
         return self._call(self.engine.add_requests, requests)
-
-    def release(self, req_id: str) -> None:
-        self._call(self.engine.release, req_id)
 
     def release_many(self, req_ids: Sequence[str]) -> None:
         self._call(self.engine.release_many, req_ids)
 
-    def append_context(self, items: Any) -> None:
+    def append_context(self, items: Sequence[ContextItem]) -> None:
         # Waited for: the verifier's next step may overwrite the buffers these features live in. Nothing to
         # append (features pushed by a remote verifier straight to its drafter) must not wait for a draft.
         if len(items):
@@ -111,8 +110,8 @@ class PipelinedEngine(SpeculativeEngine):
 
     def __init__(
         self,
-        verify: VerifyEngine,
-        draft: DraftEngine | None,
+        verify: Verifier,
+        draft: Drafter | None,
         policy: VerifyPolicy,
         *,
         groups: int = 2,
@@ -136,12 +135,13 @@ class PipelinedEngine(SpeculativeEngine):
             max_running=max_running,
             service_levels=service_levels,
         )
-        if self.draft is not None:
-            self.draft = SerialDrafter(self.draft)  # type: ignore[assignment]
+        # Every drafter call goes through one thread, in submission order (module doc).
+        self._serial = SerialDrafter(self.draft) if self.draft is not None else None
+        self.draft = self._serial
         self.num_groups = groups
         # The policy given serves group 0; the others get copies (their learned state starts empty, as it is).
         self.policies: list[VerifyPolicy] = [policy, *(copy.deepcopy(policy) for _ in range(groups - 1))]
-        self._members: list[dict[str, _Request]] = [{} for _ in range(groups)]
+        self._members: list[dict[str, RequestState]] = [{} for _ in range(groups)]
         self._group_of: dict[str, int] = {}
         self._pending: dict[int, _Pending] = {}
         self._turn = 0
@@ -151,7 +151,7 @@ class PipelinedEngine(SpeculativeEngine):
     def step(self) -> list[RequestOutput]:
         """One tick: verify one group (prefilling requests admitted into it) while the next group drafts."""
         self._round_started = time.perf_counter()
-        self._draft_transfer = _NO_TRANSFER  # drafting overlaps the tick on the drafter thread: not split
+        self._draft_transfer = NO_TRANSFER  # drafting overlaps the tick on the drafter thread: not split
         g = self._next_group()
         if g is None:
             return []
@@ -220,7 +220,7 @@ class PipelinedEngine(SpeculativeEngine):
         """How many waiting requests group ``g`` may take now: it fills up to an even split of all requests."""
         return group_share(len(self._running) + len(self._waiting), self.num_groups, len(self._members[g]))
 
-    def _admit_into(self, g: int) -> list[_Request]:
+    def _admit_into(self, g: int) -> list[RequestState]:
         admitted = self._admit(limit=max(self._share(g), 0))
         for req in admitted:
             self._members[g][req.req_id] = req
@@ -243,8 +243,8 @@ class PipelinedEngine(SpeculativeEngine):
             self._use_policy(h)
             caps, drafting = self._plan(verified)
             future = None
-            if drafting and self.draft is not None:
-                future = self.draft.propose_async(  # type: ignore[attr-defined]
+            if drafting and self._serial is not None:
+                future = self._serial.propose_async(
                     [DraftItem(r.req_id, r.anchor, r.position) for r in verified]
                 )
                 self.blocks_ahead += 1
@@ -274,8 +274,8 @@ class PipelinedEngine(SpeculativeEngine):
         return taken
 
     def close(self) -> None:
-        if isinstance(self.draft, SerialDrafter):
-            self.draft.close()
+        if self._serial is not None:
+            self._serial.close()
         super().close()
 
 

@@ -44,11 +44,9 @@ from typing import Literal
 
 import numpy as np
 
-Speculative = Literal["auto", "off", "on"]
-SPECULATIVE_MODES: tuple[str, ...] = ("auto", "off", "on")
+from kernels.sampling import MAX_PRIORITY, MIN_PRIORITY, SPECULATIVE_MODES, Speculative
+
 SloAdmission = Literal["refuse", "queue"]
-#: Priority tiers: a bounded range keeps the per-tier metric series bounded.
-MIN_PRIORITY, MAX_PRIORITY = -100, 100
 #: TPOT histogram buckets (seconds), the per-tier ``dspark_tier_tpot_seconds``.
 TPOT_BUCKETS_S: tuple[float, ...] = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 

@@ -32,6 +32,7 @@ import time
 import warnings
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -406,7 +407,7 @@ def profile_sps(
     for timed_pass in tqdm(range(repeats), desc="SPS profile", unit="pass", disable=not progress):
         order = range(len(sizes)) if timed_pass % 2 == 0 else range(len(sizes) - 1, -1, -1)
         for k in order:
-            times[timed_pass, k] = timer(lambda b=sizes[k]: run_step(b))
+            times[timed_pass, k] = timer(partial(run_step, sizes[k]))
     bad = ~(times > 0).all(axis=0)
     if bad.any():
         raise ValueError(f"timer returned a non-positive step time at B={sizes[int(np.argmax(bad))]}")

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 
 logger = logging.getLogger(__name__)

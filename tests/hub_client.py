@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.hub import SchedulerHub
 
 

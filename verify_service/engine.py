@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from cluster.graphs import DEFAULT_BUCKETS, DeviceDrafts, DeviceVerified, check_graph_mode
-from cluster.sampling import SamplingParams
-from cluster.slot_lookups import SlotLookups
+from kernels.graphs import DEFAULT_BUCKETS, DeviceDrafts, DeviceVerified, check_graph_mode
 from kernels.rejection import RejectionOutput, rejection_sample_reference
+from kernels.sampling import SamplingParams
+from kernels.slot_lookups import SlotLookups
 from verify_service.graphs import GraphItem, VerifyGraphRunner
 from verify_service.kv_cache import KVCapacityError, NoFreeSlotError
 
@@ -131,7 +131,7 @@ class VerifyBatch(Sequence[VerifyItem]):
             self._items = items
         return self._items
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         return self.items()[index]
 
     def __iter__(self):
@@ -186,7 +186,7 @@ class StepResults(Sequence[StepResult]):
     def __len__(self) -> int:
         return len(self.req_ids)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return list(self)[index]
         i = range(len(self))[index]
@@ -239,7 +239,7 @@ _NONE_TYPE = {type(None)}
 class VerifyEngine:
     """Holds the target and the KV cache of every running request on this replica.
 
-    ``graphs``: how steps run (:mod:`cluster.graphs`): ``off`` (eager), ``static`` (the token-bucketed CUDA-graph
+    ``graphs``: how steps run (:mod:`kernels.graphs`): ``off`` (eager), ``static`` (the token-bucketed CUDA-graph
     layout of :mod:`verify_service.graphs` run eagerly; any device) or ``capture`` (one CUDA graph per bucket,
     replayed). A step takes the graph path when it fits a bucket: every verify-only step of up to
     ``max_requests`` requests, and steps with joining prompts whose tokens fit the room left by the verify chunks
@@ -357,7 +357,7 @@ class VerifyEngine:
         checked = self._validate(prefills, verifies)
         bucketed = self._bucketed(prefills, verifies, checked)
         if bucketed and not prefills:
-            return self._run_bucketed(prefills, verifies, checked, bucketed if bucketed is not True else None)
+            return self._run_bucketed(prefills, verifies, checked, bucketed if isinstance(bucketed, tuple) else None)
         new_slots = self._allocate(prefills)
         try:
             if bucketed:
@@ -458,7 +458,7 @@ class VerifyEngine:
 
     def _lookup(self, req_ids: tuple[str, ...]) -> tuple[list[_Slot], np.ndarray]:
         """Entries and KV slots (int64, read-only) of a step's verify requests, kept per request list
-        (:mod:`cluster.slot_lookups`); raises KeyError for an unknown one."""
+        (:mod:`kernels.slot_lookups`); raises KeyError for an unknown one."""
         requests = self._requests
         return self._lookups.get(req_ids, lambda ids: [requests[req_id] for req_id in ids])
 
@@ -645,7 +645,11 @@ class VerifyEngine:
         offset = num
         for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True)):
             n = num_drafts[r]
-            dist = None if e.greedy or v.draft_probs is None or not n else (v.draft_prob_ids, v.draft_probs)
+            dist = (
+                None
+                if e.greedy or v.draft_probs is None or v.draft_prob_ids is None or not n
+                else (v.draft_prob_ids, v.draft_probs)
+            )
             (temperature, top_p), (top_k, seed) = sampling_float[r], sampling_int[r]
             chunk = [tokens[r], *tokens[offset : offset + n]]
             offset += n
@@ -687,7 +691,7 @@ class VerifyEngine:
             sampled = [
                 (r, v.draft_prob_ids, v.draft_probs)
                 for r, (v, e) in enumerate(zip(verifies, checked.entries, strict=True))
-                if not e.greedy and v.draft_probs is not None and len(v.draft_tokens)
+                if not e.greedy and v.draft_probs is not None and v.draft_prob_ids is not None and len(v.draft_tokens)
             ]
         accepted, tokens, kept = self.graphs.run_verify(
             slots, checked.lengths, checked.tokens, checked.num_drafts, sampling_float, sampling_int, sampled, key
@@ -809,10 +813,10 @@ class VerifyEngine:
         Narrower rows are padded with probability-0 entries (harmless: duplicate ids add up). Greedy requests
         carry no distribution; they get a one-hot row on their draft, which the sampler ignores for them.
         """
-        sampled = [v for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
+        sampled = [v.draft_probs for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
         if not sampled:
             return None, None
-        width = max(int(v.draft_probs.shape[1]) for v in sampled)
+        width = max(int(probs.shape[1]) for probs in sampled)
         id_rows: list[torch.Tensor] = []
         prob_rows: list[torch.Tensor] = []
         for v in verifies:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from cluster.graphs import (
+from kernels.graphs import (
     DEFAULT_BUCKETS,
     DeviceDrafts,
     DeviceVerified,

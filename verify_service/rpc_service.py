@@ -45,8 +45,8 @@ from cluster.engine_rpc import (
 from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkSender
 from cluster.messages import AnyValue, Bool, Int, List, Map, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, RoundStream, RpcClient, Service
-from cluster.sampling import SamplingParams
 from draft_service.projection import ContextProjection
+from kernels.sampling import SamplingParams
 from verify_service.engine import PrefillItem, StepResult, VerifyEngine, VerifyItem
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ ids are concatenated on the last axis in the order given: [rows, m * H].
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,9 @@ REAL_VOCAB_KEY = "dspark_real_vocab_size"
 
 def real_vocab_size(config: Any) -> int:
     """The ids a model may read or emit: ``dspark_real_vocab_size`` when set, else ``vocab_size``."""
-    get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    get: Callable[..., Any] = (
+        config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+    )
     vocab = int(get("vocab_size"))
     real = get(REAL_VOCAB_KEY, None)
     if real is None:
@@ -59,7 +61,7 @@ class TargetModel:
         config = hf_model.config
         if config.model_type != "qwen3":
             raise ValueError(f"TargetModel: expected a qwen3 model, got model_type={config.model_type!r}")
-        unsupported = sorted(set(config.layer_types) - {"full_attention"})
+        unsupported = sorted(set(config.layer_types or ()) - {"full_attention"})
         if unsupported:
             raise ValueError(f"TargetModel: layer types {unsupported} (sliding window) are not supported")
         num_layers = config.num_hidden_layers
@@ -80,7 +82,7 @@ class TargetModel:
         self.logits_width = config.vocab_size
         self.vocab_size = real_vocab_size(config)
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads: int = config.num_key_value_heads or config.num_attention_heads  # HF's default when unset
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"TargetModel: {self.num_heads} query heads are not a multiple of "
@@ -145,7 +147,8 @@ class TargetModel:
         if not any(path.glob("*.safetensors")):
             raise ValueError(f"TargetModel: no *.safetensors weight file in {path}")
         hf_model = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        return cls(hf_model.to(device), feature_layer_ids)
+        # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads (self as the argument).
+        return cls(hf_model.to(device), feature_layer_ids)  # type: ignore[arg-type]
 
     @property
     def dtype(self) -> torch.dtype:

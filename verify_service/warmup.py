@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from verify_service.engine import PrefillItem, VerifyEngine, VerifyItem
 
 logger = logging.getLogger(__name__)

@@ -152,8 +152,8 @@ def plot(results: Sequence[Result], out_dir: Path, stem: str = "bench_serve") ->
             labels = [lv["load"]["label"] for lv in result["levels"]]
             for pct, style in (("p50", "-"), ("p99", "--")):
                 values = [lv[key][pct] for lv in result["levels"]]
-                ys = [float("nan") if v is None else v * scale for v in values]
-                ax.plot(labels, ys, style, marker="o", label=f"{_label(result, i)} {pct}")
+                series = [float("nan") if v is None else v * scale for v in values]
+                ax.plot(labels, series, style, marker="o", label=f"{_label(result, i)} {pct}")
         ax.set_title(title)
         ax.set_xlabel("load")
         ax.grid(alpha=0.3)

@@ -1,13 +1,13 @@
 """Recorded decoding traces as the simulator's source of confidences and acceptance.
 
-The input is what ``dspark eval --save-traces`` writes (:meth:`scheduler.evaluation.DecodeTraces.save`): an
+The input is what ``dspark eval --save-traces`` writes (:meth:`scheduler.evaluation.decoder.DecodeTraces.save`): an
 ``.npz`` with ``logits`` [N, gamma] float (confidence-head logits of every round's block), ``accepted`` [N] int
 (drafts the target accepted when the WHOLE block was verified), ``request`` [N] int (which prompt the round
 belongs to; its rounds in order) and ``has_confidence`` (bool). A simulated request replays the rounds of one
 recorded prompt, picked at random, and moves on to another at random when they run out.
 
 A round that verifies l drafts of a row accepts min(accepted, l): verifying a prefix of a block decides its
-tokens as verifying the whole block does (the offline threshold sweep of :mod:`scheduler.eval_report` uses
+tokens as verifying the whole block does (the offline threshold sweep of :mod:`scheduler.evaluation.report` uses
 the same rule). What is approximated: after a round that verified fewer drafts than the recorded one accepted,
 the real next block starts a few tokens earlier than the recorded next row.
 """

@@ -34,7 +34,7 @@ def calibrate_drafter(
 ) -> dict[str, Any]:
     """Collect traces, fit STS on half the prompts, report on the other half; writes sts.json + a PNG."""
     from draft_service.checkpoint import load_draft_model
-    from scheduler.evaluation import OfflineSpeculativeDecoder
+    from scheduler.evaluation.decoder import OfflineSpeculativeDecoder
     from scheduler.sts import calibration_report, fit_sts, reliability_diagram
     from verify_service.target import TargetModel
 

@@ -139,7 +139,7 @@ def decode_batch(
     """
     from transformers import DynamicCache
 
-    from scheduler.reference_loop import cache_kwargs
+    from scheduler.evaluation.reference_loop import cache_kwargs
 
     batch, length = prompts.shape
     device = prompts.device
@@ -203,7 +203,7 @@ def generate_responses(
     """Regenerate responses to random prompts of both corpus splits; writes ``out_dir``, returns its meta."""
     from tqdm.auto import tqdm
 
-    from scheduler.reference_loop import load_target
+    from scheduler.evaluation.reference_loop import load_target
     from verify_service.demo.corpus import load_corpus
 
     cfg.validate()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from scheduler.reference_loop import context_features
+from scheduler.evaluation.reference_loop import context_features
 
 
 class Teacher:

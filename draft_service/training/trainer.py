@@ -223,7 +223,7 @@ def train_drafter(
     from tqdm.auto import tqdm
 
     from draft_service.checkpoint import read_target_embeddings
-    from scheduler.reference_loop import load_target
+    from scheduler.evaluation.reference_loop import load_target
     from verify_service.demo.pretrain import learning_rate, run_progress
 
     cfg.validate()

@@ -26,11 +26,11 @@ from model_factory import PairSpec, write_pair
 
 from cluster.feature_link import build_group
 from cluster.rpc import ServerThread, SyncRpcClient
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import ContextItem, DraftEngine, DraftItem
 from draft_service.projection import load_context_projection
 from draft_service.rpc_service import DrafterService
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DrafterPool, RemoteVerifier

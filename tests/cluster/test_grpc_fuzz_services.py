@@ -30,11 +30,11 @@ from hypothesis import strategies as st
 from model_factory import PairSpec, write_pair
 
 from cluster.rpc import ServerThread, SyncRpcClient
-from cluster.sampling import SamplingParams
 from cluster.wire import WireLimits, encode
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
+from kernels.sampling import SamplingParams
 from scheduler.hub import SchedulerHub
 from scheduler.sps import SPSTable
 from verify_service.engine import VerifyEngine

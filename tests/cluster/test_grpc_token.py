@@ -15,10 +15,10 @@ from model_factory import PairSpec, write_pair
 
 from cluster.remote_backend import RemoteBackend
 from cluster.rpc import HEALTH_METHOD, HEALTH_SERVICE, ServerThread, SyncRpcClient, stream_method
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
+from kernels.sampling import SamplingParams
 from scheduler.hub import SchedulerHub
 from scheduler.sps import SPSTable
 from verify_service.engine import VerifyEngine

@@ -12,9 +12,9 @@ from http_harness import free_slots
 from model_factory import PairSpec, write_pair
 
 from cluster.backend import BackendUnavailableError, GenerateBackend, GenerateDelta, LocalBackend
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.sps import SPSTable

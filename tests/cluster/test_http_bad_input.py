@@ -15,7 +15,7 @@ from http_harness import MODEL, demo_backend, demo_tokenizer, serve
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.http_app import build_app
-from cluster.sampling import MAX_STOP_STRINGS
+from kernels.sampling import MAX_STOP_STRINGS
 
 KEY = "test-key-1234"
 AUTH = {"Authorization": f"Bearer {KEY}"}

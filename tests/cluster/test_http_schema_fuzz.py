@@ -21,7 +21,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from cluster.http_app import build_app
-from cluster.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from kernels.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 MAX_CONTEXT = 48
 SLOTS = 2

@@ -17,10 +17,10 @@ from model_factory import PairSpec, write_pair
 
 from cluster.backend import BackendUnavailableError, LocalBackend
 from cluster.rpc import NOT_SERVING, SERVING, ServerThread, SyncRpcClient
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.failover import check_round_loops
 from scheduler.policy import make_policy

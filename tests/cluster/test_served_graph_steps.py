@@ -14,7 +14,7 @@ from model_factory import PairSpec, write_pair
 from cluster.config import AppConfig
 from cluster.loading import build_drafter_service, build_verifier_service, graph_mode, profiled_request_counts
 from cluster.rpc import ServerThread
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.hub import SchedulerHub
 from scheduler.sps import BY_REQUESTS_FORMAT, FORMAT, load_sps
 from verify_service.target import TargetModel

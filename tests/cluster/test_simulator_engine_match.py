@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cluster.sampling import SamplingParams
 from cluster.simulator.costs import load_costs
 from cluster.simulator.simulation import ClusterSpec, simulate
 from cluster.simulator.traces import AcceptanceTrace
 from cluster.simulator.workload import Workload
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.sts import STSCalibration

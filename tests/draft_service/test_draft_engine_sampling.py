@@ -18,12 +18,12 @@ import pytest
 import torch
 from model_factory import PairSpec, write_pair
 
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.config import REAL_VOCAB_KEY
 from draft_service.engine import ContextItem, DraftEngine, DraftItem, Proposal
 from draft_service.model import DSparkDraftModel
 from kernels.markov import markov_sample_reference
+from kernels.sampling import SamplingParams
 
 BUCKETS = (1, 2, 4, 8)
 DRAFT_TOP_K = 6

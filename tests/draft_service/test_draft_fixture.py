@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from draft_service.checkpoint import load_draft_model
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import sample_block
-from scheduler.reference_loop import (
+from scheduler.evaluation.reference_loop import (
     acceptance_probabilities,
     cache_kwargs,
     context_features,

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.context_cache import DraftContextCache
 from draft_service.engine import ContextItem, DraftEngine, DraftItem
 from draft_service.model import DSparkDraftModel
+from kernels.sampling import SamplingParams
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "deepspec_tiny_a"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,7 +17,7 @@ import torch
 from draft_service.checkpoint import load_draft_model, save_draft_model
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import sample_block
-from scheduler.reference_loop import context_features, load_target, speculative_generate, target_greedy
+from scheduler.evaluation.reference_loop import context_features, load_target, speculative_generate, target_greedy
 from tests.model_factory import PairSpec, write_pair
 
 SPECS = [

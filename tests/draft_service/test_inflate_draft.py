@@ -21,13 +21,13 @@ from model_factory import PairSpec, random_draft
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from cluster.cli import main as cli_main
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import CheckpointError, load_draft_model, save_draft_model
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
 from draft_service.inflate import InflatedPair, inflate_draft, inflate_pair
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import sample_block
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.sps import SPSTable

@@ -16,10 +16,10 @@ import pytest
 import torch
 from stats import chi_square_p_value
 
-from kernels import (
+from kernels import rejection
+from kernels.dispatch import (
     markov_sample_reference,
     markov_sample_triton,
-    rejection,
     rejection_sample_reference,
     rejection_sample_triton,
 )

@@ -12,7 +12,7 @@ import torch
 from conftest import shared_path
 from safetensors.torch import load_file
 
-from kernels import markov_sample, markov_sample_reference, markov_sample_triton
+from kernels.dispatch import markov_sample, markov_sample_reference, markov_sample_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IMPLS = {"reference": markov_sample_reference, "triton": markov_sample_triton}

@@ -13,7 +13,7 @@ import torch
 from conftest import shared_path
 from safetensors.torch import load_file
 
-from kernels import rejection_sample, rejection_sample_reference, rejection_sample_triton
+from kernels.dispatch import rejection_sample, rejection_sample_reference, rejection_sample_triton
 from kernels.rejection import filter_thresholds, target_probs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -15,11 +15,11 @@ import pytest
 import torch
 from model_factory import PairSpec, write_pair
 
-from cluster.graphs import DeviceDrafts, bucket_sizes, check_graph_mode, pick_bucket
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import ContextBatch, ContextItem, DraftEngine, DraftItem
+from kernels.graphs import DeviceDrafts, bucket_sizes, check_graph_mode, pick_bucket
 from kernels.launch import interpreting
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.sps import SPSTable

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from model_factory import PairSpec, write_pair
 
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.warmup import warm_up_draft
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.sps import SPSTable

@@ -19,10 +19,10 @@ import pytest
 from model_factory import PairSpec, write_pair
 
 from cluster.rpc import ServerThread, Service, SyncRpcClient
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
+from kernels.sampling import SamplingParams
 from scheduler.hub import SchedulerHub
 from scheduler.remote import RemoteVerifier
 from scheduler.sps import SPSTable

@@ -18,13 +18,13 @@ import torch
 from capture_guard import CaptureGuard
 from model_factory import PairSpec, write_pair
 
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.config import REAL_VOCAB_KEY
 from draft_service.engine import ContextItem, DraftEngine
 from draft_service.graphs import DraftGraphRunner
 from draft_service.model import DSparkDraftModel
 from kernels.rejection import rejection_sample_reference
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from verify_service.engine import VerifyEngine

@@ -8,10 +8,10 @@ from hub_client import generate_all
 from model_factory import PairSpec, write_pair
 
 from cluster.rpc import ServerThread
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
+from kernels.sampling import SamplingParams
 from scheduler.hub import SchedulerHub
 from scheduler.policy import DSparkScheduled
 from scheduler.sps import SPSTable

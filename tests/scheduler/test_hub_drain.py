@@ -18,10 +18,10 @@ from model_factory import PairSpec, write_pair
 
 from cluster.backend import BackendUnavailableError, GenerateDelta
 from cluster.rpc import ServerThread
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
+from kernels.sampling import SamplingParams
 from scheduler.hub import SchedulerHub
 from scheduler.sps import SPSTable
 from verify_service.engine import VerifyEngine

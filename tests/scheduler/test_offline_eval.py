@@ -11,9 +11,9 @@ import torch
 from model_factory import PairSpec, random_draft, write_target
 from transformers import Qwen3ForCausalLM
 
-from scheduler.eval_report import conditional_acceptance, load_prompts, threshold_sweep
-from scheduler.evaluation import OfflineSpeculativeDecoder, verify_block
-from scheduler.reference_loop import speculative_generate
+from scheduler.evaluation.decoder import OfflineSpeculativeDecoder, verify_block
+from scheduler.evaluation.reference_loop import speculative_generate
+from scheduler.evaluation.report import conditional_acceptance, load_prompts, threshold_sweep
 from verify_service.target import TargetModel
 
 CHI2_15DF_P001 = 37.70  # chi-square quantile, 15 degrees of freedom, p = 0.001

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from draft_service.checkpoint import load_draft_model
-from scheduler.reference_loop import load_target, speculative_generate, target_greedy
+from scheduler.evaluation.reference_loop import load_target, speculative_generate, target_greedy
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "deepspec_tiny_a"
 META = json.loads((FIXTURE / "reference.json").read_text())

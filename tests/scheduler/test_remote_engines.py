@@ -9,10 +9,10 @@ import pytest
 from model_factory import PairSpec, write_pair
 
 from cluster.rpc import ServerThread, SyncRpcClient
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DrafterPool, RemoteVerifier

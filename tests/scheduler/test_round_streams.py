@@ -35,11 +35,11 @@ from cluster.rpc import (
     SyncRpcClient,
     stream_method,
 )
-from cluster.sampling import SamplingParams
 from cluster.wire import decode, encode
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
+from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.hub import SchedulerHub
 from scheduler.policy import make_policy

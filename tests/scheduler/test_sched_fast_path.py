@@ -302,14 +302,14 @@ def test_fast_path_is_taken_on_flat_tables_and_refused_when_tau_cannot_move(monk
     """The fast path really runs on the common small-R round, and a walk that stops is never shortcut."""
     monkeypatch.setattr(algorithm, "_SCALAR_MAX_ITEMS", 0)  # the vectorised path, even for these small rounds
     calls: list[bool] = []
-    original = algorithm._every_step_improves
+    original = algorithm.every_step_improves
 
     def spy(*args: object) -> bool:
         calls.append(original(*args))  # type: ignore[arg-type]
         return calls[-1]
 
     high = np.full((4, 7), 0.9)
-    algorithm._every_step_improves = spy  # type: ignore[assignment]
+    algorithm.every_step_improves = spy  # type: ignore[assignment]
     try:
         for sps in TABLES[:2]:
             for cost in COSTS:
@@ -322,18 +322,18 @@ def test_fast_path_is_taken_on_flat_tables_and_refused_when_tau_cannot_move(monk
         np.testing.assert_array_equal(ref_schedule(stuck, TABLES[0]), [1])
         assert calls == [False]
     finally:
-        algorithm._every_step_improves = original  # type: ignore[assignment]
+        algorithm.every_step_improves = original  # type: ignore[assignment]
 
 
 def test_price_curves_are_cached_per_table_cost_and_shape() -> None:
     sps = h200_like(1e-6)
-    first = algorithm._prices(sps, DraftCost(fixed_s=1e-3), 8, 7)
-    assert algorithm._prices(sps, DraftCost(fixed_s=1e-3), 8, 7) is first  # equal costs share the entry
-    assert algorithm._prices(sps, DraftCost(fixed_s=2e-3), 8, 7) is not first
-    assert algorithm._prices(sps, DraftCost(fixed_s=1e-3), 9, 7) is not first
+    first = algorithm.walk_prices(sps, DraftCost(fixed_s=1e-3), 8, 7)
+    assert algorithm.walk_prices(sps, DraftCost(fixed_s=1e-3), 8, 7) is first  # equal costs share the entry
+    assert algorithm.walk_prices(sps, DraftCost(fixed_s=2e-3), 8, 7) is not first
+    assert algorithm.walk_prices(sps, DraftCost(fixed_s=1e-3), 9, 7) is not first
     for r in range(200):  # bounded: entries go, the answers stay the same
-        algorithm._prices(sps, None, r + 1, 7)
-    again = algorithm._prices(sps, DraftCost(fixed_s=1e-3), 8, 7)
+        algorithm.walk_prices(sps, None, r + 1, 7)
+    again = algorithm.walk_prices(sps, DraftCost(fixed_s=1e-3), 8, 7)
     np.testing.assert_array_equal(again.factor, first.factor)
     np.testing.assert_array_equal(again.growth, first.growth)
     assert len(pickle.loads(pickle.dumps(sps))._memo) == 0 < len(sps._memo)  # the memo does not travel

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.sampling import SamplingError, SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
+from kernels.sampling import SamplingError, SamplingParams
 from scheduler.engine import SLO_RETRY_AFTER_S, SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.service_levels import (

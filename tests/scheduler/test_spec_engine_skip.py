@@ -11,9 +11,9 @@ import torch
 from model_factory import PairSpec, write_pair
 from stats import chi_square_p_value
 
-from cluster.sampling import SamplingParams
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
+from kernels.sampling import SamplingParams
 from scheduler.algorithm import DraftCost
 from scheduler.draft_gate import DraftGate
 from scheduler.engine import SpeculativeEngine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.sampling import SamplingError, SamplingParams
+from kernels.sampling import SamplingError, SamplingParams
 
 
 def test_defaults_and_roundtrip() -> None:

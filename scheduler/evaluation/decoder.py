@@ -3,7 +3,7 @@
 Each round drafts a full block for every running request and verifies ALL of it (no scheduler, no threshold):
 offline evaluation wants the complete trace of every round, i.e. the confidence logits z_1..z_gamma along the
 sampled path and the number of accepted drafts. Everything else is derived from those traces
-(:mod:`scheduler.eval_report`): accepted length tau (bonus included), per-position conditional acceptance,
+(:mod:`scheduler.evaluation.report`): accepted length tau (bonus included), per-position conditional acceptance,
 the static confidence-threshold sweep (cutting a verified block at a threshold keeps min(accepted, cut) of
 the same round), and STS calibration (offline traces have every position verified, so no censoring).
 
@@ -28,7 +28,7 @@ import torch
 
 from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import sample_block
-from scheduler.reference_loop import acceptance_probabilities, residual_distribution
+from scheduler.evaluation.reference_loop import acceptance_probabilities, residual_distribution
 from scheduler.sts import CalibrationTraces
 from verify_service.target import TargetModel
 

@@ -77,7 +77,7 @@ class GraphStep(Generic[T]):
         self,
         fn: Callable[[], T],
         mode: str,
-        pool: object | None = None,
+        pool: torch.cuda._POOL_HANDLE | None = None,
         warmup: int = 2,
     ) -> None:
         self.fn = fn

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from cluster.sampling import SamplingParams
+from kernels.sampling import SamplingParams
 from scheduler.sps import RequestSPS, SPSTable, cuda_event_timer, default_batch_grid, profile_sps, wall_clock_timer
 from verify_service.engine import PrefillItem, VerifyEngine
 from verify_service.graphs import GraphItem
@@ -95,7 +95,7 @@ def profile_target_sps(
 
 def graph_verify_items(
     engine: VerifyEngine, batch_tokens: int, chunk: int, context: int
-) -> tuple[list[GraphItem], list[int]]:
+) -> tuple[list[GraphItem], list[str]]:
     """Scratch requests for a graph-path verify step of ``batch_tokens`` rows: ceil(B / chunk) requests verifying
     chunks of up to ``chunk`` tokens, each over ``context`` cached tokens (prefilled through the engine so the
     cache holds real K/V). Returns the items and the scratch request ids (release them after)."""

@@ -1,7 +1,7 @@
 """``dspark eval``: offline evaluation of drafters on prompt files, as the paper reports it.
 
 For every prompt file (``{"turns": [...]}`` per line; the first turn goes through the target tokenizer's chat
-template) and every drafter, :class:`scheduler.evaluation.OfflineSpeculativeDecoder` decodes all prompts with
+template) and every drafter, :class:`scheduler.evaluation.decoder.OfflineSpeculativeDecoder` decodes all prompts with
 full-block verification and this module turns the traces into:
 
 - accepted length tau: mean over rounds of (accepted drafts + 1), the bonus/correction token included (paper
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # the evaluation module imports torch and transformers: only the handler needs them
-    from scheduler.evaluation import DecodeTraces
+    from scheduler.evaluation.decoder import DecodeTraces
 
 DEFAULT_THRESHOLDS = tuple(np.round(np.linspace(0.0, 0.95, 20), 2).tolist())
 
@@ -337,7 +337,7 @@ def run_eval(
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     from draft_service.checkpoint import load_draft_model
-    from scheduler.evaluation import OfflineSpeculativeDecoder
+    from scheduler.evaluation.decoder import OfflineSpeculativeDecoder
     from scheduler.sts import STSCalibration
     from verify_service.target import TargetModel
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from model_factory import PairSpec, write_pair
 
+from scheduler.profiling import profile_graph_sps, profile_graph_sps_by_requests
 from scheduler.sps import RequestSPS, SPSTable
 from verify_service.engine import VerifyEngine
-from verify_service.profiling import profile_graph_sps, profile_graph_sps_by_requests
 from verify_service.target import TargetModel
 
 BLOCK = 3

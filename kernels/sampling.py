@@ -10,9 +10,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
-
-from scheduler.service_levels import MAX_PRIORITY, MIN_PRIORITY, SPECULATIVE_MODES
+from typing import Any, Literal
 
 #: Upper bound on stop strings per request: bounds the per-round matching work (issue: "thousands of stop strings").
 MAX_STOP_STRINGS = 16
@@ -22,6 +20,11 @@ MAX_STOP_TOKEN_IDS = 64
 MIN_TEMPERATURE = 1e-5  # kernels/checks.py: temperature is 0 (greedy) or >= this
 MIN_TOP_P = 2.0**-126  # smallest normal float32: smaller values become 0 (or denormal) on the device
 MAX_TPOT_SLO_MS = 1e6
+#: Service-level settings a request may carry (applied by :mod:`scheduler.service_levels`).
+Speculative = Literal["auto", "off", "on"]
+SPECULATIVE_MODES: tuple[str, ...] = ("auto", "off", "on")
+#: Priority tiers: a bounded range keeps the per-tier metric series bounded.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
 
 
 class SamplingError(ValueError):
