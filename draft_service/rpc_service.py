@@ -312,9 +312,10 @@ class DrafterService:
         # Drafts made ahead are taken here on the loop: no hand-off to the engine thread and back on the round's
         # critical path. Safe: this request's append (which stored them) has ended, and nothing else touches its
         # entry until this Propose is answered.
-        proposal, engine_s = self._ahead.take(items), 0.0
-        if proposal is not None:
+        ahead, engine_s = self._ahead.take(items), 0.0
+        if ahead is not None:
             self.proposals_ahead += 1
+            proposal = ahead
         else:
             proposal, engine_s = await self._thread.run_timed(self.engine.propose, items)
         topk_ids, topk_probs = proposal.topk_ids, proposal.topk_probs
