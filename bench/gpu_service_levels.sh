@@ -2,8 +2,9 @@
 # Issue 29's service-level goal (bench/bench_service_levels.py) in ONE device call of under 5 minutes: inflate the
 # demo pair to the Qwen3-4B shape, start `dspark serve --no-ray` on the GPU with 32 slots, calibrate the saturating
 # rate and the target, then the two client populations at 1.5x that rate without and with tiers. Run from the
-# repository root carrying .whl (openai<2, distro, jiter, sniffio for Python 3.12: the benchmark client) and
-# .data/prompts (humaneval.jsonl, mbpp.jsonl):
+# repository root carrying .gpu-ray (the Ray Serve tree of ../shared/wheels: the client's pydantic comes from it),
+# .whl (openai<2, distro, jiter, sniffio for Python 3.12: the benchmark client) and .data/prompts (humaneval.jsonl,
+# mbpp.jsonl):
 #   bash bench/gpu_service_levels.sh $OUT
 # Writes service_levels.json / .md / .log and server.log under OUT and prints the result table last. Without
 # CUDA it runs the same steps on the demo pair as it is (shorter runs): its CPU path,
@@ -13,6 +14,9 @@ set -uo pipefail
 out=${1:?usage: bench/gpu_service_levels.sh OUT_DIR}
 py=${PYTHON:-python3}
 mkdir -p "$out" /tmp/site
+if compgen -G ".gpu-ray/*.tar.xz" > /dev/null; then
+  tar xJf .gpu-ray/ray-serve-*.tar.xz -C /tmp/site
+fi
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 fi
