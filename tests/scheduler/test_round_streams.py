@@ -125,9 +125,12 @@ def test_standalone_servers_on_streams_give_the_target_greedy_output(
             assert tokens == expected
             assert remote._step.streams_opened == 1 and [s.streams_opened for s in propose_streams] == [1]
             assert remote._step.bytes_sent > 0 and remote.bytes_received > remote._step.bytes_received > 0
-            assert remote.last_server_s > 0 and pool.last_server_s > 0
+            # The verifier's engine runs every step; the drafter's last Propose may have been answered from the
+            # drafts it made ahead (no engine time on the round's path), so only its residence must be positive.
+            assert remote.last_server_s > 0 and pool.last_server_s >= 0
             # The replicas held each message at least as long as their engine call took.
-            assert remote.last_held_s >= remote.last_server_s - 1e-6 and pool.last_held_s > 0
+            assert remote.last_held_s >= remote.last_server_s - 1e-6
+            assert pool.last_held_s >= pool.last_server_s - 1e-6 and pool.last_held_s > 0
             assert 0 < snap.transfer_in_replica_time_s <= snap.transfer_time_s
             assert snap.transfer_time_s > 0 and snap.round_verify_time_s > 0 and snap.round_draft_time_s > 0
             assert snap.round_draft_time_s + snap.round_verify_time_s + snap.transfer_time_s == pytest.approx(
