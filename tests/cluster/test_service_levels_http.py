@@ -109,7 +109,23 @@ def test_speculation_off_is_target_greedy_with_no_drafted_round(refusing: Served
     assert refusing.value("dspark_rounds_without_draft_total") == plain
 
 
+def _engine_counts(served: Served) -> tuple[int, int]:
+    """(running, waiting) requests, read on the engine loop between rounds."""
+    return served.backend.call(lambda engine: (engine.num_running, engine.num_waiting)).result(timeout=30)
+
+
+def _wait_for_counts(served: Served, running: int, waiting: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (counts := _engine_counts(served)) != (running, waiting):
+        assert time.monotonic() < deadline, f"(running, waiting) = {counts}, expected {(running, waiting)}"
+        time.sleep(0.005)
+
+
 def test_waiting_requests_are_admitted_in_priority_order(refusing: Served) -> None:
+    """Both slots are held by long requests of different lengths (so they free one slot at a time); a low tier
+    and then a high tier (smaller value) queue behind them. The first slot freed goes to the high tier, whose short
+    request ends before the low tier is admitted (to the slot it frees, or the longer holder's). Progress is read
+    from the engine, not slept for."""
     finished: list[str] = []
 
     def run(name: str, **body: object) -> None:
@@ -118,15 +134,17 @@ def test_waiting_requests_are_admitted_in_priority_order(refusing: Served) -> No
         finished.append(name)
 
     with ThreadPoolExecutor(4) as pool:
-        # Both slots held by long requests, then a low tier and a high tier (smaller value) join the queue.
-        holders = [pool.submit(run, f"hold{i}", max_tokens=120, ignore_eos=True) for i in range(2)]
-        time.sleep(0.5)
+        holders = [
+            pool.submit(run, f"hold{i}", max_tokens=n, ignore_eos=True) for i, n in enumerate((160, 230))
+        ]
+        _wait_for_counts(refusing, running=2, waiting=0)
         low = pool.submit(run, "low", max_tokens=4, priority=5)
-        time.sleep(0.3)
+        _wait_for_counts(refusing, running=2, waiting=1)
         high = pool.submit(run, "high", max_tokens=4, priority=-5)
+        _wait_for_counts(refusing, running=2, waiting=2)
         for future in [*holders, low, high]:
             future.result(timeout=120)
-    assert finished.index("high") < finished.index("low"), finished
+    assert finished[0] == "hold0" and finished.index("high") < finished.index("low"), finished
     assert refusing.value("dspark_tier_requests_total", priority="-5") >= 1
 
 
