@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sps", type=Path, default=None, help="SPS table file given to every server")
     p.add_argument("--extra-serve-args", nargs=argparse.REMAINDER, default=[],
                    help="appended to every `dspark serve --no-ray` command line")
+    p.add_argument("--ray-engine", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="set in the Ray configs' engine section (VALUE read as YAML), e.g. collect_drafts=false")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="every server's cache_dir is <this>/<layout>-<policy> (SPS tables, Triton kernels); default: "
                         "the servers' own, or <scratch>/cache with --repeat-start")
@@ -96,6 +98,17 @@ def inflate(args: argparse.Namespace, device: str, dtype: str) -> tuple[Path, Pa
         print("$ " + " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
     return out / "target", out / "draft"
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``--ray-engine KEY=VALUE`` pairs as a mapping (values parsed as YAML: ``false``, ``2``, ...)."""
+    settings: dict[str, Any] = {}
+    for pair in args.ray_engine:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--ray-engine takes KEY=VALUE, got {pair!r}")
+        settings[key] = yaml.safe_load(value)
+    return settings
 
 
 def ray_config(args: argparse.Namespace, target: Path, draft: Path, policy: str, device: str, dtype: str,
@@ -122,7 +135,7 @@ def ray_config(args: argparse.Namespace, target: Path, draft: Path, policy: str,
                 "models": models,
                 "draft_pool": {"resource": "draft_pool", "num_gpus": gpu, "num_cpus": 1},
                 "verify_pool": {"resource": "verify_pool", "num_gpus": gpu, "num_cpus": 1},
-                "engine": {"max_requests": slots, "max_seq_len": args.max_seq_len},
+                "engine": {"max_requests": slots, "max_seq_len": args.max_seq_len, **engine_settings(args)},
                 "scheduler": {"policy": policy},
             },
             "deployments": [{"name": "Verifier", "num_replicas": 1}, {"name": "Drafter", "num_replicas": 1}],

@@ -68,7 +68,10 @@ class EngineConfig(_Strict):
     ``draft_ahead``: drafters draft a request's next block as soon as its context arrives (the verifier names the
     next anchor), overlapping the scheduler's commit instead of waiting for its ``Propose``; in the in-process
     placement (``colocated``, ``--no-ray``) with captured graphs, the round driver launches the next round's draft
-    step before it commits the round. ``chain_rounds`` (in-process placement with captured graphs): rounds whose
+    step before it commits the round. ``collect_drafts`` (disaggregated placement, with ``draft_ahead`` and one
+    request group): the verifier waits for those drafts and returns them with its ``Step`` reply, so a round is
+    one message each way between the scheduler and the pools instead of two (no ``Propose``). ``chain_rounds``
+    (in-process placement with captured graphs): rounds whose
     lengths are planned from earlier rounds queue the verify step behind the draft step and the next draft step
     behind the verify step on the device, with no host round trip between them (lossless: lengths depend on
     counts and earlier rounds only).
@@ -90,6 +93,7 @@ class EngineConfig(_Strict):
     context_projection: Literal["verifier", "drafter"] = "verifier"
     feature_dtype: Literal["model", "bfloat16", "float16"] = "model"
     draft_ahead: bool = True
+    collect_drafts: bool = True
     chain_rounds: bool = True
     feature_transport: Literal["grpc", "collective"] = "grpc"
     feature_link_timeout_s: float = Field(30.0, gt=0)

@@ -520,6 +520,7 @@ class _ClientBase:
         # Payload bytes through this client (msgpack bodies, without HTTP/2 framing): bytes-per-round accounting.
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.messages_sent = 0  # requests encoded (unary calls, or messages on a stream)
 
     @staticmethod
     def _check_timeout(timeout_s: float) -> float:
@@ -533,6 +534,7 @@ class _ClientBase:
     def _encode(self, request: Any) -> bytes:
         payload = encode(request, limits=self.limits)
         self.bytes_sent += len(payload)
+        self.messages_sent += 1
         return payload
 
     def _decode(self, raw: bytes, schema: Type | None) -> Any:

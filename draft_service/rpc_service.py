@@ -11,7 +11,10 @@ overtake the ``AppendContext`` of the last one: ``Propose`` first waits (at most
 request holds its context rows up to its anchor position and no append of it is still running, and the engine's
 own check then names any rows still missing. For the same reason a push for a request the scheduler released
 meanwhile (it finished in that round) is skipped, not an error. A push that names the requests' next anchors
-(``draft_anchors``) also drafts their next blocks at once (:mod:`draft_service.ahead`), which ``Propose`` collects.
+(``draft_anchors``) also drafts their next blocks at once (:mod:`draft_service.ahead`), which ``Propose`` collects;
+a push that also says ``return_drafts`` gets those drafts in its reply (in ``Propose``'s reply format, with the
+anchors and positions they were drafted for), so that the verifier hands them to the scheduler with its ``Step``
+reply and the round needs no ``Propose`` message (:mod:`verify_service.rpc_service`).
 
 With ``link_host`` set (``engine.feature_transport: collective``) the drafter also hosts the direct feature path
 (:mod:`cluster.feature_link`): verifiers open a link with ``OpenLink``, and an ``AppendContext`` naming a link
@@ -43,11 +46,11 @@ from cluster.engine_rpc import (
     split_rows,
 )
 from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkHost
-from cluster.messages import AnyValue, Int, List, Message, Opt, Str, Tensor
+from cluster.messages import AnyValue, Bool, Int, List, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, Service
 from cluster.wire import DEFAULT_LIMITS, WIRE_DTYPES
 from draft_service.ahead import DraftAhead
-from draft_service.engine import ContextItem, DraftEngine, DraftItem
+from draft_service.engine import ContextItem, DraftEngine, DraftItem, Proposal
 from draft_service.projection import model_fingerprint
 from kernels.sampling import SamplingParams
 
@@ -74,6 +77,8 @@ APPEND = Message(
         "projection": Opt(Str(min_len=1, max_len=64)),
         # Each request's next anchor (-1: none), drafted from at once at position start + count.
         "draft_anchors": Opt(List(Int(min=-1, max=(1 << 31) - 1), max_len=4096)),
+        # True: the reply carries the blocks drafted from draft_anchors (the verifier collects them).
+        "return_drafts": Opt(Bool(), default=False),
     },
 )
 PROPOSE = Message("Propose", {"req_ids": REQ_IDS, "anchors": TOKENS, "positions": List(Int(min=0), max_len=4096)})
@@ -116,6 +121,7 @@ class DrafterService:
         self._appending: dict[str, int] = {}  # request -> appends submitted and not finished (loop thread only)
         self._ahead = DraftAhead()  # engine thread only
         self.proposals_ahead = 0  # Propose calls answered from drafts made ahead
+        self.proposals_returned = 0  # AppendContext replies that carried the drafts made ahead
         self._released: OrderedDict[str, None] = OrderedDict()  # touched on the engine thread only
         self._greedy: set[str] = set()  # requests whose drafts the verifier checks without their distribution
 
@@ -133,6 +139,7 @@ class DrafterService:
             "free_slots": self.engine.num_free_slots,
             "running": self.engine.running,  # a restarted scheduler releases what nobody owns any more
             "proposals_ahead": self.proposals_ahead,
+            "proposals_returned": self.proposals_returned,
             "feature_link_port": None if self.links is None else self.links.port,
             "feature_links": 0 if self.links is None else self.links.num_links,
             "engine_busy_s": self._thread.busy_total_s,
@@ -239,6 +246,8 @@ class DrafterService:
             for req_id, start, (a, b) in zip(request["req_ids"], request["starts"], ranges, strict=True)
         ]
 
+        drafts: dict[str, Any] = {}
+
         def append() -> None:
             keep = [i for i, it in enumerate(items) if it.req_id not in self._released or self.engine.has(it.req_id)]
             for i in keep:
@@ -250,8 +259,15 @@ class DrafterService:
                     for i in keep
                     if anchors[i] >= 0
                 ]
-                if ahead:
-                    self._draft_ahead(ahead)
+                proposal = self._draft_ahead(ahead) if ahead else None
+                if proposal is not None and request["return_drafts"]:
+                    # Built here, on the engine thread: the copies to the host wait for the device.
+                    drafts.update(
+                        self._proposal_reply(proposal),
+                        req_ids=[i.req_id for i in ahead],
+                        anchors=[i.anchor for i in ahead],
+                        positions=[i.position for i in ahead],
+                    )
 
         ids = request["req_ids"]
         for req_id in ids:
@@ -265,14 +281,20 @@ class DrafterService:
                     self._appending[req_id] = left
             async with self._context_arrived:
                 self._context_arrived.notify_all()
-        return {}
+        if not drafts:
+            return {}
+        self.proposals_returned += 1
+        return {"drafts": drafts}
 
-    def _draft_ahead(self, items: list[DraftItem]) -> None:
+    def _draft_ahead(self, items: list[DraftItem]) -> Proposal | None:
         """On the engine thread, right after the append: a failure only means Propose drafts afresh."""
         try:
-            self._ahead.store(items, self.engine.propose(items))
+            proposal = self.engine.propose(items)
         except Exception as exc:
             log.warning("drafting ahead failed (Propose will draft afresh): %s", exc)
+            return None
+        self._ahead.store(items, proposal)
+        return proposal
 
     async def _wait_for_context(self, items: list[DraftItem]) -> None:
         """Until every held request has its context rows up to its anchor position, or ``context_wait_s``."""
@@ -318,11 +340,22 @@ class DrafterService:
             proposal = ahead
         else:
             proposal, engine_s = await self._thread.run_timed(self.engine.propose, items)
+        return {
+            **self._proposal_reply(proposal),
+            # Engine-thread time of this call (0 when the drafts were made ahead), and how long it waited for
+            # context rows still on their way from the verifier (or being appended): the caller counts both as
+            # the drafter's time and the rest of its round trip as transfer.
+            "engine_ms": 1e3 * engine_s,
+            "wait_ms": 1e3 * waited,
+        }
+
+    def _proposal_reply(self, proposal: Proposal) -> dict[str, Any]:
+        """A proposal as ``Propose`` replies it, on the host. Greedy requests are verified without their draft
+        distribution: only the other rows' (``distribution_rows``, None: every row) travel."""
         topk_ids, topk_probs = proposal.topk_ids, proposal.topk_probs
-        # Greedy requests are verified without their draft distribution: only the others' rows travel.
         rows = None
         if self._greedy:
-            rows = [i for i, req_id in enumerate(request["req_ids"]) if req_id not in self._greedy]
+            rows = [i for i, req_id in enumerate(proposal.req_ids) if req_id not in self._greedy]
             index = torch.tensor(rows, dtype=torch.int64, device=topk_ids.device)
             topk_ids, topk_probs = topk_ids.index_select(0, index), topk_probs.index_select(0, index)
         return {
@@ -334,11 +367,6 @@ class DrafterService:
             "distribution_rows": rows,
             "topk_ids": topk_ids.to(torch.int32).cpu(),
             "topk_probs": topk_probs.to(torch.float32).cpu(),
-            # Engine-thread time of this call (drafting, or taking the drafts made ahead), and how long it
-            # waited for context rows still on their way from the verifier (or being appended): the caller
-            # counts both as the drafter's time and the rest of its round trip as transfer.
-            "engine_ms": 1e3 * engine_s,
-            "wait_ms": 1e3 * waited,
         }
 
     async def _release(self, request: dict[str, Any]) -> dict[str, Any]:

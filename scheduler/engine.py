@@ -77,10 +77,12 @@ JOIN_ROUND_ALPHA = 0.2
 
 
 class Transfer(NamedTuple):
-    """The part of a phase spent outside the replicas' engines, and of that the part inside their processes."""
+    """The part of a phase spent outside the replicas' engines, and of that the part inside their processes;
+    ``drafts_s``: of the replicas' time, the wait for the next round's drafts (drafting inside a verify phase)."""
 
     total_s: float
     in_replica_s: float
+    drafts_s: float = 0.0
 
 
 NO_TRANSFER = Transfer(0.0, 0.0)
@@ -95,7 +97,8 @@ def _transfer(engine: object, phase_s: float) -> Transfer:
         return NO_TRANSFER
     server_s = engine.last_server_s
     total = min(max(phase_s - server_s, 0.0), phase_s)
-    return Transfer(total, min(max(engine.last_held_s - server_s, 0.0), total))
+    drafts = min(max(engine.last_drafts_s, 0.0), phase_s - total)
+    return Transfer(total, min(max(engine.last_held_s - server_s, 0.0), total), drafts)
 
 
 class RequestRejectedError(ValueError):
@@ -783,16 +786,19 @@ class SpeculativeEngine:
             num_out = sum(map(len, map(_NEW_TOKENS, outputs)))
             verify_s = t3 - t2
             host_s = time.perf_counter() - self._round_started - draft_s - schedule_s - verify_s
+            verify_transfer = _transfer(self.verify, verify_s)
+            # Drafts collected with the step were drafted inside its phase: counted as drafting.
+            collected = verify_transfer.drafts_s
             self.metrics.record_round(
                 verified_counts,
                 accepted_counts,
-                draft_s,
+                draft_s + collected,
                 schedule_s,
-                verify_s,
+                verify_s - collected,
                 num_out,
                 drafted=drafting,
-                draft_transfer=self._draft_transfer,
-                verify_transfer=_transfer(self.verify, verify_s),
+                draft_transfer=self._draft_transfer[:2],
+                verify_transfer=verify_transfer[:2],
                 host_s=max(host_s, 0.0),
             )
             seconds = draft_s + schedule_s + t3 - t2

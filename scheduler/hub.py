@@ -79,8 +79,12 @@ class SchedulerHub:
         max_context: int | None = None,
         readiness_timeout_s: float = 0.0,
         service_levels: ServiceLevels | None = None,
+        collect_drafts: bool = True,
     ) -> None:
         self.model_name = model_name
+        # Verifier groups ask their replica for the drafters' next blocks with each step (no Propose message);
+        # not with request groups, whose drafter thread drafts one group while another verifies.
+        self.collect_drafts = collect_drafts and request_groups == 1
         self.service_levels = service_levels
         self.policy = policy
         self.draft_cost = draft_cost
@@ -138,7 +142,12 @@ class SchedulerHub:
             release_stale(address, VERIFIER, self.token, self.timeout_s)
             route_of = pool.route_of if pool is not None else (lambda _req_id: None)
             verifier = RemoteVerifier(
-                address, route_of, token=self.token, timeout_s=self.timeout_s, inline_features=pool is not None
+                address,
+                route_of,
+                token=self.token,
+                timeout_s=self.timeout_s,
+                inline_features=pool is not None,
+                on_drafts=pool.offer if pool is not None and self.collect_drafts else None,
             )
             if pool is not None:
                 try:

@@ -128,3 +128,9 @@ class RemoteTimed(Protocol):
     def last_held_s(self) -> float:
         """How long the replicas' processes held that call (its engine time included)."""
         ...
+
+    @property
+    def last_drafts_s(self) -> float:
+        """Of ``last_server_s``: the time that call waited for the next round's drafts (a verifier that collects
+        them with its step), drafting rather than verifying."""
+        ...

@@ -15,6 +15,13 @@ thread pool). Control calls (``Info``, ``AddRequests``, ``Release``, ``AppendCon
 unary. A stream that broke is reopened for the next round only: the round in flight fails with the gRPC error,
 as a unary call would, and failover takes it from there (:mod:`scheduler.failover`).
 
+With ``on_drafts`` (the pool's :meth:`DrafterPool.offer`) a ``RemoteVerifier`` asks its replica to collect the
+drafters' next blocks (``collect_drafts``): the ``Step`` reply then carries them, the pool keeps them for the
+calling thread, and the next round's ``propose`` takes them when they were drafted for exactly its requests'
+anchors and positions, with no ``Propose`` message (else it sends one, as without). The drafts are the ones the
+``Propose`` would have returned (the drafter's drafts made ahead), so output is unchanged; a round then costs one
+message each way between this process and the pools instead of two.
+
 Both report the server's time of the thread's last call (:attr:`RemoteVerifier.last_server_s`,
 :attr:`DrafterPool.last_server_s`, from the replies' ``engine_ms``) and how long the replica's process held it
 (``last_held_s``, from the stream envelope), from which the round driver tells the replicas' compute, their
@@ -58,6 +65,7 @@ class RemoteVerifier:
         token: str | None = None,
         timeout_s: float = 60.0,
         inline_features: bool = True,
+        on_drafts: Callable[[dict[str, dict[str, Any]]], None] | None = None,
     ) -> None:
         self.address = address
         self._client = SyncRpcClient(address, token=token, timeout_s=timeout_s)
@@ -73,11 +81,14 @@ class RemoteVerifier:
         # Whether the round driver wants the context features of requests without a drafter route back (it
         # appends them itself); a driver without a drafter says False and the features stay on the replica.
         self.inline_features = inline_features
+        # Where the drafts collected with each step go (None: the step does not collect them).
+        self._on_drafts = on_drafts
         # Step goes on one stream, driven by the thread that steps (the group's round loop).
         self._lane = StreamLane()
         self._step = self._lane.stream(address, VERIFIER, "Step", token=token, timeout_s=timeout_s)
-        self.last_server_s = 0.0  # the verifier's engine time of the last step
+        self.last_server_s = 0.0  # the replicas' time of the last step: the verifier's engine, the drafts' wait
         self.last_held_s = 0.0  # how long the verifier's process held the last step (its engine time included)
+        self.last_drafts_s = 0.0  # of last_server_s: the wait for the drafters' next blocks (collecting)
 
     @property
     def bytes_sent(self) -> int:
@@ -137,6 +148,7 @@ class RemoteVerifier:
             "draft_probs": probs,
             "routes": routes,
             "inline_features": self.inline_features,
+            "collect_drafts": self._on_drafts is not None,
         }
         for p in prefills:
             self._held.add(p.req_id)
@@ -146,8 +158,11 @@ class RemoteVerifier:
             for p in prefills:
                 self._held.discard(p.req_id)
             raise
-        self.last_server_s = 1e-3 * reply["engine_ms"]
+        self.last_drafts_s = 1e-3 * reply.get("drafts_ms", 0.0)
+        self.last_server_s = 1e-3 * reply["engine_ms"] + self.last_drafts_s
         self.last_held_s = self._step.last_held_s
+        if self._on_drafts is not None:
+            self._on_drafts(reply.get("drafts") or {})
         return _step_results(reply)
 
     def close(self) -> None:
@@ -207,6 +222,8 @@ class _Lane:
     lane: StreamLane = field(default_factory=StreamLane)
     streams: dict[str, RoundStream] = field(default_factory=dict)
     gone: set[str] = field(default_factory=set)  # drafters removed since: their streams close at the next call
+    # Drafts a verifier collected for this thread's next round: req id -> (anchor, position, address, reply, row).
+    offered: dict[str, tuple[int, int, str, dict[str, Any], int]] = field(default_factory=dict)
     last_server_s: float = 0.0
     last_held_s: float = 0.0
 
@@ -361,6 +378,64 @@ class DrafterPool:
         return 0.0 if lane is None else lane.last_held_s
 
     @property
+    def last_drafts_s(self) -> float:
+        """Always 0: the pool's time is all drafting (a verifier reports the drafts it collects separately)."""
+        return 0.0
+
+    def offer(self, drafts: dict[str, dict[str, Any]]) -> None:
+        """Keep the drafts a verifier collected with the calling thread's step (drafter address -> its reply
+        with the ``req_ids``, ``anchors`` and ``positions`` drafted for) for this thread's next ``propose``;
+        they replace the ones offered before, which were drafted for the anchors of an earlier round."""
+        lane = self._lane()
+        lane.offered = {
+            req_id: (anchor, position, address, reply, row)
+            for address, reply in drafts.items()
+            for row, (req_id, anchor, position) in enumerate(
+                zip(reply["req_ids"], reply["anchors"], reply["positions"], strict=True)
+            )
+        }
+
+    @staticmethod
+    def _offered_reply(lane: _Lane, address: str, items: Sequence[DraftItem], indices: list[int]) -> dict | None:
+        """This group's rows of the drafts offered from ``address``, in the group's order, when every item was
+        drafted there for its anchor and position; else None (the group gets a ``Propose``)."""
+        rows: list[int] = []
+        reply = None
+        for i in indices:
+            item = items[i]
+            entry = lane.offered.get(item.req_id)
+            if (
+                entry is None
+                or entry[2] != address
+                or entry[0] != int(item.anchor)
+                or entry[1] != int(item.position)
+                or (reply is not None and entry[3] is not reply)
+            ):
+                return None
+            reply = entry[3]
+            rows.append(entry[4])
+        if reply is None:
+            return None
+        index = torch.tensor(rows, dtype=torch.int64)
+        dist_rows = reply.get("distribution_rows")
+        if dist_rows is None:
+            out_rows, dist_index = None, index
+        else:  # the drafter sent distributions for some rows only (the others are greedy): keep those rows' own
+            where = {row: k for k, row in enumerate(dist_rows)}
+            out_rows = [j for j, row in enumerate(rows) if row in where]
+            dist_index = torch.tensor([where[rows[j]] for j in out_rows], dtype=torch.int64)
+        return {
+            "tokens": reply["tokens"].index_select(0, index),
+            "confidences": None if reply["confidences"] is None else reply["confidences"].index_select(0, index),
+            "confidence_logits": (
+                None if reply["confidence_logits"] is None else reply["confidence_logits"].index_select(0, index)
+            ),
+            "distribution_rows": out_rows,
+            "topk_ids": reply["topk_ids"].index_select(0, dist_index),
+            "topk_probs": reply["topk_probs"].index_select(0, dist_index),
+        }
+
+    @property
     def bytes_sent(self) -> int:
         """Payload bytes sent to the drafters (unary calls and every thread's streams)."""
         with self._lock:
@@ -491,19 +566,32 @@ class DrafterPool:
             for address in gone:
                 lane.streams.pop(address, None)
                 lane.lane.forget(address)
+        replies: dict[str, dict[str, Any]] = {}
+        asked: list[str] = []
+        for address, indices in groups.items():
+            offered = self._offered_reply(lane, address, items, indices) if lane.offered else None
+            if offered is None:
+                asked.append(address)
+            else:
+                replies[address] = offered
+        lane.offered = {}  # used once: the next round's anchors are others
         calls = [
             (
                 self._stream(lane, address),
                 {
-                    "req_ids": [items[i].req_id for i in indices],
-                    "anchors": [int(items[i].anchor) for i in indices],
-                    "positions": [int(items[i].position) for i in indices],
+                    "req_ids": [items[i].req_id for i in groups[address]],
+                    "anchors": [int(items[i].anchor) for i in groups[address]],
+                    "positions": [int(items[i].position) for i in groups[address]],
                 },
             )
-            for address, indices in groups.items()
+            for address in asked
         ]
-        replies = dict(zip(groups, lane.lane.call_many(calls), strict=True))
-        lane.last_server_s = 1e-3 * max((r["engine_ms"] + r["wait_ms"] for r in replies.values()), default=0.0)
+        asked_replies = dict(zip(asked, lane.lane.call_many(calls), strict=True)) if calls else {}
+        replies.update(asked_replies)
+        replies = {address: replies[address] for address in groups}  # the groups' order
+        lane.last_server_s = 1e-3 * max(
+            (r["engine_ms"] + r["wait_ms"] for r in asked_replies.values()), default=0.0
+        )
         lane.last_held_s = max((stream.last_held_s for stream, _ in calls), default=0.0)
         if detached:
             groups[""] = detached

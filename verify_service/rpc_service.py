@@ -18,6 +18,13 @@ Pushes to a drafter are messages on one long-lived ``AppendContext`` stream (a r
 path of the drafter's next block, and a message on an open stream costs less than half a unary call), one at a
 time and in the order of the steps that made them.
 
+A ``Step`` that says ``collect_drafts`` is answered only after its pushes: each asks its drafter to return the
+blocks it drafts ahead, and the reply carries them (``drafts``: drafter address -> the drafter's proposal for the
+requests it drafted, in ``Propose``'s reply format), so the scheduler's next round takes them without a ``Propose``
+message: one message each way per round between the scheduler and the pools instead of two. A drafter that does not
+answer within ``COLLECT_WAIT_S`` (or fails) is simply missing from ``drafts``; the scheduler then sends it the
+usual ``Propose``.
+
 With ``feature_transport="collective"`` the rows themselves travel over a torch.distributed link to each drafter
 (:mod:`cluster.feature_link`) and the push carries only their metadata; a drafter without a working link gets bytes
 over gRPC as above.
@@ -74,9 +81,14 @@ STEP = Message(
         "routes": Opt(Map(List(Str(min_len=1, max_len=128), max_len=4096), max_len=1024), default={}),
         # False: the caller drives no drafter (plain decoding), so unrouted features are not sent back to it.
         "inline_features": Opt(Bool(), default=True),
+        # True: the reply waits for the feature pushes and carries the drafters' next blocks (see the module doc).
+        "collect_drafts": Opt(Bool(), default=False),
     },
 )
 RELEASE = Message("Release", {"req_ids": REQ_IDS})
+#: How long a collecting ``Step`` waits for its drafters' blocks. Far above a draft's time on any device (ms):
+#: reached only by a stuck or dying drafter, whose requests the scheduler then asks with ``Propose`` as usual.
+COLLECT_WAIT_S = 2.0
 
 
 class VerifierService:
@@ -163,11 +175,22 @@ class VerifierService:
             await self._reclaim_idle()
         self._idle.touch(request["prefill_req_ids"])
         routed = {req_id: address for address, ids in request["routes"].items() for req_id in ids}
-        send_inline = request["inline_features"]
+        send_inline, collect = request["inline_features"], request["collect_drafts"] and self.draft_ahead
         (results, pushes, inline_features), engine_s = await self._thread.run_timed(
-            self._step_and_pack, prefills, verifies, routed, send_inline
+            self._step_and_pack, prefills, verifies, routed, send_inline, collect
         )
-        self._push_features(pushes)
+        tasks = self._push_features(pushes)
+        drafts: dict[str, Any] = {}
+        collect_s = 0.0
+        if collect and tasks:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            done, _ = await asyncio.wait(tasks.values(), timeout=COLLECT_WAIT_S)
+            collect_s = loop.time() - started
+            for address, task in tasks.items():
+                reply = task.result() if task in done else None
+                if reply is not None and reply.get("drafts"):
+                    drafts[address] = reply["drafts"]
         inline = [r for r in results if r.req_id not in routed and r.features is not None] if send_inline else []
         return {
             "req_ids": [r.req_id for r in results],
@@ -179,13 +202,21 @@ class VerifierService:
             "inline_req_ids": [r.req_id for r in inline],
             "inline_counts": [int(r.features.shape[0]) for r in inline],  # type: ignore[union-attr]
             "features": inline_features,
-            # Engine-thread time of this step (target pass, packing): the caller's round trip minus this is
-            # what the message cost on the way (codec, transport, hand-offs).
+            # Engine-thread time of this step (target pass, packing): the caller's round trip minus this and
+            # the wait for the drafts is what the message cost on the way (codec, transport, hand-offs).
             "engine_ms": 1e3 * engine_s,
+            "drafts": drafts,
+            # How long the reply waited for the drafters' blocks (their append, drafting and both hops).
+            "drafts_ms": 1e3 * collect_s,
         }
 
     def _step_and_pack(
-        self, prefills: list[PrefillItem], verifies: list[VerifyItem], routed: dict[str, str], send_inline: bool
+        self,
+        prefills: list[PrefillItem],
+        verifies: list[VerifyItem],
+        routed: dict[str, str],
+        send_inline: bool,
+        collect: bool,
     ) -> tuple[Sequence[StepResult], dict[str, dict[str, Any]], torch.Tensor | None]:
         """On the engine thread: the step, then one AppendContext message per drafter and (``send_inline``) the
         unrouted features, all on the host. Here, not after the reply: the step's features may be views of its
@@ -214,35 +245,45 @@ class VerifierService:
                 messages[address]["projection"] = projection
             if self.draft_ahead:
                 messages[address]["draft_anchors"] = [r.tokens[-1] if r.tokens else -1 for r in group]
+                messages[address]["return_drafts"] = collect
         inline = [r.features for r in results if r.req_id not in routed and r.features is not None]
         inline_features = torch.cat(inline).cpu() if inline and send_inline else None  # type: ignore[arg-type]
         return results, messages, inline_features
 
-    def _push_features(self, messages: dict[str, dict[str, Any]]) -> None:
-        """Start one AppendContext per drafter; they complete after the Step reply has gone."""
+    def _push_features(self, messages: dict[str, dict[str, Any]]) -> dict[str, asyncio.Task[dict[str, Any] | None]]:
+        """Start one AppendContext per drafter (by address: its task, whose result is the drafter's reply or None
+        when the push failed); unless the Step collects drafts they complete after its reply has gone."""
+        tasks = {}
         for address, message in messages.items():
             client = self._drafters.get(address)
             if client is None:
                 client = self._drafters[address] = RpcClient(address, token=self._token, timeout_s=self._timeout_s)
                 self._appends[address] = client.round_stream("dspark.Drafter", "AppendContext")
-            task = asyncio.ensure_future(self._push(client, address, message))
+            task = tasks[address] = asyncio.ensure_future(self._push(client, address, message))
             self._pushes.add(task)
             task.add_done_callback(self._pushes.discard)
+        return tasks
 
-    async def _push(self, client: RpcClient, address: str, message: dict[str, Any]) -> None:
+    async def _push(self, client: RpcClient, address: str, message: dict[str, Any]) -> dict[str, Any] | None:
+        """The drafter's reply, or None when the push failed (logged)."""
         if self.links is not None:
             link = await self.links.link_for(address, client)
-            if link is not None and await self._push_over_link(client, address, message, link):
-                return
+            if link is not None:
+                reply = await self._push_over_link(client, address, message, link)
+                if reply is not None:
+                    return reply
             if message["features"].device.type != "cpu":
                 message["features"] = await asyncio.to_thread(message["features"].cpu)
         try:
-            await self._appends[address].exchange(message)
+            return await self._appends[address].exchange(message)
         except Exception as exc:  # the drafter died or refused: its requests' next Propose fails, failover follows
             log.warning("context feature push to drafter %s failed: %s", address, exc)
+            return None
 
-    async def _push_over_link(self, client: RpcClient, address: str, message: dict[str, Any], link: Any) -> bool:
-        """Issue the send, then the metadata; True when the drafter took the rows. Any failure ends the link
+    async def _push_over_link(
+        self, client: RpcClient, address: str, message: dict[str, Any], link: Any
+    ) -> dict[str, Any] | None:
+        """Issue the send, then the metadata; the drafter's reply when it took the rows. Any failure ends the link
         (this and later pushes go as bytes over gRPC). Resending is safe: the drafter appends only after its
         receive succeeded, and an append rewrites rows from its start, so rows it did take are rewritten equal (a
         resend landing after a later push would shorten the context, which the next Propose refuses: failover)."""
@@ -264,8 +305,8 @@ class VerifierService:
             await self.links.complete(link, work, features)
         except Exception as exc:
             await self.links.fail(address, link, exc, client)
-            return False
-        return True
+            return None
+        return reply
 
     async def drain_pushes(self) -> None:
         """Wait for the feature pushes in flight (before closing; tests that read drafter state)."""

@@ -133,8 +133,15 @@ def cluster(pair: tuple[Path, Path]) -> Iterator[Cluster]:
     c.close()
 
 
-def make_hub(request_groups: int = 1) -> SchedulerHub:
-    return SchedulerHub(model_name="t", policy="dspark", decode=None, timeout_s=10.0, request_groups=request_groups)
+def make_hub(request_groups: int = 1, collect_drafts: bool = True) -> SchedulerHub:
+    return SchedulerHub(
+        model_name="t",
+        policy="dspark",
+        decode=None,
+        timeout_s=10.0,
+        request_groups=request_groups,
+        collect_drafts=collect_drafts,
+    )
 
 
 def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -208,19 +215,24 @@ def test_verifier_dies_mid_stream_requests_finish_on_the_other(
         hub.close()
 
 
-@pytest.mark.parametrize("request_groups", [1, 2])
+@pytest.mark.parametrize(
+    ("request_groups", "collect_drafts", "gated"),
+    [(1, True, "AppendContext"), (1, False, "Propose"), (2, True, "Propose")],
+)
 def test_drafter_dies_mid_stream_requests_get_the_other_drafter(
-    cluster: Cluster, expected: list[list[int]], request_groups: int
+    cluster: Cluster, expected: list[list[int]], request_groups: int, collect_drafts: bool, gated: str
 ) -> None:
-    hub = make_hub(request_groups)
-    hub.register_drafter("d0", cluster.add_drafter("d0", gate="Propose"))
+    """The drafter dies inside the call that carries its round: the feature push whose reply brings the next
+    drafts back with the verifier's step (collected drafts, one request group), or ``Propose``."""
+    hub = make_hub(request_groups, collect_drafts)
+    hub.register_drafter("d0", cluster.add_drafter("d0", gate=gated))
     hub.register_drafter("d1", cluster.add_drafter("d1"))
     hub.register_verifier("v", cluster.add_verifier("v"), SPS)
     gate = cluster.gates["d0"]
     gate.arm(pass_more=2)
 
     def kill_d0(tokens: dict[str, list[int]]) -> None:
-        assert gate.held.wait(60), "drafter 0 never reached its 3rd round"
+        assert gate.held.wait(60), f"drafter 0 never reached its 3rd {gated}"
         cluster.kill("d0")
 
     try:
@@ -236,7 +248,7 @@ def test_drafter_dies_mid_stream_requests_get_the_other_drafter(
 def test_last_drafter_dies_requests_continue_without_one_then_reattach(
     cluster: Cluster, expected: list[list[int]]
 ) -> None:
-    hub = make_hub()
+    hub = make_hub(collect_drafts=False)  # the drafter's rounds are its Propose calls (held there)
     hub.register_drafter("d0", cluster.add_drafter("d0", gate="Propose"))
     hub.register_verifier("v", cluster.add_verifier("v", gate="Step"), SPS)
     drafter_gate, verifier_gate = cluster.gates["d0"], cluster.gates["v"]

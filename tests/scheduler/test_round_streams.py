@@ -147,6 +147,35 @@ def test_standalone_servers_on_streams_give_the_target_greedy_output(
             proc.wait(60)
 
 
+@pytest.mark.parametrize("collect", [True, False])
+def test_drafts_collected_with_the_step_replace_propose_and_keep_the_greedy_output(
+    servers, expected: list[list[int]], collect: bool
+) -> None:
+    """With ``on_drafts`` the verifier's ``Step`` reply carries the drafters' next blocks (drafted as soon as the
+    step's features arrived): most rounds then send no ``Propose`` at all, and the output is still the target's
+    greedy output. Without it every drafted round asks the drafter with a ``Propose``."""
+    draft_server, verify_server, drafter, _verifier = servers
+    pool = DrafterPool([draft_server.address], token=TOKEN)
+    remote = RemoteVerifier(
+        verify_server.address, pool.route_of, token=TOKEN, on_drafts=pool.offer if collect else None
+    )
+    pool.require_projection(remote.context_projection, remote.address)
+    engine = SpeculativeEngine(remote, pool, make_policy("dspark", SPS, pool.block_size))
+    try:
+        tokens = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+        rounds = engine.snapshot().rounds
+        proposes = sum(s.messages_sent for lane in pool._lanes for s in lane.streams.values())
+    finally:
+        pool.close()
+        remote.close()
+    assert tokens == expected
+    if collect:
+        assert drafter.proposals_returned > 0
+        assert proposes < rounds / 2, (proposes, rounds)  # the first round of each request, and misses
+    else:
+        assert drafter.proposals_returned == 0 and proposes > 0
+
+
 # ---------------------------------------------------------------------------------- messages on one stream
 def _prefill(req_id: str, tokens: list[int]) -> dict[str, Any]:
     return {
