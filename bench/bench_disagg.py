@@ -50,6 +50,7 @@ from tqdm import tqdm
 from bench.bench_grpc_overhead import TOKEN, _wait_listening
 from bench.bench_policies_gpu import SMALL_SHAPE, CellBudget, load_prompt_mix, plot_throughput, run_cell
 from bench.engine_setup import DEMO_TARGET, demo_drafter, load_calibration, load_pair, tokenizer_for
+from cluster.contract import DRAFTER, VERIFIER
 from cluster.loading import profiled_request_counts
 from cluster.rpc import SyncRpcClient
 from draft_service.engine import DraftEngine
@@ -57,7 +58,7 @@ from scheduler.engine import SpeculativeEngine
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
 from scheduler.profiling import profile_graph_sps_by_requests, profile_target_sps
-from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
+from scheduler.remote import DrafterPool, RemoteVerifier
 from scheduler.sps import SPSSource, load_sps_file
 from verify_service.engine import VerifyEngine
 

@@ -264,15 +264,15 @@ class EngineReplica:
     def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle) -> None:
         from transformers import AutoTokenizer
 
-        from cluster.backend_rpc import ENGINE, backend_methods
+        from cluster import contract
+        from cluster.backend_rpc import backend_methods
         from cluster.loading import build_local_backend
-        from cluster.rpc import Service
 
         self.config = AppConfig.from_args(args).resolve_secrets()
         tokenizer = AutoTokenizer.from_pretrained(self.config.models.tokenizer_path, local_files_only=True)
         self.backend = build_local_backend(self.config, tokenizer=tokenizer)
         sps = self.backend.info["sps"].get("local")
-        service = Service(ENGINE, backend_methods(self.backend, self._info))
+        service = contract.service(contract.ENGINE, backend_methods(self.backend, self._info, contract.ENGINE))
         self.server = ServerThread([service], host=_grpc_host(self.config), token=self.config.network.grpc_token,
                                    health=self._health)
         self._own_health = _OwnHealth(self.server, self.config.network.grpc_token)

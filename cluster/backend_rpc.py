@@ -8,34 +8,23 @@ ingress's :class:`~cluster.remote_backend.RemoteBackend` streams from either wit
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from cluster import contract
 from cluster.backend import GenerateBackend
-from cluster.messages import AnyValue, Int, List, Message, Str
 from cluster.rpc import RetryLaterError
 from kernels.sampling import SamplingParams
 from scheduler.metrics import snapshot_to_dict
 from scheduler.service_levels import SLOUnattainableError
 
-SCHEDULER = "dspark.Scheduler"
-ENGINE = "dspark.Engine"
-GENERATE = Message(
-    "Generate",
-    {"req_id": Str(min_len=1, max_len=128), "prompt_ids": List(Int(min=0), max_len=1 << 20), "params": AnyValue()},
-)
-REQUEST_ID = Message("RequestId", {"req_id": Str(min_len=1, max_len=128)})
-EMPTY = Message("Empty", {})
-
-Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-
 
 def backend_methods(
-    backend: GenerateBackend, info: Callable[[], dict[str, Any]]
-) -> dict[str, tuple[Callable[..., Any], Message]]:
-    """The request-level methods over ``backend``; ``info`` answers ``Info`` (``ready`` and ``reason`` at
-    least, which the ingress's health check reads). Merge more methods in before building the
-    :class:`~cluster.rpc.Service`.
+    backend: GenerateBackend, info: Callable[[], dict[str, Any]], service_name: str
+) -> dict[contract.Method, contract.Handler]:
+    """The request-level methods over ``backend``, served as ``service_name`` (:data:`contract.SCHEDULER` or
+    :data:`contract.ENGINE`); ``info`` answers ``Info`` (``ready`` and ``reason`` at least, which the ingress's
+    health check reads). Add more methods before building the service with :func:`contract.service`.
 
     A request refused at admission for its TPOT target (:class:`SLOUnattainableError`, a ``ValueError`` in
     process) leaves ``Generate`` as :class:`~cluster.rpc.RetryLaterError` (``RESOURCE_EXHAUSTED`` with its
@@ -48,14 +37,7 @@ def backend_methods(
         params = SamplingParams.from_dict(request["params"])
         try:
             async for delta in backend.generate(request["req_id"], request["prompt_ids"], params):
-                yield {
-                    "token_ids": list(delta.token_ids),
-                    "text": delta.text,
-                    "finished": delta.finished,
-                    "finish_reason": delta.finish_reason,
-                    "num_prompt_tokens": delta.num_prompt_tokens,
-                    "num_output_tokens": delta.num_output_tokens,
-                }
+                yield contract.delta_message(delta)
         except SLOUnattainableError as error:  # raised at admission, before any delta
             raise RetryLaterError(str(error), error.retry_after_s) from None
 
@@ -66,16 +48,17 @@ def backend_methods(
     async def metrics(request: dict[str, Any]) -> dict[str, Any]:
         return snapshot_to_dict(await backend.metrics())
 
-    async def info_method(request: dict[str, Any]) -> dict[str, Any]:
+    async def answer_info(request: dict[str, Any]) -> dict[str, Any]:
         return info()
 
     async def model_info(request: dict[str, Any]) -> dict[str, Any]:
         return await backend.model_info()
 
+    methods = contract.BACKEND_METHODS[service_name]
     return {
-        "Generate": (generate, GENERATE),
-        "Abort": (abort, REQUEST_ID),
-        "Metrics": (metrics, EMPTY),
-        "Info": (info_method, EMPTY),
-        "ModelInfo": (model_info, EMPTY),
+        methods.generate: generate,
+        methods.abort: abort,
+        methods.metrics: metrics,
+        methods.info: answer_info,
+        methods.model_info: model_info,
     }

@@ -1,4 +1,5 @@
-"""Helpers shared by the engine gRPC services: one engine thread, request-id errors, common field types.
+"""Helpers shared by the engine gRPC services: one engine thread, request-id errors, idle slots. (Their messages
+are in :mod:`cluster.contract`.)
 
 Engines are synchronous and compute-bound; each service runs every engine call on ONE dedicated thread so calls
 are serialised (the engines are single-threaded by design) while the gRPC event loop stays free to answer health
@@ -15,15 +16,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from cluster.messages import Int, List, Str
 from cluster.rpc import NotFoundError
 
 T = TypeVar("T")
 
-MAX_BATCH = 4096
-REQ_IDS = List(Str(min_len=1, max_len=128), max_len=MAX_BATCH)
-COUNTS = List(Int(min=0, max=1 << 20), max_len=MAX_BATCH)
-TOKENS = List(Int(min=0, max=(1 << 31) - 1), max_len=MAX_BATCH)
 #: An engine call running longer than this means a wedged engine (health reports NOT_SERVING, Serve restarts
 #: the replica). Far above any real step: a long prefill on a slow CPU takes seconds, not a minute.
 DEFAULT_WEDGE_TIMEOUT_S = 60.0
@@ -113,13 +109,3 @@ class IdleSlots:
         self._seen = seen
         return [req_id for req_id, at in seen.items() if now - at > self.idle_s]
 
-
-def split_rows(counts: list[int], total: int, what: str) -> list[tuple[int, int]]:
-    """(start, end) row ranges of a flat batch from per-request counts; checks that they add up."""
-    if sum(counts) != total:
-        raise ValueError(f"{what}: counts add up to {sum(counts)} but {total} rows were sent")
-    out, start = [], 0
-    for n in counts:
-        out.append((start, start + n))
-        start += n
-    return out

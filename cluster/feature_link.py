@@ -39,12 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cluster import contract
 from cluster.rpc import RpcClient
 from cluster.wire import WIRE_DTYPES
 
 log = logging.getLogger(__name__)
 
-DRAFTER_SERVICE = "dspark.Drafter"
 #: Longest a link waits for its peer in any one step (rendezvous, a send or a receive, its turn in sequence).
 DEFAULT_LINK_TIMEOUT_S = 30.0
 #: How long a push waits for its link to open before it goes as bytes over gRPC instead: well below the drafter's
@@ -286,8 +286,8 @@ class LinkSender:
         link = _Link(link_id, self.device, self.timeout_s)
         try:
             local = await asyncio.to_thread(local_address_toward, split_host(address))  # may resolve a name
-            reply = await client.call(
-                DRAFTER_SERVICE, "OpenLink", {"link_id": link_id, "backend": self.backend, "peer_host": local}
+            reply = await contract.OPEN_LINK.acall(
+                client, {"link_id": link_id, "backend": self.backend, "peer_host": local}
             )
             host, port = reply["store_host"] or split_host(address), int(reply["store_port"])
             def build() -> None:
@@ -352,6 +352,6 @@ class LinkSender:
 async def _close_remote(client: RpcClient, link_id: str) -> None:
     """Tell the drafter to drop its end of a link (best effort: a drafter gone has nothing to close)."""
     try:
-        await client.call(DRAFTER_SERVICE, "CloseLink", {"link_id": link_id}, timeout_s=5.0)
+        await contract.CLOSE_LINK.acall(client, {"link_id": link_id}, timeout_s=5.0)
     except Exception as exc:
         log.debug("CloseLink %s to %s: %s", link_id, client.target, exc)

@@ -33,8 +33,8 @@ from typing import Any
 
 import grpc
 
+from cluster import contract
 from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta
-from cluster.backend_rpc import ENGINE, SCHEDULER
 from cluster.rpc import RpcClient, retry_after_s
 from kernels.sampling import SamplingParams
 from scheduler.metrics import MetricsSnapshot, merge_snapshots, snapshot_from_dict
@@ -96,7 +96,7 @@ class RemoteBackend:
         token: str | None = None,
         timeout_s: float = 3600.0,
         resolve_timeout_s: float = 10.0,
-        service: str = SCHEDULER,
+        service: str = contract.SCHEDULER,
         routed: bool = False,
     ) -> None:
         self._resolve = None if isinstance(address, str) else address
@@ -108,7 +108,8 @@ class RemoteBackend:
         self._resolve_timeout_s = resolve_timeout_s
         self._clients: dict[asyncio.AbstractEventLoop, RpcClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
-        self._service = service
+        # Generate, Abort, Metrics, Info, ModelInfo of the server this backend streams from
+        self._methods = contract.BACKEND_METHODS[service]
         self._routed = routed
         self._replicas: dict[tuple[asyncio.AbstractEventLoop, str], RpcClient] = {}
         self._routes: dict[str, str] = {}  # req id -> engine replica address, while it streams from there
@@ -168,7 +169,7 @@ class RemoteBackend:
         for attempt in range(2 if self._resolve is not None else 1):
             received = False
             try:
-                async for message in (await self._client()).stream(self._service, "Generate", request):
+                async for message in self._methods.generate.stream(await self._client(), request):
                     received = True
                     yield _delta(message)
                 return
@@ -194,8 +195,7 @@ class RemoteBackend:
     async def _route(self, req_id: str) -> str | None:
         """The engine replica the scheduler admitted ``req_id`` to (None: stream from the scheduler itself)."""
         try:
-            reply = await (await self._client()).call(SCHEDULER, "Route", {"req_id": req_id},
-                                                      timeout_s=self._timeout_s)
+            reply = await contract.ROUTE.acall(await self._client(), {"req_id": req_id}, timeout_s=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
             _raise_request_error(exc)
             raise self._unreachable(exc) from None
@@ -212,7 +212,7 @@ class RemoteBackend:
         self._routes[req_id] = address
         lost = False
         try:
-            async for message in client.stream(ENGINE, "Generate", request):
+            async for message in contract.ENGINE_METHODS.generate.stream(client, request):
                 yield _delta(message)
         except grpc.aio.AioRpcError as exc:
             _raise_request_error(exc)
@@ -233,8 +233,9 @@ class RemoteBackend:
 
     async def _release(self, req_id: str, lost: bool) -> None:
         try:
-            await (await self._client()).call(SCHEDULER, "Release", {"req_id": req_id, "lost": lost},
-                                              timeout_s=UNARY_TIMEOUT_S)
+            await contract.SCHEDULER_RELEASE.acall(
+                await self._client(), {"req_id": req_id, "lost": lost}, timeout_s=UNARY_TIMEOUT_S
+            )
         except Exception as exc:
             logger.info("release of %s not delivered (%s)", req_id, exc)
 
@@ -244,12 +245,12 @@ class RemoteBackend:
             client = self._replicas.get((asyncio.get_running_loop(), address))
             if client is not None:
                 try:
-                    await client.call(ENGINE, "Abort", {"req_id": req_id}, timeout_s=UNARY_TIMEOUT_S)
+                    await contract.ENGINE_METHODS.abort.acall(client, {"req_id": req_id}, timeout_s=UNARY_TIMEOUT_S)
                 except grpc.aio.AioRpcError as exc:
                     logger.info("abort of %s not delivered (%s): its replica went with it", req_id, exc.code().name)
                 return
         try:
-            await (await self._client()).call(self._service, "Abort", {"req_id": req_id}, timeout_s=UNARY_TIMEOUT_S)
+            await self._methods.abort.acall(await self._client(), {"req_id": req_id}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             error = self._unreachable(exc)
             logger.info("abort of %s not delivered (%s): the scheduler went with its requests", req_id, error)
@@ -265,7 +266,7 @@ class RemoteBackend:
 
     async def metrics(self) -> MetricsSnapshot:
         try:
-            reply = await (await self._client()).call(self._service, "Metrics", {}, timeout_s=UNARY_TIMEOUT_S)
+            reply = await self._methods.metrics.acall(await self._client(), {}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
         incarnation = reply.pop("incarnation", None)
@@ -273,7 +274,7 @@ class RemoteBackend:
 
     async def health(self) -> None:
         try:
-            info = await (await self._client()).call(self._service, "Info", {}, timeout_s=5.0)
+            info = await self._methods.info.acall(await self._client(), {}, timeout_s=5.0)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
         if not info["ready"]:
@@ -281,7 +282,7 @@ class RemoteBackend:
 
     async def model_info(self) -> dict[str, Any]:
         try:
-            return await (await self._client()).call(self._service, "ModelInfo", {}, timeout_s=UNARY_TIMEOUT_S)
+            return await self._methods.model_info.acall(await self._client(), {}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
 

@@ -48,7 +48,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from cluster.messages import Message, Opt, Str, Type, validate
+from cluster.messages import AnyValue, Map, Message, Opt, Str, Type, validate
 from cluster.wire import DEFAULT_LIMITS, WireError, WireLimits, decode, encode
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,9 @@ SERVING, NOT_SERVING = "SERVING", "NOT_SERVING"
 _MAX_DETAILS_CHARS = 1000
 
 HEALTH_REQUEST = Message("HealthCheckRequest", {"service": Opt(Str(max_len=256))})
+HEALTH_REPLY = Message(
+    "HealthCheckReply", {"status": Str(choices=(SERVING, NOT_SERVING)), "payload": Map(AnyValue(), max_len=256)}
+)
 # The envelope of a reply on a method's stream twin: {_OK: response, _HELD: microseconds} or {_CODE: status name,
 # _DETAILS: message}. _HELD is how long the message stayed in the server process, from its arrival on the stream
 # to its reply's encoding (decode, validation, the handler and its thread hand-offs): the caller tells the time on
@@ -620,7 +623,7 @@ class RpcClient(_ClientBase):
 
     async def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """``{"status": "SERVING" | "NOT_SERVING", "payload": {...}}`` of the server."""
-        return await self.call(HEALTH_SERVICE, HEALTH_METHOD, {}, timeout_s=timeout_s)
+        return await self.call(HEALTH_SERVICE, HEALTH_METHOD, {}, timeout_s=timeout_s, response_schema=HEALTH_REPLY)
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until the channel connects (e.g. to a server process just started); TimeoutError otherwise."""
@@ -684,7 +687,7 @@ class SyncRpcClient(_ClientBase):
             call.cancel()
 
     def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.call(HEALTH_SERVICE, HEALTH_METHOD, {}, timeout_s=timeout_s)
+        return self.call(HEALTH_SERVICE, HEALTH_METHOD, {}, timeout_s=timeout_s, response_schema=HEALTH_REPLY)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         grpc.channel_ready_future(self._channel).result(timeout=self._timeout(timeout_s))

@@ -200,6 +200,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     import uvicorn
     from transformers import AutoTokenizer
 
+    from cluster import contract
     from cluster.http_app import build_app
     from cluster.rpc import SyncRpcClient
     from scheduler.hub import SchedulerHub
@@ -224,7 +225,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
             hub.register_drafter(f"drafter-{i}", address)
         for i, address in enumerate(args.verifier):
             with SyncRpcClient(address, token=config.network.grpc_token, timeout_s=30) as client:
-                info = client.call("dspark.Verifier", "Info", {})
+                info = contract.VERIFIER_INFO.call(client, {})
             hub.register_verifier(f"verifier-{i}", address, info["sps"])
     except grpc.RpcError as error:
         hub.close()

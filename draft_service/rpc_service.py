@@ -35,18 +35,10 @@ from typing import Any
 
 import torch
 
-from cluster.engine_rpc import (
-    COUNTS,
-    DEFAULT_IDLE_RECLAIM_S,
-    DEFAULT_WEDGE_TIMEOUT_S,
-    REQ_IDS,
-    TOKENS,
-    EngineThread,
-    IdleSlots,
-    split_rows,
-)
+from cluster import contract
+from cluster.contract import split_rows
+from cluster.engine_rpc import DEFAULT_IDLE_RECLAIM_S, DEFAULT_WEDGE_TIMEOUT_S, EngineThread, IdleSlots
 from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkHost
-from cluster.messages import AnyValue, Bool, Int, List, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, Service
 from cluster.wire import DEFAULT_LIMITS, WIRE_DTYPES
 from draft_service.ahead import DraftAhead
@@ -56,38 +48,6 @@ from kernels.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-SERVICE = "dspark.Drafter"
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-
-INFO = Message("DrafterInfo", {})
-ADD = Message("AddRequests", {"req_ids": REQ_IDS, "params": List(AnyValue(), max_len=4096)})
-APPEND = Message(
-    "AppendContext",
-    {
-        "req_ids": REQ_IDS,
-        "starts": COUNTS,
-        "counts": COUNTS,
-        # Absent when the rows come over a feature link: then link, seq, shape and dtype describe them.
-        "features": Opt(Tensor(FLOAT_DTYPES, rank=2)),
-        "link": Opt(Str(min_len=1, max_len=64)),
-        "seq": Opt(Int(min=0)),
-        "shape": Opt(List(Int(min=0, max=1 << 24), min_len=2, max_len=2)),
-        "dtype": Opt(Str(choices=FLOAT_DTYPES)),
-        # Absent: raw features. Else the fingerprint of the context projection the sender applied.
-        "projection": Opt(Str(min_len=1, max_len=64)),
-        # Each request's next anchor (-1: none), drafted from at once at position start + count.
-        "draft_anchors": Opt(List(Int(min=-1, max=(1 << 31) - 1), max_len=4096)),
-        # True: the reply carries the blocks drafted from draft_anchors (the verifier collects them).
-        "return_drafts": Opt(Bool(), default=False),
-    },
-)
-PROPOSE = Message("Propose", {"req_ids": REQ_IDS, "anchors": TOKENS, "positions": List(Int(min=0), max_len=4096)})
-RELEASE = Message("Release", {"req_ids": REQ_IDS})
-LINK_ID = Str(min_len=1, max_len=64)
-OPEN_LINK = Message(
-    "OpenLink", {"link_id": LINK_ID, "backend": Str(choices=("gloo", "nccl")), "peer_host": Str(min_len=1, max_len=256)}
-)
-CLOSE_LINK = Message("CloseLink", {"link_id": LINK_ID})
 #: How long a Propose waits for context rows still in flight from the verifier. Far above a push's transit (ms;
 #: a long prefill's features take seconds at worst); only reached when a push was lost (its verifier died).
 DEFAULT_CONTEXT_WAIT_S = 10.0
@@ -153,16 +113,16 @@ class DrafterService:
         )
 
     def service(self) -> Service:
-        return Service(
-            SERVICE,
+        return contract.service(
+            contract.DRAFTER,
             {
-                "Info": (self._info, INFO),
-                "AddRequests": (self._add, ADD),
-                "AppendContext": (self._append, APPEND),
-                "Propose": (self._propose, PROPOSE),
-                "Release": (self._release, RELEASE),
-                "OpenLink": (self._open_link, OPEN_LINK),
-                "CloseLink": (self._close_link, CLOSE_LINK),
+                contract.DRAFTER_INFO: self._info,
+                contract.ADD_REQUESTS: self._add,
+                contract.APPEND_CONTEXT: self._append,
+                contract.PROPOSE: self._propose,
+                contract.DRAFTER_RELEASE: self._release,
+                contract.OPEN_LINK: self._open_link,
+                contract.CLOSE_LINK: self._close_link,
             },
         )
 
@@ -263,7 +223,7 @@ class DrafterService:
                 if proposal is not None and request["return_drafts"]:
                     # Built here, on the engine thread: the copies to the host wait for the device.
                     drafts.update(
-                        self._proposal_reply(proposal),
+                        contract.proposal_reply(proposal, self._greedy),
                         req_ids=[i.req_id for i in ahead],
                         anchors=[i.anchor for i in ahead],
                         positions=[i.position for i in ahead],
@@ -319,11 +279,7 @@ class DrafterService:
         )
 
     async def _propose(self, request: dict[str, Any]) -> dict[str, Any]:
-        n = len(request["req_ids"])
-        if not len(request["anchors"]) == len(request["positions"]) == n:
-            raise ValueError("Propose: req_ids, anchors and positions must have the same length")
-        items = [DraftItem(r, a, p) for r, a, p in zip(request["req_ids"], request["anchors"], request["positions"],
-                                                          strict=True)]
+        items = contract.parse_propose_request(request)
         self._idle.touch(request["req_ids"])
         waited = 0.0
         if self._not_ready(items):
@@ -341,32 +297,12 @@ class DrafterService:
         else:
             proposal, engine_s = await self._thread.run_timed(self.engine.propose, items)
         return {
-            **self._proposal_reply(proposal),
+            **contract.proposal_reply(proposal, self._greedy),
             # Engine-thread time of this call (0 when the drafts were made ahead), and how long it waited for
             # context rows still on their way from the verifier (or being appended): the caller counts both as
             # the drafter's time and the rest of its round trip as transfer.
             "engine_ms": 1e3 * engine_s,
             "wait_ms": 1e3 * waited,
-        }
-
-    def _proposal_reply(self, proposal: Proposal) -> dict[str, Any]:
-        """A proposal as ``Propose`` replies it, on the host. Greedy requests are verified without their draft
-        distribution: only the other rows' (``distribution_rows``, None: every row) travel."""
-        topk_ids, topk_probs = proposal.topk_ids, proposal.topk_probs
-        rows = None
-        if self._greedy:
-            rows = [i for i, req_id in enumerate(proposal.req_ids) if req_id not in self._greedy]
-            index = torch.tensor(rows, dtype=torch.int64, device=topk_ids.device)
-            topk_ids, topk_probs = topk_ids.index_select(0, index), topk_probs.index_select(0, index)
-        return {
-            "tokens": proposal.tokens.cpu(),
-            "confidences": None if proposal.confidences is None else torch.from_numpy(proposal.confidences),
-            "confidence_logits": (
-                None if proposal.confidence_logits is None else torch.from_numpy(proposal.confidence_logits)
-            ),
-            "distribution_rows": rows,
-            "topk_ids": topk_ids.to(torch.int32).cpu(),
-            "topk_probs": topk_probs.to(torch.float32).cpu(),
         }
 
     async def _release(self, request: dict[str, Any]) -> dict[str, Any]:

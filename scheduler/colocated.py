@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cluster.backend_rpc import ENGINE
+from cluster import contract
 from cluster.remote_backend import RemoteBackend
 from scheduler.admission import least_loaded
 from scheduler.metrics import MetricsSnapshot, merge_snapshots
@@ -64,7 +64,7 @@ class EngineReplicas:
                 known.last_seen = time.monotonic()
                 return False
             backend = RemoteBackend(address, model_name=self._model_name, max_context=self._max_context,
-                                    token=self._token, service=ENGINE)
+                                    token=self._token, service=contract.ENGINE)
             self._replicas[replica_id] = EngineReplica(address, backend, time.monotonic())
             self._sps[replica_id] = sps or {}
             return True

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from cluster import contract
 from cluster.backend import BackendUnavailableError, EngineFailedError, FailoverHook, Handoff, LocalBackend
 from cluster.rpc import SERVING, SyncRpcClient
 from scheduler.remote import ReplicaLostError
@@ -61,19 +62,22 @@ def probe(address: str, token: str | None, timeout_s: float, max_busy_s: float =
     return status.get("status") == SERVING and status.get("payload", {}).get("busy_s", 0.0) <= max_busy_s
 
 
-def release_stale(address: str, service: str, token: str | None, timeout_s: float) -> list[str]:
-    """Release every request a replica holds, before a scheduler that does not own them starts using it.
+def release_stale(
+    address: str, info: contract.Method, release: contract.Method, token: str | None, timeout_s: float
+) -> list[str]:
+    """Release every request a replica holds (its ``info`` lists them as ``running``; ``release`` frees them),
+    before a scheduler that does not own them starts using it.
 
     A scheduler that restarted lost its requests; the replicas still hold their caches. Run before the replica
     takes new work, so nothing of this scheduler is released. Returns the released ids.
     """
     with SyncRpcClient(address, token=token, timeout_s=timeout_s) as client:
-        stale = list(client.call(service, "Info", {}).get("running", []))
+        stale = list(info.call(client, {})["running"])
         if stale:
-            client.call(service, "Release", {"req_ids": stale})
+            release.call(client, {"req_ids": stale})
     if stale:
-        logger.warning("released %d request(s) %s held on %s from before this scheduler", len(stale), service,
-                       address)
+        logger.warning("released %d request(s) %s held on %s from before this scheduler", len(stale),
+                       info.service, address)
     return stale
 
 

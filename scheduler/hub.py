@@ -31,9 +31,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cluster import contract
 from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta, LocalBackend
-from cluster.backend_rpc import EMPTY, REQUEST_ID, SCHEDULER, backend_methods
-from cluster.messages import Bool, Message, Str
+from cluster.backend_rpc import backend_methods
 from cluster.readiness import IntervalLog, Readiness, ReadinessGate
 from cluster.rpc import Service
 from kernels.sampling import SamplingParams
@@ -44,13 +44,12 @@ from scheduler.failover import Failover, release_stale
 from scheduler.metrics import MetricsSnapshot, merge_snapshots, snapshot_to_dict
 from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
-from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
+from scheduler.remote import DrafterPool, RemoteVerifier
 from scheduler.service_levels import ServiceLevels
 from scheduler.sps import load_sps
 
 logger = logging.getLogger(__name__)
 
-RELEASE = Message("Release", {"req_id": Str(min_len=1, max_len=128), "lost": Bool()})
 
 
 @dataclass
@@ -119,7 +118,7 @@ class SchedulerHub:
         with self._lock:
             if self._drafters.get(replica_id) == address or replica_id in self._gone:
                 return
-            release_stale(address, DRAFTER, self.token, self.timeout_s)
+            release_stale(address, contract.DRAFTER_INFO, contract.DRAFTER_RELEASE, self.token, self.timeout_s)
             self._drafters[replica_id] = address
             if self._pool is None:
                 self._pool = DrafterPool([address], token=self.token, timeout_s=self.timeout_s)
@@ -139,7 +138,7 @@ class SchedulerHub:
             if self.policy != "autoregressive" and self._pool is None:
                 raise BackendUnavailableError("no drafter registered yet; register drafters first")
             pool = self._pool if self.policy != "autoregressive" else None
-            release_stale(address, VERIFIER, self.token, self.timeout_s)
+            release_stale(address, contract.VERIFIER_INFO, contract.VERIFIER_RELEASE, self.token, self.timeout_s)
             route_of = pool.route_of if pool is not None else (lambda _req_id: None)
             verifier = RemoteVerifier(
                 address,
@@ -442,8 +441,8 @@ class SchedulerHub:
         async def metrics(request: dict[str, Any]) -> dict[str, Any]:
             return {**snapshot_to_dict(await self.metrics()), "incarnation": self.incarnation}
 
-        methods = backend_methods(self, self.info)
-        methods["Metrics"] = (metrics, EMPTY)  # named by incarnation (see __init__)
-        methods["Route"] = (route, REQUEST_ID)
-        methods["Release"] = (release, RELEASE)
-        return Service(SCHEDULER, methods)
+        methods = backend_methods(self, self.info, contract.SCHEDULER)
+        methods[contract.SCHEDULER_METHODS.metrics] = metrics  # named by incarnation (see __init__)
+        methods[contract.ROUTE] = route
+        methods[contract.SCHEDULER_RELEASE] = release
+        return contract.service(contract.SCHEDULER, methods)

@@ -39,15 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from cluster import contract
 from cluster.rpc import RoundStream, StreamLane, SyncRpcClient
 from draft_service.engine import ContextItem, DraftItem, Proposal
 from scheduler.admission import place_by_free_slots
 from verify_service.engine import PrefillItem, StepResult, VerifyItem
 
 logger = logging.getLogger(__name__)
-
-DRAFTER = "dspark.Drafter"
-VERIFIER = "dspark.Verifier"
 
 
 class ReplicaLostError(ConnectionError):
@@ -69,13 +67,13 @@ class RemoteVerifier:
     ) -> None:
         self.address = address
         self._client = SyncRpcClient(address, token=token, timeout_s=timeout_s)
-        info = self._client.call(VERIFIER, "Info", {})
+        info = contract.VERIFIER_INFO.call(self._client, {})
         self.vocab_size: int = info["vocab_size"]
         self.max_seq_len: int = info["max_seq_len"]
         self.capacity: int = info["max_requests"]
         self.eos_token_ids: tuple[int, ...] = tuple(info["eos_token_ids"])
         # Fingerprint of the drafter projection this verifier applies before pushing features (None: raw).
-        self.context_projection: str | None = info.get("context_projection")
+        self.context_projection: str | None = info["context_projection"]
         self._route_of = route_of
         self._held: set[str] = set()
         # Whether the round driver wants the context features of requests without a drafter route back (it
@@ -85,7 +83,7 @@ class RemoteVerifier:
         self._on_drafts = on_drafts
         # Step goes on one stream, driven by the thread that steps (the group's round loop).
         self._lane = StreamLane()
-        self._step = self._lane.stream(address, VERIFIER, "Step", token=token, timeout_s=timeout_s)
+        self._step = contract.STEP.lane_stream(self._lane, address, token=token, timeout_s=timeout_s)
         self.last_server_s = 0.0  # the replicas' time of the last step: the verifier's engine, the drafts' wait
         self.last_held_s = 0.0  # how long the verifier's process held the last step (its engine time included)
         self.last_drafts_s = 0.0  # of last_server_s: the wait for the drafters' next blocks (collecting)
@@ -109,21 +107,21 @@ class RemoteVerifier:
     def release(self, req_id: str) -> None:
         if req_id in self._held:
             self._held.discard(req_id)
-            self._client.call(VERIFIER, "Release", {"req_ids": [req_id]})
+            contract.VERIFIER_RELEASE.call(self._client, {"req_ids": [req_id]})
 
     def release_many(self, req_ids: Sequence[str]) -> None:
         """Release the ones this side holds in one call (a round's finished requests)."""
         held = [r for r in req_ids if r in self._held]
         if held:
             self._held.difference_update(held)
-            self._client.call(VERIFIER, "Release", {"req_ids": held})
+            contract.VERIFIER_RELEASE.call(self._client, {"req_ids": held})
 
     def release_all(self, req_ids: Sequence[str]) -> None:
         """Release on the replica whether or not this side thinks it holds them: after a failed round the
         replica may hold slots that the failed call never confirmed (Release ignores unknown ids)."""
         self._held.difference_update(req_ids)
         if req_ids:
-            self._client.call(VERIFIER, "Release", {"req_ids": list(req_ids)})
+            contract.VERIFIER_RELEASE.call(self._client, {"req_ids": list(req_ids)})
 
     def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()) -> list[StepResult]:
         routes: dict[str, list[str]] = {}
@@ -131,25 +129,13 @@ class RemoteVerifier:
             address = self._route_of(item.req_id)
             if address is not None:
                 routes.setdefault(address, []).append(item.req_id)
-        draft_tokens = [int(t) for v in verifies for t in v.draft_tokens]
-        prob_ids, probs = _stack_distributions(verifies)
-        message: dict[str, Any] = {
-            "prefill_req_ids": [p.req_id for p in prefills],
-            "prefill_params": [p.params.to_dict() for p in prefills],
-            "prefill_counts": [len(p.token_ids) for p in prefills],
-            "prefill_tokens": torch.tensor([int(t) for p in prefills for t in p.token_ids], dtype=torch.int64),
-            "prefill_anchors": [-1 if p.anchor is None else p.anchor for p in prefills],
-            "verify_req_ids": [v.req_id for v in verifies],
-            "verify_anchors": [int(v.anchor) for v in verifies],
-            "verify_positions": [-1 if v.position is None else int(v.position) for v in verifies],
-            "verify_counts": [len(v.draft_tokens) for v in verifies],
-            "verify_tokens": torch.tensor(draft_tokens, dtype=torch.int64),
-            "draft_prob_ids": prob_ids,
-            "draft_probs": probs,
-            "routes": routes,
-            "inline_features": self.inline_features,
-            "collect_drafts": self._on_drafts is not None,
-        }
+        message = contract.step_request(
+            prefills,
+            verifies,
+            routes,
+            inline_features=self.inline_features,
+            collect_drafts=self._on_drafts is not None,
+        )
         for p in prefills:
             self._held.add(p.req_id)
         try:
@@ -158,60 +144,16 @@ class RemoteVerifier:
             for p in prefills:
                 self._held.discard(p.req_id)
             raise
-        self.last_drafts_s = 1e-3 * reply.get("drafts_ms", 0.0)
+        self.last_drafts_s = 1e-3 * reply["drafts_ms"]
         self.last_server_s = 1e-3 * reply["engine_ms"] + self.last_drafts_s
         self.last_held_s = self._step.last_held_s
         if self._on_drafts is not None:
-            self._on_drafts(reply.get("drafts") or {})
-        return _step_results(reply)
+            self._on_drafts(reply["drafts"])
+        return contract.parse_step_reply(reply)
 
     def close(self) -> None:
         self._lane.close()
         self._client.close()
-
-
-def _stack_distributions(verifies: Sequence[VerifyItem]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Flat [N, K] draft distribution rows for every draft token (one-hot rows for greedy requests)."""
-    with_dist = [v for v in verifies if v.draft_probs is not None and len(v.draft_tokens)]
-    if not with_dist:
-        return None, None
-    width = max(int(v.draft_probs.shape[1]) for v in with_dist)  # type: ignore[union-attr]
-    id_rows, prob_rows = [], []
-    for v in verifies:
-        n = len(v.draft_tokens)
-        if not n:
-            continue
-        if v.draft_probs is None or v.draft_prob_ids is None:
-            ids = torch.tensor([int(t) for t in v.draft_tokens], dtype=torch.int64)[:, None].expand(n, width)
-            p = torch.zeros(n, width)
-            p[:, 0] = 1.0
-        else:
-            ids, p = v.draft_prob_ids.to(torch.int64).cpu(), v.draft_probs.to(torch.float32).cpu()
-            if ids.shape[1] < width:
-                pad = width - ids.shape[1]
-                ids = torch.cat([ids, ids[:, :1].expand(n, pad)], dim=1)
-                p = torch.cat([p, torch.zeros(n, pad)], dim=1)
-        id_rows.append(ids)
-        prob_rows.append(p)
-    return torch.cat(id_rows), torch.cat(prob_rows)
-
-
-def _step_results(reply: dict[str, Any]) -> list[StepResult]:
-    inline: dict[str, torch.Tensor] = {}
-    if reply["features"] is not None:
-        start = 0
-        for req_id, n in zip(reply["inline_req_ids"], reply["inline_counts"], strict=True):
-            inline[req_id] = reply["features"][start : start + n]
-            start += n
-    results, offset = [], 0
-    for req_id, drafts, accepted, n, feature_start in zip(
-        reply["req_ids"], reply["num_drafts"], reply["num_accepted"], reply["token_counts"], reply["feature_starts"],
-        strict=True,
-    ):
-        tokens = reply["tokens"][offset : offset + n]
-        offset += n
-        results.append(StepResult(req_id, drafts, accepted, tokens, feature_start, inline.get(req_id)))
-    return results
 
 
 @dataclass
@@ -263,7 +205,7 @@ class DrafterPool:
     def add_drafter(self, address: str) -> dict[str, Any]:
         """Connect a drafter replica (e.g. one the autoscaler just started); it takes new requests at once."""
         client = SyncRpcClient(address, token=self._token, timeout_s=self._timeout_s)
-        info = client.call(DRAFTER, "Info", {})
+        info = contract.DRAFTER_INFO.call(client, {})
         if hasattr(self, "block_size") and (
             info["block_size"] != self.block_size or info["vocab_size"] != self._vocab_size
         ):
@@ -359,8 +301,8 @@ class DrafterPool:
         stream = lane.streams.get(address)
         if stream is None:
             self._client(address)  # still in the pool
-            stream = lane.streams[address] = lane.lane.stream(
-                address, DRAFTER, "Propose", token=self._token, timeout_s=self._timeout_s
+            stream = lane.streams[address] = contract.PROPOSE.lane_stream(
+                lane.lane, address, token=self._token, timeout_s=self._timeout_s
             )
         return stream
 
@@ -501,7 +443,7 @@ class DrafterPool:
         try:
             for address, group in groups.items():
                 message = {"req_ids": [r for r, _ in group], "params": [p.to_dict() for _, p in group]}
-                self._clients[address].call(DRAFTER, "AddRequests", message)
+                contract.ADD_REQUESTS.call(self._clients[address], message)
                 done.append(address)
         except Exception:
             with self._lock:
@@ -510,7 +452,7 @@ class DrafterPool:
                         self._owner.pop(req_id, None)
             for address in done:
                 try:
-                    self._clients[address].call(DRAFTER, "Release", {"req_ids": [r for r, _ in groups[address]]})
+                    contract.DRAFTER_RELEASE.call(self._clients[address], {"req_ids": [r for r, _ in groups[address]]})
                 except Exception as error:  # the replica is failing too: its failover cleans up
                     logger.warning("undoing AddRequests on %s failed (%s)", address, error)
             raise
@@ -530,7 +472,7 @@ class DrafterPool:
                     groups.setdefault(address, []).append(req_id)
             clients = {a: self._clients[a] for a in groups}
         for address, ids in groups.items():
-            clients[address].call(DRAFTER, "Release", {"req_ids": ids})
+            contract.DRAFTER_RELEASE.call(clients[address], {"req_ids": ids})
 
     def append_context(self, items: Sequence[ContextItem]) -> None:
         """Only for features the verifier returned inline (no direct route): forwarded to the owners."""
@@ -539,15 +481,14 @@ class DrafterPool:
             if item.req_id not in self._detached:
                 groups.setdefault(self._address_of(item.req_id), []).append(item)
         for address, group in groups.items():
-            self._client(address).call(
-                DRAFTER,
-                "AppendContext",
-                {
-                    "req_ids": [i.req_id for i in group],
-                    "starts": [i.start for i in group],
-                    "counts": [int(i.features.shape[0]) for i in group],
-                    "features": torch.cat([i.features for i in group]),
-                },
+            contract.APPEND_CONTEXT.call(
+                self._client(address),
+                contract.append_request(
+                    [i.req_id for i in group],
+                    [i.start for i in group],
+                    [int(i.features.shape[0]) for i in group],
+                    torch.cat([i.features for i in group]),
+                ),
             )
 
     def propose(self, items: Sequence[DraftItem]) -> Proposal:
@@ -576,14 +517,7 @@ class DrafterPool:
                 replies[address] = offered
         lane.offered = {}  # used once: the next round's anchors are others
         calls = [
-            (
-                self._stream(lane, address),
-                {
-                    "req_ids": [items[i].req_id for i in groups[address]],
-                    "anchors": [int(items[i].anchor) for i in groups[address]],
-                    "positions": [int(items[i].position) for i in groups[address]],
-                },
-            )
+            (self._stream(lane, address), contract.propose_request([items[i] for i in groups[address]]))
             for address in asked
         ]
         asked_replies = dict(zip(asked, lane.lane.call_many(calls), strict=True)) if calls else {}

@@ -39,53 +39,15 @@ from typing import Any
 
 import torch
 
-from cluster.engine_rpc import (
-    COUNTS,
-    DEFAULT_IDLE_RECLAIM_S,
-    DEFAULT_WEDGE_TIMEOUT_S,
-    REQ_IDS,
-    TOKENS,
-    EngineThread,
-    IdleSlots,
-    split_rows,
-)
+from cluster import contract
+from cluster.engine_rpc import DEFAULT_IDLE_RECLAIM_S, DEFAULT_WEDGE_TIMEOUT_S, EngineThread, IdleSlots
 from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkSender
-from cluster.messages import AnyValue, Bool, Int, List, Map, Message, Opt, Str, Tensor
 from cluster.rpc import HealthStatus, RoundStream, RpcClient, Service
 from draft_service.projection import ContextProjection
-from kernels.sampling import SamplingParams
 from verify_service.engine import PrefillItem, StepResult, VerifyEngine, VerifyItem
 
 log = logging.getLogger(__name__)
 
-SERVICE = "dspark.Verifier"
-INT_DTYPES = ("int64", "int32")
-
-INFO = Message("VerifierInfo", {})
-STEP = Message(
-    "Step",
-    {
-        "prefill_req_ids": REQ_IDS,
-        "prefill_params": List(AnyValue(), max_len=4096),
-        "prefill_counts": COUNTS,
-        "prefill_tokens": Tensor(INT_DTYPES, rank=1),
-        "prefill_anchors": List(Int(min=-1), max_len=4096),
-        "verify_req_ids": REQ_IDS,
-        "verify_anchors": TOKENS,
-        # Where the scheduler believes each anchor sits (-1: unchecked): a replayed round is INVALID_ARGUMENT.
-        "verify_positions": Opt(List(Int(min=-1, max=1 << 31), max_len=4096)),
-        "verify_counts": COUNTS,
-        "verify_tokens": Tensor(INT_DTYPES, rank=1),
-        "draft_prob_ids": Opt(Tensor(INT_DTYPES, rank=2)),
-        "draft_probs": Opt(Tensor(("float32",), rank=2)),
-        "routes": Opt(Map(List(Str(min_len=1, max_len=128), max_len=4096), max_len=1024), default={}),
-        # False: the caller drives no drafter (plain decoding), so unrouted features are not sent back to it.
-        "inline_features": Opt(Bool(), default=True),
-        # True: the reply waits for the feature pushes and carries the drafters' next blocks (see the module doc).
-        "collect_drafts": Opt(Bool(), default=False),
-    },
-)
-RELEASE = Message("Release", {"req_ids": REQ_IDS})
 #: How long a collecting ``Step`` waits for its drafters' blocks. Far above a draft's time on any device (ms):
 #: reached only by a stuck or dying drafter, whose requests the scheduler then asks with ``Propose`` as usual.
 COLLECT_WAIT_S = 2.0
@@ -160,16 +122,16 @@ class VerifierService:
         )
 
     def service(self) -> Service:
-        return Service(
-            SERVICE,
-            {"Info": (self._info, INFO), "Step": (self._step, STEP), "Release": (self._release, RELEASE)},
+        return contract.service(
+            contract.VERIFIER,
+            {contract.VERIFIER_INFO: self._info, contract.STEP: self._step, contract.VERIFIER_RELEASE: self._release},
         )
 
     async def _info(self, request: dict[str, Any]) -> dict[str, Any]:
         return self.info()
 
     async def _step(self, request: dict[str, Any]) -> dict[str, Any]:
-        prefills, verifies = _parse_step(request)
+        prefills, verifies = contract.parse_step_request(request)
         self._idle.touch(request["verify_req_ids"])
         if len(prefills) > self.engine.num_free_slots:
             await self._reclaim_idle()
@@ -192,23 +154,9 @@ class VerifierService:
                 if reply is not None and reply.get("drafts"):
                     drafts[address] = reply["drafts"]
         inline = [r for r in results if r.req_id not in routed and r.features is not None] if send_inline else []
-        return {
-            "req_ids": [r.req_id for r in results],
-            "num_drafts": [r.num_drafts for r in results],
-            "num_accepted": [r.num_accepted for r in results],
-            "token_counts": [len(r.tokens) for r in results],
-            "tokens": [t for r in results for t in r.tokens],
-            "feature_starts": [r.feature_start for r in results],
-            "inline_req_ids": [r.req_id for r in inline],
-            "inline_counts": [int(r.features.shape[0]) for r in inline],  # type: ignore[union-attr]
-            "features": inline_features,
-            # Engine-thread time of this step (target pass, packing): the caller's round trip minus this and
-            # the wait for the drafts is what the message cost on the way (codec, transport, hand-offs).
-            "engine_ms": 1e3 * engine_s,
-            "drafts": drafts,
-            # How long the reply waited for the drafters' blocks (their append, drafting and both hops).
-            "drafts_ms": 1e3 * collect_s,
-        }
+        return contract.step_reply(
+            results, inline, inline_features, engine_s=engine_s, drafts=drafts, drafts_s=collect_s
+        )
 
     def _step_and_pack(
         self,
@@ -234,18 +182,16 @@ class VerifierService:
                 features = self.projection(features)
             if self.feature_dtype is not None:
                 features = features.to(self.feature_dtype)
-            messages[address] = {
-                "req_ids": [r.req_id for r in group],
-                "starts": [r.feature_start for r in group],
-                "counts": [int(r.features.shape[0]) for r in group],  # type: ignore[union-attr]
+            messages[address] = contract.append_request(
+                [r.req_id for r in group],
+                [r.feature_start for r in group],
+                [int(r.features.shape[0]) for r in group],  # type: ignore[union-attr]
                 # collective: left on the device for the link (a fresh tensor: cat/projection copied it).
-                "features": features.cpu() if self.links is None else features.contiguous(),
-            }
-            if projection is not None:
-                messages[address]["projection"] = projection
-            if self.draft_ahead:
-                messages[address]["draft_anchors"] = [r.tokens[-1] if r.tokens else -1 for r in group]
-                messages[address]["return_drafts"] = collect
+                features.cpu() if self.links is None else features.contiguous(),
+                projection=projection,
+                draft_anchors=[r.tokens[-1] if r.tokens else -1 for r in group] if self.draft_ahead else None,
+                return_drafts=collect,
+            )
         inline = [r.features for r in results if r.req_id not in routed and r.features is not None]
         inline_features = torch.cat(inline).cpu() if inline and send_inline else None  # type: ignore[arg-type]
         return results, messages, inline_features
@@ -258,7 +204,7 @@ class VerifierService:
             client = self._drafters.get(address)
             if client is None:
                 client = self._drafters[address] = RpcClient(address, token=self._token, timeout_s=self._timeout_s)
-                self._appends[address] = client.round_stream("dspark.Drafter", "AppendContext")
+                self._appends[address] = contract.APPEND_CONTEXT.round_stream(client)
             task = tasks[address] = asyncio.ensure_future(self._push(client, address, message))
             self._pushes.add(task)
             task.add_done_callback(self._pushes.discard)
@@ -336,44 +282,3 @@ class VerifierService:
             await client.close()
         self._thread.shutdown()
 
-
-def _parse_step(request: dict[str, Any]) -> tuple[list[PrefillItem], list[VerifyItem]]:
-    n_pre = len(request["prefill_req_ids"])
-    if not len(request["prefill_params"]) == len(request["prefill_counts"]) == len(request["prefill_anchors"]) == n_pre:
-        raise ValueError("Step: prefill fields must all have one entry per prefill request")
-    tokens = request["prefill_tokens"].tolist()
-    prefills = []
-    for req_id, params, anchor, (a, b) in zip(
-        request["prefill_req_ids"],
-        request["prefill_params"],
-        request["prefill_anchors"],
-        split_rows(request["prefill_counts"], len(tokens), "Step prefill"),
-        strict=True,
-    ):
-        if not isinstance(params, dict):
-            raise ValueError("Step: prefill_params entries must be maps")
-        anchor_or_none = None if anchor < 0 else anchor
-        prefills.append(PrefillItem(req_id, tokens[a:b], SamplingParams.from_dict(params), anchor_or_none))
-    n_ver = len(request["verify_req_ids"])
-    if not len(request["verify_anchors"]) == len(request["verify_counts"]) == n_ver:
-        raise ValueError("Step: verify fields must all have one entry per verify request")
-    positions = request["verify_positions"]
-    if positions is None:
-        positions = [-1] * n_ver
-    if len(positions) != n_ver:
-        raise ValueError("Step: verify_positions needs one entry per verify request")
-    drafts = request["verify_tokens"].tolist()
-    ranges = split_rows(request["verify_counts"], len(drafts), "Step verify")
-    prob_ids, probs = request["draft_prob_ids"], request["draft_probs"]
-    if (prob_ids is None) != (probs is None):
-        raise ValueError("Step: draft_prob_ids and draft_probs come together")
-    if prob_ids is not None and (prob_ids.shape != probs.shape or prob_ids.shape[0] != len(drafts)):
-        raise ValueError("Step: the draft distribution needs one [K] row per draft token in both tensors")
-    verifies = []
-    for req_id, anchor, position, (a, b) in zip(
-        request["verify_req_ids"], request["verify_anchors"], positions, ranges, strict=True
-    ):
-        dist_ids = None if prob_ids is None or a == b else prob_ids[a:b]
-        dist = None if probs is None or a == b else probs[a:b]
-        verifies.append(VerifyItem(req_id, anchor, drafts[a:b], dist_ids, dist, None if position < 0 else position))
-    return prefills, verifies

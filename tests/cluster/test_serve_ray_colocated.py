@@ -164,7 +164,7 @@ def test_sampled_output_follows_the_target_distribution(served: dict) -> None:
 
 
 def _running() -> int:
-    from cluster.backend_rpc import ENGINE
+    from cluster.contract import ENGINE
     from cluster.rpc import SyncRpcClient
 
     (address,) = _handle("Scheduler").endpoints.remote().result()["engines"].values()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -100,9 +101,9 @@ def _count_calls(client: SyncRpcClient, counts: dict[str, int]) -> None:
     """Count the methods a real client calls (each call still goes to its server)."""
     call = client.call
 
-    def counted(service: str, method: str, message: dict) -> dict:
+    def counted(service: str, method: str, message: dict, **options: Any) -> Any:
         counts[method] = counts.get(method, 0) + 1
-        return call(service, method, message)
+        return call(service, method, message, **options)
 
     client.call = counted  # type: ignore[method-assign]
 

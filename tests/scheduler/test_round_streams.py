@@ -24,6 +24,7 @@ import torch
 from hub_client import generate_all
 from model_factory import PairSpec, write_pair
 
+from cluster.contract import DRAFTER, VERIFIER
 from cluster.messages import Int, Message
 from cluster.rpc import (
     RoundStream,
@@ -43,7 +44,7 @@ from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.hub import SchedulerHub
 from scheduler.policy import make_policy
-from scheduler.remote import DRAFTER, VERIFIER, DrafterPool, RemoteVerifier
+from scheduler.remote import DrafterPool, RemoteVerifier
 from scheduler.sps import SPSTable
 from verify_service.engine import VerifyEngine
 from verify_service.rpc_service import VerifierService
