@@ -212,7 +212,7 @@ class Opt(Type):
 
 
 class List(Type):
-    """A list of ``elem``, ``min_len <= len <= max_len``; lists of ints or floats take a vectorised path."""
+    """A list of ``elem``, ``min_len <= len <= max_len``; lists of ints, floats or strs take a vectorised path."""
 
     def __init__(self, elem: Type, min_len: int = 0, max_len: int | None = None) -> None:
         _check_bounds("List", min_len, max_len)
@@ -232,6 +232,12 @@ class List(Type):
                 or (elem.max is not None and max(value) > elem.max)
             ):
                 self._locate(value)
+            return value
+        if type(elem) is Str and elem.choices is None and all(type(x) is str for x in value):
+            if n:
+                lengths = list(map(len, value))
+                if min(lengths) < elem.min_len or (elem.max_len is not None and max(lengths) > elem.max_len):
+                    self._locate(value)
             return value
         if type(elem) is Float and all(type(x) is float for x in value):
             finite_ok = not elem.finite or all(map(math.isfinite, value))
