@@ -128,7 +128,7 @@ class SchedulerConfig(_Strict):
     one group while its drafters draft the next group's blocks (:mod:`scheduler.pipeline`). It pays when drafting
     and verifying run on separate devices AND their step times grow with the batch (compute-bound batches); with
     step times flat in the batch (small batches on a GPU) every group pays the whole step, so keep 1 there
-    (docs/benchmarks/serving.md has the measurements).
+    (docs/benchmarks/data_plane.md has the measurements).
 
     ``drain_timeout_s``: how long a drafter or verifier replica that Serve stops (autoscaling down, rolling
     update) keeps serving the requests it holds before it goes; keep the deployment's
