@@ -19,7 +19,8 @@ for the same number of bytes back, one message at a time, and reports p50 / p99 
 The grpc servers are grpc.aio servers (as every replica's) unless ``--sync-server``. Variants run interleaved
 ``--repeats`` times so that the load of a shared machine hits all alike; medians over the repeats are reported.
 
-    PYTHONPATH=. python bench/bench_grpc_stream.py --messages 2000 --repeats 5 --out docs/benchmarks/grpc_stream.json
+    PYTHONPATH=. python bench/bench_grpc_stream.py --messages 1000 --repeats 3 \\
+        --out docs/benchmarks/grpc_stream_cpu.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ each pool's busy fraction. Raw results: ``serve_pools.json``; a short table last
 With ``--shape`` the demo pair is inflated first (``dspark inflate``, docs/COST_REALISTIC.md) into a scratch folder.
 
 Two GPUs (nvidia-h200-x2): Ray Serve and the prometheus_client wheel travel in ``.gpu-ray`` (see
-docs/benchmarks/disagg.md for the exact carry):
+docs/benchmarks/data_plane.md for the exact carry):
     bash -c 'mkdir -p /tmp/site && tar xJf .gpu-ray/ray-serve-*.tar.xz -C /tmp/site && python3 -m pip install -q \\
       --no-index --no-deps --target /tmp/site .gpu-ray/*.whl && export PYTHONPATH=/tmp/site:. \\
       PATH=/tmp/site/bin:$PATH && python3 bench/bench_serve_pools.py --shape qwen3-4b --device cuda --out-dir $OUT'

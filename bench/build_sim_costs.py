@@ -1,7 +1,7 @@
 """Build the simulator's H200 cost file from measurements already in docs/benchmarks (uncalibrated).
 
-Every number is read from a measurement file or quoted from docs/DESIGN's measured facts, and the file records
-where each came from (each section's ``source``). The calibration against the served product (HTTP runs of
+Every number is read from a measurement file or quoted from a results page of docs/benchmarks, and the file
+records where each came from (each section's ``source``). The calibration against the served product (HTTP runs of
 ``dspark serve``) replaces these with fitted values and sets ``calibrated``.
 
     PYTHONPATH=. python bench/build_sim_costs.py --out docs/simulator/costs_h200.json
@@ -17,12 +17,12 @@ from typing import Any
 
 from cluster.simulator.costs import FORMAT, parse_costs
 
-POLICIES = "docs/benchmarks/policies_session13.json"
-# docs/DESIGN (shared design notes), "Decisions added after the first measurements", measured on the lent H200
-# host: one message on an open grpc.aio bidirectional stream, loopback, 1 KiB payload, p50.
+POLICIES = "docs/benchmarks/policies.json"
+# docs/benchmarks/data_plane.md, "Per-message cost", measured on the lent H200 host (2026-12-03): one message on an
+# open grpc.aio bidirectional stream, loopback, 1 KiB payload, p50.
 STREAM_MESSAGE_S = 210e-6
-# Same section, measured through HTTP on one H200 at 1 request: the Ray deployment's round 8.1 ms against 3.4 ms
-# for the same pipeline in one process.
+# Measured through HTTP on one H200 at 1 request (2026-12-03): the Ray deployment's round
+# 8.1 ms against 3.4 ms for the same pipeline in one process.
 SERVED_ROUND_S, IN_PROCESS_ROUND_S = 8.1e-3, 3.4e-3
 HOPS_PER_ROUND = 4  # to the drafters and back, to the verifier and back
 
@@ -78,8 +78,9 @@ def build(root: Path) -> dict[str, Any]:
             "colocated_s": STREAM_MESSAGE_S,
             "disaggregated_s": STREAM_MESSAGE_S,
             "round_overhead_s": overhead,
-            "source": "DESIGN.md measurements on the H200 host: a message on an open grpc.aio stream, 1 KiB, p50 "
-            "210 us (both placements: the per-round messages are a few KiB, features move device to device); "
+            "source": "docs/benchmarks/data_plane.md, measured on the H200 host: a message on an open grpc.aio "
+            "stream, 1 KiB, p50 210 us (both placements: the per-round messages are a few KiB, features move "
+            "device to device); "
             "round_overhead_s = served round at 1 request (8.1 ms, HTTP, one H200) - in-process round (3.4 ms) "
             "- 4 hops",
         },

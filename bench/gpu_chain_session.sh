@@ -25,23 +25,23 @@ sweep() {  # sweep NAME LIMIT ARGS...
   echo "=== $name after $((SECONDS - t0)) s"
 }
 case ${CHAIN_SET:-c1_8} in
-  c1_8)  # session 10: the chained rounds' first paired run
+  c1_8)  # the chained rounds' first paired run
     sweep chain_on_c1_8 130 --concurrency 1 8 --policies autoregressive full dspark --repeats 2 --measure-s 6 --chain-verify on
     sweep chain_off_c1_8 120 --concurrency 1 8 --policies autoregressive full dspark --repeats 2 --measure-s 6 --chain-verify off
     sweep chain_on_c32_128 110 --concurrency 32 128 --repeats 1 --measure-s 6 --chain-verify on ;;
-  plan)  # session 11: DSpark's planned uniform lengths chained at 1, 8 and 32 requests (paired with chaining off),
+  plan)  # DSpark's planned uniform lengths chained at 1, 8 and 32 requests (paired with chaining off),
     # and whether skipping the drafter pays at 1 request (--draft-skip off against the chained run's dspark)
     sweep plan_on 200 --concurrency 1 8 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on
     sweep plan_off 140 --concurrency 1 8 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify off
     sweep skip_off_c1 70 --concurrency 1 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on \
       --draft-skip off ;;
-  plan32)  # session 11, second call: the 32-request level the plan set's first sweep ran out of time for, and
+  plan32)  # the plan set's second call: the 32-request level its first sweep ran out of time for, and
     # the draft skip at 1 request (the first sweep compiles the Triton kernels: ~90 s of its limit)
     sweep plan_on_c32 180 --concurrency 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on
     sweep plan_off_c32 90 --concurrency 32 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify off
     sweep skip_off_c1 110 --concurrency 1 --policies full dspark --repeats 2 --measure-s 8 --user-pass-s 0 --chain-verify on \
       --draft-skip off ;;
-  behind)  # session 12: drafting behind the chained verify step (--chain-draft), paired on / off on one machine,
+  behind)  # drafting behind the chained verify step (--chain-draft), paired on / off on one machine,
     # with the per-user pass at 1 request in both
     sweep behind_on 210 --concurrency 1 8 32 --policies autoregressive full dspark --repeats 1 --measure-s 6 \
       --user-pass-s 60 --chain-draft on

@@ -80,12 +80,12 @@ class EngineConfig(_Strict):
     for CUDA ones, with only metadata over gRPC; a drafter whose link cannot be built gets bytes over gRPC; see
     :mod:`cluster.feature_link`). ``feature_link_timeout_s`` bounds every wait on a link.
     ``graphs``: how the verify and draft steps run: ``capture`` (CUDA graphs of the bucketed steps, replayed:
-    on a GPU a step of a small model is launch-bound, 1.4 ms eager against 0.19 ms as a graph), ``static`` (the
-    same bucketed steps run eagerly: the graph path's layout on CPU, for tests), ``off`` (eager, any batch) or
-    ``auto`` (the default: ``capture`` on CUDA, ``off`` elsewhere). Steps that fit no bucket run eagerly;
-    ``graph_prefill_rows`` is the room a bucketed verify step keeps for joining prompts' tokens. With graphs a
-    verifier that profiles at start profiles SPS tables by request count (the scheduler prices each round at its
-    own R), else a token table."""
+    on a GPU a step is launch-bound when eager, so its replay is several times faster: docs/benchmarks/engine.md),
+    ``static`` (the same bucketed steps run eagerly: the graph path's layout on CPU, for tests), ``off`` (eager,
+    any batch) or ``auto`` (the default: ``capture`` on CUDA, ``off`` elsewhere). Steps that fit no bucket run
+    eagerly; ``graph_prefill_rows`` is the room a bucketed verify step keeps for joining prompts' tokens. With
+    graphs a verifier that profiles at start profiles SPS tables by request count (the scheduler prices each round
+    at its own R), else a token table."""
 
     max_requests: int = Field(64, ge=1, le=4096)
     max_seq_len: int = Field(1024, ge=16)
@@ -132,7 +132,7 @@ class SchedulerConfig(_Strict):
     one group while its drafters draft the next group's blocks (:mod:`scheduler.pipeline`). It pays when drafting
     and verifying run on separate devices AND their step times grow with the batch (compute-bound batches); with
     step times flat in the batch (small batches on a GPU) every group pays the whole step, so keep 1 there
-    (docs/benchmarks/serving.md has the measurements).
+    (docs/benchmarks/data_plane.md has the measurements).
 
     ``drain_timeout_s``: how long a drafter or verifier replica that Serve stops (autoscaling down, rolling
     update) keeps serving the requests it holds before it goes; keep the deployment's

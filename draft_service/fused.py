@@ -13,13 +13,13 @@ Weight GEMMs: a propose step of R requests multiplies R * block_size rows by eac
 the time to stream the weights. With ``DSparkDraftModel.skinny_gemm`` on (the default) and at most FASTER_ROWS
 rows on a GPU ``tuned_for`` says, the block's QKV, o_proj (its residual add in the epilogue), gate/up + silu * up,
 down_proj (residual add too) and the LM head run the skinny Triton GEMMs of :mod:`kernels.skinny_gemm_triton`,
-as the target's verify step does: the drafter's layer shapes are the target's, where the H200 sweep measured them
-1.06-1.18x cuBLAS at 8 and 16 rows (``TUNING``), and the LM head 1.05-1.06x (151936 x 2560, the default launch;
-docs/benchmarks/kernels.md, "Skinny weight GEMMs"). They round like the module path op by op but sum in another
+as the target's verify step does: the drafter's layer shapes are the target's, where the swept launches
+(``TUNING``) and the LM head's default launch beat cuBLAS at 8 and 16 rows (docs/benchmarks/kernels.md, "Skinny
+weight GEMMs"). They round like the module path op by op but sum in another
 order than cuBLAS, so a draft may differ from the cuBLAS path's in a rare near-tie (lossless either way: the
 drafter only proposes). The context append (``fc`` 2560 x 7680 and the K|V projection 2048 x 2560 for the
-Qwen3-4B shape) stays on cuBLAS: those shapes were never swept, and the default launch lost to cuBLAS at 8 rows
-on 4 of the 5 swept projections (docs/benchmarks/gemm.json, the first timing of each sweep).
+Qwen3-4B shape) stays on cuBLAS: those shapes were never swept, and the default launch they would get lost to
+cuBLAS at 8 rows on most of the swept projections (docs/benchmarks/kernels.md).
 
 The stacked projections are built once; the modules' weights become views of them (nothing is held twice;
 training, which uses the module path, still sees ordinary parameters).

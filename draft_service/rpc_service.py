@@ -1,7 +1,7 @@
 """The drafter's gRPC service: a thin adapter from msgpack messages to :class:`DraftEngine` calls.
 
 Per-round messages are batched and flat (one tensor per field with a count per request), because a map per
-request costs milliseconds of Python work at a few hundred requests (docs/benchmarks/wire.md). Context features
+request costs milliseconds of Python work at a few hundred requests (docs/benchmarks/data_plane.md). Context features
 arrive directly from the verifier (``AppendContext``), not through the scheduler: raw [n, m*H], or already projected
 [n, H] by a verifier holding this drafter's projection, in which case the message names the projection's
 fingerprint and rows projected by any other weights are refused (``INVALID_ARGUMENT``).

@@ -164,7 +164,7 @@ def _qk_norm_rope_store_kernel(
 
 QK_HEAD_GROUP = 8
 """Heads per program of :func:`qk_norm_rope_store`: a [8, D] tile per program keeps a verify step of many rows
-at a few programs per row (one 1-warp program per (row, head) was 15.8 us per layer at 256 rows on an H200)."""
+at a few programs per row (one program per (row, head) is slower from 64 rows on: docs/benchmarks/kernels.md)."""
 
 
 def qk_norm_rope_store(

@@ -36,10 +36,9 @@ def _pdl_device(index: int) -> bool:
 
 
 PDL_MAX_ROWS = 16
-"""Token rows of a pass up to which its kernels launch with PDL. H200, Qwen3-4B verify step as a CUDA graph
-(bench/profile_verify_gpu.py --pdl on off, 2026-12-01): 3.27 -> 3.21 ms at 8 rows (every kernel Triton, the
-skinny GEMMs included), but 3.99 -> 4.16 ms at 64 rows and 5.52 -> 6.05 ms at 256 rows, where cuBLAS GEMMs
-sit between the Triton kernels."""
+"""Token rows of a pass up to which its kernels launch with PDL: it shortens a pass whose kernels are all Triton
+(8 rows, the skinny GEMMs included) and lengthens the larger ones, where cuBLAS GEMMs sit between the Triton
+kernels (bench/profile_verify_gpu.py --pdl on off; docs/benchmarks/kernels.md, "Programmatic dependent launch")."""
 
 
 def pdl_options(device: torch.device, rows: int) -> dict[str, bool]:
@@ -47,7 +46,7 @@ def pdl_options(device: torch.device, rows: int) -> dict[str, bool]:
     ``PDL`` for the kernel's constexpr of that name, plus Triton's ``launch_pdl`` where it is on.
 
     Why: a verify step of a few tokens is ~340 kernels in a CUDA graph, each waiting for its predecessor to
-    drain before its blocks start (~0.7 us per kernel on the H200). With PDL (Hopper and newer) a kernel is
+    drain before its blocks start (docs/benchmarks/kernels.md measures the gap). With PDL (Hopper and newer) a kernel is
     launched while its predecessor's last blocks run; it calls :func:`tl_pdl_wait` before touching memory,
     which returns once the predecessor has completed and its writes are visible, so stream order is kept.
     On only where it was measured to help: CUDA devices of compute capability >= 9, passes of at most

@@ -328,7 +328,7 @@ def _block_v(vocab: int, topk_slots: int) -> int:
     """Vocabulary tile of the step kernel. Truncated mode bounds the top-K by the K-th largest tile maximum L and
     re-reads the tokens >= L of the K top tiles; with only about K tiles (an inflated pair's real vocabulary of
     4096 ids in tiles of 256 is 16 tiles for K = 16) L is the smallest tile maximum, hundreds of tokens pass it
-    and the combine step falls back to K rounds of max extraction (H200: ~11-30 us per step instead of a few).
+    and the combine step falls back to K rounds of max extraction, several times slower (docs/benchmarks/kernels.md).
     At least TOPK_TILES_PER_SLOT x K tiles keep L tight; a full-size vocabulary keeps the tuned tile."""
     if not topk_slots:
         return max(16, min(TUNING["block_v"], triton.next_power_of_2(vocab)))

@@ -42,7 +42,7 @@ past its target, or the last positive one when rounding lets the target pass the
 same draw runs on the kept masses and weights e, i.e. on p_t. Compared with an exponential race (one
 counter-based uniform and two logs per token, which made the draw compute bound), the two passes over the
 chosen row are memory bound, and the statistics loop is left exactly as it was (block bookkeeping inside it
-slowed the big read, docs/benchmarks/kernels.md).
+slowed the big read: docs/CHANGELOG.md).
 
 Why the top-k / top-p bound is exact. The sketch values of a row are distinct entries of it (disjoint lane
 groups). If s_1 >= s_2 >= ... are the sorted sketch values, at least j entries are >= s_j, so the k-th
@@ -91,8 +91,7 @@ and warps (the block itself is ``kernels.rejection.CDF_BLOCK``, shared with the 
 kernel (which also compacts and thresholds filtered rows) the ids per compaction tile, read at once (whole
 chunks of one sketch group in one block), and warps. The statistics sizes were set from
 ``bench/bench_kernels.py --sweep --tune`` on an H200, the inverse-CDF and compaction ones from ``--sweep cdf
-select --tune`` there (2026-12-01: one block per program, 4 warps, 0.328 ms against 0.391 ms with 4 blocks; the
-compaction tile hardly matters, 8192 ids the fastest; docs/benchmarks/kernels.md)."""
+select --tune`` there (the sweep's results: docs/benchmarks/kernels.md)."""
 SKETCH_GROUPS = 128
 """Sketch entries per (row, split) of a filtered row (fewer when a split has fewer lanes)."""
 CANDIDATES = 2048

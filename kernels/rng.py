@@ -88,7 +88,7 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: to
 # ----------------------------------------------------------------------------------------------- Triton side
 # The same functions for Triton kernels, in uint32 (wrapping multiplication, logical shifts). The lowbias32
 # rounds are written out instead of calling a helper: under TRITON_INTERPRET every device-function call
-# re-patches triton.language (~1 ms), which would dominate the CPU tests.
+# re-patches triton.language, which would dominate the CPU tests.
 
 
 @triton.jit

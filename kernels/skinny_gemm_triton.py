@@ -2,7 +2,8 @@
 
 A verify step multiplies 8..64 token rows by each weight matrix once. At that height the GEMM does ~M/4 flops
 per weight byte, so its time is the time to read W: the kernel's job is to keep every SM streaming W. cuBLAS
-picks tile shapes for square problems and reaches ~70% of the copy bandwidth on these shapes (issue 11); here:
+picks tile shapes for square problems and falls short of the copy bandwidth on these shapes
+(docs/benchmarks/kernels.md); here:
 
 * the weight tile is the MMA's tall operand (``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T``: "swap AB"), so a
   16-row x costs no padding of W's reads, and W is loaded in wide contiguous rows of BLOCK_K elements (16-byte
@@ -68,9 +69,9 @@ class SkinnyConfig:
 
 FASTER_ROWS = 16
 """Passes of at most this many token rows use the skinny GEMMs when :class:`~verify_service.target.TargetModel`
-has ``skinny_gemm`` on: the H200 sweep (docs/benchmarks/kernels.md, "Skinny weight GEMMs") measured them
-1.07-1.18x cuBLAS at 8 and 16 rows with the launches below, about even at 64 and slower at 32 (an unswept row
-bucket), so larger passes stay on cuBLAS."""
+has ``skinny_gemm`` on: the H200 sweep (docs/benchmarks/kernels.md, "Skinny weight GEMMs") measured them faster
+than cuBLAS at 8 and 16 rows with the launches below, about even at 64 and slower at 32 (an unswept row bucket),
+so larger passes stay on cuBLAS."""
 
 @functools.cache
 def tuned_for(device: torch.device) -> bool:
@@ -84,13 +85,14 @@ def tuned_for(device: torch.device) -> bool:
 
 
 # (N out, K, gated, BLOCK_M) -> config of bf16 launches: the fastest of `bench/bench_skinny_gemm.py --sweep` on an
-# H200 (2026-12-01, the Qwen3-4B projections the fused layers launch, swept at M = 8: the 16-row bucket that
-# FASTER_ROWS admits). Shapes not listed (and float32 models) use default_config.
+# H200 (the Qwen3-4B projections the fused layers launch, swept at M = 8: the 16-row bucket that FASTER_ROWS
+# admits; the sweep's timings are in docs/benchmarks/gemm.json). Shapes not listed (and float32 models) use
+# default_config.
 TUNING: dict[tuple[int, int, bool, int], SkinnyConfig] = {
-    (6144, 2560, False, 16): SkinnyConfig(block_n=64, block_k=256, split=1, warps=4, stages=4),  # qkv: 10.2 us
-    (2560, 4096, False, 16): SkinnyConfig(block_n=64, block_k=128, split=4, warps=4, stages=4, tma=True),  # o_proj: 9.2
-    (2560, 9728, False, 16): SkinnyConfig(block_n=128, block_k=128, split=4, warps=4, stages=5),  # down_proj: 16.7
-    (9728, 2560, True, 16): SkinnyConfig(block_n=64, block_k=64, split=1, warps=4, stages=4),  # gate_up+silu: 28.6
+    (6144, 2560, False, 16): SkinnyConfig(block_n=64, block_k=256, split=1, warps=4, stages=4),  # qkv
+    (2560, 4096, False, 16): SkinnyConfig(block_n=64, block_k=128, split=4, warps=4, stages=4, tma=True),  # o_proj
+    (2560, 9728, False, 16): SkinnyConfig(block_n=128, block_k=128, split=4, warps=4, stages=5),  # down_proj
+    (9728, 2560, True, 16): SkinnyConfig(block_n=64, block_k=64, split=1, warps=4, stages=4),  # gate_up+silu
 }
 
 

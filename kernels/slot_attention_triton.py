@@ -252,8 +252,8 @@ def _zero_uncovered_rows(o_ptr, stride_on, stride_oh, qstart_ptr, r, kv_head, q_
 
 MAX_KV_SPLITS = 8
 """Most key splits the default picks: beyond it the partials' traffic and the combine outgrow what the extra
-programs save (H200, Qwen3-4B verify of 1 request over 264 keys, bench/bench_slot_attention.py, measured with the
-combine as a second kernel: 14.3 us in one pass, 9.0 us with 8 splits, 9.3 us with 16; docs/benchmarks/kernels.md)."""
+programs save (a Qwen3-4B verify of 1 request over 264 keys is fastest at 8: bench/bench_slot_attention.py,
+docs/benchmarks/kernels.md, "Slot attention")."""
 
 COMBINE_ELEMENTS = 8192
 """Partial elements the last arriving program loads at once: it combines CHUNK_D head dims at a time, the most

@@ -81,7 +81,7 @@ _FAST_PATH_MAX_ITEMS = 1 << 20
 # Up to this many items (R * gamma) the walk runs on Python floats (scalar_round, for Algorithm 1 and for the
 # asynchronous variant): a round of 1-3 requests is then a few dozen float operations instead of ~25 numpy calls,
 # whose fixed cost is the whole schedule time there; the numpy walk is faster from R = 4 at gamma 7
-# (docs/benchmarks/scheduler.md, "Python-float walk").
+# (docs/benchmarks/scheduler.md, "One round at small R").
 _SCALAR_MAX_ITEMS = 24
 _FLIP = 0xFFFF_FFFF_FFFF_FFFF
 # Neighbours of the scalar walk's float sort closer than this ratio may share the packed key's survival bits.
@@ -141,7 +141,7 @@ class GreedyPath:
     stop: int
 
 
-_real_dtypes: dict[np.dtype, bool] = {}  # dtype -> accepted (np.issubdtype is ~1 us a call, twice per check)
+_real_dtypes: dict[np.dtype, bool] = {}  # dtype -> accepted (np.issubdtype is slow next to a dict lookup)
 
 
 def _is_real(dtype: np.dtype) -> bool:

@@ -3,25 +3,25 @@
 A round whose lengths are known before drafting can queue its verify step right behind the draft step on the
 device (:meth:`scheduler.engine.SpeculativeEngine._chained_round`): the host's round trip between the two steps
 (draft result copy, confidences, Algorithm 1, verify packing, upload, launch) overlaps the draft step instead of
-stalling the device, 0.3-0.4 ms of a 4-6 ms round at 1-8 requests on an H200 (docs/benchmarks/policies.md).
+stalling the device, a sizeable share of a round at low load (docs/CHANGELOG.md, "Chained rounds").
 Algorithm 1 needs the confidences, so it cannot chain; but a *uniform* length L for every request (capped)
 needs none, and on the round's own confidences one can say what it would have delivered:
 
   Algorithm 1:  Theta_A = tau_A / (T_draft(R, B_A) + t(B_A)),  its lengths l_r, B_A = R + sum_r l_r
   uniform L:    Theta_L = tau_L / (T_draft(R, B_L) + t(B_L)),  l_r = min(L, cap_r)
 
-with tau the expected accepted tokens (R + the admitted survival probabilities) and t the SPS table's step
-time. After every drafted round of R requests (scheduled or planned) the planner keeps L* = argmax_L Theta_L
-for the next round of R requests when Theta_L* * (1 + tolerance) >= Theta_A, i.e. when the uniform round loses
-at most ``tolerance`` of Algorithm 1's objective, about what chaining saves; otherwise the next round lets
-Algorithm 1 decide on its confidences. Every planned round's confidences refresh the plan the same way, off the
-critical path (the host reads them while the device runs the chained verify step); of the rounds Algorithm 1
-schedules, where the evaluation delays the verify step (15-55 us at 1-128 requests on a 2-core VM), every
-``RECHECK``-th does, and none until a round driver has asked for a plan (one that cannot chain never pays). On a
-flat SPS curve L* = the whole block and Theta_L* >= Theta_A (every draft adds to tau and nothing to the step): the
-plan is Algorithm 1's own decision. Under load, where Algorithm 1 verifies a few drafts per request, L* is the
-best uniform length by the same objective (32 requests on the H200: ~5 drafts per request where Algorithm 1 takes
-~3, half the rounds chained, 2.3% more tokens/s than Algorithm 1 unchained; docs/benchmarks/policies.md).
+with tau the expected accepted tokens (R + the admitted survival probabilities) and t the SPS table's step time.
+After every drafted round of R requests (scheduled or planned) the planner keeps L* = argmax_L Theta_L for the next
+round of R requests when Theta_L* * (1 + tolerance) >= Theta_A, i.e. when the uniform round loses at most
+``tolerance`` of Algorithm 1's objective, about what chaining saves; otherwise the next round lets Algorithm 1
+decide on its confidences. Every planned round's confidences refresh the plan the same way, off the critical path
+(the host reads them while the device runs the chained verify step); of the rounds Algorithm 1 schedules, where the
+evaluation delays the verify step, every ``RECHECK``-th does, and none until a round driver has asked for a plan
+(one that cannot chain never pays). On a flat SPS curve L* = the whole block and Theta_L* >= Theta_A (every draft
+adds to tau and nothing to the step): the plan is Algorithm 1's own decision. Under load, where Algorithm 1
+verifies a few drafts per request, L* is the best uniform length by the same objective: more drafts per request
+than Algorithm 1 takes, in rounds that chain (docs/benchmarks/policies.md; the change's paired runs in
+docs/CHANGELOG.md).
 
 Before any drafted round of R requests the plan is the whole block iff its step takes at most ``tolerance``
 longer than the anchors' step alone (the flat part of the curve, where any positive survival admits it).
@@ -39,8 +39,8 @@ from scheduler.algorithm import DraftCost
 from scheduler.sps import SPSTable
 
 CHAIN_TOLERANCE = 0.05
-"""How much of Algorithm 1's objective a planned uniform round may give up (0.05: 5%): about the share of the
-round a chained step saves at 1-8 requests on the H200 (0.3-0.4 ms of 4-6 ms)."""
+"""How much of Algorithm 1's objective a planned uniform round may give up (0.05: 5%): about the share of a
+round that chaining saves at 1-8 requests (docs/CHANGELOG.md, "Chained rounds")."""
 
 
 def uniform_choice(

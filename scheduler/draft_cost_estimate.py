@@ -18,24 +18,24 @@ objective and never skips, exactly the behaviour without an estimate.
 
 A refit that moves no coefficient by more than ``keep_within`` (1%, far inside the noise of wall-clock round
 timings) keeps the previous DraftCost object: the scheduler's caches (Algorithm 1's price curves and the gate's
-round times, keyed by the cost; the gate's last prediction, kept while its cost objects stay the same) then
-survive a refit instead of being rebuilt every ``refit_interval`` rounds. A refit that keeps it also doubles the
-interval to the next one, up to ``max_refit_interval`` rounds (a steady load refits rarely: each refit is ~50 us
-of host time between model steps, for a value that did not move); a refit that renews it, or a drafted round at
-an R outside the range of the window the last fit saw (a new load: the fit would extrapolate; under a closed loop
-R moves inside a small range as requests finish and join, and that does not count) or one more than 25% off the
-estimate (the drafter's time may be moving: a robust fit only follows once most of the window has moved) brings
-the interval back to ``refit_interval``.
+round times, keyed by the cost; the gate's last prediction, kept while its cost objects stay the same) then survive
+a refit instead of being rebuilt every ``refit_interval`` rounds. A refit that keeps it also doubles the interval to
+the next one, up to ``max_refit_interval`` rounds (a steady load refits rarely: each refit is host time between
+model steps, for a value that did not move; docs/benchmarks/scheduler.md); a refit that renews it, or a drafted
+round at an R outside the range of the window the last fit saw (a new load: the fit would extrapolate; under a
+closed loop R moves inside a small range as requests finish and join, and that does not count) or one more than 25%
+off the estimate (the drafter's time may be moving: a robust fit only follows once most of the window has moved)
+brings the interval back to ``refit_interval``.
 
 Verify-time calibration: the SPS table is profiled at startup on idle steps (R requests over a short context,
-nothing joining), while under load every verify step is slower: longer contexts, joining prompts prefilled in
-the same pass. Measured on an H200 at 128 concurrent requests, steps took 1.6x what the table said; priced that
-cheap, the verify step's share of a round looks small next to the measured host and draft time, and the draft
-gate's choice between drafting and a plain round flipped on noise (docs/benchmarks/policies.md). Rounds that
-report their verify seconds and the table's prediction for them give ``verify_scale`` k = the median ratio of
-the window (1.0 until ``min_rounds`` such rounds; quantised to 1/32 octave so that the scheduler's per-table
-caches see few distinct costs). A policy prices the verify step k times as long by dividing both round costs
-by k (:meth:`scheduler.algorithm.DraftCost.scaled`: Theta only changes by a constant factor).
+nothing joining), while under load every verify step is slower: longer contexts, joining prompts prefilled in the
+same pass, so under load the steps take longer than the table says (docs/SIMULATOR.md, "Calibration against the
+served matrix"); priced that cheap, the verify step's share of a round looks small next to the measured host and
+draft time, and the draft gate's choice between drafting and a plain round flips on noise. Rounds that report their
+verify seconds and the table's prediction for them give ``verify_scale`` k = the median ratio of the window (1.0
+until ``min_rounds`` such rounds; quantised to 1/32 octave so that the scheduler's per-table caches see few distinct
+costs). A policy prices the verify step k times as long by dividing both round costs by k
+(:meth:`scheduler.algorithm.DraftCost.scaled`: Theta only changes by a constant factor).
 
 Why this keeps decoding lossless: the estimate is a function of wall-clock timings and request counts of rounds
 that already finished, never of token values, so a policy that uses it still decides each round from the past
@@ -184,7 +184,7 @@ class OnlineDraftCost:
         """Measured / predicted verify time (window median, 1/32-octave steps); 1.0 before ``min_rounds``.
 
         Taken once ``min_rounds`` ratios are in, then again every ``refit_interval`` new ones (the draft cost's
-        refit cadence): a median in every round cost ~10 us of host time per round, for a value that moves in
+        refit cadence): a median in every round is host time spent every round on a value that moves in
         1/32-octave steps over a window of rounds."""
         if len(self._verify_ratios) >= self.min_rounds and (self._verify_new >= self.refit_interval
                                                             or self._scale_unset):  # fmt: skip
@@ -221,8 +221,8 @@ def _within(new: DraftCost, old: DraftCost, fraction: float) -> bool:
 def _fit_one_load(times: list[float], outlier_mads: float) -> DraftCost:
     """What ``_fit`` computes when every round had the same R (slope 0; the rounds within ``outlier_mads``
     robust sigmas of the median kept; their mean), on Python floats: a refit runs between model steps with the
-    CPU's caches cold, where this costs a third of the dozen numpy calls on 64 numbers it replaces
-    (bench/bench_sched_in_engine.py, docs/benchmarks/scheduler.md)."""
+    CPU's caches cold, where the dozen numpy calls on 64 numbers it replaces cost several times as much
+    (bench/bench_sched_in_engine.py, docs/CHANGELOG.md)."""
     median = statistics.median(times)
     residual = [t - median for t in times]
     center = statistics.median(residual)

@@ -1,8 +1,8 @@
 """Skip-the-draft: decide BEFORE drafting whether a round drafts at all (load-aware, lossless).
 
 Algorithm 1 picks verify lengths after the drafter ran, so a round with l_r = 0 for everyone still pays the
-draft. Under heavy load the draft step of R requests can cost most of an autoregressive round (128 requests of
-the 4B benchmark: 8.6 ms of drafting against an 11.9 ms autoregressive round), and then a plain target round
+draft. Under heavy load the draft step of R requests can cost most of an autoregressive round (it did at 128
+requests of the Qwen3-4B-shaped benchmark before the drafter's kernels were fused), and then a plain target round
 delivers more tokens per second than the best speculative one. The gate compares, every round, the predicted
 throughput of both kinds of round with the same whole-round objective Algorithm 1 uses:
 

@@ -1,4 +1,4 @@
-"""Request groups pipelined through the drafter and the verifier (DESIGN.md, "The data plane, measured").
+"""Request groups pipelined through the drafter and the verifier (measured in docs/benchmarks/data_plane.md).
 
 With the drafter and the verifier in different processes or on different devices, a plain round leaves each idle
 while the other works: draft, verify, draft, verify. :class:`PipelinedEngine` splits its requests into ``groups``

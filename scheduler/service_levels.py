@@ -12,11 +12,11 @@ decoding lossless:
 - ``priority``: an integer tier; a SMALLER value is served first (vLLM's convention, so clients that send vLLM's
   ``priority`` get the same order). Waiting requests are admitted in tier order, FIFO within a tier, and nobody
   overtakes a higher tier that waits. A joining prompt is prefilled in the round it joins, which lengthens that
-  round for every running request (on the CPU demo pair such a round takes 2-3 rounds' time:
-  docs/BENCHMARKS.md "Service levels"), so a request of tier p joins only while every running request of tier
-  p or higher with a target has the slack to absorb one more joining prompt's learned cost and still meet its
-  target over its remaining tokens (:func:`join_slack_s`, :func:`joiners_allowed`); as requests finish and
-  none replace them, the rounds get shorter until the targets hold again.
+  round for every running request (docs/benchmarks/service_levels.md measures how much), so a request of tier p
+  joins only while every running request of tier p or higher with a target has the slack to absorb one more
+  joining prompt's learned cost and still meet its target over its remaining tokens (:func:`join_slack_s`,
+  :func:`joiners_allowed`); as requests finish and none replace them, the rounds get shorter until the targets
+  hold again.
 - ``tpot_slo_ms``: a target for time per output token. In a round in which some request is behind its target
   (:func:`behind_target`: taking only the target's own token this round, its TPOT since its first token would
   exceed the target), the first confidence of each request that is NOT behind (and of every request without a
@@ -68,7 +68,7 @@ class ServiceLevels:
     target (1 turns lateness weighting off); small by default because the walk compares a late request's deeper
     drafts (survivals that fall with depth) with the others' first ones: at one half, a late request's drafts past
     a survival of 0.5 still rank behind every on-track request's first draft, and late requests got no more
-    budget than the others (docs/BENCHMARKS.md "Service levels"). ``slo_admission``: ``refuse`` (429 +
+    budget than the others (docs/benchmarks/service_levels.md). ``slo_admission``: ``refuse`` (429 +
     ``Retry-After``) or ``queue`` (wait, admitted once the prediction leaves :data:`BUDGET_SHARE` of the target
     room or nothing else runs)."""
 

@@ -17,11 +17,11 @@ Rules (documented behaviour, not accidents):
   warns with `SPSTableMismatchWarning` (the numbers are still usable as a rough prior, but the user should
   know).
 
-SPS by request count (`RequestSPS`): a step's cost depends on how many requests share its B tokens, not on B
-alone (each request adds its own KV reads and attention). A token table profiled with few requests verifying
-long chunks prices a step of 128 requests verifying 1-2 tokens each 2-2.5x too low, so `RequestSPS` holds one
-table per profiled request count R, each over B = R * (1 .. block + 1), and a round looks its table up by its
-own R (`table_for`). Both types answer `table_for`, so the scheduler takes either (`SPSSource`).
+SPS by request count (`RequestSPS`): a step's cost depends on how many requests share its B tokens, not on B alone
+(each request adds its own KV reads and attention). A token table profiled with few requests verifying long chunks
+prices a step of 128 requests verifying 1-2 tokens each far too low (docs/CHANGELOG.md), so `RequestSPS` holds one
+table per profiled request count R, each over B = R * (1 .. block + 1), and a round looks its table up by its own R
+(`table_for`). Both types answer `table_for`, so the scheduler takes either (`SPSSource`).
 """
 
 from __future__ import annotations

@@ -16,9 +16,8 @@ How the torch path batches: short chunks (verify chunks, decode steps: at most `
 to [R, max_q] queries and [R, max_k] keys gathered from their slots and run in ONE
 scaled_dot_product_attention call with a boolean mask key_position <= query_position; on CPU with small
 models one batched call beats a Python loop over requests. Long chunks (prefills) get one call each: padding
-every verify chunk up to a prompt's length would multiply the work (on a 1-thread CPU, one 256-token prefill
-beside 16 verify chunks took 53 ms padded against 10 ms split this way; 32 verify chunks took 10 ms padded
-against 12 ms one call each). GQA is handled without copying K/V per query head: the G query heads sharing a
+every verify chunk up to a prompt's length would multiply the work (docs/benchmarks/engine.md has the CPU
+timings of both choices). GQA is handled without copying K/V per query head: the G query heads sharing a
 kv head are stacked along the query axis, so each kv head is read once.
 """
 

@@ -93,9 +93,9 @@ class TargetModel:
         self.fused: bool | None = None  # fused layer kernels: None = on CUDA with the triton backend
         self._fused_layers: list[_FusedLayer] | None = None
         # The fused path's (CUDA's) weight GEMMs and LM head run the skinny Triton GEMMs
-        # (kernels/skinny_gemm_triton.py) for passes of at most FASTER_ROWS tokens on Hopper GPUs, where the H200
-        # measured them faster than cuBLAS (R = 1 verify step 3.65 -> 3.40 ms); larger passes and other GPUs use
-        # cuBLAS (skinny_gemm_triton.tuned_for). False: cuBLAS always.
+        # (kernels/skinny_gemm_triton.py) for passes of at most FASTER_ROWS tokens on Hopper GPUs, where they were
+        # measured faster than cuBLAS (docs/benchmarks/kernels.md); larger passes and other GPUs use cuBLAS
+        # (skinny_gemm_triton.tuned_for). False: cuBLAS always.
         self.skinny_gemm = True
         self._skinny_counters: torch.Tensor | None = None
 
