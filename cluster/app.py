@@ -329,6 +329,7 @@ class SchedulerReplica:
         from transformers import AutoTokenizer
 
         from scheduler.hub import SchedulerHub
+        from scheduler.stopping import tokenizer_decode
 
         self.config = AppConfig.from_args(args).resolve_secrets()
         tokenizer = AutoTokenizer.from_pretrained(self.config.models.tokenizer_path, local_files_only=True)
@@ -337,7 +338,7 @@ class SchedulerReplica:
             policy=self.config.scheduler.policy,
             draft_cost=self.config.scheduler.draft_cost,
             request_groups=self.config.scheduler.request_groups,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            decode=tokenizer_decode(tokenizer),
             token=self.config.network.grpc_token,
             timeout_s=self.config.network.grpc_timeout_s,
             readiness_timeout_s=self.config.network.readiness_timeout_s,

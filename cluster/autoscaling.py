@@ -48,10 +48,12 @@ def engine_load_policy(ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
     """Desired replica count from the engine load the replicas report; Serve applies bounds and delays after.
 
     Until a replica has reported (the first seconds after a deploy), the current target is kept: no data is not
-    the same as no load.
+    the same as no load. ``ctx.config`` must be set: Serve calls a policy only for a deployment that has an
+    ``autoscaling_config``, and passes that config.
     """
     held = (ctx.aggregated_metrics or {}).get(HELD_REQUESTS)
     if not held:
         return ctx.target_num_replicas, {}
+    assert ctx.config is not None, "Serve passes the deployment's autoscaling_config to its policy"
     target = ctx.config.get_target_ongoing_requests()
     return sum(held.values()) / target, {}

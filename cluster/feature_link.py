@@ -34,7 +34,7 @@ import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,19 @@ LINK_OPEN_WAIT_S = 2.0
 MAX_LINKS = 256
 _SENDER, _RECEIVER = 0, 1
 _WILDCARDS = ("", "0.0.0.0", "::")
+
+
+class PairGroup(Protocol):
+    """The c10d calls a link makes on its group of two: a ``ProcessGroupGloo`` or ``ProcessGroupNCCL`` backend
+    object (built directly, so not a ``dist.ProcessGroup``). Each send or receive returns a work handle to wait on."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int, /) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int, /) -> dist.Work: ...
+
+    def abort(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 def backend_for(device: torch.device) -> str:
@@ -77,7 +90,7 @@ def local_address_toward(host: str) -> str:
 
 def build_group(
     store: dist.Store, link_id: str, rank: int, backend: str, local_host: str, device: torch.device, timeout_s: float
-) -> dist.ProcessGroup:
+) -> PairGroup:
     """One end of a link's process group of size 2; blocks until the other end joins (or ``timeout_s``).
 
     Both ends then exchange one element: NCCL creates its communicator on the first point-to-point call, which
@@ -85,18 +98,20 @@ def build_group(
     a receive that the drafter only posts once the push's metadata has arrived."""
     prefixed = dist.PrefixStore(f"feature-link/{link_id}/", store)
     timeout = timedelta(seconds=timeout_s)
-    group: dist.ProcessGroup
+    # torch's stubs leave send and recv off the c10d Backend class (the pybind classes have them), hence the casts
+    group: PairGroup
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        # _Options (the pybind options with _devices and _timeout) is missing from torch's stubs
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
         options._timeout = timeout
-        group = dist.ProcessGroupGloo(prefixed, rank, 2, options)
+        group = cast(PairGroup, dist.ProcessGroupGloo(prefixed, rank, 2, options))
     elif backend == "nccl":  # not run on a GPU yet (docs/ROUND_PIPELINE.md, "The direct feature path")
         if device.index is not None:
             torch.cuda.set_device(device)
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_options)
+        group = cast(PairGroup, dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_options))
     else:
         raise ValueError(f"unknown feature link backend {backend!r}")
     probe = torch.zeros(1, device=device if backend == "nccl" else "cpu")
@@ -112,7 +127,7 @@ class _Link:
         self.link_id = link_id
         self.device = device
         self.timeout_s = timeout_s
-        self.group: dist.ProcessGroup | None = None
+        self.group: PairGroup | None = None
         self.next_seq = 0
         self.closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"link-{link_id[:8]}")
@@ -137,7 +152,7 @@ class _Link:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def backend_name(group: dist.ProcessGroup) -> str:
+def backend_name(group: PairGroup) -> str:
     return "nccl" if type(group).__name__ == "ProcessGroupNCCL" else "gloo"
 
 

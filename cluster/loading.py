@@ -25,6 +25,7 @@ from kernels.graphs import resolve_graph_mode
 from scheduler.policy import uses_sps
 from scheduler.profiling import PROFILER_VERSION, profile_graph_sps_by_requests, profile_target_sps
 from scheduler.sps import SPSSource, load_sps_file
+from scheduler.stopping import tokenizer_decode
 from scheduler.sts import STSCalibration
 from verify_service.engine import VerifyEngine
 from verify_service.target import TargetModel
@@ -285,7 +286,7 @@ def build_local_backend(config: AppConfig, *, tokenizer: Any = None) -> LocalBac
     stop strings on the loop thread; pass one no other thread uses (the HTTP app tokenises on its own)."""
     from cluster.backend import LocalBackend
 
-    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+    decode = tokenizer_decode(tokenizer) if tokenizer is not None else None
     engine, loaded = build_round_engine(config, decode=decode)
     info = {"sps": {} if loaded is None else {"local": loaded.to_dict()}}
     return LocalBackend(engine, config.model_name, info=info)

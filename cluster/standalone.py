@@ -204,6 +204,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from cluster.http_app import build_app
     from cluster.rpc import SyncRpcClient
     from scheduler.hub import SchedulerHub
+    from scheduler.stopping import tokenizer_decode
 
     logging.basicConfig(level=args.log_level.upper())
     config = _config(args)
@@ -214,7 +215,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         policy=config.scheduler.policy,
         draft_cost=config.scheduler.draft_cost,
         request_groups=config.scheduler.request_groups,
-        decode=lambda ids: engine_tokenizer.decode(ids, skip_special_tokens=True),
+        decode=tokenizer_decode(engine_tokenizer),
         token=config.network.grpc_token,
         timeout_s=config.network.grpc_timeout_s,
         readiness_timeout_s=config.network.readiness_timeout_s,

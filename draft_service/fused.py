@@ -70,7 +70,7 @@ class FusedDrafter:
 
     def __init__(self, model: DSparkDraftModel) -> None:
         self.model = model
-        self.layers = [FusedDraftLayer.of(layer) for layer in model.layers]
+        self.layers = [FusedDraftLayer.of(layer) for layer in model.draft_layers]
         config = model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -83,7 +83,7 @@ class FusedDrafter:
         if not (model.skinny_gemm and takes_pass(rows, model.device)):
             return None
         if self._skinny_counters is None:
-            projections = [model.lm_head] + [m for layer in model.layers for m in (layer.self_attn.o_proj,
+            projections = [model.lm_head] + [m for layer in model.draft_layers for m in (layer.self_attn.o_proj,
                                                                                     layer.mlp.down_proj)]  # fmt: skip
             self._skinny_counters = model_counters("FusedDrafter", model.device, projections)
         return self._skinny_counters
@@ -111,7 +111,7 @@ class FusedDrafter:
         """Every layer's K/V of projected context rows [n, H] into ``cache`` at (slots[i], positions[i]) (the K|V
         projection on cuBLAS: see the module docstring)."""
         cos, sin = self.model.rotary(positions, self.model.dtype)
-        for index, (layer, fused) in enumerate(zip(self.model.layers, self.layers, strict=True)):
+        for index, (layer, fused) in enumerate(zip(self.model.draft_layers, self.layers, strict=True)):
             kv = torch.nn.functional.linear(projected, fused.kv)
             qk_norm_rope_store(
                 kv,
@@ -157,7 +157,7 @@ class FusedDrafter:
         lengths = torch.full((R,), bs, dtype=torch.int64, device=x.device)
         counters = self.skinny_counters(rows)
         delta = None
-        for index, (layer, fused) in enumerate(zip(model.layers, self.layers, strict=True)):
+        for index, (layer, fused) in enumerate(zip(model.draft_layers, self.layers, strict=True)):
             attn = layer.self_attn
             norm = layer.input_layernorm
             h = add_rms_norm(x, delta, norm.weight, norm.eps)  # x += the previous layer's MLP output

@@ -91,7 +91,7 @@ def inflate_draft(
             f"inflate_draft: the drafter's vocabulary has {c.real_vocab_size or c.vocab_size} real ids, the "
             f"target's {real_vocab}"
         )
-    embed_big = target.get_input_embeddings().weight
+    embed_big = target.model.embed_tokens.weight  # get_input_embeddings(), typed as the nn.Embedding it is
     dtype, device = embed_big.dtype, embed_big.device
     filler = Filler(fill, float(c.raw.get("initializer_range") or 0.02), dtype, device, seed)
     weights = small.state_dict()
@@ -255,9 +255,9 @@ def compare_drafts(
         confidence = draft.confidence_logits(hidden, prev.to(device))
         return logits, None if confidence is None else confidence.float().cpu()
 
-    small_logits, small_conf = run(
-        copy.deepcopy(small_target).to(device, torch.float32), copy.deepcopy(small_draft).to(device, torch.float32)
-    )
+    # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads (self as the argument).
+    small_hf = copy.deepcopy(small_target).to(device, torch.float32)  # type: ignore[arg-type]
+    small_logits, small_conf = run(small_hf, copy.deepcopy(small_draft).to(device, torch.float32))
     big_logits, big_conf = run(pair.target, pair.draft)
     out = {"draft_max_abs_logit_diff": float((big_logits - small_logits).abs().max())}
     if small_conf is not None and big_conf is not None:

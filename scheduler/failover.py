@@ -24,6 +24,7 @@ than ``max_rehomes`` times fails instead of bouncing forever (a persistent bug, 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from cluster.rpc import SERVING, SyncRpcClient
 from scheduler.remote import ReplicaLostError
 
 if TYPE_CHECKING:
+    from scheduler.engine import SpeculativeEngine
     from scheduler.hub import SchedulerHub
 
 logger = logging.getLogger(__name__)
@@ -136,9 +138,10 @@ class Failover:
             ids = [h.request.req_id for h in handoffs]
             if group is not None and verifier_alive:
                 _best_effort(lambda: group.verifier.release_all(ids), "release on the verifier")
-            if hub._pool is not None:
+            pool = hub._pool
+            if pool is not None:
                 for req_id in ids:
-                    _best_effort(lambda r=req_id: hub._pool.release(r), "release on the drafter")  # type: ignore[union-attr]
+                    _best_effort(functools.partial(pool.release, req_id), "release on the drafter")
             if not verifier_alive:
                 self._retire(replica_id)
             movable = []
@@ -277,12 +280,13 @@ class Failover:
             groups = list(hub._groups.items())
         for replica_id, group in groups:
             try:
-                group.backend.call(lambda _engine, r=replica_id: self._reattach(r))
+                group.backend.call(functools.partial(self._reattach, replica_id))
             except BackendUnavailableError:
                 continue
 
-    def _reattach(self, replica_id: str) -> None:
-        """On the group's loop thread: move its detached requests through a re-prefill onto a drafter."""
+    def _reattach(self, replica_id: str, _engine: SpeculativeEngine) -> None:
+        """On the group's loop thread (``backend.call`` passes its engine, not needed here): move the group's
+        detached requests through a re-prefill onto a drafter."""
         hub = self._hub
         group = hub._groups.get(replica_id)
         pool = hub._pool
@@ -302,7 +306,7 @@ class Failover:
 
 def _describe(error: BaseException) -> str:
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
-        return f"{error.code().name}: {error.details()}"  # type: ignore[attr-defined]
+        return f"{error.code().name}: {error.details()}"
     return f"{type(error).__name__}: {error}"
 
 

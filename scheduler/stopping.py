@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 Decode = Callable[[Sequence[int]], str]
+
+
+def tokenizer_decode(tokenizer: Any) -> Decode:
+    """The :data:`Decode` of a transformers tokenizer: a flat list of ids to its text, special tokens dropped.
+
+    ``tokenizer`` is taken untyped: transformers types ``decode`` for batches as well (``str | list[str]``),
+    while a flat list of ids always decodes to one string."""
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @dataclass

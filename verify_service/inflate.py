@@ -48,7 +48,7 @@ import copy
 import json
 import math
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -82,7 +82,9 @@ class Qwen3Shape:
     @classmethod
     def of(cls, config: Any) -> Qwen3Shape:
         """The shape of an HF Qwen3 config (object or dict)."""
-        get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+        get: Callable[..., Any] = (
+            config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+        )
         heads = int(get("num_attention_heads"))
         return cls(
             hidden_size=int(get("hidden_size")),
@@ -323,14 +325,21 @@ def inflate_layer(
     kv_heads = plan.kv_heads.reshape(-1) if real else plan.kv_heads.reshape(-1)[:0]
     copies = plan.kv_heads.shape[1]
 
-    def kv_source(weight: torch.Tensor) -> torch.Tensor:
-        # Small kv rows repeated for each big copy, in the order of kv_heads.reshape(-1).
-        return weight.view(s.num_key_value_heads, 1, s.head_dim, H).expand(-1, copies, -1, -1).reshape(-1, H)
+    def weight(key: str) -> torch.Tensor | None:
+        # The small layer's parameter ``key``; None for an identity layer.
+        return None if small is None else small[key]
+
+    def kv_source(key: str) -> torch.Tensor | None:
+        # The small layer's kv rows of ``key`` repeated for each big copy, in the order of kv_heads.reshape(-1).
+        rows = weight(key)
+        if rows is None:
+            return None
+        return rows.view(s.num_key_value_heads, 1, s.head_dim, H).expand(-1, copies, -1, -1).reshape(-1, H)
 
     out: dict[str, torch.Tensor] = {}
     for key in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         big = filler.zeros(Hb)
-        if real:
+        if small is not None:
             place_vector(big, small[key], None, plan.norm_scale)
         else:
             big[:H] = 1.0  # reads only dead or zero-valued paths; any finite weight works
@@ -339,7 +348,7 @@ def inflate_layer(
     q = filler.tensor(b.num_attention_heads * Db, Hb)
     out["self_attn.q_proj.weight"] = place(
         q,
-        small["self_attn.q_proj.weight"] if real else None,
+        weight("self_attn.q_proj.weight"),
         rows=plan.head_rows(q_heads),
         cols=None,
         fixed_rows=plan.all_head_rows(q_heads),
@@ -349,7 +358,7 @@ def inflate_layer(
     k = filler.tensor(b.num_key_value_heads * Db, Hb)
     out["self_attn.k_proj.weight"] = place(
         k,
-        kv_source(small["self_attn.k_proj.weight"]) if real else None,
+        kv_source("self_attn.k_proj.weight"),
         rows=plan.head_rows(kv_heads),
         cols=None,
         fixed_rows=plan.all_head_rows(kv_heads),
@@ -361,7 +370,7 @@ def inflate_layer(
     v = filler.tensor(b.num_key_value_heads * Db, Hb)
     out["self_attn.v_proj.weight"] = place(
         v,
-        kv_source(small["self_attn.v_proj.weight"]) if real else None,
+        kv_source("self_attn.v_proj.weight"),
         rows=plan.head_rows(kv_heads),
         cols=None,
         fixed_rows=None,
@@ -373,7 +382,7 @@ def inflate_layer(
     o = filler.tensor(Hb, b.num_attention_heads * Db)
     out["self_attn.o_proj.weight"] = place(
         o,
-        small["self_attn.o_proj.weight"] if real else None,
+        weight("self_attn.o_proj.weight"),
         rows=None,
         cols=plan.head_rows(q_heads),
         fixed_rows=None,
@@ -381,7 +390,7 @@ def inflate_layer(
     )
     for key, scale in (("self_attn.q_norm.weight", 1.0), ("self_attn.k_norm.weight", math.sqrt(plan.head_ratio))):
         big = filler.zeros(Db)
-        if real:
+        if small is not None:
             place_vector(big, small[key], plan.dim_index, scale)
         else:
             big[plan.dim_index] = 1.0
@@ -392,7 +401,7 @@ def inflate_layer(
     gate = filler.tensor(b.intermediate_size, Hb)
     out["mlp.gate_proj.weight"] = place(
         gate,
-        small["mlp.gate_proj.weight"] if real else None,
+        weight("mlp.gate_proj.weight"),
         rows=None,
         cols=None,
         fixed_rows=neurons,
@@ -400,11 +409,11 @@ def inflate_layer(
     )
     up = filler.tensor(b.intermediate_size, Hb)
     out["mlp.up_proj.weight"] = place(
-        up, small["mlp.up_proj.weight"] if real else None, rows=None, cols=None, fixed_rows=None, live_cols=live_hidden
+        up, weight("mlp.up_proj.weight"), rows=None, cols=None, fixed_rows=None, live_cols=live_hidden
     )
     down = filler.tensor(Hb, b.intermediate_size)
     out["mlp.down_proj.weight"] = place(
-        down, small["mlp.down_proj.weight"] if real else None, rows=None, cols=None, fixed_rows=None, live_cols=neurons
+        down, weight("mlp.down_proj.weight"), rows=None, cols=None, fixed_rows=None, live_cols=neurons
     )
     return out
 
@@ -566,9 +575,10 @@ def compare_logits(small: Qwen3ForCausalLM, big: Qwen3ForCausalLM, token_ids: to
     real = real_vocab_size(big.config)
     weight = next(big.parameters())
     ids = token_ids.to(weight.device)
-    reference = copy.deepcopy(small).to(weight.device, torch.float32)(ids).logits.float()
+    # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads (self as the argument).
+    reference = copy.deepcopy(small).to(weight.device, torch.float32)(ids).logits.float()  # type: ignore[arg-type]
     inflated = big(ids).logits.float()[..., :real]
-    noise = copy.deepcopy(small).to(weight.device, weight.dtype)(ids).logits.float()
+    noise = copy.deepcopy(small).to(weight.device, weight.dtype)(ids).logits.float()  # type: ignore[arg-type]
     argmax = reference.argmax(-1)
     return {
         "max_abs_logit_diff": float((inflated - reference).abs().max()),

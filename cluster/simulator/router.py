@@ -77,7 +77,7 @@ class Router:
             by_name = self.drafters
         count = free_slots(replica.slots - replica.running, sum(pool.values()), replica.running, None, limit)
         placed = place_by_free_slots(pool, min(count, len(waiting)))
-        admitted = []
+        admitted: list[tuple[int, DrafterReplica | None]] = []
         for name in placed:
             drafter = by_name[name]
             drafter.held += 1

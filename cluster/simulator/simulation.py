@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -462,26 +463,26 @@ class Simulation:
     # ---------------------------------------------------------------------------------------- autoscaling
     def _tick(self, now: float) -> None:
         verifiers = [v for v in self.verifiers if v.removed_s is None]
-        drafters = 0 if self.colocated else sum(d.removed_s is None for d in self.drafters)
-        self.timeline.append((now, len(verifiers), drafters, self._in_system))
+        drafter_count = 0 if self.colocated else sum(d.removed_s is None for d in self.drafters)
+        self.timeline.append((now, len(verifiers), drafter_count, self._in_system))
         scaler = self._scalers.get("verifier")
         if scaler is not None:
-            ready = [v for v in verifiers if v.ready_s <= now and not v.draining]
+            ready_verifiers = [v for v in verifiers if v.ready_s <= now and not v.draining]
             held = {v.name: float(v.running) for v in verifiers if v.ready_s <= now}
-            target = scaler.tick(now, held, len(ready))
+            target = scaler.tick(now, held, len(ready_verifiers))
             self._resize(target, [v for v in verifiers if not v.draining], now, self.costs.verifier_start_s, True)
         scaler = self._scalers.get("drafter")
         if scaler is not None:
             drafters = [d for d in self.drafters if d.removed_s is None]
-            ready = [d for d in drafters if d.ready_s <= now and not d.draining]
+            ready_drafters = [d for d in drafters if d.ready_s <= now and not d.draining]
             held = {d.name: float(d.held) for d in drafters if d.ready_s <= now}
-            target = scaler.tick(now, held, len(ready), self._waiting)
+            target = scaler.tick(now, held, len(ready_drafters), self._waiting)
             self._resize(target, [d for d in drafters if not d.draining], now, self.costs.drafter_start_s, False)
 
     def _resize(
         self,
         target: int,
-        serving: list[VerifierReplica] | list[DrafterReplica],
+        serving: Sequence[VerifierReplica | DrafterReplica],
         now: float,
         start_s: float,
         verifier: bool,

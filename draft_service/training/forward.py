@@ -88,7 +88,7 @@ def multi_block_hidden(
     cos, sin = model.rotary(positions, model.dtype)
     mask = block_attention_mask(anchor_positions, S, bs)
     x = model.embed_tokens(block_ids.reshape(B, A * bs))
-    for layer, (ctx_k, ctx_v) in zip(model.layers, context_kv, strict=True):
+    for layer, (ctx_k, ctx_v) in zip(model.draft_layers, context_kv, strict=True):
         x = x + _masked_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.norm(x).view(B, A, bs, -1)

@@ -23,12 +23,15 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from draft_service.training.recipe import ResponseConfig
+
+if TYPE_CHECKING:
+    from transformers import Qwen3ForCausalLM
 
 FORMAT = "dspark-responses/1"
 META_NAME = "meta.json"
@@ -125,7 +128,7 @@ class ResponseSet:
 
 @torch.inference_mode()
 def decode_batch(
-    model: torch.nn.Module,
+    model: Qwen3ForCausalLM,
     prompts: torch.Tensor,
     max_new_tokens: int,
     greedy: torch.Tensor,
@@ -164,7 +167,7 @@ def decode_batch(
 
 
 def _split_responses(
-    model: torch.nn.Module,
+    model: Qwen3ForCausalLM,
     stream: torch.Tensor,
     count: int,
     batch_size: int,

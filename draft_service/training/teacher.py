@@ -11,16 +11,20 @@ Sequences are right-padded; attention is causal, so padding never changes a real
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from scheduler.evaluation.reference_loop import context_features
 
+if TYPE_CHECKING:
+    from transformers import Qwen3ForCausalLM
+
 
 class Teacher:
     """Wraps a transformers Qwen3ForCausalLM (frozen, eval mode)."""
 
-    def __init__(self, hf_model: torch.nn.Module, target_layer_ids: Sequence[int]) -> None:
+    def __init__(self, hf_model: Qwen3ForCausalLM, target_layer_ids: Sequence[int]) -> None:
         self.model = hf_model.eval().requires_grad_(False)
         self.target_layer_ids = tuple(target_layer_ids)
 

@@ -46,8 +46,9 @@ def init_drafter(model: DSparkDraftModel, embed: torch.Tensor, lm_head: torch.Te
         for module in model.modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
                 module.weight.normal_(0.0, 0.02)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                bias = getattr(module, "bias", None)  # Linear's may be None; Embedding has none
+                if bias is not None:
+                    bias.zero_()
         if model.markov_head is not None:
             model.markov_head.markov_w2.weight.zero_()
         model.embed_tokens.weight.copy_(embed)
@@ -304,14 +305,14 @@ def train_drafter(
             index = torch.randint(0, len(train), (cfg.batch_size,), generator=generator, device=device)
             ids, prompt_lengths, lengths = train.take(index)
             anchors = sample_anchors(prompt_lengths, lengths, cfg.num_anchors, bs, generator)
-            out = block_loss(model, teacher, ids, anchors, weights)
+            losses = block_loss(model, teacher, ids, anchors, weights)
             optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
+            losses.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             step += 1
             for key, value in running.items():
-                value += getattr(out, key).detach()
+                value += getattr(losses, key).detach()
             if step % cfg.log_every == 0:
                 means = {k: (v / cfg.log_every).item() for k, v in running.items()}
                 for v in running.values():
@@ -319,8 +320,8 @@ def train_drafter(
                 history["step"].append(step)
                 history["sequences"].append(step * cfg.batch_size)
                 history["lr"].append(lr)
-                for key, value in means.items():
-                    history[key].append(value)
+                for key, mean in means.items():
+                    history[key].append(mean)
                 bar.set_postfix(
                     loss=f"{means['loss']:.3f}", tau=f"{means['tau_proxy']:.2f}", step=step, refresh=False
                 )

@@ -30,7 +30,7 @@ from draft_service.model import DSparkDraftModel
 from draft_service.sequential_head import sample_block
 from scheduler.evaluation.reference_loop import acceptance_probabilities, residual_distribution
 from scheduler.sts import CalibrationTraces
-from verify_service.target import TargetModel
+from verify_service.target import TargetModel, TargetOutput
 
 #: Prefill chunks are bounded in tokens so the features of a chunk (tokens x m*H) stay small.
 PREFILL_TOKEN_BUDGET = 32768
@@ -124,6 +124,13 @@ def _sample_first(
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _features(out: TargetOutput) -> torch.Tensor:
+    """The context features of a target forward: always there, since the decoder's target returns the features
+    of the drafter's ``target_layer_ids`` (checked on construction; a drafter has at least one)."""
+    assert out.features is not None, "the target returns no context features"
+    return out.features
 
 
 class OfflineSpeculativeDecoder:
@@ -222,7 +229,7 @@ class OfflineSpeculativeDecoder:
                 end += 1
             batch = self.target.prepare(kv, [(kv_slots[i], wave[i]) for i in range(start, end)])
             out = self.target.forward(kv, batch, logits_rows=batch.last_rows())
-            self.draft.append_context(ctx_cache, ctx_slots[start:end], out.features, batch.cu_seqlens.cpu())
+            self.draft.append_context(ctx_cache, ctx_slots[start:end], _features(out), batch.cu_seqlens.cpu())
             firsts.append(_sample_first(out.logits, self.temperature, self.generator))
             start = end
         return torch.cat(firsts)
@@ -253,6 +260,7 @@ class OfflineSpeculativeDecoder:
             if self.temperature > 0:
                 uniforms = torch.rand(len(active), draft.block_size, generator=self.generator, device=device)
             sample = sample_block(draft, hidden, anchors, temperature=self.temperature, uniforms=uniforms)
+            assert sample.probs is not None, "sample_block returns the dense distribution at draft_top_k=0"
             drafts = sample.tokens[:, :gamma]
             chunks = torch.cat([anchors[:, None], drafts], dim=1).tolist()
             batch = self.target.prepare(kv, [(kv_slots[i], c) for i, c in zip(active, chunks, strict=True)])
@@ -296,8 +304,9 @@ class OfflineSpeculativeDecoder:
                 kept = torch.tensor(keep)
                 rows_taken = torch.tensor(accepted_list) + 1
                 rows = (torch.arange(gamma + 1)[None, :] < rows_taken[:, None]) & kept[:, None]
-                features = out.features.view(len(active), gamma + 1, -1)[rows.to(out.features.device)]
-                cu = np.concatenate([[0], np.cumsum(rows_taken[kept].numpy())])
+                all_features = _features(out)
+                features = all_features.view(len(active), gamma + 1, -1)[rows.to(all_features.device)]
+                cu = torch.from_numpy(np.concatenate([[0], np.cumsum(rows_taken[kept].numpy())]))
                 draft.append_context(ctx_cache, [ctx_slots[i] for i in still], features, cu)
             active = still
         return trace_logits, trace_accepted, trace_request, outputs

@@ -66,7 +66,8 @@ def load_target(
 ) -> Qwen3ForCausalLM:
     """A local HF Qwen3 folder as a plain transformers model (SDPA attention, eval mode)."""
     model = Qwen3ForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
-    return model.to(device).eval()
+    # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads (self as the argument).
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def context_features(hidden_states: Sequence[torch.Tensor], target_layer_ids: Sequence[int]) -> torch.Tensor:

@@ -353,7 +353,9 @@ def run_eval(
         raise ValueError("device 'cuda' requested but CUDA is not available")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
-    hf_model = Qwen3ForCausalLM.from_pretrained(str(target_dir), dtype=dtype, local_files_only=True).to(dev)
+    hf_model = Qwen3ForCausalLM.from_pretrained(str(target_dir), dtype=dtype, local_files_only=True)
+    # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads (self as the argument).
+    hf_model = hf_model.to(dev)  # type: ignore[arg-type]
     models = {
         name: load_draft_model(path, target_dir=target_dir, dtype=dtype, device=dev)
         for name, path in drafters.items()

@@ -20,7 +20,8 @@ import math
 import platform
 import shutil
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,8 +104,9 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def lm_loss(model: torch.nn.Module, windows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Mean next-token cross entropy (fp32) of windows [B, L+1]: inputs = first L tokens, labels = last L."""
+def lm_loss(model: Callable[..., Any], windows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Mean next-token cross entropy (fp32) of windows [B, L+1]: inputs = first L tokens, labels = last L.
+    ``model``: a causal LM, or its ``torch.compile`` wrapper (called like it, returns an output with ``logits``)."""
     with _autocast(device):
         logits = model(input_ids=windows[:, :-1], use_cache=False).logits
     return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
@@ -183,7 +185,8 @@ def _save(model: PreTrainedModel, corpus: DemoCorpus, out_dir: Path, cfg: Pretra
     from transformers import GenerationConfig
 
     eos = corpus.manifest.eos_token_id
-    model.to(torch.bfloat16)
+    # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads (self as the argument).
+    model.to(torch.bfloat16)  # type: ignore[arg-type]
     model.config.use_cache = True
     model.generation_config = GenerationConfig(
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=False, max_length=MODEL_MAX_LENGTH
@@ -196,6 +199,15 @@ def _save(model: PreTrainedModel, corpus: DemoCorpus, out_dir: Path, cfg: Pretra
         for file in tokenizer_files(corpus.tokenizer_dir):
             shutil.copy2(file, out_dir / file.name)
     return sorted(p.name for p in out_dir.iterdir())
+
+
+@dataclass
+class _Best:
+    """The lowest validation loss so far, its step and a copy of the weights then (None before any is below inf)."""
+
+    loss: float = math.inf
+    step: int = 0
+    state: dict[str, torch.Tensor] | None = None
 
 
 def pretrain(
@@ -224,7 +236,9 @@ def pretrain(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    model = Qwen3ForCausalLM(target_config(shape, manifest.vocab_size, manifest.eos_token_id)).to(device)
+    model = Qwen3ForCausalLM(target_config(shape, manifest.vocab_size, manifest.eos_token_id))
+    # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads (self as the argument).
+    model.to(device)  # type: ignore[arg-type]
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = _optimizer(model, cfg, device)
@@ -236,16 +250,16 @@ def pretrain(
 
     history: dict[str, list] = {"step": [], "tokens": [], "train_loss": [], "lr": []}
     val_history: dict[str, list] = {"step": [], "tokens": [], "val_loss": []}
-    best = {"loss": math.inf, "step": 0, "state": None}
+    best = _Best()
 
     def record_val(step: int) -> float:
         loss = evaluate(model, val_windows, cfg.batch_size)
         val_history["step"].append(step)
         val_history["tokens"].append(step * tokens_per_step)
         val_history["val_loss"].append(loss)
-        if loss < best["loss"]:
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            best.update(loss=loss, step=step, state=state)
+        if loss < best.loss:
+            best.loss, best.step = loss, step
+            best.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return loss
 
     initial_val = record_val(0)
@@ -285,11 +299,13 @@ def pretrain(
     bar.close()
     final_val = val_history["val_loss"][-1] if val_history["step"][-1] == step else record_val(step)
 
-    saved_step, saved_val = (best["step"], best["loss"]) if cfg.keep == "best" else (step, final_val)
+    saved_step, saved_val = (best.step, best.loss) if cfg.keep == "best" else (step, final_val)
     if cfg.keep == "best":
-        model.load_state_dict(best["state"])
+        if best.state is None:
+            raise ValueError("keep='best': no validation loss was below infinity, so no weights were kept")
+        model.load_state_dict(best.state)
     files = _save(model, corpus, out_dir, cfg)
-    metrics = {
+    metrics: dict[str, Any] = {
         "model": {"parameters": n_params, "vocab_size": manifest.vocab_size, **asdict(shape)},
         "train_config": asdict(cfg),
         "corpus": {
@@ -310,8 +326,8 @@ def pretrain(
             "tokens_per_second": round(step * tokens_per_step / max(train_seconds, 1e-9)),
             "initial_val_loss": initial_val,
             "final_val_loss": final_val,
-            "best_val_loss": best["loss"],
-            "best_step": best["step"],
+            "best_val_loss": best.loss,
+            "best_step": best.step,
             "saved": cfg.keep,
             "saved_step": saved_step,
             "saved_tokens": saved_step * tokens_per_step,
