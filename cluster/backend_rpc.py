@@ -8,7 +8,7 @@ ingress's :class:`~cluster.remote_backend.RemoteBackend` streams from either wit
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from cluster import contract
@@ -31,7 +31,7 @@ def backend_methods(
     retry-after), not as INVALID_ARGUMENT, so the ingress answers it 429 + ``Retry-After``
     (:class:`~cluster.remote_backend.RemoteBackend` turns it back)."""
 
-    async def generate(request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(request: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         if not isinstance(request["params"], dict):
             raise ValueError("params: expected a map")
         params = SamplingParams.from_dict(request["params"])

@@ -24,7 +24,7 @@ Messages are msgpack maps with tensors (:mod:`cluster.wire`); nothing crosses th
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -32,7 +32,7 @@ import torch
 
 from cluster.backend import GenerateDelta
 from cluster.messages import AnyValue, Bool, Float, Int, List, Map, Message, Opt, Str, Tensor, Type
-from cluster.rpc import RoundStream, RpcClient, Service, StreamLane, SyncRpcClient
+from cluster.rpc import Handler, RoundStream, RpcClient, Service, StreamLane, SyncRpcClient
 from draft_service.engine import DraftItem, Proposal
 from kernels.sampling import SamplingParams
 from verify_service.engine import PrefillItem, StepResult, VerifyItem
@@ -74,9 +74,6 @@ class Method:
     def lane_stream(self, lane: StreamLane, target: str, **options: Any) -> RoundStream:
         """A long-lived stream of this method's stream twin at ``target``, driven by ``lane``'s thread."""
         return lane.stream(target, self.service, self.name, response_schema=self.reply, **options)
-
-
-Handler = Callable[[dict[str, Any]], Awaitable[Any]] | Callable[[dict[str, Any]], AsyncIterator[Any]]
 
 
 def service(name: str, handlers: Mapping[Method, Handler]) -> Service:

@@ -41,10 +41,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import grpc
 
@@ -76,7 +76,7 @@ _STREAM_OPEN = "dspark-stream-open"  # header a stream twin sends once it accept
 RETRY_AFTER_KEY = "dspark-retry-after-s"
 
 UnaryHandler = Callable[[dict[str, Any]], Awaitable[Any]]
-StreamHandler = Callable[[dict[str, Any]], AsyncIterator[Any]]
+StreamHandler = Callable[[dict[str, Any]], AsyncGenerator[Any, None]]
 Handler = UnaryHandler | StreamHandler
 Trailers = tuple[tuple[str, str], ...]
 
@@ -246,7 +246,8 @@ class RpcServer:
         self.host = host
         self.limits = limits
         self._requested_port = port
-        self._auth = None if token is None else _bearer(token).encode()
+        bearer = _bearer(token)
+        self._auth = None if bearer is None else bearer.encode()
         self._health_fn = health
         self._health_timeout_s = health_timeout_s
         self._max_concurrent_rpcs = max_concurrent_rpcs
@@ -316,13 +317,14 @@ class RpcServer:
         handlers = {}
         for method, (handler, schema) in service.methods.items():
             where = f"{service.name}/{method}"
+            # Service checked that each handler is an async def or an async generator function.
             if inspect.isasyncgenfunction(handler):
-                behavior = self._stream_behavior(where, handler, schema)
-                handlers[method] = grpc.unary_stream_rpc_method_handler(behavior)
+                streamed = self._stream_behavior(where, cast(StreamHandler, handler), schema)
+                handlers[method] = grpc.unary_stream_rpc_method_handler(streamed)
             else:
-                behavior = self._unary_behavior(where, handler, schema)
-                handlers[method] = grpc.unary_unary_rpc_method_handler(behavior)
-                bidi = self._bidi_behavior(where, handler, schema)
+                unary = cast(UnaryHandler, handler)
+                handlers[method] = grpc.unary_unary_rpc_method_handler(self._unary_behavior(where, unary, schema))
+                bidi = self._bidi_behavior(where, unary, schema)
                 handlers[stream_method(method)] = grpc.stream_stream_rpc_method_handler(bidi)
         return grpc.method_handlers_generic_handler(service.name, handlers)
 
@@ -814,7 +816,9 @@ class StreamLane:
                 return [exc]
         return await asyncio.gather(*(s._exchange(r) for s, r in calls), return_exceptions=True)
 
-    def _run(self, make: Callable[[], Awaitable[Any]], timeout_s: float | None = None, wait_s: float = 0.0) -> Any:
+    def _run(
+        self, make: Callable[[], Coroutine[Any, Any, Any]], timeout_s: float | None = None, wait_s: float = 0.0
+    ) -> Any:
         """Run ``make()`` on the lane's loop in this thread; ``wait_s``: how long to wait for a run in progress."""
         if self._slot is None:
             self._slot = _this_thread_loop()
@@ -825,7 +829,7 @@ class StreamLane:
             if self._closed:
                 raise RuntimeError("the StreamLane is closed")
             loop = slot.loop
-            task = loop.create_task(make())  # type: ignore[arg-type]
+            task = loop.create_task(make())
             expired: list[bool] = []
             timer = None
             if timeout_s is not None:
@@ -978,6 +982,7 @@ class RoundStream(_ClientBase):
                 self._drop()
                 call = await self._open()
                 await self._write(call, payload)
+            assert call is not None  # open, or opened just now
             raw = await call.read()
         except BaseException:  # broken, refused, cancelled, past the deadline: no reply to match any more
             self._drop()

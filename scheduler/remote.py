@@ -125,10 +125,10 @@ class RemoteVerifier:
 
     def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()) -> list[StepResult]:
         routes: dict[str, list[str]] = {}
-        for item in [*prefills, *verifies]:
-            address = self._route_of(item.req_id)
+        for req_id in [*(p.req_id for p in prefills), *(v.req_id for v in verifies)]:
+            address = self._route_of(req_id)
             if address is not None:
-                routes.setdefault(address, []).append(item.req_id)
+                routes.setdefault(address, []).append(req_id)
         message = contract.step_request(
             prefills,
             verifies,

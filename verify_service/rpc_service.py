@@ -91,7 +91,7 @@ class VerifierService:
         self._drafters: dict[str, RpcClient] = {}
         # One long-lived AppendContext stream per drafter: a push per round is one message on it, in order.
         self._appends: dict[str, RoundStream] = {}
-        self._pushes: set[asyncio.Task[None]] = set()  # feature pushes in flight (strong references)
+        self._pushes: set[asyncio.Task[dict[str, Any] | None]] = set()  # feature pushes in flight (strong references)
         # collective: the rows go over torch.distributed links to the drafters, only metadata over gRPC.
         self.links = None if feature_transport == "grpc" else LinkSender(engine.target.device, link_timeout_s)
 
@@ -193,7 +193,7 @@ class VerifierService:
                 return_drafts=collect,
             )
         inline = [r.features for r in results if r.req_id not in routed and r.features is not None]
-        inline_features = torch.cat(inline).cpu() if inline and send_inline else None  # type: ignore[arg-type]
+        inline_features = torch.cat(inline).cpu() if inline and send_inline else None
         return results, messages, inline_features
 
     def _push_features(self, messages: dict[str, dict[str, Any]]) -> dict[str, asyncio.Task[dict[str, Any] | None]]:
@@ -242,9 +242,10 @@ class VerifierService:
                 link=link.link_id, seq=seq, shape=list(features.shape), dtype=str(features.dtype).removeprefix("torch.")
             )
             # Not one after the other: a send may only return once the drafter receives (NCCL), after the metadata.
-            work, reply = await asyncio.gather(
+            outcomes: tuple[Any, Any] = await asyncio.gather(
                 sending, self._appends[address].exchange(metadata), return_exceptions=True
             )
+            work, reply = outcomes
             for outcome in (reply, work):
                 if isinstance(outcome, BaseException):
                     raise outcome
