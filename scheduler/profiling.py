@@ -111,7 +111,7 @@ def graph_verify_items(
     for i, req_id in enumerate(ids):
         n = min(chunk, remaining)
         remaining -= n
-        slot = engine._requests[req_id].slot
+        slot = engine.slot_of(req_id)
         items.append(GraphItem(slot, engine.cache.length(slot), drafts[i][:n], (0.0, 0, 1.0, 0)))
     return items, ids
 

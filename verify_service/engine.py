@@ -322,9 +322,13 @@ class VerifyEngine:
     def has(self, req_id: str) -> bool:
         return req_id in self._requests
 
+    def slot_of(self, req_id: str) -> int:
+        """The KV slot the request holds (for callers that build graph items themselves, e.g. SPS profiling)."""
+        return self._get(req_id).slot
+
     def context_length(self, req_id: str) -> int:
         """Tokens held in the request's KV slot (the anchor's position)."""
-        return self.cache.length(self._get(req_id).slot)
+        return self.cache.length(self.slot_of(req_id))
 
     def release_many(self, req_ids: Sequence[str]) -> None:
         """:meth:`release` for each (the round driver frees a round's finished requests together)."""
