@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--policies", nargs="+", default=["autoregressive", "fixed-1", "full", "dspark"])
     p.add_argument("--groups", type=int, nargs="+", default=[1, 2], help="request groups (> 1: pipelined)")
+    p.add_argument("--collect-drafts", choices=("on", "off"), default="on",
+                   help="processes with one request group: the verifier's Step reply carries the drafters' next "
+                        "blocks (engine.collect_drafts, the scheduler's default) or each round sends a Propose")
     p.add_argument("--feature-transport", choices=("grpc", "collective"), default="grpc",
                    help="processes: context features as gRPC bytes, or over torch.distributed links (NCCL on GPUs)")
     p.add_argument("--prompts-dir", type=Path, required=True)
@@ -123,8 +126,8 @@ def _server(kind: str, target: Path, drafter: Path, device: str, dtype: str, sps
 class _Replicas:
     """Counters of the two servers: bytes by hop (client side) and engine busy time (server side)."""
 
-    def __init__(self, pool: DrafterPool, verifier: RemoteVerifier, draft_addr: str, verify_addr: str) -> None:
-        self.pool, self.verifier = pool, verifier
+    def __init__(self, pool: DrafterPool, verifiers: list[RemoteVerifier], draft_addr: str, verify_addr: str) -> None:
+        self.pool, self.verifiers = pool, verifiers
         self.probes = {
             DRAFTER: SyncRpcClient(draft_addr, token=TOKEN, timeout_s=30),
             VERIFIER: SyncRpcClient(verify_addr, token=TOKEN, timeout_s=30),
@@ -138,7 +141,7 @@ class _Replicas:
             "drafter_busy_s": drafter["engine_busy_s"],
             "verifier_busy_s": verifier["engine_busy_s"],
             "scheduler_drafter_bytes": self.pool.bytes_sent + self.pool.bytes_received,
-            "scheduler_verifier_bytes": self.verifier.bytes_sent + self.verifier.bytes_received,
+            "scheduler_verifier_bytes": sum(v.bytes_sent + v.bytes_received for v in self.verifiers),
             "feature_bytes": verifier["feature_bytes_sent"] + verifier.get("feature_bytes_collective", 0),
         }
 
@@ -278,13 +281,17 @@ def main(argv: list[str] | None = None) -> int:
                 ):
                     pool = DrafterPool([da], token=TOKEN)
                     remote = RemoteVerifier(va, pool.route_of, token=TOKEN)
+                    # As the scheduler's hub: drafts collected with the step only with one request group.
+                    collecting = (RemoteVerifier(va, pool.route_of, token=TOKEN, on_drafts=pool.offer)
+                                  if args.collect_drafts == "on" else remote)
                     pool.require_projection(remote.context_projection, va)
-                    counters = _Replicas(pool, remote, da, va)
-                    _cells("processes", lambda p, g: _driver(remote, pool, p, sps, block, g, eos), args, mix,
-                           counters, bar, sink)
+                    counters = _Replicas(pool, list({id(v): v for v in (remote, collecting)}.values()), da, va)
+                    _cells("processes", lambda p, g: _driver(collecting if g == 1 else remote, pool, p, sps, block,
+                                                             g, eos), args, mix, counters, bar, sink)
                     counters.close()
                     pool.close()
                     remote.close()
+                    collecting.close()
     out.write_text(json.dumps(results, indent=1) + "\n")
     plot_throughput(results["rows"], None, args.out_dir / "disagg_throughput.png",
                     f"demo pair ({args.shape}), drafter {args.draft_device}, verifier {args.verify_device}",
