@@ -425,7 +425,7 @@ class IngressReplica:
         backend = RemoteBackend(
             scheduler_address,
             model_name=self.config.model_name,
-            max_context=self.config.engine.max_seq_len - 1,
+            max_context=self.config.engine.max_seq_len,  # as --no-ray and the scheduler's engines: a slot's length
             token=self.config.network.grpc_token,
             routed=self.config.placement == "colocated",
         )

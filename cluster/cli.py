@@ -11,10 +11,13 @@ import argparse
 import platform
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from cluster import __version__
 
 Handler = Callable[[argparse.Namespace], int]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -100,6 +103,45 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """States each option's default after its help, unless the help says it already (``(default: ...)`` in words,
+    per mode where the modes differ) or there is none to state (no value, a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or "default" in text
+            or default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, bool)
+            or default in ("", [], {})
+        ):
+            return text
+        if isinstance(default, Path):
+            default = _relative(default)
+        shown = str(default).replace("%", "%%")
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
+def _relative(path: Path) -> str:
+    """A path inside the repository as the repository-relative path it was written as."""
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's parser: :class:`_HelpFormatter` unless a command picks a formatter of its own.
+    ``add_subparsers`` makes sub-parsers of the parent's class, so nested commands (``bench serve``) get it too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 #: Subcommand registrars, in the order ``dspark --help`` lists them.
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_version,
@@ -117,7 +159,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dspark",
         description="dspark-serve: lossless DSpark speculative decoding on Ray.",
     )
@@ -137,8 +179,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     return handler(args)
-
-
 
 
 if __name__ == "__main__":

@@ -129,8 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from cluster.app import assemble_app
 
-    # SIGTERM (docker stop, Kubernetes, kill) stops exactly as Ctrl-C does, during start-up too.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    install_stop_signals()
     try:
         if args.address:
             ray.init(address=args.address)
@@ -152,8 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 object_store_memory=256 * 1024 * 1024,
                 include_dashboard=False,
             )
-        # Ray's core worker installed a SIGTERM handler of its own (it prints a stack dump): ours again.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        install_stop_signals()  # Ray's core worker installed a SIGTERM handler of its own (a stack dump)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(assemble_app(app_args, overrides), name=APP_NAME, route_prefix="/")
         _log_endpoints(serve.get_deployment_handle("Scheduler", app_name=APP_NAME), args)
@@ -163,6 +161,17 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         _stop(serve, ray, joined=bool(args.address))
     return 0
+
+
+def install_stop_signals() -> None:
+    """SIGTERM (docker stop, Kubernetes, kill) and SIGINT (Ctrl-C, ``kill -INT``) both raise KeyboardInterrupt in
+    the main thread, during start-up too, so either stops the server the one graceful way.
+
+    SIGINT is set explicitly: a process started in the background by a non-interactive shell (``dspark serve &``
+    in a script) begins with SIGINT ignored, and Python then leaves it ignored, so ``kill -INT`` did nothing.
+    """
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def secure_embedded_cluster(network: dict[str, Any]) -> None:

@@ -73,12 +73,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--shape", required=True, help="Qwen3 shape: qwen3-0.6b, qwen3-1.7b, qwen3-4b or qwen3-8b"
     )
     p.add_argument("--out", default=None, help="write OUT/target and OUT/draft (omit: build in memory only)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the written weights")
     p.add_argument("--device", default=None, help="where to build (default: cuda when available, else cpu)")
     p.add_argument(
         "--fill", default="random", choices=["random", "zeros"], help="values of the entries that cannot matter"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of --fill random and of the --check inputs")
     p.add_argument("--check", action="store_true", help="compare logits with the small models' and print the diffs")
     p.add_argument("--check-tokens", type=int, default=128, help="sequence length of the --check inputs")
     p.set_defaults(handler=_cmd_inflate)

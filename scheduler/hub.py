@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import warnings
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -46,7 +47,7 @@ from scheduler.pipeline import PipelinedEngine
 from scheduler.policy import make_policy
 from scheduler.remote import DrafterPool, RemoteVerifier
 from scheduler.service_levels import ServiceLevels
-from scheduler.sps import load_sps
+from scheduler.sps import SPSMonotonicityWarning, load_sps
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,10 @@ class SchedulerHub:
                     raise
             block_size = pool.block_size if pool is not None else 0
             # An empty table: the verifier's policy prices nothing with SPS, so it profiled none.
-            policy = make_policy(self.policy, load_sps(sps) if sps else None, block_size, self.draft_cost)
+            with warnings.catch_warnings():  # the verifier warned when it measured or loaded it, once per start
+                warnings.simplefilter("ignore", SPSMonotonicityWarning)
+                table = load_sps(sps) if sps else None
+            policy = make_policy(self.policy, table, block_size, self.draft_cost)
             options: dict[str, Any] = {
                 "decode": self.decode,
                 "eos_token_ids": self.eos_token_ids or verifier.eos_token_ids,

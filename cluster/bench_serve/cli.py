@@ -51,7 +51,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         description="Measure an OpenAI-compatible server (dspark-serve, vLLM, SGLang) as its users see it: "
         "tokens/s per user, aggregate tokens/s, TTFT / TPOT / ITL / end-to-end percentiles, goodput under an SLO "
         "and the server's speculative-decoding counters, at every load level.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (with or without /v1)")
     p.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY") or os.environ.get("OPENAI_API_KEY"),
@@ -82,8 +81,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
     samp = p.add_argument_group("sampling")
     samp.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (vLLM extension)")
-    samp.add_argument("--temperature", type=float, default=0.0)
-    samp.add_argument("--top-p", type=float, default=None)
+    samp.add_argument("--temperature", type=float, default=0.0,
+                      help="sampling temperature of every request (0: greedy)")
+    samp.add_argument("--top-p", type=float, default=None, help="nucleus top_p of every request (None: not sent)")
     samp.add_argument("--seed", type=int, default=None, help="request i is sent seed + i (reproducible sampling)")
     samp.add_argument("--extra-body", type=_json_object, default={},
                       help="JSON object merged into every request body, e.g. '{\"priority\": 1}'")
@@ -233,11 +233,10 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="line up several `bench serve` results side by side (tables and plots)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("report", help="line up several `bench serve` results side by side (tables and plots)")
     p.add_argument("results", type=Path, nargs="+", help="results JSON files of `dspark bench serve`")
-    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--stem", default="comparison")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="folder of the tables and plots")
+    p.add_argument("--stem", default="comparison", help="file name stem of the tables and plots")
     p.set_defaults(handler=_run_report)
 
 

@@ -240,7 +240,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sts", type=Path, default=None, help="the drafter's sts.json (confidences as it serves them)")
     p.add_argument("--policy", default="dspark", help="autoregressive, fixed-N, full, dspark or dspark-async")
     p.add_argument("--draft-cost", choices=DRAFT_COSTS, default="none", help="the policies' draft-cost setting")
-    p.add_argument("--placement", choices=PLACEMENTS, default="disaggregated")
+    p.add_argument("--placement", choices=PLACEMENTS, default="disaggregated",
+                   help="drafter and verifier on one GPU (colocated) or in separate pools")
     p.add_argument("--verifier-slots", type=int, default=128, help="requests a verifier replica holds")
     p.add_argument("--drafter-slots", type=int, default=128, help="requests a drafter replica holds")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context positions per request")
@@ -252,7 +253,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default="uniform:96:160", help="N, uniform:A:B or lognormal:MEDIAN:SIGMA:MAX")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token bound of the SLO")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="time-per-output-token bound of the SLO")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and traces")
     p.add_argument("--json", type=Path, default=None, help="also write the numbers to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

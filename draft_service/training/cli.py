@@ -105,8 +105,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--val-batch-size", type=int, default=r.val_batch_size, help="prompts decoded together (val)"
     )
-    p.add_argument("--min-prompt-tokens", type=int, default=r.min_prompt_tokens)
-    p.add_argument("--max-prompt-tokens", type=int, default=r.max_prompt_tokens)
+    p.add_argument("--min-prompt-tokens", type=int, default=r.min_prompt_tokens,
+                   help="shortest prompt cut from the corpus")
+    p.add_argument("--max-prompt-tokens", type=int, default=r.max_prompt_tokens,
+                   help="longest prompt cut from the corpus")
     p.add_argument("--max-new-tokens", type=int, default=r.max_new_tokens, help="response length")
     p.add_argument(
         "--greedy-fraction", type=float, default=r.greedy_fraction, help="share of greedy responses"
@@ -114,7 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--temperature", type=float, default=r.temperature, help="temperature of the sampled share"
     )
-    p.add_argument("--seed", type=int, default=r.seed)
+    p.add_argument("--seed", type=int, default=r.seed, help="seed of prompt choice and sampling")
     p.set_defaults(handler=_cmd_gen_responses)
 
     d, s = DrafterTrainConfig(), DrafterShape()
@@ -136,42 +138,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-steps", type=int, default=None, help="optimizer step limit")
     p.add_argument("--max-epochs", type=float, default=None, help="limit in passes over the train responses")
-    p.add_argument("--draft-layers", type=int, default=s.num_draft_layers)
+    p.add_argument("--draft-layers", type=int, default=s.num_draft_layers, help="transformer layers of the drafter")
     p.add_argument("--block-size", type=int, default=s.block_size, help="draft tokens per block (gamma)")
-    p.add_argument("--target-layer-ids", type=int, nargs="+", default=list(s.target_layer_ids))
-    p.add_argument("--markov-rank", type=int, default=s.markov_rank)
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=list(s.target_layer_ids),
+                   help="target layers whose outputs form the context features (never the last)")
+    p.add_argument("--markov-rank", type=int, default=s.markov_rank, help="rank of the DSpark head's Markov term")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: the last vocabulary id")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="response sequences per step")
     p.add_argument("--num-anchors", type=int, default=d.num_anchors, help="blocks per sequence per step")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    p.add_argument("--ce-weight", type=float, default=d.ce_weight)
-    p.add_argument("--tv-weight", type=float, default=d.tv_weight)
-    p.add_argument("--confidence-weight", type=float, default=d.confidence_weight)
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear lr warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="gradient norm clip")
+    p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="weight of the cross-entropy loss term")
+    p.add_argument("--tv-weight", type=float, default=d.tv_weight, help="weight of the total-variation loss term")
+    p.add_argument("--confidence-weight", type=float, default=d.confidence_weight,
+                   help="weight of the confidence head's BCE term")
     p.add_argument(
         "--loss-decay", type=float, default=d.loss_decay, help="position weights exp(-(k-1)/decay)"
     )
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out evaluations")
     p.add_argument(
         "--eval-sequences", type=int, default=d.eval_sequences, help="held-out sequences per evaluation"
     )
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of initialisation and data order")
     p.add_argument(
         "--sts-prompts", type=int, default=d.sts_prompts, help="held-out prompts for STS (0: skip)"
     )
-    p.add_argument("--sts-max-new-tokens", type=int, default=d.sts_max_new_tokens)
+    p.add_argument("--sts-max-new-tokens", type=int, default=d.sts_max_new_tokens,
+                   help="tokens decoded per STS calibration prompt")
     p.set_defaults(handler=_cmd_train_drafter)
 
     p = sub.add_parser("calibrate-drafter", help="fit STS for a trained drafter on held-out decoding traces")
-    p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--drafter", type=Path, required=True)
+    p.add_argument("--target", type=Path, required=True, help="target model folder (HF Qwen3)")
+    p.add_argument("--drafter", type=Path, required=True, help="trained drafter folder; its sts.json is written there")
     p.add_argument("--responses", type=Path, required=True, help="its held-out (val) prompts are used")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--prompts", type=int, default=d.sts_prompts)
-    p.add_argument("--max-new-tokens", type=int, default=d.sts_max_new_tokens)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--prompts", type=int, default=d.sts_prompts, help="held-out prompts decoded")
+    p.add_argument("--max-new-tokens", type=int, default=d.sts_max_new_tokens, help="tokens decoded per prompt")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled decoding")
     p.set_defaults(handler=_cmd_calibrate_drafter)

@@ -518,11 +518,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--block", type=int, default=None, help="draft tokens verified per round (default: block size)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens decoded per prompt")
     p.add_argument("--max-prompts", type=int, default=0, help="first N prompts of each file (0: all)")
     p.add_argument("--max-batch", type=int, default=512, help="prompts decoded together")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled decoding (temperature > 0)")
     p.add_argument("--ignore-eos", action="store_true", help="decode max-new-tokens even past EOS")
     p.add_argument("--baseline", default=None, help="drafter name the others' tau is divided by")
     p.add_argument("--save-traces", action="store_true", help="also write every run's raw traces (.npz)")

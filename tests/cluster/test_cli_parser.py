@@ -58,3 +58,39 @@ def test_standalone_servers_offer_only_options_they_use() -> None:
     assert not draft & {"--sps", "--feature-dtype", "--no-draft-ahead"}
     assert {"--sps", "--feature-dtype", "--no-draft-ahead", "--context-projection"} <= verify
     assert not scheduler & {"--sps", "--max-requests", "--graphs", "--device", "--grpc-port", "--feature-dtype"}
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every (sub)command's parser by its command line (``dspark bench serve``, ...)."""
+    from cluster.cli import build_parser
+
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        found[parser.prog] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in dict.fromkeys(action.choices.values()):  # aliases share a parser
+                    walk(child)
+
+    walk(build_parser())
+    return found
+
+
+def test_every_option_of_every_command_has_help_and_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--help`` explains every option and shows the value it takes when not given (never a secret: a key
+    taken from the environment is named, not printed)."""
+    monkeypatch.setenv("DSPARK_API_KEY", "s3kr1t")
+    monkeypatch.setenv("OPENAI_API_KEY", "s3kr1t")
+    parsers = _parsers()
+    assert {"dspark serve", "dspark bench serve", "dspark simulate run", "dspark train-drafter"} <= set(parsers)
+    for prog, parser in parsers.items():
+        text = parser.format_help()
+        assert "s3kr1t" not in text, prog
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help" or action.help == argparse.SUPPRESS:
+                continue
+            assert action.help, (prog, action.option_strings)
+            valued = action.default not in (None, "", [], {}, argparse.SUPPRESS)
+            if valued and not isinstance(action.default, bool):
+                assert "default" in parser._get_formatter()._expand_help(action), (prog, action.option_strings)

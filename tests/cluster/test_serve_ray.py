@@ -122,6 +122,19 @@ def test_greedy_completions_equal_target_greedy(served: dict) -> None:
         assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected
 
 
+def test_the_whole_slot_is_served_as_in_one_process(served: dict) -> None:
+    """The ingress admits what a slot holds (max_seq_len prompt + completion tokens), as ``--no-ray`` does."""
+    url = f"{served['base']}/v1"
+    assert httpx.get(f"{url}/models", timeout=30).json()["data"][0]["max_model_len"] == 256
+    body = {"model": "dspark-demo", "prompt": [100 + i % 50 for i in range(240)], "temperature": 0,
+            "ignore_eos": True}
+    full = httpx.post(f"{url}/completions", json={**body, "max_tokens": 16}, timeout=120)
+    assert full.status_code == 200, full.text
+    assert full.json()["usage"] == {"prompt_tokens": 240, "completion_tokens": 16, "total_tokens": 256}
+    over = httpx.post(f"{url}/completions", json={**body, "max_tokens": 17}, timeout=120)
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded", over.text
+
+
 def test_concurrent_requests_and_disconnect_frees_caches(served: dict) -> None:
     import concurrent.futures
 

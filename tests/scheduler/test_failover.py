@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from draft_service.rpc_service import DrafterService
 from kernels.sampling import SamplingParams
 from scheduler.hub import SchedulerHub
 from scheduler.remote import RemoteVerifier
-from scheduler.sps import SPSTable
+from scheduler.sps import SPSMonotonicityWarning, SPSTable
 from verify_service.engine import PrefillItem, VerifyEngine
 from verify_service.rpc_service import VerifierService
 from verify_service.target import TargetModel
@@ -357,3 +358,20 @@ def test_a_restarted_hub_releases_what_the_old_one_left_on_the_replicas(cluster:
         assert cluster.drafters["d0"].engine.num_free_slots == 4
     finally:
         new.close()
+
+
+def test_a_verifier_table_is_not_warned_about_again_at_registration(cluster: Cluster) -> None:
+    """A measured table faster at a larger B is fixed up and warned about by the verifier that measured it; the
+    hub that receives it at every (re-)registration stays quiet (one warning per replica start, not two)."""
+    bumpy = {**SPS, "steps_per_s": [900, 1000, 500]}
+    with pytest.warns(SPSMonotonicityWarning):
+        SPSTable.from_dict(bumpy)  # what the verifier logs when it profiles or loads the table
+    hub = make_hub()
+    try:
+        hub.register_drafter("d", cluster.add_drafter("d"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SPSMonotonicityWarning)
+            hub.register_verifier("v", cluster.add_verifier("v"), bumpy)
+        assert hub.num_verifiers == 1
+    finally:
+        hub.close()
