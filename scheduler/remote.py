@@ -16,7 +16,8 @@ unary. A stream that broke is reopened for the next round only: the round in fli
 as a unary call would, and failover takes it from there (:mod:`scheduler.failover`).
 
 With ``on_drafts`` (the pool's :meth:`DrafterPool.offer`) a ``RemoteVerifier`` asks its replica to collect the
-drafters' next blocks (``collect_drafts``): the ``Step`` reply then carries them, the pool keeps them for the
+drafters' next blocks (``collect_drafts``) in every step without prefills (a prefill's first token must not wait
+for drafting): the ``Step`` reply then carries them, the pool keeps them for the
 calling thread, and the next round's ``propose`` takes them when they were drafted for exactly its requests'
 anchors and positions, with no ``Propose`` message (else it sends one, as without). The drafts are the ones the
 ``Propose`` would have returned (the drafter's drafts made ahead), so output is unchanged; a round then costs one
@@ -134,7 +135,9 @@ class RemoteVerifier:
             verifies,
             routes,
             inline_features=self.inline_features,
-            collect_drafts=self._on_drafts is not None,
+            # Not with prefills: their first tokens would wait for the drafters' next blocks (TTFT); the round
+            # after a prefill asks for its drafts with a Propose instead.
+            collect_drafts=self._on_drafts is not None and not prefills,
         )
         for p in prefills:
             self._held.add(p.req_id)
