@@ -69,12 +69,12 @@ class EngineConfig(_Strict):
     next anchor), overlapping the scheduler's commit instead of waiting for its ``Propose``; in the in-process
     placement (``colocated``, ``--no-ray``) with captured graphs, the round driver launches the next round's draft
     step before it commits the round. ``collect_drafts`` (disaggregated placement, with ``draft_ahead`` and one
-    request group): in steps without prefills the verifier waits for those drafts and returns them with its ``Step``
-    reply, so a round is one message each way between the scheduler and the pools instead of two (no ``Propose``). ``chain_rounds``
-    (in-process placement with captured graphs): rounds whose
-    lengths are planned from earlier rounds queue the verify step behind the draft step and the next draft step
-    behind the verify step on the device, with no host round trip between them (lossless: lengths depend on
-    counts and earlier rounds only).
+    request group): in steps without prefills the verifier waits for those drafts and returns them with its
+    ``Step`` reply, so a round is one message each way between the scheduler and the pools instead of two (no
+    ``Propose``). ``chain_rounds`` (in-process placement with captured graphs): rounds whose lengths are planned
+    from earlier rounds queue the verify step behind the draft step and the next draft step behind the verify step
+    on the device, with no host round trip between them (lossless: lengths depend on counts and earlier rounds
+    only).
     ``feature_transport``: how the rows travel, ``grpc`` (bytes inside the ``AppendContext`` message, default) or
     ``collective`` (a torch.distributed point-to-point link per verifier/drafter pair, gloo for CPU tensors, NCCL
     for CUDA ones, with only metadata over gRPC; a drafter whose link cannot be built gets bytes over gRPC; see
