@@ -11,12 +11,14 @@ completions with the official ``openai`` client from ``--clients`` threads, and 
 2. SIGKILL of the scheduler, of the verifier and of the drafter replica process, mid-stream. Their PIDs come from
    the Ray workers' process titles (``ray::ServeReplica:dspark:<Deployment>``) among the server's descendants:
    Ray's state API needs the dashboard, which ``dspark serve`` leaves off. Recorded per fault: streams cut (in
-   flight at the kill and ended with an error), the time until the first completion started after the kill
-   succeeded, the longest stall of streams that survived the kill, the errors as the client saw them (exception
-   class, HTTP status, error code), how long ``/health`` took to answer, when it first said something else than
-   200 and when 200 again, whether every Prometheus counter served by the ingress stayed monotonic, and how many
-   rounds ``dspark_rounds_without_draft_total`` added. Where the time went comes from the server's log (Ray's
-   timestamps, seconds after the kill): when Serve's controller saw the replica dead (its next health check),
+   flight at the kill and ended with an error) and the ones that completed, whether every completion ended with the
+   same text as those before the fault (one greedy request: nothing sent twice or lost across a continued stream),
+   the time until the first completion started after the kill succeeded, the longest stall of streams that
+   survived the kill, the errors as the client saw them (exception class, HTTP status, error code), how long
+   ``/health`` took to answer, when it first said something else than 200 and when 200 again, whether every
+   Prometheus counter served by the ingress stayed monotonic, and how many rounds
+   ``dspark_rounds_without_draft_total`` added. Where the time went comes from the server's log (Ray's timestamps,
+   seconds after the kill): when Serve's controller saw the replica dead (its next health check),
    when it started the replacement, and for a pool replica when the replacement made its first call to the
    scheduler (its first heartbeat: constructor done, model loaded and warmed up).
 
@@ -73,6 +75,7 @@ class Outcome:
     chunks: list[float] = field(default_factory=list)
     end: float = 0.0
     error: str | None = None  # None: completed
+    text: str = ""
 
 
 class Load:
@@ -93,8 +96,9 @@ class Load:
             try:
                 stream = self.client.completions.create(model="dspark-demo", prompt=PROMPT, stream=True,
                                                         max_tokens=self.max_tokens, temperature=0)
-                for _ in stream:
+                for chunk in stream:
                     outcome.chunks.append(time.monotonic())
+                    outcome.text += "".join(choice.text for choice in chunk.choices)
             except openai.APIStatusError as error:
                 outcome.error = f"{type(error).__name__} status={error.status_code} code={_code(error.body)}"
             except openai.APIError as error:  # an error event on a started stream: no HTTP status
@@ -244,6 +248,8 @@ def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, 
     in_flight = [o for o in outcomes if o.start < killed]
     later_ok = [o.end - killed for o in outcomes if o.start >= killed and o.error is None]
     survivors = [o for o in in_flight if o.error is None]
+    # Every completion is of the same greedy request: one completed before the fault has the text all must have.
+    reference = next((o.text for o in load.outcomes if o.error is None and o.end < killed), None)
     stalls = [max((b - a for a, b in zip([o.start, *o.chunks], o.chunks, strict=False) if b >= killed),
                   default=0.0) for o in survivors]
     errors: dict[str, int] = {}
@@ -256,6 +262,9 @@ def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, 
         "pid": pids[0],
         "streams_in_flight": len(in_flight),
         "streams_cut": sum(o.error is not None for o in in_flight),
+        "streams_continued": len(survivors),
+        "completed_with_other_text": None if reference is None else sum(o.text != reference for o in outcomes
+                                                                           if o.error is None),
         "first_success_after_kill_s": min(later_ok) if later_ok else None,
         "max_stall_of_surviving_streams_s": max(stalls) if stalls else None,
         "client_errors": errors,

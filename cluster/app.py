@@ -428,6 +428,8 @@ class IngressReplica:
             max_context=self.config.engine.max_seq_len,  # as --no-ray and the scheduler's engines: a slot's length
             token=self.config.network.grpc_token,
             routed=self.config.placement == "colocated",
+            # A stream cut by the scheduler's death waits this long for its replacement to continue it.
+            continue_timeout_s=self.config.network.readiness_timeout_s,
         )
         return build_app(backend, tokenizer, api_key=self.config.network.api_key)
 

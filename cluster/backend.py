@@ -79,6 +79,20 @@ class GenerateDelta:
         )
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A request continues one whose stream was cut (its scheduler was lost) after it had streamed output.
+
+    The last ``tokens`` ids of the prompt are that output and ``chars`` the characters of its text the client
+    received; ``max_tokens`` counts the tokens still to come. The backend reports usage as the original request
+    (prompt tokens without the output, completion tokens with it) and continues its text and stop strings across
+    the seam, so the client gets only what it had not received (see
+    :meth:`scheduler.engine.SpeculativeEngine.add_request`)."""
+
+    tokens: int
+    chars: int = 0
+
+
 @runtime_checkable
 class GenerateBackend(Protocol):
     """The contract between the HTTP layer and a token generator.
@@ -86,7 +100,8 @@ class GenerateBackend(Protocol):
     - ``generate`` returns an async iterator of deltas ending with one whose ``finished`` is true. A request that
       can never be served (prompt too long for this deployment, token id outside the vocabulary, duplicate id)
       raises a ``ValueError`` from the FIRST ``__anext__``, before any token: the HTTP layer turns it into a 400.
-      Other exceptions mean the backend failed (HTTP 500/503).
+      Other exceptions mean the backend failed (HTTP 500/503). ``resume`` makes the request a continuation of
+      one whose stream was cut (:class:`Resume`).
     - ``abort`` stops a request and frees its caches; it is idempotent, unknown ids are ignored, and it returns
       once the backend has let go of the request. The HTTP layer calls it whenever it stops reading a stream
       before its final delta (client disconnect, error), shielded from cancellation.
@@ -105,7 +120,7 @@ class GenerateBackend(Protocol):
     def max_context(self) -> int: ...
 
     def generate(
-        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams, resume: Resume | None = None
     ) -> AsyncIterator[GenerateDelta]: ...
 
     async def abort(self, req_id: str) -> None: ...
@@ -202,12 +217,12 @@ class LocalBackend:
 
     # ------------------------------------------------------------------------------------ GenerateBackend
     async def generate(
-        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams, resume: Resume | None = None
     ) -> AsyncIterator[GenerateDelta]:
         check_context(len(prompt_ids), params.max_tokens, self.max_context)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), self)
         prompt = [int(t) for t in prompt_ids]
-        self._enqueue(lambda: self._submit(req_id, prompt, params, stream))
+        self._enqueue(lambda: self._submit(req_id, prompt, params, stream, resume))
         finished = False
         try:
             while True:
@@ -308,9 +323,12 @@ class LocalBackend:
             self._cond.notify()
             return True
 
-    def _submit(self, req_id: str, prompt: list[int], params: SamplingParams, stream: _Stream) -> None:
+    def _submit(
+        self, req_id: str, prompt: list[int], params: SamplingParams, stream: _Stream, resume: Resume | None
+    ) -> None:
         try:
-            self.engine.add_request(prompt, params, req_id)
+            emitted, chars = (resume.tokens, resume.chars) if resume is not None else (0, 0)
+            self.engine.add_request(prompt, params, req_id, emitted=emitted, emitted_chars=chars)
         except ValueError as error:
             stream.put(error)
             return

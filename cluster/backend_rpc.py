@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from cluster import contract
-from cluster.backend import GenerateBackend
+from cluster.backend import GenerateBackend, Resume
 from cluster.rpc import RetryLaterError
 from kernels.sampling import SamplingParams
 from scheduler.metrics import snapshot_to_dict
@@ -35,8 +35,9 @@ def backend_methods(
         if not isinstance(request["params"], dict):
             raise ValueError("params: expected a map")
         params = SamplingParams.from_dict(request["params"])
+        resume = Resume(request["emitted"], request["emitted_chars"]) if request["emitted"] else None
         try:
-            async for delta in backend.generate(request["req_id"], request["prompt_ids"], params):
+            async for delta in backend.generate(request["req_id"], request["prompt_ids"], params, resume):
                 yield contract.delta_message(delta)
         except SLOUnattainableError as error:  # raised at admission, before any delta
             raise RetryLaterError(str(error), error.retry_after_s) from None

@@ -161,7 +161,8 @@ class NetworkConfig(_Strict):
 
     ``readiness_timeout_s``: how long a request that arrives while no verifier replica accepts requests (the
     deployment is starting, or lost its replicas) waits for one before it is refused with a 503 and
-    ``Retry-After``; 0 refuses at once.
+    ``Retry-After``; 0 refuses at once. It also bounds how long the ingress waits for a restarted scheduler to
+    continue a stream that its predecessor's death cut (:mod:`cluster.remote_backend`).
 
     Secrets can be given inline (``grpc_token``, ``api_key``) or, better on a cluster, by the NAME of an
     environment variable that every replica reads at start (``grpc_token_env``, ``api_key_env``), e.g. filled from

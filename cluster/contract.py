@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cluster.backend import GenerateDelta
+from cluster.backend import GenerateDelta, Resume
 from cluster.messages import AnyValue, Bool, Float, Int, List, Map, Message, Opt, Str, Tensor, Type
 from cluster.rpc import Handler, RoundStream, RpcClient, Service, StreamLane, SyncRpcClient
 from draft_service.engine import DraftItem, Proposal
@@ -271,8 +271,27 @@ VERIFIER_RELEASE = Method(VERIFIER, "Release", Message("Release", {"req_ids": RE
 
 # ----------------------------------------------------------------------- dspark.Scheduler / dspark.Engine
 REQUEST_ID = Message("RequestId", {"req_id": REQ_ID})
+
+
+def _emitted_within_the_prompt(request: dict[str, Any]) -> str | None:
+    if request["emitted"] and request["emitted"] >= len(request["prompt_ids"]):
+        return "emitted: the output already streamed must leave a prompt before it"
+    return None
+
+
+#: ``emitted`` > 0 makes the request a continuation of one whose stream was cut (its scheduler was lost): the last
+#: ``emitted`` ids of ``prompt_ids`` are the output already streamed, ``emitted_chars`` the characters of its text
+#: the client received, ``params.max_tokens`` the tokens still to come (:class:`cluster.backend.Resume`).
 GENERATE_REQUEST = Message(
-    "Generate", {"req_id": REQ_ID, "prompt_ids": List(Int(min=0), max_len=1 << 20), "params": AnyValue()}
+    "Generate",
+    {
+        "req_id": REQ_ID,
+        "prompt_ids": List(Int(min=0), max_len=1 << 20),
+        "params": AnyValue(),
+        "emitted": Opt(Int(min=0), default=0),
+        "emitted_chars": Opt(Int(min=0), default=0),
+    },
+    checks=[_emitted_within_the_prompt],
 )
 DELTA = Message(
     "Delta",
@@ -542,6 +561,16 @@ def append_request(
         message["draft_anchors"] = list(draft_anchors)
         message["return_drafts"] = return_drafts
     return message
+
+
+def generate_request(
+    req_id: str, prompt_ids: Sequence[int], params: SamplingParams, resume: Resume | None = None
+) -> dict[str, Any]:
+    """A ``Generate`` message (a continuation with ``resume``)."""
+    request: dict[str, Any] = {"req_id": req_id, "prompt_ids": [int(t) for t in prompt_ids], "params": params.to_dict()}
+    if resume is not None:
+        request.update(emitted=resume.tokens, emitted_chars=resume.chars)
+    return request
 
 
 def delta_message(delta: GenerateDelta) -> dict[str, Any]:

@@ -6,14 +6,21 @@ admission, load-aware) and then streams from that engine replica directly, telli
 with no address and the request streams from the scheduler as usual.
 
 The scheduler is one replica that Serve restarts when it dies, on a new port (maybe a new node). Its requests die
-with it: a stream that breaks (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, INTERNAL, UNKNOWN) raises
-:class:`BackendUnavailableError`, which the HTTP layer answers with a retryable 503 (an error event when the
-stream had started). The next call asks ``resolve`` for the scheduler's address again, so clients that retry
-reach the restarted scheduler. A scheduler that runs but is not ready (no replicas yet) answers
-``FAILED_PRECONDITION`` after its readiness wait: :class:`BackendNotReadyError`, also a retryable 503, with the
-channel kept. A request refused at admission for its TPOT target comes as ``RESOURCE_EXHAUSTED`` with a
-retry-after trailer (from the scheduler or an engine replica alike) and is raised as the
-:class:`SLOUnattainableError` it was there (a 429 with ``Retry-After``). Aborts are best effort: a dead
+with it, but not their streams. A stream cut (UNAVAILABLE or CANCELLED: the scheduler died or shut down) after it
+had streamed tokens is continued: the ingress waits for a scheduler to be reachable again (asking ``resolve`` for
+its address, for at most ``continue_timeout_s``) and sends it the request as a continuation
+(:class:`StreamSeam`: the prompt followed by the tokens streamed, ``max_tokens`` less those, and the counts of
+tokens and text the client has), which streams only what the client has not received, with usage, detokenisation
+and stop strings continuing across the seam; greedy output is the same as without the cut (a sampled request
+continues with new random draws). A stream cut before its first token is retried once on a newly resolved
+address (nothing reached the client). Otherwise a broken stream (DEADLINE_EXCEEDED, INTERNAL, UNKNOWN, no
+scheduler within the bound) raises :class:`BackendUnavailableError`, which the HTTP layer answers with a
+retryable 503 (an error event when the stream had started). The next call asks ``resolve`` for the scheduler's
+address again, so clients that retry reach the restarted scheduler. A scheduler that runs but is not ready (no
+replicas yet) answers ``FAILED_PRECONDITION`` after its readiness wait: :class:`BackendNotReadyError`, also a
+retryable 503, with the channel kept. A request refused at admission for its TPOT target comes as
+``RESOURCE_EXHAUSTED`` with a retry-after trailer (from the scheduler or an engine replica alike) and is raised as
+the :class:`SLOUnattainableError` it was there (a 429 with ``Retry-After``). Aborts are best effort: a dead
 scheduler has nothing left to abort.
 
 Metrics stay monotonic across scheduler restarts: every ``Metrics`` reply names the scheduler incarnation whose
@@ -34,7 +41,7 @@ from typing import Any
 import grpc
 
 from cluster import contract
-from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta
+from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta, Resume
 from cluster.rpc import RpcClient, retry_after_s
 from kernels.sampling import SamplingParams
 from scheduler.metrics import MetricsSnapshot, merge_snapshots, snapshot_from_dict
@@ -53,8 +60,12 @@ UNAVAILABLE_CODES = frozenset(
     }
 )
 AddressResolver = Callable[[], Awaitable[str]]
+#: Statuses of a stream cut by its scheduler's death or shutdown, after which it is continued (see the module doc).
+CONTINUE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 #: Deadline of the unary calls (abort, metrics); health checks get less.
 UNARY_TIMEOUT_S = 10.0
+#: How often a cut stream looks for a scheduler to continue on.
+CONTINUE_POLL_S = 0.25
 
 
 class CounterBaseline:
@@ -84,7 +95,9 @@ class RemoteBackend:
     ``address``: the scheduler's ``host:port``, or an async callable returning it (asked again after the
     scheduler was unreachable). ``timeout_s`` is the deadline of one whole stream. ``service``: the gRPC service
     streamed from (the scheduler's, or an engine replica's when the scheduler reads a replica's metrics through
-    this class). ``routed``: ask the scheduler's ``Route`` first (see the module doc).
+    this class). ``routed``: ask the scheduler's ``Route`` first (see the module doc); a stream from an engine
+    replica that dies is not continued. ``continue_timeout_s``: how long a stream cut by its scheduler's loss waits
+    for a scheduler to continue on (only with a resolver: a fixed address is not restarted elsewhere).
     """
 
     def __init__(
@@ -98,6 +111,7 @@ class RemoteBackend:
         resolve_timeout_s: float = 10.0,
         service: str = contract.SCHEDULER,
         routed: bool = False,
+        continue_timeout_s: float = 30.0,
     ) -> None:
         self._resolve = None if isinstance(address, str) else address
         self.address: str | None = address if isinstance(address, str) else None
@@ -115,6 +129,8 @@ class RemoteBackend:
         self._routes: dict[str, str] = {}  # req id -> engine replica address, while it streams from there
         self._releases: set[asyncio.Task[Any]] = set()
         self._counters = CounterBaseline()
+        self._continue_timeout_s = continue_timeout_s
+        self._attempts: dict[str, str] = {}  # req id -> its continuation's id, while a continued stream runs
 
     async def _client(self) -> RpcClient:
         # grpc.aio channels belong to the event loop that created them.
@@ -156,41 +172,84 @@ class RemoteBackend:
             task.add_done_callback(self._closing.discard)
 
     async def generate(
-        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams, resume: Resume | None = None
     ) -> AsyncIterator[GenerateDelta]:
-        request = {"req_id": req_id, "prompt_ids": [int(t) for t in prompt_ids], "params": params.to_dict()}
-        address = await self._route(req_id) if self._routed else None
-        if address is not None:
-            async for delta in self._generate_on(address, request):
-                yield delta
-            return
-        # A scheduler that was restarted is only found again after a failed call: one retry, and only before
-        # any delta was received (nothing reached the client, and the failed attempt died with its scheduler).
-        for attempt in range(2 if self._resolve is not None else 1):
-            received = False
-            try:
-                async for message in self._methods.generate.stream(await self._client(), request):
-                    received = True
-                    yield _delta(message)
+        if self._routed:
+            address = await self._route(req_id)
+            if address is not None:
+                request = contract.generate_request(req_id, prompt_ids, params, resume)
+                async for delta in self._generate_on(address, request):
+                    yield delta
                 return
-            except grpc.aio.AioRpcError as exc:
-                _raise_request_error(exc)
-                if exc.code() not in UNAVAILABLE_CODES:
-                    raise
-                error = self._unreachable(exc)
-                if received or attempt == 1 or exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise error from None
-            except asyncio.CancelledError:
-                # As in abort: grpc.aio raises CancelledError in the calls of a channel closed under them (with
-                # _forget_channel's grace, only one whose calls outlived it); that is a lost scheduler (retryable
-                # 503), not a client disconnect, unless this task itself is being cancelled.
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise
-                self._forget_channel()
-                raise BackendUnavailableError(
-                    "the scheduler is unavailable (its channel was closed); the request can be retried"
-                ) from None
+        seam = StreamSeam(req_id, prompt_ids, params, resume)
+        deadline: float | None = None  # while a cut stream waits for a scheduler to continue on
+        retried = False
+        early = False  # closed or cancelled by the caller, who aborts it (by req_id: see abort)
+        try:
+            while True:
+                received = False
+                error: BackendUnavailableError
+                try:
+                    request = seam.request()
+                    if request["req_id"] != req_id:
+                        self._attempts[req_id] = request["req_id"]
+                    async for message in self._methods.generate.stream(await self._client(), request):
+                        received = True
+                        delta = seam.add(_delta(message))
+                        yield delta
+                        if delta.finished:
+                            return
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    _raise_request_error(exc)
+                    if exc.code() not in UNAVAILABLE_CODES:
+                        raise
+                    error = self._unreachable(exc)
+                    if not seam.tokens:
+                        # A scheduler that was restarted is only found again after a failed call: one retry, and
+                        # only before any delta was received (nothing reached the client, and the failed attempt
+                        # died with its scheduler).
+                        if received or retried or self._resolve is None or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                            raise error from None
+                        retried = True
+                        continue
+                    if self._resolve is None or exc.code() not in CONTINUE_CODES:
+                        raise error from None
+                    if received:
+                        deadline = None  # cut again after it had continued: a new wait
+                except BackendUnavailableError as exc:  # the scheduler's address cannot be found now
+                    if not seam.tokens:
+                        raise
+                    error = exc
+                # Cut after it had streamed tokens: continue it where it was, on a scheduler reachable again.
+                now = asyncio.get_running_loop().time()
+                if deadline is None:
+                    deadline = now + self._continue_timeout_s
+                    logger.info("%s: the scheduler was lost after %d streamed token(s); continuing the stream",
+                                req_id, len(seam.tokens))
+                elif now >= deadline:
+                    raise BackendUnavailableError(
+                        f"{error}; no scheduler could continue the stream within {self._continue_timeout_s:g} s"
+                    ) from None
+                await asyncio.sleep(min(CONTINUE_POLL_S, deadline - now))
+        except GeneratorExit:
+            early = True
+            raise
+        except asyncio.CancelledError:
+            # As in abort: grpc.aio raises CancelledError in the calls of a channel closed under them (with
+            # _forget_channel's grace, only one whose calls outlived it); that is a lost scheduler (retryable
+            # 503), not a client disconnect, unless this task itself is being cancelled.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                early = True
+                raise
+            self._forget_channel()
+            raise BackendUnavailableError(
+                "the scheduler is unavailable (its channel was closed); the request can be retried"
+            ) from None
+        finally:
+            if not early:
+                self._attempts.pop(req_id, None)
 
     async def _route(self, req_id: str) -> str | None:
         """The engine replica the scheduler admitted ``req_id`` to (None: stream from the scheduler itself)."""
@@ -249,6 +308,7 @@ class RemoteBackend:
                 except grpc.aio.AioRpcError as exc:
                     logger.info("abort of %s not delivered (%s): its replica went with it", req_id, exc.code().name)
                 return
+        req_id = self._attempts.pop(req_id, req_id)  # a continued stream runs under its continuation's id
         try:
             await self._methods.abort.acall(await self._client(), {"req_id": req_id}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -285,6 +345,51 @@ class RemoteBackend:
             return await self._methods.model_info.acall(await self._client(), {}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
+
+
+class StreamSeam:
+    """One request's stream as its client received it, and the ``Generate`` request that continues it there.
+
+    Before any token streamed, :meth:`request` is the request itself. After, it is a continuation
+    (:class:`~cluster.backend.Resume`): the prompt followed by every token streamed, ``max_tokens`` less those
+    tokens, the same sampling parameters otherwise, and the counts of tokens and characters the client has, so
+    that the new scheduler streams only what the client has not received and reports usage as for the original
+    request. Each continuation runs under its own request id (``<req_id>+<n>``): a scheduler that still knows the
+    cut attempt (a broken connection, not a death) takes it as another request.
+    """
+
+    def __init__(
+        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams, resume: Resume | None = None
+    ) -> None:
+        self.req_id = req_id
+        self.prompt = [int(t) for t in prompt_ids]
+        self.params = params
+        self.resume = resume
+        self.tokens: list[int] = []  # streamed, in order
+        self.chars = 0  # characters of text streamed
+        self.continuations = 0
+
+    def add(self, delta: GenerateDelta) -> GenerateDelta:
+        """Record a delta passed on to the client; returns it."""
+        self.tokens.extend(delta.token_ids)
+        self.chars += len(delta.text)
+        return delta
+
+    def request(self) -> dict[str, Any]:
+        """The next attempt's ``Generate`` message."""
+        if not self.tokens:
+            return contract.generate_request(self.req_id, self.prompt, self.params, self.resume)
+        remaining = self.params.max_tokens - len(self.tokens)
+        if remaining < 1:  # the last delta says finished: never continued
+            raise BackendUnavailableError("the stream was cut after its last token but before it ended")
+        self.continuations += 1
+        emitted, chars = (self.resume.tokens, self.resume.chars) if self.resume is not None else (0, 0)
+        return contract.generate_request(
+            f"{self.req_id[:120]}+{self.continuations}",
+            [*self.prompt, *self.tokens],
+            replace(self.params, max_tokens=remaining),
+            Resume(emitted + len(self.tokens), chars + self.chars),
+        )
 
 
 def _delta(message: dict[str, Any]) -> GenerateDelta:

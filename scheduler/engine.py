@@ -302,8 +302,23 @@ class SpeculativeEngine:
         self._join_cost_s = 0.0  # moving average of what one joining prompt adds to a round (0: not known yet)
 
     # ----------------------------------------------------------------------------------------------- requests
-    def add_request(self, prompt: Sequence[int], params: SamplingParams, req_id: str | None = None) -> str:
-        """Queue a request; it joins at the next round with free capacity. Raises RequestRejectedError on bad input."""
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        req_id: str | None = None,
+        *,
+        emitted: int = 0,
+        emitted_chars: int = 0,
+    ) -> str:
+        """Queue a request; it joins at the next round with free capacity. Raises RequestRejectedError on bad input.
+
+        A continuation (``emitted`` > 0) resumes a request that an earlier run streamed part of (its scheduler was
+        lost): the last ``emitted`` ids of ``prompt`` are that output, ``emitted_chars`` the characters of its text
+        the client received, and ``params.max_tokens`` counts the tokens still to come. The request then holds
+        the original prompt and the emitted output, as one moved here after a replica failure: its prefill reloads
+        them with the last emitted token as the anchor (nothing sampled twice), usage counts the original prompt
+        and the whole output, and its text and stop strings continue across the seam."""
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self._running or any(r.req_id == req_id for r in self._waiting):
             raise RequestRejectedError(f"request id {req_id!r} is already in use")
@@ -334,13 +349,26 @@ class SpeculativeEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.stop and self.decode is None:
             raise RequestRejectedError("stop strings need a tokenizer; none is configured")
+        if not 0 <= emitted < len(prompt) or emitted_chars < 0:
+            raise RequestRejectedError(
+                f"emitted: {emitted} tokens of a {len(prompt)}-token context cannot be output already streamed"
+            )
+        output = prompt[len(prompt) - emitted :]
+        if emitted:
+            prompt = prompt[: len(prompt) - emitted]
+            params = replace(params, max_tokens=params.max_tokens + emitted)
+        detok = None
+        if self.decode is not None:
+            detok = IncrementalDetokenizer.resumed(self.decode, output, emitted_chars)
         req = RequestState(
             req_id=req_id,
             prompt=prompt,
             params=params,
             stop_ids=stop_ids,
-            detok=IncrementalDetokenizer(self.decode) if self.decode is not None else None,
+            detok=detok,
             stops=StopStringMatcher(params.stop) if params.stop else None,
+            output=output,
+            anchor=output[-1] if output else -1,
             level=level,
         )
         req.metrics.arrival_time = time.perf_counter()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster import contract
-from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta, LocalBackend
+from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta, LocalBackend, Resume
 from cluster.backend_rpc import backend_methods
 from cluster.readiness import IntervalLog, Readiness, ReadinessGate
 from cluster.rpc import Service
@@ -366,18 +366,18 @@ class SchedulerHub:
                 current.active.discard(req_id)
 
     async def generate(
-        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams, resume: Resume | None = None
     ) -> AsyncIterator[GenerateDelta]:
         group = await self._admit(req_id)
         if isinstance(group, EngineReplica):  # relayed from the replica (callers that do not route themselves)
             try:
-                async for delta in group.backend.generate(req_id, prompt_ids, params):
+                async for delta in group.backend.generate(req_id, prompt_ids, params, resume):
                     yield delta
             finally:
                 self.engines.release(req_id)
             return
         try:
-            async for delta in group.backend.generate(req_id, prompt_ids, params):
+            async for delta in group.backend.generate(req_id, prompt_ids, params, resume):
                 yield delta
         finally:
             self._forget(req_id, group)

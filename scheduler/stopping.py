@@ -30,12 +30,27 @@ class IncrementalDetokenizer:
     Byte-level BPE tokens may split a UTF-8 character; a decode that ends in U+FFFD is incomplete and is retried
     once more tokens have arrived. A few tokens of left context (``prefix_offset``) make the decode of the new
     tokens merge exactly as in a full decode (leading-space handling of some tokenizers).
+
+    ``skip``: characters of the coming text that were already emitted elsewhere and are dropped (see
+    :meth:`resumed`).
     """
 
     decode: Decode
     tokens: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
+    skip: int = 0
+
+    @classmethod
+    def resumed(cls, decode: Decode, emitted: Sequence[int], emitted_chars: int) -> IncrementalDetokenizer:
+        """A detokenizer that continues a request whose first tokens ``emitted`` were streamed, with the first
+        ``emitted_chars`` characters of their text, by an earlier run of it (a scheduler that was lost).
+
+        Nothing of ``emitted`` counts as read: the next push decodes them with the new tokens, so the text across
+        the seam (a character split between tokens, a tokenizer's leading-space merge) is what one decode of the
+        whole output gives, and the first ``emitted_chars`` characters of it, which the client has, are dropped.
+        What the earlier run held back (an incomplete character) comes out here."""
+        return cls(decode, [int(t) for t in emitted], skip=emitted_chars)
 
     def push(self, new_tokens: Sequence[int]) -> str:
         """Append tokens; return the newly complete text."""
@@ -47,14 +62,21 @@ class IncrementalDetokenizer:
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.tokens)
-        return delta
+        return self._skipped(delta)
 
     def flush(self) -> str:
         """Text of tokens still pending at the end of the request (an incomplete character is emitted as is)."""
         prefix_text = self.decode(self.tokens[self.prefix_offset : self.read_offset])
         full_text = self.decode(self.tokens[self.prefix_offset :])
         self.read_offset = self.prefix_offset = len(self.tokens)
-        return full_text[len(prefix_text) :]
+        return self._skipped(full_text[len(prefix_text) :])
+
+    def _skipped(self, delta: str) -> str:
+        if not self.skip:
+            return delta
+        cut = min(self.skip, len(delta))
+        self.skip -= cut
+        return delta[cut:]
 
 
 @dataclass

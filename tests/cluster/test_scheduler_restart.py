@@ -1,5 +1,5 @@
-"""The scheduler restarts under load: in-flight HTTP requests fail with a retryable 503, nothing hangs, and the
-ingress reaches the restarted scheduler (new port) for the next request.
+"""The scheduler restarts under load: in-flight HTTP requests continue on the restarted scheduler (new port) with
+nothing sent twice, or past the ingress's bound fail with a retryable 503; nothing hangs.
 
 Real pieces on loopback: drafter and verifier gRPC services over a tiny pair, the scheduler hub's gRPC service,
 the OpenAI app on uvicorn with :class:`RemoteBackend` resolving the scheduler's address like the Serve ingress.
@@ -33,6 +33,7 @@ from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
 from scheduler.hub import SchedulerHub
 from scheduler.sps import SPSTable
+from scheduler.stopping import Decode, tokenizer_decode
 from verify_service.engine import VerifyEngine
 from verify_service.rpc_service import VerifierService
 from verify_service.target import TargetModel
@@ -94,30 +95,31 @@ def replicas(pair: tuple[Path, Path]) -> Iterator[dict[str, Any]]:
         server.stop()
 
 
-def _start_scheduler(replicas: dict[str, Any]) -> tuple[SchedulerHub, ServerThread]:
+def _start_scheduler(replicas: dict[str, Any], decode: Decode | None = None) -> tuple[SchedulerHub, ServerThread]:
     # The hub's deadline on replica calls is generous: the held round must not time out on a loaded machine.
-    hub = SchedulerHub(model_name="m", policy="dspark", decode=None, timeout_s=60.0)
+    hub = SchedulerHub(model_name="m", policy="dspark", decode=decode, timeout_s=60.0)
     hub.register_drafter("d", replicas["drafter"])  # what the replicas' heartbeats do after a restart
     hub.register_verifier("v", replicas["verifier"], SPS)
     replicas["gate"].admitted = lambda: sum(hub.verifier_loads().values())
     return hub, ServerThread([hub.service()])
 
 
-def _backend(where: dict[str, str]) -> RemoteBackend:
+def _backend(where: dict[str, str], continue_timeout_s: float = 60.0) -> RemoteBackend:
     """The ingress' backend: it asks ``where`` for the scheduler's address, like the Serve ingress asks Serve."""
 
     async def resolve() -> str:
-        if where.get("lost"):  # as Serve while it restarts the scheduler: the address is not known for a while
-            await asyncio.sleep(30)
+        while where.get("lost"):  # as Serve while it restarts the scheduler: the address is not known for a while
+            await asyncio.sleep(0.05)
         return where["address"]
 
-    return RemoteBackend(resolve, model_name="m", max_context=127)
+    return RemoteBackend(resolve, model_name="m", max_context=127, continue_timeout_s=continue_timeout_s)
 
 
 def _stream(url: str, max_tokens: int, first_tokens: threading.Event) -> list[dict[str, Any]]:
     """Stream a completion; ``first_tokens`` is set once a chunk with tokens arrived."""
     events = []
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -142,54 +144,88 @@ def _wait_refused(address: str, timeout_s: float = 60.0) -> None:
     raise AssertionError(f"{address} still accepts connections after {timeout_s}s")
 
 
-def test_scheduler_restart_fails_in_flight_requests_with_503_then_serves(replicas: dict[str, Any]) -> None:
-    hub, server = _start_scheduler(replicas)
+def test_streams_cut_by_a_scheduler_restart_continue_on_the_new_one(replicas: dict[str, Any]) -> None:
+    """The scheduler dies while a streamed and a plain completion have emitted tokens: both wait for the new
+    scheduler (new port, found only after a while) and continue there, ending with the uncut greedy output: no
+    token or text twice, usage as for one request, the uncut run's finish reason."""
+    tokenizer = demo_tokenizer()
+    decode = tokenizer_decode(tokenizer)
+    hub, server = _start_scheduler(replicas, decode)
     where = {"address": server.address}
-    app = build_app(_backend(where), demo_tokenizer())
-    expected = replicas["target"].generate([PROMPT], max_new_tokens=12)[0]
+    app = build_app(_backend(where), tokenizer)
+    expected = replicas["target"].generate([PROMPT], max_new_tokens=40)[0]
+    want = {"ids": expected, "text": decode(expected), "usage": {"prompt_tokens": 3, "completion_tokens": 40,
+                                                                  "total_tokens": 43}}
     with serve(app) as url, concurrent.futures.ThreadPoolExecutor(2) as pool:
-        body = {"model": "m", "prompt": PROMPT, "max_tokens": 60, "temperature": 0}
-        plain = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+        plain = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
         first_tokens = threading.Event()
-        streamed = pool.submit(_stream, url, 60, first_tokens)
+        streamed = pool.submit(_stream, url, 40, first_tokens)
         assert replicas["gate"].held.wait(60), "the requests were never both verified"
         assert first_tokens.wait(60), "the stream never received its first tokens"
         where["lost"] = "yes"
-        killed = time.monotonic()
         server.stop(grace_s=None)  # the scheduler process dies with its requests
+        replicas["gate"].released.set()
+        hub.close()
+        # Serve starts a new scheduler (new port); replicas re-register; the old one's requests are released.
+        new_hub, new_server = _start_scheduler(replicas, decode)
+        where["address"] = new_server.address
+        where.pop("lost")
+        try:
+            response = plain.result(timeout=120)
+            assert response.status_code == 200, response.text
+            choice = response.json()["choices"][0]
+            assert choice["token_ids"] == want["ids"] and choice["text"] == want["text"]
+            assert choice["finish_reason"] == "length" and response.json()["usage"] == want["usage"]
+            events = streamed.result(timeout=120)
+            assert not [e for e in events if "error" in e], events
+            chunks = [c for e in events for c in e.get("choices", [])]
+            assert [t for c in chunks for t in c["token_ids"]] == want["ids"]
+            assert "".join(c["text"] for c in chunks) == want["text"]
+            assert chunks[-1]["finish_reason"] == "length" and events[-1]["usage"] == want["usage"]
+            ok = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 12}, timeout=60)
+            assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == expected[:12]
+            _wait_for(lambda: replicas["verify_engine"].num_free_slots == 4, "the verifier's slots to be free")
+        finally:
+            new_server.stop()
+            new_hub.close()
 
-        response = plain.result(timeout=60)
-        assert response.status_code == 503
-        error = response.json()["error"]
-        assert error["type"] == "service_unavailable" and "retried" in error["message"]
+
+def test_a_cut_stream_fails_when_no_scheduler_comes_back_in_time(replicas: dict[str, Any]) -> None:
+    """Past ``continue_timeout_s`` without a scheduler, a cut stream ends with an error event and a plain request
+    with a retryable 503; ``/health`` answers meanwhile; with no scheduler at all a new request is a clear 503."""
+    replicas["gate"].requests = 1
+    hub, server = _start_scheduler(replicas)
+    where = {"address": server.address}
+    app = build_app(_backend(where, continue_timeout_s=2.0), demo_tokenizer())
+    with serve(app) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first_tokens = threading.Event()
+        streamed = pool.submit(_stream, url, 60, first_tokens)
+        assert replicas["gate"].held.wait(60), "the request was never verified"
+        assert first_tokens.wait(60), "the stream never received its first tokens"
+        where["lost"] = "yes"
+        killed = time.monotonic()
+        server.stop(grace_s=None)
+        replicas["gate"].released.set()
+        hub.close()
         events = streamed.result(timeout=60)
-        # Closed at once: a request lost with the scheduler is not aborted (that would wait to find it again).
-        assert time.monotonic() - killed < 5, "the streams were not closed at once"
+        assert time.monotonic() - killed < 30, "the stream was not closed after the bound"
+        assert events[-1]["error"]["code"] == "service_unavailable"
+        assert any(e.get("choices") for e in events[:-1])  # it had streamed tokens before the failure
         probe = time.monotonic()
         down = httpx.get(f"{url}/health", timeout=60)
         assert down.status_code == 503 and "Retry-After" in down.headers
         assert time.monotonic() - probe < 5  # /health answers while the scheduler cannot be found
-        where.pop("lost")
-        assert events[-1]["error"]["code"] == "service_unavailable"
-        assert events[-1]["error"]["type"] == "service_unavailable"
-        assert any(e.get("choices") for e in events[:-1])  # it had streamed tokens before the failure
-
-        # Serve starts a new scheduler (new port); replicas re-register; the old one's requests are released.
-        replicas["gate"].released.set()
-        hub.close()
-        new_hub, new_server = _start_scheduler(replicas)
+        new_hub, new_server = _start_scheduler(replicas)  # a scheduler that comes back later serves new requests
         where["address"] = new_server.address
+        where.pop("lost")
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
         try:
-            ok = httpx.post(f"{url}/v1/completions", timeout=60,
-                            json={"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
-                                  "return_token_ids": True})
-            assert ok.status_code == 200, ok.text
-            assert ok.json()["choices"][0]["token_ids"] == expected
-            assert replicas["verify_engine"].num_free_slots == 4
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+            _wait_for(lambda: replicas["verify_engine"].num_free_slots == 4, "the verifier's slots to be free")
         finally:
             new_server.stop()
             new_hub.close()
-        # No scheduler at all: a clear 503, not a hang.
         down = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert down.status_code == 503 and down.json()["error"]["type"] == "service_unavailable"
 

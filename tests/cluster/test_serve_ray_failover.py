@@ -90,7 +90,8 @@ def _deploy() -> Iterator[str]:
         "scheduler": {"request_groups": 2},
         "draft_pool": {"resource": "draft_pool", "num_cpus": 0.5},
         "verify_pool": {"resource": "verify_pool", "num_cpus": 0.5},
-        "network": {"grpc_timeout_s": 20, "grpc_token": "test-data-plane-token"},
+        # A stream cut by the scheduler's death waits this long for its replacement (slow starts on 2 loaded cores).
+        "network": {"grpc_timeout_s": 20, "grpc_token": "test-data-plane-token", "readiness_timeout_s": 120},
     }
     overrides = {"Ingress": {"ray_actor_options": {"num_cpus": 0.2}},
                  "Scheduler": {"ray_actor_options": {"num_cpus": 0.2}},
@@ -186,3 +187,72 @@ def test_a_killed_scheduler_is_replaced_and_relearns_every_replica(served: str) 
     response = httpx.post(f"{served}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == want
+
+
+def _scheduler_process() -> int:
+    """The PID of the Scheduler replica's process: the descendant of this test process (it started the local
+    cluster) titled as Serve titles its replicas, as ``bench/fault_inject.py`` finds the one to kill."""
+    import psutil  # Ray's vendored copy: importing ray put it on the path
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.cmdline()[:1] and child.cmdline()[0].startswith("ray::ServeReplica:dspark:Scheduler"):
+                found.append(child.pid)
+        except psutil.Error:
+            continue
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_streams_continue_when_the_scheduler_process_is_killed_mid_stream(served: str) -> None:
+    """SIGKILL of the scheduler replica's process while greedy completions stream: every stream waits for the
+    replacement and continues there, ending with the target's greedy text (nothing sent twice, nothing lost), the
+    finish reason of an uncut run and usage counting the original prompt and every completion token."""
+    import os
+    import signal
+
+    from transformers import AutoTokenizer
+
+    from verify_service.target import TargetModel
+
+    prompts, max_tokens = PROMPTS[:4], 200
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    prompt_ids = [tokenizer(p).input_ids for p in prompts]
+    expected = [tokenizer.decode(ids, skip_special_tokens=True)
+                for ids in TargetModel.from_pretrained(DEMO_TARGET).generate(prompt_ids, max_new_tokens=max_tokens)]
+    received = [0] * len(prompts)
+    after_kill = [0] * len(prompts)
+    killed = threading.Event()
+    lock = threading.Lock()
+
+    def client(i: int) -> list[dict]:
+        body = {"model": "dspark-demo", "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        events = []
+        with httpx.stream("POST", f"{served}/v1/completions", json=body, timeout=300) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[len("data: "):]))
+                    with lock:
+                        received[i] += 1
+                        after_kill[i] += killed.is_set()
+        return events
+
+    victim = _scheduler_process()
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(client, i) for i in range(len(prompts))]
+        _wait(lambda: all(n >= 2 for n in received), 120, "every client to receive text")
+        killed.set()
+        os.kill(victim, signal.SIGKILL)
+        results = [f.result(timeout=300) for f in futures]
+    assert all(after_kill), f"a stream was not in flight at the kill: {after_kill}"
+    for events, want, ids in zip(results, expected, prompt_ids, strict=True):
+        assert not [e for e in events if "error" in e], [e for e in events if "error" in e]
+        chunks = [c for e in events for c in e.get("choices", [])]
+        assert "".join(c["text"] for c in chunks) == want
+        assert chunks[-1]["finish_reason"] == "length"
+        assert events[-1]["usage"] == {"prompt_tokens": len(ids), "completion_tokens": max_tokens,
+                                       "total_tokens": len(ids) + max_tokens}
+    _wait(lambda: _topology() == {"drafters": 1, "verifiers": 2}, 120, "every replica to register again")

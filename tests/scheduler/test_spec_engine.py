@@ -229,3 +229,54 @@ def test_sampled_tokens_follow_the_target_distribution(
     assert chi_square_p_value(np.bincount(tokens[:, 0], minlength=vocab), p1.numpy()) > 1e-3
     assert chi_square_p_value(np.bincount(tokens[:, 1], minlength=vocab), marginal2) > 1e-3
     assert chi_square_p_value(np.bincount(tokens[:, 2], minlength=vocab), marginal3) > 1e-3
+
+
+def test_a_continuation_resumes_a_cut_request_with_no_token_or_text_twice(random_pair: tuple[Path, Path]) -> None:
+    """A request cut after some rounds (its scheduler lost) and submitted again as a continuation (prompt + the
+    tokens streamed, ``emitted`` = their count, ``emitted_chars`` = the text the client got, ``max_tokens`` less
+    them) streams exactly the rest of the uncut output: tokens, text across a stop string that spans the seam,
+    and usage as for the original request."""
+    target_dir, draft_dir = random_pair
+    engine, target = _engines(target_dir, draft_dir, "dspark")
+    prompt = [5, 17, 33, 2, 90]
+    reference = target.generate([prompt], max_new_tokens=40)[0]
+
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(ord("A") + t % 26) for t in ids)
+
+    engine.decode = decode
+    full_text = decode(reference)
+    stop = full_text[14:18]
+    start = full_text.index(stop)
+    want_text = full_text[:start]
+    seams = set()
+    # Cut before the stop string, and inside it (its start held back from the client).
+    for at in (1, start + 1, start + 2, start + 3):
+        params = SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,))
+        cut = engine.add_request(prompt, params, req_id=f"cut-{at}")
+        tokens, text = [], ""
+        while len(tokens) < at:
+            for out in engine.step():
+                tokens += out.new_token_ids
+                text += out.new_text
+                assert not out.finished
+        engine.abort(cut)  # the scheduler died with it
+        assert tokens == reference[: len(tokens)] and want_text.startswith(text)
+        seams.add(len(tokens) - len(text))
+        rest = SamplingParams(temperature=0.0, max_tokens=40 - len(tokens), stop=(stop,))
+        engine.add_request([*prompt, *tokens], rest, f"continued-{at}", emitted=len(tokens),
+                           emitted_chars=len(text))
+        new_tokens, new_text, last = [], "", None
+        while engine.has_unfinished():
+            for out in engine.step():
+                new_tokens += out.new_token_ids
+                new_text += out.new_text
+                last = out
+        assert last is not None and last.finished and last.finish_reason is FinishReason.STOP
+        assert tokens + new_tokens == reference[: len(tokens) + len(new_tokens)]
+        assert text + new_text == want_text
+        assert (last.num_prompt_tokens, last.num_output_tokens) == (len(prompt), len(tokens) + len(new_tokens))
+    assert seams > {0}, "no cut fell inside the stop string"
+    assert engine.verify.num_free_slots == 8 and engine.draft.num_free_slots == 8
+    with pytest.raises(RequestRejectedError, match="emitted"):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4), emitted=len(prompt))

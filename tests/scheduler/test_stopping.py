@@ -52,3 +52,20 @@ def test_incremental_detokenizer_with_split_utf8() -> None:
     det = IncrementalDetokenizer(decode)
     out = "".join(det.push([b]) for b in data) + det.flush()
     assert out == text
+
+
+def test_a_resumed_detokenizer_continues_the_text_across_the_seam() -> None:
+    """A stream cut after any byte (mid-character too) and resumed from the bytes and the characters the client
+    got gives the whole text once: nothing repeated, nothing lost."""
+    text = "héllo wörld ✓ done"
+    data = list(text.encode())
+
+    def decode(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    for cut in range(1, len(data)):
+        first = IncrementalDetokenizer(decode)
+        sent = "".join(first.push([b]) for b in data[:cut])  # what the client received before the cut
+        resumed = IncrementalDetokenizer.resumed(decode, data[:cut], len(sent))
+        rest = "".join(resumed.push([b]) for b in data[cut:]) + resumed.flush()
+        assert sent + rest == text, cut
