@@ -16,8 +16,8 @@ SERVER = """
 import threading
 from cluster.serve_cmd import install_stop_signals
 install_stop_signals()
-print("ready", flush=True)
 try:
+    print("ready", flush=True)  # inside the try: the signal may land right after the line is out
     threading.Event().wait()
 except KeyboardInterrupt:
     print("stopping gracefully", flush=True)
