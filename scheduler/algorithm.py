@@ -62,6 +62,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul, truediv
@@ -517,3 +518,104 @@ def greedy_path(
         theta=theta.copy(),
         stop=early_stop(theta, ws),
     )
+
+
+# Above this many items a round's packed sort key keeps fewer than 52 - 12 survival bits, and the float order of
+# schedule_lengths_rounds could differ from it beyond what its near-tie check sees: such rounds walk one by one.
+_ROUNDS_MAX_ITEMS = 1 << 12
+
+
+_round_factor_cache: dict[tuple[object, ...], np.ndarray] = {}
+
+
+def _round_factors(
+    table_for: Callable[[int], SPSTable], draft_cost: DraftCost | None, width: int, gamma: int
+) -> np.ndarray:
+    """[width + 1, width * gamma + 1]: row R holds the walk's factors of a round of R requests (walk_prices), then
+    0 (plain objective) or infinity (draft cost) past its last batch size, where no step can improve Theta."""
+    key = (table_for, draft_cost, width, gamma)
+    factors = _round_factor_cache.get(key)
+    if factors is None:
+        if len(_round_factor_cache) >= 64:
+            _round_factor_cache.clear()
+        factors = np.full((width + 1, width * gamma + 1), 0.0 if draft_cost is None else np.inf)
+        for count in range(1, width + 1):
+            factor = walk_prices(table_for(count), draft_cost, count, gamma).factor
+            factors[count, : factor.size] = factor
+        factors.flags.writeable = False
+        _round_factor_cache[key] = factors
+    return factors
+
+
+def schedule_lengths_rounds(
+    confidences: np.ndarray,
+    num_requests: np.ndarray,
+    table_for: Callable[[int], SPSTable],
+    *,
+    draft_cost: DraftCost | None = None,
+) -> np.ndarray:
+    """Algorithm 1 on a stack of independent rounds at once: the same decision as :func:`schedule_lengths` for
+    every round, in one vectorised walk (a simulator's many small rounds: the fixed cost of the walk's numpy calls
+    is paid once for all of them).
+
+    ``confidences`` [N, R, gamma]: round k's requests are rows ``0 .. num_requests[k] - 1`` (the rows past them
+    are padding, ignored); ``table_for(R)``: the SPS table that prices a round of R requests. Returns l [N, R]
+    (int64, zero on padding): ``l[k, :R_k] == schedule_lengths(confidences[k, :R_k], table_for(R_k),
+    draft_cost=draft_cost)`` bit for bit (tests/scheduler/test_sched_rounds.py).
+
+    How it stays the same decision: the survival products and tau are the same IEEE operations in the same
+    order (products along each row, tau summed sequentially along the walk, Theta = tau * or / the round's own
+    factors), and the early stop is the first step that does not improve Theta. Padding has zero survival, so it
+    sorts after every positive item and, like any zero survival, never improves Theta (SPS is non-increasing in B,
+    the draft cost non-decreasing; past a round's last batch size the factor is 0 or infinite): the walk of round
+    k stops at or before its n_pos, as its own walk does. The order is a stable sort of the survivals, descending,
+    with equal ones by flat index j * R + r (the padded index j * R_max + r orders the real items alike): the
+    packed key's order (:func:`walk_order`) unless two unequal neighbours lie within 1 + 2^-40 of each other
+    (the argument of :func:`scalar_round`, valid for keys of up to 2^12 items); such rounds, and larger ones, walk
+    alone through :func:`schedule_lengths`. The fast path (:func:`every_step_improves`) is not taken: it is a
+    shortcut to the walk's own answer.
+    """
+    conf = np.asarray(confidences)
+    if conf.ndim != 3:
+        raise ValueError(f"confidences must have shape [rounds, R, gamma], got shape {conf.shape}")
+    rounds, width, gamma = conf.shape
+    counts = np.asarray(num_requests, dtype=np.int64)
+    if counts.shape != (rounds,) or (rounds and (int(counts.min()) < 0 or int(counts.max()) > width)):
+        raise ValueError(f"num_requests must give 0 <= R <= {width} for each of the {rounds} rounds")
+    lengths = np.zeros((rounds, width), dtype=np.int64)
+    if rounds == 0 or width == 0 or gamma == 0:
+        return lengths
+    real = np.arange(width)[None, :] < counts[:, None]  # [N, R]: not padding
+    if not (_minimum(conf, axis=None) >= 0 and _maximum(conf, axis=None) <= 1):  # NaN fails both
+        validate_confidences(conf[real])  # raises unless the offending values are padding
+    survival = np.multiply.accumulate(np.where(real[:, :, None], conf, 0.0), axis=2)  # along each request's row
+    np.copyto(survival, 0.0, where=survival < _TINY)
+    n = width * gamma
+    flat = np.ascontiguousarray(survival.transpose(0, 2, 1)).reshape(rounds, n)  # index j * R + r, as the walk's
+    order = np.argsort(-flat, axis=1, kind="stable")
+    order += np.arange(0, rounds * n, n)[:, None]  # flat indices into the whole stack
+    ranked = flat.ravel()[order]
+    upper, lower = ranked[:, :-1], ranked[:, 1:]
+    near = (lower > 0) & (upper != lower) & (upper <= lower * _NEAR_TIE)
+    alone = near.any(axis=1) | (counts * gamma > _ROUNDS_MAX_ITEMS)
+    theta = np.empty((rounds, n + 1))
+    theta[:, 0] = counts
+    theta[:, 1:] = ranked
+    np.add.accumulate(theta, axis=1, out=theta)  # tau_n, sequentially along each round's walk
+    factors = _round_factors(table_for, draft_cost, width, gamma)[counts]
+    if draft_cost is not None:
+        np.divide(theta, factors, out=theta)
+    else:
+        np.multiply(theta, factors, out=theta)
+    improving = theta[:, 1:] > theta[:, :-1]
+    improving &= np.arange(n)[None, :] < _add(ranked > 0, axis=1)[:, None]  # the walk ends at its last positive item
+    stop = improving.argmin(axis=1)
+    stop[improving[np.arange(rounds), stop]] = n  # every step improved
+    rank = np.empty(rounds * n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    admitted = (rank.reshape(rounds, n) < stop[:, None]).reshape(rounds, gamma, width)
+    _add(admitted, axis=1, dtype=np.int64, out=lengths)
+    for k in np.flatnonzero(alone).tolist():
+        count = int(counts[k])
+        lengths[k, :count] = schedule_lengths(conf[k, :count], table_for(count), draft_cost=draft_cost)
+    return lengths
