@@ -44,6 +44,7 @@ from scheduler.admission import draft_caps
 from scheduler.policy import make_policy
 
 _DRAFT_DONE, _ROUND_END, _TICK, _READY, _WAKE = 0, 1, 2, 3, 4
+_SAFE = 1.0 - 1e-6  # a round's lower bound on its duration, less a margin far above the rounding of its end time
 
 
 class SimulationError(ValueError):
@@ -196,6 +197,28 @@ class Simulation:
             self.row: list[int] = row.tolist()
             self.row_end: list[int] = row_end.tolist()
         self.queue = EventQueue()
+        # Batched rounds (:meth:`_flush`): replicas that run their rounds on their own GPU (colocated, one request
+        # group) with a policy that decides every round alone. Per request state then lives in numpy arrays.
+        self.batched = (
+            self.colocated
+            and spec.groups == 1
+            and bool(getattr(prototype, "decides_rounds_alone", False))
+            and 2 * self.hop + costs.round_overhead_s > 0
+        )
+        self._pending: list[tuple[RoundDriver, float]] = []
+        self._deadline = math.inf
+        self._clock = 0.0
+        self._lower_s: dict[tuple[int, bool], float] = {}
+        if self.batched:
+            self._emitted = np.zeros(n, dtype=np.int64)
+            self._rounds = np.zeros(n, dtype=np.int64)
+            self._outputs = np.array(self.output_tokens, dtype=np.int64)
+            self._inputs = np.array(self.inputs, dtype=np.int64)
+            if trace is not None:
+                self._row = np.array(self.row, dtype=np.int64)
+                self._row_end = np.array(self.row_end, dtype=np.int64)
+                self._confidences = trace.confidences
+                self._accepted_rows = trace.accepted.astype(np.int64)
         self.router = Router(self.colocated, self.uses_drafter, spec.groups)
         self.verifiers: list[VerifierReplica] = []
         self.drafters: list[DrafterReplica] = []
@@ -429,24 +452,7 @@ class Simulation:
             if outputs[i] <= 1:
                 finished.append(i)
         replica = driver.replica
-        freed_drafter = False
-        if finished:
-            self._advance(now)
-            self._in_system -= len(finished)
-            gone = set(finished)
-            driver.members = [m for m in driver.members if m not in gone]
-            for i in finished:
-                self.finish_s[i] = now
-                self._release(now)
-                self.router.left(replica)
-                d = self.drafter_of[i]
-                if d >= 0:
-                    drafter = self.drafters[d]
-                    drafter.held -= 1
-                    freed_drafter = True
-                    self._remove_if_done(drafter, now)
-            replica.running -= len(finished)
-            self._remove_if_done(replica, now)
+        freed_drafter = self._finish(driver, finished, now) if finished else False
         observe = driver.observe
         if observe is not None and verified:
             observe(
@@ -459,6 +465,209 @@ class Simulation:
                     self._start_round(other, now)
             if freed_drafter and self._starved:
                 self._wake_starved(now)
+
+    def _finish(self, driver: RoundDriver, finished: list[int], now: float) -> bool:
+        """Requests of ``driver``'s round that ended at ``now`` with their last token: they leave the system and
+        free their slots. Returns whether a drafter slot freed."""
+        replica = driver.replica
+        freed_drafter = False
+        self._advance(now)
+        self._in_system -= len(finished)
+        gone = set(finished)
+        driver.members = [m for m in driver.members if m not in gone]
+        for i in finished:
+            self.finish_s[i] = now
+            self._release(now)
+            self.router.left(replica)
+            d = self.drafter_of[i]
+            if d >= 0:
+                drafter = self.drafters[d]
+                drafter.held -= 1
+                freed_drafter = True
+                self._remove_if_done(drafter, now)
+        replica.running -= len(finished)
+        self._remove_if_done(replica, now)
+        return freed_drafter
+
+    # ------------------------------------------------------------------------------------- batched rounds
+    def _batched_start(self, driver: RoundDriver, now: float) -> None:
+        """:meth:`_start_round` of a batched run: the same admission, and the round joins the pending ones,
+        whose lengths, timings and outcomes :meth:`_flush` decides together."""
+        replica = driver.replica
+        joined = self.router.admit(driver)
+        verified = driver.members
+        if joined:
+            self._advance(now)
+            self._waiting -= len(joined)
+            admit_s, drafter_of = self.admit_s, self.drafter_of
+            for i, drafter in joined:
+                admit_s[i] = now
+                if drafter is not None:
+                    drafter_of[i] = drafter.index
+            replica.running += len(joined)
+            admitted = [i for i, _ in joined]
+            driver.members = verified + admitted
+        elif not verified:
+            driver.idle = True
+            return
+        else:
+            admitted = []
+        driver.idle = False
+        drafting = self.uses_drafter and bool(verified)
+        driver.verified, driver.admitted, driver.drafting = verified, admitted, drafting
+        count = len(verified)
+        costs = self.costs
+        driver.host_s = host = (costs.host_drafted if drafting else costs.host_plain)(count + len(admitted))
+        self._pending.append((driver, now))
+        lower = self._lower_s.get((count, drafting))
+        if lower is None:
+            requests = max(count, 1)
+            lower = 2 * self.hop + costs.round_overhead_s + costs.verify_s(requests, requests)
+            if drafting:
+                lower += 2 * self.hop + costs.draft(count)
+            self._lower_s[(count, drafting)] = lower
+        deadline = now + (lower + host) * _SAFE
+        if deadline < self._deadline:
+            self._deadline = deadline
+
+    def _flush(self) -> None:
+        """Decide the pending rounds: their lengths (the policy's ``lengths_of_rounds``, one vectorised walk
+        for all of them), accepted tokens, GPU steps and end times, and what their ends will do.
+
+        Why this is the same run as round by round: a pending round's outcome depends only on its own requests'
+        state at its start (recorded rows, emitted tokens; the policy learns nothing from earlier rounds, and the
+        replica's GPU runs no one else's steps), which nothing changes before the round ends; its state updates
+        touch only its own requests, read by nothing but their next round. The run loop flushes before it
+        handles any event at or after the earliest time a pending round could end (``_deadline``), so every
+        round end is on the queue before its time comes, and events happen in the same order."""
+        pending, self._pending, self._deadline = self._pending, [], math.inf
+        costs, hop = self.costs, self.hop
+        emitted, outputs, inputs = self._emitted, self.output_tokens, self.inputs
+        size = len(pending)
+        drafted = [k for k, (driver, _) in enumerate(pending) if driver.drafting]
+        tokens = [0] * size
+        for driver, _ in pending:
+            driver.finishing = driver.moving = None
+        if drafted:
+            width = max(len(pending[k][0].verified) for k in drafted)
+            index: list[int] = []
+            counts = []
+            for k in drafted:
+                verified = pending[k][0].verified
+                index += verified
+                if len(verified) < width:
+                    index += [verified[0]] * (width - len(verified))  # padding: any request, its values unused
+                counts.append(len(verified))
+            members = np.array(index, dtype=np.int64).reshape(len(drafted), width)
+            count_array = np.array(counts, dtype=np.int64)
+            real = np.arange(width)[None, :] < count_array[:, None]
+            e = emitted[members]
+            o = self._outputs[members]
+            caps = draft_caps(o - e, self._inputs[members] + e - 1, self.spec.max_seq_len, self.block)
+            rows = self._row[members]
+            lengths = self._prototype.lengths_of_rounds(self._confidences[rows], caps, count_array)
+            accepted = np.minimum(self._accepted_rows[rows], lengths)
+            for k, value in zip(drafted, (count_array + lengths.sum(axis=1)).tolist(), strict=True):
+                tokens[k] = value
+            e += accepted + 1  # accepted + 1 tokens, at most what it still needs
+            np.minimum(e, o, out=e)
+            finished = (e >= o) & real
+            rows += 1  # the next recorded round of its prompt; one whose prompt ran out continues with another
+            moved = (rows >= self._row_end[members]) & real
+            chosen = members[real]
+            emitted[chosen] = e[real]
+            self._rounds[chosen] += 1
+            self._row[chosen] = rows[real]
+            if finished.any():
+                for k, i in zip(*np.nonzero(finished), strict=True):  # round by round, in member order
+                    driver = pending[drafted[k]][0]
+                    if driver.finishing is None:
+                        driver.finishing = []
+                    driver.finishing.append(int(members[k, i]))
+            if moved.any():
+                for k, i in zip(*np.nonzero(moved), strict=True):
+                    driver = pending[drafted[k]][0]
+                    if driver.moving is None:
+                        driver.moving = []
+                    driver.moving.append(int(members[k, i]))
+        starts = []
+        steps = []
+        drafts = []
+        for k, (driver, start) in enumerate(pending):
+            starts.append(start)
+            count = len(driver.verified)
+            if driver.drafting:
+                drafts.append(costs.draft(count))
+            else:
+                drafts.append(0.0)
+                tokens[k] = count
+                for i in driver.verified:  # plain rounds: one token each
+                    e_i = int(emitted[i]) + 1
+                    emitted[i] = e_i
+                    self._rounds[i] += 1
+                    if e_i >= outputs[i]:
+                        if driver.finishing is None:
+                            driver.finishing = []
+                        driver.finishing.append(i)
+            admitted = driver.admitted
+            prompt = 0
+            if admitted:
+                prompt = sum([inputs[i] for i in admitted])
+                for i in admitted:
+                    emitted[i] = 1
+                    if outputs[i] <= 1:
+                        if driver.finishing is None:
+                            driver.finishing = []
+                        driver.finishing.append(i)
+            steps.append(costs.verify_s(max(count, 1), max(tokens[k], 1)) + costs.prefill_s(prompt))
+        gpus = [driver.replica.gpu for driver, _ in pending]
+        free = np.array([gpu.free_at for gpu in gpus])
+        busy = np.array([gpu.busy_s for gpu in gpus])
+        draft = np.array(drafts)
+        step = np.array(steps)
+        drafting = np.array([driver.drafting for driver, _ in pending], dtype=bool)
+        # Gpu.run on the replica's own GPU, as the round's steps reach it: the draft step, then the verify step
+        # two hops after the draft ends (a plain round: the verify step at once).
+        arrival = np.array(starts) + hop
+        begin = np.where(arrival > free, arrival, free)
+        done = begin + draft
+        verify_arrival = (done + hop) + hop
+        end = np.where(drafting, np.where(verify_arrival > done, verify_arrival, done), begin) + step
+        busy = np.where(drafting, busy + draft, busy) + step
+        host = np.array([driver.host_s for driver, _ in pending])
+        round_end = ((end + hop) + host) + costs.round_overhead_s
+        if size and float(round_end.min()) < self._clock:
+            raise RuntimeError("a batched round ended before an event already handled (a bound on round times is wrong)")
+        push = self.queue.push
+        for gpu, (driver, _), free_at, busy_s, at in zip(
+            gpus, pending, end.tolist(), busy.tolist(), round_end.tolist(), strict=True
+        ):
+            gpu.free_at = free_at
+            gpu.busy_s = busy_s
+            push(at, _ROUND_END, driver)
+
+    def _batched_end(self, driver: RoundDriver, now: float) -> None:
+        """:meth:`_end_round` of a batched run: the tokens were counted when the round was decided; what is left
+        happens now, in event order (a new recorded prompt for requests whose prompt ran out, first tokens,
+        finished requests), then the next round starts."""
+        self.total_rounds += 1
+        self.drafted_rounds += driver.drafting
+        moving = driver.moving
+        if moving:
+            starts, ends = self.trace.row_ranges(len(moving), self.rng)  # type: ignore[union-attr]
+            self._row[moving] = starts
+            self._row_end[moving] = ends
+        first_s = self.first_s
+        for i in driver.admitted:
+            first_s[i] = now
+        finished = driver.finishing
+        if finished:
+            self._finish(driver, finished, now)
+        self._batched_start(driver, now)
+        if finished:
+            for other in driver.replica.drivers:
+                if other.idle:
+                    self._batched_start(other, now)
 
     # ---------------------------------------------------------------------------------------- autoscaling
     def _tick(self, now: float) -> None:
@@ -518,19 +727,30 @@ class Simulation:
         bar = tqdm(total=max(1, math.ceil(horizon)), unit="sim s", disable=not progress, desc="simulate")
         shown = 0
         now = 0.0
-        while nxt < n or len(queue):
+        batched, pending = self.batched, self._pending
+        end_round = self._batched_end if batched else self._end_round
+        start_round = self._batched_start if batched else self._start_round
+        while nxt < n or len(queue) or self._pending:
+            if batched and self._pending:
+                upcoming = queue.next_time()
+                if nxt < n and arrival[nxt] < upcoming:
+                    upcoming = arrival[nxt]
+                if upcoming >= self._deadline:  # a pending round may end first: decide them all now
+                    self._flush()
+                    continue
             if nxt < n and arrival[nxt] <= queue.next_time():
-                now = arrival[nxt]
+                now = self._clock = arrival[nxt]
                 self._arrive(nxt, now)
                 nxt += 1
                 continue
             now, kind, payload = queue.pop()
+            self._clock = now
             if kind == _ROUND_END:
-                self._end_round(payload, now)
+                end_round(payload, now)
             elif kind == _DRAFT_DONE:
                 self._verify(payload, now)
             elif kind == _WAKE:
-                self._start_round(payload, now)
+                start_round(payload, now)
             elif kind == _TICK:
                 self._tick(now)
                 if nxt < n or self._in_system:
@@ -544,6 +764,9 @@ class Simulation:
         bar.close()
         self._advance(now)
         end = now
+        if batched:
+            self.emitted = self._emitted.tolist()
+            self.rounds = self._rounds.tolist()
 
         def held(replicas: list[VerifierReplica] | list[DrafterReplica]) -> float:
             return sum((r.removed_s if r.removed_s is not None else end) - r.created_s for r in replicas)
