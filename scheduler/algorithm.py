@@ -522,6 +522,7 @@ def greedy_path(
 
 # Above this many items a round's packed sort key keeps fewer than 52 - 12 survival bits, and the float order of
 # schedule_lengths_rounds could differ from it beyond what its near-tie check sees: such rounds walk one by one.
+# The check itself: neighbours of the walk whose float64 bits differ by less than this.
 _ROUNDS_MAX_ITEMS = 1 << 12
 
 
@@ -568,36 +569,107 @@ def schedule_lengths_rounds(
     factors), and the early stop is the first step that does not improve Theta. Padding has zero survival, so it
     sorts after every positive item and, like any zero survival, never improves Theta (SPS is non-increasing in B,
     the draft cost non-decreasing; past a round's last batch size the factor is 0 or infinite): the walk of round
-    k stops at or before its n_pos, as its own walk does. The order is a stable sort of the survivals, descending,
-    with equal ones by flat index j * R + r (the padded index j * R_max + r orders the real items alike): the
-    packed key's order (:func:`walk_order`) unless two unequal neighbours lie within 1 + 2^-40 of each other
-    (the argument of :func:`scalar_round`, valid for keys of up to 2^12 items); such rounds, and larger ones, walk
-    alone through :func:`schedule_lengths`. The fast path (:func:`every_step_improves`) is not taken: it is a
-    shortcut to the walk's own answer.
+    k stops at or before its n_pos, as its own walk does. The walk's order is the survivals sorted descending,
+    equal ones by flat index j * R + r (the padded index j * R_max + r orders the real items alike): the packed
+    key's order (:func:`walk_order`) unless two unequal neighbours have float64 bits closer than 2^12 (the key
+    keeps all but its <= 12 index bits of them; the argument of :func:`scalar_round`); such rounds, and rounds
+    of more than 2^12 items, walk alone through :func:`schedule_lengths`. The fast path
+    (:func:`every_step_improves`) is not taken: it is a shortcut to the walk's own answer.
     """
     conf = np.asarray(confidences)
     if conf.ndim != 3:
         raise ValueError(f"confidences must have shape [rounds, R, gamma], got shape {conf.shape}")
     rounds, width, gamma = conf.shape
-    counts = np.asarray(num_requests, dtype=np.int64)
-    if counts.shape != (rounds,) or (rounds and (int(counts.min()) < 0 or int(counts.max()) > width)):
-        raise ValueError(f"num_requests must give 0 <= R <= {width} for each of the {rounds} rounds")
-    lengths = np.zeros((rounds, width), dtype=np.int64)
+    counts = _round_counts(num_requests, rounds, width)
     if rounds == 0 or width == 0 or gamma == 0:
-        return lengths
+        return np.zeros((rounds, width), dtype=np.int64)
     real = np.arange(width)[None, :] < counts[:, None]  # [N, R]: not padding
     if not (_minimum(conf, axis=None) >= 0 and _maximum(conf, axis=None) <= 1):  # NaN fails both
         validate_confidences(conf[real])  # raises unless the offending values are padding
-    survival = np.multiply.accumulate(np.where(real[:, :, None], conf, 0.0), axis=2)  # along each request's row
-    np.copyto(survival, 0.0, where=survival < _TINY)
-    n = width * gamma
-    flat = np.ascontiguousarray(survival.transpose(0, 2, 1)).reshape(rounds, n)  # index j * R + r, as the walk's
-    order = np.argsort(-flat, axis=1, kind="stable")
-    order += np.arange(0, rounds * n, n)[:, None]  # flat indices into the whole stack
-    ranked = flat.ravel()[order]
-    upper, lower = ranked[:, :-1], ranked[:, 1:]
-    near = (lower > 0) & (upper != lower) & (upper <= lower * _NEAR_TIE)
-    alone = near.any(axis=1) | (counts * gamma > _ROUNDS_MAX_ITEMS)
+    survival = np.multiply.accumulate(conf, axis=2)  # along each request's row, [N, R, gamma]
+    if _minimum(survival, axis=None) < _TINY:
+        np.copyto(survival, 0.0, where=survival < _TINY)
+    grid = np.where(real[:, None, :], survival.transpose(0, 2, 1), 0.0)  # [N, gamma, R]: flat index j * R + r
+    lengths = _walk_rounds(grid, counts, table_for, draft_cost)
+    for k in np.flatnonzero(lengths[:, 0] < 0).tolist():  # near ties: walk alone
+        count = int(counts[k])
+        lengths[k] = 0
+        lengths[k, :count] = schedule_lengths(conf[k, :count], table_for(count), draft_cost=draft_cost)
+    return lengths
+
+
+class RecordedConfidences:
+    """Confidences of recorded rounds, ``table`` [rows, gamma] (validated), with their survival probabilities
+    computed once (the walk's own products, flushed below 2^-960 alike): rounds that replay rows of it, such as
+    a simulator's, need no products per round (:func:`schedule_recorded_rounds`)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = validate_confidences(np.asarray(table, dtype=np.float64))
+        survival = np.multiply.accumulate(self.table, axis=1)
+        np.copyto(survival, 0.0, where=survival < _TINY)
+        self.survival = survival
+
+    @property
+    def gamma(self) -> int:
+        return int(self.table.shape[1])
+
+
+def schedule_recorded_rounds(
+    recorded: RecordedConfidences,
+    rows: np.ndarray,
+    max_lengths: np.ndarray,
+    num_requests: np.ndarray,
+    table_for: Callable[[int], SPSTable],
+    *,
+    draft_cost: DraftCost | None = None,
+) -> np.ndarray:
+    """:func:`schedule_lengths_rounds` of rounds whose confidences are rows of ``recorded``: round k's request r
+    drafted the block of row ``rows[k, r]``, its confidences zeroed from position ``max_lengths[k, r]`` on (its
+    cap, as :mod:`scheduler.policy` zeroes them). The same lengths as ``schedule_lengths_rounds(capped
+    confidences, ...)``: a survival past the cap is a product with a zero, 0 (tests/scheduler/test_sched_rounds.py).
+    """
+    rounds, width = rows.shape
+    counts = _round_counts(num_requests, rounds, width)
+    gamma = recorded.gamma
+    if rounds == 0 or width == 0 or gamma == 0:
+        return np.zeros((rounds, width), dtype=np.int64)
+    caps = np.where(np.arange(width)[None, :] < counts[:, None], max_lengths, 0)  # padding: nothing to verify
+    grid = np.where(  # [N, gamma, R]: flat index j * R + r
+        np.arange(gamma)[None, :, None] < caps[:, None, :], recorded.survival[rows].transpose(0, 2, 1), 0.0
+    )
+    lengths = _walk_rounds(grid, counts, table_for, draft_cost)
+    for k in np.flatnonzero(lengths[:, 0] < 0).tolist():  # near ties: walk alone
+        count = int(counts[k])
+        confidences = recorded.table[rows[k, :count]]
+        capped = np.where(np.arange(gamma)[None, :] < caps[k, :count, None], confidences, 0.0)
+        lengths[k] = 0
+        lengths[k, :count] = schedule_lengths(capped, table_for(count), draft_cost=draft_cost)
+    return lengths
+
+
+def _round_counts(num_requests: np.ndarray, rounds: int, width: int) -> np.ndarray:
+    counts = np.asarray(num_requests, dtype=np.int64)
+    values = counts.tolist() if counts.ndim == 1 else None
+    if values is None or len(values) != rounds or (values and (min(values) < 0 or max(values) > width)):
+        raise ValueError(f"num_requests must give 0 <= R <= {width} for each of the {rounds} rounds")
+    return counts
+
+
+def _walk_rounds(
+    grid: np.ndarray, counts: np.ndarray, table_for: Callable[[int], SPSTable], draft_cost: DraftCost | None
+) -> np.ndarray:
+    """The walk of :func:`schedule_lengths_rounds` on survivals ``grid`` [N, gamma, R] (zero on padding).
+    Returns the lengths [N, R]; a round to walk alone (near ties, too many items) has -1 in its first column."""
+    rounds, gamma, width = grid.shape
+    n = gamma * width
+    flat = grid.reshape(rounds, n)
+    ranked = np.sort(flat, axis=1)[:, ::-1]  # each round's survivals in walk order (descending)
+    bits = ranked.view(np.uint64)  # bits of non-negative floats grow with their value
+    near = (bits[:, :-1] - bits[:, 1:]) - np.uint64(1) < np.uint64(_ROUNDS_MAX_ITEMS - 1)
+    alone = near.any(axis=1) if np.count_nonzero(near) else None
+    if n > _ROUNDS_MAX_ITEMS:
+        large = counts * gamma > _ROUNDS_MAX_ITEMS
+        alone = large if alone is None else alone | large
     theta = np.empty((rounds, n + 1))
     theta[:, 0] = counts
     theta[:, 1:] = ranked
@@ -607,15 +679,23 @@ def schedule_lengths_rounds(
         np.divide(theta, factors, out=theta)
     else:
         np.multiply(theta, factors, out=theta)
-    improving = theta[:, 1:] > theta[:, :-1]
-    improving &= np.arange(n)[None, :] < _add(ranked > 0, axis=1)[:, None]  # the walk ends at its last positive item
+    # Steps that improve Theta; past a round's positive items none does (a zero adds nothing to tau while the
+    # price never improves), and a last column of False ends every walk at its last item at the latest.
+    improving = np.zeros((rounds, n + 1), dtype=bool)
+    np.greater(theta[:, 1:], theta[:, :-1], out=improving[:, :n])
     stop = improving.argmin(axis=1)
-    stop[improving[np.arange(rounds), stop]] = n  # every step improved
-    rank = np.empty(rounds * n, dtype=np.int64)
-    rank[order] = np.arange(n)
-    admitted = (rank.reshape(rounds, n) < stop[:, None]).reshape(rounds, gamma, width)
-    _add(admitted, axis=1, dtype=np.int64, out=lengths)
-    for k in np.flatnonzero(alone).tolist():
-        count = int(counts[k])
-        lengths[k, :count] = schedule_lengths(conf[k, :count], table_for(count), draft_cost=draft_cost)
+    # The admitted items, the first `stop` of the walk: every survival at or above the last admitted one, v,
+    # unless more than the walk's own share of survivals equal v (then: of those, the first by flat index).
+    last = np.where(stop > 0, ranked[np.arange(rounds), stop - 1], np.inf)
+    by_position = grid.transpose(1, 0, 2)  # [gamma, N, R]
+    admitted = by_position >= last[None, :, None]
+    if np.count_nonzero(admitted) != sum(stop.tolist()):
+        above = by_position > last[None, :, None]
+        equal = flat == last[:, None]
+        left = stop - _add(above, axis=(0, 2))
+        first = np.add.accumulate(equal, axis=1) <= left[:, None]
+        admitted = above | (equal & first).reshape(rounds, gamma, width).transpose(1, 0, 2)
+    lengths = _add(admitted, axis=0, dtype=np.int64)
+    if alone is not None and alone.any():
+        lengths[alone, 0] = -1
     return lengths

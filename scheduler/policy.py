@@ -19,7 +19,13 @@ from typing import Protocol
 
 import numpy as np
 
-from scheduler.algorithm import DraftCost, schedule_lengths, schedule_lengths_rounds
+from scheduler.algorithm import (
+    DraftCost,
+    RecordedConfidences,
+    schedule_lengths,
+    schedule_lengths_rounds,
+    schedule_recorded_rounds,
+)
 from scheduler.async_capacity import AsyncCapacityScheduler
 from scheduler.chain_plan import CHAIN_TOLERANCE, ChainPlanner
 from scheduler.draft_cost_estimate import OnlineDraftCost
@@ -57,7 +63,9 @@ class VerifyPolicy(Protocol):
 #: A policy whose ``decides_rounds_alone`` is true decides every round from that round's confidences and caps
 #: alone (nothing learned from earlier rounds, never skips the drafter); ``lengths_of_rounds(confidences [N, R,
 #: gamma], max_lengths [N, R], num_requests [N])`` then decides a stack of independent rounds at once, each as
-#: ``lengths`` would (a simulator batches the rounds of many replicas this way).
+#: ``lengths`` would (a simulator batches the rounds of many replicas this way), and
+#: ``lengths_of_recorded_rounds(recorded, rows [N, R], max_lengths, num_requests)`` the same for rounds whose
+#: confidences are rows of recorded ones (:class:`scheduler.algorithm.RecordedConfidences`).
 
 
 def _rounds_capped(confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
@@ -168,6 +176,11 @@ class Autoregressive:
     ) -> np.ndarray:
         return np.zeros(max_lengths.shape, dtype=np.int64)
 
+    def lengths_of_recorded_rounds(
+        self, recorded: RecordedConfidences, rows: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray:
+        return np.zeros(max_lengths.shape, dtype=np.int64)
+
 
 class FixedLength:
     """Verify the first ``n`` drafts of every request (1: MTP-1-like; the block size: DFlash-like)."""
@@ -195,6 +208,14 @@ class FixedLength:
     ) -> np.ndarray:
         """:meth:`lengths` of each round of a stack (zero on padding)."""
         lengths = np.minimum(np.minimum(self.n, confidences.shape[2]), max_lengths).astype(np.int64)
+        lengths[_padding(max_lengths, num_requests)] = 0
+        return lengths
+
+    def lengths_of_recorded_rounds(
+        self, recorded: RecordedConfidences, rows: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`lengths` of each round of a stack whose confidences are rows of ``recorded``."""
+        lengths = np.minimum(np.minimum(self.n, recorded.gamma), max_lengths).astype(np.int64)
         lengths[_padding(max_lengths, num_requests)] = 0
         return lengths
 
@@ -288,6 +309,17 @@ class DSparkScheduled(_LearnsRoundCosts):
             raise ValueError("this policy learns from its rounds: decide them one by one with lengths()")
         capped = _rounds_capped(confidences, max_lengths)
         return schedule_lengths_rounds(capped, num_requests, self.sps.table_for, draft_cost=self._cost.current())
+
+    def lengths_of_recorded_rounds(
+        self, recorded: RecordedConfidences, rows: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`lengths_of_rounds` of rounds whose confidences are rows ``rows`` [N, R] of ``recorded``
+        (:func:`scheduler.algorithm.schedule_recorded_rounds`: their survival products are computed once)."""
+        if not self.decides_rounds_alone:
+            raise ValueError("this policy learns from its rounds: decide them one by one with lengths()")
+        return schedule_recorded_rounds(
+            recorded, rows, max_lengths, num_requests, self.sps.table_for, draft_cost=self._cost.current()
+        )
 
     def planned_lengths(self, max_lengths: np.ndarray, block_size: int) -> np.ndarray | None:
         """The lengths before the drafts exist (a chained round), or None to let Algorithm 1 decide on the

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from itertools import chain
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,10 +42,36 @@ from cluster.simulator.router import Router
 from cluster.simulator.traces import AcceptanceTrace
 from cluster.simulator.workload import Workload
 from scheduler.admission import draft_caps
+from scheduler.algorithm import RecordedConfidences
 from scheduler.policy import make_policy
 
 _DRAFT_DONE, _ROUND_END, _TICK, _READY, _WAKE = 0, 1, 2, 3, 4
+_E, _ROW, _ROUNDS, _ROW_END, _OUT, _INP = range(6)  # columns of a batched run's request state
+_HUGE = 1 << 62
+_NONE: list[int] = []  # a round's joiners when none join (never changed)
 _SAFE = 1.0 - 1e-6  # a round's lower bound on its duration, less a margin far above the rounding of its end time
+
+
+class _VerifyTable:
+    """``Costs.verify_s(max(R, 1), max(B, 1))`` by request count R <= ``slots`` and batch tokens B, rows filled on
+    demand (the cost function's own values: a batch of rounds gathers them instead of calling it per round)."""
+
+    def __init__(self, costs: Costs, slots: int) -> None:
+        self.costs = costs
+        self.width = costs.block_size + 1  # tokens per request at most
+        self.table = np.zeros((slots + 1, slots * self.width + 1))
+        self.filled = 0  # rows 0 .. filled - 1
+
+    def __call__(self, counts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        top = int(counts.max())
+        while self.filled <= top:
+            count = self.filled
+            requests = max(count, 1)
+            self.table[count, : count * self.width + 1] = [
+                self.costs.verify_s(requests, max(b, 1)) for b in range(count * self.width + 1)
+            ]
+            self.filled += 1
+        return self.table[counts, tokens]
 
 
 class SimulationError(ValueError):
@@ -205,20 +232,38 @@ class Simulation:
             and bool(getattr(prototype, "decides_rounds_alone", False))
             and 2 * self.hop + costs.round_overhead_s > 0
         )
-        self._pending: list[tuple[RoundDriver, float]] = []
+        # Rounds started and not yet decided: (driver, start, requests, joiners, drafting, ahead, deadline, replica).
+        self._pending: list[tuple[RoundDriver, float, list[int], list[int], bool, bool, float, int]] = []
+        self._cancelled: set[RoundDriver] = set()  # whose round pending ahead will not start as it was
+        self._gpu_free = np.zeros(max(1, spec.verifiers))  # Gpu.free_at and busy_s of each verifier replica
+        self._gpu_busy = np.zeros(max(1, spec.verifiers))
         self._deadline = math.inf
         self._clock = 0.0
         self._lower_s: dict[tuple[int, bool], float] = {}
         if self.batched:
-            self._emitted = np.zeros(n, dtype=np.int64)
-            self._rounds = np.zeros(n, dtype=np.int64)
-            self._outputs = np.array(self.output_tokens, dtype=np.int64)
-            self._inputs = np.array(self.inputs, dtype=np.int64)
+            # Per request, one row: emitted tokens, trace row, rounds, end of its recorded prompt's rows, output
+            # and prompt tokens (a round reads and writes them in one gather and one scatter); the last row is
+            # the padding of a batch (never finishes, never runs out of rows).
+            self._state = np.zeros((n + 1, 6), dtype=np.int64)
+            self._state[:n, _OUT] = self.output_tokens
+            self._state[:n, _INP] = self.inputs
             if trace is not None:
-                self._row = np.array(self.row, dtype=np.int64)
-                self._row_end = np.array(self.row_end, dtype=np.int64)
-                self._confidences = trace.confidences
+                self._state[:n, _ROW] = self.row
+                self._state[:n, _ROW_END] = self.row_end
+                self._recorded = RecordedConfidences(trace.confidences)
                 self._accepted_rows = trace.accepted.astype(np.int64)
+            self._record = np.dtype((np.void, self._state.itemsize * 6))  # one request's row, as one value
+            self._records = self._state.view(self._record).reshape(n + 1)
+            self._padding = np.array([0, 0, 0, _HUGE, _HUGE, 0], dtype=np.int64)
+            self._state[n] = self._padding
+            self._pads = [[n] * k for k in range(spec.verifier_slots + 1)]
+            # Costs by request count, as arrays (the cost functions' own values, bit for bit).
+            counts = range(spec.verifier_slots + 1)
+            self._draft_by_count = np.array([costs.draft(c) if c else 0.0 for c in counts])
+            self._host_drafted_by_count = np.array([costs.host_drafted(c) for c in counts])
+            self._host_plain_by_count = np.array([costs.host_plain(c) for c in counts])
+            self._verify_table = _VerifyTable(costs, spec.verifier_slots)
+            self._prefill: dict[int, float] = {}
         self.router = Router(self.colocated, self.uses_drafter, spec.groups)
         self.verifiers: list[VerifierReplica] = []
         self.drafters: list[DrafterReplica] = []
@@ -261,6 +306,10 @@ class Simulation:
         # Every round driver starts from a fresh policy (nothing learned yet), also one started by the autoscaler.
         replica.drivers = [RoundDriver(replica, copy.deepcopy(self._prototype)) for _ in range(self.spec.groups)]
         self.verifiers.append(replica)
+        if self.batched and replica.index >= self._gpu_free.size:
+            grown = max(replica.index + 1, 2 * self._gpu_free.size)
+            self._gpu_free = np.concatenate([self._gpu_free, np.zeros(grown - self._gpu_free.size)])
+            self._gpu_busy = np.concatenate([self._gpu_busy, np.zeros(grown - self._gpu_busy.size)])
         if ready <= now:
             self.router.add_verifier(replica)
         else:
@@ -314,6 +363,8 @@ class Simulation:
         self._waiting += 1
         replica.waiting.append(i)
         for driver in replica.drivers:
+            if driver.ahead is not None:
+                self._run_ahead_stops(driver, now)
             if driver.idle:  # after every arrival of this instant: a round admits all of them, as the engine does
                 driver.idle = False
                 self.queue.push(now, _WAKE, driver)
@@ -493,9 +544,9 @@ class Simulation:
     def _batched_start(self, driver: RoundDriver, now: float) -> None:
         """:meth:`_start_round` of a batched run: the same admission, and the round joins the pending ones,
         whose lengths, timings and outcomes :meth:`_flush` decides together."""
-        replica = driver.replica
-        joined = self.router.admit(driver)
         verified = driver.members
+        replica = driver.replica
+        joined = self.router.admit(driver) if replica.waiting else None
         if joined:
             self._advance(now)
             self._waiting -= len(joined)
@@ -511,157 +562,234 @@ class Simulation:
             driver.idle = True
             return
         else:
-            admitted = []
+            admitted = _NONE
         driver.idle = False
+        self._pend(driver, now, verified, admitted, False)
+
+    def _pend(self, driver: RoundDriver, start: float, verified: list[int], admitted: list[int], ahead: bool) -> None:
         drafting = self.uses_drafter and bool(verified)
-        driver.verified, driver.admitted, driver.drafting = verified, admitted, drafting
-        count = len(verified)
-        costs = self.costs
-        driver.host_s = host = (costs.host_drafted if drafting else costs.host_plain)(count + len(admitted))
-        self._pending.append((driver, now))
-        lower = self._lower_s.get((count, drafting))
+        key = (len(verified), drafting)
+        lower = self._lower_s.get(key)
         if lower is None:
-            requests = max(count, 1)
-            lower = 2 * self.hop + costs.round_overhead_s + costs.verify_s(requests, requests)
-            if drafting:
-                lower += 2 * self.hop + costs.draft(count)
-            self._lower_s[(count, drafting)] = lower
-        deadline = now + (lower + host) * _SAFE
+            lower = self._lower_s[key] = self._lower_bound(*key)
+        deadline = start + lower
+        self._pending.append((driver, start, verified, admitted, drafting, ahead, deadline, driver.replica.index))
         if deadline < self._deadline:
             self._deadline = deadline
 
-    def _flush(self) -> None:
-        """Decide the pending rounds: their lengths (the policy's ``lengths_of_rounds``, one vectorised walk
-        for all of them), accepted tokens, GPU steps and end times, and what their ends will do.
+    def _lower_bound(self, count: int, drafting: bool) -> float:
+        """A lower bound on a round's duration (its steps and hops), less a margin far above the rounding of its
+        end time: no pending round can end before its start plus this."""
+        costs, requests = self.costs, max(count, 1)
+        lower = 2 * self.hop + costs.round_overhead_s + costs.verify_s(requests, requests)
+        if drafting:
+            lower += 2 * self.hop + costs.draft(count)
+        return lower * _SAFE
+
+    def _run_ahead_stops(self, driver: RoundDriver, now: float) -> None:
+        """A request arrived at ``now`` for the replica of ``driver``, whose next round pends undecided from
+        ``driver.ahead``. If that round has not started yet it will admit the request: the last round's end
+        becomes an event again (at its time, still to come). If it has, it runs as pending (the request joins
+        the round after)."""
+        start = driver.ahead
+        assert start is not None
+        driver.ahead = None
+        if start >= now:  # at the same instant too: arrivals come before a round end of their time
+            self._cancelled.add(driver)
+            self.queue.push(start, _ROUND_END, driver)
+
+    def _flush(self, upcoming: float) -> None:
+        """Decide the pending rounds that can be: their lengths (the policy's ``lengths_of_rounds``, one
+        vectorised walk for all of them), accepted tokens, GPU steps and end times, and what their ends will do.
 
         Why this is the same run as round by round: a pending round's outcome depends only on its own requests'
         state at its start (recorded rows, emitted tokens; the policy learns nothing from earlier rounds, and the
         replica's GPU runs no one else's steps), which nothing changes before the round ends; its state updates
         touch only its own requests, read by nothing but their next round. The run loop flushes before it
         handles any event at or after the earliest time a pending round could end (``_deadline``), so every
-        round end is on the queue before its time comes, and events happen in the same order."""
-        pending, self._pending, self._deadline = self._pending, [], math.inf
+        round end is on the queue before its time comes, and events happen in the same order. Every number is
+        computed by the same operations in the same order as round by round (a table of a cost is the cost
+        function's own values).
+
+        A round whose end changes nothing outside its replica (no request finishes or needs a new recorded
+        prompt, none waits to join) puts no event on the queue: its next round, with the same requests, pends
+        from its end time (``ahead``), and is decided once the run has handled every event before that time
+        (``upcoming``: the next one), unless a request arrives for the replica first (:meth:`_run_ahead_stops`).
+        What such an end does, counting the round and the first tokens of its joiners, is done here."""
+        pending = self._pending
+        cancelled = self._cancelled
+        take = []
+        keep = []
+        for entry in pending:
+            if entry[5]:
+                if cancelled and entry[0] in cancelled:
+                    continue
+                if entry[1] >= upcoming:
+                    keep.append(entry)
+                    continue
+            take.append(entry)
+        cancelled.clear()
+        self._pending = keep
+        deadline = min([entry[6] for entry in keep], default=math.inf)
+        if not take:
+            self._deadline = deadline
+            return
+        drivers, starts, verifieds, admitteds, draftings, _, _, slots = zip(*take)
         costs, hop = self.costs, self.hop
-        emitted, outputs, inputs = self._emitted, self.output_tokens, self.inputs
-        size = len(pending)
-        drafted = [k for k, (driver, _) in enumerate(pending) if driver.drafting]
-        tokens = [0] * size
-        for driver, _ in pending:
-            driver.finishing = driver.moving = None
+        state, outputs, inputs = self._state, self.output_tokens, self.inputs
+        size = len(drivers)
+        counts = np.fromiter(map(len, verifieds), np.int64, size)
+        every = all(draftings)  # every round drafts (the usual case: no plain round)
+        if every:
+            drafting = None
+            drafted = range(size)
+        else:
+            drafting = np.array(draftings, dtype=bool)
+            drafted = np.flatnonzero(drafting).tolist()
+        self.total_rounds += size
+        self.drafted_rounds += len(drafted)
+        tokens = counts.copy()  # verify batch: anchors + drafts
         if drafted:
-            width = max(len(pending[k][0].verified) for k in drafted)
-            index: list[int] = []
-            counts = []
-            for k in drafted:
-                verified = pending[k][0].verified
-                index += verified
-                if len(verified) < width:
-                    index += [verified[0]] * (width - len(verified))  # padding: any request, its values unused
-                counts.append(len(verified))
-            members = np.array(index, dtype=np.int64).reshape(len(drafted), width)
-            count_array = np.array(counts, dtype=np.int64)
-            real = np.arange(width)[None, :] < count_array[:, None]
-            e = emitted[members]
-            o = self._outputs[members]
-            caps = draft_caps(o - e, self._inputs[members] + e - 1, self.spec.max_seq_len, self.block)
-            rows = self._row[members]
-            lengths = self._prototype.lengths_of_rounds(self._confidences[rows], caps, count_array)
+            count_array = counts if every else counts[drafted]
+            width = int(count_array.max())
+            pads = self._pads
+            members = np.fromiter(
+                chain.from_iterable([v + pads[width - len(v)] for v in (verifieds[k] for k in drafted)]),
+                np.int64,
+                len(drafted) * width,
+            ).reshape(len(drafted), width)
+            rows_state = self._records[members].view(np.int64).reshape(*members.shape, 6)  # [rounds, R, columns]
+            e = rows_state[:, :, _E]
+            o = rows_state[:, :, _OUT]
+            rows = rows_state[:, :, _ROW]
+            caps = draft_caps(o - e, rows_state[:, :, _INP] + e - 1, self.spec.max_seq_len, self.block)
+            lengths = self._prototype.lengths_of_recorded_rounds(self._recorded, rows, caps, count_array)
             accepted = np.minimum(self._accepted_rows[rows], lengths)
-            for k, value in zip(drafted, (count_array + lengths.sum(axis=1)).tolist(), strict=True):
-                tokens[k] = value
-            e += accepted + 1  # accepted + 1 tokens, at most what it still needs
+            if every:
+                tokens += lengths.sum(axis=1)
+            else:
+                tokens[drafted] += lengths.sum(axis=1)
+            e += accepted  # accepted + 1 tokens, at most what it still needs
+            e += 1
             np.minimum(e, o, out=e)
-            finished = (e >= o) & real
             rows += 1  # the next recorded round of its prompt; one whose prompt ran out continues with another
-            moved = (rows >= self._row_end[members]) & real
-            chosen = members[real]
-            emitted[chosen] = e[real]
-            self._rounds[chosen] += 1
-            self._row[chosen] = rows[real]
-            if finished.any():
-                for k, i in zip(*np.nonzero(finished), strict=True):  # round by round, in member order
-                    driver = pending[drafted[k]][0]
+            rows_state[:, :, _ROUNDS] += 1
+            self._records[members] = rows_state.view(self._record).reshape(members.shape)
+            state[-1] = self._padding
+            done_k, done_r = np.nonzero(e >= o)
+            if done_k.size:
+                for k, i in zip(done_k.tolist(), members[done_k, done_r].tolist(), strict=True):  # in member order
+                    driver = drivers[drafted[k]]
                     if driver.finishing is None:
                         driver.finishing = []
-                    driver.finishing.append(int(members[k, i]))
-            if moved.any():
-                for k, i in zip(*np.nonzero(moved), strict=True):
-                    driver = pending[drafted[k]][0]
+                    driver.finishing.append(i)
+            out_k, out_r = np.nonzero(rows >= rows_state[:, :, _ROW_END])
+            if out_k.size:
+                for k, i in zip(out_k.tolist(), members[out_k, out_r].tolist(), strict=True):
+                    driver = drivers[drafted[k]]
                     if driver.moving is None:
                         driver.moving = []
-                    driver.moving.append(int(members[k, i]))
-        starts = []
-        steps = []
-        drafts = []
-        for k, (driver, start) in enumerate(pending):
-            starts.append(start)
-            count = len(driver.verified)
-            if driver.drafting:
-                drafts.append(costs.draft(count))
-            else:
-                drafts.append(0.0)
-                tokens[k] = count
-                for i in driver.verified:  # plain rounds: one token each
-                    e_i = int(emitted[i]) + 1
-                    emitted[i] = e_i
-                    self._rounds[i] += 1
+                    driver.moving.append(i)
+        if not every:
+            for k in range(size):  # plain rounds: one token each
+                if draftings[k]:
+                    continue
+                driver = drivers[k]
+                for i in verifieds[k]:
+                    e_i = int(state[i, _E]) + 1
+                    state[i, _E] = e_i
+                    state[i, _ROUNDS] += 1
                     if e_i >= outputs[i]:
                         if driver.finishing is None:
                             driver.finishing = []
                         driver.finishing.append(i)
-            admitted = driver.admitted
-            prompt = 0
+        totals = counts.copy()  # requests in the round, joiners included
+        step = self._verify_table(counts, tokens)
+        prefill = self._prefill
+        for k, admitted in enumerate(admitteds):
             if admitted:
+                driver = drivers[k]
+                totals[k] += len(admitted)
                 prompt = sum([inputs[i] for i in admitted])
+                seconds = prefill.get(prompt)
+                if seconds is None:
+                    seconds = prefill[prompt] = costs.prefill_s(prompt)
+                step[k] += seconds
                 for i in admitted:
-                    emitted[i] = 1
+                    state[i, _E] = 1
                     if outputs[i] <= 1:
                         if driver.finishing is None:
                             driver.finishing = []
                         driver.finishing.append(i)
-            steps.append(costs.verify_s(max(count, 1), max(tokens[k], 1)) + costs.prefill_s(prompt))
-        gpus = [driver.replica.gpu for driver, _ in pending]
-        free = np.array([gpu.free_at for gpu in gpus])
-        busy = np.array([gpu.busy_s for gpu in gpus])
-        draft = np.array(drafts)
-        step = np.array(steps)
-        drafting = np.array([driver.drafting for driver, _ in pending], dtype=bool)
-        # Gpu.run on the replica's own GPU, as the round's steps reach it: the draft step, then the verify step
-        # two hops after the draft ends (a plain round: the verify step at once).
-        arrival = np.array(starts) + hop
-        begin = np.where(arrival > free, arrival, free)
-        done = begin + draft
-        verify_arrival = (done + hop) + hop
-        end = np.where(drafting, np.where(verify_arrival > done, verify_arrival, done), begin) + step
-        busy = np.where(drafting, busy + draft, busy) + step
-        host = np.array([driver.host_s for driver, _ in pending])
-        round_end = ((end + hop) + host) + costs.round_overhead_s
-        if size and float(round_end.min()) < self._clock:
+        gpus = np.fromiter(slots, np.int64, size)
+        free = self._gpu_free[gpus]
+        busy = self._gpu_busy[gpus]
+        # Gpu.run on the replica's own GPU, as the round's steps reach it (it starts a step when both the step
+        # and the GPU are there): the draft step, then the verify step two hops after the draft ends (a plain
+        # round: the verify step at once).
+        begin = np.maximum(np.fromiter(starts, np.float64, size) + hop, free)
+        if drafting is None:
+            draft = self._draft_by_count[counts]
+            done = begin + draft
+            end = np.maximum((done + hop) + hop, done) + step
+            busy += draft
+            host = self._host_drafted_by_count[totals]
+        else:
+            draft = np.where(drafting, self._draft_by_count[counts], 0.0)
+            done = begin + draft
+            end = np.where(drafting, np.maximum((done + hop) + hop, done), begin) + step
+            busy = np.where(drafting, busy + draft, busy)
+            host = np.where(drafting, self._host_drafted_by_count[totals], self._host_plain_by_count[totals])
+        busy += step
+        self._gpu_busy[gpus] = busy
+        self._gpu_free[gpus] = end
+        end += hop
+        end += host
+        end += costs.round_overhead_s  # the round's end: ((verify end + hop) + host) + overhead, as round by round
+        if float(end.min()) < self._clock:
             raise RuntimeError("a batched round ended before an event already handled (a bound on round times is wrong)")
-        push = self.queue.push
-        for gpu, (driver, _), free_at, busy_s, at in zip(
-            gpus, pending, end.tolist(), busy.tolist(), round_end.tolist(), strict=True
-        ):
-            gpu.free_at = free_at
-            gpu.busy_s = busy_s
-            push(at, _ROUND_END, driver)
+        events: list[float] = []
+        ending: list[RoundDriver] = []
+        first_s, lower_s, uses_drafter = self.first_s, self._lower_s, self.uses_drafter
+        for driver, admitted, at, slot in zip(drivers, admitteds, end.tolist(), slots, strict=True):
+            if driver.finishing is None and driver.moving is None and not driver.replica.waiting:
+                for i in admitted:
+                    first_s[i] = at
+                driver.ahead = at
+                members = driver.members
+                key = (len(members), uses_drafter)
+                lower = lower_s.get(key)
+                if lower is None:
+                    lower = lower_s[key] = self._lower_bound(*key)
+                due = at + lower
+                keep.append((driver, at, members, _NONE, uses_drafter, True, due, slot))
+                if due < deadline:
+                    deadline = due
+            else:
+                driver.admitted = admitted
+                events.append(at)
+                ending.append(driver)
+        self._deadline = deadline
+        self.queue.push_all(events, _ROUND_END, ending)
 
     def _batched_end(self, driver: RoundDriver, now: float) -> None:
-        """:meth:`_end_round` of a batched run: the tokens were counted when the round was decided; what is left
-        happens now, in event order (a new recorded prompt for requests whose prompt ran out, first tokens,
-        finished requests), then the next round starts."""
-        self.total_rounds += 1
-        self.drafted_rounds += driver.drafting
+        """:meth:`_end_round` of a batched run: the round was counted and its tokens emitted when it was
+        decided; what is left happens now, in event order (a new recorded prompt for requests whose prompt ran
+        out, first tokens, finished requests), then the next round starts."""
         moving = driver.moving
         if moving:
+            driver.moving = None
             starts, ends = self.trace.row_ranges(len(moving), self.rng)  # type: ignore[union-attr]
-            self._row[moving] = starts
-            self._row_end[moving] = ends
-        first_s = self.first_s
-        for i in driver.admitted:
-            first_s[i] = now
+            self._state[moving, _ROW] = starts
+            self._state[moving, _ROW_END] = ends
+        if driver.admitted:
+            first_s = self.first_s
+            for i in driver.admitted:
+                first_s[i] = now
+            driver.admitted = _NONE
         finished = driver.finishing
         if finished:
+            driver.finishing = None
             self._finish(driver, finished, now)
         self._batched_start(driver, now)
         if finished:
@@ -727,21 +855,21 @@ class Simulation:
         bar = tqdm(total=max(1, math.ceil(horizon)), unit="sim s", disable=not progress, desc="simulate")
         shown = 0
         now = 0.0
-        batched, pending = self.batched, self._pending
+        batched = self.batched
         end_round = self._batched_end if batched else self._end_round
         start_round = self._batched_start if batched else self._start_round
         while nxt < n or len(queue) or self._pending:
-            if batched and self._pending:
-                upcoming = queue.next_time()
-                if nxt < n and arrival[nxt] < upcoming:
-                    upcoming = arrival[nxt]
-                if upcoming >= self._deadline:  # a pending round may end first: decide them all now
-                    self._flush()
+            upcoming = queue.next_time()
+            if nxt < n and arrival[nxt] <= upcoming:
+                if batched and arrival[nxt] >= self._deadline and self._pending:  # a pending round may end first
+                    self._flush(arrival[nxt])
                     continue
-            if nxt < n and arrival[nxt] <= queue.next_time():
                 now = self._clock = arrival[nxt]
                 self._arrive(nxt, now)
                 nxt += 1
+                continue
+            if batched and upcoming >= self._deadline and self._pending:  # decide the pending rounds now
+                self._flush(upcoming)
                 continue
             now, kind, payload = queue.pop()
             self._clock = now
@@ -765,8 +893,11 @@ class Simulation:
         self._advance(now)
         end = now
         if batched:
-            self.emitted = self._emitted.tolist()
-            self.rounds = self._rounds.tolist()
+            self.emitted = self._state[:n, _E].tolist()
+            self.rounds = self._state[:n, _ROUNDS].tolist()
+            for replica in self.verifiers:
+                replica.gpu.free_at = float(self._gpu_free[replica.index])
+                replica.gpu.busy_s = float(self._gpu_busy[replica.index])
 
         def held(replicas: list[VerifierReplica] | list[DrafterReplica]) -> float:
             return sum((r.removed_s if r.removed_s is not None else end) - r.created_s for r in replicas)

@@ -12,7 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler.algorithm import DraftCost, schedule_lengths, schedule_lengths_rounds
+from scheduler.algorithm import (
+    DraftCost,
+    RecordedConfidences,
+    schedule_lengths,
+    schedule_lengths_rounds,
+    schedule_recorded_rounds,
+)
 from scheduler.policy import DSparkScheduled, FixedLength
 from scheduler.sps import RequestSPS, SPSTable
 
@@ -122,4 +128,42 @@ def test_policy_lengths_of_rounds_equal_its_lengths(policy: DSparkScheduled | Fi
     got = policy.lengths_of_rounds(conf, caps, counts)
     for k, count in enumerate(counts.tolist()):
         np.testing.assert_array_equal(got[k, :count], policy.lengths(conf[k, :count], caps[k, :count]))
+        assert not got[k, count:].any()
+
+
+@pytest.mark.parametrize("draft_cost", COSTS)
+@pytest.mark.parametrize("table", [*range(len(TABLES)), "by-requests"])
+def test_recorded_rounds_equal_the_per_round_walk_of_capped_confidences(
+    table: int | str, draft_cost: DraftCost | None
+) -> None:
+    table_for = BY_REQUESTS.table_for if table == "by-requests" else TABLES[int(table)].table_for  # type: ignore[arg-type]
+    rng = np.random.default_rng(5)
+    for width, gamma in ((1, 7), (3, 7), (4, 7), (9, 7), (2, 1)):
+        conf, _ = random_stack(rng, 400, 1, gamma)
+        recorded = RecordedConfidences(conf[:, 0])
+        rows = rng.integers(0, 400, size=(80, width))
+        rows[:, -1] = rows[:, 0]  # the same recorded row twice in a round: equal survivals
+        caps = rng.integers(0, gamma + 2, size=(80, width))
+        caps[rng.random((80, width)) < 0.5] = gamma
+        counts = rng.integers(0, width + 1, size=80)
+        got = schedule_recorded_rounds(recorded, rows, caps, counts, table_for, draft_cost=draft_cost)
+        for k, count in enumerate(counts.tolist()):
+            capped = np.where(np.arange(gamma)[None, :] < caps[k, :count, None], recorded.table[rows[k, :count]], 0.0)
+            want = schedule_lengths(capped, table_for(count), draft_cost=draft_cost)
+            np.testing.assert_array_equal(got[k, :count], want)
+            assert not got[k, count:].any()
+
+
+@pytest.mark.parametrize("policy", [DSparkScheduled(BY_REQUESTS), FixedLength(3), FixedLength(7)])
+def test_policy_lengths_of_recorded_rounds_equal_its_lengths(policy: DSparkScheduled | FixedLength) -> None:
+    rng = np.random.default_rng(13)
+    conf, _ = random_stack(rng, 300, 1, 7)
+    recorded = RecordedConfidences(conf[:, 0])
+    rows = rng.integers(0, 300, size=(120, 5))
+    caps = rng.integers(0, 9, size=(120, 5))
+    caps[rng.random((120, 5)) < 0.6] = 7
+    counts = rng.integers(0, 6, size=120)
+    got = policy.lengths_of_recorded_rounds(recorded, rows, caps, counts)
+    for k, count in enumerate(counts.tolist()):
+        np.testing.assert_array_equal(got[k, :count], policy.lengths(recorded.table[rows[k, :count]], caps[k, :count]))
         assert not got[k, count:].any()
