@@ -526,6 +526,7 @@ def greedy_path(
 _ROUNDS_MAX_ITEMS = 1 << 12
 
 
+_ONES_U8 = np.ones(256, dtype=np.uint8)  # sums of up to 255 flags in one uint8 product
 _round_factor_cache: dict[tuple[object, ...], np.ndarray] = {}
 
 
@@ -589,7 +590,7 @@ def schedule_lengths_rounds(
     survival = np.multiply.accumulate(conf, axis=2)  # along each request's row, [N, R, gamma]
     if _minimum(survival, axis=None) < _TINY:
         np.copyto(survival, 0.0, where=survival < _TINY)
-    grid = np.where(real[:, None, :], survival.transpose(0, 2, 1), 0.0)  # [N, gamma, R]: flat index j * R + r
+    grid = np.ascontiguousarray(np.where(real[:, None, :], survival.transpose(0, 2, 1), 0.0))  # [N, gamma, R]
     lengths = _walk_rounds(grid, counts, table_for, draft_cost)
     for k in np.flatnonzero(lengths[:, 0] < 0).tolist():  # near ties: walk alone
         count = int(counts[k])
@@ -634,9 +635,8 @@ def schedule_recorded_rounds(
     if rounds == 0 or width == 0 or gamma == 0:
         return np.zeros((rounds, width), dtype=np.int64)
     caps = np.where(np.arange(width)[None, :] < counts[:, None], max_lengths, 0)  # padding: nothing to verify
-    grid = np.where(  # [N, gamma, R]: flat index j * R + r
-        np.arange(gamma)[None, :, None] < caps[:, None, :], recorded.survival[rows].transpose(0, 2, 1), 0.0
-    )
+    positions = np.arange(gamma)[None, :, None] < caps[:, None, :]
+    grid = np.where(positions, recorded.survival[rows].transpose(0, 2, 1), 0.0)  # [N, gamma, R]: j * R + r, C order
     lengths = _walk_rounds(grid, counts, table_for, draft_cost)
     for k in np.flatnonzero(lengths[:, 0] < 0).tolist():  # near ties: walk alone
         count = int(counts[k])
@@ -658,21 +658,29 @@ def _round_counts(num_requests: np.ndarray, rounds: int, width: int) -> np.ndarr
 def _walk_rounds(
     grid: np.ndarray, counts: np.ndarray, table_for: Callable[[int], SPSTable], draft_cost: DraftCost | None
 ) -> np.ndarray:
-    """The walk of :func:`schedule_lengths_rounds` on survivals ``grid`` [N, gamma, R] (zero on padding).
-    Returns the lengths [N, R]; a round to walk alone (near ties, too many items) has -1 in its first column."""
+    """The walk of :func:`schedule_lengths_rounds` on survivals ``grid`` [N, gamma, R] (C-contiguous, zero on
+    padding). Returns the lengths [N, R]; a round to walk alone (near ties, too many items) has -1 in its first
+    column."""
     rounds, gamma, width = grid.shape
     n = gamma * width
     flat = grid.reshape(rounds, n)
-    ranked = np.sort(flat, axis=1)[:, ::-1]  # each round's survivals in walk order (descending)
-    bits = ranked.view(np.uint64)  # bits of non-negative floats grow with their value
+    # Each round's survivals in walk order (descending): the bits of non-negative floats grow with their value,
+    # so their complements sort ascending in that order.
+    # Each round's survivals in walk order (descending), after an infinite one: the bits of non-negative floats
+    # grow with their value, so their complements sort ascending in that order.
+    keys = ~flat.view(np.uint64)
+    keys.sort(axis=1)
+    ranked_after = np.empty((rounds, n + 1))
+    ranked_after[:, 0] = np.inf
+    bits = ranked_after[:, 1:].view(np.uint64)
+    np.invert(keys, out=bits)
     near = (bits[:, :-1] - bits[:, 1:]) - np.uint64(1) < np.uint64(_ROUNDS_MAX_ITEMS - 1)
     alone = near.any(axis=1) if np.count_nonzero(near) else None
     if n > _ROUNDS_MAX_ITEMS:
         large = counts * gamma > _ROUNDS_MAX_ITEMS
         alone = large if alone is None else alone | large
-    theta = np.empty((rounds, n + 1))
+    theta = ranked_after.copy()
     theta[:, 0] = counts
-    theta[:, 1:] = ranked
     np.add.accumulate(theta, axis=1, out=theta)  # tau_n, sequentially along each round's walk
     factors = _round_factors(table_for, draft_cost, width, gamma)[counts]
     if draft_cost is not None:
@@ -686,16 +694,15 @@ def _walk_rounds(
     stop = improving.argmin(axis=1)
     # The admitted items, the first `stop` of the walk: every survival at or above the last admitted one, v,
     # unless more than the walk's own share of survivals equal v (then: of those, the first by flat index).
-    last = np.where(stop > 0, ranked[np.arange(rounds), stop - 1], np.inf)
-    by_position = grid.transpose(1, 0, 2)  # [gamma, N, R]
-    admitted = by_position >= last[None, :, None]
+    last = ranked_after[np.arange(rounds), stop][:, None, None]  # v (infinite when none is admitted)
+    admitted = grid >= last
     if np.count_nonzero(admitted) != sum(stop.tolist()):
-        above = by_position > last[None, :, None]
-        equal = flat == last[:, None]
-        left = stop - _add(above, axis=(0, 2))
+        above = grid > last
+        equal = (grid == last).reshape(rounds, n)
+        left = stop - _add(above.reshape(rounds, n), axis=1)
         first = np.add.accumulate(equal, axis=1) <= left[:, None]
-        admitted = above | (equal & first).reshape(rounds, gamma, width).transpose(1, 0, 2)
-    lengths = _add(admitted, axis=0, dtype=np.int64)
+        admitted = above | (equal & first).reshape(rounds, gamma, width)
+    lengths = (_ONES_U8[:gamma] @ admitted.view(np.uint8)).astype(np.int64)  # per request: its admitted count
     if alone is not None and alone.any():
         lengths[alone, 0] = -1
     return lengths

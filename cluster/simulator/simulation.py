@@ -49,6 +49,7 @@ _DRAFT_DONE, _ROUND_END, _TICK, _READY, _WAKE = 0, 1, 2, 3, 4
 _E, _ROW, _ROUNDS, _ROW_END, _OUT, _INP = range(6)  # columns of a batched run's request state
 _HUGE = 1 << 62
 _NONE: list[int] = []  # a round's joiners when none join (never changed)
+_minimum = np.minimum.reduce
 _SAFE = 1.0 - 1e-6  # a round's lower bound on its duration, less a margin far above the rounding of its end time
 
 
@@ -62,8 +63,8 @@ class _VerifyTable:
         self.table = np.zeros((slots + 1, slots * self.width + 1))
         self.filled = 0  # rows 0 .. filled - 1
 
-    def __call__(self, counts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        top = int(counts.max())
+    def __call__(self, counts: np.ndarray, tokens: np.ndarray, top: int) -> np.ndarray:
+        """The step times of rounds of ``counts`` requests (at most ``top``) and ``tokens`` tokens."""
         while self.filled <= top:
             count = self.filled
             requests = max(count, 1)
@@ -235,8 +236,10 @@ class Simulation:
         # Rounds started and not yet decided: (driver, start, requests, joiners, drafting, ahead, deadline, replica).
         self._pending: list[tuple[RoundDriver, float, list[int], list[int], bool, bool, float, int]] = []
         self._cancelled: set[RoundDriver] = set()  # whose round pending ahead will not start as it was
-        self._gpu_free = np.zeros(max(1, spec.verifiers))  # Gpu.free_at and busy_s of each verifier replica
-        self._gpu_busy = np.zeros(max(1, spec.verifiers))
+        self._gpu_busy = np.zeros(max(1, spec.verifiers))  # Gpu.busy_s of each verifier replica
+        # Each verifier replica's requests (its one round driver's members, in order), padded with the padding
+        # row of the request state: a batch gathers its rounds' requests in one step.
+        self._member_table = np.full((max(1, spec.verifiers), spec.verifier_slots), workload.size, dtype=np.int64)
         self._deadline = math.inf
         self._clock = 0.0
         self._lower_s: dict[tuple[int, bool], float] = {}
@@ -256,7 +259,6 @@ class Simulation:
             self._records = self._state.view(self._record).reshape(n + 1)
             self._padding = np.array([0, 0, 0, _HUGE, _HUGE, 0], dtype=np.int64)
             self._state[n] = self._padding
-            self._pads = [[n] * k for k in range(spec.verifier_slots + 1)]
             # Costs by request count, as arrays (the cost functions' own values, bit for bit).
             counts = range(spec.verifier_slots + 1)
             self._draft_by_count = np.array([costs.draft(c) if c else 0.0 for c in counts])
@@ -264,6 +266,10 @@ class Simulation:
             self._host_plain_by_count = np.array([costs.host_plain(c) for c in counts])
             self._verify_table = _VerifyTable(costs, spec.verifier_slots)
             self._prefill: dict[int, float] = {}
+            self._ones = np.ones(spec.verifier_slots + 1, dtype=np.int64)
+            # A lower bound on the duration of a round of R requests that drafts (a round after one that changed
+            # nothing outside its replica always does, when the policy drafts).
+            self._lower_by_count = [self._lower_bound(c, self.uses_drafter and c > 0) for c in counts]
         self.router = Router(self.colocated, self.uses_drafter, spec.groups)
         self.verifiers: list[VerifierReplica] = []
         self.drafters: list[DrafterReplica] = []
@@ -306,10 +312,12 @@ class Simulation:
         # Every round driver starts from a fresh policy (nothing learned yet), also one started by the autoscaler.
         replica.drivers = [RoundDriver(replica, copy.deepcopy(self._prototype)) for _ in range(self.spec.groups)]
         self.verifiers.append(replica)
-        if self.batched and replica.index >= self._gpu_free.size:
-            grown = max(replica.index + 1, 2 * self._gpu_free.size)
-            self._gpu_free = np.concatenate([self._gpu_free, np.zeros(grown - self._gpu_free.size)])
+        if self.batched and replica.index >= self._gpu_busy.size:
+            grown = max(replica.index + 1, 2 * self._gpu_busy.size)
             self._gpu_busy = np.concatenate([self._gpu_busy, np.zeros(grown - self._gpu_busy.size)])
+            table = np.full((grown, self.spec.verifier_slots), len(self.arrival), dtype=np.int64)
+            table[: self._member_table.shape[0]] = self._member_table
+            self._member_table = table
         if ready <= now:
             self.router.add_verifier(replica)
         else:
@@ -525,7 +533,12 @@ class Simulation:
         self._advance(now)
         self._in_system -= len(finished)
         gone = set(finished)
+        before = len(driver.members)
         driver.members = [m for m in driver.members if m not in gone]
+        if self.batched:
+            row = self._member_table[replica.index]
+            row[: len(driver.members)] = driver.members
+            row[len(driver.members) : before] = len(self.arrival)
         for i in finished:
             self.finish_s[i] = now
             self._release(now)
@@ -558,6 +571,7 @@ class Simulation:
             replica.running += len(joined)
             admitted = [i for i, _ in joined]
             driver.members = verified + admitted
+            self._member_table[replica.index, len(verified) : len(driver.members)] = admitted
         elif not verified:
             driver.idle = True
             return
@@ -638,26 +652,20 @@ class Simulation:
         costs, hop = self.costs, self.hop
         state, outputs, inputs = self._state, self.output_tokens, self.inputs
         size = len(drivers)
-        counts = np.fromiter(map(len, verifieds), np.int64, size)
+        sizes = list(map(len, verifieds))
+        counts = np.fromiter(sizes, np.int64, size)
         every = all(draftings)  # every round drafts (the usual case: no plain round)
-        if every:
-            drafting = None
-            drafted = range(size)
-        else:
-            drafting = np.array(draftings, dtype=bool)
-            drafted = np.flatnonzero(drafting).tolist()
+        drafted = range(size) if every else [k for k in range(size) if draftings[k]]
         self.total_rounds += size
         self.drafted_rounds += len(drafted)
         tokens = counts.copy()  # verify batch: anchors + drafts
+        gpus = np.fromiter(slots, np.int64, size)
         if drafted:
             count_array = counts if every else counts[drafted]
-            width = int(count_array.max())
-            pads = self._pads
-            members = np.fromiter(
-                chain.from_iterable([v + pads[width - len(v)] for v in (verifieds[k] for k in drafted)]),
-                np.int64,
-                len(drafted) * width,
-            ).reshape(len(drafted), width)
+            width = max(sizes) if every else max([sizes[k] for k in drafted])
+            members = self._member_table[gpus if every else gpus[drafted], :width]
+            if any(admitteds):  # past a round's requests: its joiners (they wait for the next round), or padding
+                members = np.where(np.arange(width) < count_array[:, None], members, len(self.arrival))
             rows_state = self._records[members].view(np.int64).reshape(*members.shape, 6)  # [rounds, R, columns]
             e = rows_state[:, :, _E]
             o = rows_state[:, :, _OUT]
@@ -666,9 +674,9 @@ class Simulation:
             lengths = self._prototype.lengths_of_recorded_rounds(self._recorded, rows, caps, count_array)
             accepted = np.minimum(self._accepted_rows[rows], lengths)
             if every:
-                tokens += lengths.sum(axis=1)
+                tokens += lengths @ self._ones[:width]
             else:
-                tokens[drafted] += lengths.sum(axis=1)
+                tokens[drafted] += lengths @ self._ones[:width]
             e += accepted  # accepted + 1 tokens, at most what it still needs
             e += 1
             np.minimum(e, o, out=e)
@@ -704,9 +712,9 @@ class Simulation:
                             driver.finishing = []
                         driver.finishing.append(i)
         totals = counts.copy()  # requests in the round, joiners included
-        step = self._verify_table(counts, tokens)
+        step = self._verify_table(counts, tokens, max(sizes))
         prefill = self._prefill
-        for k, admitted in enumerate(admitteds):
+        for k, admitted in enumerate(admitteds) if any(admitteds) else ():
             if admitted:
                 driver = drivers[k]
                 totals[k] += len(admitted)
@@ -721,47 +729,44 @@ class Simulation:
                         if driver.finishing is None:
                             driver.finishing = []
                         driver.finishing.append(i)
-        gpus = np.fromiter(slots, np.int64, size)
-        free = self._gpu_free[gpus]
+        # Gpu.run on the replica's own GPU as the round's steps reach it: the draft step, then the verify step two
+        # hops after the draft ends (a plain round: the verify step at once). They never wait for the GPU: it ran
+        # nothing since the replica's last round, whose end (its last step's end, plus hops, host and overhead
+        # times, all >= 0) is no later than this round's start; so each step starts when it arrives.
         busy = self._gpu_busy[gpus]
-        # Gpu.run on the replica's own GPU, as the round's steps reach it (it starts a step when both the step
-        # and the GPU are there): the draft step, then the verify step two hops after the draft ends (a plain
-        # round: the verify step at once).
-        begin = np.maximum(np.fromiter(starts, np.float64, size) + hop, free)
-        if drafting is None:
+        end = np.fromiter(starts, np.float64, size)
+        end += hop
+        if every:
             draft = self._draft_by_count[counts]
-            done = begin + draft
-            end = np.maximum((done + hop) + hop, done) + step
+            end += draft
+            end += hop
+            end += hop
             busy += draft
             host = self._host_drafted_by_count[totals]
         else:
-            draft = np.where(drafting, self._draft_by_count[counts], 0.0)
-            done = begin + draft
-            end = np.where(drafting, np.maximum((done + hop) + hop, done), begin) + step
+            drafting = np.array(draftings, dtype=bool)
+            draft = self._draft_by_count[counts]
+            end = np.where(drafting, ((end + draft) + hop) + hop, end)
             busy = np.where(drafting, busy + draft, busy)
             host = np.where(drafting, self._host_drafted_by_count[totals], self._host_plain_by_count[totals])
+        end += step
         busy += step
         self._gpu_busy[gpus] = busy
-        self._gpu_free[gpus] = end
         end += hop
         end += host
         end += costs.round_overhead_s  # the round's end: ((verify end + hop) + host) + overhead, as round by round
-        if float(end.min()) < self._clock:
+        if _minimum(end) < self._clock:
             raise RuntimeError("a batched round ended before an event already handled (a bound on round times is wrong)")
         events: list[float] = []
         ending: list[RoundDriver] = []
-        first_s, lower_s, uses_drafter = self.first_s, self._lower_s, self.uses_drafter
+        first_s, lower_by_count, uses_drafter = self.first_s, self._lower_by_count, self.uses_drafter
         for driver, admitted, at, slot in zip(drivers, admitteds, end.tolist(), slots, strict=True):
             if driver.finishing is None and driver.moving is None and not driver.replica.waiting:
                 for i in admitted:
                     first_s[i] = at
                 driver.ahead = at
                 members = driver.members
-                key = (len(members), uses_drafter)
-                lower = lower_s.get(key)
-                if lower is None:
-                    lower = lower_s[key] = self._lower_bound(*key)
-                due = at + lower
+                due = at + lower_by_count[len(members)]
                 keep.append((driver, at, members, _NONE, uses_drafter, True, due, slot))
                 if due < deadline:
                     deadline = due
@@ -895,8 +900,7 @@ class Simulation:
         if batched:
             self.emitted = self._state[:n, _E].tolist()
             self.rounds = self._state[:n, _ROUNDS].tolist()
-            for replica in self.verifiers:
-                replica.gpu.free_at = float(self._gpu_free[replica.index])
+            for replica in self.verifiers:  # (its free_at is not kept: a batched round never waits for its GPU)
                 replica.gpu.busy_s = float(self._gpu_busy[replica.index])
 
         def held(replicas: list[VerifierReplica] | list[DrafterReplica]) -> float:
