@@ -590,7 +590,7 @@ def schedule_lengths_rounds(
     survival = np.multiply.accumulate(conf, axis=2)  # along each request's row, [N, R, gamma]
     if _minimum(survival, axis=None) < _TINY:
         np.copyto(survival, 0.0, where=survival < _TINY)
-    grid = np.ascontiguousarray(np.where(real[:, None, :], survival.transpose(0, 2, 1), 0.0))  # [N, gamma, R]
+    grid = np.where(real[:, :, None], survival, 0.0)
     lengths = _walk_rounds(grid, counts, table_for, draft_cost)
     for k in np.flatnonzero(lengths[:, 0] < 0).tolist():  # near ties: walk alone
         count = int(counts[k])
@@ -635,8 +635,7 @@ def schedule_recorded_rounds(
     if rounds == 0 or width == 0 or gamma == 0:
         return np.zeros((rounds, width), dtype=np.int64)
     caps = np.where(np.arange(width)[None, :] < counts[:, None], max_lengths, 0)  # padding: nothing to verify
-    positions = np.arange(gamma)[None, :, None] < caps[:, None, :]
-    grid = np.where(positions, recorded.survival[rows].transpose(0, 2, 1), 0.0)  # [N, gamma, R]: j * R + r, C order
+    grid = np.where(np.arange(gamma) < caps[:, :, None], recorded.survival[rows], 0.0)
     lengths = _walk_rounds(grid, counts, table_for, draft_cost)
     for k in np.flatnonzero(lengths[:, 0] < 0).tolist():  # near ties: walk alone
         count = int(counts[k])
@@ -658,10 +657,10 @@ def _round_counts(num_requests: np.ndarray, rounds: int, width: int) -> np.ndarr
 def _walk_rounds(
     grid: np.ndarray, counts: np.ndarray, table_for: Callable[[int], SPSTable], draft_cost: DraftCost | None
 ) -> np.ndarray:
-    """The walk of :func:`schedule_lengths_rounds` on survivals ``grid`` [N, gamma, R] (C-contiguous, zero on
+    """The walk of :func:`schedule_lengths_rounds` on survivals ``grid`` [N, R, gamma] (C-contiguous, zero on
     padding). Returns the lengths [N, R]; a round to walk alone (near ties, too many items) has -1 in its first
-    column."""
-    rounds, gamma, width = grid.shape
+    column. Only survivals equal to the last admitted one need the walk's flat index j * R + r."""
+    rounds, width, gamma = grid.shape
     n = gamma * width
     flat = grid.reshape(rounds, n)
     # Each round's survivals in walk order (descending): the bits of non-negative floats grow with their value,
@@ -698,11 +697,11 @@ def _walk_rounds(
     admitted = grid >= last
     if np.count_nonzero(admitted) != sum(stop.tolist()):
         above = grid > last
-        equal = (grid == last).reshape(rounds, n)
+        equal = np.ascontiguousarray((grid == last).transpose(0, 2, 1)).reshape(rounds, n)  # by flat index
         left = stop - _add(above.reshape(rounds, n), axis=1)
         first = np.add.accumulate(equal, axis=1) <= left[:, None]
-        admitted = above | (equal & first).reshape(rounds, gamma, width)
-    lengths = (_ONES_U8[:gamma] @ admitted.view(np.uint8)).astype(np.int64)  # per request: its admitted count
+        admitted = above | (equal & first).reshape(rounds, gamma, width).transpose(0, 2, 1)
+    lengths = (admitted.view(np.uint8) @ _ONES_U8[:gamma]).astype(np.int64)  # per request: its admitted count
     if alone is not None and alone.any():
         lengths[alone, 0] = -1
     return lengths
