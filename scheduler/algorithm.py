@@ -591,8 +591,8 @@ def schedule_lengths_rounds(
     if _minimum(survival, axis=None) < _TINY:
         np.copyto(survival, 0.0, where=survival < _TINY)
     grid = np.where(real[:, :, None], survival, 0.0)
-    lengths = _walk_rounds(grid, counts, table_for, draft_cost)
-    for k in np.flatnonzero(lengths[:, 0] < 0).tolist():  # near ties: walk alone
+    lengths, alone = _walk_rounds(grid, counts, table_for, draft_cost)
+    for k in alone:  # near ties: walk alone
         count = int(counts[k])
         lengths[k] = 0
         lengths[k, :count] = schedule_lengths(conf[k, :count], table_for(count), draft_cost=draft_cost)
@@ -636,8 +636,8 @@ def schedule_recorded_rounds(
         return np.zeros((rounds, width), dtype=np.int64)
     caps = np.where(np.arange(width)[None, :] < counts[:, None], max_lengths, 0)  # padding: nothing to verify
     grid = np.where(np.arange(gamma) < caps[:, :, None], recorded.survival[rows], 0.0)
-    lengths = _walk_rounds(grid, counts, table_for, draft_cost)
-    for k in np.flatnonzero(lengths[:, 0] < 0).tolist():  # near ties: walk alone
+    lengths, alone = _walk_rounds(grid, counts, table_for, draft_cost)
+    for k in alone:  # near ties: walk alone
         count = int(counts[k])
         confidences = recorded.table[rows[k, :count]]
         capped = np.where(np.arange(gamma)[None, :] < caps[k, :count, None], confidences, 0.0)
@@ -656,10 +656,10 @@ def _round_counts(num_requests: np.ndarray, rounds: int, width: int) -> np.ndarr
 
 def _walk_rounds(
     grid: np.ndarray, counts: np.ndarray, table_for: Callable[[int], SPSTable], draft_cost: DraftCost | None
-) -> np.ndarray:
+) -> tuple[np.ndarray, list[int]]:
     """The walk of :func:`schedule_lengths_rounds` on survivals ``grid`` [N, R, gamma] (C-contiguous, zero on
-    padding). Returns the lengths [N, R]; a round to walk alone (near ties, too many items) has -1 in its first
-    column. Only survivals equal to the last admitted one need the walk's flat index j * R + r."""
+    padding). Returns the lengths [N, R] and the rounds to walk alone instead (near ties, too many items). Only
+    survivals equal to the last admitted one need the walk's flat index j * R + r."""
     rounds, width, gamma = grid.shape
     n = gamma * width
     flat = grid.reshape(rounds, n)
@@ -702,6 +702,4 @@ def _walk_rounds(
         first = np.add.accumulate(equal, axis=1) <= left[:, None]
         admitted = above | (equal & first).reshape(rounds, gamma, width).transpose(0, 2, 1)
     lengths = (admitted.view(np.uint8) @ _ONES_U8[:gamma]).astype(np.int64)  # per request: its admitted count
-    if alone is not None and alone.any():
-        lengths[alone, 0] = -1
-    return lengths
+    return lengths, [] if alone is None else np.flatnonzero(alone).tolist()

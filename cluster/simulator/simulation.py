@@ -269,7 +269,7 @@ class Simulation:
             self._ones = np.ones(spec.verifier_slots + 1, dtype=np.int64)
             # A lower bound on the duration of a round of R requests that drafts (a round after one that changed
             # nothing outside its replica always does, when the policy drafts).
-            self._lower_by_count = [self._lower_bound(c, self.uses_drafter and c > 0) for c in counts]
+            self._lower_by_count = np.array([self._lower_bound(c, self.uses_drafter and c > 0) for c in counts])
         self.router = Router(self.colocated, self.uses_drafter, spec.groups)
         self.verifiers: list[VerifierReplica] = []
         self.drafters: list[DrafterReplica] = []
@@ -759,17 +759,19 @@ class Simulation:
             raise RuntimeError("a batched round ended before an event already handled (a bound on round times is wrong)")
         events: list[float] = []
         ending: list[RoundDriver] = []
-        first_s, lower_by_count, uses_drafter = self.first_s, self._lower_by_count, self.uses_drafter
-        for driver, admitted, at, slot in zip(drivers, admitteds, end.tolist(), slots, strict=True):
+        first_s, uses_drafter = self.first_s, self.uses_drafter
+        # The next rounds' deadlines, by their request counts (for a round that admits nobody and sees no one
+        # finish: the same requests); those of rounds whose end is an event only make the deadline earlier.
+        dues = end + self._lower_by_count[totals]
+        due_min = float(_minimum(dues))
+        if due_min < deadline:
+            deadline = due_min
+        for driver, admitted, at, due, slot in zip(drivers, admitteds, end.tolist(), dues.tolist(), slots, strict=True):
             if driver.finishing is None and driver.moving is None and not driver.replica.waiting:
                 for i in admitted:
                     first_s[i] = at
                 driver.ahead = at
-                members = driver.members
-                due = at + lower_by_count[len(members)]
-                keep.append((driver, at, members, _NONE, uses_drafter, True, due, slot))
-                if due < deadline:
-                    deadline = due
+                keep.append((driver, at, driver.members, _NONE, uses_drafter, True, due, slot))
             else:
                 driver.admitted = admitted
                 events.append(at)
