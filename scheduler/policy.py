@@ -68,6 +68,21 @@ class VerifyPolicy(Protocol):
 #: confidences are rows of recorded ones (:class:`scheduler.algorithm.RecordedConfidences`).
 
 
+class DecidesRoundsAlone(Protocol):
+    """A policy that decides every round from that round's confidences and caps alone, for stacks of rounds
+    (see the note above); ``decides_rounds_alone`` says whether it does right now."""
+
+    decides_rounds_alone: bool
+
+    def lengths_of_rounds(
+        self, confidences: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray: ...
+
+    def lengths_of_recorded_rounds(
+        self, recorded: RecordedConfidences, rows: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray: ...
+
+
 def _rounds_capped(confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
     """:func:`_capped` for a stack of rounds [N, R, gamma] (caps [N, R])."""
     gamma = confidences.shape[2]

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import copy
 import math
-from itertools import chain
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 from tqdm import tqdm
@@ -43,7 +43,7 @@ from cluster.simulator.traces import AcceptanceTrace
 from cluster.simulator.workload import Workload
 from scheduler.admission import draft_caps
 from scheduler.algorithm import RecordedConfidences
-from scheduler.policy import make_policy
+from scheduler.policy import DecidesRoundsAlone, make_policy
 
 _DRAFT_DONE, _ROUND_END, _TICK, _READY, _WAKE = 0, 1, 2, 3, 4
 _E, _ROW, _ROUNDS, _ROW_END, _OUT, _INP = range(6)  # columns of a batched run's request state
@@ -244,6 +244,8 @@ class Simulation:
         self._clock = 0.0
         self._lower_s: dict[tuple[int, bool], float] = {}
         if self.batched:
+            # The policy decides each round alone: one object decides for every round driver (theirs are copies).
+            self._rounds_policy = cast(DecidesRoundsAlone, prototype)
             # Per request, one row: emitted tokens, trace row, rounds, end of its recorded prompt's rows, output
             # and prompt tokens (a round reads and writes them in one gather and one scatter); the last row is
             # the padding of a batch (never finishes, never runs out of rows).
@@ -648,7 +650,7 @@ class Simulation:
         if not take:
             self._deadline = deadline
             return
-        drivers, starts, verifieds, admitteds, draftings, _, _, slots = zip(*take)
+        drivers, starts, verifieds, admitteds, draftings, _, _, slots = zip(*take, strict=True)
         costs, hop = self.costs, self.hop
         state, outputs, inputs = self._state, self.output_tokens, self.inputs
         size = len(drivers)
@@ -671,7 +673,7 @@ class Simulation:
             o = rows_state[:, :, _OUT]
             rows = rows_state[:, :, _ROW]
             caps = draft_caps(o - e, rows_state[:, :, _INP] + e - 1, self.spec.max_seq_len, self.block)
-            lengths = self._prototype.lengths_of_recorded_rounds(self._recorded, rows, caps, count_array)
+            lengths = self._rounds_policy.lengths_of_recorded_rounds(self._recorded, rows, caps, count_array)
             accepted = np.minimum(self._accepted_rows[rows], lengths)
             if every:
                 tokens += lengths @ self._ones[:width]
@@ -756,7 +758,7 @@ class Simulation:
         end += host
         end += costs.round_overhead_s  # the round's end: ((verify end + hop) + host) + overhead, as round by round
         if _minimum(end) < self._clock:
-            raise RuntimeError("a batched round ended before an event already handled (a bound on round times is wrong)")
+            raise RuntimeError("a batched round ends before an event already handled (a bound on round times is wrong)")
         events: list[float] = []
         ending: list[RoundDriver] = []
         first_s, uses_drafter = self.first_s, self.uses_drafter
