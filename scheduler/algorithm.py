@@ -62,6 +62,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul, truediv
@@ -517,3 +518,188 @@ def greedy_path(
         theta=theta.copy(),
         stop=early_stop(theta, ws),
     )
+
+
+# Above this many items a round's packed sort key keeps fewer than 52 - 12 survival bits, and the float order of
+# schedule_lengths_rounds could differ from it beyond what its near-tie check sees: such rounds walk one by one.
+# The check itself: neighbours of the walk whose float64 bits differ by less than this.
+_ROUNDS_MAX_ITEMS = 1 << 12
+
+
+_ONES_U8 = np.ones(256, dtype=np.uint8)  # sums of up to 255 flags in one uint8 product
+_round_factor_cache: dict[tuple[object, ...], np.ndarray] = {}
+
+
+def _round_factors(
+    table_for: Callable[[int], SPSTable], draft_cost: DraftCost | None, width: int, gamma: int
+) -> np.ndarray:
+    """[width + 1, width * gamma + 1]: row R holds the walk's factors of a round of R requests (walk_prices), then
+    0 (plain objective) or infinity (draft cost) past its last batch size, where no step can improve Theta."""
+    key = (table_for, draft_cost, width, gamma)
+    factors = _round_factor_cache.get(key)
+    if factors is None:
+        if len(_round_factor_cache) >= 64:
+            _round_factor_cache.clear()
+        factors = np.full((width + 1, width * gamma + 1), 0.0 if draft_cost is None else np.inf)
+        for count in range(1, width + 1):
+            factor = walk_prices(table_for(count), draft_cost, count, gamma).factor
+            factors[count, : factor.size] = factor
+        factors.flags.writeable = False
+        _round_factor_cache[key] = factors
+    return factors
+
+
+def schedule_lengths_rounds(
+    confidences: np.ndarray,
+    num_requests: np.ndarray,
+    table_for: Callable[[int], SPSTable],
+    *,
+    draft_cost: DraftCost | None = None,
+) -> np.ndarray:
+    """Algorithm 1 on a stack of independent rounds at once: the same decision as :func:`schedule_lengths` for
+    every round, in one vectorised walk (a simulator's many small rounds: the fixed cost of the walk's numpy calls
+    is paid once for all of them).
+
+    ``confidences`` [N, R, gamma]: round k's requests are rows ``0 .. num_requests[k] - 1`` (the rows past them
+    are padding, ignored); ``table_for(R)``: the SPS table that prices a round of R requests. Returns l [N, R]
+    (int64, zero on padding): ``l[k, :R_k] == schedule_lengths(confidences[k, :R_k], table_for(R_k),
+    draft_cost=draft_cost)`` bit for bit (tests/scheduler/test_sched_rounds.py).
+
+    How it stays the same decision: the survival products and tau are the same IEEE operations in the same
+    order (products along each row, tau summed sequentially along the walk, Theta = tau * or / the round's own
+    factors), and the early stop is the first step that does not improve Theta. Padding has zero survival, so it
+    sorts after every positive item and, like any zero survival, never improves Theta (SPS is non-increasing in B,
+    the draft cost non-decreasing; past a round's last batch size the factor is 0 or infinite): the walk of round
+    k stops at or before its n_pos, as its own walk does. The walk's order is the survivals sorted descending,
+    equal ones by flat index j * R + r (the padded index j * R_max + r orders the real items alike): the packed
+    key's order (:func:`walk_order`) unless two unequal neighbours have float64 bits closer than 2^12 (the key
+    keeps all but its <= 12 index bits of them; the argument of :func:`scalar_round`); such rounds, and rounds
+    of more than 2^12 items, walk alone through :func:`schedule_lengths`. The fast path
+    (:func:`every_step_improves`) is not taken: it is a shortcut to the walk's own answer.
+    """
+    conf = np.asarray(confidences)
+    if conf.ndim != 3:
+        raise ValueError(f"confidences must have shape [rounds, R, gamma], got shape {conf.shape}")
+    rounds, width, gamma = conf.shape
+    counts = _round_counts(num_requests, rounds, width)
+    if rounds == 0 or width == 0 or gamma == 0:
+        return np.zeros((rounds, width), dtype=np.int64)
+    real = np.arange(width)[None, :] < counts[:, None]  # [N, R]: not padding
+    if not (_minimum(conf, axis=None) >= 0 and _maximum(conf, axis=None) <= 1):  # NaN fails both
+        validate_confidences(conf[real])  # raises unless the offending values are padding
+    survival = np.multiply.accumulate(conf, axis=2)  # along each request's row, [N, R, gamma]
+    if _minimum(survival, axis=None) < _TINY:
+        np.copyto(survival, 0.0, where=survival < _TINY)
+    grid = np.where(real[:, :, None], survival, 0.0)
+    lengths, alone = _walk_rounds(grid, counts, table_for, draft_cost)
+    for k in alone:  # near ties: walk alone
+        count = int(counts[k])
+        lengths[k] = 0
+        lengths[k, :count] = schedule_lengths(conf[k, :count], table_for(count), draft_cost=draft_cost)
+    return lengths
+
+
+class RecordedConfidences:
+    """Confidences of recorded rounds, ``table`` [rows, gamma] (validated), with their survival probabilities
+    computed once (the walk's own products, flushed below 2^-960 alike): rounds that replay rows of it, such as
+    a simulator's, need no products per round (:func:`schedule_recorded_rounds`)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = validate_confidences(np.asarray(table, dtype=np.float64))
+        survival = np.multiply.accumulate(self.table, axis=1)
+        np.copyto(survival, 0.0, where=survival < _TINY)
+        self.survival = survival
+
+    @property
+    def gamma(self) -> int:
+        return int(self.table.shape[1])
+
+
+def schedule_recorded_rounds(
+    recorded: RecordedConfidences,
+    rows: np.ndarray,
+    max_lengths: np.ndarray,
+    num_requests: np.ndarray,
+    table_for: Callable[[int], SPSTable],
+    *,
+    draft_cost: DraftCost | None = None,
+) -> np.ndarray:
+    """:func:`schedule_lengths_rounds` of rounds whose confidences are rows of ``recorded``: round k's request r
+    drafted the block of row ``rows[k, r]``, its confidences zeroed from position ``max_lengths[k, r]`` on (its
+    cap, as :mod:`scheduler.policy` zeroes them). The same lengths as ``schedule_lengths_rounds(capped
+    confidences, ...)``: a survival past the cap is a product with a zero, 0 (tests/scheduler/test_sched_rounds.py).
+    """
+    rounds, width = rows.shape
+    counts = _round_counts(num_requests, rounds, width)
+    gamma = recorded.gamma
+    if rounds == 0 or width == 0 or gamma == 0:
+        return np.zeros((rounds, width), dtype=np.int64)
+    caps = np.where(np.arange(width)[None, :] < counts[:, None], max_lengths, 0)  # padding: nothing to verify
+    grid = np.where(np.arange(gamma) < caps[:, :, None], recorded.survival[rows], 0.0)
+    lengths, alone = _walk_rounds(grid, counts, table_for, draft_cost)
+    for k in alone:  # near ties: walk alone
+        count = int(counts[k])
+        confidences = recorded.table[rows[k, :count]]
+        capped = np.where(np.arange(gamma)[None, :] < caps[k, :count, None], confidences, 0.0)
+        lengths[k] = 0
+        lengths[k, :count] = schedule_lengths(capped, table_for(count), draft_cost=draft_cost)
+    return lengths
+
+
+def _round_counts(num_requests: np.ndarray, rounds: int, width: int) -> np.ndarray:
+    counts = np.asarray(num_requests, dtype=np.int64)
+    values = counts.tolist() if counts.ndim == 1 else None
+    if values is None or len(values) != rounds or (values and (min(values) < 0 or max(values) > width)):
+        raise ValueError(f"num_requests must give 0 <= R <= {width} for each of the {rounds} rounds")
+    return counts
+
+
+def _walk_rounds(
+    grid: np.ndarray, counts: np.ndarray, table_for: Callable[[int], SPSTable], draft_cost: DraftCost | None
+) -> tuple[np.ndarray, list[int]]:
+    """The walk of :func:`schedule_lengths_rounds` on survivals ``grid`` [N, R, gamma] (C-contiguous, zero on
+    padding). Returns the lengths [N, R] and the rounds to walk alone instead (near ties, too many items). Only
+    survivals equal to the last admitted one need the walk's flat index j * R + r."""
+    rounds, width, gamma = grid.shape
+    n = gamma * width
+    flat = grid.reshape(rounds, n)
+    # Each round's survivals in walk order (descending): the bits of non-negative floats grow with their value,
+    # so their complements sort ascending in that order.
+    # Each round's survivals in walk order (descending), after an infinite one: the bits of non-negative floats
+    # grow with their value, so their complements sort ascending in that order.
+    keys = ~flat.view(np.uint64)
+    keys.sort(axis=1)
+    ranked_after = np.empty((rounds, n + 1))
+    ranked_after[:, 0] = np.inf
+    bits = ranked_after[:, 1:].view(np.uint64)
+    np.invert(keys, out=bits)
+    near = (bits[:, :-1] - bits[:, 1:]) - np.uint64(1) < np.uint64(_ROUNDS_MAX_ITEMS - 1)
+    alone = near.any(axis=1) if np.count_nonzero(near) else None
+    if n > _ROUNDS_MAX_ITEMS:
+        large = counts * gamma > _ROUNDS_MAX_ITEMS
+        alone = large if alone is None else alone | large
+    theta = ranked_after.copy()
+    theta[:, 0] = counts
+    np.add.accumulate(theta, axis=1, out=theta)  # tau_n, sequentially along each round's walk
+    factors = _round_factors(table_for, draft_cost, width, gamma)[counts]
+    if draft_cost is not None:
+        np.divide(theta, factors, out=theta)
+    else:
+        np.multiply(theta, factors, out=theta)
+    # Steps that improve Theta; past a round's positive items none does (a zero adds nothing to tau while the
+    # price never improves), and a last column of False ends every walk at its last item at the latest.
+    improving = np.zeros((rounds, n + 1), dtype=bool)
+    np.greater(theta[:, 1:], theta[:, :-1], out=improving[:, :n])
+    stop = improving.argmin(axis=1)
+    # The admitted items, the first `stop` of the walk: every survival at or above the last admitted one, v,
+    # unless more than the walk's own share of survivals equal v (then: of those, the first by flat index).
+    last = ranked_after[np.arange(rounds), stop][:, None, None]  # v (infinite when none is admitted)
+    admitted = grid >= last
+    if np.count_nonzero(admitted) != sum(stop.tolist()):
+        above = grid > last
+        equal = np.ascontiguousarray((grid == last).transpose(0, 2, 1)).reshape(rounds, n)  # by flat index
+        left = stop - _add(above.reshape(rounds, n), axis=1)
+        first = np.add.accumulate(equal, axis=1) <= left[:, None]
+        admitted = above | (equal & first).reshape(rounds, gamma, width).transpose(0, 2, 1)
+    lengths = (admitted.view(np.uint8) @ _ONES_U8[:gamma]).astype(np.int64)  # per request: its admitted count
+    return lengths, [] if alone is None else np.flatnonzero(alone).tolist()

@@ -90,6 +90,11 @@ class ChainPlanner:
         self._scheduled: dict[int, int] = {}  # R -> rounds Algorithm 1 scheduled since the last re-plan
         self._asked = False  # a round driver asked for a plan (one that never chains pays nothing here)
 
+    @property
+    def asked(self) -> bool:
+        """Whether a round driver has asked for a plan (until then :meth:`observe` does nothing)."""
+        return self._asked
+
     def planned(self, max_lengths: np.ndarray, block_size: int, sps: SPSTable) -> np.ndarray | None:
         """The next round's lengths for these caps, or None (Algorithm 1 decides on the confidences)."""
         self._asked = True

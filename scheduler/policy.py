@@ -19,7 +19,13 @@ from typing import Protocol
 
 import numpy as np
 
-from scheduler.algorithm import DraftCost, schedule_lengths
+from scheduler.algorithm import (
+    DraftCost,
+    RecordedConfidences,
+    schedule_lengths,
+    schedule_lengths_rounds,
+    schedule_recorded_rounds,
+)
 from scheduler.async_capacity import AsyncCapacityScheduler
 from scheduler.chain_plan import CHAIN_TOLERANCE, ChainPlanner
 from scheduler.draft_cost_estimate import OnlineDraftCost
@@ -53,6 +59,40 @@ class VerifyPolicy(Protocol):
 #: max_lengths, block_size)`` may fix a round's lengths before the drafts exist (an array, or None to decide on
 #: the confidences as usual), which lets a round driver chain the verify step behind the drafter on the device;
 #: it then hands the round's confidences to ``observe_drafts(confidences, max_lengths)`` when present.
+#:
+#: A policy whose ``decides_rounds_alone`` is true decides every round from that round's confidences and caps
+#: alone (nothing learned from earlier rounds, never skips the drafter); ``lengths_of_rounds(confidences [N, R,
+#: gamma], max_lengths [N, R], num_requests [N])`` then decides a stack of independent rounds at once, each as
+#: ``lengths`` would (a simulator batches the rounds of many replicas this way), and
+#: ``lengths_of_recorded_rounds(recorded, rows [N, R], max_lengths, num_requests)`` the same for rounds whose
+#: confidences are rows of recorded ones (:class:`scheduler.algorithm.RecordedConfidences`).
+
+
+class DecidesRoundsAlone(Protocol):
+    """A policy that decides every round from that round's confidences and caps alone, for stacks of rounds
+    (see the note above); ``decides_rounds_alone`` says whether it does right now."""
+
+    decides_rounds_alone: bool
+
+    def lengths_of_rounds(
+        self, confidences: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray: ...
+
+    def lengths_of_recorded_rounds(
+        self, recorded: RecordedConfidences, rows: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray: ...
+
+
+def _rounds_capped(confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
+    """:func:`_capped` for a stack of rounds [N, R, gamma] (caps [N, R])."""
+    gamma = confidences.shape[2]
+    if max_lengths.size and int(np.minimum.reduce(max_lengths, axis=None)) >= gamma:
+        return confidences
+    return np.where(np.arange(gamma) < max_lengths[:, :, None], confidences, 0.0)
+
+
+def _padding(max_lengths: np.ndarray, num_requests: np.ndarray) -> np.ndarray:
+    return np.arange(max_lengths.shape[1])[None, :] >= np.asarray(num_requests)[:, None]
 
 
 _ZERO_COST = DraftCost()  # one object: the gate reuses a prediction only while its cost objects stay the same
@@ -144,6 +184,18 @@ class Autoregressive:
     ) -> np.ndarray:
         return np.zeros(len(max_lengths), dtype=np.int64)
 
+    decides_rounds_alone = True
+
+    def lengths_of_rounds(
+        self, confidences: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray:
+        return np.zeros(max_lengths.shape, dtype=np.int64)
+
+    def lengths_of_recorded_rounds(
+        self, recorded: RecordedConfidences, rows: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray:
+        return np.zeros(max_lengths.shape, dtype=np.int64)
+
 
 class FixedLength:
     """Verify the first ``n`` drafts of every request (1: MTP-1-like; the block size: DFlash-like)."""
@@ -163,6 +215,24 @@ class FixedLength:
         self, confidences: np.ndarray, max_lengths: np.ndarray, *, weights: np.ndarray | None = None
     ) -> np.ndarray:
         return np.minimum(np.minimum(self.n, confidences.shape[1]), max_lengths).astype(np.int64)
+
+    decides_rounds_alone = True
+
+    def lengths_of_rounds(
+        self, confidences: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`lengths` of each round of a stack (zero on padding)."""
+        lengths = np.minimum(np.minimum(self.n, confidences.shape[2]), max_lengths).astype(np.int64)
+        lengths[_padding(max_lengths, num_requests)] = 0
+        return lengths
+
+    def lengths_of_recorded_rounds(
+        self, recorded: RecordedConfidences, rows: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`lengths` of each round of a stack whose confidences are rows of ``recorded``."""
+        lengths = np.minimum(np.minimum(self.n, recorded.gamma), max_lengths).astype(np.int64)
+        lengths[_padding(max_lengths, num_requests)] = 0
+        return lengths
 
     def planned_lengths(self, max_lengths: np.ndarray, block_size: int) -> np.ndarray:
         """The lengths before the drafts exist: they never depend on the confidences (a chained round)."""
@@ -238,6 +308,34 @@ class DSparkScheduled(_LearnsRoundCosts):
             self.chain.observe(capped, max_lengths, lengths, table, cost, scheduled=True)
         return lengths
 
+    @property
+    def decides_rounds_alone(self) -> bool:
+        """A fixed draft cost and no gate (nothing learned from earlier rounds, the drafter always runs), and no
+        chained round asked for: then each round's lengths are Algorithm 1's on its own confidences."""
+        return self.gate is None and self._cost.estimator is None and not self.chain.asked
+
+    def lengths_of_rounds(
+        self, confidences: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`lengths` of each round of a stack [N, R, gamma] (caps [N, R], round k's requests the first
+        ``num_requests[k]`` rows; zero on padding), in one vectorised walk
+        (:func:`scheduler.algorithm.schedule_lengths_rounds`); only while :attr:`decides_rounds_alone`."""
+        if not self.decides_rounds_alone:
+            raise ValueError("this policy learns from its rounds: decide them one by one with lengths()")
+        capped = _rounds_capped(confidences, max_lengths)
+        return schedule_lengths_rounds(capped, num_requests, self.sps.table_for, draft_cost=self._cost.current())
+
+    def lengths_of_recorded_rounds(
+        self, recorded: RecordedConfidences, rows: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`lengths_of_rounds` of rounds whose confidences are rows ``rows`` [N, R] of ``recorded``
+        (:func:`scheduler.algorithm.schedule_recorded_rounds`: their survival products are computed once)."""
+        if not self.decides_rounds_alone:
+            raise ValueError("this policy learns from its rounds: decide them one by one with lengths()")
+        return schedule_recorded_rounds(
+            recorded, rows, max_lengths, num_requests, self.sps.table_for, draft_cost=self._cost.current()
+        )
+
     def planned_lengths(self, max_lengths: np.ndarray, block_size: int) -> np.ndarray | None:
         """The lengths before the drafts exist (a chained round), or None to let Algorithm 1 decide on the
         confidences: a uniform length per request count, planned from the last drafted round of as many
@@ -283,6 +381,7 @@ class DSparkAsync(_LearnsRoundCosts):
         estimator: OnlineDraftCost | None = None,
     ) -> None:
         self._scheduler = AsyncCapacityScheduler(sps, lag=lag, draft_cost=draft_cost)
+        self.decides_rounds_alone = False  # its capacity is planned from earlier rounds
         self.sps = sps
         self.gate = gate
         self._cost = _MeasuredCost(draft_cost, gate, estimator)

@@ -22,6 +22,14 @@ class EventQueue:
         self._seq += 1
         heapq.heappush(self._heap, (time, self._seq, kind, payload))
 
+    def push_all(self, times: list[float], kind: int, payloads: list[Any]) -> None:
+        """``push(time, kind, payload)`` for each pair, in order."""
+        heap, seq = self._heap, self._seq
+        for time, payload in zip(times, payloads, strict=True):
+            seq += 1
+            heapq.heappush(heap, (time, seq, kind, payload))
+        self._seq = seq
+
     def pop(self) -> tuple[float, int, Any]:
         time, _, kind, payload = heapq.heappop(self._heap)
         return time, kind, payload

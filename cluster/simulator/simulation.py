@@ -29,6 +29,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 from tqdm import tqdm
@@ -41,9 +42,37 @@ from cluster.simulator.router import Router
 from cluster.simulator.traces import AcceptanceTrace
 from cluster.simulator.workload import Workload
 from scheduler.admission import draft_caps
-from scheduler.policy import make_policy
+from scheduler.algorithm import RecordedConfidences
+from scheduler.policy import DecidesRoundsAlone, make_policy
 
 _DRAFT_DONE, _ROUND_END, _TICK, _READY, _WAKE = 0, 1, 2, 3, 4
+_E, _ROW, _ROUNDS, _ROW_END, _OUT, _INP = range(6)  # columns of a batched run's request state
+_HUGE = 1 << 62
+_NONE: list[int] = []  # a round's joiners when none join (never changed)
+_minimum = np.minimum.reduce
+_SAFE = 1.0 - 1e-6  # a round's lower bound on its duration, less a margin far above the rounding of its end time
+
+
+class _VerifyTable:
+    """``Costs.verify_s(max(R, 1), max(B, 1))`` by request count R <= ``slots`` and batch tokens B, rows filled on
+    demand (the cost function's own values: a batch of rounds gathers them instead of calling it per round)."""
+
+    def __init__(self, costs: Costs, slots: int) -> None:
+        self.costs = costs
+        self.width = costs.block_size + 1  # tokens per request at most
+        self.table = np.zeros((slots + 1, slots * self.width + 1))
+        self.filled = 0  # rows 0 .. filled - 1
+
+    def __call__(self, counts: np.ndarray, tokens: np.ndarray, top: int) -> np.ndarray:
+        """The step times of rounds of ``counts`` requests (at most ``top``) and ``tokens`` tokens."""
+        while self.filled <= top:
+            count = self.filled
+            requests = max(count, 1)
+            self.table[count, : count * self.width + 1] = [
+                self.costs.verify_s(requests, max(b, 1)) for b in range(count * self.width + 1)
+            ]
+            self.filled += 1
+        return self.table[counts, tokens]
 
 
 class SimulationError(ValueError):
@@ -196,6 +225,53 @@ class Simulation:
             self.row: list[int] = row.tolist()
             self.row_end: list[int] = row_end.tolist()
         self.queue = EventQueue()
+        # Batched rounds (:meth:`_flush`): replicas that run their rounds on their own GPU (colocated, one request
+        # group) with a policy that decides every round alone. Per request state then lives in numpy arrays.
+        self.batched = (
+            self.colocated
+            and spec.groups == 1
+            and bool(getattr(prototype, "decides_rounds_alone", False))
+            and 2 * self.hop + costs.round_overhead_s > 0
+        )
+        # Rounds started and not yet decided: (driver, start, requests, joiners, drafting, ahead, deadline, replica).
+        self._pending: list[tuple[RoundDriver, float, list[int], list[int], bool, bool, float, int]] = []
+        self._cancelled: set[RoundDriver] = set()  # whose round pending ahead will not start as it was
+        self._gpu_busy = np.zeros(max(1, spec.verifiers))  # Gpu.busy_s of each verifier replica
+        # Each verifier replica's requests (its one round driver's members, in order), padded with the padding
+        # row of the request state: a batch gathers its rounds' requests in one step.
+        self._member_table = np.full((max(1, spec.verifiers), spec.verifier_slots), workload.size, dtype=np.int64)
+        self._deadline = math.inf
+        self._clock = 0.0
+        self._lower_s: dict[tuple[int, bool], float] = {}
+        if self.batched:
+            # The policy decides each round alone: one object decides for every round driver (theirs are copies).
+            self._rounds_policy = cast(DecidesRoundsAlone, prototype)
+            # Per request, one row: emitted tokens, trace row, rounds, end of its recorded prompt's rows, output
+            # and prompt tokens (a round reads and writes them in one gather and one scatter); the last row is
+            # the padding of a batch (never finishes, never runs out of rows).
+            self._state = np.zeros((n + 1, 6), dtype=np.int64)
+            self._state[:n, _OUT] = self.output_tokens
+            self._state[:n, _INP] = self.inputs
+            if trace is not None:
+                self._state[:n, _ROW] = self.row
+                self._state[:n, _ROW_END] = self.row_end
+                self._recorded = RecordedConfidences(trace.confidences)
+                self._accepted_rows = trace.accepted.astype(np.int64)
+            self._record = np.dtype((np.void, self._state.itemsize * 6))  # one request's row, as one value
+            self._records = self._state.view(self._record).reshape(n + 1)
+            self._padding = np.array([0, 0, 0, _HUGE, _HUGE, 0], dtype=np.int64)
+            self._state[n] = self._padding
+            # Costs by request count, as arrays (the cost functions' own values, bit for bit).
+            counts = range(spec.verifier_slots + 1)
+            self._draft_by_count = np.array([costs.draft(c) if c else 0.0 for c in counts])
+            self._host_drafted_by_count = np.array([costs.host_drafted(c) for c in counts])
+            self._host_plain_by_count = np.array([costs.host_plain(c) for c in counts])
+            self._verify_table = _VerifyTable(costs, spec.verifier_slots)
+            self._prefill: dict[int, float] = {}
+            self._ones = np.ones(spec.verifier_slots + 1, dtype=np.int64)
+            # A lower bound on the duration of a round of R requests that drafts (a round after one that changed
+            # nothing outside its replica always does, when the policy drafts).
+            self._lower_by_count = np.array([self._lower_bound(c, self.uses_drafter and c > 0) for c in counts])
         self.router = Router(self.colocated, self.uses_drafter, spec.groups)
         self.verifiers: list[VerifierReplica] = []
         self.drafters: list[DrafterReplica] = []
@@ -238,6 +314,12 @@ class Simulation:
         # Every round driver starts from a fresh policy (nothing learned yet), also one started by the autoscaler.
         replica.drivers = [RoundDriver(replica, copy.deepcopy(self._prototype)) for _ in range(self.spec.groups)]
         self.verifiers.append(replica)
+        if self.batched and replica.index >= self._gpu_busy.size:
+            grown = max(replica.index + 1, 2 * self._gpu_busy.size)
+            self._gpu_busy = np.concatenate([self._gpu_busy, np.zeros(grown - self._gpu_busy.size)])
+            table = np.full((grown, self.spec.verifier_slots), len(self.arrival), dtype=np.int64)
+            table[: self._member_table.shape[0]] = self._member_table
+            self._member_table = table
         if ready <= now:
             self.router.add_verifier(replica)
         else:
@@ -291,6 +373,8 @@ class Simulation:
         self._waiting += 1
         replica.waiting.append(i)
         for driver in replica.drivers:
+            if driver.ahead is not None:
+                self._run_ahead_stops(driver, now)
             if driver.idle:  # after every arrival of this instant: a round admits all of them, as the engine does
                 driver.idle = False
                 self.queue.push(now, _WAKE, driver)
@@ -429,24 +513,7 @@ class Simulation:
             if outputs[i] <= 1:
                 finished.append(i)
         replica = driver.replica
-        freed_drafter = False
-        if finished:
-            self._advance(now)
-            self._in_system -= len(finished)
-            gone = set(finished)
-            driver.members = [m for m in driver.members if m not in gone]
-            for i in finished:
-                self.finish_s[i] = now
-                self._release(now)
-                self.router.left(replica)
-                d = self.drafter_of[i]
-                if d >= 0:
-                    drafter = self.drafters[d]
-                    drafter.held -= 1
-                    freed_drafter = True
-                    self._remove_if_done(drafter, now)
-            replica.running -= len(finished)
-            self._remove_if_done(replica, now)
+        freed_drafter = self._finish(driver, finished, now) if finished else False
         observe = driver.observe
         if observe is not None and verified:
             observe(
@@ -459,6 +526,285 @@ class Simulation:
                     self._start_round(other, now)
             if freed_drafter and self._starved:
                 self._wake_starved(now)
+
+    def _finish(self, driver: RoundDriver, finished: list[int], now: float) -> bool:
+        """Requests of ``driver``'s round that ended at ``now`` with their last token: they leave the system and
+        free their slots. Returns whether a drafter slot freed."""
+        replica = driver.replica
+        freed_drafter = False
+        self._advance(now)
+        self._in_system -= len(finished)
+        gone = set(finished)
+        before = len(driver.members)
+        driver.members = [m for m in driver.members if m not in gone]
+        if self.batched:
+            row = self._member_table[replica.index]
+            row[: len(driver.members)] = driver.members
+            row[len(driver.members) : before] = len(self.arrival)
+        for i in finished:
+            self.finish_s[i] = now
+            self._release(now)
+            self.router.left(replica)
+            d = self.drafter_of[i]
+            if d >= 0:
+                drafter = self.drafters[d]
+                drafter.held -= 1
+                freed_drafter = True
+                self._remove_if_done(drafter, now)
+        replica.running -= len(finished)
+        self._remove_if_done(replica, now)
+        return freed_drafter
+
+    # ------------------------------------------------------------------------------------- batched rounds
+    def _batched_start(self, driver: RoundDriver, now: float) -> None:
+        """:meth:`_start_round` of a batched run: the same admission, and the round joins the pending ones,
+        whose lengths, timings and outcomes :meth:`_flush` decides together."""
+        verified = driver.members
+        replica = driver.replica
+        joined = self.router.admit(driver) if replica.waiting else None
+        if joined:
+            self._advance(now)
+            self._waiting -= len(joined)
+            admit_s, drafter_of = self.admit_s, self.drafter_of
+            for i, drafter in joined:
+                admit_s[i] = now
+                if drafter is not None:
+                    drafter_of[i] = drafter.index
+            replica.running += len(joined)
+            admitted = [i for i, _ in joined]
+            driver.members = verified + admitted
+            self._member_table[replica.index, len(verified) : len(driver.members)] = admitted
+        elif not verified:
+            driver.idle = True
+            return
+        else:
+            admitted = _NONE
+        driver.idle = False
+        self._pend(driver, now, verified, admitted, False)
+
+    def _pend(self, driver: RoundDriver, start: float, verified: list[int], admitted: list[int], ahead: bool) -> None:
+        drafting = self.uses_drafter and bool(verified)
+        key = (len(verified), drafting)
+        lower = self._lower_s.get(key)
+        if lower is None:
+            lower = self._lower_s[key] = self._lower_bound(*key)
+        deadline = start + lower
+        self._pending.append((driver, start, verified, admitted, drafting, ahead, deadline, driver.replica.index))
+        if deadline < self._deadline:
+            self._deadline = deadline
+
+    def _lower_bound(self, count: int, drafting: bool) -> float:
+        """A lower bound on a round's duration (its steps and hops), less a margin far above the rounding of its
+        end time: no pending round can end before its start plus this."""
+        costs, requests = self.costs, max(count, 1)
+        lower = 2 * self.hop + costs.round_overhead_s + costs.verify_s(requests, requests)
+        if drafting:
+            lower += 2 * self.hop + costs.draft(count)
+        return lower * _SAFE
+
+    def _run_ahead_stops(self, driver: RoundDriver, now: float) -> None:
+        """A request arrived at ``now`` for the replica of ``driver``, whose next round pends undecided from
+        ``driver.ahead``. If that round has not started yet it will admit the request: the last round's end
+        becomes an event again (at its time, still to come). If it has, it runs as pending (the request joins
+        the round after)."""
+        start = driver.ahead
+        assert start is not None
+        driver.ahead = None
+        if start >= now:  # at the same instant too: arrivals come before a round end of their time
+            self._cancelled.add(driver)
+            self.queue.push(start, _ROUND_END, driver)
+
+    def _flush(self, upcoming: float) -> None:
+        """Decide the pending rounds that can be: their lengths (the policy's ``lengths_of_rounds``, one
+        vectorised walk for all of them), accepted tokens, GPU steps and end times, and what their ends will do.
+
+        Why this is the same run as round by round: a pending round's outcome depends only on its own requests'
+        state at its start (recorded rows, emitted tokens; the policy learns nothing from earlier rounds, and the
+        replica's GPU runs no one else's steps), which nothing changes before the round ends; its state updates
+        touch only its own requests, read by nothing but their next round. The run loop flushes before it
+        handles any event at or after the earliest time a pending round could end (``_deadline``), so every
+        round end is on the queue before its time comes, and events happen in the same order. Every number is
+        computed by the same operations in the same order as round by round (a table of a cost is the cost
+        function's own values).
+
+        A round whose end changes nothing outside its replica (no request finishes or needs a new recorded
+        prompt, none waits to join) puts no event on the queue: its next round, with the same requests, pends
+        from its end time (``ahead``), and is decided once the run has handled every event before that time
+        (``upcoming``: the next one), unless a request arrives for the replica first (:meth:`_run_ahead_stops`).
+        What such an end does, counting the round and the first tokens of its joiners, is done here."""
+        pending = self._pending
+        cancelled = self._cancelled
+        take = []
+        keep = []
+        for entry in pending:
+            if entry[5]:
+                if cancelled and entry[0] in cancelled:
+                    continue
+                if entry[1] >= upcoming:
+                    keep.append(entry)
+                    continue
+            take.append(entry)
+        cancelled.clear()
+        self._pending = keep
+        deadline = min([entry[6] for entry in keep], default=math.inf)
+        if not take:
+            self._deadline = deadline
+            return
+        drivers, starts, verifieds, admitteds, draftings, _, _, slots = zip(*take, strict=True)
+        costs, hop = self.costs, self.hop
+        state, outputs, inputs = self._state, self.output_tokens, self.inputs
+        size = len(drivers)
+        sizes = list(map(len, verifieds))
+        counts = np.fromiter(sizes, np.int64, size)
+        every = all(draftings)  # every round drafts (the usual case: no plain round)
+        drafted = range(size) if every else [k for k in range(size) if draftings[k]]
+        self.total_rounds += size
+        self.drafted_rounds += len(drafted)
+        tokens = counts.copy()  # verify batch: anchors + drafts
+        gpus = np.fromiter(slots, np.int64, size)
+        if drafted:
+            count_array = counts if every else counts[drafted]
+            width = max(sizes) if every else max([sizes[k] for k in drafted])
+            members = self._member_table[gpus if every else gpus[drafted], :width]
+            if any(admitteds):  # past a round's requests: its joiners (they wait for the next round), or padding
+                members = np.where(np.arange(width) < count_array[:, None], members, len(self.arrival))
+            rows_state = self._records[members].view(np.int64).reshape(*members.shape, 6)  # [rounds, R, columns]
+            e = rows_state[:, :, _E]
+            o = rows_state[:, :, _OUT]
+            rows = rows_state[:, :, _ROW]
+            caps = draft_caps(o - e, rows_state[:, :, _INP] + e - 1, self.spec.max_seq_len, self.block)
+            lengths = self._rounds_policy.lengths_of_recorded_rounds(self._recorded, rows, caps, count_array)
+            accepted = np.minimum(self._accepted_rows[rows], lengths)
+            if every:
+                tokens += lengths @ self._ones[:width]
+            else:
+                tokens[drafted] += lengths @ self._ones[:width]
+            e += accepted  # accepted + 1 tokens, at most what it still needs
+            e += 1
+            np.minimum(e, o, out=e)
+            rows += 1  # the next recorded round of its prompt; one whose prompt ran out continues with another
+            rows_state[:, :, _ROUNDS] += 1
+            self._records[members] = rows_state.view(self._record).reshape(members.shape)
+            state[-1] = self._padding
+            done_k, done_r = np.nonzero(e >= o)
+            if done_k.size:
+                for k, i in zip(done_k.tolist(), members[done_k, done_r].tolist(), strict=True):  # in member order
+                    driver = drivers[drafted[k]]
+                    if driver.finishing is None:
+                        driver.finishing = []
+                    driver.finishing.append(i)
+            out_k, out_r = np.nonzero(rows >= rows_state[:, :, _ROW_END])
+            if out_k.size:
+                for k, i in zip(out_k.tolist(), members[out_k, out_r].tolist(), strict=True):
+                    driver = drivers[drafted[k]]
+                    if driver.moving is None:
+                        driver.moving = []
+                    driver.moving.append(i)
+        if not every:
+            for k in range(size):  # plain rounds: one token each
+                if draftings[k]:
+                    continue
+                driver = drivers[k]
+                for i in verifieds[k]:
+                    e_i = int(state[i, _E]) + 1
+                    state[i, _E] = e_i
+                    state[i, _ROUNDS] += 1
+                    if e_i >= outputs[i]:
+                        if driver.finishing is None:
+                            driver.finishing = []
+                        driver.finishing.append(i)
+        totals = counts.copy()  # requests in the round, joiners included
+        step = self._verify_table(counts, tokens, max(sizes))
+        prefill = self._prefill
+        for k, admitted in enumerate(admitteds) if any(admitteds) else ():
+            if admitted:
+                driver = drivers[k]
+                totals[k] += len(admitted)
+                prompt = sum([inputs[i] for i in admitted])
+                seconds = prefill.get(prompt)
+                if seconds is None:
+                    seconds = prefill[prompt] = costs.prefill_s(prompt)
+                step[k] += seconds
+                for i in admitted:
+                    state[i, _E] = 1
+                    if outputs[i] <= 1:
+                        if driver.finishing is None:
+                            driver.finishing = []
+                        driver.finishing.append(i)
+        # Gpu.run on the replica's own GPU as the round's steps reach it: the draft step, then the verify step two
+        # hops after the draft ends (a plain round: the verify step at once). They never wait for the GPU: it ran
+        # nothing since the replica's last round, whose end (its last step's end, plus hops, host and overhead
+        # times, all >= 0) is no later than this round's start; so each step starts when it arrives.
+        busy = self._gpu_busy[gpus]
+        end = np.fromiter(starts, np.float64, size)
+        end += hop
+        if every:
+            draft = self._draft_by_count[counts]
+            end += draft
+            end += hop
+            end += hop
+            busy += draft
+            host = self._host_drafted_by_count[totals]
+        else:
+            drafting = np.array(draftings, dtype=bool)
+            draft = self._draft_by_count[counts]
+            end = np.where(drafting, ((end + draft) + hop) + hop, end)
+            busy = np.where(drafting, busy + draft, busy)
+            host = np.where(drafting, self._host_drafted_by_count[totals], self._host_plain_by_count[totals])
+        end += step
+        busy += step
+        self._gpu_busy[gpus] = busy
+        end += hop
+        end += host
+        end += costs.round_overhead_s  # the round's end: ((verify end + hop) + host) + overhead, as round by round
+        if _minimum(end) < self._clock:
+            raise RuntimeError("a batched round ends before an event already handled (a bound on round times is wrong)")
+        events: list[float] = []
+        ending: list[RoundDriver] = []
+        first_s, uses_drafter = self.first_s, self.uses_drafter
+        # The next rounds' deadlines, by their request counts (for a round that admits nobody and sees no one
+        # finish: the same requests); those of rounds whose end is an event only make the deadline earlier.
+        dues = end + self._lower_by_count[totals]
+        due_min = float(_minimum(dues))
+        if due_min < deadline:
+            deadline = due_min
+        for driver, admitted, at, due, slot in zip(drivers, admitteds, end.tolist(), dues.tolist(), slots, strict=True):
+            if driver.finishing is None and driver.moving is None and not driver.replica.waiting:
+                for i in admitted:
+                    first_s[i] = at
+                driver.ahead = at
+                keep.append((driver, at, driver.members, _NONE, uses_drafter, True, due, slot))
+            else:
+                driver.admitted = admitted
+                events.append(at)
+                ending.append(driver)
+        self._deadline = deadline
+        self.queue.push_all(events, _ROUND_END, ending)
+
+    def _batched_end(self, driver: RoundDriver, now: float) -> None:
+        """:meth:`_end_round` of a batched run: the round was counted and its tokens emitted when it was
+        decided; what is left happens now, in event order (a new recorded prompt for requests whose prompt ran
+        out, first tokens, finished requests), then the next round starts."""
+        moving = driver.moving
+        if moving:
+            driver.moving = None
+            starts, ends = self.trace.row_ranges(len(moving), self.rng)  # type: ignore[union-attr]
+            self._state[moving, _ROW] = starts
+            self._state[moving, _ROW_END] = ends
+        if driver.admitted:
+            first_s = self.first_s
+            for i in driver.admitted:
+                first_s[i] = now
+            driver.admitted = _NONE
+        finished = driver.finishing
+        if finished:
+            driver.finishing = None
+            self._finish(driver, finished, now)
+        self._batched_start(driver, now)
+        if finished:
+            for other in driver.replica.drivers:
+                if other.idle:
+                    self._batched_start(other, now)
 
     # ---------------------------------------------------------------------------------------- autoscaling
     def _tick(self, now: float) -> None:
@@ -518,19 +864,30 @@ class Simulation:
         bar = tqdm(total=max(1, math.ceil(horizon)), unit="sim s", disable=not progress, desc="simulate")
         shown = 0
         now = 0.0
-        while nxt < n or len(queue):
-            if nxt < n and arrival[nxt] <= queue.next_time():
-                now = arrival[nxt]
+        batched = self.batched
+        end_round = self._batched_end if batched else self._end_round
+        start_round = self._batched_start if batched else self._start_round
+        while nxt < n or len(queue) or self._pending:
+            upcoming = queue.next_time()
+            if nxt < n and arrival[nxt] <= upcoming:
+                if batched and arrival[nxt] >= self._deadline and self._pending:  # a pending round may end first
+                    self._flush(arrival[nxt])
+                    continue
+                now = self._clock = arrival[nxt]
                 self._arrive(nxt, now)
                 nxt += 1
                 continue
+            if batched and upcoming >= self._deadline and self._pending:  # decide the pending rounds now
+                self._flush(upcoming)
+                continue
             now, kind, payload = queue.pop()
+            self._clock = now
             if kind == _ROUND_END:
-                self._end_round(payload, now)
+                end_round(payload, now)
             elif kind == _DRAFT_DONE:
                 self._verify(payload, now)
             elif kind == _WAKE:
-                self._start_round(payload, now)
+                start_round(payload, now)
             elif kind == _TICK:
                 self._tick(now)
                 if nxt < n or self._in_system:
@@ -544,6 +901,11 @@ class Simulation:
         bar.close()
         self._advance(now)
         end = now
+        if batched:
+            self.emitted = self._state[:n, _E].tolist()
+            self.rounds = self._state[:n, _ROUNDS].tolist()
+            for replica in self.verifiers:  # (its free_at is not kept: a batched round never waits for its GPU)
+                replica.gpu.busy_s = float(self._gpu_busy[replica.index])
 
         def held(replicas: list[VerifierReplica] | list[DrafterReplica]) -> float:
             return sum((r.removed_s if r.removed_s is not None else end) - r.created_s for r in replicas)

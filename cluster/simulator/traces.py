@@ -77,6 +77,9 @@ class AcceptanceTrace:
 
     def row_ranges(self, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """First and end row of a random recorded prompt for each of ``count`` requests."""
+        if count == 1:  # the same draw as size=1 (one bounded integer from the stream), without the array's overhead
+            prompt = int(rng.integers(0, self.num_prompts))
+            return self.starts[prompt : prompt + 1], self.starts[prompt + 1 : prompt + 2]
         prompts = rng.integers(0, self.num_prompts, size=count)
         return self.starts[prompts], self.starts[prompts + 1]
 

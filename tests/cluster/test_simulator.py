@@ -287,3 +287,75 @@ def test_cli_runs_and_refuses_bad_input_with_exit_code_2(tmp_path: Path, capsys:
     assert main(["simulate", "run", *common, "--policy", "fixed-x"]) == 2
     assert main(["simulate", "plan", *common, "--gpus", "2"]) == 2  # no SLO
     assert "needs an SLO" in capsys.readouterr().err
+
+
+def _same_result(a: SimResult, b: SimResult) -> None:
+    for name in ("arrival_s", "admit_s", "first_token_s", "finish_s", "emitted", "rounds", "rejected"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    for name in (
+        "end_s",
+        "total_rounds",
+        "drafted_rounds",
+        "verifier_busy_s",
+        "drafter_busy_s",
+        "verifier_gpu_s",
+        "drafter_gpu_s",
+        "in_system_area",
+        "waiting_area",
+        "running_area",
+        "timeline",
+    ):
+        assert getattr(a, name) == getattr(b, name), name
+
+
+@pytest.mark.parametrize(
+    ("policy", "case"),
+    [
+        ("dspark", "open"),
+        ("full", "open"),
+        ("fixed-1", "open"),
+        ("autoregressive", "open"),
+        ("dspark", "closed loop"),
+        ("dspark", "autoscaled"),
+        ("dspark", "many replicas"),
+    ],
+)
+def test_batched_rounds_run_exactly_as_round_by_round(costs, trace, policy: str, case: str) -> None:
+    """Replicas on their own GPU with a policy that decides each round alone are decided in batches (one
+    vectorised walk for the rounds pending across the cluster, no event for a round whose end changes nothing
+    outside its replica): the same run, bit for bit, as the round-by-round loop."""
+    closed_loop = ClosedLoop(6, 0.004) if case == "closed loop" else None
+    spec = ClusterSpec(placement="colocated", verifiers=3, verifier_slots=8, policy=policy)
+    workload = _workload(seed=4, rate=60.0, duration=6.0, cv=2.0)
+    run_costs = costs
+    if case == "autoscaled":
+        scaling = PoolScaling(
+            min_replicas=1,
+            max_replicas=6,
+            target_ongoing_requests=4,
+            look_back_period_s=2,
+            upscale_delay_s=1,
+            downscale_delay_s=2,
+        )
+        spec = replace(spec, verifiers=1, verifier_slots=128, verifier_scaling=scaling, control_interval_s=0.5)
+        run_costs = replace(costs, verifier_start_s=1.0, drafter_start_s=1.0)
+    if case == "many replicas":
+        spec = replace(spec, verifiers=16, verifier_slots=128)
+        lengths = LengthSpec.parse("uniform:11:399"), LengthSpec.parse("uniform:1:160")
+        workload = generated(300.0, 2.0, *lengths, np.random.default_rng(1))
+    batched = Simulation(workload, run_costs, trace, spec, 5, closed_loop=closed_loop)
+    assert batched.batched
+    by_round = Simulation(workload, run_costs, trace, spec, 5, closed_loop=closed_loop)
+    by_round.batched = False
+    _same_result(batched.run(), by_round.run())
+
+
+def test_one_new_recorded_prompt_is_the_same_draw_as_an_array_of_one(trace) -> None:
+    for seed in range(20):
+        one, array = np.random.default_rng(seed), np.random.default_rng(seed)
+        for _ in range(30):
+            starts, ends = trace.row_ranges(1, one)
+            prompts = array.integers(0, trace.num_prompts, size=1)
+            assert starts.tolist() == trace.starts[prompts].tolist()
+            assert ends.tolist() == trace.starts[prompts + 1].tolist()
+        assert one.bit_generator.state == array.bit_generator.state
