@@ -452,19 +452,6 @@ async def start_server(services: Sequence[Service], **options: Any) -> RpcServer
     return server
 
 
-#: How long a stopping ServerThread waits for its loop's cancelled tasks to end.
-_CANCEL_WAIT_S = 2.0
-
-
-async def _cancel_tasks() -> None:
-    """Cancel every other task of the running loop and wait (bounded) for them to end."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=_CANCEL_WAIT_S)
-
-
 class ServerThread:
     """An :class:`RpcServer` on its own event loop in a daemon thread, for tests, scripts and sync programs.
 
@@ -502,12 +489,6 @@ class ServerThread:
             self._shutdown_loop()
 
     def _shutdown_loop(self) -> None:
-        """Cancel what still runs on the loop (e.g. grpc's tasks of streams a peer kept open), then close it: a
-        task left pending would be destroyed later, at some garbage collection, with an error-level log there."""
-        try:
-            self.run(_cancel_tasks(), timeout_s=_CANCEL_WAIT_S + 1.0)
-        except Exception as exc:  # a loop that cannot run any more: nothing left to cancel on it
-            log.debug("cancelling the server loop's tasks failed: %s", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
