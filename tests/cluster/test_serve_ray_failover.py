@@ -15,7 +15,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -103,6 +103,18 @@ def _deploy() -> Iterator[str]:
     yield base
 
 
+def _stream_events(url: str, body: dict, timeout_s: float, on_event: Callable[[], None]) -> list[dict]:
+    """The data events of a streamed completion (a 200 expected), calling ``on_event`` as each arrives."""
+    events = []
+    with httpx.stream("POST", url, json=body, timeout=timeout_s) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[len("data: "):]))
+                on_event()
+    return events
+
+
 def _verifier_actors() -> list[str]:
     import ray
 
@@ -128,14 +140,11 @@ def test_killing_a_verifier_replica_mid_stream_loses_nothing(served: str) -> Non
     def client(i: int) -> tuple[str, list[dict]]:
         body = {"model": "dspark-demo", "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
                 "stream": True, "ignore_eos": True}
-        events = []
-        with httpx.stream("POST", f"{served}/v1/completions", json=body, timeout=150) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    events.append(json.loads(line[len("data: "):]))
-                    with lock:
-                        received[i] += 1
+        def count() -> None:
+            with lock:
+                received[i] += 1
+
+        events = _stream_events(f"{served}/v1/completions", body, 150, count)
         return "".join(c["text"] for e in events for c in e.get("choices", [])), events
 
     victims = _verifier_actors()
@@ -229,16 +238,12 @@ def test_streams_continue_when_the_scheduler_process_is_killed_mid_stream(served
     def client(i: int) -> list[dict]:
         body = {"model": "dspark-demo", "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-        events = []
-        with httpx.stream("POST", f"{served}/v1/completions", json=body, timeout=300) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    events.append(json.loads(line[len("data: "):]))
-                    with lock:
-                        received[i] += 1
-                        after_kill[i] += killed.is_set()
-        return events
+        def count() -> None:
+            with lock:
+                received[i] += 1
+                after_kill[i] += killed.is_set()
+
+        return _stream_events(f"{served}/v1/completions", body, 300, count)
 
     victim = _scheduler_process()
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:

@@ -24,6 +24,15 @@ COSTS = ROOT / "docs" / "simulator" / "costs_h200.json"
 TRACES = ROOT / "tests" / "data" / "sim_traces_demo_mbpp.npz"
 STS = ROOT / "models" / "demo" / "draft_dspark" / "sts.json"
 POLICIES = ["autoregressive", "fixed-1", "full", "dspark", "dspark-async"]
+# An autoscaled pool that follows a load of a few requests per replica quickly (both autoscaling tests).
+SCALING = PoolScaling(
+    min_replicas=1,
+    max_replicas=6,
+    target_ongoing_requests=4,
+    look_back_period_s=2,
+    upscale_delay_s=1,
+    downscale_delay_s=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +142,7 @@ def test_colocated_steps_serialise_and_pipelined_groups_overlap(costs, trace) ->
 def test_autoscaling_follows_the_engine_load_policy(costs, trace) -> None:
     """A load that needs several replicas at a target of 4 held requests each scales the pool up, and the
     pool drains back to min_replicas once the arrivals stop."""
-    scaling = PoolScaling(
-        min_replicas=1,
-        max_replicas=6,
-        target_ongoing_requests=4,
-        look_back_period_s=2,
-        upscale_delay_s=1,
-        downscale_delay_s=2,
-    )
+    scaling = SCALING
     spec = ClusterSpec(
         placement="colocated", verifiers=1, policy="dspark", verifier_scaling=scaling, control_interval_s=0.5
     )
@@ -329,14 +331,7 @@ def test_batched_rounds_run_exactly_as_round_by_round(costs, trace, policy: str,
     workload = _workload(seed=4, rate=60.0, duration=6.0, cv=2.0)
     run_costs = costs
     if case == "autoscaled":
-        scaling = PoolScaling(
-            min_replicas=1,
-            max_replicas=6,
-            target_ongoing_requests=4,
-            look_back_period_s=2,
-            upscale_delay_s=1,
-            downscale_delay_s=2,
-        )
+        scaling = SCALING
         spec = replace(spec, verifiers=1, verifier_slots=128, verifier_scaling=scaling, control_interval_s=0.5)
         run_costs = replace(costs, verifier_start_s=1.0, drafter_start_s=1.0)
     if case == "many replicas":
