@@ -106,13 +106,15 @@ class ServiceLevelsConfig(_Strict):
     :mod:`scheduler.service_levels`): what a request that does not set ``speculative`` / ``priority`` /
     ``tpot_slo_ms`` gets, what happens to a request whose target cannot be met at admission (``refuse``: 429 +
     ``Retry-After``; ``queue``: it waits), and ``on_target_weight``, the factor on the survival probabilities
-    of requests that are not behind a target (1 = no lateness weighting)."""
+    of requests that are not behind a target (1 = no lateness weighting), and ``pause_lower_tiers``: whether the
+    requests of a lower tier than a late request sit out its rounds."""
 
     default_priority: int = Field(0, ge=-100, le=100)
     default_speculative: Literal["auto", "off", "on"] = "auto"
     default_tpot_slo_ms: float | None = Field(None, gt=0, le=1e6)
     slo_admission: Literal["refuse", "queue"] = "refuse"
     on_target_weight: float = Field(0.1, gt=0, le=1)
+    pause_lower_tiers: bool = True
 
     def levels(self) -> ServiceLevels:
         """The scheduler's record of these settings."""

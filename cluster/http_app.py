@@ -331,6 +331,11 @@ class _SpecDecodeCollector:
             s.rounds_without_draft,
         )
         yield counter(
+            "dspark_paused_request_rounds",
+            "Request-rounds sat out by requests of a lower tier than a request behind its TPOT target.",
+            s.paused_request_rounds,
+        )
+        yield counter(
             "dspark_output_tokens",
             "Tokens emitted by engine rounds (a request's first token comes from its prefill, not a round).",
             s.num_output_tokens,

@@ -21,6 +21,7 @@ from cluster.sps_cache import EngineShape, SPSCache, fingerprint_digest, sps_fin
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.warmup import warm_up_draft
+from kernels.compile_watch import watch_compiles
 from kernels.graphs import resolve_graph_mode
 from scheduler.policy import uses_sps
 from scheduler.profiling import PROFILER_VERSION, profile_graph_sps_by_requests, profile_target_sps
@@ -249,6 +250,7 @@ def build_round_engine(
             "speculation with --policy autoregressive"
         )
     block_size = drafter_block_size(config) if drafting else 1
+    watch = watch_compiles()
     verify = build_verify_engine(config)
     warm_up_verify(verify, block_size)
     draft = None
@@ -277,6 +279,7 @@ def build_round_engine(
         scratch = driver()
         warm_up_rounds(scratch, profiled_request_counts(config.engine.max_requests))
         scratch.close()
+    watch.arm()
     return driver(), loaded
 
 
@@ -302,9 +305,11 @@ def build_verifier_service(config: AppConfig) -> VerifierService:
     from draft_service.projection import load_context_projection
     from verify_service.rpc_service import VerifierService
 
+    watch = watch_compiles()
     engine = build_verify_engine(config)
     warm_up_verify(engine, drafter_block_size(config))
     loaded = serving_sps(config, engine, drafter_block_size(config))
+    watch.arm()
     sps = loaded.to_dict() if loaded is not None else None
     projection = None
     if verifier_projects(config):
@@ -332,8 +337,10 @@ def build_drafter_service(config: AppConfig, grpc_host: str) -> DrafterService:
     from draft_service.rpc_service import DrafterService
 
     collective = config.engine.feature_transport == "collective"
+    watch = watch_compiles()
     engine = build_draft_engine(config)
     warm_up_draft(engine, projected=verifier_projects(config))
+    watch.arm()
     return DrafterService(
         engine,
         link_host=grpc_host if collective else None,

@@ -55,6 +55,7 @@ from scheduler.service_levels import (
     join_slack_s,
     joiners_allowed,
     lateness_weights,
+    paused,
     predicted_tpot_s,
 )
 from scheduler.stopping import IncrementalDetokenizer, StopStringMatcher, first_stop_token
@@ -470,6 +471,8 @@ class SpeculativeEngine:
         verified = running[: len(running) - len(admitted)]
         if verified and not all(map(_PLAIN, verified)):
             late = self._late(verified)
+            if late is not None and self.service_levels.pause_lower_tiers:
+                verified, late = self._unpaused(verified, late)
             if late is not None or any(r.level.speculative != "auto" for r in verified):
                 return self._leveled_round(admitted, verified, late)
             # Targets on track and speculation auto everywhere: the round is a plain one (drafts ahead, chains).
@@ -617,6 +620,17 @@ class SpeculativeEngine:
             return None
         late = self._behind(verified)
         return late if late.any() else None
+
+    def _unpaused(self, verified: list[RequestState], late: np.ndarray) -> tuple[list[RequestState], np.ndarray]:
+        """``verified`` and ``late`` without the requests that sit this round out (:func:`paused`): they stay
+        running and rejoin a later round at their committed anchors and positions."""
+        priorities = np.fromiter((r.level.priority for r in verified), dtype=np.int64, count=len(verified))
+        out = paused(priorities, late)
+        if not out.any():
+            return verified, late
+        self.metrics.paused_request_rounds += int(np.count_nonzero(out))
+        keep = np.flatnonzero(~out)
+        return [verified[i] for i in keep], late[keep]
 
     def _chained_round(
         self,

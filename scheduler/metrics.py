@@ -77,6 +77,8 @@ class MetricsSnapshot:
     host_time_s: float = 0.0
     # Of transfer_time_s: inside the replicas' processes, around their engine calls (decode, hand-offs).
     transfer_in_replica_time_s: float = 0.0
+    # Request-rounds sat out by requests of a lower tier than a request behind its TPOT target.
+    paused_request_rounds: int = 0
     # Per priority tier (scheduler.service_levels.TierSnapshot): requests, tokens, TPOT, SLO attainment, refusals.
     tiers: tuple[TierSnapshot, ...] = ()
 
@@ -107,6 +109,7 @@ class EngineMetrics:
         self.block_size = block_size
         self.rounds = 0
         self.rounds_without_draft = 0
+        self.paused_request_rounds = 0
         self.num_drafts = 0
         self.num_output_tokens = 0
         self._num_draft_tokens = 0
@@ -239,6 +242,7 @@ class EngineMetrics:
             transfer_time_s=self.transfer_time_s,
             host_time_s=self.host_time_s,
             transfer_in_replica_time_s=self.transfer_in_replica_time_s,
+            paused_request_rounds=self.paused_request_rounds,
         )
 
 
@@ -280,6 +284,7 @@ def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         transfer_time_s=sum(s.transfer_time_s for s in snapshots),
         host_time_s=sum(s.host_time_s for s in snapshots),
         transfer_in_replica_time_s=sum(s.transfer_in_replica_time_s for s in snapshots),
+        paused_request_rounds=sum(s.paused_request_rounds for s in snapshots),
         tiers=merge_tiers([s.tiers for s in snapshots]),
     )
 

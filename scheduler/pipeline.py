@@ -122,8 +122,8 @@ class PipelinedEngine(SpeculativeEngine):
     ) -> None:
         """``service_levels``: as for :class:`SpeculativeEngine`, except that a group's round drafts the whole
         group, so ``off`` requests hold a drafter slot here (verified with no drafts all the same), and rounds
-        are neither weighted by lateness nor drafted for ``on`` against the gate (admission order, holds and
-        refusals apply)."""
+        are neither weighted by lateness, nor paused for it, nor drafted for ``on`` against the gate (admission
+        order, holds and refusals apply)."""
         if groups < 2:
             raise ValueError(f"a pipelined engine needs at least 2 request groups, got {groups}")
         super().__init__(

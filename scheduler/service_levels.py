@@ -23,7 +23,10 @@ decoding lossless:
   target) is multiplied by ``on_target_weight``, which multiplies all of its prefix survival probabilities by
   the same factor: Algorithm 1 walks late requests' drafts first and values the others' less, so under load
   (where the SPS curve falls with B) its early stop gives the verification budget to late requests and trims
-  the rest; on a flat curve everyone keeps every draft. Rounds in which every target is on track (and every
+  the rest; on a flat curve everyone keeps every draft. In such a round the requests of a lower tier than a
+  late one also sit it out (:func:`paused`, ``pause_lower_tiers``): they keep their slots, KV cache and
+  drafter context and rejoin the first round in which no higher tier is late, so the late requests' rounds are
+  those of a smaller batch. Rounds in which every target is on track (and every
   request's speculation is ``auto``) run as plain rounds (drafted ahead, chained where the engine can). At
   admission, a request whose target cannot be met at the current round time and acceptance
   (:func:`predicted_tpot_s`) is refused (HTTP 429 with ``Retry-After``), or, with ``slo_admission: queue``,
@@ -70,13 +73,16 @@ class ServiceLevels:
     a survival of 0.5 still rank behind every on-track request's first draft, and late requests got no more
     budget than the others (docs/benchmarks/service_levels.md). ``slo_admission``: ``refuse`` (429 +
     ``Retry-After``) or ``queue`` (wait, admitted once the prediction leaves :data:`BUDGET_SHARE` of the target
-    room or nothing else runs)."""
+    room or nothing else runs). ``pause_lower_tiers``: in a round with a late request, the requests of a lower
+    tier than a late one sit it out (:func:`paused`): weighting alone leaves a high request sharing every round
+    with every best-effort one, whose round time it cannot shorten."""
 
     default_priority: int = 0
     default_speculative: Speculative = "auto"
     default_tpot_slo_ms: float | None = None
     slo_admission: SloAdmission = "refuse"
     on_target_weight: float = 0.1
+    pause_lower_tiers: bool = True
 
     def __post_init__(self) -> None:
         if self.default_speculative not in SPECULATIVE_MODES:
@@ -175,6 +181,16 @@ def lateness_weights(late: np.ndarray, on_target_weight: float) -> np.ndarray | 
     if not late.any() or on_target_weight >= 1.0:
         return None
     return np.where(late, 1.0, on_target_weight)
+
+
+def paused(priorities: np.ndarray, late: np.ndarray) -> np.ndarray:
+    """Per request, whether it sits out a round in which the ``late`` requests are behind their targets: every
+    request of a lower tier (a larger ``priorities`` value) than some late request. A late request never sits
+    out (nobody is of a lower tier than itself). Pausing delays a request's tokens and never changes them: the
+    rule reads settings and timings only, and a paused request resumes at its committed anchor and position."""
+    if not late.any():
+        return np.zeros(len(priorities), dtype=bool)
+    return priorities > priorities[late].min()
 
 
 def weighted_confidences(confidences: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ from scheduler.service_levels import (
     joiners_allowed,
     lateness_weights,
     merge_tiers,
+    paused,
     predicted_tpot_s,
 )
 from scheduler.sps import SPSTable
@@ -64,8 +65,9 @@ def _greedy(reference: dict, **levels: object) -> SamplingParams:
         {"speculative": "on"},
         {"priority": -3},
         {"tpot_slo_ms": 1e-6},  # always behind: weight 1 against the others' 0.1
+        {"priority": -1, "tpot_slo_ms": 1e-6},  # always behind, and the others (a lower tier) sit rounds out
     ],
-    ids=["off", "on", "priority", "target"],
+    ids=["off", "on", "priority", "target", "pause"],
 )
 def test_each_rule_keeps_greedy_output(reference: dict, policy: str, levels: dict) -> None:
     """Every other request carries the level (mixed rounds: off rows beside drafted ones, weighted beside
@@ -111,6 +113,35 @@ def test_on_request_verifies_a_draft_every_round(reference: dict) -> None:
     verified = results[0].metrics.verified
     caps_left = reference["max_new_tokens"] - 1  # the last round may be capped to 0 drafts
     assert all(v >= 1 for v in verified[:-1]) and sum(verified) <= caps_left + len(verified) * 8
+
+
+def test_lower_tiers_than_a_late_request_sit_out_its_rounds(reference: dict) -> None:
+    """A late high-tier request runs alone: the lower tier keeps its slot and the token of its prefill, gets no
+    round until the late request finishes, then resumes and still gives the target's greedy output."""
+    engine = _engine()
+    prompts = reference["prompts"][:2]
+    engine.add_request(prompts[0], _greedy(reference, priority=-1, tpot_slo_ms=1e-6), req_id="high")
+    engine.add_request(prompts[1], _greedy(reference, priority=1), req_id="low")
+    outputs: dict[str, list[int]] = {"high": [], "low": []}
+    high_done = False
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.req_id].extend(out.new_token_ids)
+            high_done = high_done or (out.req_id == "high" and out.finished)
+        if not high_done:
+            assert len(outputs["low"]) <= 1 and engine.num_running == 2
+    assert engine.snapshot().paused_request_rounds > 0
+    assert outputs["high"] == reference["b"]["target_greedy_new_tokens"][0]
+    assert outputs["low"] == reference["b"]["target_greedy_new_tokens"][1]
+
+
+def test_paused_is_every_lower_tier_than_some_late_request() -> None:
+    priorities = np.array([-1, 0, 0, 2, -1])
+    assert not paused(priorities, np.zeros(5, dtype=bool)).any()
+    assert paused(priorities, np.array([False, True, False, False, False])).tolist() == [0, 0, 0, 1, 0]
+    # A late request of the top tier pauses every lower one; nobody of its own tier.
+    assert paused(priorities, np.array([False, True, False, False, True])).tolist() == [0, 1, 1, 1, 0]
+    assert not paused(priorities, np.array([False, False, False, True, False])).any()
 
 
 def test_priority_admission_order_is_tier_then_fifo() -> None:
