@@ -50,11 +50,17 @@ class CompileWatch:
                 return
             self.after_armed += 1
             self.after_armed_s += seconds
-        fn = hook.get("fn")
+        fn, built = hook.get("fn"), hook.get("compile") or {}
         logger.warning(
-            "Triton built kernel %s while serving (%.2f s, a specialisation the warm-up did not launch): %s",
-            getattr(fn, "name", fn), seconds, hook.get("repr", ""),
+            "Triton built kernel %s while serving (%.2f s, a specialisation the warm-up did not launch): "
+            "constants %s, signature %s",
+            getattr(fn, "name", fn), seconds, _one_line(built.get("constants")), _one_line(built.get("signature")),
         )  # fmt: skip
+
+
+def _one_line(value: object) -> str:
+    """``value`` as one log line (Triton's reprs of specialisations span lines)."""
+    return " ".join(str(value).split())
 
 
 #: The process's watch (Triton's hooks are per process).

@@ -55,6 +55,8 @@ from scheduler.service_levels import (
     join_slack_s,
     joiners_allowed,
     lateness_weights,
+    next_pause_count,
+    pause_candidates,
     paused,
     predicted_tpot_s,
 )
@@ -297,6 +299,8 @@ class SpeculativeEngine:
         self._is_detached = self.draft.is_detached if isinstance(self.draft, DetachingDrafter) else None
         self.service_levels = service_levels if service_levels is not None else ServiceLevels()
         self.tiers = TierMetrics()
+        # Lower-tier requests that sit out a round with a late request (scheduler.service_levels.next_pause_count).
+        self._pause_count = 0
         self._off: set[str] = set()  # running requests with speculation off (verified with no drafts)
         self._no_drafter: set[str] = set()  # running requests that hold no drafter slot (off, plain round driver)
         self._plain_round_s = 0.0  # moving average of rounds no prompt joined (0: none yet)
@@ -473,6 +477,8 @@ class SpeculativeEngine:
             late = self._late(verified)
             if late is not None and self.service_levels.pause_lower_tiers:
                 verified, late = self._unpaused(verified, late)
+            elif self._pause_count:
+                self._pause_count -= 1
             if late is not None or any(r.level.speculative != "auto" for r in verified):
                 return self._leveled_round(admitted, verified, late)
             # Targets on track and speculation auto everywhere: the round is a plain one (drafts ahead, chains).
@@ -622,12 +628,15 @@ class SpeculativeEngine:
         return late if late.any() else None
 
     def _unpaused(self, verified: list[RequestState], late: np.ndarray) -> tuple[list[RequestState], np.ndarray]:
-        """``verified`` and ``late`` without the requests that sit this round out (:func:`paused`): they stay
-        running and rejoin a later round at their committed anchors and positions."""
+        """``verified`` and ``late`` without the requests that sit this round out (:func:`paused`, as many as
+        :func:`next_pause_count` says): they stay running and rejoin a later round at their committed anchors
+        and positions."""
         priorities = np.fromiter((r.level.priority for r in verified), dtype=np.int64, count=len(verified))
-        out = paused(priorities, late)
-        if not out.any():
+        candidates = pause_candidates(priorities, late)
+        if not candidates.any():
             return verified, late
+        self._pause_count = next_pause_count(self._pause_count, int(np.count_nonzero(candidates)))
+        out = paused(priorities, candidates, self._pause_count)
         self.metrics.paused_request_rounds += int(np.count_nonzero(out))
         keep = np.flatnonzero(~out)
         return [verified[i] for i in keep], late[keep]

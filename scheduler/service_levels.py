@@ -24,9 +24,11 @@ decoding lossless:
   the same factor: Algorithm 1 walks late requests' drafts first and values the others' less, so under load
   (where the SPS curve falls with B) its early stop gives the verification budget to late requests and trims
   the rest; on a flat curve everyone keeps every draft. In such a round the requests of a lower tier than a
-  late one also sit it out (:func:`paused`, ``pause_lower_tiers``): they keep their slots, KV cache and
-  drafter context and rejoin the first round in which no higher tier is late, so the late requests' rounds are
-  those of a smaller batch. Rounds in which every target is on track (and every
+  late one may sit it out (:func:`paused`, ``pause_lower_tiers``): they keep their slots, KV cache and
+  drafter context and rejoin a later round, so the late requests' rounds are those of a smaller batch. How
+  many sit out adapts (:func:`next_pause_count`): a step more for every round with a late request, one fewer
+  for every round without, so the batch shrinks only as far as the targets need and the lower tiers keep the
+  rest of the device. Rounds in which every target is on track (and every
   request's speculation is ``auto``) run as plain rounds (drafted ahead, chained where the engine can). At
   admission, a request whose target cannot be met at the current round time and acceptance
   (:func:`predicted_tpot_s`) is refused (HTTP 429 with ``Retry-After``), or, with ``slo_admission: queue``,
@@ -73,9 +75,9 @@ class ServiceLevels:
     a survival of 0.5 still rank behind every on-track request's first draft, and late requests got no more
     budget than the others (docs/benchmarks/service_levels.md). ``slo_admission``: ``refuse`` (429 +
     ``Retry-After``) or ``queue`` (wait, admitted once the prediction leaves :data:`BUDGET_SHARE` of the target
-    room or nothing else runs). ``pause_lower_tiers``: in a round with a late request, the requests of a lower
-    tier than a late one sit it out (:func:`paused`): weighting alone leaves a high request sharing every round
-    with every best-effort one, whose round time it cannot shorten."""
+    room or nothing else runs). ``pause_lower_tiers``: in a round with a late request, some requests of a
+    lower tier than a late one sit it out (:func:`paused`, :func:`next_pause_count`): weighting alone leaves a
+    high request sharing every round with every best-effort one, whose round time it cannot shorten."""
 
     default_priority: int = 0
     default_speculative: Speculative = "auto"
@@ -183,14 +185,38 @@ def lateness_weights(late: np.ndarray, on_target_weight: float) -> np.ndarray | 
     return np.where(late, 1.0, on_target_weight)
 
 
-def paused(priorities: np.ndarray, late: np.ndarray) -> np.ndarray:
-    """Per request, whether it sits out a round in which the ``late`` requests are behind their targets: every
-    request of a lower tier (a larger ``priorities`` value) than some late request. A late request never sits
-    out (nobody is of a lower tier than itself). Pausing delays a request's tokens and never changes them: the
-    rule reads settings and timings only, and a paused request resumes at its committed anchor and position."""
+#: A round with a late request pauses up to 1/PAUSE_STEPS more of the lower-tier candidates than the last one.
+PAUSE_STEPS = 8
+
+
+def pause_candidates(priorities: np.ndarray, late: np.ndarray) -> np.ndarray:
+    """Per request, whether it may sit out a round in which the ``late`` requests are behind their targets:
+    every request of a lower tier (a larger ``priorities`` value) than some late request. A late request is
+    never one (nobody is of a lower tier than itself)."""
     if not late.any():
         return np.zeros(len(priorities), dtype=bool)
     return priorities > priorities[late].min()
+
+
+def next_pause_count(count: int, candidates: int) -> int:
+    """How many candidates sit out a round with a late request, after ``count`` in the last such round: a
+    step of ``ceil(candidates / PAUSE_STEPS)`` more, at most all of them (rounds without a late request take
+    one off the count: :meth:`scheduler.engine.SpeculativeEngine.step`)."""
+    return min(candidates, count + -(-candidates // PAUSE_STEPS))
+
+
+def paused(priorities: np.ndarray, candidates: np.ndarray, count: int) -> np.ndarray:
+    """Which ``count`` of the ``candidates`` sit the round out: the lowest tier first, within a tier the ones
+    latest in the round's order (the most recently admitted, which have waited least). Pausing delays a
+    request's tokens and never changes them: the rule reads settings, counts and timings only, and a paused
+    request resumes at its committed anchor and position."""
+    out = np.zeros(len(priorities), dtype=bool)
+    rows = np.flatnonzero(candidates)
+    if count <= 0 or not len(rows):
+        return out
+    order = np.lexsort((-rows, -priorities[rows]))  # by tier (lowest first), then latest first
+    out[rows[order[:count]]] = True
+    return out
 
 
 def weighted_confidences(confidences: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -14,7 +14,12 @@ from kernels.compile_watch import WATCH, CompileWatch, watch_compiles
 
 
 def _build(watch: CompileWatch, key: str) -> None:
-    hook = {"key": key, "repr": f"kernel[num_warps=4](n: i32D) {key}", "fn": SimpleNamespace(name="kernel")}
+    hook = {
+        "key": key,
+        "repr": "kernel[num_warps=4](n: i32D)",
+        "fn": SimpleNamespace(name="kernel"),
+        "compile": {"key": key, "constants": {"BLOCK": 64, "TAG": key}, "signature": {"n": "i32"}},
+    }
     watch.on_cache_miss(**hook)
     watch.on_built(**hook)
 
@@ -29,7 +34,8 @@ def test_only_specialisations_built_after_arming_are_logged(caplog: pytest.LogCa
     assert (watch.before_armed, watch.after_armed) == (1, 1)
     assert watch.after_armed_s >= 0.0
     [record] = caplog.records
-    assert "kernel" in record.getMessage() and "gap" in record.getMessage()
+    message = record.getMessage()
+    assert "kernel" in message and "'TAG': 'gap'" in message and "'n': 'i32'" in message
 
 
 def test_watch_installs_triton_hooks_once() -> None:

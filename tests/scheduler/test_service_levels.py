@@ -28,6 +28,8 @@ from scheduler.service_levels import (
     joiners_allowed,
     lateness_weights,
     merge_tiers,
+    next_pause_count,
+    pause_candidates,
     paused,
     predicted_tpot_s,
 )
@@ -116,8 +118,10 @@ def test_on_request_verifies_a_draft_every_round(reference: dict) -> None:
 
 
 def test_lower_tiers_than_a_late_request_sit_out_its_rounds(reference: dict) -> None:
-    """A late high-tier request runs alone: the lower tier keeps its slot and the token of its prefill, gets no
-    round until the late request finishes, then resumes and still gives the target's greedy output."""
+    """A late high-tier request (always late: its target is 1 ns) beside one lower-tier request runs alone: the
+    pause count reaches the one candidate in the first round, so the lower tier keeps its slot and the token of
+    its prefill, gets no round until the late request finishes, then resumes and still gives the target's greedy
+    output."""
     engine = _engine()
     prompts = reference["prompts"][:2]
     engine.add_request(prompts[0], _greedy(reference, priority=-1, tpot_slo_ms=1e-6), req_id="high")
@@ -135,13 +139,24 @@ def test_lower_tiers_than_a_late_request_sit_out_its_rounds(reference: dict) -> 
     assert outputs["low"] == reference["b"]["target_greedy_new_tokens"][1]
 
 
-def test_paused_is_every_lower_tier_than_some_late_request() -> None:
+def test_pause_candidates_are_every_lower_tier_than_some_late_request() -> None:
     priorities = np.array([-1, 0, 0, 2, -1])
-    assert not paused(priorities, np.zeros(5, dtype=bool)).any()
-    assert paused(priorities, np.array([False, True, False, False, False])).tolist() == [0, 0, 0, 1, 0]
-    # A late request of the top tier pauses every lower one; nobody of its own tier.
-    assert paused(priorities, np.array([False, True, False, False, True])).tolist() == [0, 1, 1, 1, 0]
-    assert not paused(priorities, np.array([False, False, False, True, False])).any()
+    assert not pause_candidates(priorities, np.zeros(5, dtype=bool)).any()
+    assert pause_candidates(priorities, np.array([False, True, False, False, False])).tolist() == [0, 0, 0, 1, 0]
+    # A late request of the top tier makes every lower one a candidate; nobody of its own tier.
+    assert pause_candidates(priorities, np.array([False, True, False, False, True])).tolist() == [0, 1, 1, 1, 0]
+    assert not pause_candidates(priorities, np.array([False, False, False, True, False])).any()
+
+
+def test_pause_count_grows_by_steps_and_pauses_the_lowest_latest_first() -> None:
+    assert [next_pause_count(c, 16) for c in (0, 2, 15, 16)] == [2, 4, 16, 16]
+    assert next_pause_count(0, 3) == 1 and next_pause_count(5, 3) == 3  # at most every candidate
+    priorities = np.array([-1, 1, 2, 1, 2, 1])
+    candidates = priorities > -1
+    assert paused(priorities, candidates, 0).tolist() == [0, 0, 0, 0, 0, 0]
+    assert paused(priorities, candidates, 1).tolist() == [0, 0, 0, 0, 1, 0]  # tier 2, the later one
+    assert paused(priorities, candidates, 3).tolist() == [0, 0, 1, 0, 1, 1]  # then tier 1, latest first
+    assert paused(priorities, candidates, 9).tolist() == [0, 1, 1, 1, 1, 1]
 
 
 def test_priority_admission_order_is_tier_then_fifo() -> None:
