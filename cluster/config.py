@@ -114,7 +114,7 @@ class ServiceLevelsConfig(_Strict):
     default_tpot_slo_ms: float | None = Field(None, gt=0, le=1e6)
     slo_admission: Literal["refuse", "queue"] = "refuse"
     on_target_weight: float = Field(0.1, gt=0, le=1)
-    pause_lower_tiers: bool = True
+    pause_lower_tiers: bool = False
 
     def levels(self) -> ServiceLevels:
         """The scheduler's record of these settings."""

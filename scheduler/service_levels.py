@@ -18,21 +18,21 @@ decoding lossless:
   :func:`joiners_allowed`); as requests finish and none replace them, the rounds get shorter until the targets
   hold again.
 - ``tpot_slo_ms``: a target for time per output token. In a round in which some request is behind its target
-  (:func:`behind_target`: taking only the target's own token this round, its TPOT since its first token would
-  exceed the target), the first confidence of each request that is NOT behind (and of every request without a
-  target) is multiplied by ``on_target_weight``, which multiplies all of its prefix survival probabilities by
-  the same factor: Algorithm 1 walks late requests' drafts first and values the others' less, so under load
-  (where the SPS curve falls with B) its early stop gives the verification budget to late requests and trims
-  the rest; on a flat curve everyone keeps every draft. In such a round the requests of a lower tier than a
-  late one may sit it out (:func:`paused`, ``pause_lower_tiers``): they keep their slots, KV cache and
-  drafter context and rejoin a later round, so the late requests' rounds are those of a smaller batch. How
-  many sit out adapts (:func:`next_pause_count`): a step more for every round with a late request, one fewer
-  for every round without, so the batch shrinks only as far as the targets need and the lower tiers keep the
-  rest of the device. Rounds in which every target is on track (and every
-  request's speculation is ``auto``) run as plain rounds (drafted ahead, chained where the engine can). At
-  admission, a request whose target cannot be met at the current round time and acceptance
-  (:func:`predicted_tpot_s`) is refused (HTTP 429 with ``Retry-After``), or, with ``slo_admission: queue``,
-  waits while others run until the prediction leaves :data:`BUDGET_SHARE` of the target room.
+  (:func:`behind_target`: taking only the target's own token this round, its TPOT since its first token would exceed
+  :data:`LATE_SHARE` of the target), the first confidence of each request that is NOT behind (and of every request
+  without a target) is multiplied by ``on_target_weight``, which multiplies all of its prefix survival probabilities
+  by the same factor: Algorithm 1 walks late requests' drafts first and values the others' less, so under load
+  (where the SPS curve falls with B) its early stop gives the verification budget to late requests and trims the
+  rest; on a flat curve everyone keeps every draft. In such a round the requests of a lower tier than a late one may
+  sit it out (:func:`paused`; ``pause_lower_tiers``, off by default: it costs the lower tiers more throughput than
+  it gives the late ones, docs/benchmarks/service_levels.md): they keep their slots, KV cache and drafter context
+  and rejoin a later round, so the late requests' rounds are those of a smaller batch. How many sit out adapts
+  (:func:`next_pause_count`): a step more for every round with a late request, one fewer for every round without.
+  Rounds in which every target is on track (and every request's speculation is ``auto``) run as plain rounds
+  (drafted ahead, chained where the engine can). At admission, a request whose target cannot be met at the current
+  round time and acceptance (:func:`predicted_tpot_s`) is refused (HTTP 429 with ``Retry-After``), or, with
+  ``slo_admission: queue``, waits while others run until the prediction leaves :data:`BUDGET_SHARE` of the target
+  room.
 
 Why the weights stay lossless: scaling request r's survivals by a factor w_r keeps each request's items in the
 walk in position order (w_r * a[r, j] is still non-increasing in j), so the walk still admits prefixes, and the
@@ -84,7 +84,7 @@ class ServiceLevels:
     default_tpot_slo_ms: float | None = None
     slo_admission: SloAdmission = "refuse"
     on_target_weight: float = 0.1
-    pause_lower_tiers: bool = True
+    pause_lower_tiers: bool = False
 
     def __post_init__(self) -> None:
         if self.default_speculative not in SPECULATIVE_MODES:
@@ -132,11 +132,18 @@ def admission_order(priorities: Sequence[int]) -> list[int]:
     return sorted(range(len(priorities)), key=priorities.__getitem__)
 
 
+#: Share of its target a request's pace is steered to: lateness (:func:`behind_target`) counts from there, so
+#: requests end below their targets rather than around them (steered to the target itself, about half of
+#: them end a little above it).
+LATE_SHARE = 0.9
+
+
 def behind_target(tpot_slo_s: float, elapsed_s: float, num_output: int, round_s: float) -> bool:
     """Whether a request with target ``tpot_slo_s`` is behind it: ``num_output`` tokens emitted, the first one
     ``elapsed_s`` ago; if this round (``round_s``, the recent median) gives it only the target's own token, its
-    TPOT since the first token, (elapsed + round) / num_output, would exceed the target."""
-    return elapsed_s + round_s > tpot_slo_s * max(num_output, 1)
+    TPOT since the first token, (elapsed + round) / num_output, would exceed :data:`LATE_SHARE` of the
+    target."""
+    return elapsed_s + round_s > LATE_SHARE * tpot_slo_s * max(num_output, 1)
 
 
 #: Share of a running request's time budget that admissions plan with: the requests admitted now lengthen

@@ -74,7 +74,7 @@ def _greedy(reference: dict, **levels: object) -> SamplingParams:
 def test_each_rule_keeps_greedy_output(reference: dict, policy: str, levels: dict) -> None:
     """Every other request carries the level (mixed rounds: off rows beside drafted ones, weighted beside
     unweighted); the output is the target's greedy output token for token."""
-    engine = _engine(ServiceLevels(slo_admission="queue"), policy)
+    engine = _engine(ServiceLevels(slo_admission="queue", pause_lower_tiers=True), policy)
     prompts = reference["prompts"]
     params = [_greedy(reference, **levels) if i % 2 else _greedy(reference) for i in range(len(prompts))]
     results = engine.generate(prompts, params)
@@ -122,7 +122,7 @@ def test_lower_tiers_than_a_late_request_sit_out_its_rounds(reference: dict) -> 
     pause count reaches the one candidate in the first round, so the lower tier keeps its slot and the token of
     its prefill, gets no round until the late request finishes, then resumes and still gives the target's greedy
     output."""
-    engine = _engine()
+    engine = _engine(ServiceLevels(pause_lower_tiers=True))
     prompts = reference["prompts"][:2]
     engine.add_request(prompts[0], _greedy(reference, priority=-1, tpot_slo_ms=1e-6), req_id="high")
     engine.add_request(prompts[1], _greedy(reference, priority=1), req_id="low")
@@ -234,6 +234,8 @@ def test_weights_are_functions_of_timings_counts_and_settings() -> None:
     # Behind: 3 tokens, the first 0.25 s ago, a 0.1 s round: (0.25 + 0.1) / 3 > 0.1 s per token.
     assert behind_target(0.1, 0.25, 3, 0.1)
     assert not behind_target(0.2, 0.25, 3, 0.1)
+    # Under the target itself (0.32 / 3 < 0.115 s per token) but over LATE_SHARE of it: behind.
+    assert behind_target(0.115, 0.25, 3, 0.07)
     weights = lateness_weights(np.array([True, False, False]), 0.5)
     assert weights is not None and weights.tolist() == [1.0, 0.5, 0.5]
     assert lateness_weights(np.array([True, False]), 1.0) is None
