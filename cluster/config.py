@@ -71,10 +71,11 @@ class EngineConfig(_Strict):
     step before it commits the round. ``collect_drafts`` (disaggregated placement, with ``draft_ahead`` and one
     request group): in steps without prefills the verifier waits for those drafts and returns them with its
     ``Step`` reply, so a round is one message each way between the scheduler and the pools instead of two (no
-    ``Propose``). ``chain_rounds`` (in-process placement with captured graphs): rounds whose lengths are planned
-    from earlier rounds queue the verify step behind the draft step and the next draft step behind the verify step
-    on the device, with no host round trip between them (lossless: lengths depend on counts and earlier rounds
-    only).
+    ``Propose``); off by default: the reply then waits for the drafting, which the scheduler's ``Propose``
+    otherwise overlaps with the reply's trip (docs/benchmarks/http_serving.md measures both). ``chain_rounds``
+    (in-process placement with captured graphs): rounds whose lengths are planned from earlier rounds queue the
+    verify step behind the draft step and the next draft step behind the verify step on the device, with no host
+    round trip between them (lossless: lengths depend on counts and earlier rounds only).
     ``feature_transport``: how the rows travel, ``grpc`` (bytes inside the ``AppendContext`` message, default) or
     ``collective`` (a torch.distributed point-to-point link per verifier/drafter pair, gloo for CPU tensors, NCCL
     for CUDA ones, with only metadata over gRPC; a drafter whose link cannot be built gets bytes over gRPC; see
@@ -93,7 +94,7 @@ class EngineConfig(_Strict):
     context_projection: Literal["verifier", "drafter"] = "verifier"
     feature_dtype: Literal["model", "bfloat16", "float16"] = "model"
     draft_ahead: bool = True
-    collect_drafts: bool = True
+    collect_drafts: bool = False
     chain_rounds: bool = True
     feature_transport: Literal["grpc", "collective"] = "grpc"
     feature_link_timeout_s: float = Field(30.0, gt=0)

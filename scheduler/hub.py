@@ -79,7 +79,7 @@ class SchedulerHub:
         max_context: int | None = None,
         readiness_timeout_s: float = 0.0,
         service_levels: ServiceLevels | None = None,
-        collect_drafts: bool = True,
+        collect_drafts: bool = False,
     ) -> None:
         self.model_name = model_name
         # Verifier groups ask their replica for the drafters' next blocks with each step (no Propose message);

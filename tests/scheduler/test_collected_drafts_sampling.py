@@ -2,7 +2,7 @@
 
 Real gRPC drafter and verifier services with the shipped demo pair (a trained drafter: most drafts are accepted,
 so the second token is usually a draft that rejection sampling kept) and the verifier collecting the drafters'
-next blocks with its step (``collect_drafts``, the default data plane). The drafts travel with their sparse
+next blocks with its step (``collect_drafts``). The drafts travel with their sparse
 distributions through the feature push's reply and the ``Step`` reply; if a field were lost or misaligned on the
 way, verification would test drafts against the wrong distribution and the output would drift from the target's.
 Chi-square on the text of the first two tokens (the second is the first one verified), as the colocated
