@@ -132,18 +132,11 @@ def admission_order(priorities: Sequence[int]) -> list[int]:
     return sorted(range(len(priorities)), key=priorities.__getitem__)
 
 
-#: Share of its target a request's pace is steered to: lateness (:func:`behind_target`) counts from there, so
-#: requests end below their targets rather than around them (steered to the target itself, about half of
-#: them end a little above it).
-LATE_SHARE = 0.9
-
-
 def behind_target(tpot_slo_s: float, elapsed_s: float, num_output: int, round_s: float) -> bool:
     """Whether a request with target ``tpot_slo_s`` is behind it: ``num_output`` tokens emitted, the first one
     ``elapsed_s`` ago; if this round (``round_s``, the recent median) gives it only the target's own token, its
-    TPOT since the first token, (elapsed + round) / num_output, would exceed :data:`LATE_SHARE` of the
-    target."""
-    return elapsed_s + round_s > LATE_SHARE * tpot_slo_s * max(num_output, 1)
+    TPOT since the first token, (elapsed + round) / num_output, would exceed the target."""
+    return elapsed_s + round_s > tpot_slo_s * max(num_output, 1)
 
 
 #: Share of a running request's time budget that admissions plan with: the requests admitted now lengthen
