@@ -19,14 +19,14 @@ decoding lossless:
   hold again.
 - ``tpot_slo_ms``: a target for time per output token. In a round in which some request is behind its target
   (:func:`behind_target`: taking only the target's own token this round, its TPOT since its first token would exceed
-  :data:`LATE_SHARE` of the target), the first confidence of each request that is NOT behind (and of every request
-  without a target) is multiplied by ``on_target_weight``, which multiplies all of its prefix survival probabilities
-  by the same factor: Algorithm 1 walks late requests' drafts first and values the others' less, so under load
-  (where the SPS curve falls with B) its early stop gives the verification budget to late requests and trims the
-  rest; on a flat curve everyone keeps every draft. In such a round the requests of a lower tier than a late one may
-  sit it out (:func:`paused`; ``pause_lower_tiers``, off by default: it costs the lower tiers more throughput than
-  it gives the late ones, docs/benchmarks/service_levels.md): they keep their slots, KV cache and drafter context
-  and rejoin a later round, so the late requests' rounds are those of a smaller batch. How many sit out adapts
+  the target), the first confidence of each request that is NOT behind (and of every request without a target) is
+  multiplied by ``on_target_weight``, which multiplies all of its prefix survival probabilities by the same factor:
+  Algorithm 1 walks late requests' drafts first and values the others' less, so under load (where the SPS curve
+  falls with B) its early stop gives the verification budget to late requests and trims the rest; on a flat curve
+  everyone keeps every draft. In such a round the requests of a lower tier than a late one may sit it out
+  (:func:`paused`; ``pause_lower_tiers``, off by default: it costs the lower tiers more throughput than it gives the
+  late ones, docs/benchmarks/service_levels.md): they keep their slots, KV cache and drafter context and rejoin a
+  later round, so the late requests' rounds are those of a smaller batch. How many sit out adapts
   (:func:`next_pause_count`): a step more for every round with a late request, one fewer for every round without.
   Rounds in which every target is on track (and every request's speculation is ``auto``) run as plain rounds
   (drafted ahead, chained where the engine can). At admission, a request whose target cannot be met at the current

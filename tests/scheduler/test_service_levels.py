@@ -234,8 +234,6 @@ def test_weights_are_functions_of_timings_counts_and_settings() -> None:
     # Behind: 3 tokens, the first 0.25 s ago, a 0.1 s round: (0.25 + 0.1) / 3 > 0.1 s per token.
     assert behind_target(0.1, 0.25, 3, 0.1)
     assert not behind_target(0.2, 0.25, 3, 0.1)
-    # Under the target itself (0.32 / 3 < 0.115 s per token) but over LATE_SHARE of it: behind.
-    assert behind_target(0.115, 0.25, 3, 0.07)
     weights = lateness_weights(np.array([True, False, False]), 0.5)
     assert weights is not None and weights.tolist() == [1.0, 0.5, 0.5]
     assert lateness_weights(np.array([True, False]), 1.0) is None
