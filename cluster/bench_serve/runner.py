@@ -85,7 +85,8 @@ async def _server_model(client: httpx.AsyncClient, base_url: str, api_key: str |
 def _level_result(level: LoadLevel, run: LevelRun, slo: SLO | None, spec: dict[str, Any] | None) -> dict[str, Any]:
     summary = summarize(run.records, run.window_s, slo)
     return {"load": {"kind": level.kind, "value": _json_number(level.value), "label": level.label},
-            **summary, "unfinished": run.unfinished, "first_wave": first_wave_summary(run.first_wave, summary),
+            **summary, "unfinished": run.unfinished,
+            "first_wave": first_wave_summary(run.first_wave, summary, [r.e2e_s for r in run.records if r.ok]),
             "speculative": spec}
 
 
