@@ -9,7 +9,10 @@ What runs (:func:`warm_up_verify`), each through :meth:`VerifyEngine.step` as a 
 - a verify step of both requests, the sampled one with a sparse draft distribution of the engine's width
   (rejection sampling over ragged blocks; with graphs: the bucketed path with distributions);
 - a verify step of both with no drafts (the rounds of autoregressive or gated-off decoding);
-- with graphs on, a prefill too long for any bucket (the eager fallback a long prompt takes).
+- with graphs on, a prefill too long for any bucket (the eager fallback a long prompt takes), and prefills of
+  :data:`EAGER_PREFILL_COUNTS` prompts together too long for any bucket (the eager fallback of a wave of
+  prompts arriving at once: Triton specialises an integer argument equal to 1, or divisible by 16, separately,
+  so one long prompt leaves the kernels' request counts of such a wave unbuilt).
 
 The graph runner itself captures (and, before capture, runs) every bucket of its shape table when it is built,
 so each bucket's kernels exist before this runs. Not covered: chained verify steps queued behind the drafter
@@ -37,6 +40,9 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=32, top_p=0.95, seed=0)
 PROMPT_LEN = 8
 #: Width of the sparse draft distribution on an engine without graphs (any width works there).
 EAGER_DIST_WIDTH = 16
+#: Prompts per eager multi-prompt warm-up prefill: one count of each class Triton specialises apart from 1
+#: (divisible by 16, and not).
+EAGER_PREFILL_COUNTS = (3, 16)
 
 
 def _distribution(tokens: list[int], width: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +87,35 @@ def warm_up_verify(engine: VerifyEngine, max_drafts: int) -> int:
             long_len = min(engine.max_seq_len - 1, engine.graphs.max_rows + 1)
             if long_len > PROMPT_LEN and not engine.graphs.fits([(long_len, True)], 0):
                 engine.step([PrefillItem("warmup-long", [i % vocab for i in range(long_len)], GREEDY)])
+                engine.release_many(["warmup-long"])
                 steps += 1
+            steps += _eager_prefill_waves(engine)
     finally:
         engine.release_many([*ids, "warmup-long"])
     logger.info("verify engine warmed up: %d steps in %.2f s", steps, time.perf_counter() - started)
     return steps
+
+
+def _eager_prefill_waves(engine: VerifyEngine) -> int:
+    """Prefill :data:`EAGER_PREFILL_COUNTS` prompts together (the first sampled, the others greedy), each wave
+    just too long for the graph buckets, where the engine has the slots and the context length for it; returns
+    the steps run. Every scratch request is released, also when a step fails."""
+    graphs = engine.graphs
+    assert graphs is not None  # called only with graphs on
+    vocab, ran = engine.vocab_size, 0
+    for count in EAGER_PREFILL_COUNTS:
+        length = max(PROMPT_LEN, -(-(graphs.max_rows + 1) // count))
+        if count > engine.num_free_slots or length > engine.max_seq_len - 2 or graphs.fits([(length, True)] * count, 0):
+            continue
+        ids = [f"warmup-wave-{count}-{i}" for i in range(count)]
+        try:
+            engine.step(
+                [
+                    PrefillItem(rid, [(i + j) % vocab for j in range(length)], SAMPLED if i == 0 else GREEDY)
+                    for i, rid in enumerate(ids)
+                ]
+            )
+        finally:
+            engine.release_many(ids)
+        ran += 1
+    return ran
