@@ -527,28 +527,39 @@ class SpeculativeEngine:
         self, admitted: list[RequestState], verified: list[RequestState], late: np.ndarray | None
     ) -> list[RequestOutput]:
         """A round in which some request has speculation off or on or is behind its TPOT target (``late``: which
-        are, None when none is): drafted eagerly for the requests that draft, never chained or drafted ahead
-        (drafts launched ahead for it are dropped). ``off`` rows get no drafter row and length 0; the round
-        drafts whenever a request is ``on``, else when the policy would; lengths come from the policy on
-        confidences weighted by lateness (:func:`scheduler.service_levels.lateness_weights`), and an ``on``
-        request verifies at least one draft its cap allows. Every rule reads settings, counts and timings only:
-        lossless."""
+        are, None when none is): never chained. When every request's speculation is ``auto`` (only lateness
+        sets this round apart) it takes the drafts launched ahead for it, as a plain round does: they are the
+        drafts an eager step would make (same context, anchors, positions and randomness), and only their
+        lengths differ. Otherwise it drops them and drafts eagerly for the requests that draft: ``off`` rows get
+        no drafter row and length 0; the round drafts whenever a request is ``on``, else when the policy would.
+        Lengths come from the policy on confidences weighted by lateness
+        (:func:`scheduler.service_levels.lateness_weights`), and an ``on`` request verifies at least one draft
+        its cap allows. Every rule reads settings, counts and timings only: lossless."""
         t0 = time.perf_counter()
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.drop()
         num = len(verified)
-        caps = self._caps(verified) if self.draft is not None else np.zeros(num, dtype=np.int64)
         modes = [r.level.speculative for r in verified]
+        taken = self._take_ahead(verified) if all(m == "auto" for m in modes) else None
+        if taken is None:
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                ahead.drop()
         drafts = np.fromiter((m != "off" for m in modes), dtype=bool, count=num)
         forced = np.fromiter((m == "on" for m in modes), dtype=bool, count=num)
-        drafting = self.draft is not None and bool(drafts.any()) and (
-            bool(forced.any()) or self.policy.should_draft(caps)
-        )
+        if taken is not None:
+            caps, drafting = taken.caps, taken.drafting
+        else:
+            caps = self._caps(verified) if self.draft is not None else np.zeros(num, dtype=np.int64)
+            drafting = self.draft is not None and bool(drafts.any()) and (
+                bool(forced.any()) or self.policy.should_draft(caps)
+            )
         weights = None if late is None else lateness_weights(late, self.service_levels.on_target_weight)
         t_decided = time.perf_counter()
-        proposal = None
-        if drafting:
+        proposal = batch = None
+        if taken is not None and taken.pending is not None:
+            proposal, batch = taken.pending.result(), taken.batch
+            if taken.rows is not None:  # some launched rows finished meanwhile: this round's rows of the block
+                proposal = gather_rows([(proposal, row) for row in taken.rows])
+        elif drafting:
             rows = np.flatnonzero(drafts)
             drafters = [verified[i] for i in rows]
             count = len(drafters)
@@ -566,7 +577,7 @@ class SpeculativeEngine:
         if proposal is not None and forced.any():
             lengths = np.maximum(lengths, np.minimum(forced.astype(np.int64), caps))
         t2 = time.perf_counter()
-        verifies = self._verify_items(verified, lengths, proposal)
+        verifies = self._verify_items(verified, lengths, proposal, batch)
         return self._verify_and_commit(
             admitted, verified, verifies, drafting, t1 - t_decided, (t_decided - t0) + (t2 - t1), t2
         )

@@ -22,6 +22,7 @@ from kernels.launch import interpreting
 from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
 from scheduler.policy import make_policy
+from scheduler.service_levels import ServiceLevels
 from scheduler.sps import SPSTable
 from verify_service.engine import PrefillItem, VerifyEngine, VerifyItem
 from verify_service.target import TargetModel
@@ -809,3 +810,24 @@ def test_verify_batch_equals_its_items(pair) -> None:
             errors.append((type(info.value), str(info.value)))
         assert errors[0] == errors[1]
     assert [on_batch.context_length(f"r{i}") for i in range(3)] == positions
+
+
+def test_rounds_with_late_requests_take_the_drafts_launched_ahead(pair) -> None:
+    """Every request is behind its TPOT target (1 ns) in every round, so every round is weighted by lateness:
+    such rounds take the drafts launched ahead for them, as plain rounds do (they are the drafts an eager step
+    would make; only the lengths differ), instead of dropping them and drafting again in the round. Greedy
+    output stays the target's own."""
+    target, drafter = pair
+    verify = VerifyEngine(target, 12, 96, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS)
+    draft = DraftEngine(drafter, 12, 96, graphs="static", graph_buckets=BUCKETS)
+    engine = SpeculativeEngine(
+        verify, draft, make_policy("dspark", _sps(), drafter.block_size), draft_ahead=True,
+        service_levels=ServiceLevels(),
+    )  # fmt: skip
+    calls = _count_proposals(draft)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 127, size=int(rng.integers(2, 20))).tolist() for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, tpot_slo_ms=1e-6)
+    got = [r.token_ids for r in engine.generate(prompts, params)]
+    assert got == target.generate(prompts, max_new_tokens=24)
+    assert engine.snapshot().rounds > 2 * calls["in_round"] and calls["ahead"] > 0, calls
