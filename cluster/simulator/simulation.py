@@ -572,8 +572,7 @@ class Simulation:
                     drafter_of[i] = drafter.index
             replica.running += len(joined)
             admitted = [i for i, _ in joined]
-            driver.members = verified + admitted
-            self._member_table[replica.index, len(verified) : len(driver.members)] = admitted
+            driver.members = verified + admitted  # (the member table gets them once the round is decided)
         elif not verified:
             driver.idle = True
             return
@@ -665,9 +664,7 @@ class Simulation:
         if drafted:
             count_array = counts if every else counts[drafted]
             width = max(sizes) if every else max([sizes[k] for k in drafted])
-            members = self._member_table[gpus if every else gpus[drafted], :width]
-            if any(admitteds):  # past a round's requests: its joiners (they wait for the next round), or padding
-                members = np.where(np.arange(width) < count_array[:, None], members, len(self.arrival))
+            members = self._member_table[gpus if every else gpus[drafted], :width]  # past a round's requests: padding
             rows_state = self._records[members].view(np.int64).reshape(*members.shape, 6)  # [rounds, R, columns]
             e = rows_state[:, :, _E]
             o = rows_state[:, :, _OUT]
@@ -716,9 +713,11 @@ class Simulation:
         totals = counts.copy()  # requests in the round, joiners included
         step = self._verify_table(counts, tokens, max(sizes))
         prefill = self._prefill
+        member_table = self._member_table
         for k, admitted in enumerate(admitteds) if any(admitteds) else ():
             if admitted:
                 driver = drivers[k]
+                member_table[slots[k], sizes[k] : sizes[k] + len(admitted)] = admitted  # members from the next round
                 totals[k] += len(admitted)
                 prompt = sum([inputs[i] for i in admitted])
                 seconds = prefill.get(prompt)
