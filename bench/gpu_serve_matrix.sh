@@ -14,7 +14,11 @@ tar xJf .gpu-ray/ray-serve-2.60.0-py312-gpu-site.tar.xz -C /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# TIME_LIMIT_S stops starting cells; a cell started before it still runs to its end, so the run is cut at
+# HARD_LIMIT_S (default: TIME_LIMIT_S + 60) to leave the call time to pack the server logs: the results file is
+# written after every cell, so the finished cells come back either way.
 # shellcheck disable=SC2086  # word lists on purpose
+timeout --signal=INT "${HARD_LIMIT_S:-$((limit + 60))}" \
 python3 bench/serve_matrix.py --inflate qwen3-4b --prompts-dir .data/prompts --layouts ${LAYOUTS:-no-ray ray ray-colocated} \
   --policies ${POLICIES:-autoregressive dspark full fixed-1 dspark-async} --concurrency ${LEVELS:-1 8 32 128} \
   --duration "${DURATION:-6}" --time-limit-s "$limit" --out-dir "$out" ${REPEAT_START:+--repeat-start} ${EXTRA:-}
