@@ -204,7 +204,9 @@ def first_wave_summary(
     rank = len(first) / (len(first) + 1)
     steady_ranked = float(np.quantile(steady_e2e, rank)) if len(steady_e2e) else steady_p50
     p50_ratio, ranked_ratio = ratio(wave_e2e["p50"], steady_p50), ratio(wave_e2e["max"], steady_ranked)
-    judged = (p50_ratio, ranked_ratio)
+    within = None
+    if p50_ratio is not None and ranked_ratio is not None:
+        within = len(done) == len(first) and p50_ratio <= FIRST_WAVE_GOAL and ranked_ratio <= FIRST_WAVE_GOAL
     return {
         "requests": len(first),
         "errors": len(first) - len(done),
@@ -215,9 +217,7 @@ def first_wave_summary(
         "ratio": {"e2e_p50": p50_ratio, "e2e_max": ratio(wave_e2e["max"], steady_p50), "e2e_max_ranked": ranked_ratio,
                   "ttft_p50": ratio(wave_ttft["p50"], steady_ttft), "ttft_max": ratio(wave_ttft["max"], steady_ttft)},
         "goal": FIRST_WAVE_GOAL,
-        "within_goal": None if None in judged else bool(
-            len(done) == len(first) and all(r <= FIRST_WAVE_GOAL for r in judged)  # type: ignore[operator]
-        ),
+        "within_goal": within,
     }
 
 
