@@ -524,6 +524,7 @@ def greedy_path(
 # schedule_lengths_rounds could differ from it beyond what its near-tie check sees: such rounds walk one by one.
 # The check itself: neighbours of the walk whose float64 bits differ by less than this.
 _ROUNDS_MAX_ITEMS = 1 << 12
+_ONE_BIT, _NEAR_BITS = np.uint64(1), np.uint64(_ROUNDS_MAX_ITEMS - 1)
 
 
 _ONES_U8 = np.ones(256, dtype=np.uint8)  # sums of up to 255 flags in one uint8 product
@@ -609,6 +610,10 @@ class RecordedConfidences:
         survival = np.multiply.accumulate(self.table, axis=1)
         np.copyto(survival, 0.0, where=survival < _TINY)
         self.survival = survival
+        # Whether two different positive survivals of the table lie within the walk's near-tie distance: if none
+        # do, no round of its rows can hold a near tie (capping adds only zeros), and its walks skip the check.
+        values = np.unique(survival[survival > 0]).view(np.uint64)
+        self.near_ties = bool(np.count_nonzero(values[1:] - values[:-1] < _NEAR_BITS + _ONE_BIT))
 
     @property
     def gamma(self) -> int:
@@ -634,9 +639,12 @@ def schedule_recorded_rounds(
     gamma = recorded.gamma
     if rounds == 0 or width == 0 or gamma == 0:
         return np.zeros((rounds, width), dtype=np.int64)
-    caps = np.where(np.arange(width)[None, :] < counts[:, None], max_lengths, 0)  # padding: nothing to verify
-    grid = np.where(np.arange(gamma) < caps[:, :, None], recorded.survival[rows], 0.0)
-    lengths, alone = _walk_rounds(grid, counts, table_for, draft_cost)
+    caps = np.where(_first(width, counts), max_lengths, 0)  # padding: nothing to verify
+    np.minimum(caps, gamma, out=caps)
+    np.maximum(caps, 0, out=caps)
+    grid = recorded.survival.take(rows, axis=0)
+    grid *= _first(gamma, caps, np.float64)  # 1 before the cap, 0 from it on (x * 0.0 = 0.0 for a survival x)
+    lengths, alone = _walk_rounds(grid, counts, table_for, draft_cost, recorded.near_ties)
     for k in alone:  # near ties: walk alone
         count = int(counts[k])
         confidences = recorded.table[rows[k, :count]]
@@ -644,6 +652,18 @@ def schedule_recorded_rounds(
         lengths[k] = 0
         lengths[k, :count] = schedule_lengths(capped, table_for(count), draft_cost=draft_cost)
     return lengths
+
+
+_first_tables: dict[tuple[int, type], np.ndarray] = {}
+
+
+def _first(size: int, limits: np.ndarray, dtype: type = np.bool_) -> np.ndarray:
+    """``arange(size) < limits[..., None]`` as ``dtype`` (limits in 0 .. size), from a table: one gather instead of
+    a broadcast comparison, whose fixed cost is the larger one on a stack of small rounds."""
+    table = _first_tables.get((size, dtype))
+    if table is None:
+        table = _first_tables[(size, dtype)] = (np.arange(size)[None, :] < np.arange(size + 1)[:, None]).astype(dtype)
+    return table.take(limits, axis=0)
 
 
 def _round_counts(num_requests: np.ndarray, rounds: int, width: int) -> np.ndarray:
@@ -655,33 +675,35 @@ def _round_counts(num_requests: np.ndarray, rounds: int, width: int) -> np.ndarr
 
 
 def _walk_rounds(
-    grid: np.ndarray, counts: np.ndarray, table_for: Callable[[int], SPSTable], draft_cost: DraftCost | None
+    grid: np.ndarray,
+    counts: np.ndarray,
+    table_for: Callable[[int], SPSTable],
+    draft_cost: DraftCost | None,
+    near_ties: bool = True,
 ) -> tuple[np.ndarray, list[int]]:
     """The walk of :func:`schedule_lengths_rounds` on survivals ``grid`` [N, R, gamma] (C-contiguous, zero on
     padding). Returns the lengths [N, R] and the rounds to walk alone instead (near ties, too many items). Only
-    survivals equal to the last admitted one need the walk's flat index j * R + r."""
+    survivals equal to the last admitted one need the walk's flat index j * R + r. ``near_ties`` False: the grid's
+    survivals are known to hold no near tie (:class:`RecordedConfidences`), the check is skipped.
+
+    It walks the negated survivals: sorted ascending they are the walk's order (survivals descending), and
+    negation is exact with IEEE rounding symmetric about zero, so tau and Theta come out negated bit for bit,
+    every comparison reversed (Theta improves where the negated one decreases)."""
     rounds, width, gamma = grid.shape
     n = gamma * width
-    flat = grid.reshape(rounds, n)
-    # Each round's survivals in walk order (descending): the bits of non-negative floats grow with their value,
-    # so their complements sort ascending in that order.
-    # Each round's survivals in walk order (descending), after an infinite one: the bits of non-negative floats
-    # grow with their value, so their complements sort ascending in that order.
-    keys = ~flat.view(np.uint64)
-    keys.sort(axis=1)
-    ranked_after = np.empty((rounds, n + 1))
-    ranked_after[:, 0] = np.inf
-    bits = ranked_after[:, 1:].view(np.uint64)
-    np.invert(keys, out=bits)
-    near = (bits[:, :-1] - bits[:, 1:]) - np.uint64(1) < np.uint64(_ROUNDS_MAX_ITEMS - 1)
-    alone = near.any(axis=1) if np.count_nonzero(near) else None
+    # Column 0 holds -R for the sums of tau, then -infinity (before the walk: nothing admitted); then the walk.
+    ranked = np.empty((rounds, n + 1))
+    walk = ranked[:, 1:]
+    np.negative(grid.reshape(rounds, n), out=walk)
+    walk.sort(axis=1)
+    alone = _near_ties(walk) if near_ties else None
     if n > _ROUNDS_MAX_ITEMS:
         large = counts * gamma > _ROUNDS_MAX_ITEMS
         alone = large if alone is None else alone | large
-    theta = ranked_after.copy()
-    theta[:, 0] = counts
-    np.add.accumulate(theta, axis=1, out=theta)  # tau_n, sequentially along each round's walk
-    factors = _round_factors(table_for, draft_cost, width, gamma)[counts]
+    ranked[:, 0] = -counts
+    theta = np.add.accumulate(ranked, axis=1)  # -tau_n, sequentially along each round's walk
+    ranked[:, 0] = -np.inf
+    factors = _round_factors(table_for, draft_cost, width, gamma).take(counts, axis=0)
     if draft_cost is not None:
         np.divide(theta, factors, out=theta)
     else:
@@ -689,13 +711,13 @@ def _walk_rounds(
     # Steps that improve Theta; past a round's positive items none does (a zero adds nothing to tau while the
     # price never improves), and a last column of False ends every walk at its last item at the latest.
     improving = np.zeros((rounds, n + 1), dtype=bool)
-    np.greater(theta[:, 1:], theta[:, :-1], out=improving[:, :n])
+    np.less(theta[:, 1:], theta[:, :-1], out=improving[:, :n])
     stop = improving.argmin(axis=1)
     # The admitted items, the first `stop` of the walk: every survival at or above the last admitted one, v,
     # unless more than the walk's own share of survivals equal v (then: of those, the first by flat index).
-    last = ranked_after[np.arange(rounds), stop][:, None, None]  # v (infinite when none is admitted)
+    last = np.negative(ranked[np.arange(rounds), stop])[:, None, None]  # v (infinite when none is admitted)
     admitted = grid >= last
-    if np.count_nonzero(admitted) != sum(stop.tolist()):
+    if np.count_nonzero(admitted) != _add(stop):
         above = grid > last
         equal = np.ascontiguousarray((grid == last).transpose(0, 2, 1)).reshape(rounds, n)  # by flat index
         left = stop - _add(above.reshape(rounds, n), axis=1)
@@ -703,3 +725,13 @@ def _walk_rounds(
         admitted = above | (equal & first).reshape(rounds, gamma, width).transpose(0, 2, 1)
     lengths = (admitted.view(np.uint8) @ _ONES_U8[:gamma]).astype(np.int64)  # per request: its admitted count
     return lengths, [] if alone is None else np.flatnonzero(alone).tolist()
+
+
+def _near_ties(walk: np.ndarray) -> np.ndarray | None:
+    """Per round, whether two neighbours of its walk (negated survivals, ascending) have float64 bits 1 ..
+    _ROUNDS_MAX_ITEMS - 1 apart (negative floats: the bits fall as the values rise); None if no round has."""
+    bits = walk.view(np.uint64)
+    near = bits[:, :-1] - bits[:, 1:]
+    near -= _ONE_BIT
+    near_tie = np.less(near, _NEAR_BITS)
+    return near_tie.any(axis=1) if np.count_nonzero(near_tie) else None

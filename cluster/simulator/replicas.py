@@ -74,11 +74,9 @@ class RoundDriver:
     verify_tokens: int = 0
     # Batched rounds (cluster.simulator.simulation, a replica's own GPU): what the round's end must do, decided
     # when its lengths were: requests that finish (in the order the round ends them), requests whose recorded
-    # prompt ran out; and, after a round whose end changes nothing, when its next round starts (``ahead``: that
-    # round waits, undecided, unless a request arrives for the replica before it starts).
+    # prompt ran out.
     finishing: list[int] | None = None
     moving: list[int] | None = None
-    ahead: float | None = None
     observe: Callable[..., None] | None = field(init=False, default=None)  # the policy's observe_round, if any
 
     def __post_init__(self) -> None:

@@ -46,10 +46,10 @@ from scheduler.algorithm import RecordedConfidences
 from scheduler.policy import DecidesRoundsAlone, make_policy
 
 _DRAFT_DONE, _ROUND_END, _TICK, _READY, _WAKE = 0, 1, 2, 3, 4
-_E, _ROW, _ROUNDS, _ROW_END, _OUT, _INP = range(6)  # columns of a batched run's request state
+_E, _ROUNDS, _ROW, _ROW_END, _OUT, _POS = range(6)  # columns of a batched run's request state
 _HUGE = 1 << 62
 _NONE: list[int] = []  # a round's joiners when none join (never changed)
-_minimum = np.minimum.reduce
+_minimum, _maximum = np.minimum.reduce, np.maximum.reduce
 _SAFE = 1.0 - 1e-6  # a round's lower bound on its duration, less a margin far above the rounding of its end time
 
 
@@ -73,6 +73,26 @@ class _VerifyTable:
             ]
             self.filled += 1
         return self.table[counts, tokens]
+
+
+class _Joins:
+    """The requests joining a batch's rounds: ``admitted`` lists by replica (``slots``; every one of those rounds
+    is in the batch ``take``), their rounds' positions in the batch (``rounds``, an index array; ``round_list``),
+    how many join each (``sizes``) and all of them in order (``requests``)."""
+
+    def __init__(self, joining: dict[int, list[int]], take: np.ndarray, counts: np.ndarray) -> None:
+        self.slots = list(joining)
+        self.admitted = list(joining.values())
+        if self.slots:
+            self.rounds = np.searchsorted(take, self.slots)
+            self.round_list: list[int] = self.rounds.tolist()
+            self.counts: list[int] = counts[self.rounds].tolist()
+            self.sizes = [len(admitted) for admitted in self.admitted]
+            self.requests = [i for admitted in self.admitted for i in admitted]
+
+    def places(self) -> zip[tuple[int, int, int]]:
+        """(replica, requests before the joiners, joiners) of each round."""
+        return zip(self.slots, self.counts, self.sizes, strict=True)
 
 
 class SimulationError(ValueError):
@@ -233,25 +253,35 @@ class Simulation:
             and bool(getattr(prototype, "decides_rounds_alone", False))
             and 2 * self.hop + costs.round_overhead_s > 0
         )
-        # Rounds started and not yet decided: (driver, start, requests, joiners, drafting, ahead, deadline, replica).
-        self._pending: list[tuple[RoundDriver, float, list[int], list[int], bool, bool, float, int]] = []
-        self._cancelled: set[RoundDriver] = set()  # whose round pending ahead will not start as it was
-        self._gpu_busy = np.zeros(max(1, spec.verifiers))  # Gpu.busy_s of each verifier replica
+        # The round pending on each verifier replica (at most one: one request group), undecided: when it starts,
+        # how many requests it verifies, its deadline (the earliest it could end; infinite: none pends) and its
+        # gate: -infinity for a started round (the next batch decides it), its start for a round pending from the
+        # end of a round that was no event (decided once the run is past that time), infinity for none.
+        slots = max(1, spec.verifiers)
+        self._start = np.zeros(slots)
+        self._count = np.zeros(slots, dtype=np.int64)
+        self._due = np.full(slots, math.inf)
+        self._gate = np.full(slots, math.inf)
+        self._waits = np.zeros(slots, dtype=bool)  # whether requests wait for the replica's next round
+        self._joining: dict[int, list[int]] = {}  # the requests joining started rounds, by replica
+        self._driver_at: list[RoundDriver] = []  # each verifier replica's round driver
+        self._gpu_busy = np.zeros(slots)  # Gpu.busy_s of each verifier replica
         # Each verifier replica's requests (its one round driver's members, in order), padded with the padding
         # row of the request state: a batch gathers its rounds' requests in one step.
-        self._member_table = np.full((max(1, spec.verifiers), spec.verifier_slots), workload.size, dtype=np.int64)
-        self._deadline = math.inf
+        self._member_table = np.full((slots, spec.verifier_slots), workload.size, dtype=np.int64)
+        self._deadline = math.inf  # the earliest deadline of a pending round (no earlier)
         self._clock = 0.0
-        self._lower_s: dict[tuple[int, bool], float] = {}
         if self.batched:
             # The policy decides each round alone: one object decides for every round driver (theirs are copies).
             self._rounds_policy = cast(DecidesRoundsAlone, prototype)
             # Per request, one row: emitted tokens, trace row, rounds, end of its recorded prompt's rows, output
-            # and prompt tokens (a round reads and writes them in one gather and one scatter); the last row is
-            # the padding of a batch (never finishes, never runs out of rows).
+            # tokens and prompt tokens less one (its position then is that plus its emitted tokens) (a round reads
+            # and writes them in one gather and one scatter); the last row is the padding of a batch (never
+            # finishes, never runs out of rows).
             self._state = np.zeros((n + 1, 6), dtype=np.int64)
             self._state[:n, _OUT] = self.output_tokens
-            self._state[:n, _INP] = self.inputs
+            self._state[:n, _POS] = self.inputs
+            self._state[:n, _POS] -= 1
             if trace is not None:
                 self._state[:n, _ROW] = self.row
                 self._state[:n, _ROW_END] = self.row_end
@@ -259,7 +289,8 @@ class Simulation:
                 self._accepted_rows = trace.accepted.astype(np.int64)
             self._record = np.dtype((np.void, self._state.itemsize * 6))  # one request's row, as one value
             self._records = self._state.view(self._record).reshape(n + 1)
-            self._padding = np.array([0, 0, 0, _HUGE, _HUGE, 0], dtype=np.int64)
+            self._padding = np.zeros(6, dtype=np.int64)
+            self._padding[[_ROW_END, _OUT]] = _HUGE
             self._state[n] = self._padding
             # Costs by request count, as arrays (the cost functions' own values, bit for bit).
             counts = range(spec.verifier_slots + 1)
@@ -272,6 +303,7 @@ class Simulation:
             # A lower bound on the duration of a round of R requests that drafts (a round after one that changed
             # nothing outside its replica always does, when the policy drafts).
             self._lower_by_count = np.array([self._lower_bound(c, self.uses_drafter and c > 0) for c in counts])
+            self._lower_list: list[float] = self._lower_by_count.tolist()
         self.router = Router(self.colocated, self.uses_drafter, spec.groups)
         self.verifiers: list[VerifierReplica] = []
         self.drafters: list[DrafterReplica] = []
@@ -314,16 +346,26 @@ class Simulation:
         # Every round driver starts from a fresh policy (nothing learned yet), also one started by the autoscaler.
         replica.drivers = [RoundDriver(replica, copy.deepcopy(self._prototype)) for _ in range(self.spec.groups)]
         self.verifiers.append(replica)
-        if self.batched and replica.index >= self._gpu_busy.size:
-            grown = max(replica.index + 1, 2 * self._gpu_busy.size)
-            self._gpu_busy = np.concatenate([self._gpu_busy, np.zeros(grown - self._gpu_busy.size)])
-            table = np.full((grown, self.spec.verifier_slots), len(self.arrival), dtype=np.int64)
-            table[: self._member_table.shape[0]] = self._member_table
-            self._member_table = table
+        if self.batched:
+            self._driver_at.append(replica.drivers[0])
+            if replica.index >= self._gpu_busy.size:
+                self._grow_slots(max(replica.index + 1, 2 * self._gpu_busy.size))
         if ready <= now:
             self.router.add_verifier(replica)
         else:
             self.queue.push(ready, _READY, replica)
+
+    def _grow_slots(self, slots: int) -> None:
+        """Room for ``slots`` verifier replicas in the batched run's arrays (new ones: nothing pends, no request)."""
+
+        def grown(values: np.ndarray, fill: float | bool) -> np.ndarray:
+            more = np.full((slots - values.shape[0], *values.shape[1:]), fill, dtype=values.dtype)
+            return np.concatenate([values, more])
+
+        self._start, self._count = grown(self._start, 0.0), grown(self._count, 0)
+        self._due, self._gate = grown(self._due, math.inf), grown(self._gate, math.inf)
+        self._waits, self._gpu_busy = grown(self._waits, False), grown(self._gpu_busy, 0.0)
+        self._member_table = grown(self._member_table, len(self.arrival))
 
     def _start_drafter(self, now: float, ready: float) -> None:
         drafter = self._new_drafter(now, ready, Gpu())
@@ -372,9 +414,10 @@ class Simulation:
         self._in_system += 1
         self._waiting += 1
         replica.waiting.append(i)
+        if self.batched:
+            self._waits[replica.index] = True
+            self._cancel_ahead(replica.index, now)
         for driver in replica.drivers:
-            if driver.ahead is not None:
-                self._run_ahead_stops(driver, now)
             if driver.idle:  # after every arrival of this instant: a round admits all of them, as the engine does
                 driver.idle = False
                 self.queue.push(now, _WAKE, driver)
@@ -557,11 +600,14 @@ class Simulation:
 
     # ------------------------------------------------------------------------------------- batched rounds
     def _batched_start(self, driver: RoundDriver, now: float) -> None:
-        """:meth:`_start_round` of a batched run: the same admission, and the round joins the pending ones,
-        whose lengths, timings and outcomes :meth:`_flush` decides together."""
+        """:meth:`_start_round` of a batched run: the same admission, and the round pends on its replica until
+        :meth:`_flush` decides its lengths, timings and outcome together with the other pending rounds."""
         verified = driver.members
         replica = driver.replica
+        slot = replica.index
         joined = self.router.admit(driver) if replica.waiting else None
+        if joined is not None:
+            self._waits[slot] = bool(replica.waiting)
         if joined:
             self._advance(now)
             self._waiting -= len(joined)
@@ -573,24 +619,19 @@ class Simulation:
             replica.running += len(joined)
             admitted = [i for i, _ in joined]
             driver.members = verified + admitted  # (the member table gets them once the round is decided)
+            self._joining[slot] = admitted
         elif not verified:
             driver.idle = True
             return
-        else:
-            admitted = _NONE
         driver.idle = False
-        self._pend(driver, now, verified, admitted, False)
-
-    def _pend(self, driver: RoundDriver, start: float, verified: list[int], admitted: list[int], ahead: bool) -> None:
-        drafting = self.uses_drafter and bool(verified)
-        key = (len(verified), drafting)
-        lower = self._lower_s.get(key)
-        if lower is None:
-            lower = self._lower_s[key] = self._lower_bound(*key)
-        deadline = start + lower
-        self._pending.append((driver, start, verified, admitted, drafting, ahead, deadline, driver.replica.index))
-        if deadline < self._deadline:
-            self._deadline = deadline
+        count = len(verified)
+        self._gate[slot] = -math.inf
+        self._start[slot] = now
+        self._count[slot] = count
+        due = now + self._lower_list[count]
+        self._due[slot] = due
+        if due < self._deadline:
+            self._deadline = due
 
     def _lower_bound(self, count: int, drafting: bool) -> float:
         """A lower bound on a round's duration (its steps and hops), less a margin far above the rounding of its
@@ -601,20 +642,18 @@ class Simulation:
             lower += 2 * self.hop + costs.draft(count)
         return lower * _SAFE
 
-    def _run_ahead_stops(self, driver: RoundDriver, now: float) -> None:
-        """A request arrived at ``now`` for the replica of ``driver``, whose next round pends undecided from
-        ``driver.ahead``. If that round has not started yet it will admit the request: the last round's end
-        becomes an event again (at its time, still to come). If it has, it runs as pending (the request joins
-        the round after)."""
-        start = driver.ahead
-        assert start is not None
-        driver.ahead = None
-        if start >= now:  # at the same instant too: arrivals come before a round end of their time
-            self._cancelled.add(driver)
-            self.queue.push(start, _ROUND_END, driver)
+    def _cancel_ahead(self, slot: int, now: float) -> None:
+        """A request arrived at ``now`` for replica ``slot``. If its next round pends from the end of a round that
+        was no event (gate: its start, finite) and has not started yet, that round will admit the request: the
+        last round's end becomes an event again (at its time, still to come) and the round no longer pends. If it
+        has started, it runs as pending (the request joins the round after)."""
+        start = self._gate.item(slot)
+        if now <= start < math.inf:  # at the same instant too: arrivals come before a round end of their time
+            self._gate[slot] = self._due[slot] = math.inf
+            self.queue.push(start, _ROUND_END, self._driver_at[slot])
 
     def _flush(self, upcoming: float) -> None:
-        """Decide the pending rounds that can be: their lengths (the policy's ``lengths_of_rounds``, one
+        """Decide the pending rounds that can be: their lengths (the policy's ``lengths_of_recorded_rounds``, one
         vectorised walk for all of them), accepted tokens, GPU steps and end times, and what their ends will do.
 
         Why this is the same run as round by round: a pending round's outcome depends only on its own requests'
@@ -628,116 +667,126 @@ class Simulation:
 
         A round whose end changes nothing outside its replica (no request finishes or needs a new recorded
         prompt, none waits to join) puts no event on the queue: its next round, with the same requests, pends
-        from its end time (``ahead``), and is decided once the run has handled every event before that time
-        (``upcoming``: the next one), unless a request arrives for the replica first (:meth:`_run_ahead_stops`).
-        What such an end does, counting the round and the first tokens of its joiners, is done here."""
-        pending = self._pending
-        cancelled = self._cancelled
-        take = []
-        keep = []
-        for entry in pending:
-            if entry[5]:
-                if cancelled and entry[0] in cancelled:
-                    continue
-                if entry[1] >= upcoming:
-                    keep.append(entry)
-                    continue
-            take.append(entry)
-        cancelled.clear()
-        self._pending = keep
-        deadline = min([entry[6] for entry in keep], default=math.inf)
-        if not take:
-            self._deadline = deadline
-            return
-        drivers, starts, verifieds, admitteds, draftings, _, _, slots = zip(*take, strict=True)
-        costs, hop = self.costs, self.hop
-        state, outputs, inputs = self._state, self.output_tokens, self.inputs
-        size = len(drivers)
-        sizes = list(map(len, verifieds))
-        counts = np.fromiter(sizes, np.int64, size)
-        every = all(draftings)  # every round drafts (the usual case: no plain round)
-        drafted = range(size) if every else [k for k in range(size) if draftings[k]]
-        self.total_rounds += size
-        self.drafted_rounds += len(drafted)
-        tokens = counts.copy()  # verify batch: anchors + drafts
-        gpus = np.fromiter(slots, np.int64, size)
-        if drafted:
-            count_array = counts if every else counts[drafted]
-            width = max(sizes) if every else max([sizes[k] for k in drafted])
-            members = self._member_table[gpus if every else gpus[drafted], :width]  # past a round's requests: padding
-            rows_state = self._records[members].view(np.int64).reshape(*members.shape, 6)  # [rounds, R, columns]
-            e = rows_state[:, :, _E]
-            o = rows_state[:, :, _OUT]
+        from its end time, and is decided once the run has handled every event before that time (``upcoming``:
+        the next one), unless a request arrives for the replica first (:meth:`_cancel_ahead`). What such an end
+        does, counting the round and the first tokens of its joiners, is done here.
+
+        Every step works on the batch's arrays (one numpy call for all its rounds); Python loops only over the
+        few rounds with joiners and the few requests that finish or need a new recorded prompt."""
+        take = (self._gate < upcoming).nonzero()[0]  # replicas whose pending round is decided now, in order
+        if take.size:
+            counts = self._count[take]
+            joins = _Joins(self._joining, take, counts)
+            self._joining = {}
+            self.total_rounds += take.size
+            tokens, events = self._advance_requests(take, counts)
+            totals, step = self._join(take, counts, tokens, joins, events)
+            end = self._round_ends(take, counts, totals, step)
+            self._schedule_ends(take, end, totals, joins, events)
+        self._deadline = float(_minimum(self._due))
+
+    def _advance_requests(self, take: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rounds' requests (of the replicas ``take``, ``counts`` each) decide their lengths and emit their
+        accepted tokens + 1. Returns each round's verify batch (anchors + drafts) and whether its end is an event
+        so far (requests wait for the replica; its requests that finish or run out of recorded rows are marked on
+        its driver, in member order)."""
+        events = self._waits[take]
+        width = int(_maximum(counts))
+        if not width:  # prefill-only rounds
+            return counts, events
+        members = self._member_table[take, :width]  # past a round's requests: padding
+        rows_state = self._state.take(members, axis=0)  # [rounds, R, columns]
+        e = rows_state[:, :, _E]
+        o = rows_state[:, :, _OUT]
+        if self.uses_drafter:  # (a round of no request, only joiners, has only padding: nothing to draft)
+            self.drafted_rounds += int(np.count_nonzero(counts))
             rows = rows_state[:, :, _ROW]
-            caps = draft_caps(o - e, rows_state[:, :, _INP] + e - 1, self.spec.max_seq_len, self.block)
-            lengths = self._rounds_policy.lengths_of_recorded_rounds(self._recorded, rows, caps, count_array)
-            accepted = np.minimum(self._accepted_rows[rows], lengths)
-            if every:
-                tokens += lengths @ self._ones[:width]
-            else:
-                tokens[drafted] += lengths @ self._ones[:width]
-            e += accepted  # accepted + 1 tokens, at most what it still needs
+            caps = draft_caps(o - e, rows_state[:, :, _POS] + e, self.spec.max_seq_len, self.block)
+            lengths = self._rounds_policy.lengths_of_recorded_rounds(self._recorded, rows, caps, counts)
+            tokens = lengths @ self._ones[:width]
+            tokens += counts
+            e += np.minimum(self._accepted_rows[rows], lengths)  # accepted + 1 tokens, at most what it still needs
             e += 1
             np.minimum(e, o, out=e)
-            rows += 1  # the next recorded round of its prompt; one whose prompt ran out continues with another
+            # One more round; the next recorded round of its prompt (one whose prompt ran out continues with another).
+            rows_state[:, :, _ROUNDS : _ROW + 1] += 1
+        else:  # one token each (a request in a round still needs one)
+            tokens = counts
+            e += 1
             rows_state[:, :, _ROUNDS] += 1
-            self._records[members] = rows_state.view(self._record).reshape(members.shape)
-            state[-1] = self._padding
-            done_k, done_r = np.nonzero(e >= o)
-            if done_k.size:
-                for k, i in zip(done_k.tolist(), members[done_k, done_r].tolist(), strict=True):  # in member order
-                    driver = drivers[drafted[k]]
-                    if driver.finishing is None:
-                        driver.finishing = []
-                    driver.finishing.append(i)
-            out_k, out_r = np.nonzero(rows >= rows_state[:, :, _ROW_END])
-            if out_k.size:
-                for k, i in zip(out_k.tolist(), members[out_k, out_r].tolist(), strict=True):
-                    driver = drivers[drafted[k]]
-                    if driver.moving is None:
-                        driver.moving = []
-                    driver.moving.append(i)
-        if not every:
-            for k in range(size):  # plain rounds: one token each
-                if draftings[k]:
-                    continue
-                driver = drivers[k]
-                for i in verifieds[k]:
-                    e_i = int(state[i, _E]) + 1
-                    state[i, _E] = e_i
-                    state[i, _ROUNDS] += 1
-                    if e_i >= outputs[i]:
-                        if driver.finishing is None:
-                            driver.finishing = []
-                        driver.finishing.append(i)
-        totals = counts.copy()  # requests in the round, joiners included
-        step = self._verify_table(counts, tokens, max(sizes))
-        prefill = self._prefill
-        member_table = self._member_table
-        for k, admitted in enumerate(admitteds) if any(admitteds) else ():
-            if admitted:
-                driver = drivers[k]
-                member_table[slots[k], sizes[k] : sizes[k] + len(admitted)] = admitted  # members from the next round
-                totals[k] += len(admitted)
-                prompt = sum([inputs[i] for i in admitted])
-                seconds = prefill.get(prompt)
-                if seconds is None:
-                    seconds = prefill[prompt] = costs.prefill_s(prompt)
-                step[k] += seconds
-                for i in admitted:
-                    state[i, _E] = 1
-                    if outputs[i] <= 1:
-                        if driver.finishing is None:
-                            driver.finishing = []
-                        driver.finishing.append(i)
-        # Gpu.run on the replica's own GPU as the round's steps reach it: the draft step, then the verify step two
-        # hops after the draft ends (a plain round: the verify step at once). They never wait for the GPU: it ran
-        # nothing since the replica's last round, whose end (its last step's end, plus hops, host and overhead
-        # times, all >= 0) is no later than this round's start; so each step starts when it arrives.
-        busy = self._gpu_busy[gpus]
-        end = np.fromiter(starts, np.float64, size)
+        self._records.put(members, rows_state.view(self._record))
+        self._state[-1] = self._padding
+        self._mark(take, members, e >= o, events, True)
+        if self.uses_drafter:
+            self._mark(take, members, rows >= rows_state[:, :, _ROW_END], events, False)
+        return tokens, events
+
+    def _mark(self, take: np.ndarray, members: np.ndarray, hits: np.ndarray, events: np.ndarray, done: bool) -> None:
+        """Requests ``hits`` [rounds, R] finish (``done``) or need a new recorded prompt at their round's end:
+        onto their driver's list, in member order; those rounds' ends are events."""
+        hit_k = hits.nonzero()[0]
+        if not hit_k.size:
+            return
+        events[hit_k] = True
+        driver_at = self._driver_at
+        for slot, i in zip(take[hit_k].tolist(), members[hits].tolist(), strict=True):
+            driver = driver_at[slot]
+            if done:
+                if driver.finishing is None:
+                    driver.finishing = []
+                driver.finishing.append(i)
+            else:
+                if driver.moving is None:
+                    driver.moving = []
+                driver.moving.append(i)
+
+    def _join(
+        self, take: np.ndarray, counts: np.ndarray, tokens: np.ndarray, joins: _Joins, events: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The rounds' verify steps, with the requests joining them (``joins``): prefilled in the step, members
+        from the next round, one token each (finished if that is all they asked for). Returns the requests in
+        each round, joiners included, and its verify step."""
+        step = self._verify_table(counts, tokens, int(_maximum(counts)))
+        if not joins.slots:
+            return counts, step
+        totals = counts.copy()
+        totals[joins.rounds] += joins.sizes
+        prefill, inputs, outputs = self._prefill, self.inputs, self.output_tokens
+        seconds = []
+        for admitted in joins.admitted:
+            prompt = sum([inputs[i] for i in admitted])
+            value = prefill.get(prompt)
+            if value is None:
+                value = prefill[prompt] = self.costs.prefill_s(prompt)
+            seconds.append(value)
+        step[joins.rounds] += seconds
+        width = self._member_table.shape[1]
+        self._member_table.put(
+            [slot * width + count + j for slot, count, size in joins.places() for j in range(size)], joins.requests
+        )
+        self._state.put([6 * i + _E for i in joins.requests], 1)
+        for k, slot, admitted in zip(joins.round_list, joins.slots, joins.admitted, strict=True):
+            finished = [i for i in admitted if outputs[i] <= 1]
+            if finished:
+                events[k] = True
+                driver = self._driver_at[slot]
+                driver.finishing = (driver.finishing or []) + finished
+        return totals, step
+
+    def _round_ends(self, take: np.ndarray, counts: np.ndarray, totals: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """The rounds' end times, and their steps' time on their GPUs.
+
+        Gpu.run on the replica's own GPU as the round's steps reach it: the draft step, then the verify step two
+        hops after the draft ends (a plain round: the verify step at once). They never wait for the GPU: it ran
+        nothing since the replica's last round, whose end (its last step's end, plus hops, host and overhead
+        times, all >= 0) is no later than this round's start; so each step starts when it arrives."""
+        hop = self.hop
+        busy = self._gpu_busy[take]
+        end = self._start[take]
         end += hop
-        if every:
+        if not self.uses_drafter:
+            host = self._host_plain_by_count[totals]
+        elif _minimum(counts):  # every round drafts (the usual case; a round of only joiners does not)
             draft = self._draft_by_count[counts]
             end += draft
             end += hop
@@ -745,45 +794,60 @@ class Simulation:
             busy += draft
             host = self._host_drafted_by_count[totals]
         else:
-            drafting = np.array(draftings, dtype=bool)
+            drafting = counts.astype(bool)
             draft = self._draft_by_count[counts]
             end = np.where(drafting, ((end + draft) + hop) + hop, end)
             busy = np.where(drafting, busy + draft, busy)
             host = np.where(drafting, self._host_drafted_by_count[totals], self._host_plain_by_count[totals])
         end += step
         busy += step
-        self._gpu_busy[gpus] = busy
+        self._gpu_busy[take] = busy
         end += hop
         end += host
-        end += costs.round_overhead_s  # the round's end: ((verify end + hop) + host) + overhead, as round by round
+        end += self.costs.round_overhead_s  # the round's end: ((verify end + hop) + host) + overhead, as round by round
         if _minimum(end) < self._clock:
             raise RuntimeError("a batched round ends before an event already handled (a bound on round times is wrong)")
-        events: list[float] = []
-        ending: list[RoundDriver] = []
-        first_s, uses_drafter = self.first_s, self.uses_drafter
-        # The next rounds' deadlines, by their request counts (for a round that admits nobody and sees no one
-        # finish: the same requests); those of rounds whose end is an event only make the deadline earlier.
-        dues = end + self._lower_by_count[totals]
-        due_min = float(_minimum(dues))
-        if due_min < deadline:
-            deadline = due_min
-        for driver, admitted, at, due, slot in zip(drivers, admitteds, end.tolist(), dues.tolist(), slots, strict=True):
-            if driver.finishing is None and driver.moving is None and not driver.replica.waiting:
-                for i in admitted:
-                    first_s[i] = at
-                driver.ahead = at
-                keep.append((driver, at, driver.members, _NONE, uses_drafter, True, due, slot))
-            else:
-                driver.admitted = admitted
-                events.append(at)
-                ending.append(driver)
-        self._deadline = deadline
-        self.queue.push_all(events, _ROUND_END, ending)
+        return end
+
+    def _schedule_ends(
+        self, take: np.ndarray, end: np.ndarray, totals: np.ndarray, joins: _Joins, events: np.ndarray
+    ) -> None:
+        """What the rounds' ends do: an end that is an event goes on the queue (its driver keeps its joiners for
+        their first tokens then); after any other the next round, with the same requests, pends from it (its
+        deadline by its request count), and its joiners' first tokens came at it."""
+        self._start[take] = end
+        self._count[take] = totals
+        due = self._lower_by_count[totals]
+        due += end
+        gate = end.copy()
+        at_events = events.nonzero()[0]
+        if at_events.size:
+            gate[at_events] = math.inf
+            due[at_events] = math.inf
+        self._gate[take] = gate
+        self._due[take] = due
+        if joins.slots:
+            first_s, driver_at = self.first_s, self._driver_at
+            rounds = joins.rounds
+            for event, at, slot, admitted in zip(
+                events[rounds].tolist(), end[rounds].tolist(), joins.slots, joins.admitted, strict=True
+            ):
+                if event:
+                    driver_at[slot].admitted = admitted
+                else:
+                    for i in admitted:
+                        first_s[i] = at
+        if at_events.size:
+            driver_at = self._driver_at
+            self.queue.push_all(
+                end[at_events].tolist(), _ROUND_END, [driver_at[slot] for slot in take[at_events].tolist()]
+            )
 
     def _batched_end(self, driver: RoundDriver, now: float) -> None:
         """:meth:`_end_round` of a batched run: the round was counted and its tokens emitted when it was
         decided; what is left happens now, in event order (a new recorded prompt for requests whose prompt ran
-        out, first tokens, finished requests), then the next round starts."""
+        out, first tokens, finished requests), then the next round starts (one request group: no other round
+        driver of the replica to wake)."""
         moving = driver.moving
         if moving:
             driver.moving = None
@@ -800,10 +864,6 @@ class Simulation:
             driver.finishing = None
             self._finish(driver, finished, now)
         self._batched_start(driver, now)
-        if finished:
-            for other in driver.replica.drivers:
-                if other.idle:
-                    self._batched_start(other, now)
 
     # ---------------------------------------------------------------------------------------- autoscaling
     def _tick(self, now: float) -> None:
@@ -866,17 +926,17 @@ class Simulation:
         batched = self.batched
         end_round = self._batched_end if batched else self._end_round
         start_round = self._batched_start if batched else self._start_round
-        while nxt < n or len(queue) or self._pending:
+        while nxt < n or len(queue) or self._deadline < math.inf:
             upcoming = queue.next_time()
             if nxt < n and arrival[nxt] <= upcoming:
-                if batched and arrival[nxt] >= self._deadline and self._pending:  # a pending round may end first
+                if arrival[nxt] >= self._deadline:  # a pending round may end first
                     self._flush(arrival[nxt])
                     continue
                 now = self._clock = arrival[nxt]
                 self._arrive(nxt, now)
                 nxt += 1
                 continue
-            if batched and upcoming >= self._deadline and self._pending:  # decide the pending rounds now
+            if upcoming >= self._deadline:  # decide the pending rounds now
                 self._flush(upcoming)
                 continue
             now, kind, payload = queue.pop()
