@@ -22,13 +22,17 @@ def least_loaded(loads: Mapping[K, int]) -> K:
     a slot); on a tie the first in the mapping's order. Raises ValueError for no candidate."""
     if not loads:
         raise ValueError("no verifier group to route to")
-    return min(loads, key=loads.__getitem__)
+    smallest = min(loads.values())  # (then the first holding it: no Python call per group, as a key= would make)
+    return next(key for key, count in loads.items() if count == smallest)
 
 
 def place_by_free_slots(free: Mapping[K, int], count: int) -> list[K]:
     """Drafters for ``count`` new requests, in order: each goes to the drafter with the most free context slots
     (the first on a tie), until none has one. Returns the placements, a prefix of the requests (shorter than
     ``count`` when the slots run out); ``free`` itself is not changed."""
+    if len(free) == 1:  # (one drafter: it takes them while it has free slots)
+        [(key, room)] = free.items()
+        return [key] * min(count, room) if room > 0 else []
     left = dict(free)
     placed: list[K] = []
     if not left:
@@ -60,7 +64,9 @@ def draft_caps(tokens_left: np.ndarray, positions: np.ndarray, max_seq_len: int,
     may be emitted, one of them the target's own) nor past the KV slot (anchor at ``positions``), at most the
     block."""
     caps = np.minimum(tokens_left, max_seq_len - positions)
-    return np.maximum(np.minimum(caps - 1, block_size), 0)
+    caps -= 1
+    np.minimum(caps, block_size, out=caps)
+    return np.maximum(caps, 0, out=caps)
 
 
 def group_share(total: int, groups: int, members: int) -> int:

@@ -49,11 +49,11 @@ class Router:
         replica.active += 1
         return replica
 
-    def left(self, replica: VerifierReplica) -> None:
-        """A request of ``replica`` finished."""
-        replica.active -= 1
+    def left(self, replica: VerifierReplica, count: int = 1) -> None:
+        """``count`` requests of ``replica`` finished."""
+        replica.active -= count
         if replica.name in self._loads:
-            self._loads[replica.name] -= 1
+            self._loads[replica.name] -= count
 
     def admit(self, driver: RoundDriver) -> list[tuple[int, DrafterReplica | None]]:
         """The waiting requests this round of ``driver`` admits, each with its drafter (None: no drafter)."""

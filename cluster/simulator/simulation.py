@@ -29,6 +29,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from heapq import heappop
 from typing import cast
 
 import numpy as np
@@ -605,21 +606,14 @@ class Simulation:
         verified = driver.members
         replica = driver.replica
         slot = replica.index
-        joined = self.router.admit(driver) if replica.waiting else None
-        if joined is not None:
+        if replica.waiting:
+            joined = self.router.admit(driver)
             self._waits[slot] = bool(replica.waiting)
-        if joined:
-            self._advance(now)
-            self._waiting -= len(joined)
-            admit_s, drafter_of = self.admit_s, self.drafter_of
-            for i, drafter in joined:
-                admit_s[i] = now
-                if drafter is not None:
-                    drafter_of[i] = drafter.index
-            replica.running += len(joined)
-            admitted = [i for i, _ in joined]
-            driver.members = verified + admitted  # (the member table gets them once the round is decided)
-            self._joining[slot] = admitted
+            if joined:
+                self._join_now(driver, joined, now)
+            elif not verified:
+                driver.idle = True
+                return
         elif not verified:
             driver.idle = True
             return
@@ -628,10 +622,25 @@ class Simulation:
         self._gate[slot] = -math.inf
         self._start[slot] = now
         self._count[slot] = count
-        due = now + self._lower_list[count]
-        self._due[slot] = due
+        due = self._due[slot] = now + self._lower_list[count]
         if due < self._deadline:
             self._deadline = due
+
+    def _join_now(self, driver: RoundDriver, joined: list[tuple[int, DrafterReplica | None]], now: float) -> None:
+        """Requests admitted at ``now`` into the round ``driver`` starts: members from the next round on (the
+        member table gets them once the round is decided)."""
+        replica = driver.replica
+        self._advance(now)
+        self._waiting -= len(joined)
+        admit_s, drafter_of = self.admit_s, self.drafter_of
+        for i, drafter in joined:
+            admit_s[i] = now
+            if drafter is not None:
+                drafter_of[i] = drafter.index
+        replica.running += len(joined)
+        admitted = [i for i, _ in joined]
+        driver.members = driver.members + admitted
+        self._joining[replica.index] = admitted
 
     def _lower_bound(self, count: int, drafting: bool) -> float:
         """A lower bound on a round's duration (its steps and hops), less a margin far above the rounding of its
@@ -851,9 +860,11 @@ class Simulation:
         moving = driver.moving
         if moving:
             driver.moving = None
-            starts, ends = self.trace.row_ranges(len(moving), self.rng)  # type: ignore[union-attr]
-            self._state[moving, _ROW] = starts
-            self._state[moving, _ROW_END] = ends
+            bounds = self.trace.prompt_bounds(len(moving), self.rng)  # type: ignore[union-attr]
+            if len(moving) == 1:  # (a row of the state by its index: far cheaper than an index list of one)
+                self._state[moving[0], _ROW : _ROW_END + 1] = bounds[0]
+            else:
+                self._state[moving, _ROW : _ROW_END + 1] = bounds
         if driver.admitted:
             first_s = self.first_s
             for i in driver.admitted:
@@ -862,8 +873,34 @@ class Simulation:
         finished = driver.finishing
         if finished:
             driver.finishing = None
-            self._finish(driver, finished, now)
+            self._batched_finish(driver, finished, now)
         self._batched_start(driver, now)
+
+    def _batched_finish(self, driver: RoundDriver, finished: list[int], now: float) -> None:
+        """:meth:`_finish` of a batched run, for all of ``finished`` at once (a colocated replica: each request's
+        drafter is the replica's own, and its member table row follows its members)."""
+        replica = driver.replica
+        count = len(finished)
+        self._advance(now)
+        self._in_system -= count
+        gone = set(finished)
+        before = len(driver.members)
+        members = driver.members = [m for m in driver.members if m not in gone]
+        row = self._member_table[replica.index]
+        row[: len(members)] = members
+        row[len(members) : before] = len(self.arrival)
+        finish_s = self.finish_s
+        for i in finished:
+            finish_s[i] = now
+        if self.closed_loop is not None:
+            for _ in finished:
+                self._release(now)
+        self.router.left(replica, count)
+        if replica.drafter is not None:
+            replica.drafter.held -= count
+            self._remove_if_done(replica.drafter, now)
+        replica.running -= count
+        self._remove_if_done(replica, now)
 
     # ---------------------------------------------------------------------------------------- autoscaling
     def _tick(self, now: float) -> None:
@@ -926,8 +963,9 @@ class Simulation:
         batched = self.batched
         end_round = self._batched_end if batched else self._end_round
         start_round = self._batched_start if batched else self._start_round
-        while nxt < n or len(queue) or self._deadline < math.inf:
-            upcoming = queue.next_time()
+        heap, inf = queue.heap, math.inf
+        while nxt < n or heap or self._deadline < inf:
+            upcoming = heap[0][0] if heap else inf
             if nxt < n and arrival[nxt] <= upcoming:
                 if arrival[nxt] >= self._deadline:  # a pending round may end first
                     self._flush(arrival[nxt])
@@ -939,7 +977,7 @@ class Simulation:
             if upcoming >= self._deadline:  # decide the pending rounds now
                 self._flush(upcoming)
                 continue
-            now, kind, payload = queue.pop()
+            now, _, kind, payload = heappop(heap)
             self._clock = now
             if kind == _ROUND_END:
                 end_round(payload, now)

@@ -15,6 +15,7 @@ the real next block starts a few tokens earlier than the recorded next row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -75,13 +76,22 @@ class AcceptanceTrace:
         prompts = np.arange(count) % self.num_prompts
         return self.starts[prompts], self.starts[prompts + 1]
 
-    def row_ranges(self, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """First and end row of a random recorded prompt for each of ``count`` requests."""
+    @cached_property
+    def bounds(self) -> np.ndarray:
+        """[prompts, 2]: the first and the end row of each recorded prompt."""
+        return np.stack((self.starts[:-1], self.starts[1:]), axis=1)
+
+    def prompt_bounds(self, count: int, rng: np.random.Generator) -> np.ndarray:
+        """First and end row of a random recorded prompt for each of ``count`` requests, [count, 2]."""
         if count == 1:  # the same draw as size=1 (one bounded integer from the stream), without the array's overhead
             prompt = int(rng.integers(0, self.num_prompts))
-            return self.starts[prompt : prompt + 1], self.starts[prompt + 1 : prompt + 2]
-        prompts = rng.integers(0, self.num_prompts, size=count)
-        return self.starts[prompts], self.starts[prompts + 1]
+            return self.bounds[prompt : prompt + 1]
+        return self.bounds[rng.integers(0, self.num_prompts, size=count)]
+
+    def row_ranges(self, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`prompt_bounds` as first rows and end rows."""
+        bounds = self.prompt_bounds(count, rng)
+        return bounds[:, 0], bounds[:, 1]
 
 
 def load_traces(path: str | Path, calibration: STSCalibration | None = None) -> AcceptanceTrace:
