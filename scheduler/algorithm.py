@@ -709,15 +709,21 @@ def _walk_rounds(
     else:
         np.multiply(theta, factors, out=theta)
     # Steps that improve Theta; past a round's positive items none does (a zero adds nothing to tau while the
-    # price never improves), and a last column of False ends every walk at its last item at the latest.
-    improving = np.zeros((rounds, n + 1), dtype=bool)
-    np.less(theta[:, 1:], theta[:, :-1], out=improving[:, :n])
+    # price never improves), and a last column of False ends every walk at its last item at the latest. (Compared
+    # along the rows laid end to end, one contiguous comparison: that column compared a row's start with the
+    # previous row's end.)
+    improving = np.empty((rounds, n + 1), dtype=bool)
+    along = theta.reshape(-1)
+    np.less(along[1:], along[:-1], out=improving.reshape(-1)[:-1])
+    improving[:, n] = False
     stop = improving.argmin(axis=1)
     # The admitted items, the first `stop` of the walk: every survival at or above the last admitted one, v,
     # unless more than the walk's own share of survivals equal v (then: of those, the first by flat index).
-    last = np.negative(ranked[np.arange(rounds), stop])[:, None, None]  # v (infinite when none is admitted)
+    at = np.arange(0, rounds * (n + 1), n + 1)
+    at += stop
+    last = np.negative(ranked.reshape(-1).take(at))[:, None, None]  # v (infinite when none is admitted)
     admitted = grid >= last
-    if np.count_nonzero(admitted) != _add(stop):
+    if np.count_nonzero(admitted) != sum(stop.tolist()):
         above = grid > last
         equal = np.ascontiguousarray((grid == last).transpose(0, 2, 1)).reshape(rounds, n)  # by flat index
         left = stop - _add(above.reshape(rounds, n), axis=1)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from heapq import heappop
@@ -47,6 +48,8 @@ from scheduler.algorithm import RecordedConfidences
 from scheduler.policy import DecidesRoundsAlone, make_policy
 
 _DRAFT_DONE, _ROUND_END, _TICK, _READY, _WAKE = 0, 1, 2, 3, 4
+# Rows of a batch's time parts (Simulation._parts), in the order a round adds them to its start time.
+_START, _DRAFT, _VERIFY, _HOST = 0, 2, 5, 7
 _E, _ROUNDS, _ROW, _ROW_END, _OUT, _POS = range(6)  # columns of a batched run's request state
 _HUGE = 1 << 62
 _NONE: list[int] = []  # a round's joiners when none join (never changed)
@@ -78,22 +81,16 @@ class _VerifyTable:
 
 class _Joins:
     """The requests joining a batch's rounds: ``admitted`` lists by replica (``slots``; every one of those rounds
-    is in the batch ``take``), their rounds' positions in the batch (``rounds``, an index array; ``round_list``),
-    how many join each (``sizes``) and all of them in order (``requests``)."""
+    is in the batch), their rounds' positions in the batch (``rounds``), the requests already in each of them
+    (``counts``), how many join each (``sizes``) and all of them in order (``requests``)."""
 
-    def __init__(self, joining: dict[int, list[int]], take: np.ndarray, counts: np.ndarray) -> None:
+    def __init__(self, joining: dict[int, list[int]], take: list[int], counts: list[int]) -> None:
         self.slots = list(joining)
         self.admitted = list(joining.values())
-        if self.slots:
-            self.rounds = np.searchsorted(take, self.slots)
-            self.round_list: list[int] = self.rounds.tolist()
-            self.counts: list[int] = counts[self.rounds].tolist()
-            self.sizes = [len(admitted) for admitted in self.admitted]
-            self.requests = [i for admitted in self.admitted for i in admitted]
-
-    def places(self) -> zip[tuple[int, int, int]]:
-        """(replica, requests before the joiners, joiners) of each round."""
-        return zip(self.slots, self.counts, self.sizes, strict=True)
+        self.rounds = [bisect_left(take, slot) for slot in self.slots]
+        self.counts = [counts[k] for k in self.rounds]
+        self.sizes = [len(admitted) for admitted in self.admitted]
+        self.requests = [i for admitted in self.admitted for i in admitted]
 
 
 class SimulationError(ValueError):
@@ -301,6 +298,12 @@ class Simulation:
             self._verify_table = _VerifyTable(costs, spec.verifier_slots)
             self._prefill: dict[int, float] = {}
             self._ones = np.ones(spec.verifier_slots + 1, dtype=np.int64)
+            # What a round adds to each of its requests' rows (tiled for a batch's rows): drafted, one token, one
+            # round and the next recorded row; plain, one token and one round.
+            self._drafted_step = self._plain_step = np.zeros(0, dtype=np.int64)
+            self._tile_steps(slots)
+            self._parts = np.zeros((9, 0))
+            self._grow_parts(slots)
             # A lower bound on the duration of a round of R requests that drafts (a round after one that changed
             # nothing outside its replica always does, when the policy drafts).
             self._lower_by_count = np.array([self._lower_bound(c, self.uses_drafter and c > 0) for c in counts])
@@ -367,6 +370,26 @@ class Simulation:
         self._due, self._gate = grown(self._due, math.inf), grown(self._gate, math.inf)
         self._waits, self._gpu_busy = grown(self._waits, False), grown(self._gpu_busy, 0.0)
         self._member_table = grown(self._member_table, len(self.arrival))
+        self._tile_steps(slots)
+        self._grow_parts(slots)
+
+    def _grow_parts(self, slots: int) -> None:
+        """The time parts of a batch of up to ``slots`` rounds (:meth:`_round_ends`), [9, slots]: rows start,
+        hop, draft, hop, hop, verify, hop, host, overhead; the constant ones filled (the hops to and from the
+        drafter: 0 without one)."""
+        parts = np.zeros((9, slots))
+        parts[[1, 6]] = self.hop
+        parts[_DRAFT + 1 : _DRAFT + 3] = self.hop if self.uses_drafter else 0.0
+        parts[8] = self.costs.round_overhead_s
+        self._parts = parts
+
+    def _tile_steps(self, slots: int) -> None:
+        """The round steps tiled for a batch of ``slots`` rounds of ``verifier_slots`` requests."""
+        rows = slots * self.spec.verifier_slots
+        drafted, plain = np.zeros(6, dtype=np.int64), np.zeros(6, dtype=np.int64)
+        drafted[[_E, _ROUNDS, _ROW]] = 1
+        plain[[_E, _ROUNDS]] = 1
+        self._drafted_step, self._plain_step = np.tile(drafted, rows), np.tile(plain, rows)
 
     def _start_drafter(self, now: float, ready: float) -> None:
         drafter = self._new_drafter(now, ready, Gpu())
@@ -685,22 +708,24 @@ class Simulation:
         take = (self._gate < upcoming).nonzero()[0]  # replicas whose pending round is decided now, in order
         if take.size:
             counts = self._count[take]
-            joins = _Joins(self._joining, take, counts)
+            count_list = counts.tolist()
+            width = max(count_list)
+            take_list = take.tolist()
+            joins = _Joins(self._joining, take_list, count_list)
             self._joining = {}
             self.total_rounds += take.size
-            tokens, events = self._advance_requests(take, counts)
-            totals, step = self._join(take, counts, tokens, joins, events)
+            tokens, events = self._advance_requests(take, counts, width)
+            totals, step = self._join(counts, count_list, tokens, width, joins, events)
             end = self._round_ends(take, counts, totals, step)
-            self._schedule_ends(take, end, totals, joins, events)
+            self._schedule_ends(take, take_list, end, totals, joins, events)
         self._deadline = float(_minimum(self._due))
 
-    def _advance_requests(self, take: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rounds' requests (of the replicas ``take``, ``counts`` each) decide their lengths and emit their
-        accepted tokens + 1. Returns each round's verify batch (anchors + drafts) and whether its end is an event
-        so far (requests wait for the replica; its requests that finish or run out of recorded rows are marked on
-        its driver, in member order)."""
+    def _advance_requests(self, take: np.ndarray, counts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rounds' requests (of the replicas ``take``, ``counts`` each, at most ``width``) decide their lengths
+        and emit their accepted tokens + 1. Returns each round's verify batch (anchors + drafts) and whether its
+        end is an event so far (requests wait for the replica; its requests that finish or run out of recorded
+        rows are marked on its driver, in member order)."""
         events = self._waits[take]
-        width = int(_maximum(counts))
         if not width:  # prefill-only rounds
             return counts, events
         members = self._member_table[take, :width]  # past a round's requests: padding
@@ -715,20 +740,25 @@ class Simulation:
             tokens = lengths @ self._ones[:width]
             tokens += counts
             e += np.minimum(self._accepted_rows[rows], lengths)  # accepted + 1 tokens, at most what it still needs
-            e += 1
+            self._count_round(rows_state, self._drafted_step)
             np.minimum(e, o, out=e)
-            # One more round; the next recorded round of its prompt (one whose prompt ran out continues with another).
-            rows_state[:, :, _ROUNDS : _ROW + 1] += 1
         else:  # one token each (a request in a round still needs one)
             tokens = counts
-            e += 1
-            rows_state[:, :, _ROUNDS] += 1
+            self._count_round(rows_state, self._plain_step)
         self._records.put(members, rows_state.view(self._record))
         self._state[-1] = self._padding
         self._mark(take, members, e >= o, events, True)
         if self.uses_drafter:
             self._mark(take, members, rows >= rows_state[:, :, _ROW_END], events, False)
         return tokens, events
+
+    @staticmethod
+    def _count_round(rows_state: np.ndarray, step: np.ndarray) -> None:
+        """Add ``step`` (tiled: one value per column) to every request row of ``rows_state``, as one contiguous
+        add: one more token emitted, one more round and, drafted, the next recorded round of its prompt (one whose
+        prompt ran out continues with another)."""
+        flat = rows_state.reshape(-1)
+        flat += step[: flat.size]
 
     def _mark(self, take: np.ndarray, members: np.ndarray, hits: np.ndarray, events: np.ndarray, done: bool) -> None:
         """Requests ``hits`` [rounds, R] finish (``done``) or need a new recorded prompt at their round's end:
@@ -750,37 +780,42 @@ class Simulation:
                 driver.moving.append(i)
 
     def _join(
-        self, take: np.ndarray, counts: np.ndarray, tokens: np.ndarray, joins: _Joins, events: np.ndarray
+        self,
+        counts: np.ndarray,
+        count_list: list[int],
+        tokens: np.ndarray,
+        width: int,
+        joins: _Joins,
+        events: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The rounds' verify steps, with the requests joining them (``joins``): prefilled in the step, members
         from the next round, one token each (finished if that is all they asked for). Returns the requests in
         each round, joiners included, and its verify step."""
-        step = self._verify_table(counts, tokens, int(_maximum(counts)))
+        step = self._verify_table(counts, tokens, width)
         if not joins.slots:
             return counts, step
-        totals = counts.copy()
-        totals[joins.rounds] += joins.sizes
+        totals = count_list.copy()
         prefill, inputs, outputs = self._prefill, self.inputs, self.output_tokens
-        seconds = []
-        for admitted in joins.admitted:
+        for k, size, admitted in zip(joins.rounds, joins.sizes, joins.admitted, strict=True):
+            totals[k] += size
             prompt = sum([inputs[i] for i in admitted])
-            value = prefill.get(prompt)
-            if value is None:
-                value = prefill[prompt] = self.costs.prefill_s(prompt)
-            seconds.append(value)
-        step[joins.rounds] += seconds
-        width = self._member_table.shape[1]
+            seconds = prefill.get(prompt)
+            if seconds is None:
+                seconds = prefill[prompt] = self.costs.prefill_s(prompt)
+            step[k] += seconds
+        row = self._member_table.shape[1]
+        places = zip(joins.slots, joins.counts, joins.sizes, strict=True)
         self._member_table.put(
-            [slot * width + count + j for slot, count, size in joins.places() for j in range(size)], joins.requests
+            [slot * row + count + j for slot, count, size in places for j in range(size)], joins.requests
         )
         self._state.put([6 * i + _E for i in joins.requests], 1)
-        for k, slot, admitted in zip(joins.round_list, joins.slots, joins.admitted, strict=True):
+        for k, slot, admitted in zip(joins.rounds, joins.slots, joins.admitted, strict=True):
             finished = [i for i in admitted if outputs[i] <= 1]
             if finished:
                 events[k] = True
                 driver = self._driver_at[slot]
                 driver.finishing = (driver.finishing or []) + finished
-        return totals, step
+        return np.array(totals), step
 
     def _round_ends(self, take: np.ndarray, counts: np.ndarray, totals: np.ndarray, step: np.ndarray) -> np.ndarray:
         """The rounds' end times, and their steps' time on their GPUs.
@@ -788,42 +823,46 @@ class Simulation:
         Gpu.run on the replica's own GPU as the round's steps reach it: the draft step, then the verify step two
         hops after the draft ends (a plain round: the verify step at once). They never wait for the GPU: it ran
         nothing since the replica's last round, whose end (its last step's end, plus hops, host and overhead
-        times, all >= 0) is no later than this round's start; so each step starts when it arrives."""
-        hop = self.hop
-        busy = self._gpu_busy[take]
-        end = self._start[take]
-        end += hop
+        times, all >= 0) is no later than this round's start; so each step starts when it arrives. The end is
+        start + hop + draft + hop + hop + verify + hop + host + overhead, added in that order as round by round:
+        one cumulative sum down the rows of :attr:`_parts` (a plain round adds zeros for its draft and its hops
+        to the drafter: adding 0.0 to a time >= 0 leaves it as it is)."""
+        parts = self._parts[:, : take.size]
+        parts[_START] = self._start[take]
+        parts[_VERIFY] = step
         if not self.uses_drafter:
-            host = self._host_plain_by_count[totals]
+            parts[_HOST] = self._host_plain_by_count[totals]
         elif _minimum(counts):  # every round drafts (the usual case; a round of only joiners does not)
-            draft = self._draft_by_count[counts]
-            end += draft
-            end += hop
-            end += hop
-            busy += draft
-            host = self._host_drafted_by_count[totals]
+            parts[_DRAFT] = self._draft_by_count[counts]
+            parts[_HOST] = self._host_drafted_by_count[totals]
         else:
             drafting = counts.astype(bool)
-            draft = self._draft_by_count[counts]
-            end = np.where(drafting, ((end + draft) + hop) + hop, end)
-            busy = np.where(drafting, busy + draft, busy)
-            host = np.where(drafting, self._host_drafted_by_count[totals], self._host_plain_by_count[totals])
-        end += step
+            parts[_DRAFT] = self._draft_by_count[counts]  # (0 for a plain round)
+            parts[_DRAFT + 1 : _DRAFT + 3] = np.where(drafting, self.hop, 0.0)
+            parts[_HOST] = np.where(drafting, self._host_drafted_by_count[totals], self._host_plain_by_count[totals])
+        end = np.add.accumulate(parts, axis=0)[-1]
+        parts[_DRAFT + 1 : _DRAFT + 3] = self.hop if self.uses_drafter else 0.0
+        busy = self._gpu_busy[take]
+        busy += parts[_DRAFT]
         busy += step
         self._gpu_busy[take] = busy
-        end += hop
-        end += host
-        end += self.costs.round_overhead_s  # the round's end: ((verify end + hop) + host) + overhead, as round by round
         if _minimum(end) < self._clock:
             raise RuntimeError("a batched round ends before an event already handled (a bound on round times is wrong)")
         return end
 
     def _schedule_ends(
-        self, take: np.ndarray, end: np.ndarray, totals: np.ndarray, joins: _Joins, events: np.ndarray
+        self,
+        take: np.ndarray,
+        take_list: list[int],
+        end: np.ndarray,
+        totals: np.ndarray,
+        joins: _Joins,
+        events: np.ndarray,
     ) -> None:
         """What the rounds' ends do: an end that is an event goes on the queue (its driver keeps its joiners for
         their first tokens then); after any other the next round, with the same requests, pends from it (its
-        deadline by its request count), and its joiners' first tokens came at it."""
+        deadline by its request count), and its joiners' first tokens came at it. (``take_list``: ``take`` as a
+        list.)"""
         self._start[take] = end
         self._count[take] = totals
         due = self._lower_by_count[totals]
@@ -835,22 +874,21 @@ class Simulation:
             due[at_events] = math.inf
         self._gate[take] = gate
         self._due[take] = due
+        if not (joins.slots or at_events.size):
+            return
+        ends = end.tolist()
         if joins.slots:
             first_s, driver_at = self.first_s, self._driver_at
-            rounds = joins.rounds
-            for event, at, slot, admitted in zip(
-                events[rounds].tolist(), end[rounds].tolist(), joins.slots, joins.admitted, strict=True
-            ):
-                if event:
+            for k, slot, admitted in zip(joins.rounds, joins.slots, joins.admitted, strict=True):
+                if events[k]:
                     driver_at[slot].admitted = admitted
                 else:
+                    at = ends[k]
                     for i in admitted:
                         first_s[i] = at
         if at_events.size:
-            driver_at = self._driver_at
-            self.queue.push_all(
-                end[at_events].tolist(), _ROUND_END, [driver_at[slot] for slot in take[at_events].tolist()]
-            )
+            at_list, driver_at = at_events.tolist(), self._driver_at
+            self.queue.push_all([ends[k] for k in at_list], _ROUND_END, [driver_at[take_list[k]] for k in at_list])
 
     def _batched_end(self, driver: RoundDriver, now: float) -> None:
         """:meth:`_end_round` of a batched run: the round was counted and its tokens emitted when it was
