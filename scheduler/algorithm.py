@@ -639,7 +639,7 @@ def schedule_recorded_rounds(
     gamma = recorded.gamma
     if rounds == 0 or width == 0 or gamma == 0:
         return np.zeros((rounds, width), dtype=np.int64)
-    caps = np.where(_first(width, counts), max_lengths, 0)  # padding: nothing to verify
+    caps = max_lengths * _first(width, counts)  # padding: nothing to verify
     np.minimum(caps, gamma, out=caps)
     np.maximum(caps, 0, out=caps)
     grid = recorded.survival.take(rows, axis=0)
@@ -668,8 +668,7 @@ def _first(size: int, limits: np.ndarray, dtype: type = np.bool_) -> np.ndarray:
 
 def _round_counts(num_requests: np.ndarray, rounds: int, width: int) -> np.ndarray:
     counts = np.asarray(num_requests, dtype=np.int64)
-    values = counts.tolist() if counts.ndim == 1 else None
-    if values is None or len(values) != rounds or (values and (min(values) < 0 or max(values) > width)):
+    if counts.shape != (rounds,) or (rounds and not (_minimum(counts) >= 0 and _maximum(counts) <= width)):
         raise ValueError(f"num_requests must give 0 <= R <= {width} for each of the {rounds} rounds")
     return counts
 

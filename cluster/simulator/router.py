@@ -67,19 +67,20 @@ class Router:
         if not self.uses_drafter:
             count = min(free_slots(replica.slots - replica.running, None, replica.running, None, limit), len(waiting))
             return [(waiting.popleft(), None) for _ in range(count)]
-        if self.colocated:
+        if self.colocated:  # its own drafter only
             own = replica.drafter
             assert own is not None
-            pool = {own.name: own.free}
-            by_name = {own.name: own}
-        else:
-            pool = {name: d.free for name, d in self.drafters.items()}
-            by_name = self.drafters
+            free = own.free
+            count = free_slots(replica.slots - replica.running, free, replica.running, None, limit)
+            placed = place_by_free_slots({own.name: free}, min(count, len(waiting)))
+            own.held += len(placed)
+            return [(waiting.popleft(), own) for _ in placed]
+        pool = {name: d.free for name, d in self.drafters.items()}
         count = free_slots(replica.slots - replica.running, sum(pool.values()), replica.running, None, limit)
         placed = place_by_free_slots(pool, min(count, len(waiting)))
         admitted: list[tuple[int, DrafterReplica | None]] = []
         for name in placed:
-            drafter = by_name[name]
+            drafter = self.drafters[name]
             drafter.held += 1
             admitted.append((waiting.popleft(), drafter))
         return admitted

@@ -298,12 +298,12 @@ class Simulation:
             self._verify_table = _VerifyTable(costs, spec.verifier_slots)
             self._prefill: dict[int, float] = {}
             self._ones = np.ones(spec.verifier_slots + 1, dtype=np.int64)
+            self._parts = np.zeros((9, 0))
+            self._grow_parts(slots)
             # What a round adds to each of its requests' rows (tiled for a batch's rows): drafted, one token, one
             # round and the next recorded row; plain, one token and one round.
             self._drafted_step = self._plain_step = np.zeros(0, dtype=np.int64)
             self._tile_steps(slots)
-            self._parts = np.zeros((9, 0))
-            self._grow_parts(slots)
             # A lower bound on the duration of a round of R requests that drafts (a round after one that changed
             # nothing outside its replica always does, when the policy drafts).
             self._lower_by_count = np.array([self._lower_bound(c, self.uses_drafter and c > 0) for c in counts])
@@ -370,8 +370,8 @@ class Simulation:
         self._due, self._gate = grown(self._due, math.inf), grown(self._gate, math.inf)
         self._waits, self._gpu_busy = grown(self._waits, False), grown(self._gpu_busy, 0.0)
         self._member_table = grown(self._member_table, len(self.arrival))
-        self._tile_steps(slots)
         self._grow_parts(slots)
+        self._tile_steps(slots)
 
     def _grow_parts(self, slots: int) -> None:
         """The time parts of a batch of up to ``slots`` rounds (:meth:`_round_ends`), [9, slots]: rows start,
@@ -419,9 +419,10 @@ class Simulation:
         """Integrate the number of requests in the system and waiting up to ``now`` (for Little's law)."""
         dt = now - self._last_t
         if dt > 0:
-            self.in_system_area += self._in_system * dt
-            self.waiting_area += self._waiting * dt
-            self.running_area += (self._in_system - self._waiting) * dt
+            in_system, waiting = self._in_system, self._waiting
+            self.in_system_area += in_system * dt
+            self.waiting_area += waiting * dt
+            self.running_area += (in_system - waiting) * dt
             self._last_t = now
 
     def _arrive(self, i: int, now: float) -> None:
@@ -709,14 +710,14 @@ class Simulation:
         if take.size:
             counts = self._count[take]
             count_list = counts.tolist()
-            width = max(count_list)
+            width = int(_maximum(counts))
             take_list = take.tolist()
             joins = _Joins(self._joining, take_list, count_list)
             self._joining = {}
             self.total_rounds += take.size
             tokens, events = self._advance_requests(take, counts, width)
-            totals, step = self._join(counts, count_list, tokens, width, joins, events)
-            end = self._round_ends(take, counts, totals, step)
+            totals, step = self._join(counts, tokens, width, joins, events)
+            end = self._round_ends(take, counts, totals, step, 0 not in count_list)
             self._schedule_ends(take, take_list, end, totals, joins, events)
         self._deadline = float(_minimum(self._due))
 
@@ -728,7 +729,7 @@ class Simulation:
         events = self._waits[take]
         if not width:  # prefill-only rounds
             return counts, events
-        members = self._member_table[take, :width]  # past a round's requests: padding
+        members = self._member_table[:, :width].take(take, axis=0)  # past a round's requests: padding
         rows_state = self._state.take(members, axis=0)  # [rounds, R, columns]
         e = rows_state[:, :, _E]
         o = rows_state[:, :, _OUT]
@@ -782,7 +783,6 @@ class Simulation:
     def _join(
         self,
         counts: np.ndarray,
-        count_list: list[int],
         tokens: np.ndarray,
         width: int,
         joins: _Joins,
@@ -794,7 +794,7 @@ class Simulation:
         step = self._verify_table(counts, tokens, width)
         if not joins.slots:
             return counts, step
-        totals = count_list.copy()
+        totals = counts.copy()
         prefill, inputs, outputs = self._prefill, self.inputs, self.output_tokens
         for k, size, admitted in zip(joins.rounds, joins.sizes, joins.admitted, strict=True):
             totals[k] += size
@@ -815,9 +815,11 @@ class Simulation:
                 events[k] = True
                 driver = self._driver_at[slot]
                 driver.finishing = (driver.finishing or []) + finished
-        return np.array(totals), step
+        return totals, step
 
-    def _round_ends(self, take: np.ndarray, counts: np.ndarray, totals: np.ndarray, step: np.ndarray) -> np.ndarray:
+    def _round_ends(
+        self, take: np.ndarray, counts: np.ndarray, totals: np.ndarray, step: np.ndarray, every: bool
+    ) -> np.ndarray:
         """The rounds' end times, and their steps' time on their GPUs.
 
         Gpu.run on the replica's own GPU as the round's steps reach it: the draft step, then the verify step two
@@ -826,13 +828,14 @@ class Simulation:
         times, all >= 0) is no later than this round's start; so each step starts when it arrives. The end is
         start + hop + draft + hop + hop + verify + hop + host + overhead, added in that order as round by round:
         one cumulative sum down the rows of :attr:`_parts` (a plain round adds zeros for its draft and its hops
-        to the drafter: adding 0.0 to a time >= 0 leaves it as it is)."""
+        to the drafter: adding 0.0 to a time >= 0 leaves it as it is). ``every``: every round verifies a request
+        (none is a round of joiners only)."""
         parts = self._parts[:, : take.size]
         parts[_START] = self._start[take]
         parts[_VERIFY] = step
         if not self.uses_drafter:
             parts[_HOST] = self._host_plain_by_count[totals]
-        elif _minimum(counts):  # every round drafts (the usual case; a round of only joiners does not)
+        elif every:  # every round drafts (the usual case; a round of only joiners does not)
             parts[_DRAFT] = self._draft_by_count[counts]
             parts[_HOST] = self._host_drafted_by_count[totals]
         else:
@@ -841,7 +844,8 @@ class Simulation:
             parts[_DRAFT + 1 : _DRAFT + 3] = np.where(drafting, self.hop, 0.0)
             parts[_HOST] = np.where(drafting, self._host_drafted_by_count[totals], self._host_plain_by_count[totals])
         end = np.add.accumulate(parts, axis=0)[-1]
-        parts[_DRAFT + 1 : _DRAFT + 3] = self.hop if self.uses_drafter else 0.0
+        if self.uses_drafter and not every:
+            parts[_DRAFT + 1 : _DRAFT + 3] = self.hop
         busy = self._gpu_busy[take]
         busy += parts[_DRAFT]
         busy += step
@@ -924,9 +928,7 @@ class Simulation:
         gone = set(finished)
         before = len(driver.members)
         members = driver.members = [m for m in driver.members if m not in gone]
-        row = self._member_table[replica.index]
-        row[: len(members)] = members
-        row[len(members) : before] = len(self.arrival)
+        self._member_table[replica.index, :before] = members + [len(self.arrival)] * count  # (padding after them)
         finish_s = self.finish_s
         for i in finished:
             finish_s[i] = now
@@ -934,11 +936,14 @@ class Simulation:
             for _ in finished:
                 self._release(now)
         self.router.left(replica, count)
-        if replica.drafter is not None:
-            replica.drafter.held -= count
-            self._remove_if_done(replica.drafter, now)
+        drafter = replica.drafter
+        if drafter is not None:
+            drafter.held -= count
+            if drafter.draining:
+                self._remove_if_done(drafter, now)
         replica.running -= count
-        self._remove_if_done(replica, now)
+        if replica.draining:
+            self._remove_if_done(replica, now)
 
     # ---------------------------------------------------------------------------------------- autoscaling
     def _tick(self, now: float) -> None:
