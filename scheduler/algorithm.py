@@ -640,8 +640,6 @@ def schedule_recorded_rounds(
     if rounds == 0 or width == 0 or gamma == 0:
         return np.zeros((rounds, width), dtype=np.int64)
     caps = max_lengths * _first(width, counts)  # padding: nothing to verify
-    np.minimum(caps, gamma, out=caps)
-    np.maximum(caps, 0, out=caps)
     grid = recorded.survival.take(rows, axis=0)
     grid *= _first(gamma, caps, np.float64)  # 1 before the cap, 0 from it on (x * 0.0 = 0.0 for a survival x)
     lengths, alone = _walk_rounds(grid, counts, table_for, draft_cost, recorded.near_ties)
@@ -658,17 +656,19 @@ _first_tables: dict[tuple[int, type], np.ndarray] = {}
 
 
 def _first(size: int, limits: np.ndarray, dtype: type = np.bool_) -> np.ndarray:
-    """``arange(size) < limits[..., None]`` as ``dtype`` (limits in 0 .. size), from a table: one gather instead of
-    a broadcast comparison, whose fixed cost is the larger one on a stack of small rounds."""
+    """``arange(size) < limits[..., None]`` as ``dtype``, from a table (limits below 0 taken as 0, above ``size``
+    as ``size``): one gather instead of a broadcast comparison, whose fixed cost is the larger one on a stack of
+    small rounds."""
     table = _first_tables.get((size, dtype))
     if table is None:
         table = _first_tables[(size, dtype)] = (np.arange(size)[None, :] < np.arange(size + 1)[:, None]).astype(dtype)
-    return table.take(limits, axis=0)
+    return table.take(limits, axis=0, mode="clip")
 
 
 def _round_counts(num_requests: np.ndarray, rounds: int, width: int) -> np.ndarray:
     counts = np.asarray(num_requests, dtype=np.int64)
-    if counts.shape != (rounds,) or (rounds and not (_minimum(counts) >= 0 and _maximum(counts) <= width)):
+    # (as unsigned, a negative count is above any width: one reduction checks both bounds)
+    if counts.shape != (rounds,) or (rounds and not _maximum(counts.view(np.uint64)) <= width):
         raise ValueError(f"num_requests must give 0 <= R <= {width} for each of the {rounds} rounds")
     return counts
 
