@@ -440,8 +440,10 @@ class Simulation:
         self._waiting += 1
         replica.waiting.append(i)
         if self.batched:
-            self._waits[replica.index] = True
-            self._cancel_ahead(replica.index, now)
+            slot = replica.index
+            self._waits[slot] = True
+            if now <= self._gate.item(slot) < math.inf:
+                self._cancel_ahead(slot)
         for driver in replica.drivers:
             if driver.idle:  # after every arrival of this instant: a round admits all of them, as the engine does
                 driver.idle = False
@@ -675,15 +677,15 @@ class Simulation:
             lower += 2 * self.hop + costs.draft(count)
         return lower * _SAFE
 
-    def _cancel_ahead(self, slot: int, now: float) -> None:
-        """A request arrived at ``now`` for replica ``slot``. If its next round pends from the end of a round that
-        was no event (gate: its start, finite) and has not started yet, that round will admit the request: the
-        last round's end becomes an event again (at its time, still to come) and the round no longer pends. If it
-        has started, it runs as pending (the request joins the round after)."""
+    def _cancel_ahead(self, slot: int) -> None:
+        """A request arrived for replica ``slot`` while its next round pends from the end of a round that was no
+        event (gate: its start, finite) and has not started yet (:meth:`_arrive` checks; at the same instant too:
+        arrivals come before a round end of their time). That round will admit the request: the last round's end
+        becomes an event again (at its time, still to come) and the round no longer pends. (Had it started, it
+        would run as pending, and the request join the round after.)"""
         start = self._gate.item(slot)
-        if now <= start < math.inf:  # at the same instant too: arrivals come before a round end of their time
-            self._gate[slot] = self._due[slot] = math.inf
-            self.queue.push(start, _ROUND_END, self._driver_at[slot])
+        self._gate[slot] = self._due[slot] = math.inf
+        self.queue.push(start, _ROUND_END, self._driver_at[slot])
 
     def _flush(self, upcoming: float) -> None:
         """Decide the pending rounds that can be: their lengths (the policy's ``lengths_of_recorded_rounds``, one
