@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-serve-args", nargs=argparse.REMAINDER, default=[],
                    help="appended to every `dspark serve --no-ray` command line")
     p.add_argument("--ray-engine", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="set in the Ray configs' engine section (VALUE read as YAML), e.g. collect_drafts=false")
+                   help="set in the Ray configs' engine section (VALUE read as YAML), e.g. relay_drafts=false")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="every server's cache_dir is <this>/<layout>-<policy> (SPS tables, Triton kernels); default: "
                         "the servers' own, or <scratch>/cache with --repeat-start")

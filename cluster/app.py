@@ -343,7 +343,7 @@ class SchedulerReplica:
             timeout_s=self.config.network.grpc_timeout_s,
             readiness_timeout_s=self.config.network.readiness_timeout_s,
             service_levels=self.config.scheduler.service_levels.levels(),
-            collect_drafts=self.config.engine.collect_drafts,
+            relay_drafts=self.config.engine.relay_drafts and self.config.engine.draft_ahead,
         )
         self.server = ServerThread([self.hub.service()], host=_grpc_host(self.config),
                                    token=self.config.network.grpc_token)

@@ -68,11 +68,11 @@ class EngineConfig(_Strict):
     ``draft_ahead``: drafters draft a request's next block as soon as its context arrives (the verifier names the
     next anchor), overlapping the scheduler's commit instead of waiting for its ``Propose``; in the in-process
     placement (``colocated``, ``--no-ray``) with captured graphs, the round driver launches the next round's draft
-    step before it commits the round. ``collect_drafts`` (disaggregated placement, with ``draft_ahead`` and one
-    request group): in steps without prefills the verifier waits for those drafts and returns them with its
-    ``Step`` reply, so a round is one message each way between the scheduler and the pools instead of two (no
-    ``Propose``); off by default: the reply then waits for the drafting, which the scheduler's ``Propose``
-    otherwise overlaps with the reply's trip (docs/benchmarks/http_serving.md measures both). ``chain_rounds``
+    step before it commits the round. ``relay_drafts`` (disaggregated placement, with ``draft_ahead`` and one
+    request group): the drafters return those drafts to the verifier, and a round whose lengths the policy plans
+    before its drafts exist (as for ``chain_rounds``) is one ``Step`` that verifies them there, with no ``Propose``:
+    one message each way between the scheduler and the pools instead of two, with the drafting hidden behind the
+    reply's trip; the other rounds send the ``Propose`` as without. ``chain_rounds``
     (in-process placement with captured graphs): rounds whose lengths are planned from earlier rounds queue the
     verify step behind the draft step and the next draft step behind the verify step on the device, with no host
     round trip between them (lossless: lengths depend on counts and earlier rounds only).
@@ -94,7 +94,7 @@ class EngineConfig(_Strict):
     context_projection: Literal["verifier", "drafter"] = "verifier"
     feature_dtype: Literal["model", "bfloat16", "float16"] = "model"
     draft_ahead: bool = True
-    collect_drafts: bool = False
+    relay_drafts: bool = True
     chain_rounds: bool = True
     feature_transport: Literal["grpc", "collective"] = "grpc"
     feature_link_timeout_s: float = Field(30.0, gt=0)

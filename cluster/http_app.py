@@ -336,6 +336,12 @@ class _SpecDecodeCollector:
             s.paused_request_rounds,
         )
         yield counter(
+            "dspark_planned_rounds",
+            "Drafted rounds whose lengths were planned before their drafts existed: chained (in process) or "
+            "relayed (disaggregated) rounds.",
+            s.planned_rounds,
+        )
+        yield counter(
             "dspark_output_tokens",
             "Tokens emitted by engine rounds (a request's first token comes from its prefill, not a round).",
             s.num_output_tokens,
