@@ -137,6 +137,11 @@ class SchedulerConfig(_Strict):
     step times flat in the batch (small batches on a GPU) every group pays the whole step, so keep 1 there
     (docs/benchmarks/data_plane.md has the measurements).
 
+    ``decode_steps``: with the ``autoregressive`` policy in the disaggregated placement, each round decodes up
+    to this many tokens per request in one ``Step`` to the verifier replica (one message each way per that many
+    tokens instead of per token); a prompt that arrives meanwhile joins at the next round, so 1 gives the lowest
+    time to first token under load. The in-process placement decodes one token per round.
+
     ``drain_timeout_s``: how long a drafter or verifier replica that Serve stops (autoscaling down, rolling
     update) keeps serving the requests it holds before it goes; keep the deployment's
     ``graceful_shutdown_timeout_s`` above it (``build_app`` defaults it to this plus a margin)."""
@@ -145,6 +150,7 @@ class SchedulerConfig(_Strict):
     draft_cost: Literal["none", "measured"] = "none"
     max_running_per_verifier: int | None = Field(None, ge=1)
     request_groups: int = Field(1, ge=1, le=8)
+    decode_steps: int = Field(4, ge=1, le=64)
     drain_timeout_s: float = Field(120.0, gt=0)
     service_levels: ServiceLevelsConfig = ServiceLevelsConfig()
 

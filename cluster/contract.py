@@ -249,6 +249,9 @@ STEP = Method(
             # (relay_drafts of the step before): request i its first verify_lengths[i] drafts (fewer when its
             # block is shorter, none when it is missing); verify_counts are then 0 and verify_tokens empty.
             "verify_lengths": Opt(COUNTS),
+            # Set: plain decoding of several tokens in one step (no drafts, no routes): request i decodes
+            # verify_steps[i] >= 1 tokens, one target pass each (VerifyEngine.decode).
+            "verify_steps": Opt(COUNTS),
         },
     ),
     Message(
@@ -354,9 +357,11 @@ def step_request(
     *,
     inline_features: bool,
     relay_drafts: bool = False,
+    steps: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """A ``Step`` message: the prefills, the verifications with their draft distributions (one-hot rows for
-    greedy requests that left theirs out), the drafter routes of the context features."""
+    greedy requests that left theirs out), the drafter routes of the context features; ``steps``: plain decoding
+    of that many tokens per verification (no drafts, no routes)."""
     prob_ids, probs = _stack_distributions(verifies)
     return {
         "prefill_req_ids": [p.req_id for p in prefills],
@@ -374,6 +379,7 @@ def step_request(
         "routes": dict(routes),
         "inline_features": inline_features,
         "relay_drafts": relay_drafts,
+        "verify_steps": None if steps is None else [int(n) for n in steps],
     }
 
 
@@ -469,6 +475,12 @@ def parse_step_request(request: dict[str, Any]) -> tuple[list[PrefillItem], list
     lengths = request["verify_lengths"]
     if lengths is not None and (len(lengths) != n_ver or any(request["verify_counts"]) or -1 in positions):
         raise ValueError("Step: a relayed step needs one verify length and position per request and no draft tokens")
+    steps = request["verify_steps"]
+    if steps is not None and (
+        len(steps) != n_ver or min(steps, default=1) < 1 or any(request["verify_counts"]) or request["routes"]
+        or lengths is not None
+    ):
+        raise ValueError("Step: a decoding step needs one step count >= 1 per request, no drafts and no routes")
     drafts = request["verify_tokens"].tolist()
     ranges = split_rows(request["verify_counts"], len(drafts), "Step verify")
     prob_ids, probs = request["draft_prob_ids"], request["draft_probs"]

@@ -42,6 +42,7 @@ from kernels.sampling import SamplingParams
 from scheduler.admission import draft_caps, free_slots
 from scheduler.interfaces import (
     ChainingVerifier,
+    DecodingVerifier,
     DetachingDrafter,
     Drafter,
     LaunchingDrafter,
@@ -246,8 +247,15 @@ class SpeculativeEngine:
         chain_verify: bool = False,
         chain_draft: bool = False,
         service_levels: ServiceLevels | None = None,
+        decode_steps: int = 1,
     ) -> None:
-        """``service_levels``: the defaults and admission rule of per-request service levels (speculation on or
+        """``decode_steps``: without a drafter (plain decoding), a round decodes up to this many tokens per
+        request in one call of a verifier that can (:class:`DecodingVerifier`: a replica then costs one message
+        each way per that many tokens), capped by each request's ``max_tokens`` and slot; a request that stops
+        earlier (stop token or string) drops the rest. Joining prompts wait for the round, so it trades their
+        first token's latency against every other token's.
+
+        ``service_levels``: the defaults and admission rule of per-request service levels (speculation on or
         off, priority tiers, TPOT targets: :mod:`scheduler.service_levels`); rounds in which every request is
         ``auto`` without a target run exactly as without them.
 
@@ -282,6 +290,11 @@ class SpeculativeEngine:
         self._observe_round: Callable[[int, bool, float, float, float, int], None] | None = getattr(
             policy, "observe_round", None
         )
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        # Plain decoding several tokens per verifier call (None: one step per round).
+        self._decoding = verify if draft is None and decode_steps > 1 and isinstance(verify, DecodingVerifier) else None
+        self._decode_steps = decode_steps
         self.decode = decode
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_running = max_running
@@ -882,9 +895,15 @@ class SpeculativeEngine:
         from there, as the items' construction is part of handing the block to the verifier).
         """
         prefills = [r.prefill_item() for r in admitted]
-        return self._commit_round(
-            admitted, verified, self.verify.step(prefills, verifies), drafting, draft_s, schedule_s, t2
-        )
+        if self._decoding is not None and verified:
+            num = len(verified)
+            left = np.fromiter((r.max_tokens - len(r.output) for r in verified), dtype=np.int64, count=num)
+            positions = np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num)
+            steps = np.minimum(np.minimum(left, self.verify.max_seq_len - positions), self._decode_steps)
+            results = self._decoding.decode(prefills, verifies, np.maximum(steps, 1).tolist())
+        else:
+            results = self.verify.step(prefills, verifies)
+        return self._commit_round(admitted, verified, results, drafting, draft_s, schedule_s, t2)
 
     def _commit_round(
         self,
@@ -1149,7 +1168,7 @@ class SpeculativeEngine:
             and (not req.stop_ids or req.stop_ids.isdisjoint(tokens))
         ):
             # The common case, kept cheap: a verify round that neither finishes the request nor has text to make.
-            req.position += 1 + num_accepted
+            req.position += len(tokens)  # accepted drafts + 1 (or the tokens of several decoding steps)
             if tokens:
                 req.anchor = tokens[-1]
             metrics = req.metrics
@@ -1166,7 +1185,7 @@ class SpeculativeEngine:
         if prefill:
             req.position = len(req.prompt) + max(len(req.output) - 1, 0)
         else:
-            req.position += 1 + num_accepted
+            req.position += len(tokens)
         if tokens:
             req.anchor = tokens[-1]
         finish: FinishReason | None = None

@@ -80,12 +80,14 @@ class SchedulerHub:
         readiness_timeout_s: float = 0.0,
         service_levels: ServiceLevels | None = None,
         relay_drafts: bool = False,
+        decode_steps: int = 1,
     ) -> None:
         self.model_name = model_name
         # Verifier groups have the drafters return their next blocks to the replica, which verifies them in the
         # rounds with planned lengths (relayed rounds, no Propose); not with request groups, whose drafter thread
         # drafts one group while another verifies.
         self.relay_drafts = relay_drafts and request_groups == 1
+        self.decode_steps = decode_steps  # plain decoding (no drafter): tokens per Step
         self.service_levels = service_levels
         self.policy = policy
         self.draft_cost = draft_cost
@@ -170,7 +172,7 @@ class SchedulerHub:
             engine = (
                 PipelinedEngine(verifier, pool, policy, groups=self.request_groups, **options)
                 if self.request_groups > 1 and pool is not None
-                else SpeculativeEngine(verifier, pool, policy, **options)
+                else SpeculativeEngine(verifier, pool, policy, decode_steps=self.decode_steps, **options)
             )
             backend = LocalBackend(
                 engine, self.model_name, max_context=self._max_context, failover=self.failover.hook(replica_id)

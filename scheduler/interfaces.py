@@ -11,6 +11,8 @@ enables the overlap or split that needs one only when its engine offers it (``is
 - :class:`ChainingVerifier` and :class:`LaunchingDrafter`: an in-process pair on one device queues a round's
   verify step behind its draft step, and the next draft step behind the verify step (chained rounds, drafts
   launched ahead of a commit).
+- :class:`DecodingVerifier`: a verifier that decodes several tokens per call for a round driver without a
+  drafter (one message per several tokens across the data plane).
 - :class:`RelayingVerifier`: a verifier replica whose drafters return their next blocks to it, so that a round
   whose lengths are planned before its drafts exist is one message to the verifier (relayed rounds).
 - :class:`DetachingDrafter`: a drafter pool that may lose every replica and then runs requests detached.
@@ -68,6 +70,18 @@ class ChainingVerifier(Verifier, Protocol):
     ) -> ChainedVerify | None:
         """Launch the verify step reading ``drafts`` where the drafter wrote them; None when it cannot be
         chained (nothing launched: the round verifies the usual way)."""
+        ...
+
+
+@runtime_checkable
+class DecodingVerifier(Verifier, Protocol):
+    """A verifier that runs several plain decoding steps in one call."""
+
+    def decode(
+        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], steps: Sequence[int]
+    ) -> Sequence[StepResult]:
+        """The prefills and verifications (no drafts) as one step, then verification i decodes ``steps[i] - 1``
+        more tokens; each result holds all of its tokens."""
         ...
 
 

@@ -135,6 +135,14 @@ class RemoteVerifier:
         )
         return contract.parse_step_reply(self._call(message, prefills))
 
+    def decode(
+        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], steps: Sequence[int]
+    ) -> list[StepResult]:
+        """Plain decoding, ``steps[i]`` tokens for verification i in one ``Step`` (the replica's
+        :meth:`VerifyEngine.decode`): one message each way for several tokens."""
+        message = contract.step_request(prefills, verifies, {}, inline_features=False, steps=steps)
+        return contract.parse_step_reply(self._call(message, prefills))
+
     def step_relayed(
         self,
         prefills: Sequence[PrefillItem],

@@ -1,6 +1,7 @@
 """The verifier's gRPC service: a thin adapter from msgpack messages to :class:`VerifyEngine` steps.
 
-One ``Step`` message per round carries every prefill and verification of this replica as flat tensors. After the
+One ``Step`` message per round carries every prefill and verification of this replica as flat tensors (for a round
+driver without a drafter, possibly several decoding steps: ``verify_steps``, :meth:`VerifyEngine.decode`). After the
 target pass the service pushes each request's committed context features straight to the drafter replica that owns
 it (``routes``: drafter address -> request ids), and only the small control data (tokens, counts) goes back to the
 scheduler: the bulky features never pass through the central process. With the drafter's context projection loaded
@@ -148,7 +149,7 @@ class VerifierService:
             relayed, wait_s = await self._take_relayed(request)
             verifies = relayed.batch
         (results, pushes, inline_features), engine_s = await self._thread.run_timed(
-            self._step_and_pack, prefills, verifies, routed, send_inline, relay
+            self._step_and_pack, prefills, verifies, routed, send_inline, relay, request["verify_steps"]
         )
         tasks = self._push_features(pushes)
         if relay:
@@ -190,11 +191,16 @@ class VerifierService:
         routed: dict[str, str],
         send_inline: bool,
         relay: bool,
+        steps: list[int] | None = None,
     ) -> tuple[Sequence[StepResult], dict[str, dict[str, Any]], torch.Tensor | None]:
-        """On the engine thread: the step, then one AppendContext message per drafter and (``send_inline``) the
-        unrouted features, all on the host. Here, not after the reply: the step's features may be views of its
-        graph's output, which the engine's next step (another call on this thread) overwrites."""
-        results = self.engine.step(prefills, verifies)
+        """On the engine thread: the step (``steps``: several decoding steps, :meth:`VerifyEngine.decode`), then
+        one AppendContext message per drafter and (``send_inline``) the unrouted features, all on the host. Here,
+        not after the reply: the step's features may be views of its graph's output, which the engine's next step
+        (another call on this thread) overwrites."""
+        if steps is None:
+            results = self.engine.step(prefills, verifies)
+        else:
+            results = self.engine.decode(prefills, verifies, steps)
         by_address: dict[str, list[StepResult]] = {}
         for r in results:
             if r.req_id in routed and r.features is not None:
