@@ -10,8 +10,9 @@ times the verify engine's own graph-path step (:mod:`verify_service.graphs`), th
 :func:`profile_graph_sps_by_requests` times the same step at fixed request counts R (R requests verifying 1 ..
 chunk tokens each), the tables by request count the scheduler prices a round of R requests with.
 
-Every flavour times a step on a GPU as before (CUDA events, or the wall clock of a synchronising step), and on a
-CPU with one intra-op thread by the profiling thread's CPU time (:func:`host_step_timer` says why).
+Clocks: on a GPU, CUDA events (eager passes) or the wall clock of a step that synchronises (the graph step); on a
+CPU with one intra-op thread, the profiling thread's CPU time (:func:`host_step_timer` says why); else the wall
+clock.
 """
 
 from __future__ import annotations
