@@ -56,9 +56,10 @@ HEARTBEAT_S = 2.0
 #: tries again this soon: a restarted scheduler is back in service only once its replicas registered again.
 HEARTBEAT_RETRY_S = 0.2
 #: Serve learns that a replica's process died only from its next health check (a pending check then fails at
-#: once), so this period bounds how long a dead replica goes unnoticed and unreplaced. Each check is one
-#: loopback gRPC health call (pool replicas) or a look at the round loops (scheduler): cheap enough every second.
-HEALTH_CHECK_PERIOD_S = 1.0
+#: once), so this period bounds how long a dead replica goes unnoticed and unreplaced, and half of it is what a
+#: restart waits on average before the replacement even starts. Each check is one loopback gRPC health call
+#: (pool replicas) or a look at the round loops (scheduler): cheap enough twice a second.
+HEALTH_CHECK_PERIOD_S = 0.5
 DRAIN_POLL_S = 0.5
 #: Bound on one call to the scheduler while leaving: when the whole application is being deleted the scheduler
 #: may already be gone, and a replica must not wait its full shutdown budget for it.
@@ -151,8 +152,8 @@ def _application_deleting() -> bool:
 
 class _OwnHealth:
     """Serve's health check of a pool replica: its own gRPC health endpoint must answer SERVING (a wedged engine
-    does not). One channel for the replica's life (the check runs every second). Serve runs it first after the
-    constructor, which has already warmed the engine up and registered it."""
+    does not). One channel for the replica's life (the check runs every ``HEALTH_CHECK_PERIOD_S``). Serve runs it
+    first after the constructor, which has already warmed the engine up and registered it."""
 
     def __init__(self, server: ServerThread, token: str | None) -> None:
         self._client = SyncRpcClient(server.address, token=token, timeout_s=5.0)
@@ -326,19 +327,19 @@ class EngineReplica:
                   logging_config={"enable_access_log": False})
 class SchedulerReplica:
     def __init__(self, args: dict[str, Any]) -> None:
-        from transformers import AutoTokenizer
-
+        from cluster.tokenizer_cache import load_decode
         from scheduler.hub import SchedulerHub
-        from scheduler.stopping import tokenizer_decode
 
         self.config = AppConfig.from_args(args).resolve_secrets()
-        tokenizer = AutoTokenizer.from_pretrained(self.config.models.tokenizer_path, local_files_only=True)
+        # Not AutoTokenizer: a restarted scheduler reads its detokeniser from the start-up cache and never imports
+        # transformers, which it needs for nothing else (see cluster.tokenizer_cache).
+        decode = load_decode(self.config.models.tokenizer_path, self.config.cache_path)
         self.hub = SchedulerHub(
             model_name=self.config.model_name,
             policy=self.config.scheduler.policy,
             draft_cost=self.config.scheduler.draft_cost,
             request_groups=self.config.scheduler.request_groups,
-            decode=tokenizer_decode(tokenizer),
+            decode=decode,
             token=self.config.network.grpc_token,
             timeout_s=self.config.network.grpc_timeout_s,
             readiness_timeout_s=self.config.network.readiness_timeout_s,
