@@ -66,6 +66,10 @@ DRAIN_POLL_S = 0.5
 LEAVE_CALL_TIMEOUT_S = 10.0
 #: Serve's graceful-shutdown budget of a pool replica is the drain timeout plus this (model and server teardown).
 SHUTDOWN_MARGIN_S = 30.0
+#: How long the scheduler holds a verifier's registration that came before any drafter's. After a scheduler restart
+#: the replicas' heartbeats, queued in Serve's handles, all arrive as it starts, in any order: held, the verifier
+#: is registered as soon as the drafter is, instead of at its heartbeat's retry.
+DRAFTER_WAIT_S = 1.0
 #: How long a pool replica's constructor waits for its first registration (a verifier waits for a drafter that
 #: may still be loading); after it the replica starts anyway and its heartbeat keeps trying.
 FIRST_REGISTRATION_S = 600.0
@@ -348,21 +352,32 @@ class SchedulerReplica:
         )
         self.server = ServerThread([self.hub.service()], host=_grpc_host(self.config),
                                    token=self.config.network.grpc_token)
+        self._drafter_registered = asyncio.Event()  # set by the first drafter registration (register_verifier)
 
     async def register_drafter(self, replica_id: str, address: str) -> None:
         await asyncio.to_thread(self.hub.register_drafter, replica_id, address)
+        self._drafter_registered.set()
 
     async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> bool:
         """False while no drafter is registered (a verifier's round loop needs one): a restarted scheduler hears
-        its replicas' heartbeats in any order, and the verifier's heartbeat then tries again at once."""
+        its replicas' heartbeats in any order. Refused for want of a drafter, the call waits up to
+        ``DRAFTER_WAIT_S`` for one to register and tries once more; then it answers False and the verifier's
+        heartbeat tries again soon."""
         from cluster.backend import BackendUnavailableError
 
-        try:
-            await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
-        except BackendUnavailableError as error:
-            logger.debug("verifier %s not registered yet: %s", replica_id, error)
-            return False
-        return True
+        for attempt in range(2):
+            try:
+                await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
+                return True
+            except BackendUnavailableError as error:
+                logger.debug("verifier %s not registered yet: %s", replica_id, error)
+            if attempt or self._drafter_registered.is_set():
+                break
+            try:
+                await asyncio.wait_for(self._drafter_registered.wait(), DRAFTER_WAIT_S)
+            except TimeoutError:
+                break
+        return False
 
     async def register_engine(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
         await asyncio.to_thread(self.hub.register_engine, replica_id, address, sps)
