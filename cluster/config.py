@@ -212,8 +212,10 @@ class AppConfig(_Strict):
     and routes requests to them). docs/DEPLOYMENT.md says when each pays.
 
     ``cache_dir``: where profiled SPS tables are kept between starts (``<cache_dir>/sps``, see
-    :mod:`cluster.sps_cache`); default ``$DSPARK_CACHE_DIR``, else ``~/.cache/dspark``. Each replica resolves it
-    on its own node, so on a cluster it should be a volume that outlives the pod (docs/DEPLOYMENT.md)."""
+    :mod:`cluster.sps_cache`), with Triton's kernels (:mod:`cluster.compile_cache`) and the scheduler's
+    detokeniser (:mod:`cluster.tokenizer_cache`); default ``$DSPARK_CACHE_DIR``, else ``~/.cache/dspark``. Each
+    replica resolves it on its own node, so on a cluster it should be a volume that outlives the pod
+    (docs/DEPLOYMENT.md)."""
 
     model_name: str = "dspark-demo"
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
