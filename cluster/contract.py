@@ -206,7 +206,8 @@ VERIFIER_INFO = Method(
             "max_seq_len": Int(min=1),
             "max_requests": Int(min=1),
             "free_slots": Int(min=0),
-            "feature_dim": Int(min=1),
+            # 0: the target exposes no feature layers (a verifier for plain decoding, with no drafter to feed).
+            "feature_dim": Int(min=0),
             "context_projection": Opt(Str(min_len=1, max_len=64)),
             "feature_dtype": Opt(Str(choices=FLOAT_DTYPES)),
             "eos_token_ids": List(Int(min=0), max_len=64),

@@ -153,6 +153,23 @@ def test_the_hub_decodes_several_tokens_per_step_for_plain_decoding(services) ->
     assert verifier.engine.num_free_slots == 8
 
 
+def test_a_verifier_without_feature_layers_serves_plain_decoding_through_the_hub(pair) -> None:
+    """A verifier replica of a plain-decoding deployment loads its target with no feature layers (no drafter to
+    feed): its ``Info`` says ``feature_dim`` 0, and the hub registers it and decodes through it."""
+    target = TargetModel.from_pretrained(pair[0])
+    verifier = VerifierService(VerifyEngine(target, max_requests=2, max_seq_len=64))
+    server = ServerThread([verifier.service()])
+    hub = SchedulerHub(model_name="t", policy="autoregressive", decode=None)
+    try:
+        assert verifier.info()["feature_dim"] == 0
+        hub.register_verifier("v", server.address, None)
+        tokens = generate_all(hub, [[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    finally:
+        hub.close()
+        server.stop()
+    assert tokens == target.generate([[1, 2, 3]], max_new_tokens=9)
+
+
 def test_a_decoding_step_with_drafts_or_bad_counts_is_refused(services) -> None:
     servers = services[0]
     client = SyncRpcClient(servers[2].address)
