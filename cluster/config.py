@@ -150,7 +150,7 @@ class SchedulerConfig(_Strict):
     draft_cost: Literal["none", "measured"] = "none"
     max_running_per_verifier: int | None = Field(None, ge=1)
     request_groups: int = Field(1, ge=1, le=8)
-    decode_steps: int = Field(4, ge=1, le=64)
+    decode_steps: int = Field(1, ge=1, le=64)
     drain_timeout_s: float = Field(120.0, gt=0)
     service_levels: ServiceLevelsConfig = ServiceLevelsConfig()
 
