@@ -76,9 +76,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--policies", nargs="+", default=["autoregressive", "fixed-1", "full", "dspark"])
     p.add_argument("--groups", type=int, nargs="+", default=[1, 2], help="request groups (> 1: pipelined)")
-    p.add_argument("--collect-drafts", choices=("on", "off"), default="on",
-                   help="processes with one request group: the verifier's Step reply carries the drafters' next "
-                        "blocks (engine.collect_drafts, the scheduler's default) or each round sends a Propose")
+    p.add_argument("--relay-drafts", choices=("on", "off"), default="on",
+                   help="processes with one request group: the drafters return their next blocks to the verifier, "
+                        "which verifies them in rounds with planned lengths (engine.relay_drafts, the scheduler's "
+                        "default), or each drafted round sends a Propose")
+    p.add_argument("--decode-steps", type=int, default=4,
+                   help="processes, autoregressive: tokens decoded per Step (scheduler.decode_steps)")
     p.add_argument("--feature-transport", choices=("grpc", "collective"), default="grpc",
                    help="processes: context features as gRPC bytes, or over torch.distributed links (NCCL on GPUs)")
     p.add_argument("--prompts-dir", type=Path, required=True)
@@ -151,14 +154,17 @@ class _Replicas:
 
 
 def _driver(verify: Any, draft: Any, policy: str, sps: SPSSource, block: int, groups: int,
-            eos: tuple[int, ...]) -> SpeculativeEngine:
+            eos: tuple[int, ...], decode_steps: int = 1) -> SpeculativeEngine:
+    """A round driver as the hub builds one; ``decode_steps`` applies to plain decoding over gRPC only (the
+    in-process placement decodes one token per round)."""
     policy_ = make_policy(policy, sps, block)
     draft = draft if policy_.uses_drafter else None
-    if isinstance(verify, RemoteVerifier):  # plain decoding: the context features stay on the verifier
+    remote = isinstance(verify, RemoteVerifier)
+    if remote:  # plain decoding: the context features stay on the verifier
         verify.inline_features = draft is not None
     if groups > 1 and draft is not None:
         return PipelinedEngine(verify, draft, policy_, groups=groups, eos_token_ids=eos)
-    return SpeculativeEngine(verify, draft, policy_, eos_token_ids=eos)
+    return SpeculativeEngine(verify, draft, policy_, eos_token_ids=eos, decode_steps=decode_steps if remote else 1)
 
 
 def _cells(layout: str, make: Callable[[str, int], SpeculativeEngine], args: argparse.Namespace, mix: Any,
@@ -281,17 +287,18 @@ def main(argv: list[str] | None = None) -> int:
                 ):
                     pool = DrafterPool([da], token=TOKEN)
                     remote = RemoteVerifier(va, pool.route_of, token=TOKEN)
-                    # As the scheduler's hub: drafts collected with the step only with one request group.
-                    collecting = (RemoteVerifier(va, pool.route_of, token=TOKEN, on_drafts=pool.offer)
-                                  if args.collect_drafts == "on" else remote)
+                    # As the scheduler's hub: drafts relayed to the verifier only with one request group.
+                    relaying = (RemoteVerifier(va, pool.route_of, token=TOKEN, relay=True)
+                                if args.relay_drafts == "on" else remote)
                     pool.require_projection(remote.context_projection, va)
-                    counters = _Replicas(pool, list({id(v): v for v in (remote, collecting)}.values()), da, va)
-                    _cells("processes", lambda p, g: _driver(collecting if g == 1 else remote, pool, p, sps, block,
-                                                             g, eos), args, mix, counters, bar, sink)
+                    counters = _Replicas(pool, list({id(v): v for v in (remote, relaying)}.values()), da, va)
+                    _cells("processes", lambda p, g: _driver(relaying if g == 1 else remote, pool, p, sps, block,
+                                                             g, eos, args.decode_steps), args, mix, counters, bar,
+                           sink)
                     counters.close()
                     pool.close()
                     remote.close()
-                    collecting.close()
+                    relaying.close()
     out.write_text(json.dumps(results, indent=1) + "\n")
     plot_throughput(results["rows"], None, args.out_dir / "disagg_throughput.png",
                     f"demo pair ({args.shape}), drafter {args.draft_device}, verifier {args.verify_device}",

@@ -20,7 +20,10 @@ completions with the official ``openai`` client from ``--clients`` threads, and 
    ``dspark_rounds_without_draft_total`` added. Where the time went comes from the server's log (Ray's timestamps,
    seconds after the kill): when Serve's controller saw the replica dead (its next health check),
    when it started the replacement, and for a pool replica when the replacement made its first call to the
-   scheduler (its first heartbeat: constructor done, model loaded and warmed up).
+   scheduler (its first heartbeat: constructor done, model loaded and warmed up). The Ray session's own logs and
+   ``/proc`` add the replacement's phases: its process started (a Ray worker), its constructor started (Ray's
+   worker, Serve's replica actor and the deployment's module imports done) and returned, and Serve's controller
+   saw it running.
 
 The openai client runs with ``max_retries=0`` so that every status is seen (by default it retries 503 twice,
 honouring ``Retry-After``, and 408/409/429/5xx too).
@@ -194,6 +197,70 @@ def _call(channel: grpc.Channel, path: str, payload: bytes, *, stream: bool) -> 
 _STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 
+def _stamp_s(line: str, killed_at: float) -> float | None:
+    """Seconds from ``killed_at`` (wall clock) to the Ray / Serve log timestamp of ``line`` (None: no stamp)."""
+    stamp = _STAMP.search(line)
+    if stamp is None:
+        return None
+    return datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - killed_at  # local time
+
+
+def _process_started_at(pid: int) -> float | None:
+    """Wall-clock start of process ``pid`` from ``/proc`` (clock-tick resolution), None when it is gone."""
+    try:  # start in clock ticks after boot; /proc/uptime (not btime, whole seconds) places boot on the wall clock
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime_s + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def session_dir(server_pid: int) -> Path | None:
+    """The Ray session folder of the cluster ``dspark serve`` (``server_pid``) started: Ray names it after the
+    process that started the head."""
+    root = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"
+    found = sorted(root.glob(f"session_*_{server_pid}"))
+    return found[-1] if found else None
+
+
+def replacement_phases(session: Path | None, role: str, pid: int | None, killed_at: float) -> dict[str, float | None]:
+    """Seconds from the kill to the replacement's phases, from the Ray session's Serve logs and ``/proc``: its
+    process started (``pid``), its constructor started (Serve's replica log: the Ray worker, Serve's replica
+    actor and the deployment's module imports are done by then) and returned, and the controller saw it
+    running."""
+    out: dict[str, float | None] = dict.fromkeys(("replacement_process_started_s", "replacement_constructor_started_s",
+                                                  "replacement_constructor_done_s", "replacement_running_s"))
+    started = None if pid is None else _process_started_at(pid)
+    if started is not None:
+        out["replacement_process_started_s"] = round(started - killed_at, 2)
+    if session is None:
+        return out
+    name = ROLES[role]
+    replica_id = None
+    for log in sorted((session / "logs" / "serve").glob(f"replica_dspark_{name}_*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        begun = next((line for line in lines if "Started initializing replica" in line), None)
+        at = None if begun is None else _stamp_s(begun, killed_at)
+        if at is None or at < 0:
+            continue  # the replica that was killed (or an earlier one)
+        replica_id = log.stem.rsplit("_", 1)[1]
+        out["replacement_constructor_started_s"] = round(at, 2)
+        done = next((line for line in lines if "Finished initializing replica" in line), None)
+        if done is not None and (done_at := _stamp_s(done, killed_at)) is not None:
+            out["replacement_constructor_done_s"] = round(done_at, 2)
+        break
+    if replica_id is not None:
+        for log in (session / "logs" / "serve").glob("controller_*.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                if f"Replica(id='{replica_id}'" in line and "started successfully" in line:
+                    out["replacement_running_s"] = _round(_stamp_s(line, killed_at))
+    return out
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
 def timeline(log_path: Path, role: str, killed_at: float) -> dict[str, float | None]:
     """Seconds from the kill (``killed_at``: wall clock) to the restart's steps as the server's log shows them."""
     name = ROLES[role]
@@ -206,11 +273,8 @@ def timeline(log_path: Path, role: str, killed_at: float) -> dict[str, float | N
                                                           "SharedRouterLongPollClient")
     out: dict[str, float | None] = dict.fromkeys(marks)
     for line in log_path.read_text(errors="replace").splitlines():
-        stamp = _STAMP.search(line)
-        if stamp is None:
-            continue
-        at = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - killed_at  # local time
-        if at < 0:
+        at = _stamp_s(line, killed_at)
+        if at is None or at < 0:
             continue
         for key, needles in marks.items():
             if out[key] is None and all(n in line for n in needles):
@@ -257,6 +321,7 @@ def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, 
         if o.error is not None:
             errors[o.error] = errors.get(o.error, 0) + 1
     decreased = sorted(k for k, v in (before or {}).items() if after is not None and after.get(k, 0.0) < v)
+    replacement = [pid for pid, name in replica_processes(server.pid, []).items() if name == title and pid != pids[0]]
     return {
         "role": role,
         "pid": pids[0],
@@ -275,7 +340,9 @@ def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, 
         "max_health_answer_s": max(took for _, _, took in health) if health else None,
         "metrics_monotonic": None if before is None or after is None else not decreased,
         "counters_decreased": decreased,
-        "timeline": timeline(log_path, role, killed_wall),
+        "timeline": {**timeline(log_path, role, killed_wall),
+                     **replacement_phases(session_dir(server.pid), role, replacement[0] if replacement else None,
+                                          killed_wall)},
     }
 
 

@@ -76,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-serve-args", nargs=argparse.REMAINDER, default=[],
                    help="appended to every `dspark serve --no-ray` command line")
     p.add_argument("--ray-engine", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="set in the Ray configs' engine section (VALUE read as YAML), e.g. collect_drafts=false")
+                   help="set in the Ray configs' engine section (VALUE read as YAML), e.g. relay_drafts=false")
+    p.add_argument("--ray-scheduler", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="set in the Ray configs' scheduler section (VALUE read as YAML), e.g. decode_steps=1")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="every server's cache_dir is <this>/<layout>-<policy> (SPS tables, Triton kernels); default: "
                         "the servers' own, or <scratch>/cache with --repeat-start")
@@ -100,13 +102,14 @@ def inflate(args: argparse.Namespace, device: str, dtype: str) -> tuple[Path, Pa
     return out / "target", out / "draft"
 
 
-def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """``--ray-engine KEY=VALUE`` pairs as a mapping (values parsed as YAML: ``false``, ``2``, ...)."""
+def section_settings(pairs: list[str], flag: str) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs of ``flag`` (``--ray-engine``, ``--ray-scheduler``) as a mapping (values parsed as
+    YAML: ``false``, ``2``, ...)."""
     settings: dict[str, Any] = {}
-    for pair in args.ray_engine:
+    for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--ray-engine takes KEY=VALUE, got {pair!r}")
+            raise SystemExit(f"{flag} takes KEY=VALUE, got {pair!r}")
         settings[key] = yaml.safe_load(value)
     return settings
 
@@ -135,8 +138,9 @@ def ray_config(args: argparse.Namespace, target: Path, draft: Path, policy: str,
                 "models": models,
                 "draft_pool": {"resource": "draft_pool", "num_gpus": gpu, "num_cpus": 1},
                 "verify_pool": {"resource": "verify_pool", "num_gpus": gpu, "num_cpus": 1},
-                "engine": {"max_requests": slots, "max_seq_len": args.max_seq_len, **engine_settings(args)},
-                "scheduler": {"policy": policy},
+                "engine": {"max_requests": slots, "max_seq_len": args.max_seq_len,
+                           **section_settings(args.ray_engine, "--ray-engine")},
+                "scheduler": {"policy": policy, **section_settings(args.ray_scheduler, "--ray-scheduler")},
             },
             "deployments": [{"name": "Verifier", "num_replicas": 1}, {"name": "Drafter", "num_replicas": 1}],
         }],

@@ -5,11 +5,12 @@ Each profile is exactly what a verifier replica runs at start when the SPS cache
 ``dspark serve`` builds for the same flags. Reported per batch size B: the median steps/s over the profiles and the
 spread ``(max - min) / median``, raw and of the table's shape (each profile divided by its own geometric mean over
 B: Algorithm 1's choices with ``draft_cost: none`` depend only on the ratios between Bs, so a table measured on a
-uniformly slower machine schedules the same); and the time each profile took. The goal (issue 31): every B within
-10 %. ``--threads`` is the torch intra-op threads of the profiling process: 1 is what a Ray verifier replica of one
-CPU gets (Ray sets ``OMP_NUM_THREADS`` to a replica's whole CPUs).
+uniformly slower machine schedules the same); and the time each profile took and the 1-minute load average after
+it. The goal (issue 31): every B within 10 %. ``--threads`` is the torch intra-op threads of the profiling
+process: 1 is what a Ray verifier replica of one CPU gets (Ray sets ``OMP_NUM_THREADS`` to a replica's whole
+CPUs), and with 1 a CPU profile times steps by the thread's CPU time (:func:`scheduler.profiling.host_step_timer`).
 
-    python bench/sps_stability.py --profiles 5 --out docs/benchmarks/sps_stability_cpu.json
+    python bench/sps_stability.py --profiles 8 --out docs/benchmarks/sps_stability_cpu.json
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from cluster.config import AppConfig  # noqa: E402
 from cluster.loading import _profile_sps, build_verify_engine, drafter_block_size  # noqa: E402
+from scheduler.profiling import PROFILER_VERSION  # noqa: E402
 from scheduler.sps import SPSMonotonicityWarning, SPSTable  # noqa: E402
 
 
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     block_size = drafter_block_size(config)
     profiles: list[dict[str, SPSTable]] = []
     seconds: list[float] = []
+    loads: list[float] = []
     warned: list[int] = []
     for i in range(args.profiles):
         started = time.perf_counter()
@@ -86,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             warnings.simplefilter("always", SPSMonotonicityWarning)
             profiles.append(_tables(_profile_sps(config, verify, block_size)))
         seconds.append(time.perf_counter() - started)
+        loads.append(os.getloadavg()[0])
         warned.append(sum(issubclass(w.category, SPSMonotonicityWarning) for w in caught))
-        print(f"profile {i + 1}/{args.profiles}: {seconds[-1]:.1f} s, {warned[-1]} monotonicity warnings", flush=True)
+        print(f"profile {i + 1}/{args.profiles}: {seconds[-1]:.1f} s, {warned[-1]} monotonicity warnings, "
+              f"load average {loads[-1]:.2f}", flush=True)
     rows = []
     for name in profiles[0]:
         first = profiles[0][name]
@@ -105,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| {100 * r['shape_spread']:.1f} % |")
     print(f"\nspread over B: max {100 * max(spreads):.1f} %, median {100 * statistics.median(spreads):.1f} %; "
           f"shape: max {100 * max(shapes):.1f} %, median {100 * statistics.median(shapes):.1f} %; "
-          f"profile time {min(seconds):.1f}-{max(seconds):.1f} s")
+          f"profile time {min(seconds):.1f}-{max(seconds):.1f} s; load average {min(loads):.2f}-{max(loads):.2f}")
     if args.out is not None:
         result = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -114,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                         "python": platform.python_version(),
                         "torch": torch.__version__},
             "load_average": os.getloadavg(),
+            "load_average_per_profile": loads,
+            "profiler_version": PROFILER_VERSION,
             "config": {"max_requests": args.max_requests, "max_seq_len": args.max_seq_len, "device": args.device,
                        "graphs": args.graphs, "block_size": block_size},
             "profile_seconds": seconds,

@@ -56,15 +56,20 @@ HEARTBEAT_S = 2.0
 #: tries again this soon: a restarted scheduler is back in service only once its replicas registered again.
 HEARTBEAT_RETRY_S = 0.2
 #: Serve learns that a replica's process died only from its next health check (a pending check then fails at
-#: once), so this period bounds how long a dead replica goes unnoticed and unreplaced. Each check is one
-#: loopback gRPC health call (pool replicas) or a look at the round loops (scheduler): cheap enough every second.
-HEALTH_CHECK_PERIOD_S = 1.0
+#: once), so this period bounds how long a dead replica goes unnoticed and unreplaced, and half of it is what a
+#: restart waits on average before the replacement even starts. Each check is one loopback gRPC health call
+#: (pool replicas) or a look at the round loops (scheduler): cheap enough twice a second.
+HEALTH_CHECK_PERIOD_S = 0.5
 DRAIN_POLL_S = 0.5
 #: Bound on one call to the scheduler while leaving: when the whole application is being deleted the scheduler
 #: may already be gone, and a replica must not wait its full shutdown budget for it.
 LEAVE_CALL_TIMEOUT_S = 10.0
 #: Serve's graceful-shutdown budget of a pool replica is the drain timeout plus this (model and server teardown).
 SHUTDOWN_MARGIN_S = 30.0
+#: How long the scheduler holds a verifier's registration that came before any drafter's. After a scheduler restart
+#: the replicas' heartbeats, queued in Serve's handles, all arrive as it starts, in any order: held, the verifier
+#: is registered as soon as the drafter is, instead of at its heartbeat's retry.
+DRAFTER_WAIT_S = 1.0
 #: How long a pool replica's constructor waits for its first registration (a verifier waits for a drafter that
 #: may still be loading); after it the replica starts anyway and its heartbeat keeps trying.
 FIRST_REGISTRATION_S = 600.0
@@ -151,8 +156,8 @@ def _application_deleting() -> bool:
 
 class _OwnHealth:
     """Serve's health check of a pool replica: its own gRPC health endpoint must answer SERVING (a wedged engine
-    does not). One channel for the replica's life (the check runs every second). Serve runs it first after the
-    constructor, which has already warmed the engine up and registered it."""
+    does not). One channel for the replica's life (the check runs every ``HEALTH_CHECK_PERIOD_S``). Serve runs it
+    first after the constructor, which has already warmed the engine up and registered it."""
 
     def __init__(self, server: ServerThread, token: str | None) -> None:
         self._client = SyncRpcClient(server.address, token=token, timeout_s=5.0)
@@ -326,42 +331,54 @@ class EngineReplica:
                   logging_config={"enable_access_log": False})
 class SchedulerReplica:
     def __init__(self, args: dict[str, Any]) -> None:
-        from transformers import AutoTokenizer
-
+        from cluster.tokenizer_cache import load_decode
         from scheduler.hub import SchedulerHub
-        from scheduler.stopping import tokenizer_decode
 
         self.config = AppConfig.from_args(args).resolve_secrets()
-        tokenizer = AutoTokenizer.from_pretrained(self.config.models.tokenizer_path, local_files_only=True)
+        # Not AutoTokenizer: a restarted scheduler reads its detokeniser from the start-up cache and never imports
+        # transformers, which it needs for nothing else (see cluster.tokenizer_cache).
+        decode = load_decode(self.config.models.tokenizer_path, self.config.cache_path)
         self.hub = SchedulerHub(
             model_name=self.config.model_name,
             policy=self.config.scheduler.policy,
             draft_cost=self.config.scheduler.draft_cost,
             request_groups=self.config.scheduler.request_groups,
-            decode=tokenizer_decode(tokenizer),
+            decode=decode,
             token=self.config.network.grpc_token,
             timeout_s=self.config.network.grpc_timeout_s,
             readiness_timeout_s=self.config.network.readiness_timeout_s,
             service_levels=self.config.scheduler.service_levels.levels(),
-            collect_drafts=self.config.engine.collect_drafts,
+            relay_drafts=self.config.engine.relay_drafts and self.config.engine.draft_ahead,
+            decode_steps=self.config.scheduler.decode_steps,
         )
         self.server = ServerThread([self.hub.service()], host=_grpc_host(self.config),
                                    token=self.config.network.grpc_token)
+        self._drafter_registered = asyncio.Event()  # set by the first drafter registration (register_verifier)
 
     async def register_drafter(self, replica_id: str, address: str) -> None:
         await asyncio.to_thread(self.hub.register_drafter, replica_id, address)
+        self._drafter_registered.set()
 
     async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> bool:
         """False while no drafter is registered (a verifier's round loop needs one): a restarted scheduler hears
-        its replicas' heartbeats in any order, and the verifier's heartbeat then tries again at once."""
+        its replicas' heartbeats in any order. Refused for want of a drafter, the call waits up to
+        ``DRAFTER_WAIT_S`` for one to register and tries once more; then it answers False and the verifier's
+        heartbeat tries again soon."""
         from cluster.backend import BackendUnavailableError
 
-        try:
-            await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
-        except BackendUnavailableError as error:
-            logger.debug("verifier %s not registered yet: %s", replica_id, error)
-            return False
-        return True
+        for attempt in range(2):
+            try:
+                await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
+                return True
+            except BackendUnavailableError as error:
+                logger.debug("verifier %s not registered yet: %s", replica_id, error)
+            if attempt or self._drafter_registered.is_set():
+                break
+            try:
+                await asyncio.wait_for(self._drafter_registered.wait(), DRAFTER_WAIT_S)
+            except TimeoutError:
+                break
+        return False
 
     async def register_engine(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
         await asyncio.to_thread(self.hub.register_engine, replica_id, address, sps)

@@ -3,8 +3,9 @@
 The Triton kernels of ``kernels/`` compile on their first launch (the engines' warm-up launches every variant)
 into Triton's cache folder, ``$TRITON_CACHE_DIR``, by default ``~/.triton/cache``: in a container or a pod, gone
 with it, so every start compiles again. One setting, the deployment's ``cache_dir`` (``--cache-dir``,
-``$DSPARK_CACHE_DIR``), puts both start-up caches on a folder that outlives the process: SPS tables under
-``<cache_dir>/sps`` (:mod:`cluster.sps_cache`) and Triton's under ``<cache_dir>/triton``.
+``$DSPARK_CACHE_DIR``), puts the start-up caches on a folder that outlives the process: SPS tables under
+``<cache_dir>/sps`` (:mod:`cluster.sps_cache`), Triton's under ``<cache_dir>/triton``, and the scheduler's
+detokeniser under ``<cache_dir>/tokenizers`` (:mod:`cluster.tokenizer_cache`).
 
 Nothing else on the serving path needs a persisted cache: it does not use ``torch.compile`` (inductor's cache
 matters only for the demo's training recipe), and CUDA graphs are captured in memory at every start.

@@ -68,11 +68,11 @@ class EngineConfig(_Strict):
     ``draft_ahead``: drafters draft a request's next block as soon as its context arrives (the verifier names the
     next anchor), overlapping the scheduler's commit instead of waiting for its ``Propose``; in the in-process
     placement (``colocated``, ``--no-ray``) with captured graphs, the round driver launches the next round's draft
-    step before it commits the round. ``collect_drafts`` (disaggregated placement, with ``draft_ahead`` and one
-    request group): in steps without prefills the verifier waits for those drafts and returns them with its
-    ``Step`` reply, so a round is one message each way between the scheduler and the pools instead of two (no
-    ``Propose``); off by default: the reply then waits for the drafting, which the scheduler's ``Propose``
-    otherwise overlaps with the reply's trip (docs/benchmarks/http_serving.md measures both). ``chain_rounds``
+    step before it commits the round. ``relay_drafts`` (disaggregated placement, with ``draft_ahead`` and one
+    request group): the drafters return those drafts to the verifier, and a round whose lengths the policy plans
+    before its drafts exist (as for ``chain_rounds``) is one ``Step`` that verifies them there, with no ``Propose``:
+    one message each way between the scheduler and the pools instead of two, with the drafting hidden behind the
+    reply's trip; the other rounds send the ``Propose`` as without. ``chain_rounds``
     (in-process placement with captured graphs): rounds whose lengths are planned from earlier rounds queue the
     verify step behind the draft step and the next draft step behind the verify step on the device, with no host
     round trip between them (lossless: lengths depend on counts and earlier rounds only).
@@ -94,7 +94,7 @@ class EngineConfig(_Strict):
     context_projection: Literal["verifier", "drafter"] = "verifier"
     feature_dtype: Literal["model", "bfloat16", "float16"] = "model"
     draft_ahead: bool = True
-    collect_drafts: bool = False
+    relay_drafts: bool = True
     chain_rounds: bool = True
     feature_transport: Literal["grpc", "collective"] = "grpc"
     feature_link_timeout_s: float = Field(30.0, gt=0)
@@ -137,6 +137,11 @@ class SchedulerConfig(_Strict):
     step times flat in the batch (small batches on a GPU) every group pays the whole step, so keep 1 there
     (docs/benchmarks/data_plane.md has the measurements).
 
+    ``decode_steps``: with the ``autoregressive`` policy in the disaggregated placement, each round decodes up
+    to this many tokens per request in one ``Step`` to the verifier replica (one message each way per that many
+    tokens instead of per token); a prompt that arrives meanwhile joins at the next round, so 1 gives the lowest
+    time to first token under load. The in-process placement decodes one token per round.
+
     ``drain_timeout_s``: how long a drafter or verifier replica that Serve stops (autoscaling down, rolling
     update) keeps serving the requests it holds before it goes; keep the deployment's
     ``graceful_shutdown_timeout_s`` above it (``build_app`` defaults it to this plus a margin)."""
@@ -145,6 +150,7 @@ class SchedulerConfig(_Strict):
     draft_cost: Literal["none", "measured"] = "none"
     max_running_per_verifier: int | None = Field(None, ge=1)
     request_groups: int = Field(1, ge=1, le=8)
+    decode_steps: int = Field(1, ge=1, le=64)
     drain_timeout_s: float = Field(120.0, gt=0)
     service_levels: ServiceLevelsConfig = ServiceLevelsConfig()
 
@@ -206,8 +212,10 @@ class AppConfig(_Strict):
     and routes requests to them). docs/DEPLOYMENT.md says when each pays.
 
     ``cache_dir``: where profiled SPS tables are kept between starts (``<cache_dir>/sps``, see
-    :mod:`cluster.sps_cache`); default ``$DSPARK_CACHE_DIR``, else ``~/.cache/dspark``. Each replica resolves it
-    on its own node, so on a cluster it should be a volume that outlives the pod (docs/DEPLOYMENT.md)."""
+    :mod:`cluster.sps_cache`), with Triton's kernels (:mod:`cluster.compile_cache`) and the scheduler's
+    detokeniser (:mod:`cluster.tokenizer_cache`); default ``$DSPARK_CACHE_DIR``, else ``~/.cache/dspark``. Each
+    replica resolves it on its own node, so on a cluster it should be a volume that outlives the pod
+    (docs/DEPLOYMENT.md)."""
 
     model_name: str = "dspark-demo"
     placement: Literal["disaggregated", "colocated"] = "disaggregated"

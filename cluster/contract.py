@@ -170,7 +170,7 @@ APPEND_CONTEXT = Method(
             "projection": Opt(Str(min_len=1, max_len=64)),
             # Each request's next anchor (-1: none), drafted from at once at position start + count.
             "draft_anchors": Opt(List(Int(min=-1, max=(1 << 31) - 1), max_len=MAX_BATCH)),
-            # True: the reply carries the blocks drafted from draft_anchors (the verifier collects them).
+            # True: the reply carries the blocks drafted from draft_anchors (the verifier relays them).
             "return_drafts": Opt(Bool(), default=False),
         },
     ),
@@ -206,7 +206,8 @@ VERIFIER_INFO = Method(
             "max_seq_len": Int(min=1),
             "max_requests": Int(min=1),
             "free_slots": Int(min=0),
-            "feature_dim": Int(min=1),
+            # 0: the target exposes no feature layers (a verifier for plain decoding, with no drafter to feed).
+            "feature_dim": Int(min=0),
             "context_projection": Opt(Str(min_len=1, max_len=64)),
             "feature_dtype": Opt(Str(choices=FLOAT_DTYPES)),
             "eos_token_ids": List(Int(min=0), max_len=64),
@@ -242,8 +243,16 @@ STEP = Method(
             "routes": Opt(Map(List(REQ_ID, max_len=MAX_BATCH), max_len=1024), default={}),
             # False: the caller drives no drafter (plain decoding), so unrouted features are not sent back to it.
             "inline_features": Opt(Bool(), default=True),
-            # True: the reply waits for the feature pushes and carries the drafters' next blocks.
-            "collect_drafts": Opt(Bool(), default=False),
+            # True: this step's feature pushes ask the drafters to return the next blocks, which the verifier
+            # keeps for a relayed step (one whose verify_lengths are set).
+            "relay_drafts": Opt(Bool(), default=False),
+            # Set: the verifications take their drafts from the blocks the drafters returned to the verifier
+            # (relay_drafts of the step before): request i its first verify_lengths[i] drafts (fewer when its
+            # block is shorter, none when it is missing); verify_counts are then 0 and verify_tokens empty.
+            "verify_lengths": Opt(COUNTS),
+            # Set: plain decoding of several tokens in one step (no drafts, no routes): request i decodes
+            # verify_steps[i] >= 1 tokens, one target pass each (VerifyEngine.decode).
+            "verify_steps": Opt(COUNTS),
         },
     ),
     Message(
@@ -261,8 +270,11 @@ STEP = Method(
             # The verifier's engine-thread time of the step: the caller's round trip minus this and the wait for
             # the drafts is what the message cost on the way (codec, transport, hand-offs).
             "engine_ms": MILLISECONDS,
-            # Drafter address -> the drafts it returned with its feature push (collect_drafts), and the wait.
-            "drafts": Opt(Map(DRAFTED, max_len=1024), default={}),
+            # A relayed step: the confidences of the drafts it verified ([R, gamma], one row per verification,
+            # zeros for a missing block; None when the drafter has no confidence head), how many verifications
+            # found no block, and how long the step waited for the blocks.
+            "relayed_confidences": Opt(Tensor(CONFIDENCE_DTYPES, rank=2)),
+            "relay_missing": Opt(Int(min=0), default=0),
             "drafts_ms": Opt(MILLISECONDS, default=0.0),
         },
     ),
@@ -345,10 +357,12 @@ def step_request(
     routes: Mapping[str, list[str]],
     *,
     inline_features: bool,
-    collect_drafts: bool,
+    relay_drafts: bool = False,
+    steps: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """A ``Step`` message: the prefills, the verifications with their draft distributions (one-hot rows for
-    greedy requests that left theirs out), the drafter routes of the context features."""
+    greedy requests that left theirs out), the drafter routes of the context features; ``steps``: plain decoding
+    of that many tokens per verification (no drafts, no routes)."""
     prob_ids, probs = _stack_distributions(verifies)
     return {
         "prefill_req_ids": [p.req_id for p in prefills],
@@ -365,8 +379,33 @@ def step_request(
         "draft_probs": probs,
         "routes": dict(routes),
         "inline_features": inline_features,
-        "collect_drafts": collect_drafts,
+        "relay_drafts": relay_drafts,
+        "verify_steps": None if steps is None else [int(n) for n in steps],
     }
+
+
+def relayed_step_request(
+    prefills: Sequence[PrefillItem],
+    req_ids: Sequence[str],
+    anchors: Sequence[int],
+    positions: Sequence[int],
+    lengths: Sequence[int],
+    routes: Mapping[str, list[str]],
+    *,
+    inline_features: bool,
+) -> dict[str, Any]:
+    """A relayed ``Step``: the prefills, and verifications whose drafts are the blocks the drafters returned to
+    the verifier (request i verifies ``lengths[i]`` of them at ``anchors[i]`` / ``positions[i]``); its pushes
+    relay the next blocks again."""
+    message = step_request(prefills, (), routes, inline_features=inline_features, relay_drafts=True)
+    message.update(
+        verify_req_ids=list(req_ids),
+        verify_anchors=[int(a) for a in anchors],
+        verify_positions=[int(p) for p in positions],
+        verify_counts=[0] * len(req_ids),
+        verify_lengths=[int(n) for n in lengths],
+    )
+    return message
 
 
 def _stack_distributions(verifies: Sequence[VerifyItem]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -434,6 +473,15 @@ def parse_step_request(request: dict[str, Any]) -> tuple[list[PrefillItem], list
         positions = [-1] * n_ver
     if len(positions) != n_ver:
         raise ValueError("Step: verify_positions needs one entry per verify request")
+    lengths = request["verify_lengths"]
+    if lengths is not None and (len(lengths) != n_ver or any(request["verify_counts"]) or -1 in positions):
+        raise ValueError("Step: a relayed step needs one verify length and position per request and no draft tokens")
+    steps = request["verify_steps"]
+    if steps is not None and (
+        len(steps) != n_ver or min(steps, default=1) < 1 or any(request["verify_counts"]) or request["routes"]
+        or lengths is not None
+    ):
+        raise ValueError("Step: a decoding step needs one step count >= 1 per request, no drafts and no routes")
     drafts = request["verify_tokens"].tolist()
     ranges = split_rows(request["verify_counts"], len(drafts), "Step verify")
     prob_ids, probs = request["draft_prob_ids"], request["draft_probs"]
@@ -457,12 +505,15 @@ def step_reply(
     inline_features: torch.Tensor | None,
     *,
     engine_s: float,
-    drafts: Mapping[str, dict[str, Any]],
-    drafts_s: float,
+    relayed_confidences: torch.Tensor | None = None,
+    relay_missing: int = 0,
+    drafts_s: float = 0.0,
 ) -> dict[str, Any]:
     """A ``Step`` reply: every request's result; ``inline`` (their features, concatenated on the host as
-    ``inline_features``) are the results whose features go back to the caller, not to a drafter."""
-    return {
+    ``inline_features``) are the results whose features go back to the caller, not to a drafter. A relayed step
+    also returns its drafts' confidences, how many verifications found no block and the wait for the blocks
+    (``drafts_s``)."""
+    reply = {
         "req_ids": [r.req_id for r in results],
         "num_drafts": [r.num_drafts for r in results],
         "num_accepted": [r.num_accepted for r in results],
@@ -473,9 +524,10 @@ def step_reply(
         "inline_counts": [int(r.features.shape[0]) for r in inline if r.features is not None],
         "features": inline_features,
         "engine_ms": 1e3 * engine_s,
-        "drafts": dict(drafts),
-        "drafts_ms": 1e3 * drafts_s,
     }
+    if relayed_confidences is not None or relay_missing or drafts_s:  # a relayed step's (absent: the defaults)
+        reply.update(relayed_confidences=relayed_confidences, relay_missing=relay_missing, drafts_ms=1e3 * drafts_s)
+    return reply
 
 
 def parse_step_reply(reply: dict[str, Any]) -> list[StepResult]:

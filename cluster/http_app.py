@@ -323,7 +323,12 @@ class _SpecDecodeCollector:
                 per_pos_conditional.add_metric([*values, str(pos)], accepted / reached)
         yield per_pos
         yield per_pos_conditional
-        yield counter("dspark_rounds", "Engine rounds (one target verify pass each).", s.rounds)
+        yield counter(
+            "dspark_rounds",
+            "Engine rounds (one target verify pass each; up to scheduler.decode_steps passes for plain decoding "
+            "in the disaggregated placement).",
+            s.rounds,
+        )
         yield counter(
             "dspark_rounds_without_draft",
             "Rounds that ran no drafter: the autoregressive policy, the draft gate judged a plain target round "
@@ -334,6 +339,12 @@ class _SpecDecodeCollector:
             "dspark_paused_request_rounds",
             "Request-rounds sat out by requests of a lower tier than a request behind its TPOT target.",
             s.paused_request_rounds,
+        )
+        yield counter(
+            "dspark_planned_rounds",
+            "Drafted rounds whose lengths were planned before their drafts existed: chained (in process) or "
+            "relayed (disaggregated) rounds.",
+            s.planned_rounds,
         )
         yield counter(
             "dspark_output_tokens",

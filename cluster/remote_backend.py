@@ -3,7 +3,9 @@
 With ``routed`` (the ``colocated`` placement) each request first asks the scheduler where to run (``Route``:
 admission, load-aware) and then streams from that engine replica directly, telling the scheduler when it ended
 (``Release``), so no token passes through the scheduler. A scheduler without engine replicas answers ``Route``
-with no address and the request streams from the scheduler as usual.
+with no address and the request streams from the scheduler as usual. A routed stream whose engine replica dies
+is continued as below, on the replica the scheduler routes the continuation to (another one, or the restarted one;
+the dead one takes no new request until it is heard from again).
 
 The scheduler is one replica that Serve restarts when it dies, on a new port (maybe a new node). Its requests die
 with it, but not their streams. A stream cut (UNAVAILABLE or CANCELLED: the scheduler died or shut down) after it
@@ -95,9 +97,9 @@ class RemoteBackend:
     ``address``: the scheduler's ``host:port``, or an async callable returning it (asked again after the
     scheduler was unreachable). ``timeout_s`` is the deadline of one whole stream. ``service``: the gRPC service
     streamed from (the scheduler's, or an engine replica's when the scheduler reads a replica's metrics through
-    this class). ``routed``: ask the scheduler's ``Route`` first (see the module doc); a stream from an engine
-    replica that dies is not continued. ``continue_timeout_s``: how long a stream cut by its scheduler's loss waits
-    for a scheduler to continue on (only with a resolver: a fixed address is not restarted elsewhere).
+    this class). ``routed``: ask the scheduler's ``Route`` first (see the module doc). ``continue_timeout_s``: how
+    long a stream cut by the loss of its scheduler (or engine replica) waits for one to continue on (only with a
+    resolver: a fixed address is not restarted elsewhere).
     """
 
     def __init__(
@@ -174,15 +176,8 @@ class RemoteBackend:
     async def generate(
         self, req_id: str, prompt_ids: Sequence[int], params: SamplingParams, resume: Resume | None = None
     ) -> AsyncIterator[GenerateDelta]:
-        if self._routed:
-            address = await self._route(req_id)
-            if address is not None:
-                request = contract.generate_request(req_id, prompt_ids, params, resume)
-                async for delta in self._generate_on(address, request):
-                    yield delta
-                return
         seam = StreamSeam(req_id, prompt_ids, params, resume)
-        deadline: float | None = None  # while a cut stream waits for a scheduler to continue on
+        deadline: float | None = None  # while a cut stream waits for a scheduler (or replica) to continue on
         retried = False
         early = False  # closed or cancelled by the caller, who aborts it (by req_id: see abort)
         try:
@@ -193,27 +188,28 @@ class RemoteBackend:
                     request = seam.request()
                     if request["req_id"] != req_id:
                         self._attempts[req_id] = request["req_id"]
-                    async for message in self._methods.generate.stream(await self._client(), request):
+                    async for message in self._stream(req_id, request):
                         received = True
                         delta = seam.add(_delta(message))
                         yield delta
                         if delta.finished:
                             return
                     return
-                except grpc.aio.AioRpcError as exc:
-                    _raise_request_error(exc)
-                    if exc.code() not in UNAVAILABLE_CODES:
-                        raise
-                    error = self._unreachable(exc)
+                except (grpc.aio.AioRpcError, _ReplicaLostError) as exc:
+                    cause = exc.cause if isinstance(exc, _ReplicaLostError) else exc
+                    _raise_request_error(cause)
+                    if cause.code() not in UNAVAILABLE_CODES:
+                        raise cause from None
+                    error = exc.error if isinstance(exc, _ReplicaLostError) else self._unreachable(cause)
                     if not seam.tokens:
                         # A scheduler that was restarted is only found again after a failed call: one retry, and
                         # only before any delta was received (nothing reached the client, and the failed attempt
-                        # died with its scheduler).
-                        if received or retried or self._resolve is None or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        # died with its scheduler or replica).
+                        if received or retried or self._resolve is None or cause.code() != grpc.StatusCode.UNAVAILABLE:
                             raise error from None
                         retried = True
                         continue
-                    if self._resolve is None or exc.code() not in CONTINUE_CODES:
+                    if self._resolve is None or cause.code() not in CONTINUE_CODES:
                         raise error from None
                     if received:
                         deadline = None  # cut again after it had continued: a new wait
@@ -221,15 +217,16 @@ class RemoteBackend:
                     if not seam.tokens:
                         raise
                     error = exc
-                # Cut after it had streamed tokens: continue it where it was, on a scheduler reachable again.
+                # Cut after it had streamed tokens: continue it where it was, on a scheduler reachable again (or,
+                # routed, on the replica the scheduler admits the continuation to).
                 now = asyncio.get_running_loop().time()
                 if deadline is None:
                     deadline = now + self._continue_timeout_s
-                    logger.info("%s: the scheduler was lost after %d streamed token(s); continuing the stream",
-                                req_id, len(seam.tokens))
+                    logger.info("%s: %s after %d streamed token(s); continuing the stream",
+                                req_id, error, len(seam.tokens))
                 elif now >= deadline:
                     raise BackendUnavailableError(
-                        f"{error}; no scheduler could continue the stream within {self._continue_timeout_s:g} s"
+                        f"{error}; nothing could continue the stream within {self._continue_timeout_s:g} s"
                     ) from None
                 await asyncio.sleep(min(CONTINUE_POLL_S, deadline - now))
         except GeneratorExit:
@@ -251,6 +248,18 @@ class RemoteBackend:
             if not early:
                 self._attempts.pop(req_id, None)
 
+    async def _stream(self, req_id: str, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """One attempt's messages: from the engine replica the scheduler routes it to (``routed``, when the
+        deployment has engine replicas), else from the scheduler."""
+        if self._routed:
+            address = await self._route(request["req_id"])
+            if address is not None:
+                async for message in self._generate_on(req_id, address, request):
+                    yield message
+                return
+        async for message in self._methods.generate.stream(await self._client(), request):
+            yield message
+
     async def _route(self, req_id: str) -> str | None:
         """The engine replica the scheduler admitted ``req_id`` to (None: stream from the scheduler itself)."""
         try:
@@ -260,10 +269,11 @@ class RemoteBackend:
             raise self._unreachable(exc) from None
         return reply["address"]
 
-    async def _generate_on(self, address: str, request: dict[str, Any]) -> AsyncIterator[GenerateDelta]:
-        """Stream a routed request from its engine replica; the scheduler is told when it ended (and whether
-        the replica was unreachable) whatever happened."""
-        req_id = request["req_id"]
+    async def _generate_on(self, req_id: str, address: str, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream a routed attempt from its engine replica; the scheduler is told when it ended (and whether the
+        replica was unreachable) whatever happened. A replica that fails the stream raises
+        :class:`_ReplicaLostError` (its status decides, as for a scheduler, whether the stream is continued)."""
+        attempt = request["req_id"]
         loop = asyncio.get_running_loop()
         client = self._replicas.get((loop, address))
         if client is None:
@@ -272,7 +282,7 @@ class RemoteBackend:
         lost = False
         try:
             async for message in contract.ENGINE_METHODS.generate.stream(client, request):
-                yield _delta(message)
+                yield message
         except grpc.aio.AioRpcError as exc:
             _raise_request_error(exc)
             if exc.code() not in UNAVAILABLE_CODES:
@@ -280,13 +290,16 @@ class RemoteBackend:
             lost = exc.code() == grpc.StatusCode.UNAVAILABLE
             if lost:
                 self._replicas.pop((loop, address), None)
-            raise BackendUnavailableError(
-                f"the engine replica is unavailable ({exc.code().name}: {exc.details()}); the request can be "
-                "retried"
+            raise _ReplicaLostError(
+                exc,
+                BackendUnavailableError(
+                    f"the engine replica is unavailable ({exc.code().name}: {exc.details()}); the request can be "
+                    "retried"
+                ),
             ) from None
         finally:
             self._routes.pop(req_id, None)
-            task = loop.create_task(self._release(req_id, lost))
+            task = loop.create_task(self._release(attempt, lost))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 
@@ -303,8 +316,9 @@ class RemoteBackend:
         if address is not None:
             client = self._replicas.get((asyncio.get_running_loop(), address))
             if client is not None:
+                attempt = self._attempts.get(req_id, req_id)  # a continued stream runs under its continuation's id
                 try:
-                    await contract.ENGINE_METHODS.abort.acall(client, {"req_id": req_id}, timeout_s=UNARY_TIMEOUT_S)
+                    await contract.ENGINE_METHODS.abort.acall(client, {"req_id": attempt}, timeout_s=UNARY_TIMEOUT_S)
                 except grpc.aio.AioRpcError as exc:
                     logger.info("abort of %s not delivered (%s): its replica went with it", req_id, exc.code().name)
                 return
@@ -345,6 +359,16 @@ class RemoteBackend:
             return await self._methods.model_info.acall(await self._client(), {}, timeout_s=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
+
+
+class _ReplicaLostError(Exception):
+    """A routed stream's engine replica failed it: the gRPC error (``cause``) and what to raise if the stream
+    is not continued (``error``)."""
+
+    def __init__(self, cause: grpc.aio.AioRpcError, error: BackendUnavailableError) -> None:
+        super().__init__(str(error))
+        self.cause = cause
+        self.error = error
 
 
 class StreamSeam:

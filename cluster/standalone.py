@@ -219,7 +219,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
         token=config.network.grpc_token,
         timeout_s=config.network.grpc_timeout_s,
         readiness_timeout_s=config.network.readiness_timeout_s,
-        collect_drafts=config.engine.collect_drafts,
+        relay_drafts=config.engine.relay_drafts and config.engine.draft_ahead,
+        decode_steps=config.scheduler.decode_steps,
     )
     try:
         for i, address in enumerate(args.drafter):

@@ -10,7 +10,8 @@ as the oracle in tests; on CPU the Triton versions run through ``TRITON_INTERPRE
 ``kernels.dispatch``'s ``rejection_sample``, ``slot_attention`` and ``markov_sample`` pick the Triton kernel for
 CUDA tensors and the torch reference otherwise (the interpreter is for tests, far too slow to serve with).
 
-Modules: ``rng`` (counter-based uniforms), ``float_keys`` (exact order keys of floats), ``checks`` (input
+Modules: ``rng`` / ``rng_triton`` (counter-based uniforms), ``float_keys`` / ``float_keys_triton`` (exact order
+keys of floats; the torch halves import without Triton, which the scheduler process never loads), ``checks`` (input
 validation shared by the samplers), ``rejection`` / ``rejection_triton`` (verification), ``markov`` /
 ``markov_triton`` (drafting), ``slot_attention`` / ``slot_attention_triton`` (attention over slot caches),
 ``launch`` (launch options), ``sampling`` (per-request sampling parameters), ``graphs`` (CUDA-graph buckets and

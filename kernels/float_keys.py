@@ -6,13 +6,13 @@ its bit pattern read as int32 with the 31 low bits flipped for negative numbers,
 signed-integer order. -0.0 is first canonicalised to +0.0 so that the two zeros get one key, as they compare
 equal as floats. Packing the key with the token id into one int64 (key in the high half, ``2**31 - 1 - id``
 in the low half) orders by value first and by smaller id second, which gives top-K selections a unique answer.
+
+The Triton functions (``tl_*``) are :mod:`kernels.float_keys_triton`, so that these import without Triton.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 _LOW31 = 0x7FFFFFFF
 
@@ -42,40 +42,3 @@ def pack_value_id(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def unpack_value_id(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 values, int64 ids) of :func:`pack_value_id` output."""
     return key_to_float(packed >> 32), _LOW31 - (packed & 0xFFFFFFFF)
-
-
-@triton.jit
-def tl_canonical(z):
-    """Replace -0.0 by +0.0."""
-    return tl.where(z == 0.0, 0.0, z)
-
-
-@triton.jit
-def tl_ordered_key(z):
-    """int32 key with float order of canonical float32 ``z``."""
-    bits = z.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-
-
-@triton.jit
-def tl_key_to_float(key):
-    """Inverse of :func:`tl_ordered_key` (int32 in, float32 out)."""
-    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def tl_pack_value_id(z, ids):
-    """int64 (key << 32) | (2**31 - 1 - id): sorted descending = value descending, then id ascending."""
-    bits = z.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return (key.to(tl.int64) << 32) | (0x7FFFFFFF - ids).to(tl.int64)
-
-
-@triton.jit
-def tl_unpack_value_id(packed):
-    """(float32 values, int32 ids) of :func:`tl_pack_value_id` output."""
-    key = (packed >> 32).to(tl.int32)
-    values = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    ids = 0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)
-    return values, ids

@@ -29,10 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.float_keys import tl_canonical, tl_pack_value_id, tl_unpack_value_id
+from kernels.float_keys_triton import tl_canonical, tl_pack_value_id, tl_unpack_value_id
 from kernels.launch import interpreting, launch_options, pdl_options, tl_pdl_wait
 from kernels.markov import MarkovSample, confidence_inputs, validate_markov_inputs
-from kernels.rng import STREAM_DRAFT_SAMPLE, tl_row_key, tl_uniform
+from kernels.rng import STREAM_DRAFT_SAMPLE
+from kernels.rng_triton import tl_row_key, tl_uniform
 
 _DRAFT = tl.constexpr(STREAM_DRAFT_SAMPLE)
 TUNING = {"block_r": 32, "block_v": 128, "topk_block_r": 32, "topk_block_v": 256, "warps": 8}

@@ -70,10 +70,11 @@ import triton
 import triton.language as tl
 
 from kernels import rejection as reference
-from kernels.float_keys import tl_key_to_float, tl_ordered_key, tl_pack_value_id
+from kernels.float_keys_triton import tl_key_to_float, tl_ordered_key, tl_pack_value_id
 from kernels.launch import interpreting, launch_options
 from kernels.rejection import RejectionOutput, validate_rejection_inputs
-from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE, tl_row_key, tl_uniform
+from kernels.rng import STREAM_ACCEPT, STREAM_TARGET_SAMPLE
+from kernels.rng_triton import tl_row_key, tl_uniform
 
 _ACCEPT = tl.constexpr(STREAM_ACCEPT)
 _TARGET = tl.constexpr(STREAM_TARGET_SAMPLE)

@@ -15,6 +15,9 @@ hash-prospector search), chained over the inputs like a Merkle-Damgard hash:
 ``u`` is an odd multiple of 2**-24, so it is exact in float32, never 0 and never 1 (so ``-log(u)`` is finite
 and positive), and symmetric around 1/2. The 23 bits of resolution bias any probability by at most ~1e-7.
 
+The Triton half (``tl_row_key``, ``tl_uniform``) is :mod:`kernels.rng_triton`, so that the torch half imports
+without Triton: the scheduler process uses these functions and never launches a kernel.
+
 Bit-exactness: Triton computes in ``uint32`` (multiplication wraps modulo 2**32, shifts are logical). Torch
 has no usable uint32 arithmetic, so it computes in int64 on values in [0, 2**32) and reduces modulo 2**32
 after every multiplication; the multiplication is split into 16-bit halves of the constant so that no
@@ -31,8 +34,6 @@ stream.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 STREAM_ACCEPT = 1
 """Verifier: uniform for the accept test min(1, p_t / p_d) of the draft token at a position (index 0)."""
@@ -83,50 +84,6 @@ def uniform_from_keys(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
     """Float32 uniforms in (0, 1) as a pure function of (seed, position, stream, index), broadcast."""
     return uniform_from_keys(row_keys(seeds, positions, stream), index)
-
-
-# ----------------------------------------------------------------------------------------------- Triton side
-# The same functions for Triton kernels, in uint32 (wrapping multiplication, logical shifts). The lowbias32
-# rounds are written out instead of calling a helper: under TRITON_INTERPRET every device-function call
-# re-patches triton.language, which would dominate the CPU tests.
-
-
-@triton.jit
-def tl_row_key(seed, position, stream: tl.constexpr):
-    """uint32 key of (seed, position, stream id); ``seed``/``position`` int64 (scalars or tensors)."""
-    x = seed.to(tl.uint32) ^ 0x9E3779B9
-    for word in tl.static_range(3):
-        x = x ^ (x >> 16)
-        x = x * 0x7FEB352D
-        x = x ^ (x >> 15)
-        x = x * 0x846CA68B
-        x = x ^ (x >> 16)
-        if word == 0:
-            x = x ^ (seed >> 32).to(tl.uint32)
-        elif word == 1:
-            x = x ^ position.to(tl.uint32)
-        else:
-            x = x ^ stream
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def tl_uniform(key, index):
-    """Float32 uniforms in (0, 1) for integer ``index`` (any shape) under row ``key`` (uint32)."""
-    x = key ^ index.to(tl.uint32)
-    for rnd in tl.static_range(2):
-        x = x ^ (x >> 16)
-        x = x * 0x7FEB352D
-        x = x ^ (x >> 15)
-        x = x * 0x846CA68B
-        x = x ^ (x >> 16)
-        if rnd == 0:
-            x = x ^ 0x85EBCA6B
-    return ((x >> 8) | 1).to(tl.float32) * (1.0 / 16777216.0)
 
 
 MAX_POSITION = _MAX_POSITION

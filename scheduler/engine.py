@@ -40,7 +40,16 @@ from draft_service.engine import ContextBatch, ContextItem, DraftBatch, PendingP
 from kernels.graphs import DeviceVerified
 from kernels.sampling import SamplingParams
 from scheduler.admission import draft_caps, free_slots
-from scheduler.interfaces import ChainingVerifier, DetachingDrafter, Drafter, LaunchingDrafter, RemoteTimed, Verifier
+from scheduler.interfaces import (
+    ChainingVerifier,
+    DecodingVerifier,
+    DetachingDrafter,
+    Drafter,
+    LaunchingDrafter,
+    RelayingVerifier,
+    RemoteTimed,
+    Verifier,
+)
 from scheduler.metrics import EngineMetrics, MetricsSnapshot, RequestMetrics
 from scheduler.policy import VerifyPolicy
 from scheduler.service_levels import (
@@ -81,7 +90,7 @@ JOIN_ROUND_ALPHA = 0.2
 
 class Transfer(NamedTuple):
     """The part of a phase spent outside the replicas' engines, and of that the part inside their processes;
-    ``drafts_s``: of the replicas' time, the wait for the next round's drafts (drafting inside a verify phase)."""
+    ``drafts_s``: of the replicas' time, a relayed step's wait for its drafts (drafting inside a verify phase)."""
 
     total_s: float
     in_replica_s: float
@@ -238,8 +247,15 @@ class SpeculativeEngine:
         chain_verify: bool = False,
         chain_draft: bool = False,
         service_levels: ServiceLevels | None = None,
+        decode_steps: int = 1,
     ) -> None:
-        """``service_levels``: the defaults and admission rule of per-request service levels (speculation on or
+        """``decode_steps``: without a drafter (plain decoding), a round decodes up to this many tokens per
+        request in one call of a verifier that can (:class:`DecodingVerifier`: a replica then costs one message
+        each way per that many tokens), capped by each request's ``max_tokens`` and slot; a request that stops
+        earlier (stop token or string) drops the rest. Joining prompts wait for the round, so it trades their
+        first token's latency against every other token's.
+
+        ``service_levels``: the defaults and admission rule of per-request service levels (speculation on or
         off, priority tiers, TPOT targets: :mod:`scheduler.service_levels`); rounds in which every request is
         ``auto`` without a target run exactly as without them.
 
@@ -259,7 +275,10 @@ class SpeculativeEngine:
         ``chain_draft`` (with ``chain_verify``): a chained round also queues the next round's draft step right
         behind its verify step, which appends the committed context rows and takes the target's last token as
         the anchor on the device (:meth:`DraftEngine.propose_behind`), so the device goes on drafting while the
-        host waits for and commits the results: the chained round's other half (see :meth:`_launch_behind`)."""
+        host waits for and commits the results: the chained round's other half (see :meth:`_launch_behind`).
+
+        A verifier replica that relays its drafters' blocks (:class:`RelayingVerifier` with ``relay``) runs the
+        rounds whose lengths the policy plans before the drafts exist as relayed rounds (:meth:`_relayed_round`)."""
         if policy.uses_drafter and draft is None:
             raise ValueError(f"policy {policy.name!r} needs a drafter")
         if policy.name.startswith("dspark") and draft is not None and not draft.has_confidence_head:
@@ -271,6 +290,11 @@ class SpeculativeEngine:
         self._observe_round: Callable[[int, bool, float, float, float, int], None] | None = getattr(
             policy, "observe_round", None
         )
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        # Plain decoding several tokens per verifier call (None: one step per round).
+        self._decoding = verify if draft is None and decode_steps > 1 and isinstance(verify, DecodingVerifier) else None
+        self._decode_steps = decode_steps
         self.decode = decode
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_running = max_running
@@ -285,10 +309,17 @@ class SpeculativeEngine:
         self._chaining = verify if isinstance(verify, ChainingVerifier) else None
         self._draft_ahead = draft_ahead and self._launching is not None
         self._ahead: _Ahead | None = None  # the next round's drafts, launched before this round's commit
+        relaying = isinstance(verify, RelayingVerifier) and verify.relay and self.draft is not None
+        self._relaying = verify if relaying and isinstance(verify, RelayingVerifier) else None
+        self._relay_ok = True  # False after a relayed step missed blocks: the next round asks the drafters
+        chaining = chain_verify and self._launching is not None and self._chaining is not None
         self._planned_lengths: Callable[[np.ndarray, int], np.ndarray | None] | None = None
-        if chain_verify and self._launching is not None and self._chaining is not None:
+        if chaining or self._relaying is not None:
             self._planned_lengths = getattr(policy, "planned_lengths", None)
-        self._chain_draft = chain_draft and self._planned_lengths is not None
+        if self._planned_lengths is None:  # a policy that plans no lengths decides every round on its drafts
+            self._relaying = None
+        self._chain_verify = chaining and self._planned_lengths is not None
+        self._chain_draft = chain_draft and self._chain_verify
         self._observe_drafts: Callable[[np.ndarray, np.ndarray], None] | None = getattr(policy, "observe_drafts", None)
         # The round split (scheduler.metrics): when the round began, and the part of its draft phase spent
         # outside the drafters. A remote engine reports the replicas' time of its last call (``last_server_s``,
@@ -490,13 +521,19 @@ class SpeculativeEngine:
         else:
             caps, drafting = ahead.caps, ahead.drafting
         t_decided = time.perf_counter()
-        if (
+        if drafting and self._relaying is not None and self._relay_ok and not self._any_detached(verified):
+            assert self._planned_lengths is not None  # relaying is enabled only with planned lengths
+            lengths = self._planned_lengths(caps, self.block_size)
+            if lengths is not None:
+                return self._relayed_round(admitted, verified, caps, lengths, t_decided - t0, t_decided)
+        elif (
             drafting
             and not admitted
-            and self._planned_lengths is not None
+            and self._chain_verify
             and (ahead is None or ahead.rows is None)
             and all(map(_GREEDY, verified))  # a sampled round cannot chain: Algorithm 1 decides it
         ):
+            assert self._planned_lengths is not None  # chaining is enabled only with planned lengths
             lengths = self._planned_lengths(caps, self.block_size)
             if lengths is not None:
                 return self._chained_round(verified, caps, lengths, ahead, t_decided - t0, t_decided)
@@ -513,6 +550,7 @@ class SpeculativeEngine:
                 np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
             )
             proposal = self.draft.propose(batch)
+            self._relay_ok = True  # every drafter answered: relayed rounds may follow again
         t1 = time.perf_counter()
         if proposal is not None and ahead is None:
             self._draft_transfer = _transfer(self.draft, t1 - t_decided)
@@ -669,6 +707,7 @@ class SpeculativeEngine:
         verify step starts on the device then), the verify time from there to its results."""
         draft, chaining = self._launching, self._chaining
         assert draft is not None and chaining is not None  # chained rounds are enabled only with both
+        self.metrics.planned_rounds += 1
         if ahead is not None and ahead.pending is not None and ahead.batch is not None:
             pending, batch = ahead.pending, ahead.batch
         else:
@@ -696,6 +735,47 @@ class SpeculativeEngine:
         if self._chain_draft and finish.on_device is not None:
             behind = self._launch_behind(verified, batch, lengths, finish.on_device)
         return self._commit_round([], verified, finish.results(), True, draft_s, schedule_s, t_drafted, behind)
+
+    def _relayed_round(
+        self,
+        admitted: list[RequestState],
+        verified: list[RequestState],
+        caps: np.ndarray,
+        lengths: np.ndarray,
+        schedule_s: float,
+        t_decided: float,
+    ) -> list[RequestOutput]:
+        """A drafted round whose lengths were planned before its drafts exist, on a verifier replica whose
+        drafters returned their blocks to it: one ``Step`` (with any joining prompts), verifying the blocks there,
+        and no ``Propose``. The drafters drafted those blocks while the last step's reply travelled here and was
+        committed. The drafts' confidences come back to plan the next round of as many requests; when some block
+        was missing (its drafter late or gone) the next round asks the drafters (``Propose``), which fails over
+        a dead one. The wait for the blocks counts as drafting, the rest as verifying."""
+        relaying = self._relaying
+        assert relaying is not None  # relayed rounds run only on a relaying verifier
+        self.metrics.planned_rounds += 1
+        num = len(verified)
+        outcome = relaying.step_relayed(
+            [r.prefill_item() for r in admitted],
+            [r.req_id for r in verified],
+            np.fromiter(map(_ANCHOR, verified), dtype=np.int64, count=num),
+            np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num),
+            lengths,
+        )
+        t_replied = time.perf_counter()
+        if outcome.missing:
+            self._relay_ok = False
+        elif outcome.confidences is not None and self._observe_drafts is not None:
+            self._observe_drafts(np.asarray(outcome.confidences, dtype=np.float64), caps)
+        observe_s = time.perf_counter() - t_replied  # planning the next round: scheduling, not verifying
+        return self._commit_round(
+            admitted, verified, outcome.results, True, 0.0, schedule_s + observe_s, t_decided + observe_s
+        )
+
+    def _any_detached(self, verified: list[RequestState]) -> bool:
+        """Whether some request runs detached (no drafter replica holds it): its round asks the pool."""
+        detached = self._is_detached
+        return detached is not None and any(detached(r.req_id) for r in verified)
 
     def _launch_behind(
         self, verified: list[RequestState], batch: DraftBatch, lengths: np.ndarray, on_device: DeviceVerified
@@ -815,9 +895,15 @@ class SpeculativeEngine:
         from there, as the items' construction is part of handing the block to the verifier).
         """
         prefills = [r.prefill_item() for r in admitted]
-        return self._commit_round(
-            admitted, verified, self.verify.step(prefills, verifies), drafting, draft_s, schedule_s, t2
-        )
+        if self._decoding is not None and verified:
+            num = len(verified)
+            left = np.fromiter((r.max_tokens - len(r.output) for r in verified), dtype=np.int64, count=num)
+            positions = np.fromiter(map(_POSITION, verified), dtype=np.int64, count=num)
+            steps = np.minimum(np.minimum(left, self.verify.max_seq_len - positions), self._decode_steps)
+            results = self._decoding.decode(prefills, verifies, np.maximum(steps, 1).tolist())
+        else:
+            results = self.verify.step(prefills, verifies)
+        return self._commit_round(admitted, verified, results, drafting, draft_s, schedule_s, t2)
 
     def _commit_round(
         self,
@@ -849,7 +935,7 @@ class SpeculativeEngine:
             verify_s = t3 - t2
             host_s = time.perf_counter() - self._round_started - draft_s - schedule_s - verify_s
             verify_transfer = _transfer(self.verify, verify_s)
-            # Drafts collected with the step were drafted inside its phase: counted as drafting.
+            # A relayed step's wait for its drafters' blocks is drafting inside its phase: counted as drafting.
             collected = verify_transfer.drafts_s
             self.metrics.record_round(
                 verified_counts,
@@ -1082,7 +1168,7 @@ class SpeculativeEngine:
             and (not req.stop_ids or req.stop_ids.isdisjoint(tokens))
         ):
             # The common case, kept cheap: a verify round that neither finishes the request nor has text to make.
-            req.position += 1 + num_accepted
+            req.position += len(tokens)  # accepted drafts + 1 (or the tokens of several decoding steps)
             if tokens:
                 req.anchor = tokens[-1]
             metrics = req.metrics
@@ -1099,7 +1185,7 @@ class SpeculativeEngine:
         if prefill:
             req.position = len(req.prompt) + max(len(req.output) - 1, 0)
         else:
-            req.position += 1 + num_accepted
+            req.position += len(tokens)
         if tokens:
             req.anchor = tokens[-1]
         finish: FinishReason | None = None

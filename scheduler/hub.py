@@ -79,12 +79,15 @@ class SchedulerHub:
         max_context: int | None = None,
         readiness_timeout_s: float = 0.0,
         service_levels: ServiceLevels | None = None,
-        collect_drafts: bool = False,
+        relay_drafts: bool = False,
+        decode_steps: int = 1,
     ) -> None:
         self.model_name = model_name
-        # Verifier groups ask their replica for the drafters' next blocks with each step (no Propose message);
-        # not with request groups, whose drafter thread drafts one group while another verifies.
-        self.collect_drafts = collect_drafts and request_groups == 1
+        # Verifier groups have the drafters return their next blocks to the replica, which verifies them in the
+        # rounds with planned lengths (relayed rounds, no Propose); not with request groups, whose drafter thread
+        # drafts one group while another verifies.
+        self.relay_drafts = relay_drafts and request_groups == 1
+        self.decode_steps = decode_steps  # plain decoding (no drafter): tokens per Step
         self.service_levels = service_levels
         self.policy = policy
         self.draft_cost = draft_cost
@@ -147,7 +150,7 @@ class SchedulerHub:
                 token=self.token,
                 timeout_s=self.timeout_s,
                 inline_features=pool is not None,
-                on_drafts=pool.offer if pool is not None and self.collect_drafts else None,
+                relay=pool is not None and self.relay_drafts,
             )
             if pool is not None:
                 try:
@@ -169,7 +172,7 @@ class SchedulerHub:
             engine = (
                 PipelinedEngine(verifier, pool, policy, groups=self.request_groups, **options)
                 if self.request_groups > 1 and pool is not None
-                else SpeculativeEngine(verifier, pool, policy, **options)
+                else SpeculativeEngine(verifier, pool, policy, decode_steps=self.decode_steps, **options)
             )
             backend = LocalBackend(
                 engine, self.model_name, max_context=self._max_context, failover=self.failover.hook(replica_id)

@@ -11,6 +11,10 @@ enables the overlap or split that needs one only when its engine offers it (``is
 - :class:`ChainingVerifier` and :class:`LaunchingDrafter`: an in-process pair on one device queues a round's
   verify step behind its draft step, and the next draft step behind the verify step (chained rounds, drafts
   launched ahead of a commit).
+- :class:`DecodingVerifier`: a verifier that decodes several tokens per call for a round driver without a
+  drafter (one message per several tokens across the data plane).
+- :class:`RelayingVerifier`: a verifier replica whose drafters return their next blocks to it, so that a round
+  whose lengths are planned before its drafts exist is one message to the verifier (relayed rounds).
 - :class:`DetachingDrafter`: a drafter pool that may lose every replica and then runs requests detached.
 - :class:`RemoteTimed`: a remote engine reports its replicas' time of its last call, from which the round
   driver splits a phase into compute and transfer.
@@ -19,7 +23,7 @@ enables the overlap or split that needs one only when its engine offers it (``is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -66,6 +70,50 @@ class ChainingVerifier(Verifier, Protocol):
     ) -> ChainedVerify | None:
         """Launch the verify step reading ``drafts`` where the drafter wrote them; None when it cannot be
         chained (nothing launched: the round verifies the usual way)."""
+        ...
+
+
+@runtime_checkable
+class DecodingVerifier(Verifier, Protocol):
+    """A verifier that runs several plain decoding steps in one call."""
+
+    def decode(
+        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], steps: Sequence[int]
+    ) -> Sequence[StepResult]:
+        """The prefills and verifications (no drafts) as one step, then verification i decodes ``steps[i] - 1``
+        more tokens; each result holds all of its tokens."""
+        ...
+
+
+class RelayedStep(NamedTuple):
+    """A relayed step's outcome: the results (prefills first), the confidences of the drafts it verified ([R,
+    gamma], None without a confidence head) and how many verifications found no block (verified with none)."""
+
+    results: Sequence[StepResult]
+    confidences: np.ndarray | None
+    missing: int
+
+
+@runtime_checkable
+class RelayingVerifier(Verifier, Protocol):
+    """A verifier whose drafters can return their next blocks to it instead of to the round driver."""
+
+    @property
+    def relay(self) -> bool:
+        """Whether its steps ask the drafters to return the next blocks to it (then a relayed step may follow)."""
+        ...
+
+    def step_relayed(
+        self,
+        prefills: Sequence[PrefillItem],
+        req_ids: list[str],
+        anchors: np.ndarray,
+        positions: np.ndarray,
+        num_drafts: np.ndarray,
+    ) -> RelayedStep:
+        """One target pass: the prefills, and request i verifying the first ``num_drafts[i]`` drafts of the block
+        its drafter returned for (``anchors[i]``, ``positions[i]``) (fewer when the block is shorter, none when
+        there is none)."""
         ...
 
 
@@ -131,6 +179,6 @@ class RemoteTimed(Protocol):
 
     @property
     def last_drafts_s(self) -> float:
-        """Of ``last_server_s``: the time that call waited for the next round's drafts (a verifier that collects
-        them with its step), drafting rather than verifying."""
+        """Of ``last_server_s``: the time that call waited for its drafts (a relayed step waiting for the blocks
+        its drafters return), drafting rather than verifying."""
         ...

@@ -79,6 +79,9 @@ class MetricsSnapshot:
     transfer_in_replica_time_s: float = 0.0
     # Request-rounds sat out by requests of a lower tier than a request behind its TPOT target.
     paused_request_rounds: int = 0
+    # Drafted rounds whose lengths were planned before their drafts existed: chained (in process) or relayed
+    # (disaggregated) rounds, the ones the round pipeline overlaps most.
+    planned_rounds: int = 0
     # Per priority tier (scheduler.service_levels.TierSnapshot): requests, tokens, TPOT, SLO attainment, refusals.
     tiers: tuple[TierSnapshot, ...] = ()
 
@@ -110,6 +113,7 @@ class EngineMetrics:
         self.rounds = 0
         self.rounds_without_draft = 0
         self.paused_request_rounds = 0
+        self.planned_rounds = 0
         self.num_drafts = 0
         self.num_output_tokens = 0
         self._num_draft_tokens = 0
@@ -243,6 +247,7 @@ class EngineMetrics:
             host_time_s=self.host_time_s,
             transfer_in_replica_time_s=self.transfer_in_replica_time_s,
             paused_request_rounds=self.paused_request_rounds,
+            planned_rounds=self.planned_rounds,
         )
 
 
@@ -285,6 +290,7 @@ def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         host_time_s=sum(s.host_time_s for s in snapshots),
         transfer_in_replica_time_s=sum(s.transfer_in_replica_time_s for s in snapshots),
         paused_request_rounds=sum(s.paused_request_rounds for s in snapshots),
+        planned_rounds=sum(s.planned_rounds for s in snapshots),
         tiers=merge_tiers([s.tiers for s in snapshots]),
     )
 

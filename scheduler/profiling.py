@@ -9,6 +9,10 @@ Two flavours: :func:`profile_target_sps` times eager ``TargetModel.forward`` pas
 times the verify engine's own graph-path step (:mod:`verify_service.graphs`), the step a graph-mode engine runs.
 :func:`profile_graph_sps_by_requests` times the same step at fixed request counts R (R requests verifying 1 ..
 chunk tokens each), the tables by request count the scheduler prices a round of R requests with.
+
+Clocks: on a GPU, CUDA events (eager passes) or the wall clock of a step that synchronises (the graph step); on a
+CPU with one intra-op thread, the profiling thread's CPU time (:func:`host_step_timer` says why); else the wall
+clock.
 """
 
 from __future__ import annotations
@@ -21,14 +25,43 @@ import numpy as np
 import torch
 
 from kernels.sampling import SamplingParams
-from scheduler.sps import RequestSPS, SPSTable, cuda_event_timer, default_batch_grid, profile_sps, wall_clock_timer
+from scheduler.sps import (
+    RequestSPS,
+    SPSTable,
+    Timer,
+    cuda_event_timer,
+    default_batch_grid,
+    profile_sps,
+    thread_clock_usable,
+    thread_cpu_timer,
+    wall_clock_timer,
+)
 from verify_service.engine import PrefillItem, VerifyEngine
 from verify_service.graphs import GraphItem
 from verify_service.target import TargetModel
 
 #: The version of what these profilers measure and how; part of the SPS cache's fingerprint, so raise it when a
 #: change makes tables profiled before it wrong (cluster.sps_cache).
-PROFILER_VERSION = 2
+PROFILER_VERSION = 3
+
+
+def host_step_timer(device: torch.device) -> Timer:
+    """The clock for a step that ends, results on the host, before its call returns: on a CPU whose torch runs
+    one intra-op thread, the calling thread's CPU time (:func:`scheduler.sps.thread_cpu_timer`), else the wall
+    clock (a GPU step that synchronises, or a CPU step spread over several threads, whose work the calling
+    thread's clock does not see).
+
+    Why CPU time on a CPU replica: the table prices the relative cost of verify steps of different B (Algorithm
+    1's plain objective depends only on these ratios), and the step's own CPU time is that cost, while its wall
+    time adds however long co-tenants held the core, which varies from one profile to the next by far more than
+    the step does. What it leaves out: waiting for a core while serving, which scales every step alike and which
+    ``draft_cost: measured`` calibrates from the verify steps' measured wall time (``verify_scale``,
+    :mod:`scheduler.draft_cost_estimate`). What it keeps: contention the step pays in its own CPU time (cache
+    refills after a preemption, caches and memory bandwidth shared with co-tenants), so a profile on a busy
+    machine still reads somewhat slower than one on an idle machine."""
+    if device.type == "cpu" and torch.get_num_threads() == 1 and thread_clock_usable():
+        return thread_cpu_timer
+    return wall_clock_timer
 
 
 def profile_target_sps(
@@ -75,7 +108,7 @@ def profile_target_sps(
         for slot, _ in chunks:
             cache.truncate(slot, context)
 
-    timer = cuda_event_timer(target.device) if target.device.type == "cuda" else wall_clock_timer
+    timer = cuda_event_timer(target.device) if target.device.type == "cuda" else host_step_timer(target.device)
     try:
         return profile_sps(
             run_step,
@@ -133,7 +166,8 @@ def _run_graph_verify(engine: VerifyEngine, step: Sequence[GraphItem]) -> None:
 def _profile_graph_steps(
     engine: VerifyEngine, run_step: Callable[[int], None], sizes: list[int], warmup: int, repeats: int
 ) -> tuple[SPSTable, list[float]]:
-    """SPS(B) of ``run_step(B)`` by the wall clock, and the median device time of its replays per B."""
+    """SPS(B) of ``run_step(B)`` by :func:`host_step_timer` (the wall clock on a GPU: the step's result copy
+    synchronises), and the median device time of its replays per B."""
     runner = engine.graphs
     assert runner is not None
     table = profile_sps(
@@ -144,7 +178,7 @@ def _profile_graph_steps(
         dtype=str(engine.target.dtype).removeprefix("torch."),
         warmup=warmup,
         repeats=repeats,
-        timer=wall_clock_timer,
+        timer=host_step_timer(engine.target.device),
         progress=False,
     )
     device_times: list[float] = []

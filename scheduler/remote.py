@@ -15,13 +15,12 @@ thread pool). Control calls (``Info``, ``AddRequests``, ``Release``, ``AppendCon
 unary. A stream that broke is reopened for the next round only: the round in flight fails with the gRPC error,
 as a unary call would, and failover takes it from there (:mod:`scheduler.failover`).
 
-With ``on_drafts`` (the pool's :meth:`DrafterPool.offer`) a ``RemoteVerifier`` asks its replica to collect the
-drafters' next blocks (``collect_drafts``) in every step without prefills (a prefill's first token must not wait
-for drafting): the ``Step`` reply then carries them, the pool keeps them for the
-calling thread, and the next round's ``propose`` takes them when they were drafted for exactly its requests'
-anchors and positions, with no ``Propose`` message (else it sends one, as without). The drafts are the ones the
-``Propose`` would have returned (the drafter's drafts made ahead), so output is unchanged; a round then costs one
-message each way between this process and the pools instead of two.
+With ``relay`` a ``RemoteVerifier`` asks its replica, in every step, to have the drafters return their next
+blocks to it (``relay_drafts``: :mod:`verify_service.relay`); a round whose lengths the policy planned before its
+drafts exist is then one relayed ``Step`` (:meth:`RemoteVerifier.step_relayed`) and no ``Propose``: the drafts
+never come to this process, only their confidences, for planning the next round. A round the policy decides on
+its drafts' confidences sends the ``Propose`` as without relaying (the drafter still holds the same drafts made
+ahead), so output is unchanged either way.
 
 Both report the server's time of the thread's last call (:attr:`RemoteVerifier.last_server_s`,
 :attr:`DrafterPool.last_server_s`, from the replies' ``engine_ms``) and how long the replica's process held it
@@ -44,6 +43,7 @@ from cluster import contract
 from cluster.rpc import RoundStream, StreamLane, SyncRpcClient
 from draft_service.engine import ContextItem, DraftItem, Proposal
 from scheduler.admission import place_by_free_slots
+from scheduler.interfaces import RelayedStep
 from verify_service.engine import PrefillItem, StepResult, VerifyItem
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class RemoteVerifier:
         token: str | None = None,
         timeout_s: float = 60.0,
         inline_features: bool = True,
-        on_drafts: Callable[[dict[str, dict[str, Any]]], None] | None = None,
+        relay: bool = False,
     ) -> None:
         self.address = address
         self._client = SyncRpcClient(address, token=token, timeout_s=timeout_s)
@@ -80,14 +80,18 @@ class RemoteVerifier:
         # Whether the round driver wants the context features of requests without a drafter route back (it
         # appends them itself); a driver without a drafter says False and the features stay on the replica.
         self.inline_features = inline_features
-        # Where the drafts collected with each step go (None: the step does not collect them).
-        self._on_drafts = on_drafts
+        self._relay = relay
         # Step goes on one stream, driven by the thread that steps (the group's round loop).
         self._lane = StreamLane()
         self._step = contract.STEP.lane_stream(self._lane, address, token=token, timeout_s=timeout_s)
         self.last_server_s = 0.0  # the replicas' time of the last step: the verifier's engine, the drafts' wait
         self.last_held_s = 0.0  # how long the verifier's process held the last step (its engine time included)
-        self.last_drafts_s = 0.0  # of last_server_s: the wait for the drafters' next blocks (collecting)
+        self.last_drafts_s = 0.0  # of last_server_s: a relayed step's wait for the drafters' blocks
+
+    @property
+    def relay(self) -> bool:
+        """Whether its steps have the drafters return the next blocks to the replica (relayed rounds)."""
+        return self._relay
 
     @property
     def bytes_sent(self) -> int:
@@ -125,20 +129,57 @@ class RemoteVerifier:
             contract.VERIFIER_RELEASE.call(self._client, {"req_ids": list(req_ids)})
 
     def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()) -> list[StepResult]:
+        routes = self._routes([*(p.req_id for p in prefills), *(v.req_id for v in verifies)])
+        message = contract.step_request(
+            prefills, verifies, routes, inline_features=self.inline_features, relay_drafts=self._relay
+        )
+        return contract.parse_step_reply(self._call(message, prefills))
+
+    def decode(
+        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], steps: Sequence[int]
+    ) -> list[StepResult]:
+        """Plain decoding, ``steps[i]`` tokens for verification i in one ``Step`` (the replica's
+        :meth:`VerifyEngine.decode`): one message each way for several tokens."""
+        message = contract.step_request(prefills, verifies, {}, inline_features=False, steps=steps)
+        return contract.parse_step_reply(self._call(message, prefills))
+
+    def step_relayed(
+        self,
+        prefills: Sequence[PrefillItem],
+        req_ids: list[str],
+        anchors: np.ndarray,
+        positions: np.ndarray,
+        num_drafts: np.ndarray,
+    ) -> RelayedStep:
+        routes = self._routes([*(p.req_id for p in prefills), *req_ids])
+        message = contract.relayed_step_request(
+            prefills,
+            req_ids,
+            anchors.tolist(),
+            positions.tolist(),
+            num_drafts.tolist(),
+            routes,
+            inline_features=self.inline_features,
+        )
+        reply = self._call(message, prefills)
+        confidences = reply["relayed_confidences"]
+        return RelayedStep(
+            contract.parse_step_reply(reply),
+            None if confidences is None else confidences.numpy(),
+            reply["relay_missing"],
+        )
+
+    def _routes(self, req_ids: list[str]) -> dict[str, list[str]]:
+        """Drafter address -> the requests whose context features the replica pushes there."""
         routes: dict[str, list[str]] = {}
-        for req_id in [*(p.req_id for p in prefills), *(v.req_id for v in verifies)]:
+        for req_id in req_ids:
             address = self._route_of(req_id)
             if address is not None:
                 routes.setdefault(address, []).append(req_id)
-        message = contract.step_request(
-            prefills,
-            verifies,
-            routes,
-            inline_features=self.inline_features,
-            # Not with prefills: their first tokens would wait for the drafters' next blocks (TTFT); the round
-            # after a prefill asks for its drafts with a Propose instead.
-            collect_drafts=self._on_drafts is not None and not prefills,
-        )
+        return routes
+
+    def _call(self, message: dict[str, Any], prefills: Sequence[PrefillItem]) -> dict[str, Any]:
+        """Send a ``Step`` on the stream; the prefills' slots count as held unless it fails."""
         for p in prefills:
             self._held.add(p.req_id)
         try:
@@ -150,9 +191,7 @@ class RemoteVerifier:
         self.last_drafts_s = 1e-3 * reply["drafts_ms"]
         self.last_server_s = 1e-3 * reply["engine_ms"] + self.last_drafts_s
         self.last_held_s = self._step.last_held_s
-        if self._on_drafts is not None:
-            self._on_drafts(reply["drafts"])
-        return contract.parse_step_reply(reply)
+        return reply
 
     def close(self) -> None:
         self._lane.close()
@@ -167,8 +206,6 @@ class _Lane:
     lane: StreamLane = field(default_factory=StreamLane)
     streams: dict[str, RoundStream] = field(default_factory=dict)
     gone: set[str] = field(default_factory=set)  # drafters removed since: their streams close at the next call
-    # Drafts a verifier collected for this thread's next round: req id -> (anchor, position, address, reply, row).
-    offered: dict[str, tuple[int, int, str, dict[str, Any], int]] = field(default_factory=dict)
     last_server_s: float = 0.0
     last_held_s: float = 0.0
 
@@ -324,61 +361,8 @@ class DrafterPool:
 
     @property
     def last_drafts_s(self) -> float:
-        """Always 0: the pool's time is all drafting (a verifier reports the drafts it collects separately)."""
+        """Always 0: the pool's time is all drafting (a relayed step's wait for its blocks is the verifier's)."""
         return 0.0
-
-    def offer(self, drafts: dict[str, dict[str, Any]]) -> None:
-        """Keep the drafts a verifier collected with the calling thread's step (drafter address -> its reply
-        with the ``req_ids``, ``anchors`` and ``positions`` drafted for) for this thread's next ``propose``;
-        they replace the ones offered before, which were drafted for the anchors of an earlier round."""
-        lane = self._lane()
-        lane.offered = {
-            req_id: (anchor, position, address, reply, row)
-            for address, reply in drafts.items()
-            for row, (req_id, anchor, position) in enumerate(
-                zip(reply["req_ids"], reply["anchors"], reply["positions"], strict=True)
-            )
-        }
-
-    @staticmethod
-    def _offered_reply(lane: _Lane, address: str, items: Sequence[DraftItem], indices: list[int]) -> dict | None:
-        """This group's rows of the drafts offered from ``address``, in the group's order, when every item was
-        drafted there for its anchor and position; else None (the group gets a ``Propose``)."""
-        rows: list[int] = []
-        reply = None
-        for i in indices:
-            item = items[i]
-            entry = lane.offered.get(item.req_id)
-            if (
-                entry is None
-                or entry[2] != address
-                or entry[0] != int(item.anchor)
-                or entry[1] != int(item.position)
-                or (reply is not None and entry[3] is not reply)
-            ):
-                return None
-            reply = entry[3]
-            rows.append(entry[4])
-        if reply is None:
-            return None
-        index = torch.tensor(rows, dtype=torch.int64)
-        dist_rows = reply.get("distribution_rows")
-        if dist_rows is None:
-            out_rows, dist_index = None, index
-        else:  # the drafter sent distributions for some rows only (the others are greedy): keep those rows' own
-            where = {row: k for k, row in enumerate(dist_rows)}
-            out_rows = [j for j, row in enumerate(rows) if row in where]
-            dist_index = torch.tensor([where[rows[j]] for j in out_rows], dtype=torch.int64)
-        return {
-            "tokens": reply["tokens"].index_select(0, index),
-            "confidences": None if reply["confidences"] is None else reply["confidences"].index_select(0, index),
-            "confidence_logits": (
-                None if reply["confidence_logits"] is None else reply["confidence_logits"].index_select(0, index)
-            ),
-            "distribution_rows": out_rows,
-            "topk_ids": reply["topk_ids"].index_select(0, dist_index),
-            "topk_probs": reply["topk_probs"].index_select(0, dist_index),
-        }
 
     @property
     def bytes_sent(self) -> int:
@@ -510,25 +494,12 @@ class DrafterPool:
             for address in gone:
                 lane.streams.pop(address, None)
                 lane.lane.forget(address)
-        replies: dict[str, dict[str, Any]] = {}
-        asked: list[str] = []
-        for address, indices in groups.items():
-            offered = self._offered_reply(lane, address, items, indices) if lane.offered else None
-            if offered is None:
-                asked.append(address)
-            else:
-                replies[address] = offered
-        lane.offered = {}  # used once: the next round's anchors are others
         calls = [
-            (self._stream(lane, address), contract.propose_request([items[i] for i in groups[address]]))
-            for address in asked
+            (self._stream(lane, address), contract.propose_request([items[i] for i in indices]))
+            for address, indices in groups.items()
         ]
-        asked_replies = dict(zip(asked, lane.lane.call_many(calls), strict=True)) if calls else {}
-        replies.update(asked_replies)
-        replies = {address: replies[address] for address in groups}  # the groups' order
-        lane.last_server_s = 1e-3 * max(
-            (r["engine_ms"] + r["wait_ms"] for r in asked_replies.values()), default=0.0
-        )
+        replies = dict(zip(groups, lane.lane.call_many(calls), strict=True)) if calls else {}
+        lane.last_server_s = 1e-3 * max((r["engine_ms"] + r["wait_ms"] for r in replies.values()), default=0.0)
         lane.last_held_s = max((stream.last_held_s for stream, _ in calls), default=0.0)
         if detached:
             groups[""] = detached

@@ -44,7 +44,11 @@ BY_REQUESTS_FORMAT = "dspark-sps-by-requests/1"
 MEMO_ENTRIES = 64  # derived arrays kept per table (SPSTable.memo), each about 2 * R * gamma floats
 
 Timer = Callable[[Callable[[], object]], float]
-"""Runs a thunk once and returns the seconds it took (wall clock by default; CUDA events on GPUs)."""
+"""Runs a thunk once and returns the seconds it took (wall clock by default; CUDA events on GPUs; the calling
+thread's CPU time for a CPU step on one thread, `thread_cpu_timer`)."""
+#: The finest thread CPU clock that `thread_clock_usable` accepts: a coarser one (a scheduler tick, on some
+#: platforms) would read a short step as 0 s.
+THREAD_CLOCK_RESOLUTION_S = 1e-6
 
 
 class SPSMonotonicityWarning(UserWarning):
@@ -337,6 +341,26 @@ def wall_clock_timer(thunk: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def thread_cpu_timer(thunk: Callable[[], object]) -> float:
+    """CPU seconds the calling thread spent in `thunk()` (`time.thread_time_ns`: user and system time, not the
+    time the OS gave other threads and processes while the thunk waited for a core).
+
+    Right for a step that runs to completion on the calling thread (torch on a CPU with one intra-op thread);
+    wrong when other threads do part of the work (an intra-op pool of several threads, a GPU), whose time it
+    does not count. Check `thread_clock_usable` first: a coarse clock reads short steps as 0 s."""
+    start = time.thread_time_ns()
+    thunk()
+    return (time.thread_time_ns() - start) / 1e9
+
+
+def thread_clock_usable() -> bool:
+    """Whether this platform's thread CPU clock resolves steps finer than `THREAD_CLOCK_RESOLUTION_S`."""
+    try:
+        return time.get_clock_info("thread_time").resolution <= THREAD_CLOCK_RESOLUTION_S
+    except (OSError, ValueError):  # no per-thread CPU clock here
+        return False
+
+
 def cuda_event_timer(device: Any = None) -> Timer:
     """A timer measuring GPU time with CUDA events (asynchronous launches are otherwise timed as ~0 s)."""
     import torch
@@ -391,7 +415,10 @@ def profile_sps(
     passes are the machine's own speed, and a quartile rather than the minimum keeps one lucky pass out. Passes
     rather than all the repeats of one B in a row, so that a burst hits one pass of every B instead of one B.
     Warm-up absorbs lazy allocation (the largest B first touches the most memory), autotuning and CUDA-graph
-    capture. On GPUs pass `timer=cuda_event_timer()` (or make `run_step` synchronise and keep the wall clock).
+    capture. On GPUs pass `timer=cuda_event_timer()` (or make `run_step` synchronise and keep the wall clock);
+    on a CPU with one intra-op thread, `timer=thread_cpu_timer`, which leaves out the time co-tenants hold the
+    core (the statistics above then only have to absorb what contention still adds to the step's own CPU
+    time: cache refills after a preemption, shared caches and memory bandwidth).
     """
     sizes = [int(b) for b in batch_sizes]
     if not sizes:

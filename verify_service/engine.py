@@ -372,6 +372,36 @@ class VerifyEngine:
                 self.release(req_id)
             raise
 
+    def decode(
+        self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], steps: Sequence[int]
+    ) -> list[StepResult]:
+        """Plain decoding, several tokens per call: one :meth:`step` of the prefills and ``verifies`` (no drafts),
+        then request i of ``verifies`` decodes ``steps[i] - 1`` more tokens, one target pass per step for every
+        request that still has steps, each anchored at its last token. Results as :meth:`step`'s, with each
+        verification's tokens of all its steps and no features (a caller that drafts needs every step's rows:
+        it decodes one step per call). The tokens are the ones the same number of one-step calls would give (the
+        same passes, randomness keyed by request and position), so a caller that stops a request early (a stop
+        token or string) just drops the rest; the caller caps ``steps`` by the tokens a request may still emit
+        and its slot's room, as it caps drafts."""
+        if len(steps) != len(verifies) or any(n < 1 for n in steps):
+            raise ValueError(f"decode: one step count >= 1 per verification, got {list(steps)}")
+        if any(len(v.draft_tokens) for v in verifies):
+            raise ValueError("decode: plain decoding verifies no drafts")
+        first = self.step(prefills, verifies)
+        results = [r._replace(features=None) for r in first]
+        done = len(prefills)
+        active = [i for i, n in enumerate(steps) if n > 1]
+        for k in range(1, max(steps, default=1)):
+            active = [i for i in active if steps[i] > k]
+            items = []
+            for i in active:
+                r = results[done + i]
+                items.append(VerifyItem(r.req_id, r.tokens[-1], (), None, None, r.feature_start + len(r.tokens)))
+            for i, r in zip(active, self.step((), items), strict=True):
+                mine = results[done + i]
+                results[done + i] = mine._replace(tokens=[*mine.tokens, *r.tokens])
+        return results
+
     def _validate(self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem]) -> _CheckedVerifies:
         req_ids = [item.req_id for item in prefills]
         req_ids += verifies.req_ids if isinstance(verifies, VerifyBatch) else [item.req_id for item in verifies]

@@ -1,6 +1,7 @@
 """The verifier's gRPC service: a thin adapter from msgpack messages to :class:`VerifyEngine` steps.
 
-One ``Step`` message per round carries every prefill and verification of this replica as flat tensors. After the
+One ``Step`` message per round carries every prefill and verification of this replica as flat tensors (for a round
+driver without a drafter, possibly several decoding steps: ``verify_steps``, :meth:`VerifyEngine.decode`). After the
 target pass the service pushes each request's committed context features straight to the drafter replica that owns
 it (``routes``: drafter address -> request ids), and only the small control data (tokens, counts) goes back to the
 scheduler: the bulky features never pass through the central process. With the drafter's context projection loaded
@@ -18,12 +19,12 @@ Pushes to a drafter are messages on one long-lived ``AppendContext`` stream (a r
 path of the drafter's next block, and a message on an open stream costs less than half a unary call), one at a
 time and in the order of the steps that made them.
 
-A ``Step`` that says ``collect_drafts`` is answered only after its pushes: each asks its drafter to return the
-blocks it drafts ahead, and the reply carries them (``drafts``: drafter address -> the drafter's proposal for the
-requests it drafted, in ``Propose``'s reply format), so the scheduler's next round takes them without a ``Propose``
-message: one message each way per round between the scheduler and the pools instead of two. A drafter that does not
-answer within ``COLLECT_WAIT_S`` (or fails) is simply missing from ``drafts``; the scheduler then sends it the
-usual ``Propose``.
+A ``Step`` that says ``relay_drafts`` asks each drafter, in its push, to return the next blocks; the verifier keeps
+them (:mod:`verify_service.relay`). A relayed ``Step`` (``verify_lengths`` set: lengths the scheduler planned
+before the drafts exist) verifies those blocks, after waiting for the pushes that bring them (at most
+``RELAY_WAIT_S``; a request whose block does not come is verified with no drafts), and returns their confidences,
+from which the scheduler plans the next round. The drafts then never pass through the scheduler, and the round is
+one message each way between the scheduler and the verifier.
 
 With ``feature_transport="collective"`` the rows themselves travel over a torch.distributed link to each drafter
 (:mod:`cluster.feature_link`) and the push carries only their metadata; a drafter without a working link gets bytes
@@ -45,12 +46,14 @@ from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkSender
 from cluster.rpc import HealthStatus, RoundStream, RpcClient, Service
 from draft_service.projection import ContextProjection
 from verify_service.engine import PrefillItem, StepResult, VerifyEngine, VerifyItem
+from verify_service.relay import Relayed, RelayedDrafts
 
 log = logging.getLogger(__name__)
 
-#: How long a collecting ``Step`` waits for its drafters' blocks. Far above a draft's time on any device (ms):
-#: reached only by a stuck or dying drafter, whose requests the scheduler then asks with ``Propose`` as usual.
-COLLECT_WAIT_S = 2.0
+#: How long a relayed ``Step`` waits for its drafters' blocks. Far above a draft's time on any device (ms): reached
+#: only by a stuck or dying drafter, whose requests are then verified with no drafts (and the scheduler, told they
+#: were missing, asks that drafter with ``Propose`` next, which fails over a dead one).
+RELAY_WAIT_S = 2.0
 
 
 class VerifierService:
@@ -92,6 +95,8 @@ class VerifierService:
         # One long-lived AppendContext stream per drafter: a push per round is one message on it, in order.
         self._appends: dict[str, RoundStream] = {}
         self._pushes: set[asyncio.Task[dict[str, Any] | None]] = set()  # feature pushes in flight (strong references)
+        self._relayed = RelayedDrafts()  # the blocks drafters returned with relaying pushes (event loop only)
+        self._relaying: dict[str, asyncio.Task[dict[str, Any] | None]] = {}  # req id -> the push bringing its block
         # collective: the rows go over torch.distributed links to the drafters, only metadata over gRPC.
         self.links = None if feature_transport == "grpc" else LinkSender(engine.target.device, link_timeout_s)
 
@@ -131,45 +136,71 @@ class VerifierService:
         return self.info()
 
     async def _step(self, request: dict[str, Any]) -> dict[str, Any]:
-        prefills, verifies = contract.parse_step_request(request)
+        prefills, items = contract.parse_step_request(request)
+        verifies: Sequence[VerifyItem] = items
         self._idle.touch(request["verify_req_ids"])
         if len(prefills) > self.engine.num_free_slots:
             await self._reclaim_idle()
         self._idle.touch(request["prefill_req_ids"])
         routed = {req_id: address for address, ids in request["routes"].items() for req_id in ids}
-        send_inline, collect = request["inline_features"], request["collect_drafts"] and self.draft_ahead
+        send_inline, relay = request["inline_features"], request["relay_drafts"] and self.draft_ahead
+        relayed, wait_s = None, 0.0
+        if request["verify_lengths"] is not None:
+            relayed, wait_s = await self._take_relayed(request)
+            verifies = relayed.batch
         (results, pushes, inline_features), engine_s = await self._thread.run_timed(
-            self._step_and_pack, prefills, verifies, routed, send_inline, collect
+            self._step_and_pack, prefills, verifies, routed, send_inline, relay, request["verify_steps"]
         )
         tasks = self._push_features(pushes)
-        drafts: dict[str, Any] = {}
-        collect_s = 0.0
-        if collect and tasks:
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            done, _ = await asyncio.wait(tasks.values(), timeout=COLLECT_WAIT_S)
-            collect_s = loop.time() - started
+        if relay:
             for address, task in tasks.items():
-                reply = task.result() if task in done else None
-                if reply is not None and reply.get("drafts"):
-                    drafts[address] = reply["drafts"]
+                for req_id in pushes[address]["req_ids"]:
+                    self._relaying[req_id] = task
         inline = [r for r in results if r.req_id not in routed and r.features is not None] if send_inline else []
         return contract.step_reply(
-            results, inline, inline_features, engine_s=engine_s, drafts=drafts, drafts_s=collect_s
+            results,
+            inline,
+            inline_features,
+            engine_s=engine_s,
+            relayed_confidences=None if relayed is None else relayed.confidences,
+            relay_missing=0 if relayed is None else relayed.missing,
+            drafts_s=wait_s,
         )
+
+    async def _take_relayed(self, request: dict[str, Any]) -> tuple[Relayed, float]:
+        """A relayed step's verifications, once the pushes bringing their blocks have answered (or after
+        ``RELAY_WAIT_S``), and how long that wait took."""
+        req_ids = request["verify_req_ids"]
+        pushes = [self._relaying.pop(req_id, None) for req_id in req_ids]
+        pending = {task for task in pushes if task is not None and not task.done()}
+        wait_s = 0.0
+        if pending:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            await asyncio.wait(pending, timeout=RELAY_WAIT_S)
+            wait_s = loop.time() - started
+        relayed = self._relayed.take(
+            req_ids, request["verify_anchors"], request["verify_positions"], request["verify_lengths"]
+        )
+        return relayed, wait_s
 
     def _step_and_pack(
         self,
         prefills: list[PrefillItem],
-        verifies: list[VerifyItem],
+        verifies: Sequence[VerifyItem],
         routed: dict[str, str],
         send_inline: bool,
-        collect: bool,
+        relay: bool,
+        steps: list[int] | None = None,
     ) -> tuple[Sequence[StepResult], dict[str, dict[str, Any]], torch.Tensor | None]:
-        """On the engine thread: the step, then one AppendContext message per drafter and (``send_inline``) the
-        unrouted features, all on the host. Here, not after the reply: the step's features may be views of its
-        graph's output, which the engine's next step (another call on this thread) overwrites."""
-        results = self.engine.step(prefills, verifies)
+        """On the engine thread: the step (``steps``: several decoding steps, :meth:`VerifyEngine.decode`), then
+        one AppendContext message per drafter and (``send_inline``) the unrouted features, all on the host. Here,
+        not after the reply: the step's features may be views of its graph's output, which the engine's next step
+        (another call on this thread) overwrites."""
+        if steps is None:
+            results = self.engine.step(prefills, verifies)
+        else:
+            results = self.engine.decode(prefills, verifies, steps)
         by_address: dict[str, list[StepResult]] = {}
         for r in results:
             if r.req_id in routed and r.features is not None:
@@ -190,7 +221,7 @@ class VerifierService:
                 features.cpu() if self.links is None else features.contiguous(),
                 projection=projection,
                 draft_anchors=[r.tokens[-1] if r.tokens else -1 for r in group] if self.draft_ahead else None,
-                return_drafts=collect,
+                return_drafts=relay,
             )
         inline = [r.features for r in results if r.req_id not in routed and r.features is not None]
         inline_features = torch.cat(inline).cpu() if inline and send_inline else None
@@ -198,7 +229,8 @@ class VerifierService:
 
     def _push_features(self, messages: dict[str, dict[str, Any]]) -> dict[str, asyncio.Task[dict[str, Any] | None]]:
         """Start one AppendContext per drafter (by address: its task, whose result is the drafter's reply or None
-        when the push failed); unless the Step collects drafts they complete after its reply has gone."""
+        when the push failed, the drafts it returned kept for a relayed step); they complete after the Step's
+        reply has gone."""
         tasks = {}
         for address, message in messages.items():
             client = self._drafters.get(address)
@@ -211,7 +243,13 @@ class VerifierService:
         return tasks
 
     async def _push(self, client: RpcClient, address: str, message: dict[str, Any]) -> dict[str, Any] | None:
-        """The drafter's reply, or None when the push failed (logged)."""
+        """The drafter's reply, or None when the push failed (logged); the drafts it returned are kept."""
+        reply = await self._send_push(client, address, message)
+        if reply is not None and reply.get("drafts"):
+            self._relayed.store(reply["drafts"])
+        return reply
+
+    async def _send_push(self, client: RpcClient, address: str, message: dict[str, Any]) -> dict[str, Any] | None:
         if self.links is not None:
             link = await self.links.link_for(address, client)
             if link is not None:
@@ -268,6 +306,10 @@ class VerifierService:
             await self._thread.run(self.engine.release_many, stale)
 
     async def _release(self, request: dict[str, Any]) -> dict[str, Any]:
+        self._relayed.drop(request["req_ids"])
+        for req_id in request["req_ids"]:
+            self._relaying.pop(req_id, None)
+
         def release() -> None:
             for req_id in request["req_ids"]:
                 self.engine.release(req_id)

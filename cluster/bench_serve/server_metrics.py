@@ -33,6 +33,7 @@ COUNTERS = (
     "vllm:spec_decode_num_accepted_tokens_per_pos",
     "dspark_rounds",
     "dspark_rounds_without_draft",
+    "dspark_planned_rounds",
     "vllm:generation_tokens",
     "dspark_draft_seconds",
     "dspark_schedule_seconds",
@@ -93,6 +94,7 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
         "verify_tokens_per_request_round": draft_tokens / drafts if drafts else None,
         "rounds": None,
         "rounds_without_draft": None,
+        "planned_rounds": None,
         "generation_tokens": delta("vllm:generation_tokens") if "vllm:generation_tokens" in after else None,
         "round_split_ms": None,
     }
@@ -100,6 +102,8 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
         rounds = delta("dspark_rounds")
         out["rounds"] = rounds
         out["rounds_without_draft"] = delta("dspark_rounds_without_draft")
+        if "dspark_planned_rounds" in after:
+            out["planned_rounds"] = delta("dspark_planned_rounds")
         if rounds and "dspark_round_transfer_seconds" in after:
             out["round_split_ms"] = {
                 part: 1000.0 * delta(f"dspark_round_{part}_seconds") / rounds

@@ -55,7 +55,7 @@ def test_step_request_and_reply_round_trip() -> None:
         VerifyItem("e", 3, []),
     ]
     message = contract.step_request(
-        prefills, verifies, {"d0": ["g", "s"]}, inline_features=True, collect_drafts=True
+        prefills, verifies, {"d0": ["g", "s"]}, inline_features=True, relay_drafts=True
     )
     got_prefills, got_verifies = contract.parse_step_request(_wire(message, contract.STEP.request))
     assert [(p.req_id, list(p.token_ids), p.params, p.anchor) for p in got_prefills] == [
@@ -72,13 +72,42 @@ def test_step_request_and_reply_round_trip() -> None:
 
     features = torch.arange(6, dtype=torch.float32).reshape(3, 2)
     results = [StepResult("g", 2, 1, [6, 11], 12, None), StepResult("e", 0, 0, [4], 3, features)]
-    reply = contract.step_reply(results, [results[1]], features, engine_s=0.002, drafts={}, drafts_s=0.0)
+    reply = contract.step_reply(results, [results[1]], features, engine_s=0.002)
     parsed = contract.parse_step_reply(_wire(reply, contract.STEP.reply))
     assert [(r.req_id, r.num_drafts, r.num_accepted, r.tokens, r.feature_start) for r in parsed] == [
         ("g", 2, 1, [6, 11], 12), ("e", 0, 0, [4], 3)
     ]
     assert parsed[0].features is None and parsed[1].features is not None
     assert torch.equal(parsed[1].features, features)
+
+
+def test_a_relayed_step_names_lengths_and_no_draft_tokens() -> None:
+    """A relayed ``Step`` carries each verification's planned length instead of its drafts; a message that mixes
+    both, or leaves a position out, is refused."""
+    prefills = [PrefillItem("p", [1, 2], SamplingParams(temperature=0.0, max_tokens=4))]
+    message = contract.relayed_step_request(
+        prefills, ["a", "b"], [5, 6], [10, 3], [4, 0], {"d0": ["a", "b", "p"]}, inline_features=False
+    )
+    wired = _wire(message, contract.STEP.request)
+    assert wired["verify_lengths"] == [4, 0] and wired["relay_drafts"] and wired["verify_tokens"].numel() == 0
+    got_prefills, got_verifies = contract.parse_step_request(wired)
+    assert [p.req_id for p in got_prefills] == ["p"]
+    assert [(v.req_id, v.anchor, list(v.draft_tokens), v.position) for v in got_verifies] == [
+        ("a", 5, [], 10), ("b", 6, [], 3)
+    ]
+    for broken in (
+        {**wired, "verify_lengths": [4]},
+        {**wired, "verify_positions": [10, -1]},
+        {**wired, "verify_counts": [1, 0], "verify_tokens": torch.tensor([7])},
+    ):
+        with pytest.raises(ValueError, match="relayed step"):
+            contract.parse_step_request(broken)
+    confidences = torch.tensor([[0.9, 0.5], [0.0, 0.0]], dtype=torch.float64)
+    reply = contract.step_reply([], [], None, engine_s=0.001, relayed_confidences=confidences, relay_missing=1,
+                                drafts_s=0.003)
+    wired_reply = _wire(reply, contract.STEP.reply)
+    assert torch.equal(wired_reply["relayed_confidences"], confidences) and wired_reply["relay_missing"] == 1
+    assert wired_reply["drafts_ms"] == pytest.approx(3.0)
 
 
 def test_propose_and_appended_drafts_round_trip() -> None:

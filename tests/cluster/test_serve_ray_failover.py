@@ -172,9 +172,9 @@ def test_killing_a_verifier_replica_mid_stream_loses_nothing(served: str) -> Non
 
 
 def test_a_killed_scheduler_is_replaced_and_relearns_every_replica(served: str) -> None:
-    """Serve notices the scheduler's death at its next health check (every second) and starts another; the pool
-    replicas' heartbeats register with it in whatever order they arrive (a verifier heard before the drafter is
-    told "not yet" and retries), and it then serves the target's greedy output."""
+    """Serve notices the scheduler's death at its next health check (``HEALTH_CHECK_PERIOD_S``) and starts
+    another; the pool replicas' heartbeats register with it in whatever order they arrive (a verifier heard before
+    the drafter is told "not yet" and retries), and it then serves the target's greedy output."""
     import ray
     from transformers import AutoTokenizer
 

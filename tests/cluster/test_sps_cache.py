@@ -15,8 +15,17 @@ from model_factory import PairSpec, write_pair
 
 from cluster.cli import main
 from cluster.config import AppConfig
-from cluster.loading import build_local_backend, build_verify_engine, drafter_block_size, load_or_profile_sps
-from scheduler.sps import load_sps_file
+from cluster.loading import (
+    build_local_backend,
+    build_verify_engine,
+    draft_layer_ids,
+    drafter_block_size,
+    engine_shape,
+    load_or_profile_sps,
+)
+from cluster.sps_cache import SPSCache, sps_fingerprint
+from scheduler.profiling import PROFILER_VERSION
+from scheduler.sps import SPSTable, load_sps_file
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +78,25 @@ def test_cached_table_is_reused_and_a_changed_fingerprint_profiles_again(
     explicit = AppConfig.from_args({"models": {"target": str(target), "draft": str(draft), "sps": str(table)},
                                     "engine": {"max_requests": 2, "max_seq_len": 64}, "cache_dir": str(cache)})
     assert _load(explicit).origin == {"source": "file", "path": str(table)}
+
+
+def test_a_table_of_an_earlier_profiler_version_is_profiled_again(
+    pair: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A change of how steps are timed (PROFILER_VERSION) makes every cached table stale, whatever else matches."""
+    target, draft = pair
+    config = _config(target, draft, tmp_path / "cache")
+    verify = build_verify_engine(config)
+    block_size = drafter_block_size(config)
+    current = sps_fingerprint(target, draft_layer_ids(config), config.models.dtype, verify.target.device,
+                              engine_shape(config, block_size), PROFILER_VERSION)
+    stale = SPSTable([1, 2], [1000.0, 900.0])
+    SPSCache(tmp_path / "cache" / "sps").store(target.name, {**current, "profiler_version": PROFILER_VERSION - 1},
+                                               stale)
+    with caplog.at_level(logging.INFO, logger="cluster.sps_cache"):
+        loaded = load_or_profile_sps(config, verify, block_size)
+    assert loaded.origin["source"] == "profiled" and loaded.sps.to_dict() != stale.to_dict()
+    assert "changed: profiler_version" in caplog.text
 
 
 def test_dspark_profile_fills_the_cache_that_serve_no_ray_reads(pair: tuple[Path, Path], tmp_path: Path,

@@ -6,15 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rng import (
-    STREAM_ACCEPT,
-    STREAM_DRAFT_SAMPLE,
-    STREAM_TARGET_SAMPLE,
-    mix32,
-    tl_row_key,
-    tl_uniform,
-    uniform,
-)
+from kernels.rng import STREAM_ACCEPT, STREAM_DRAFT_SAMPLE, STREAM_TARGET_SAMPLE, mix32, uniform
+from kernels.rng_triton import tl_row_key, tl_uniform
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

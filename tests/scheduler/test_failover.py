@@ -134,14 +134,14 @@ def cluster(pair: tuple[Path, Path]) -> Iterator[Cluster]:
     c.close()
 
 
-def make_hub(request_groups: int = 1, collect_drafts: bool = True) -> SchedulerHub:
+def make_hub(request_groups: int = 1, relay_drafts: bool = True, policy: str = "dspark") -> SchedulerHub:
     return SchedulerHub(
         model_name="t",
-        policy="dspark",
+        policy=policy,
         decode=None,
         timeout_s=10.0,
         request_groups=request_groups,
-        collect_drafts=collect_drafts,
+        relay_drafts=relay_drafts,
     )
 
 
@@ -217,15 +217,15 @@ def test_verifier_dies_mid_stream_requests_finish_on_the_other(
 
 
 @pytest.mark.parametrize(
-    ("request_groups", "collect_drafts", "gated"),
-    [(1, True, "AppendContext"), (1, False, "Propose"), (2, True, "Propose")],
+    ("request_groups", "relay_drafts", "policy", "gated"),
+    [(1, True, "full", "AppendContext"), (1, False, "dspark", "Propose"), (2, True, "dspark", "Propose")],
 )
 def test_drafter_dies_mid_stream_requests_get_the_other_drafter(
-    cluster: Cluster, expected: list[list[int]], request_groups: int, collect_drafts: bool, gated: str
+    cluster: Cluster, expected: list[list[int]], request_groups: int, relay_drafts: bool, policy: str, gated: str
 ) -> None:
-    """The drafter dies inside the call that carries its round: the feature push whose reply brings the next
-    drafts back with the verifier's step (collected drafts, one request group), or ``Propose``."""
-    hub = make_hub(request_groups, collect_drafts)
+    """The drafter dies inside the call that carries its round: the feature push whose reply relays the next
+    blocks to the verifier (relayed rounds: "full" plans every round's lengths), or ``Propose``."""
+    hub = make_hub(request_groups, relay_drafts, policy)
     hub.register_drafter("d0", cluster.add_drafter("d0", gate=gated))
     hub.register_drafter("d1", cluster.add_drafter("d1"))
     hub.register_verifier("v", cluster.add_verifier("v"), SPS)
@@ -249,7 +249,7 @@ def test_drafter_dies_mid_stream_requests_get_the_other_drafter(
 def test_last_drafter_dies_requests_continue_without_one_then_reattach(
     cluster: Cluster, expected: list[list[int]]
 ) -> None:
-    hub = make_hub(collect_drafts=False)  # the drafter's rounds are its Propose calls (held there)
+    hub = make_hub(relay_drafts=False)  # the drafter's rounds are its Propose calls (held there)
     hub.register_drafter("d0", cluster.add_drafter("d0", gate="Propose"))
     hub.register_verifier("v", cluster.add_verifier("v", gate="Step"), SPS)
     drafter_gate, verifier_gate = cluster.gates["d0"], cluster.gates["v"]

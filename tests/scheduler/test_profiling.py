@@ -1,4 +1,5 @@
-"""SPS profiling of the graph-path verify step on CPU (mode ``static``: the code a CUDA graph records, eagerly)."""
+"""SPS profiling on CPU: the graph-path verify step (mode ``static``: the code a CUDA graph records, eagerly), the
+eager target pass, and the clock each is timed by."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 from model_factory import PairSpec, write_pair
 
-from scheduler.profiling import profile_graph_sps, profile_graph_sps_by_requests
-from scheduler.sps import RequestSPS, SPSTable
+from scheduler.profiling import host_step_timer, profile_graph_sps, profile_graph_sps_by_requests, profile_target_sps
+from scheduler.sps import RequestSPS, SPSTable, thread_cpu_timer, wall_clock_timer
 from verify_service.engine import VerifyEngine
 from verify_service.target import TargetModel
 
@@ -53,3 +54,27 @@ def test_profilers_need_the_graph_path(tmp_path) -> None:
         profile_graph_sps(eager, chunk=BLOCK + 1, batch_sizes=[1])
     with pytest.raises(ValueError, match="graphs on"):
         profile_graph_sps_by_requests(eager, chunk=BLOCK + 1, request_counts=[1])
+
+
+def test_host_steps_are_timed_by_thread_cpu_time_only_on_one_cpu_thread() -> None:
+    """One intra-op thread on a CPU: the step runs on the calling thread, whose CPU time leaves out the time
+    co-tenants hold the core. Several threads, or a GPU: the wall clock (the calling thread sees part of it)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert host_step_timer(torch.device("cpu")) is thread_cpu_timer
+        assert host_step_timer(torch.device("cuda")) is wall_clock_timer  # only the device type is read
+        torch.set_num_threads(2)
+        assert host_step_timer(torch.device("cpu")) is wall_clock_timer
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_token_table_of_eager_target_passes(tmp_path) -> None:
+    target_dir, _ = write_pair(tmp_path, SPEC)
+    target = TargetModel.from_pretrained(target_dir)
+    table = profile_target_sps(target, chunk=BLOCK + 1, max_batch_tokens=12, context=8, warmup=1, repeats=3,
+                               progress=False)
+    assert table.batch_sizes.tolist() == [1, 2, 3, 4, 6, 8, 12]
+    assert (table.device, table.dtype) == ("cpu", "float32")
+    assert all(rate > 0 for rate in table.measured_steps_per_s)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import torch
+from hub_client import generate_all
 from model_factory import PairSpec, write_pair
 
 from cluster.rpc import ServerThread, SyncRpcClient
@@ -15,6 +18,7 @@ from draft_service.engine import DraftEngine
 from draft_service.rpc_service import DrafterService
 from kernels.sampling import SamplingParams
 from scheduler.engine import SpeculativeEngine
+from scheduler.hub import SchedulerHub
 from scheduler.policy import make_policy
 from scheduler.remote import DrafterPool, RemoteVerifier
 from scheduler.sps import SPSTable
@@ -95,6 +99,93 @@ def test_plain_decoding_over_grpc_leaves_the_features_on_the_verifier(services) 
     before = verifier._thread.busy_total_s
     SyncRpcClient(servers[2].address).call("dspark.Verifier", "Info", {})
     assert verifier.info()["engine_busy_s"] == pytest.approx(before) and before > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_decoding_of_several_tokens_per_step_is_the_one_step_output(services, temperature: float) -> None:
+    """``decode_steps``: a round driver without a drafter has the verifier decode up to 4 tokens per ``Step``;
+    the tokens are the ones one step per round gives (greedy: the target's; sampled: the same keyed draws), a
+    stop token ends a request mid-step with the rest dropped, max_tokens caps the last step, and the steps go in
+    about a quarter of the rounds."""
+    servers, _, verifier, target = services
+    sps = SPSTable([1, 16, 64], [1000, 900, 500])
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    params = [SamplingParams(temperature=temperature, max_tokens=n, seed=7 + n, ignore_eos=True) for n in (13, 9, 16)]
+    outputs, rounds = {}, {}
+    for steps in (1, 4):
+        remote = RemoteVerifier(servers[2].address, lambda _req_id: None, inline_features=False)
+        engine = SpeculativeEngine(remote, None, make_policy("autoregressive", sps, 1), decode_steps=steps)
+        outputs[steps] = [r.token_ids for r in engine.generate(prompts, params)]
+        rounds[steps] = engine.snapshot().rounds
+        remote.close()
+    assert outputs[4] == outputs[1] and [len(t) for t in outputs[4]] == [13, 9, 16]
+    if temperature == 0.0:
+        greedy = target.generate(prompts, max_new_tokens=16)
+        assert outputs[4] == [t[:n] for t, n in zip(greedy, (13, 9, 16), strict=True)]
+    assert rounds[4] <= rounds[1] // 4 + 2, rounds  # 15 tokens after the first: 4 rounds, not 15
+    stop = outputs[1][0][5]  # a stop token in the middle of a 4-token step of request 0
+    stopped = SamplingParams(
+        temperature=temperature, max_tokens=13, seed=params[0].seed, stop_token_ids=[stop], ignore_eos=True
+    )
+    remote = RemoteVerifier(servers[2].address, lambda _req_id: None, inline_features=False)
+    engine = SpeculativeEngine(remote, None, make_policy("autoregressive", sps, 1), decode_steps=4)
+    (result,) = engine.generate([prompts[0]], [stopped])
+    remote.close()
+    first = outputs[1][0].index(stop)
+    assert result.token_ids == outputs[1][0][: first + 1] and result.finish_reason == "stop"
+    assert verifier.engine.num_free_slots == 8
+
+
+def test_the_hub_decodes_several_tokens_per_step_for_plain_decoding(services) -> None:
+    """The scheduler hub's round loop for the autoregressive policy (no drafter pool) sends ``decode_steps``
+    tokens' worth of decoding in each ``Step``: the target's greedy output in about a quarter of the rounds."""
+    servers, _, verifier, target = services
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    hub = SchedulerHub(model_name="t", policy="autoregressive", decode=None, decode_steps=4)
+    try:
+        hub.register_verifier("v", servers[2].address, None)
+        tokens = generate_all(hub, prompts, SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True))
+        snap = asyncio.run(hub.metrics())
+    finally:
+        hub.close()
+    assert tokens == target.generate(prompts, max_new_tokens=17)
+    assert snap.rounds <= 6, snap.rounds  # 16 tokens after each prompt's first: 4 rounds (5 with a late join)
+    assert verifier.engine.num_free_slots == 8
+
+
+def test_a_verifier_without_feature_layers_serves_plain_decoding_through_the_hub(pair) -> None:
+    """A verifier replica of a plain-decoding deployment loads its target with no feature layers (no drafter to
+    feed): its ``Info`` says ``feature_dim`` 0, and the hub registers it and decodes through it."""
+    target = TargetModel.from_pretrained(pair[0])
+    verifier = VerifierService(VerifyEngine(target, max_requests=2, max_seq_len=64))
+    server = ServerThread([verifier.service()])
+    hub = SchedulerHub(model_name="t", policy="autoregressive", decode=None)
+    try:
+        assert verifier.info()["feature_dim"] == 0
+        hub.register_verifier("v", server.address, None)
+        tokens = generate_all(hub, [[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    finally:
+        hub.close()
+        server.stop()
+    assert tokens == target.generate([[1, 2, 3]], max_new_tokens=9)
+
+
+def test_a_decoding_step_with_drafts_or_bad_counts_is_refused(services) -> None:
+    servers = services[0]
+    client = SyncRpcClient(servers[2].address)
+    prefill = {
+        "prefill_req_ids": ["d"], "prefill_params": [SamplingParams(temperature=0.0, max_tokens=8).to_dict()],
+        "prefill_counts": [2], "prefill_tokens": torch.tensor([1, 2]), "prefill_anchors": [-1],
+        "verify_req_ids": [], "verify_anchors": [], "verify_counts": [],
+        "verify_tokens": torch.zeros(0, dtype=torch.int64),
+        "inline_features": False,
+    }
+    for bad in ({"verify_steps": [0]}, {"verify_steps": [2, 2]}):
+        message = {**prefill, "verify_req_ids": ["x"], "verify_anchors": [3], "verify_counts": [0], **bad}
+        with pytest.raises(grpc.RpcError) as err:
+            client.call("dspark.Verifier", "Step", message)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "decoding step" in err.value.details()
+    assert client.call("dspark.Verifier", "Info", {})["free_slots"] == 8
 
 
 def _count_calls(client: SyncRpcClient, counts: dict[str, int]) -> None:

@@ -52,6 +52,7 @@ from verify_service.target import TargetModel
 
 REPO = Path(__file__).resolve().parents[2]
 SPS = SPSTable([1, 16, 64], [1000, 900, 500])
+FLAT_SPS = SPSTable([1, 64], [1000, 1000])
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 TOKEN = "stream-token"
@@ -148,33 +149,37 @@ def test_standalone_servers_on_streams_give_the_target_greedy_output(
             proc.wait(60)
 
 
-@pytest.mark.parametrize("collect", [True, False])
-def test_drafts_collected_with_the_step_replace_propose_and_keep_the_greedy_output(
-    servers, expected: list[list[int]], collect: bool
+@pytest.mark.parametrize(
+    ("policy", "relay"), [("full", True), ("dspark", True), ("dspark", False)], ids=["full", "dspark", "propose"]
+)
+def test_relayed_rounds_replace_propose_and_keep_the_greedy_output(
+    servers, expected: list[list[int]], policy: str, relay: bool
 ) -> None:
-    """With ``on_drafts`` the verifier's ``Step`` reply carries the drafters' next blocks (drafted as soon as the
-    step's features arrived): most rounds then send no ``Propose`` at all, and the output is still the target's
-    greedy output. Without it every drafted round asks the drafter with a ``Propose``."""
+    """With ``relay`` the drafters return their next blocks (drafted as soon as a step's features arrived) to the
+    verifier, and every round whose lengths the policy planned is one relayed ``Step``: most rounds then send no
+    ``Propose`` at all, and the output is still the target's greedy output. dspark plans from the last round's
+    confidences (here on a flat SPS table: the whole block). Without relaying every drafted round asks the
+    drafter with a ``Propose``."""
     draft_server, verify_server, drafter, _verifier = servers
     pool = DrafterPool([draft_server.address], token=TOKEN)
-    remote = RemoteVerifier(
-        verify_server.address, pool.route_of, token=TOKEN, on_drafts=pool.offer if collect else None
-    )
+    remote = RemoteVerifier(verify_server.address, pool.route_of, token=TOKEN, relay=relay)
     pool.require_projection(remote.context_projection, remote.address)
-    engine = SpeculativeEngine(remote, pool, make_policy("dspark", SPS, pool.block_size))
+    engine = SpeculativeEngine(remote, pool, make_policy(policy, FLAT_SPS, pool.block_size))
     try:
         tokens = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
-        rounds = engine.snapshot().rounds
+        snap = engine.snapshot()
         proposes = sum(s.messages_sent for lane in pool._lanes for s in lane.streams.values())
     finally:
         pool.close()
         remote.close()
     assert tokens == expected
-    if collect:
+    drafted = snap.rounds - snap.rounds_without_draft
+    if relay:
         assert drafter.proposals_returned > 0
-        assert proposes < rounds / 2, (proposes, rounds)  # the first round of each request, and misses
+        assert proposes < drafted / 2, (proposes, drafted)  # the rounds right after a join
+        assert snap.num_drafts > 0 and drafted - proposes <= snap.planned_rounds <= drafted
     else:
-        assert drafter.proposals_returned == 0 and proposes > 0
+        assert drafter.proposals_returned == 0 and proposes >= drafted > 0 and snap.planned_rounds == 0
 
 
 # ---------------------------------------------------------------------------------- messages on one stream

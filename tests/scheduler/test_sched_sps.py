@@ -20,6 +20,8 @@ from scheduler.sps import (
     cuda_event_timer,
     default_batch_grid,
     profile_sps,
+    thread_clock_usable,
+    thread_cpu_timer,
     wall_clock_timer,
 )
 
@@ -146,6 +148,21 @@ def test_profiler_measures_a_real_step() -> None:
             run_step, [1, 16, 256], warmup=1, repeats=3, timer=wall_clock_timer, progress=False
         )
     assert table.batch_sizes.tolist() == [1, 16, 256]
+    assert np.all(np.isfinite(table.measured_steps_per_s)) and np.all(table.measured_steps_per_s > 0)
+
+
+def test_thread_cpu_timer_profiles_a_real_step() -> None:
+    """The CPU-time clock reads real work as positive seconds, so a whole profile by it is a valid table."""
+    assert thread_clock_usable()  # Linux: clock_gettime(CLOCK_THREAD_CPUTIME_ID), nanoseconds
+    weight = torch.randn(64, 64)
+
+    def run_step(batch: int) -> None:
+        torch.randn(batch, 64) @ weight
+
+    assert thread_cpu_timer(lambda: run_step(256)) > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SPSMonotonicityWarning)
+        table = profile_sps(run_step, [1, 16, 256], warmup=1, repeats=3, timer=thread_cpu_timer, progress=False)
     assert np.all(np.isfinite(table.measured_steps_per_s)) and np.all(table.measured_steps_per_s > 0)
 
 

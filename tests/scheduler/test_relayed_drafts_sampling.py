@@ -1,10 +1,10 @@
 """Sampled output through the disaggregated data plane follows the target's distribution (T = 1).
 
 Real gRPC drafter and verifier services with the shipped demo pair (a trained drafter: most drafts are accepted,
-so the second token is usually a draft that rejection sampling kept) and the verifier collecting the drafters'
-next blocks with its step (``collect_drafts``). The drafts travel with their sparse
-distributions through the feature push's reply and the ``Step`` reply; if a field were lost or misaligned on the
-way, verification would test drafts against the wrong distribution and the output would drift from the target's.
+so the second token is usually a draft that rejection sampling kept) and relayed rounds (policy ``full`` plans every
+round's lengths): the drafts travel with their sparse distributions from the drafter to the verifier in the
+feature push's reply and are verified there; if a field were lost or misaligned on the way, verification would test
+drafts against the wrong distribution and the output would drift from the target's.
 Chi-square on the text of the first two tokens (the second is the first one verified), as the colocated
 placement's Ray test does.
 """
@@ -63,7 +63,7 @@ def data_plane() -> Iterator[tuple[SpeculativeEngine, DrafterService]]:
     verifier = VerifierService(VerifyEngine(target, max_requests=SLOTS, max_seq_len=64), token=TOKEN)
     servers = [ServerThread([drafter.service()], token=TOKEN), ServerThread([verifier.service()], token=TOKEN)]
     pool = DrafterPool([servers[0].address], token=TOKEN)
-    remote = RemoteVerifier(servers[1].address, pool.route_of, token=TOKEN, on_drafts=pool.offer)
+    remote = RemoteVerifier(servers[1].address, pool.route_of, token=TOKEN, relay=True)
     pool.require_projection(remote.context_projection, remote.address)
     # Policy "full": every request's second token is a verified draft (or its correction).
     yield SpeculativeEngine(remote, pool, make_policy("full", None, pool.block_size)), drafter
@@ -73,7 +73,7 @@ def data_plane() -> Iterator[tuple[SpeculativeEngine, DrafterService]]:
         server.stop()
 
 
-def test_sampled_output_through_collected_drafts_follows_the_target_distribution(data_plane) -> None:
+def test_sampled_output_through_relayed_drafts_follows_the_target_distribution(data_plane) -> None:
     engine, drafter = data_plane
     ids = AutoTokenizer.from_pretrained(DEFAULT_TARGET).encode(PROMPT)
     expected = _pair_distribution(ids)
@@ -84,7 +84,10 @@ def test_sampled_output_through_collected_drafts_follows_the_target_distribution
         for result in engine.generate([ids] * SLOTS, params):
             pair = (result.token_ids[0], result.token_ids[1])
             counts[pair if pair in expected else (-1, -1)] += 1
-    assert drafter.proposals_returned > 0  # the drafts did come back with the verifier's steps
+    assert drafter.proposals_returned > 0  # the drafts did go to the verifier with its pushes' replies
+    pool = engine.draft
+    assert isinstance(pool, DrafterPool)
+    assert sum(s.messages_sent for lane in pool._lanes for s in lane.streams.values()) == 0  # no Propose at all
     snapshot = engine.snapshot()
     assert snapshot.num_draft_tokens >= SAMPLES and snapshot.num_accepted_tokens > 0  # second tokens verified
     bins = list(expected)
