@@ -717,6 +717,8 @@ class Simulation:
             joins = _Joins(self._joining, take_list, count_list)
             self._joining = {}
             self.total_rounds += take.size
+            if self.uses_drafter:  # every round that verifies a request drafts (only joiners: a prefill round)
+                self.drafted_rounds += len(count_list) - count_list.count(0)
             tokens, events = self._advance_requests(take, counts, width)
             totals, step = self._join(counts, tokens, width, joins, events)
             end = self._round_ends(take, counts, totals, step, 0 not in count_list)
@@ -736,7 +738,6 @@ class Simulation:
         e = rows_state[:, :, _E]
         o = rows_state[:, :, _OUT]
         if self.uses_drafter:  # (a round of no request, only joiners, has only padding: nothing to draft)
-            self.drafted_rounds += int(np.count_nonzero(counts))
             rows = rows_state[:, :, _ROW]
             caps = draft_caps(o - e, rows_state[:, :, _POS] + e, self.spec.max_seq_len, self.block)
             lengths = self._rounds_policy.lengths_of_recorded_rounds(self._recorded, rows, caps, counts)
@@ -904,11 +905,14 @@ class Simulation:
         moving = driver.moving
         if moving:
             driver.moving = None
-            bounds = self.trace.prompt_bounds(len(moving), self.rng)  # type: ignore[union-attr]
-            if len(moving) == 1:  # (a row of the state by its index: far cheaper than an index list of one)
-                self._state[moving[0], _ROW : _ROW_END + 1] = bounds[0]
+            trace = cast(AcceptanceTrace, self.trace)
+            if len(moving) == 1:  # (two numbers by index: far cheaper than an array and an index list of one)
+                first, end = trace.prompt_bound(self.rng)
+                state, i = self._state, moving[0]
+                state[i, _ROW] = first
+                state[i, _ROW_END] = end
             else:
-                self._state[moving, _ROW : _ROW_END + 1] = bounds
+                self._state[moving, _ROW : _ROW_END + 1] = trace.prompt_bounds(len(moving), self.rng)
         if driver.admitted:
             first_s = self.first_s
             for i in driver.admitted:

@@ -81,6 +81,15 @@ class AcceptanceTrace:
         """[prompts, 2]: the first and the end row of each recorded prompt."""
         return np.stack((self.starts[:-1], self.starts[1:]), axis=1)
 
+    @cached_property
+    def _bound_pairs(self) -> list[tuple[int, int]]:
+        return [(first, end) for first, end in self.bounds.tolist()]
+
+    def prompt_bound(self, rng: np.random.Generator) -> tuple[int, int]:
+        """:meth:`prompt_bounds` of one request as Python ints: the same draw (one bounded integer from the
+        stream), without the arrays (a simulator stores the two numbers in its request state)."""
+        return self._bound_pairs[int(rng.integers(0, self.num_prompts))]
+
     def prompt_bounds(self, count: int, rng: np.random.Generator) -> np.ndarray:
         """First and end row of a random recorded prompt for each of ``count`` requests, [count, 2]."""
         if count == 1:  # the same draw as size=1 (one bounded integer from the stream), without the array's overhead

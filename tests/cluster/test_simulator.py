@@ -80,6 +80,15 @@ def test_a_run_is_a_function_of_its_seed(costs, trace) -> None:
     assert not np.array_equal(first.finish_s, other.finish_s)  # another seed replays other trace rows
 
 
+def test_a_single_prompt_draw_equals_a_batch_draw_of_one(trace) -> None:
+    """The batched run draws one request's next recorded prompt with prompt_bound, the round-by-round run with
+    prompt_bounds: the same draw from the same stream."""
+    for seed in range(20):
+        one, batch = np.random.default_rng(seed), np.random.default_rng(seed)
+        for _ in range(5):
+            assert trace.prompt_bound(one) == tuple(trace.prompt_bounds(1, batch)[0].tolist())
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize(("placement", "groups"), [("colocated", 1), ("disaggregated", 1), ("disaggregated", 2)])
 def test_every_request_finishes_once_with_its_tokens(costs, trace, policy: str, placement: str, groups: int) -> None:
