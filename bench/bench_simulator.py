@@ -11,7 +11,9 @@ simulated time at a steady load).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -56,13 +58,18 @@ def main() -> None:
         spec = ClusterSpec(
             placement="disaggregated", verifiers=half, drafters=args.replicas - half, groups=2, policy=args.policy
         )
+    load_before = os.getloadavg()[0]
     wall, cpu = time.perf_counter(), time.process_time()
     result = simulate(workload, costs, trace, spec, seed=0, progress=True)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     record = {
         "command": f"PYTHONPATH=. python bench/bench_simulator.py --duration-s {args.duration_s:g} "
         f"--rate {args.rate:g} --replicas {args.replicas} --placement {args.placement} --policy {args.policy}",
-        "machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{platform.python_implementation()} {platform.python_version()}",
+        # The machine's other jobs: the 1-minute load average before and after the run (wall_s grows with it).
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "requests": workload.size,
         "simulated_s": result.end_s,
         "rounds": result.total_rounds,
