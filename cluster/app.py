@@ -355,33 +355,31 @@ class SchedulerReplica:
                                    token=self.config.network.grpc_token)
         self._drafter_registered = asyncio.Event()  # set by the first drafter registration (register_verifier)
 
-    async def register_drafter(self, replica_id: str, address: str) -> None:
-        await asyncio.to_thread(self.hub.register_drafter, replica_id, address)
-        self._drafter_registered.set()
+    async def register_drafter(self, replica_id: str, address: str) -> bool:
+        """The drafter's heartbeat (:meth:`SchedulerHub.heartbeat`): False when refused, logged once per
+        interval; the heartbeat tries again soon."""
+        registered = await asyncio.to_thread(self.hub.heartbeat, "drafter", replica_id, address)
+        if registered:
+            self._drafter_registered.set()
+        return registered
 
     async def register_verifier(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> bool:
-        """False while no drafter is registered (a verifier's round loop needs one): a restarted scheduler hears
-        its replicas' heartbeats in any order. Refused for want of a drafter, the call waits up to
-        ``DRAFTER_WAIT_S`` for one to register and tries once more; then it answers False and the verifier's
-        heartbeat tries again soon."""
-        from cluster.backend import BackendUnavailableError
+        """False while no drafter is registered (a verifier's round loop needs one) or when the hub refuses
+        the replica (:meth:`SchedulerHub.heartbeat`): a restarted scheduler hears its replicas' heartbeats in any
+        order. Refused before any drafter registered, the call waits up to ``DRAFTER_WAIT_S`` for one and tries
+        once more; then it answers False and the verifier's heartbeat tries again soon."""
+        registered = await asyncio.to_thread(self.hub.heartbeat, "verifier", replica_id, address, sps)
+        if registered or self._drafter_registered.is_set():
+            return registered
+        try:
+            await asyncio.wait_for(self._drafter_registered.wait(), DRAFTER_WAIT_S)
+        except TimeoutError:
+            return False
+        return await asyncio.to_thread(self.hub.heartbeat, "verifier", replica_id, address, sps)
 
-        for attempt in range(2):
-            try:
-                await asyncio.to_thread(self.hub.register_verifier, replica_id, address, sps)
-                return True
-            except BackendUnavailableError as error:
-                logger.debug("verifier %s not registered yet: %s", replica_id, error)
-            if attempt or self._drafter_registered.is_set():
-                break
-            try:
-                await asyncio.wait_for(self._drafter_registered.wait(), DRAFTER_WAIT_S)
-            except TimeoutError:
-                break
-        return False
-
-    async def register_engine(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> None:
-        await asyncio.to_thread(self.hub.register_engine, replica_id, address, sps)
+    async def register_engine(self, replica_id: str, address: str, sps: dict[str, Any] | None) -> bool:
+        """The engine replica's heartbeat (:meth:`SchedulerHub.heartbeat`)."""
+        return await asyncio.to_thread(self.hub.heartbeat, "engine", replica_id, address, sps)
 
     async def drain_engine(self, replica_id: str) -> int:
         return await asyncio.to_thread(self.hub.drain_engine, replica_id)

@@ -107,8 +107,10 @@ class ServiceLevelsConfig(_Strict):
     :mod:`scheduler.service_levels`): what a request that does not set ``speculative`` / ``priority`` /
     ``tpot_slo_ms`` gets, what happens to a request whose target cannot be met at admission (``refuse``: 429 +
     ``Retry-After``; ``queue``: it waits), and ``on_target_weight``, the factor on the survival probabilities
-    of requests that are not behind a target (1 = no lateness weighting), and ``pause_lower_tiers``: whether the
-    requests of a lower tier than a late request sit out its rounds."""
+    of requests that are not behind a target (1 = no lateness weighting), ``pause_lower_tiers``: whether the
+    requests of a lower tier than a late request sit out its rounds, and ``slo_attainment``: the share of each
+    tier's requests with a target meant to meet it, which the scheduler paces the tier for (null: pace every
+    request at its target itself)."""
 
     default_priority: int = Field(0, ge=-100, le=100)
     default_speculative: Literal["auto", "off", "on"] = "auto"
@@ -116,6 +118,7 @@ class ServiceLevelsConfig(_Strict):
     slo_admission: Literal["refuse", "queue"] = "refuse"
     on_target_weight: float = Field(0.1, gt=0, le=1)
     pause_lower_tiers: bool = False
+    slo_attainment: float | None = Field(0.95, gt=0, lt=1)
 
     def levels(self) -> ServiceLevels:
         """The scheduler's record of these settings."""

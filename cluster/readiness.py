@@ -86,11 +86,15 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 class IntervalLog:
-    """Logs an event at most once per ``interval_s``, with how many occurrences the line stands for."""
+    """Logs an event at most once per ``interval_s``, with how many occurrences the line stands for (``what``:
+    the occurrences' name in that line)."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float = LOG_INTERVAL_S) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_s: float = LOG_INTERVAL_S, what: str = "request(s) refused"
+    ) -> None:
         self._logger = logger
         self._interval_s = interval_s
+        self._what = what
         self._lock = threading.Lock()
         self._last = -float("inf")
         self._count = 0
@@ -103,4 +107,4 @@ class IntervalLog:
             if now - self._last < self._interval_s:
                 return
             count, self._count, self._last = self._count, 0, now
-        self._logger.warning("%d request(s) refused since the last report: %s", count, message)
+        self._logger.warning("%d %s since the last report: %s", count, self._what, message)

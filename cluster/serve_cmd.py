@@ -86,8 +86,11 @@ def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         "scheduler": pick("policy", "draft_cost"),
         "network": pick("api_key"),
     }
-    if given.get("slo_admission"):
-        out["scheduler"]["service_levels"] = {"slo_admission": given["slo_admission"]}
+    levels = pick("slo_admission", "slo_attainment")
+    if levels.get("slo_attainment") == "off":
+        levels["slo_attainment"] = None
+    if levels:
+        out["scheduler"]["service_levels"] = levels
     if given.get("served_model_name"):
         out["model_name"] = given["served_model_name"]
     out.update(pick("cache_dir"))

@@ -28,6 +28,19 @@ DEFAULT_MODEL_NAME = "dspark-demo"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _attainment(text: str) -> str | float:
+    """``--slo-attainment``: a share in (0, 1), or ``off``."""
+    if text == "off":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share in (0, 1) or off, got {text!r}")
+    return value
+
+
 def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection[str] | None = None) -> None:
     """The model, engine and HTTP options of ``dspark serve`` (both modes), one definition each.
 
@@ -60,6 +73,9 @@ def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection
         default=None)
     add("--slo-admission", "a request whose tpot_slo_ms cannot be met at the current load: refused (429 + "
         "Retry-After) or queued until it can be", "refuse", choices=("refuse", "queue"), default=None)
+    add("--slo-attainment", "share of each tier's requests with a tpot_slo_ms meant to meet it, which the "
+        "scheduler paces the tier for; off paces every request at its target itself", "0.95",
+        type=_attainment, default=None)
     add("--max-requests", "KV / context slots, i.e. concurrent requests, per replica", "64", type=int,
         default=None)
     add("--max-seq-len", "slot length = max prompt + completion tokens", "1024", type=int, default=None)

@@ -55,6 +55,7 @@ from scheduler.policy import VerifyPolicy
 from scheduler.service_levels import (
     BUDGET_SHARE,
     PLAIN_LEVEL,
+    PaceTracker,
     RequestLevel,
     ServiceLevels,
     SLOUnattainableError,
@@ -330,6 +331,8 @@ class SpeculativeEngine:
         self._is_detached = self.draft.is_detached if isinstance(self.draft, DetachingDrafter) else None
         self.service_levels = service_levels if service_levels is not None else ServiceLevels()
         self.tiers = TierMetrics()
+        # Per tier, the factor on TPOT targets that lateness and join slack judge requests by (read-only outside).
+        self.pace = PaceTracker(self.service_levels.slo_attainment)
         # Lower-tier requests that sit out a round with a late request (scheduler.service_levels.next_pause_count).
         self._pause_count = 0
         self._off: set[str] = set()  # running requests with speculation off (verified with no drafts)
@@ -635,8 +638,9 @@ class SpeculativeEngine:
 
     def _slacks(self) -> list[tuple[int, float]]:
         """(tier, slack) of every running request with a target that can still meet it: the seconds of rounds
-        that prefill joining prompts it can absorb (:func:`join_slack_s`, at the pace of rounds without a
-        joining prompt and its own tokens per round so far, the server's before its first verify round)."""
+        that prefill joining prompts it can absorb (:func:`join_slack_s` of its paced target, :meth:`_paced_target_s`,
+        at the pace of rounds without a joining prompt and its own tokens per round so far, the server's before its
+        first verify round)."""
         running = [r for r in self._running.values() if r.level.tpot_slo_s is not None]
         if not running:
             return []
@@ -649,8 +653,11 @@ class SpeculativeEngine:
             if first is None:
                 continue
             per_round = (len(r.output) - 1) / rounds if rounds else tau
-            target: float = r.level.tpot_slo_s  # type: ignore[assignment]  # the running ones with a target
-            slack = join_slack_s(target, now - first, len(r.output), r.max_tokens, per_round, round_s)
+            args = (now - first, len(r.output), r.max_tokens, per_round, round_s)
+            # Judged by the paced target while that budget lasts, then by the target itself until it is spent.
+            slack = join_slack_s(self._paced_target_s(r.level), *args)
+            if slack is None:
+                slack = join_slack_s(r.level.tpot_slo_s, *args)  # type: ignore[arg-type]  # running with a target
             if slack is not None:
                 out.append((r.level.priority, slack))
         return out
@@ -662,12 +669,17 @@ class SpeculativeEngine:
         round_s = self._round_s()
         out = np.zeros(len(requests), dtype=bool)
         for i, r in enumerate(requests):
-            target = r.level.tpot_slo_s
-            if target is not None:
+            if r.level.tpot_slo_s is not None:
+                target = self._paced_target_s(r.level)
                 first = r.metrics.first_token_time
                 started = first if first is not None else r.metrics.arrival_time
                 out[i] = behind_target(target, now - started, len(r.output), round_s)
         return out
+
+    def _paced_target_s(self, level: RequestLevel) -> float:
+        """The TPOT the rules hold a request of ``level`` (which has a target) to: its target times its tier's
+        pace factor (:class:`PaceTracker`)."""
+        return level.tpot_slo_s * self.pace.factor(level.priority)  # type: ignore[operator]
 
     def _late(self, verified: list[RequestState]) -> np.ndarray | None:
         """Per request of ``verified``, whether it is behind its TPOT target this round; None when none is."""
@@ -1222,7 +1234,10 @@ class SpeculativeEngine:
         if finish is None:
             return RequestOutput(req.req_id, new, text, False, None, len(req.prompt), num_output)
         metrics.finish_time = time.perf_counter()
-        self.tiers.finished(req.level, num_output, req.tpot_s(), metrics.verified)
+        tpot_s = req.tpot_s()
+        self.tiers.finished(req.level, num_output, tpot_s, metrics.verified)
+        if req.level.tpot_slo_s is not None and tpot_s is not None:
+            self.pace.finished(req.level.priority, tpot_s <= req.level.tpot_slo_s)
 
         self._running.pop(req.req_id, None)
         self._finished.append(req.req_id)  # released with the round's other finishers (_release_finished)

@@ -101,6 +101,7 @@ class SchedulerHub:
         # Whether a verifier group accepts new requests (what a new request waits for); see readiness().
         self._admission = ReadinessGate(Readiness(False, "no verifier replica is registered yet"))
         self._refusals = IntervalLog(logger)
+        self._refused_registrations = IntervalLog(logger, what="registration(s) refused")
         self._lock = threading.Lock()
         self._drafters: dict[str, str] = {}  # replica id -> address
         self._draining_drafters: set[str] = set()  # replica ids
@@ -182,6 +183,32 @@ class SchedulerHub:
             logger.info("verifier %s registered at %s", replica_id, address)
         self._readiness_changed()
         self.failover.verifier_joined()
+
+    def heartbeat(self, kind: str, replica_id: str, address: str, sps: dict[str, Any] | None = None) -> bool:
+        """A pool replica's periodic registration (``kind``: ``drafter``, ``verifier`` or ``engine``): whether it
+        is registered now. A refusal answers False, for the replica to try again at its next heartbeat: no
+        drafter yet for a verifier (debug), or a replica this hub cannot use (unreachable, a wire-contract or
+        projection mismatch, a refused token), logged as one line per interval with the count and the last
+        reason, not as a traceback per heartbeat. Direct callers of ``register_*`` (the standalone scheduler)
+        get the exception instead."""
+        if kind not in ("drafter", "verifier", "engine"):
+            raise ValueError(f"unknown replica kind {kind!r}")
+        try:
+            if kind == "drafter":
+                self.register_drafter(replica_id, address)
+            elif kind == "verifier":
+                self.register_verifier(replica_id, address, sps)
+            else:
+                self.register_engine(replica_id, address, sps)
+        except BackendUnavailableError as error:
+            logger.debug("%s %s not registered yet: %s", kind, replica_id, error)
+            return False
+        except Exception as error:  # reported once per interval: the replica's heartbeat retries every few seconds
+            self._refused_registrations.record(
+                f"{kind} {replica_id} at {address}: {type(error).__name__}: {error}"
+            )
+            return False
+        return True
 
     def drain_verifier(self, replica_id: str) -> int:
         """Stop routing new requests to this verifier; returns how many of its requests are still running.

@@ -34,6 +34,15 @@ decoding lossless:
   ``slo_admission: queue``, waits while others run until the prediction leaves :data:`BUDGET_SHARE` of the target
   room.
 
+Pacing below the target: a request paced exactly at its target ends on either side of it about equally often,
+so lateness and the join slack judge a request against its target times its tier's pace factor
+(:class:`PaceTracker`; the slack falls back to the target itself once the paced budget is spent), while admission
+(refusal, queueing) keeps the target itself: the factor is a margin, not a stricter promise. The factor falls a
+step when a request of the tier finishes missing its target and rises a smaller step when one meets it, the steps
+in the ratio that makes the share meeting their targets converge to ``slo_attainment`` (stochastic quantile
+tracking). A tier whose requests all meet their targets keeps the factor at 1. The factor is a function of
+finished requests' timings only, so it keeps decoding lossless like every other rule here.
+
 Why the weights stay lossless: scaling request r's survivals by a factor w_r keeps each request's items in the
 walk in position order (w_r * a[r, j] is still non-increasing in j), so the walk still admits prefixes, and the
 early-stop argument of :mod:`scheduler.algorithm` holds unchanged as long as w_r is fixed before the round's
@@ -77,7 +86,9 @@ class ServiceLevels:
     ``Retry-After``) or ``queue`` (wait, admitted once the prediction leaves :data:`BUDGET_SHARE` of the target
     room or nothing else runs). ``pause_lower_tiers``: in a round with a late request, some requests of a
     lower tier than a late one sit it out (:func:`paused`, :func:`next_pause_count`): weighting alone leaves a
-    high request sharing every round with every best-effort one, whose round time it cannot shorten."""
+    high request sharing every round with every best-effort one, whose round time it cannot shorten.
+    ``slo_attainment``: the share of a tier's requests with a target that should meet it, which its pace factor
+    steers to (:class:`PaceTracker`); None judges every request against its target itself."""
 
     default_priority: int = 0
     default_speculative: Speculative = "auto"
@@ -85,6 +96,7 @@ class ServiceLevels:
     slo_admission: SloAdmission = "refuse"
     on_target_weight: float = 0.1
     pause_lower_tiers: bool = False
+    slo_attainment: float | None = 0.95
 
     def __post_init__(self) -> None:
         if self.default_speculative not in SPECULATIVE_MODES:
@@ -99,6 +111,8 @@ class ServiceLevels:
             raise ValueError(f"slo_admission must be refuse or queue, got {self.slo_admission!r}")
         if not 0.0 < self.on_target_weight <= 1.0:
             raise ValueError(f"on_target_weight must be in (0, 1], got {self.on_target_weight}")
+        if self.slo_attainment is not None and not 0.0 < self.slo_attainment < 1.0:
+            raise ValueError(f"slo_attainment must be in (0, 1) or None, got {self.slo_attainment}")
 
 
 @dataclass(frozen=True)
@@ -183,6 +197,38 @@ def lateness_weights(late: np.ndarray, on_target_weight: float) -> np.ndarray | 
     if not late.any() or on_target_weight >= 1.0:
         return None
     return np.where(late, 1.0, on_target_weight)
+
+
+#: How far a tier's pace factor moves per finished request with a target: down by PACE_STEP * attainment on a
+#: miss, up by PACE_STEP * (1 - attainment) on a hit. At 0.05 and 0.95, ten misses in a row take it from 1 to
+#: about 0.53, and nineteen hits undo one miss: it settles within a few hundred requests.
+PACE_STEP = 0.05
+#: The pace factor's floor: no tier is paced faster than twice its target.
+MIN_PACE = 0.5
+
+
+class PaceTracker:
+    """Per priority tier, the factor on its requests' TPOT targets that the scheduler's rules judge them by.
+
+    Starts at 1. :meth:`finished` moves it after each request of the tier with a target: down on a miss, up on a
+    hit, in the ratio ``attainment : 1 - attainment``, so it settles where that share of the tier's requests meet
+    their targets (on average the steps cancel exactly when the miss rate is ``1 - attainment``); clipped to
+    [:data:`MIN_PACE`, 1]. ``attainment`` None keeps every factor at 1. Timings only: lossless."""
+
+    def __init__(self, attainment: float | None) -> None:
+        self.attainment = attainment
+        self._factors: dict[int, float] = {}
+
+    def factor(self, priority: int) -> float:
+        """The tier's current factor (1 for a tier none of whose requests finished yet)."""
+        return self._factors.get(priority, 1.0)
+
+    def finished(self, priority: int, met: bool) -> None:
+        """A request of tier ``priority`` with a target finished and ``met`` it or not."""
+        if self.attainment is None:
+            return
+        step = PACE_STEP * (1.0 - self.attainment) if met else -PACE_STEP * self.attainment
+        self._factors[priority] = min(1.0, max(MIN_PACE, self.factor(priority) + step))
 
 
 #: A round with a late request pauses up to 1/PAUSE_STEPS more of the lower-tier candidates than the last one.

@@ -94,3 +94,23 @@ def test_every_option_of_every_command_has_help_and_its_default(monkeypatch: pyt
             valued = action.default not in (None, "", [], {}, argparse.SUPPRESS)
             if valued and not isinstance(action.default, bool):
                 assert "default" in parser._get_formatter()._expand_help(action), (prog, action.option_strings)
+
+
+def test_service_level_flags_reach_the_config() -> None:
+    """``--slo-admission`` and ``--slo-attainment`` (a share, or ``off`` for pacing at the target itself) set
+    the scheduler's service levels in both modes; an out-of-range share is a usage error."""
+    from cluster.cli import build_parser
+    from cluster.config import AppConfig
+    from cluster.serve_cmd import app_args_from_flags
+
+    def levels(*flags: str) -> tuple[str, float | None]:
+        args = build_parser().parse_args(["serve", *flags])
+        config = AppConfig.from_args(app_args_from_flags(args)).scheduler.service_levels
+        return config.slo_admission, config.slo_attainment
+
+    assert levels() == ("refuse", 0.95)
+    assert levels("--slo-admission", "queue", "--slo-attainment", "off") == ("queue", None)
+    assert levels("--slo-attainment", "0.9") == ("refuse", 0.9)
+    for bad in ("1", "0", "most"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--slo-attainment", bad])

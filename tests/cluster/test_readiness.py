@@ -142,3 +142,38 @@ def test_readiness_probe_passes_before_the_application_is_deployed(ingress: dict
         free = sock.getsockname()[1]
     assert probe(["--url", f"http://127.0.0.1:{free}/health"]) == 0
     assert probe(["--url", f"{ingress['url']}/no-application-here"]) == 0
+
+
+def test_heartbeats_the_hub_refuses_are_retried_and_logged_once_per_interval(
+    deployment: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool replica registers by heartbeat every few seconds: a verifier heard before any drafter is not
+    registered yet (quietly), and a replica the hub cannot use (here: nothing listens at its address) is refused
+    with one log line per interval and no traceback, instead of one traceback per heartbeat."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    hub = SchedulerHub(model_name="m", policy="dspark", decode=None, timeout_s=10.0)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="scheduler.hub"):
+            assert hub.heartbeat("verifier", "v0", deployment["verifier"], deployment["sps"]) is False
+            assert [hub.heartbeat("drafter", "gone", dead) for _ in range(3)] == [False, False, False]
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert "3 registration(s) refused" not in warnings[0].getMessage()  # the first refusal is reported at once
+        assert "drafter gone at " + dead in warnings[0].getMessage() and warnings[0].exc_info is None
+        assert not hub.readiness().ready
+        assert hub.heartbeat("drafter", "d0", deployment["drafter"]) is True
+        assert hub.heartbeat("verifier", "v0", deployment["verifier"], deployment["sps"]) is True
+        assert hub.heartbeat("verifier", "v0", deployment["verifier"], deployment["sps"]) is True  # idempotent
+        assert hub.readiness().ready
+        with pytest.raises(ValueError, match="unknown replica kind"):
+            hub.heartbeat("router", "r0", dead)
+    finally:
+        hub.drain_verifier("v0")
+        hub.unregister_verifier("v0")
+        hub.unregister_drafter("d0")
+        hub.close()
+    assert deployment["verify_engine"].num_free_slots == 4

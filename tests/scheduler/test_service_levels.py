@@ -19,6 +19,9 @@ from kernels.sampling import SamplingError, SamplingParams
 from scheduler.engine import SLO_RETRY_AFTER_S, SpeculativeEngine
 from scheduler.policy import make_policy
 from scheduler.service_levels import (
+    MIN_PACE,
+    PACE_STEP,
+    PaceTracker,
     RequestLevel,
     ServiceLevels,
     SLOUnattainableError,
@@ -254,6 +257,46 @@ def test_levels_resolve_and_validate() -> None:
     assert SamplingParams.from_dict(params.to_dict()) == params
     with pytest.raises(ValueError):
         ServiceLevels(on_target_weight=0.0)
+    for attainment in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="slo_attainment"):
+            ServiceLevels(slo_attainment=attainment)
+
+
+def test_pace_factor_settles_where_the_attainment_goal_is_met() -> None:
+    """A tier whose TPOT scales with the pace it is held to (log-normal spread around it): quantile tracking
+    moves the factor below 1 until the share meeting the target is the goal's, and back up once the load eases;
+    without a goal the factor stays 1."""
+    rng = np.random.default_rng(0)
+    pace = PaceTracker(0.95)
+    met = []
+    for _ in range(20000):
+        tpot = pace.factor(0) * float(rng.lognormal(0.0, 0.25))  # the target is 1
+        met.append(tpot <= 1.0)
+        pace.finished(0, met[-1])
+    assert 0.93 <= np.mean(met[5000:]) <= 0.97
+    assert MIN_PACE < pace.factor(0) < 0.8  # a 0.25 log-spread needs ~0.66 for 95 % under the target
+    for _ in range(400):  # the load eases: every request meets its target
+        pace.finished(0, True)
+    assert pace.factor(0) == 1.0 and pace.factor(7) == 1.0  # and a tier never heard of is at 1
+    for _ in range(100):
+        pace.finished(0, False)
+    assert pace.factor(0) == MIN_PACE  # clipped
+    off = PaceTracker(None)
+    off.finished(0, False)
+    assert off.factor(0) == 1.0
+
+
+def test_missed_targets_tighten_their_tier_only(reference: dict) -> None:
+    """Requests with an unattainable target (1 ns per token) lower their tier's pace factor; a tier with a
+    target it meets, and a tier without targets, keep 1. The output stays the target's greedy output."""
+    engine = _engine(ServiceLevels(slo_admission="queue"))
+    prompts = reference["prompts"][:3]
+    params = [_greedy(reference, priority=-1, tpot_slo_ms=1e-6), _greedy(reference, priority=1, tpot_slo_ms=1e6),
+              _greedy(reference, priority=2)]
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == reference["b"]["target_greedy_new_tokens"][:3]
+    assert engine.pace.factor(-1) == 1.0 - PACE_STEP * 0.95
+    assert engine.pace.factor(1) == 1.0 and engine.pace.factor(2) == 1.0
 
 
 def test_tier_snapshots_merge() -> None:
