@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.uninitialised import uninitialised
+
 _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps")
 #: transformers' default RoPE base, for a checkpoint that names none.
@@ -99,27 +101,12 @@ class GenerationConfig:
     eos_token_id: int | list[int] | None
 
 
-class _Linear(nn.Linear):
-    """``nn.Linear`` left uninitialised: every weight is assigned from the checkpoint. Initialising (even on the
-    meta device, whose init ops import ``torch._dynamo``: 1.2-1.6 s on the CPU VM) would be thrown away."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
-class _Embedding(nn.Embedding):
-    """``nn.Embedding`` left uninitialised, as :class:`_Linear`."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
 class RMSNorm(nn.Module):
     """transformers' ``Qwen3RMSNorm``: normalised in fp32, scaled in the input dtype."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))  # assigned from the checkpoint
+        self.weight = nn.Parameter(torch.ones(size))
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -135,9 +122,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
-        self.gate_proj = _Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = _Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = _Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -151,10 +138,10 @@ class Attention(nn.Module):
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         bias = config.attention_bias
         self.scaling = head_dim**-0.5
-        self.q_proj = _Linear(config.hidden_size, heads * head_dim, bias=bias)
-        self.k_proj = _Linear(config.hidden_size, kv_heads * head_dim, bias=bias)
-        self.v_proj = _Linear(config.hidden_size, kv_heads * head_dim, bias=bias)
-        self.o_proj = _Linear(heads * head_dim, config.hidden_size, bias=bias)
+        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
@@ -207,7 +194,7 @@ class Backbone(nn.Module):
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
-        self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -222,7 +209,7 @@ class Qwen3Modules(nn.Module):
         self.config = config
         self.generation_config = generation_config
         self.model = Backbone(config)
-        self.lm_head = _Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -254,7 +241,8 @@ def load_qwen3(folder: str | Path, *, dtype: torch.dtype, device: torch.device |
         return None
     generation_file = path / "generation_config.json"
     eos = json.loads(generation_file.read_text()).get("eos_token_id") if generation_file.is_file() else None
-    modules = Qwen3Modules(config, GenerationConfig(eos_token_id=eos))  # uninitialised, untouched memory
+    with uninitialised():  # every parameter is assigned from the files below
+        modules = Qwen3Modules(config, GenerationConfig(eos_token_id=eos))
     state = _read_weights(path)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
