@@ -2,9 +2,9 @@
 
 Why: :class:`verify_service.target.TargetModel` runs its own forward and needs from the checkpoint only the module
 tree (projections, norms, MLPs, rotary embedding, LM head) and its weights. Loading them through transformers'
-``Qwen3ForCausalLM`` imports transformers, which on the CPU development VM took 3-5 s of a verifier replica's
+``Qwen3ForCausalLM`` imports transformers, which on the CPU development VM took 2-5 s of a verifier replica's
 restart (its Qwen3 model pulls in ``torch.distributed.tensor``, ``torch._dynamo``, the tokenizers); reading the
-safetensors files directly takes a few milliseconds for the demo target.
+safetensors files directly takes 0.03-0.07 s for the demo target.
 
 Contract: :func:`load_qwen3` returns modules whose parameters (names, shapes, values in the requested dtype,
 the tied LM head as the embedding's own tensor) and whose per-module computations (:class:`RMSNorm`,
