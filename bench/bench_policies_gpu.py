@@ -239,7 +239,7 @@ def copy_bandwidth(device: torch.device, num_bytes: int) -> dict[str, float]:
 def weight_bytes(target: TargetModel) -> int:
     """Bytes a target step must read: every parameter once (tied embedding = the LM head, read in full); an
     untied input embedding is only gathered row by row, so it does not count."""
-    params = {p.data_ptr(): p for p in target.hf_model.parameters()}
+    params = {p.data_ptr(): p for p in target.modules.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
     embed, head = target.embed_tokens_weight, target.lm_head_weight
     if embed.data_ptr() != head.data_ptr():
@@ -316,7 +316,7 @@ def hf_generate_baseline(target: TargetModel, prompt: list[int], max_new_tokens:
     """Plain transformers ``generate`` (greedy, HF's own cache and attention) at 1 request: tokens/s =
     new tokens / wall time of the call (prefill included), median over ``repeats`` after one short warm-up.
     Padded vocabulary ids are suppressed by the inflated model's generation config."""
-    model = target.hf_model
+    model = target.modules  # transformers' Qwen3ForCausalLM: inflate_pair's target wraps one
     device = target.device
     input_ids = torch.tensor([prompt], dtype=torch.int64, device=device)
     kwargs = {"attention_mask": torch.ones_like(input_ids), "do_sample": False}

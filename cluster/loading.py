@@ -21,7 +21,7 @@ from cluster.sps_cache import EngineShape, SPSCache, fingerprint_digest, sps_fin
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.warmup import warm_up_draft
-from kernels.compile_watch import watch_compiles
+from kernels.compile_watch import WATCH, CompileWatch, watch_compiles
 from kernels.graphs import resolve_graph_mode
 from scheduler.policy import uses_sps
 from scheduler.profiling import PROFILER_VERSION, profile_graph_sps_by_requests, profile_target_sps
@@ -50,6 +50,15 @@ def draft_layer_ids(config: AppConfig) -> tuple[int, ...]:
     from draft_service.config import DraftConfig
 
     return tuple(DraftConfig.from_json(Path(config.models.draft) / "config.json").target_layer_ids)
+
+
+def compile_watch(config: AppConfig) -> CompileWatch:
+    """The process's Triton compile watch (:func:`kernels.compile_watch.watch_compiles`) where the engines run
+    Triton kernels, i.e. on CUDA; elsewhere the watch unhooked: no Triton kernel launches on a CPU, and importing
+    Triton only to hook it cost a CPU replica's every start 0.1 s."""
+    if torch.device(config.models.device).type != "cuda":
+        return WATCH
+    return watch_compiles()
 
 
 def graph_mode(config: AppConfig) -> str:
@@ -250,7 +259,7 @@ def build_round_engine(
             "speculation with --policy autoregressive"
         )
     block_size = drafter_block_size(config) if drafting else 1
-    watch = watch_compiles()
+    watch = compile_watch(config)
     verify = build_verify_engine(config)
     warm_up_verify(verify, block_size)
     draft = None
@@ -305,7 +314,7 @@ def build_verifier_service(config: AppConfig) -> VerifierService:
     from draft_service.projection import load_context_projection
     from verify_service.rpc_service import VerifierService
 
-    watch = watch_compiles()
+    watch = compile_watch(config)
     engine = build_verify_engine(config)
     warm_up_verify(engine, drafter_block_size(config))
     loaded = serving_sps(config, engine, drafter_block_size(config))
@@ -337,7 +346,7 @@ def build_drafter_service(config: AppConfig, grpc_host: str) -> DrafterService:
     from draft_service.rpc_service import DrafterService
 
     collective = config.engine.feature_transport == "collective"
-    watch = watch_compiles()
+    watch = compile_watch(config)
     engine = build_draft_engine(config)
     warm_up_draft(engine, projected=verifier_projects(config))
     watch.arm()

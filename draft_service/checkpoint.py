@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from draft_service.config import REAL_VOCAB_KEY, CheckpointError, DraftConfig, validate_target_layer_ids
 from draft_service.model import DSparkDraftModel, RotaryEmbedding
+from kernels.uninitialised import uninitialised
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ def load_draft_model(
             target_source=str(Path(target_dir) / CONFIG_NAME),
         )
 
-    with torch.device("meta"):
+    with uninitialised():  # every parameter is assigned from the files below
         model = DSparkDraftModel(config)
     expected = model.state_dict()
     files, source = _tensor_files(draft_dir)

@@ -1,11 +1,13 @@
 """The Qwen3 target: HF weights, our own batched forward over the slot KV cache.
 
-transformers loads the checkpoint (`Qwen3ForCausalLM.from_pretrained`, local files only) and owns every
-weight; this wrapper reuses its modules (projections, norms, MLPs, rotary embedding, LM head) but runs its
-own forward so that one call can serve a ragged batch of prefill chunks and verify chunks, write their K/V
-into per-request slots, and return just what the round needs: fp32 logits of selected rows and the context
-features (hidden states of `feature_layer_ids`) of selected rows. HF's own cache and attention code would
-need a padded batch and a cache object per request, and cannot roll a request back by moving a counter.
+The checkpoint's modules (projections, norms, MLPs, rotary embedding, LM head) come in transformers' layout,
+either read straight from the safetensors files (:mod:`verify_service.qwen3`, what ``from_pretrained`` does: no
+transformers import at a replica's start) or from a transformers ``Qwen3ForCausalLM`` (the constructor takes
+either; the offline tools pass transformers' models). This wrapper runs its own forward so that one call can
+serve a ragged batch of prefill chunks and verify chunks, write their K/V into per-request slots, and return
+just what the round needs: fp32 logits of selected rows and the context features (hidden states of
+`feature_layer_ids`) of selected rows. HF's own cache and attention code would need a padded batch and a cache
+object per request, and cannot roll a request back by moving a counter.
 
 Context feature of layer id l: -1 is the embedding output, l in [0, L) is HF `hidden_states[l + 1]`, i.e. the
 output of decoder layer l; for the last layer that is, as in HF, after the final norm. Features of several
@@ -15,17 +17,22 @@ ids are concatenated on the last axis in the order given: [rows, m * H].
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import Qwen3ForCausalLM
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from verify_service.attention import ATTENTION_BACKENDS, CachedAttentionMetadata, store_kv, varlen_cached_attention
 from verify_service.kv_cache import RaggedBatch, SlotKVCache
+from verify_service.qwen3 import Qwen3Modules, apply_rotary_pos_emb, load_qwen3
+
+if TYPE_CHECKING:
+    from transformers import Qwen3ForCausalLM
+
+logger = logging.getLogger(__name__)
 
 REAL_VOCAB_KEY = "dspark_real_vocab_size"
 """config.json key of a model with a padded vocabulary (verify_service/inflate.py): ids at or past it are padding."""
@@ -57,8 +64,9 @@ class TargetOutput:
 class TargetModel:
     """A Qwen3 causal LM evaluated over a SlotKVCache; see the module docstring."""
 
-    def __init__(self, hf_model: Qwen3ForCausalLM, feature_layer_ids: Sequence[int] = ()) -> None:
-        config = hf_model.config
+    def __init__(self, modules: Qwen3Modules | Qwen3ForCausalLM, feature_layer_ids: Sequence[int] = ()) -> None:
+        """``modules``: the checkpoint's module tree in transformers' Qwen3 layout (see the module docstring)."""
+        config = modules.config
         if config.model_type != "qwen3":
             raise ValueError(f"TargetModel: expected a qwen3 model, got model_type={config.model_type!r}")
         unsupported = sorted(set(config.layer_types or ()) - {"full_attention"})
@@ -72,7 +80,8 @@ class TargetModel:
                 f"TargetModel: feature layer ids {bad} are outside [-1, {num_layers - 1}] "
                 f"(the target has {num_layers} decoder layers)"
             )
-        self.hf_model = hf_model.eval().requires_grad_(False)
+        # Typed Any: the two trees share a layout (attribute names and module computations), not a class.
+        self.modules: Any = modules.eval().requires_grad_(False)
         self.config = config
         self.feature_layer_ids = ids
         self.num_layers = num_layers
@@ -134,8 +143,11 @@ class TargetModel:
     ) -> TargetModel:
         """Load a local HF Qwen3 folder (config.json + safetensors); nothing is downloaded.
 
-        Tied embeddings (no lm_head.weight in the file), `rope_parameters` or legacy top-level `rope_theta`,
-        GQA and q/k norms are all handled by transformers' own config and loader.
+        Read by :func:`verify_service.qwen3.load_qwen3` (the same weights and module computations as
+        transformers' loader, without importing transformers); a config it does not reproduce (another RoPE
+        type, sliding-window layers, ...) loads through transformers' ``Qwen3ForCausalLM`` instead. Either way
+        tied embeddings (no lm_head.weight in the file), `rope_parameters` or legacy top-level `rope_theta`, GQA
+        and q/k norms are handled.
         """
         path = Path(folder)
         config_file = path / "config.json"
@@ -146,6 +158,13 @@ class TargetModel:
             raise ValueError(f"TargetModel: {config_file} has model_type={model_type!r}, expected 'qwen3'")
         if not any(path.glob("*.safetensors")):
             raise ValueError(f"TargetModel: no *.safetensors weight file in {path}")
+        modules = load_qwen3(path, dtype=dtype, device=device)
+        if modules is not None:
+            return cls(modules, feature_layer_ids)
+        logger.info("TargetModel: %s is loaded through transformers (a config verify_service.qwen3 does not read)",
+                    path)
+        from transformers import Qwen3ForCausalLM
+
         hf_model = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         # transformers wraps PreTrainedModel.to in a decorator whose signature mypy misreads (self as the argument).
         return cls(hf_model.to(device), feature_layer_ids)  # type: ignore[arg-type]
@@ -171,17 +190,17 @@ class TargetModel:
     @property
     def embed_tokens_weight(self) -> torch.Tensor:
         """[V, H] input embedding (the drafter's copy must equal it)."""
-        return self.hf_model.model.embed_tokens.weight
+        return self.modules.model.embed_tokens.weight
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """[V, H] output projection; the same tensor as the embedding when the config ties them."""
-        return self.hf_model.lm_head.weight
+        return self.modules.lm_head.weight
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """EOS ids from generation_config.json (or config.json); empty when none is set."""
-        generation_config = getattr(self.hf_model, "generation_config", None)
+        generation_config = getattr(self.modules, "generation_config", None)
         eos = getattr(generation_config, "eos_token_id", None)
         if eos is None:
             eos = self.config.eos_token_id
@@ -254,15 +273,15 @@ class TargetModel:
             return self._run_layers_fused(cache, input_ids, meta, logits_rows, feature_rows)
         logits_rows, feature_rows = _selected_rows(input_ids, logits_rows, feature_rows)
 
-        hf = self.hf_model.model
+        backbone = self.modules.model
         num_tokens = input_ids.shape[0]
-        x = hf.embed_tokens(input_ids)
-        cos, sin = hf.rotary_emb(x, meta.positions[None])
+        x = backbone.embed_tokens(input_ids)
+        cos, sin = backbone.rotary_emb(x, meta.positions[None])
         cos, sin = cos[0], sin[0]  # [N, D]
         collected: dict[int, torch.Tensor] = {}
         if -1 in self.feature_layer_ids:
             collected[-1] = x[feature_rows]
-        for index, layer in enumerate(hf.layers):
+        for index, layer in enumerate(backbone.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.q_norm(attn.q_proj(h).view(num_tokens, self.num_heads, self.head_dim))
@@ -276,8 +295,8 @@ class TargetModel:
             if index in self.feature_layer_ids and index != self.num_layers - 1:
                 collected[index] = x[feature_rows]
         if self.num_layers - 1 in self.feature_layer_ids:
-            collected[self.num_layers - 1] = hf.norm(x[feature_rows])
-        return self._output(hf.norm(x[logits_rows]), collected)
+            collected[self.num_layers - 1] = backbone.norm(x[feature_rows])
+        return self._output(backbone.norm(x[logits_rows]), collected)
 
     def _fused(self) -> list[_FusedLayer]:
         """Per layer: the q/k/v and gate/up projections as one weight each (built once; the HF modules' weights
@@ -286,7 +305,7 @@ class TargetModel:
             from kernels.fused_layer_triton import stack_into_views
 
             layers = []
-            for layer in self.hf_model.model.layers:
+            for layer in self.modules.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 projections = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
                 if any(p.bias is not None for p in projections):
@@ -314,18 +333,18 @@ class TargetModel:
 
         fused = self._fused()
         logits_rows, feature_rows = _selected_rows(input_ids, logits_rows, feature_rows)
-        hf = self.hf_model.model
+        backbone = self.modules.model
         num_tokens = input_ids.shape[0]
         counters = self._skinny_workspace() if self.skinny_gemm and takes_pass(num_tokens, self.device) else None
         last = self.num_layers - 1
-        x = hf.embed_tokens(input_ids).contiguous()  # the residual stream, updated in place from here on
-        cos, sin = hf.rotary_emb(x, meta.positions[None])
+        x = backbone.embed_tokens(input_ids).contiguous()  # the residual stream, updated in place from here on
+        cos, sin = backbone.rotary_emb(x, meta.positions[None])
         cos, sin = cos[0], sin[0]
         collected: dict[int, torch.Tensor] = {}
         if -1 in self.feature_layer_ids:
             collected[-1] = x[feature_rows]
         delta = None
-        for index, (layer, weights) in enumerate(zip(hf.layers, fused, strict=True)):
+        for index, (layer, weights) in enumerate(zip(backbone.layers, fused, strict=True)):
             attn = layer.self_attn
             norm = layer.input_layernorm
             h = add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)  # x += the previous layer's MLP
@@ -359,7 +378,7 @@ class TargetModel:
                 act = skinny_gate_up_silu(h, weights.gate_up, counters=counters)
                 skinny_linear(act, layer.mlp.down_proj.weight, x, counters=counters)
                 delta = None
-        h = add_rms_norm(x, delta, hf.norm.weight, hf.norm.variance_epsilon)  # x: the last layer's output
+        h = add_rms_norm(x, delta, backbone.norm.weight, backbone.norm.variance_epsilon)  # x: the last layer's output
         if last in self.feature_layer_ids:
             collected[last] = h[feature_rows]
         normed = h[logits_rows]
@@ -373,10 +392,10 @@ class TargetModel:
         if self._skinny_counters is None:
             from kernels.skinny_gemm_triton import model_counters
 
-            hf = self.hf_model
-            modules = [hf.lm_head] + [m for layer in hf.model.layers for m in (layer.self_attn.o_proj,
-                                                                                layer.mlp.down_proj)]  # fmt: skip
-            self._skinny_counters = model_counters("TargetModel", self.device, modules)
+            tree = self.modules
+            projections = [tree.lm_head] + [m for layer in tree.model.layers for m in (layer.self_attn.o_proj,
+                                                                                      layer.mlp.down_proj)]  # fmt: skip
+            self._skinny_counters = model_counters("TargetModel", self.device, projections)
         return self._skinny_counters
 
     def _output(
@@ -385,7 +404,7 @@ class TargetModel:
         """Both layer paths end alike: logits of the final-normed rows (padded vocabulary ids never win) and the
         chosen layers' rows concatenated in ``feature_layer_ids`` order. ``projected``: the LM head's output
         for ``normed`` when the caller already computed it (the skinny GEMM)."""
-        logits = (self.hf_model.lm_head(normed) if projected is None else projected).float()
+        logits = (self.modules.lm_head(normed) if projected is None else projected).float()
         if self.vocab_size < self.logits_width:
             logits[:, self.vocab_size :] = float("-inf")
         features = None

@@ -10,6 +10,7 @@ import pytest
 import torch
 from model_factory import PairSpec, write_pair
 from stats import chi_square_p_value
+from transformers import Qwen3ForCausalLM
 
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
@@ -116,7 +117,7 @@ def test_sampled_tokens_follow_the_target_distribution_with_skipped_rounds(
     assert 0 < gate.skipped < gate.decisions
     assert engine.snapshot().num_accepted_tokens > 0
     tokens = np.array([r.token_ids for r in results])
-    hf = target.hf_model
+    hf = Qwen3ForCausalLM.from_pretrained(small_vocab_pair[0], local_files_only=True)  # the reference
     vocab = target.vocab_size
     with torch.no_grad():
         p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)

@@ -60,7 +60,7 @@ def test_fused_generate_equals_the_module_path(targets: tuple[TargetModel, Targe
     prompts = [[1, 2, 3], [7] * 11, [100, 3]]
     assert fused.generate(prompts, 12) == plain.generate(prompts, 12)
     # the projections are views into the fused weights: the HF modules still compute the same
-    layer = fused.hf_model.model.layers[0]
+    layer = fused.modules.model.layers[0]
     assert layer.self_attn.q_proj.weight.data_ptr() == fused._fused()[0].qkv.data_ptr()
 
 

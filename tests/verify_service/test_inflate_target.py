@@ -223,7 +223,7 @@ def test_padded_ids_are_refused_and_never_sampled(small: Qwen3ForCausalLM) -> No
         big.prepare(cache, [(cache.allocate(), [5, SMALL.vocab_size + 3])])
     # Unmasked, the zero LM-head rows of the padded ids would carry real probability mass ...
     with torch.no_grad():
-        raw = big.hf_model(torch.tensor([PROMPTS[1]])).logits[0].softmax(-1)
+        raw = big.modules(torch.tensor([PROMPTS[1]])).logits[0].softmax(-1)
     assert raw[:, SMALL.vocab_size :].sum(-1).min().item() > 1e-3
     # ... masked, no temperature-1 sample ever picks one.
     outputs = big.generate(PROMPTS * 4, max_new_tokens=40, temperature=1.0, seed=11)

@@ -270,7 +270,7 @@ def test_legacy_rope_theta_config_is_honoured(tmp_path: Path) -> None:
     legacy = make_qwen3(tmp_path / "legacy", seed=9, rope_theta=1e6, legacy_rope=True)
     assert "rope_theta" in json.loads((legacy / "config.json").read_text())
     target = TargetModel.from_pretrained(legacy, (0,))
-    assert target.config.rope_parameters["rope_theta"] == 1e6
+    assert target.config.rope_theta == 1e6
     ids = random_ids(torch.Generator().manual_seed(9), 30)
     cache = target.new_kv_cache(1, 32)
     slot = cache.allocate()
