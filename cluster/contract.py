@@ -487,6 +487,15 @@ def split_rows(counts: list[int], total: int, what: str) -> list[tuple[int, int]
     return out
 
 
+def row_index(counts: Sequence[int], picked: Sequence[int]) -> np.ndarray:
+    """The rows of requests ``picked`` (ascending) in a flat batch of ``counts[i]`` rows per request, back to back
+    (int64): what ``index_select`` takes to gather their rows without a view per request."""
+    sizes = np.asarray(counts, dtype=np.int64)
+    taken = sizes[np.asarray(picked, dtype=np.int64)]
+    firsts = (np.cumsum(sizes) - sizes)[np.asarray(picked, dtype=np.int64)]
+    return np.repeat(firsts - (np.cumsum(taken) - taken), taken) + np.arange(int(taken.sum()), dtype=np.int64)
+
+
 def parse_step_request(request: dict[str, Any]) -> tuple[list[PrefillItem], Sequence[VerifyItem]]:
     """The prefills and verifications of a validated ``Step`` (a :class:`VerifyBatch` when every verification
     names its position, as a round driver's do; else a list); ValueError names a field that disagrees with

@@ -38,7 +38,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from cluster import contract
@@ -346,11 +345,8 @@ def _feature_rows(results: StepResults, rows: list[int]) -> tuple[torch.Tensor, 
     assert features is not None  # callers pack the features of steps that have them
     if len(rows) == len(results):
         return features, False
-    counts = np.asarray(results.feature_counts, dtype=np.int64)
-    firsts = np.cumsum(counts) - counts  # each result's first row
-    taken = counts[rows]
-    index = np.repeat(firsts[rows] - (np.cumsum(taken) - taken), taken) + np.arange(int(taken.sum()))
-    return features.index_select(0, torch.from_numpy(index).to(features.device)), True
+    index = torch.from_numpy(contract.row_index(results.feature_counts, rows))
+    return features.index_select(0, index.to(features.device)), True
 
 
 def _own_copy(features: torch.Tensor, fresh: bool, *, on_host: bool) -> torch.Tensor:
