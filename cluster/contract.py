@@ -26,8 +26,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from cluster.backend import GenerateDelta, Resume
@@ -35,7 +37,7 @@ from cluster.messages import AnyValue, Bool, Float, Int, List, Map, Message, Opt
 from cluster.rpc import Handler, RoundStream, RpcClient, Service, StreamLane, SyncRpcClient
 from draft_service.engine import DraftItem, Proposal
 from kernels.sampling import SamplingParams
-from verify_service.engine import PrefillItem, StepResult, VerifyItem
+from verify_service.engine import PrefillItem, StepResult, StepResults, VerifyBatch, VerifyItem
 
 VERIFIER = "dspark.Verifier"
 DRAFTER = "dspark.Drafter"
@@ -362,14 +364,27 @@ def step_request(
 ) -> dict[str, Any]:
     """A ``Step`` message: the prefills, the verifications with their draft distributions (one-hot rows for
     greedy requests that left theirs out), the drafter routes of the context features; ``steps``: plain decoding
-    of that many tokens per verification (no drafts, no routes)."""
-    prob_ids, probs = _stack_distributions(verifies)
+    of that many tokens per verification (no drafts, no routes). A :class:`VerifyBatch` is read from its arrays,
+    with no item per request."""
+    verify = _batch_fields(verifies) if isinstance(verifies, VerifyBatch) else _item_fields(verifies)
     return {
         "prefill_req_ids": [p.req_id for p in prefills],
         "prefill_params": [p.params.to_dict() for p in prefills],
         "prefill_counts": [len(p.token_ids) for p in prefills],
         "prefill_tokens": torch.tensor([int(t) for p in prefills for t in p.token_ids], dtype=torch.int64),
         "prefill_anchors": [-1 if p.anchor is None else p.anchor for p in prefills],
+        **verify,
+        "routes": dict(routes),
+        "inline_features": inline_features,
+        "relay_drafts": relay_drafts,
+        "verify_steps": None if steps is None else [int(n) for n in steps],
+    }
+
+
+def _item_fields(verifies: Sequence[VerifyItem]) -> dict[str, Any]:
+    """The verify fields of a ``Step`` from a list of items."""
+    prob_ids, probs = _stack_distributions(verifies)
+    return {
         "verify_req_ids": [v.req_id for v in verifies],
         "verify_anchors": [int(v.anchor) for v in verifies],
         "verify_positions": [-1 if v.position is None else int(v.position) for v in verifies],
@@ -377,10 +392,36 @@ def step_request(
         "verify_tokens": torch.tensor([int(t) for v in verifies for t in v.draft_tokens], dtype=torch.int64),
         "draft_prob_ids": prob_ids,
         "draft_probs": probs,
-        "routes": dict(routes),
-        "inline_features": inline_features,
-        "relay_drafts": relay_drafts,
-        "verify_steps": None if steps is None else [int(n) for n in steps],
+    }
+
+
+def _batch_fields(batch: VerifyBatch) -> dict[str, Any]:
+    """The verify fields of a ``Step`` from a batch's arrays: the same message as :func:`_item_fields` makes from
+    its items (the sampled requests' distribution rows, one-hot rows for the others when some request has one)."""
+    counts = batch.num_drafts
+    drafted = np.arange(batch.drafts.shape[1]) < counts[:, None]  # [R, gamma]: the drafts each request verifies
+    prob_ids = probs = None
+    sampled = [i for i in batch.sampled if counts[i]]
+    if sampled:
+        assert batch.topk_ids is not None and batch.topk_probs is not None  # VerifyBatch: sampled rows have them
+        num, block = batch.drafts.shape
+        width = int(batch.topk_ids.shape[-1])
+        ids = torch.from_numpy(batch.drafts)[:, :, None].expand(num, block, width).clone()
+        p = torch.zeros(num, block, width)
+        p[:, :, 0] = 1.0
+        rows = torch.tensor(sampled, dtype=torch.int64)
+        ids[rows] = batch.topk_ids.index_select(0, rows.to(batch.topk_ids.device)).to(torch.int64).cpu()
+        p[rows] = batch.topk_probs.index_select(0, rows.to(batch.topk_probs.device)).to(torch.float32).cpu()
+        mask = torch.from_numpy(drafted)
+        prob_ids, probs = ids[mask], p[mask]
+    return {
+        "verify_req_ids": list(batch.req_ids),
+        "verify_anchors": batch.anchors.tolist(),
+        "verify_positions": batch.positions.tolist(),
+        "verify_counts": counts.tolist(),
+        "verify_tokens": torch.from_numpy(batch.drafts[drafted]),
+        "draft_prob_ids": prob_ids,
+        "draft_probs": probs,
     }
 
 
@@ -446,8 +487,18 @@ def split_rows(counts: list[int], total: int, what: str) -> list[tuple[int, int]
     return out
 
 
-def parse_step_request(request: dict[str, Any]) -> tuple[list[PrefillItem], list[VerifyItem]]:
-    """The prefills and verifications of a validated ``Step``; ValueError names a field that disagrees with
+def row_index(counts: Sequence[int], picked: Sequence[int]) -> np.ndarray:
+    """The rows of requests ``picked`` (ascending) in a flat batch of ``counts[i]`` rows per request, back to back
+    (int64): what ``index_select`` takes to gather their rows without a view per request."""
+    sizes = np.asarray(counts, dtype=np.int64)
+    taken = sizes[np.asarray(picked, dtype=np.int64)]
+    firsts = (np.cumsum(sizes) - sizes)[np.asarray(picked, dtype=np.int64)]
+    return np.repeat(firsts - (np.cumsum(taken) - taken), taken) + np.arange(int(taken.sum()), dtype=np.int64)
+
+
+def parse_step_request(request: dict[str, Any]) -> tuple[list[PrefillItem], Sequence[VerifyItem]]:
+    """The prefills and verifications of a validated ``Step`` (a :class:`VerifyBatch` when every verification
+    names its position, as a round driver's do; else a list); ValueError names a field that disagrees with
     another (counts against rows, one entry per request)."""
     n_pre = len(request["prefill_req_ids"])
     if not len(request["prefill_params"]) == len(request["prefill_counts"]) == len(request["prefill_anchors"]) == n_pre:
@@ -482,13 +533,18 @@ def parse_step_request(request: dict[str, Any]) -> tuple[list[PrefillItem], list
         or lengths is not None
     ):
         raise ValueError("Step: a decoding step needs one step count >= 1 per request, no drafts and no routes")
-    drafts = request["verify_tokens"].tolist()
-    ranges = split_rows(request["verify_counts"], len(drafts), "Step verify")
+    counts, flat = request["verify_counts"], request["verify_tokens"]
+    if sum(counts) != flat.numel():
+        raise ValueError(f"Step verify: counts add up to {sum(counts)} but {flat.numel()} rows were sent")
     prob_ids, probs = request["draft_prob_ids"], request["draft_probs"]
     if (prob_ids is None) != (probs is None):
         raise ValueError("Step: draft_prob_ids and draft_probs come together")
-    if prob_ids is not None and (prob_ids.shape != probs.shape or prob_ids.shape[0] != len(drafts)):
+    if prob_ids is not None and (prob_ids.shape != probs.shape or prob_ids.shape[0] != flat.numel()):
         raise ValueError("Step: the draft distribution needs one [K] row per draft token in both tensors")
+    if -1 not in positions:
+        return prefills, _verify_batch(request, positions)
+    drafts = flat.tolist()
+    ranges = split_rows(counts, len(drafts), "Step verify")
     verifies = []
     for req_id, anchor, position, (a, b) in zip(
         request["verify_req_ids"], request["verify_anchors"], positions, ranges, strict=True
@@ -499,30 +555,67 @@ def parse_step_request(request: dict[str, Any]) -> tuple[list[PrefillItem], list
     return prefills, verifies
 
 
+def _verify_batch(request: dict[str, Any], positions: list[int]) -> VerifyBatch:
+    """The verifications of a checked ``Step`` whose every position is given, in array form: request i verifies
+    its ``verify_counts[i]`` drafts with their distribution rows (every request that has drafts, when the message
+    carries distributions: one-hot rows stand for a greedy request's)."""
+    counts = np.asarray(request["verify_counts"], dtype=np.int64)
+    num, block = len(counts), int(counts.max(initial=0))
+    drafted = np.arange(block) < counts[:, None]
+    drafts = np.zeros((num, block), dtype=np.int64)
+    drafts[drafted] = request["verify_tokens"].numpy()
+    prob_ids, probs = request["draft_prob_ids"], request["draft_probs"]
+    sampled: list[int] = []
+    topk_ids = topk_probs = None
+    if prob_ids is not None and prob_ids.shape[0]:
+        sampled = np.flatnonzero(counts).tolist()
+        mask = torch.from_numpy(drafted)
+        topk_ids = prob_ids.new_zeros((num, block, int(prob_ids.shape[1])))
+        topk_probs = probs.new_zeros((num, block, int(probs.shape[1])))
+        topk_ids[mask], topk_probs[mask] = prob_ids, probs
+    return VerifyBatch(
+        list(request["verify_req_ids"]),
+        np.asarray(request["verify_anchors"], dtype=np.int64),
+        np.asarray(positions, dtype=np.int64),
+        drafts,
+        counts,
+        sampled,
+        topk_ids,
+        topk_probs,
+    )
+
+
+class InlineFeatures(NamedTuple):
+    """The context features a ``Step`` reply carries back to the caller: ``counts[i]`` rows of ``features`` (on
+    the host, back to back) for request ``req_ids[i]``."""
+
+    req_ids: list[str]
+    counts: list[int]
+    features: torch.Tensor
+
+
 def step_reply(
-    results: Sequence[StepResult],
-    inline: Sequence[StepResult],
-    inline_features: torch.Tensor | None,
+    results: StepResults,
+    inline: InlineFeatures | None,
     *,
     engine_s: float,
     relayed_confidences: torch.Tensor | None = None,
     relay_missing: int = 0,
     drafts_s: float = 0.0,
 ) -> dict[str, Any]:
-    """A ``Step`` reply: every request's result; ``inline`` (their features, concatenated on the host as
-    ``inline_features``) are the results whose features go back to the caller, not to a drafter. A relayed step
-    also returns its drafts' confidences, how many verifications found no block and the wait for the blocks
-    (``drafts_s``)."""
+    """A ``Step`` reply: every request's result, from the columns of ``results``; ``inline``: the features that go
+    back to the caller, not to a drafter. A relayed step also returns its drafts' confidences, how many
+    verifications found no block and the wait for the blocks (``drafts_s``)."""
     reply = {
-        "req_ids": [r.req_id for r in results],
-        "num_drafts": [r.num_drafts for r in results],
-        "num_accepted": [r.num_accepted for r in results],
-        "token_counts": [len(r.tokens) for r in results],
-        "tokens": [t for r in results for t in r.tokens],
-        "feature_starts": [r.feature_start for r in results],
-        "inline_req_ids": [r.req_id for r in inline],
-        "inline_counts": [int(r.features.shape[0]) for r in inline if r.features is not None],
-        "features": inline_features,
+        "req_ids": results.req_ids,
+        "num_drafts": results.num_drafts,
+        "num_accepted": results.num_accepted,
+        "token_counts": list(map(len, results.tokens)),
+        "tokens": list(chain.from_iterable(results.tokens)),
+        "feature_starts": results.feature_starts,
+        "inline_req_ids": [] if inline is None else inline.req_ids,
+        "inline_counts": [] if inline is None else inline.counts,
+        "features": None if inline is None else inline.features,
         "engine_ms": 1e3 * engine_s,
     }
     if relayed_confidences is not None or relay_missing or drafts_s:  # a relayed step's (absent: the defaults)
@@ -530,23 +623,35 @@ def step_reply(
     return reply
 
 
-def parse_step_reply(reply: dict[str, Any]) -> list[StepResult]:
-    """The results of a validated ``Step`` reply (features: the inline ones, as views of its tensor)."""
-    inline: dict[str, torch.Tensor] = {}
-    if reply["features"] is not None:
-        start = 0
-        for req_id, n in zip(reply["inline_req_ids"], reply["inline_counts"], strict=True):
-            inline[req_id] = reply["features"][start : start + n]
-            start += n
-    results, offset = [], 0
-    for req_id, drafts, accepted, n, feature_start in zip(
-        reply["req_ids"], reply["num_drafts"], reply["num_accepted"], reply["token_counts"], reply["feature_starts"],
-        strict=True,
+def parse_step_reply(reply: dict[str, Any]) -> Sequence[StepResult]:
+    """The results of a validated ``Step`` reply: columns (:class:`StepResults`, no features) when it carries no
+    features, else a list whose inline results hold theirs as views of its tensor."""
+    num = len(reply["req_ids"])
+    if not num == len(reply["num_drafts"]) == len(reply["num_accepted"]) == len(reply["token_counts"]) == len(
+        reply["feature_starts"]
     ):
-        tokens = reply["tokens"][offset : offset + n]
+        raise ValueError("Step reply: every per-request field needs one entry per request")
+    tokens, offset = [], 0
+    flat = reply["tokens"]
+    for n in reply["token_counts"]:
+        tokens.append(flat[offset : offset + n])
         offset += n
-        results.append(StepResult(req_id, drafts, accepted, tokens, feature_start, inline.get(req_id)))
-    return results
+    if reply["features"] is None:
+        return StepResults(
+            reply["req_ids"], reply["num_drafts"], reply["num_accepted"], tokens, reply["feature_starts"], None
+        )
+    inline: dict[str, torch.Tensor] = {}
+    start = 0
+    for req_id, n in zip(reply["inline_req_ids"], reply["inline_counts"], strict=True):
+        inline[req_id] = reply["features"][start : start + n]
+        start += n
+    return [
+        StepResult(req_id, drafts, accepted, request_tokens, feature_start, inline.get(req_id))
+        for req_id, drafts, accepted, request_tokens, feature_start in zip(
+            reply["req_ids"], reply["num_drafts"], reply["num_accepted"], tokens, reply["feature_starts"],
+            strict=True,
+        )
+    ]
 
 
 def propose_request(items: Sequence[DraftItem]) -> dict[str, Any]:

@@ -36,13 +36,13 @@ from typing import Any
 import torch
 
 from cluster import contract
-from cluster.contract import split_rows
+from cluster.contract import row_index
 from cluster.engine_rpc import DEFAULT_IDLE_RECLAIM_S, DEFAULT_WEDGE_TIMEOUT_S, EngineThread, IdleSlots
 from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkHost
 from cluster.rpc import HealthStatus, Service
 from cluster.wire import DEFAULT_LIMITS, WIRE_DTYPES
 from draft_service.ahead import DraftAhead
-from draft_service.engine import ContextItem, DraftEngine, DraftItem, Proposal
+from draft_service.engine import ContextBatch, DraftEngine, DraftItem, Proposal
 from draft_service.projection import model_fingerprint
 from kernels.sampling import SamplingParams
 
@@ -188,37 +188,31 @@ class DrafterService:
 
     async def _append(self, request: dict[str, Any]) -> dict[str, Any]:
         features = await self._features(request)
-        ranges = split_rows(request["counts"], int(features.shape[0]), "AppendContext")
-        if len(request["starts"]) != len(request["req_ids"]):
-            raise ValueError("AppendContext: one start per request id is required")
+        req_ids, starts, counts = request["req_ids"], request["starts"], request["counts"]
+        if sum(counts) != int(features.shape[0]):
+            raise ValueError(f"AppendContext: counts add up to {sum(counts)} but {features.shape[0]} rows were sent")
+        if not len(starts) == len(counts) == len(req_ids):
+            raise ValueError("AppendContext: one start and one count per request id are required")
         projection = request["projection"]
         if projection is not None and projection != self.projection:
             raise ValueError(
                 f"AppendContext: features projected by context projection {projection}, but this drafter's is "
                 f"{self.projection}: the verifier loaded other drafter weights (or another dtype) than this drafter"
             )
-        self._idle.touch(request["req_ids"])
+        self._idle.touch(req_ids)
         anchors = request["draft_anchors"]
-        if anchors is not None and len(anchors) != len(request["req_ids"]):
+        if anchors is not None and len(anchors) != len(req_ids):
             raise ValueError("AppendContext: one draft anchor per request id is required")
-        items = [
-            ContextItem(req_id, start, features[a:b])
-            for req_id, start, (a, b) in zip(request["req_ids"], request["starts"], ranges, strict=True)
-        ]
 
         drafts: dict[str, Any] = {}
 
         def append() -> None:
-            keep = [i for i, it in enumerate(items) if it.req_id not in self._released or self.engine.has(it.req_id)]
+            keep = [i for i, req_id in enumerate(req_ids) if req_id not in self._released or self.engine.has(req_id)]
             for i in keep:
-                self._ahead.drop(items[i].req_id)
-            self.engine.append_context([items[i] for i in keep], projection is not None)
+                self._ahead.drop(req_ids[i])
+            self.engine.append_context(_context_batch(req_ids, starts, counts, features, keep), projection is not None)
             if anchors is not None:
-                ahead = [
-                    DraftItem(items[i].req_id, anchors[i], items[i].start + int(items[i].features.shape[0]))
-                    for i in keep
-                    if anchors[i] >= 0
-                ]
+                ahead = [DraftItem(req_ids[i], anchors[i], starts[i] + counts[i]) for i in keep if anchors[i] >= 0]
                 proposal = self._draft_ahead(ahead) if ahead else None
                 if proposal is not None and request["return_drafts"]:
                     # Built here, on the engine thread: the copies to the host wait for the device.
@@ -229,13 +223,12 @@ class DrafterService:
                         positions=[i.position for i in ahead],
                     )
 
-        ids = request["req_ids"]
-        for req_id in ids:
+        for req_id in req_ids:
             self._appending[req_id] = self._appending.get(req_id, 0) + 1
         try:
             await self._thread.run(append)
         finally:
-            for req_id in ids:
+            for req_id in req_ids:
                 left = self._appending.pop(req_id) - 1
                 if left:
                     self._appending[req_id] = left
@@ -332,6 +325,22 @@ class DrafterService:
         if self.links is not None:
             self.links.close()
         self._thread.shutdown()
+
+
+def _context_batch(
+    req_ids: list[str], starts: list[int], counts: list[int], features: torch.Tensor, keep: list[int]
+) -> ContextBatch:
+    """The rows of requests ``keep`` (ascending indices) of a push as one batch: the push's tensor whole when it
+    keeps them all, else their rows gathered at once (no view per request)."""
+    if len(keep) == len(req_ids):
+        return ContextBatch(req_ids, starts, counts, features)
+    index = torch.from_numpy(row_index(counts, keep))
+    return ContextBatch(
+        [req_ids[i] for i in keep],
+        [starts[i] for i in keep],
+        [counts[i] for i in keep],
+        features.index_select(0, index.to(features.device)),
+    )
 
 
 def _bad_params(value: object) -> SamplingParams:

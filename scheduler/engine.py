@@ -985,7 +985,10 @@ class SpeculativeEngine:
         outputs and the verified / accepted draft counts of the verify items. ``decided``: the next round's
         drafting, decided before the results (only with a chained round's results: a verify-only bucketed step's)."""
         no_drafter = self._no_drafter
-        if isinstance(results, StepResults) and not admitted and not no_drafter:  # a local bucketed step: columns
+        if isinstance(results, StepResults) and not admitted and not no_drafter:  # columns: no item per request
+            expected = [r.req_id for r in verified]
+            if results.req_ids != expected:
+                raise RuntimeError(f"the verifier answered for {results.req_ids} where {expected} were expected")
             if self.draft is not None and results.features is not None:
                 self.draft.append_context(
                     ContextBatch(

@@ -128,7 +128,9 @@ class RemoteVerifier:
         if req_ids:
             contract.VERIFIER_RELEASE.call(self._client, {"req_ids": list(req_ids)})
 
-    def step(self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()) -> list[StepResult]:
+    def step(
+        self, prefills: Sequence[PrefillItem] = (), verifies: Sequence[VerifyItem] = ()
+    ) -> Sequence[StepResult]:
         routes = self._routes([*(p.req_id for p in prefills), *(v.req_id for v in verifies)])
         message = contract.step_request(
             prefills, verifies, routes, inline_features=self.inline_features, relay_drafts=self._relay
@@ -137,7 +139,7 @@ class RemoteVerifier:
 
     def decode(
         self, prefills: Sequence[PrefillItem], verifies: Sequence[VerifyItem], steps: Sequence[int]
-    ) -> list[StepResult]:
+    ) -> Sequence[StepResult]:
         """Plain decoding, ``steps[i]`` tokens for verification i in one ``Step`` (the replica's
         :meth:`VerifyEngine.decode`): one message each way for several tokens."""
         message = contract.step_request(prefills, verifies, {}, inline_features=False, steps=steps)

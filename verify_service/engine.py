@@ -183,6 +183,26 @@ class StepResults(Sequence[StepResult]):
         # (feature_starts, feature_counts) as int64 arrays, when the step has them (a local drafter takes them).
         self.arrays = arrays
 
+    @classmethod
+    def of(cls, results: Sequence[StepResult]) -> StepResults:
+        """``results`` in array form (itself when it is one already). Every result carries features or none
+        does (an engine's step gives them for all its requests or for none); the rows are concatenated once."""
+        if isinstance(results, StepResults):
+            return results
+        rows = [r.features for r in results]
+        with_features = [f for f in rows if f is not None]
+        if with_features and len(with_features) != len(rows):
+            raise ValueError("some step results carry context features and others none")
+        return cls(
+            [r.req_id for r in results],
+            [r.num_drafts for r in results],
+            [r.num_accepted for r in results],
+            [r.tokens for r in results],
+            [r.feature_start for r in results],
+            torch.cat(with_features) if with_features else None,
+            [int(f.shape[0]) for f in with_features] if with_features else None,
+        )
+
     def __len__(self) -> int:
         return len(self.req_ids)
 

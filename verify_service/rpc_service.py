@@ -45,7 +45,7 @@ from cluster.engine_rpc import DEFAULT_IDLE_RECLAIM_S, DEFAULT_WEDGE_TIMEOUT_S, 
 from cluster.feature_link import DEFAULT_LINK_TIMEOUT_S, LinkSender
 from cluster.rpc import HealthStatus, RoundStream, RpcClient, Service
 from draft_service.projection import ContextProjection
-from verify_service.engine import PrefillItem, StepResult, VerifyEngine, VerifyItem
+from verify_service.engine import PrefillItem, StepResults, VerifyEngine, VerifyItem
 from verify_service.relay import Relayed, RelayedDrafts
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class VerifierService:
         if request["verify_lengths"] is not None:
             relayed, wait_s = await self._take_relayed(request)
             verifies = relayed.batch
-        (results, pushes, inline_features), engine_s = await self._thread.run_timed(
+        (results, pushes, inline), engine_s = await self._thread.run_timed(
             self._step_and_pack, prefills, verifies, routed, send_inline, relay, request["verify_steps"]
         )
         tasks = self._push_features(pushes)
@@ -156,11 +156,9 @@ class VerifierService:
             for address, task in tasks.items():
                 for req_id in pushes[address]["req_ids"]:
                     self._relaying[req_id] = task
-        inline = [r for r in results if r.req_id not in routed and r.features is not None] if send_inline else []
         return contract.step_reply(
             results,
             inline,
-            inline_features,
             engine_s=engine_s,
             relayed_confidences=None if relayed is None else relayed.confidences,
             relay_missing=0 if relayed is None else relayed.missing,
@@ -192,40 +190,53 @@ class VerifierService:
         send_inline: bool,
         relay: bool,
         steps: list[int] | None = None,
-    ) -> tuple[Sequence[StepResult], dict[str, dict[str, Any]], torch.Tensor | None]:
-        """On the engine thread: the step (``steps``: several decoding steps, :meth:`VerifyEngine.decode`), then
-        one AppendContext message per drafter and (``send_inline``) the unrouted features, all on the host. Here,
-        not after the reply: the step's features may be views of its graph's output, which the engine's next step
-        (another call on this thread) overwrites."""
+    ) -> tuple[StepResults, dict[str, dict[str, Any]], contract.InlineFeatures | None]:
+        """On the engine thread: the step (``steps``: several decoding steps, :meth:`VerifyEngine.decode`) as
+        columns, then one AppendContext message per drafter and (``send_inline``) the unrouted features, all on
+        the host. Here, not after the reply: the step's features may be views of its graph's output, which the
+        engine's next step (another call on this thread) overwrites."""
         if steps is None:
-            results = self.engine.step(prefills, verifies)
+            results = StepResults.of(self.engine.step(prefills, verifies))
         else:
-            results = self.engine.decode(prefills, verifies, steps)
-        by_address: dict[str, list[StepResult]] = {}
-        for r in results:
-            if r.req_id in routed and r.features is not None:
-                by_address.setdefault(routed[r.req_id], []).append(r)
+            results = StepResults.of(self.engine.decode(prefills, verifies, steps))
+        if results.features is None:
+            return results, {}, None
+        by_address: dict[str, list[int]] = {}
+        unrouted: list[int] = []
+        for i, req_id in enumerate(results.req_ids):
+            address = routed.get(req_id)
+            if address is None:
+                unrouted.append(i)
+            else:
+                by_address.setdefault(address, []).append(i)
         projection = None if self.projection is None else self.projection.fingerprint
+        req_ids, starts, counts = results.req_ids, results.feature_starts, results.feature_counts
+        tokens = results.tokens
         messages = {}
-        for address, group in by_address.items():
-            features = torch.cat([r.features for r in group])  # type: ignore[misc]
+        for address, rows in by_address.items():
+            features, fresh = _feature_rows(results, rows)
             if self.projection is not None:
-                features = self.projection(features)
-            if self.feature_dtype is not None:
-                features = features.to(self.feature_dtype)
+                features, fresh = self.projection(features), True
+            if self.feature_dtype is not None and features.dtype != self.feature_dtype:
+                features, fresh = features.to(self.feature_dtype), True
             messages[address] = contract.append_request(
-                [r.req_id for r in group],
-                [r.feature_start for r in group],
-                [int(r.features.shape[0]) for r in group],  # type: ignore[union-attr]
-                # collective: left on the device for the link (a fresh tensor: cat/projection copied it).
-                features.cpu() if self.links is None else features.contiguous(),
+                [req_ids[i] for i in rows],
+                [starts[i] for i in rows],
+                [counts[i] for i in rows],
+                # collective: left on the device for the link; either way a tensor of its own (the step's rows
+                # are the graph's output, which the next step overwrites).
+                _own_copy(features, fresh, on_host=self.links is None),
                 projection=projection,
-                draft_anchors=[r.tokens[-1] if r.tokens else -1 for r in group] if self.draft_ahead else None,
+                draft_anchors=[tokens[i][-1] if tokens[i] else -1 for i in rows] if self.draft_ahead else None,
                 return_drafts=relay,
             )
-        inline = [r.features for r in results if r.req_id not in routed and r.features is not None]
-        inline_features = torch.cat(inline).cpu() if inline and send_inline else None
-        return results, messages, inline_features
+        inline = None
+        if unrouted and send_inline:
+            features, fresh = _feature_rows(results, unrouted)
+            inline = contract.InlineFeatures(
+                [req_ids[i] for i in unrouted], [counts[i] for i in unrouted], _own_copy(features, fresh, on_host=True)
+            )
+        return results, messages, inline
 
     def _push_features(self, messages: dict[str, dict[str, Any]]) -> dict[str, asyncio.Task[dict[str, Any] | None]]:
         """Start one AppendContext per drafter (by address: its task, whose result is the drafter's reply or None
@@ -325,3 +336,22 @@ class VerifierService:
             await client.close()
         self._thread.shutdown()
 
+
+
+def _feature_rows(results: StepResults, rows: list[int]) -> tuple[torch.Tensor, bool]:
+    """The context feature rows of results ``rows`` (ascending), back to back, and whether they are a tensor of
+    their own (False: the step's own rows, when ``rows`` are all of them)."""
+    features = results.features
+    assert features is not None  # callers pack the features of steps that have them
+    if len(rows) == len(results):
+        return features, False
+    index = torch.from_numpy(contract.row_index(results.feature_counts, rows))
+    return features.index_select(0, index.to(features.device)), True
+
+
+def _own_copy(features: torch.Tensor, fresh: bool, *, on_host: bool) -> torch.Tensor:
+    """``features`` as a contiguous tensor nobody else writes (``fresh``: it is one already), on the host when
+    ``on_host``."""
+    if on_host and features.device.type != "cpu":
+        return features.cpu()
+    return features.contiguous() if fresh else features.clone(memory_format=torch.contiguous_format)

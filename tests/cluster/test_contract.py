@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ from cluster.rpc import ServerThread, Service, SyncRpcClient
 from cluster.wire import WireError, decode, encode
 from draft_service.engine import DraftItem, Proposal
 from kernels.sampling import SamplingParams
-from verify_service.engine import PrefillItem, StepResult, VerifyItem
+from verify_service.engine import PrefillItem, StepResult, StepResults, VerifyBatch, VerifyItem
 
 
 def _methods_of(service: str) -> set[str]:
@@ -72,13 +73,45 @@ def test_step_request_and_reply_round_trip() -> None:
 
     features = torch.arange(6, dtype=torch.float32).reshape(3, 2)
     results = [StepResult("g", 2, 1, [6, 11], 12, None), StepResult("e", 0, 0, [4], 3, features)]
-    reply = contract.step_reply(results, [results[1]], features, engine_s=0.002)
+    inline = contract.InlineFeatures(["e"], [3], features)
+    reply = contract.step_reply(StepResults.of([r._replace(features=None) for r in results]), inline, engine_s=0.002)
     parsed = contract.parse_step_reply(_wire(reply, contract.STEP.reply))
     assert [(r.req_id, r.num_drafts, r.num_accepted, r.tokens, r.feature_start) for r in parsed] == [
         ("g", 2, 1, [6, 11], 12), ("e", 0, 0, [4], 3)
     ]
     assert parsed[0].features is None and parsed[1].features is not None
     assert torch.equal(parsed[1].features, features)
+
+
+def test_a_verify_batch_travels_as_its_items_do() -> None:
+    """A :class:`VerifyBatch` (the round driver's arrays) makes the same ``Step`` as the items it stands for, and
+    a ``Step`` whose positions are all given parses back into a batch of those items."""
+    batch = VerifyBatch(
+        ["g", "s", "z"],
+        np.array([5, 8, 3]),
+        np.array([12, 4, 7]),
+        np.array([[6, 7, 1], [9, 2, 4], [1, 1, 1]]),
+        np.array([2, 3, 0]),
+        [1],
+        torch.tensor([[[0, 0]] * 3, [[9, 2], [2, 9], [4, 5]], [[0, 0]] * 3]),
+        torch.tensor([[[0.0, 0.0]] * 3, [[0.75, 0.25], [0.5, 0.5], [0.9, 0.1]], [[0.0, 0.0]] * 3]),
+    )
+    from_batch = _wire(contract.step_request((), batch, {}, inline_features=True), contract.STEP.request)
+    from_items = _wire(contract.step_request((), list(batch), {}, inline_features=True), contract.STEP.request)
+    assert from_batch.keys() == from_items.keys()
+    for key, value in from_batch.items():
+        assert torch.equal(value, from_items[key]) if isinstance(value, torch.Tensor) else value == from_items[key]
+    _, parsed = contract.parse_step_request(from_batch)
+    assert isinstance(parsed, VerifyBatch)
+    for got, want in zip(parsed, batch, strict=True):
+        assert (got.req_id, got.anchor, list(got.draft_tokens), got.position) == (
+            want.req_id, want.anchor, list(want.draft_tokens), want.position
+        )
+    g, s, z = parsed
+    assert g.draft_prob_ids is not None and g.draft_prob_ids[:, 0].tolist() == [6, 7]  # one-hot rows, as before
+    assert s.draft_probs is not None and batch.topk_probs is not None
+    assert torch.equal(s.draft_probs, batch.topk_probs[1])
+    assert z.draft_prob_ids is None and not z.draft_tokens
 
 
 def test_a_relayed_step_names_lengths_and_no_draft_tokens() -> None:
@@ -103,8 +136,9 @@ def test_a_relayed_step_names_lengths_and_no_draft_tokens() -> None:
         with pytest.raises(ValueError, match="relayed step"):
             contract.parse_step_request(broken)
     confidences = torch.tensor([[0.9, 0.5], [0.0, 0.0]], dtype=torch.float64)
-    reply = contract.step_reply([], [], None, engine_s=0.001, relayed_confidences=confidences, relay_missing=1,
-                                drafts_s=0.003)
+    reply = contract.step_reply(
+        StepResults.of([]), None, engine_s=0.001, relayed_confidences=confidences, relay_missing=1, drafts_s=0.003
+    )
     wired_reply = _wire(reply, contract.STEP.reply)
     assert torch.equal(wired_reply["relayed_confidences"], confidences) and wired_reply["relay_missing"] == 1
     assert wired_reply["drafts_ms"] == pytest.approx(3.0)
