@@ -103,7 +103,7 @@ class FusedDrafter:
         module docstring)."""
         model = self.model
         projected = model.fc(features.to(model.dtype))
-        return add_rms_norm(projected, None, model.hidden_norm.weight, model.hidden_norm.eps)
+        return add_rms_norm(projected, None, model.hidden_norm.weight, model.hidden_norm.variance_epsilon)
 
     def write_context(
         self, cache: DraftContextCache, projected: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
@@ -118,7 +118,7 @@ class FusedDrafter:
                 fused.qk_norm,
                 cos,
                 sin,
-                layer.self_attn.k_norm.eps,
+                layer.self_attn.k_norm.variance_epsilon,
                 cache.k[index],
                 cache.v[index],
                 slots,
@@ -160,14 +160,14 @@ class FusedDrafter:
         for index, (layer, fused) in enumerate(zip(model.draft_layers, self.layers, strict=True)):
             attn = layer.self_attn
             norm = layer.input_layernorm
-            h = add_rms_norm(x, delta, norm.weight, norm.eps)  # x += the previous layer's MLP output
+            h = add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)  # x += the previous layer's MLP output
             if counters is None:
                 qkv = torch.nn.functional.linear(h, fused.qkv)
             else:
                 qkv = skinny_linear(h, fused.qkv, counters=counters)
             q = qk_norm_rope_store(
-                qkv, fused.qk_norm, cos, sin, attn.q_norm.eps, k_block, v_block, block_slots, block_positions,
-                HQ, HKV,
+                qkv, fused.qk_norm, cos, sin, attn.q_norm.variance_epsilon, k_block, v_block, block_slots,
+                block_positions, HQ, HKV,
             )  # fmt: skip
             out = attention(
                 q.to(dtype),
@@ -188,13 +188,13 @@ class FusedDrafter:
             norm = layer.post_attention_layernorm
             out = out.to(x.dtype).reshape(rows, HQ * D)
             if counters is None:
-                h = add_rms_norm(x, attn.o_proj(out), norm.weight, norm.eps)
+                h = add_rms_norm(x, attn.o_proj(out), norm.weight, norm.variance_epsilon)
                 delta = layer.mlp.down_proj(silu_mul(torch.nn.functional.linear(h, fused.gate_up)))
             else:  # x += o_proj(out), then x += down_proj(silu(gate) * up), in the GEMMs' epilogues
                 skinny_linear(out, attn.o_proj.weight, x, counters=counters)
-                h = add_rms_norm(x, None, norm.weight, norm.eps)
+                h = add_rms_norm(x, None, norm.weight, norm.variance_epsilon)
                 act = skinny_gate_up_silu(h, fused.gate_up, counters=counters)
                 skinny_linear(act, layer.mlp.down_proj.weight, x, counters=counters)
                 delta = None
-        h = add_rms_norm(x, delta, model.norm.weight, model.norm.eps)
+        h = add_rms_norm(x, delta, model.norm.weight, model.norm.variance_epsilon)
         return h.view(R, bs, H)

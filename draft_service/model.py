@@ -26,27 +26,13 @@ from torch import nn
 from draft_service.config import DraftConfig
 from draft_service.context_cache import DraftContextCache
 from draft_service.heads import ConfidenceHead, MarkovHead, build_markov_head
+from kernels.rms_norm import RMSNorm
 from kernels.slot_attention import slot_attention_reference
 
 if TYPE_CHECKING:
     from draft_service.fused import FusedDrafter
 
 ATTENTION_BACKENDS = ("torch", "triton", "reference")
-
-
-class RMSNorm(nn.Module):
-    """Qwen3's RMSNorm, computed in float32 and cast back (the same op order as HF, for fixture parity)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):

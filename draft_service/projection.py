@@ -24,7 +24,8 @@ from torch import nn
 
 from draft_service.checkpoint import CONFIG_NAME, SUPPORTED_DTYPES, read_safetensors_folder
 from draft_service.config import CheckpointError, DraftConfig
-from draft_service.model import DSparkDraftModel, RMSNorm
+from draft_service.model import DSparkDraftModel
+from kernels.rms_norm import RMSNorm
 
 #: The checkpoint tensors a verifier needs (DeepSpec's names): nothing else of the drafter is read.
 PROJECTION_TENSORS = ("fc.weight", "hidden_norm.weight")
@@ -42,7 +43,7 @@ def projection_fingerprint(fc_weight: torch.Tensor, norm_weight: torch.Tensor, e
 
 def model_fingerprint(model: DSparkDraftModel) -> str:
     """The fingerprint of a loaded drafter's own projection (what its context cache expects)."""
-    return projection_fingerprint(model.fc.weight, model.hidden_norm.weight, model.hidden_norm.eps)
+    return projection_fingerprint(model.fc.weight, model.hidden_norm.weight, model.hidden_norm.variance_epsilon)
 
 
 class ContextProjection(nn.Module):
@@ -69,7 +70,8 @@ class ContextProjection(nn.Module):
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            self._fingerprint = projection_fingerprint(self.fc.weight, self.hidden_norm.weight, self.hidden_norm.eps)
+            norm = self.hidden_norm
+            self._fingerprint = projection_fingerprint(self.fc.weight, norm.weight, norm.variance_epsilon)
         return self._fingerprint
 
     @torch.no_grad()

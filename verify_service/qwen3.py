@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.rms_norm import RMSNorm
 from kernels.uninitialised import uninitialised
 
 _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -99,22 +100,6 @@ class GenerationConfig:
     """The one entry of ``generation_config.json`` the target reads (None: absent or no such file)."""
 
     eos_token_id: int | list[int] | None
-
-
-class RMSNorm(nn.Module):
-    """transformers' ``Qwen3RMSNorm``: normalised in fp32, scaled in the input dtype."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
 
 
 class MLP(nn.Module):
