@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,18 +83,27 @@ def _ingress(address: str) -> RemoteBackend:
     return RemoteBackend(resolve, model_name=MODEL, max_context=255, routed=True, continue_timeout_s=60.0)
 
 
-async def _collect(backend: RemoteBackend, req_id: str, after_first: Any = None) -> list[GenerateDelta]:
+async def _collect(
+    backend: RemoteBackend, hub: SchedulerHub, req_id: str, after_first: Any = None
+) -> list[GenerateDelta]:
+    """The stream's deltas, once the ingress's releases of its attempts reached the hub: they are sent after the
+    stream ends, on the ingress's event loop, which here lives only as long as this coroutine (a generous bound,
+    not a sleep)."""
     deltas = []
     async for delta in backend.generate(req_id, PROMPT, PARAMS):
         deltas.append(delta)
         if after_first is not None and len(deltas) == 1:
             await asyncio.to_thread(after_first)
+    deadline = time.monotonic() + 60.0
+    while any(hub.engines.loads().values()):
+        assert time.monotonic() < deadline, f"the hub still counts requests: {hub.engines.loads()}"
+        await asyncio.sleep(0.01)
     return deltas
 
 
 def test_a_stream_cut_by_its_engine_replica_continues_on_another(cluster: dict[str, Any]) -> None:
     hub: SchedulerHub = cluster["hub"]
-    uncut = asyncio.run(_collect(_ingress(cluster["scheduler"].address), "uncut"))
+    uncut = asyncio.run(_collect(_ingress(cluster["scheduler"].address), hub, "uncut"))
     expected = [t for d in uncut for t in d.token_ids]
     assert len(expected) == PARAMS.max_tokens and uncut[-1].finished
 
@@ -106,13 +116,12 @@ def test_a_stream_cut_by_its_engine_replica_continues_on_another(cluster: dict[s
         killed.append(owner)
         cluster["engines"][owner].stop(grace_s=0)
 
-    deltas = asyncio.run(_collect(_ingress(cluster["scheduler"].address), "r", after_first))
+    deltas = asyncio.run(_collect(_ingress(cluster["scheduler"].address), hub, "r", after_first))
     tokens = [t for d in deltas for t in d.token_ids]
     assert killed and tokens == expected  # every token once, the uncut greedy output
     assert deltas[-1].finished and deltas[-1].finish_reason == "length"
     assert deltas[-1].num_output_tokens == PARAMS.max_tokens and deltas[-1].num_prompt_tokens == len(PROMPT)
     assert "".join(d.text for d in deltas) == "".join(d.text for d in uncut)
     survivor = 1 - killed[0]
-    loads = hub.engines.loads()
-    assert loads == {"e0": 0, "e1": 0}  # both attempts released
+    assert hub.engines.loads() == {"e0": 0, "e1": 0}  # both attempts released (what _collect waited for)
     assert asyncio.run(hub.route("next")) == cluster["engines"][survivor].address  # the dead one takes none
