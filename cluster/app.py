@@ -349,7 +349,7 @@ class SchedulerReplica:
             readiness_timeout_s=self.config.network.readiness_timeout_s,
             service_levels=self.config.scheduler.service_levels.levels(),
             relay_drafts=self.config.engine.relay_drafts and self.config.engine.draft_ahead,
-            decode_steps=self.config.scheduler.decode_steps,
+            decode_steps=self.config.scheduler.decode_steps_on(self.config.models.device),
         )
         self.server = ServerThread([self.hub.service()], host=_grpc_host(self.config),
                                    token=self.config.network.grpc_token)

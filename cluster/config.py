@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -125,6 +125,11 @@ class ServiceLevelsConfig(_Strict):
         return ServiceLevels(**self.model_dump())
 
 
+#: ``scheduler.decode_steps: auto`` on a CUDA verifier: tokens per ``Step`` of plain decoding in the disaggregated
+#: placement (as vLLM's multi-step scheduling, which runs 8-10 steps per scheduler call).
+GPU_DECODE_STEPS = 8
+
+
 class SchedulerConfig(_Strict):
     """``draft_cost``: what the scheduled policies (``dspark``, ``dspark-async``) charge for drafting: ``none``
     (Algorithm 1's plain objective; the drafter runs every round) or ``measured`` (each round loop learns the
@@ -143,7 +148,9 @@ class SchedulerConfig(_Strict):
     ``decode_steps``: with the ``autoregressive`` policy in the disaggregated placement, each round decodes up
     to this many tokens per request in one ``Step`` to the verifier replica (one message each way per that many
     tokens instead of per token); a prompt that arrives meanwhile joins at the next round, so 1 gives the lowest
-    time to first token under load. The in-process placement decodes one token per round.
+    time to first token under load, and tokens stream in bursts of that many. ``auto`` (the default) is
+    :data:`GPU_DECODE_STEPS` on a CUDA verifier, where the message is a large part of a decoding step, and 1
+    elsewhere, where it is not (:meth:`decode_steps_on`). The in-process placement decodes one token per round.
 
     ``drain_timeout_s``: how long a drafter or verifier replica that Serve stops (autoscaling down, rolling
     update) keeps serving the requests it holds before it goes; keep the deployment's
@@ -153,7 +160,7 @@ class SchedulerConfig(_Strict):
     draft_cost: Literal["none", "measured"] = "none"
     max_running_per_verifier: int | None = Field(None, ge=1)
     request_groups: int = Field(1, ge=1, le=8)
-    decode_steps: int = Field(1, ge=1, le=64)
+    decode_steps: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     drain_timeout_s: float = Field(120.0, gt=0)
     service_levels: ServiceLevelsConfig = ServiceLevelsConfig()
 
@@ -163,6 +170,12 @@ class SchedulerConfig(_Strict):
         if value in ("autoregressive", "full", "dspark", "dspark-async") or value.startswith("fixed-"):
             return value
         raise ValueError("policy must be autoregressive, fixed-N, full, dspark or dspark-async")
+
+    def decode_steps_on(self, device: str) -> int:
+        """``decode_steps`` for a verifier on ``device`` (``auto`` resolved: see the class docstring)."""
+        if self.decode_steps != "auto":
+            return self.decode_steps
+        return GPU_DECODE_STEPS if device.startswith("cuda") else 1
 
 
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"

@@ -220,7 +220,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         timeout_s=config.network.grpc_timeout_s,
         readiness_timeout_s=config.network.readiness_timeout_s,
         relay_drafts=config.engine.relay_drafts and config.engine.draft_ahead,
-        decode_steps=config.scheduler.decode_steps,
+        decode_steps=config.scheduler.decode_steps_on(config.models.device),
     )
     try:
         for i, address in enumerate(args.drafter):

@@ -64,6 +64,7 @@ from scheduler.service_levels import (
     behind_target,
     join_slack_s,
     joiners_allowed,
+    late_lengths,
     lateness_weights,
     next_pause_count,
     pause_candidates,
@@ -507,15 +508,18 @@ class SpeculativeEngine:
         # Admitted requests were inserted last into the (insertion-ordered) running dict.
         running = list(self._running.values())
         verified = running[: len(running) - len(admitted)]
+        late = None
         if verified and not all(map(_PLAIN, verified)):
             late = self._late(verified)
             if late is not None and self.service_levels.pause_lower_tiers:
                 verified, late = self._unpaused(verified, late)
             elif self._pause_count:
                 self._pause_count -= 1
-            if late is not None or any(r.level.speculative != "auto" for r in verified):
+            if any(r.level.speculative != "auto" for r in verified):
                 return self._leveled_round(admitted, verified, late)
-            # Targets on track and speculation auto everywhere: the round is a plain one (drafts ahead, chains).
+            # Speculation auto everywhere: a plain round (drafts ahead, chains), whose lengths favour the requests
+            # behind their targets (``late``): planned lengths give them whole blocks (late_lengths), Algorithm 1
+            # weighs their drafts above the others' (lateness_weights).
 
         t0 = time.perf_counter()
         ahead = self._take_ahead(verified)
@@ -528,6 +532,7 @@ class SpeculativeEngine:
             assert self._planned_lengths is not None  # relaying is enabled only with planned lengths
             lengths = self._planned_lengths(caps, self.block_size)
             if lengths is not None:
+                lengths = late_lengths(lengths, caps, late, self.block_size)
                 return self._relayed_round(admitted, verified, caps, lengths, t_decided - t0, t_decided)
         elif (
             drafting
@@ -539,6 +544,7 @@ class SpeculativeEngine:
             assert self._planned_lengths is not None  # chaining is enabled only with planned lengths
             lengths = self._planned_lengths(caps, self.block_size)
             if lengths is not None:
+                lengths = late_lengths(lengths, caps, late, self.block_size)
                 return self._chained_round(verified, caps, lengths, ahead, t_decided - t0, t_decided)
         proposal = batch = None
         if ahead is not None and ahead.pending is not None:
@@ -557,7 +563,7 @@ class SpeculativeEngine:
         t1 = time.perf_counter()
         if proposal is not None and ahead is None:
             self._draft_transfer = _transfer(self.draft, t1 - t_decided)
-        lengths = self._lengths(caps, proposal)
+        lengths = self._lengths(caps, proposal, self._lateness_weights(late))
         t2 = time.perf_counter()
         verifies = self._verify_items(verified, lengths, proposal, batch)
         return self._verify_and_commit(
@@ -567,40 +573,27 @@ class SpeculativeEngine:
     def _leveled_round(
         self, admitted: list[RequestState], verified: list[RequestState], late: np.ndarray | None
     ) -> list[RequestOutput]:
-        """A round in which some request has speculation off or on or is behind its TPOT target (``late``: which
-        are, None when none is): never chained. When every request's speculation is ``auto`` (only lateness
-        sets this round apart) it takes the drafts launched ahead for it, as a plain round does: they are the
-        drafts an eager step would make (same context, anchors, positions and randomness), and only their
-        lengths differ. Otherwise it drops them and drafts eagerly for the requests that draft: ``off`` rows get
-        no drafter row and length 0; the round drafts whenever a request is ``on``, else when the policy would.
-        Lengths come from the policy on confidences weighted by lateness
-        (:func:`scheduler.service_levels.lateness_weights`), and an ``on`` request verifies at least one draft
-        its cap allows. Every rule reads settings, counts and timings only: lossless."""
+        """A round in which some request has speculation off or on (``late``: which requests are behind their
+        TPOT targets, None when none is): never chained. It drops the drafts launched ahead and drafts eagerly
+        for the requests that draft: ``off`` rows get no drafter row and length 0; the round drafts whenever a
+        request is ``on``, else when the policy would. Lengths come from the policy on confidences weighted by
+        lateness (:func:`scheduler.service_levels.lateness_weights`), and an ``on`` request verifies at least one
+        draft its cap allows. Every rule reads settings, counts and timings only: lossless."""
         t0 = time.perf_counter()
         num = len(verified)
         modes = [r.level.speculative for r in verified]
-        taken = self._take_ahead(verified) if all(m == "auto" for m in modes) else None
-        if taken is None:
-            ahead, self._ahead = self._ahead, None
-            if ahead is not None:
-                ahead.drop()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.drop()
         drafts = np.fromiter((m != "off" for m in modes), dtype=bool, count=num)
         forced = np.fromiter((m == "on" for m in modes), dtype=bool, count=num)
-        if taken is not None:
-            caps, drafting = taken.caps, taken.drafting
-        else:
-            caps = self._caps(verified) if self.draft is not None else np.zeros(num, dtype=np.int64)
-            drafting = self.draft is not None and bool(drafts.any()) and (
-                bool(forced.any()) or self.policy.should_draft(caps)
-            )
-        weights = None if late is None else lateness_weights(late, self.service_levels.on_target_weight)
+        caps = self._caps(verified) if self.draft is not None else np.zeros(num, dtype=np.int64)
+        drafting = self.draft is not None and bool(drafts.any()) and (
+            bool(forced.any()) or self.policy.should_draft(caps)
+        )
         t_decided = time.perf_counter()
-        proposal = batch = None
-        if taken is not None and taken.pending is not None:
-            proposal, batch = taken.pending.result(), taken.batch
-            if taken.rows is not None:  # some launched rows finished meanwhile: this round's rows of the block
-                proposal = gather_rows([(proposal, row) for row in taken.rows])
-        elif drafting:
+        proposal = None
+        if drafting:
             rows = np.flatnonzero(drafts)
             drafters = [verified[i] for i in rows]
             count = len(drafters)
@@ -614,14 +607,19 @@ class SpeculativeEngine:
             if count < num:
                 proposal = _scatter_rows(proposal, rows, [r.req_id for r in verified])
         t1 = time.perf_counter()
-        lengths = self._lengths(caps, proposal, weights)
+        lengths = self._lengths(caps, proposal, self._lateness_weights(late))
         if proposal is not None and forced.any():
             lengths = np.maximum(lengths, np.minimum(forced.astype(np.int64), caps))
         t2 = time.perf_counter()
-        verifies = self._verify_items(verified, lengths, proposal, batch)
+        verifies = self._verify_items(verified, lengths, proposal, None)
         return self._verify_and_commit(
             admitted, verified, verifies, drafting, t1 - t_decided, (t_decided - t0) + (t2 - t1), t2
         )
+
+    def _lateness_weights(self, late: np.ndarray | None) -> np.ndarray | None:
+        """The factors on the requests' survival probabilities in Algorithm 1 this round (None: no request is
+        late, or the weights reorder nothing)."""
+        return None if late is None else lateness_weights(late, self.service_levels.on_target_weight)
 
     def _round_s(self) -> float:
         """The median time of the last few rounds (0 before the first round): the load a request meets now."""

@@ -17,22 +17,23 @@ decoding lossless:
   joining prompt's learned cost and still meet its target over its remaining tokens (:func:`join_slack_s`,
   :func:`joiners_allowed`); as requests finish and none replace them, the rounds get shorter until the targets
   hold again.
-- ``tpot_slo_ms``: a target for time per output token. In a round in which some request is behind its target
+- ``tpot_slo_ms``: a target for time per output token. A round in which some request is behind its target
   (:func:`behind_target`: taking only the target's own token this round, its TPOT since its first token would exceed
-  the target), the first confidence of each request that is NOT behind (and of every request without a target) is
-  multiplied by ``on_target_weight``, which multiplies all of its prefix survival probabilities by the same factor:
-  Algorithm 1 walks late requests' drafts first and values the others' less, so under load (where the SPS curve
-  falls with B) its early stop gives the verification budget to late requests and trims the rest; on a flat curve
-  everyone keeps every draft. In such a round the requests of a lower tier than a late one may sit it out
+  the target) stays a plain round (drafted ahead, chained or relayed where the engine can: a leveled round that
+  drafts again and never chains makes every request's round longer, the late ones' too). When its lengths are
+  planned before the drafts exist, each late request verifies its whole block (:func:`late_lengths`); when Algorithm
+  1 decides on the drafts, the first confidence of each request that is NOT behind (and of every request without a
+  target) is multiplied by ``on_target_weight``, which multiplies all of its prefix survival probabilities by the
+  same factor: Algorithm 1 walks late requests' drafts first and values the others' less, so under load (where the
+  SPS curve falls with B) its early stop gives the verification budget to late requests and trims the rest; on a
+  flat curve everyone keeps every draft. In such a round the requests of a lower tier than a late one may sit it out
   (:func:`paused`; ``pause_lower_tiers``, off by default: it costs the lower tiers more throughput than it gives the
   late ones, docs/benchmarks/service_levels.md): they keep their slots, KV cache and drafter context and rejoin a
   later round, so the late requests' rounds are those of a smaller batch. How many sit out adapts
-  (:func:`next_pause_count`): a step more for every round with a late request, one fewer for every round without.
-  Rounds in which every target is on track (and every request's speculation is ``auto``) run as plain rounds
-  (drafted ahead, chained where the engine can). At admission, a request whose target cannot be met at the current
-  round time and acceptance (:func:`predicted_tpot_s`) is refused (HTTP 429 with ``Retry-After``), or, with
-  ``slo_admission: queue``, waits while others run until the prediction leaves :data:`BUDGET_SHARE` of the target
-  room.
+  (:func:`next_pause_count`): a step more for every round with a late request, one fewer for every round without. At
+  admission, a request whose target cannot be met at the current round time and acceptance
+  (:func:`predicted_tpot_s`) is refused (HTTP 429 with ``Retry-After``), or, with ``slo_admission: queue``, waits
+  while others run until the prediction leaves :data:`BUDGET_SHARE` of the target room.
 
 Pacing below the target: a request paced exactly at its target ends on either side of it about equally often,
 so lateness and the join slack judge a request against its target times its tier's pace factor
@@ -197,6 +198,16 @@ def lateness_weights(late: np.ndarray, on_target_weight: float) -> np.ndarray | 
     if not late.any() or on_target_weight >= 1.0:
         return None
     return np.where(late, 1.0, on_target_weight)
+
+
+def late_lengths(planned: np.ndarray, caps: np.ndarray, late: np.ndarray | None, block_size: int) -> np.ndarray:
+    """A planned round's lengths (fixed before its drafts exist, so the round can chain or relay) when some
+    requests are behind their TPOT targets (``late``; None when none is): each late request verifies every
+    draft of its block that its cap allows, the most tokens per round it can get without leaving the planned
+    (chained) pipeline; the others keep their planned lengths. Counts and timings only: lossless."""
+    if late is None:
+        return planned
+    return np.where(late, np.minimum(caps, block_size), planned).astype(np.int64)
 
 
 #: How far a tier's pace factor moves per finished request with a target: down by PACE_STEP * attainment on a

@@ -814,8 +814,8 @@ def test_verify_batch_equals_its_items(pair) -> None:
 
 def test_rounds_with_late_requests_take_the_drafts_launched_ahead(pair) -> None:
     """Every request is behind its TPOT target (1 ns) in every round, so every round is weighted by lateness:
-    such rounds take the drafts launched ahead for them, as plain rounds do (they are the drafts an eager step
-    would make; only the lengths differ), instead of dropping them and drafting again in the round. Greedy
+    such rounds are plain rounds, which take the drafts launched ahead for them (they are the drafts an eager
+    step would make; only the lengths differ) instead of dropping them and drafting again in the round. Greedy
     output stays the target's own."""
     target, drafter = pair
     verify = VerifyEngine(target, 12, 96, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS)
@@ -831,3 +831,32 @@ def test_rounds_with_late_requests_take_the_drafts_launched_ahead(pair) -> None:
     got = [r.token_ids for r in engine.generate(prompts, params)]
     assert got == target.generate(prompts, max_new_tokens=24)
     assert engine.snapshot().rounds > 2 * calls["in_round"] and calls["ahead"] > 0, calls
+
+
+def test_late_requests_verify_whole_blocks_in_chained_rounds(pair) -> None:
+    """Requests behind their TPOT targets (every request, every round: the target is 1 ns) in rounds whose
+    lengths are planned before the drafts exist (``fixed-1`` plans one draft each) verify every draft their
+    caps allow, and those rounds still chain (the verify step queued behind the draft step on the device):
+    lateness no longer costs the round pipeline its overlap. Greedy output stays the target's own."""
+    target, drafter = pair
+    verify = VerifyEngine(target, 12, 96, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS)
+    draft = DraftEngine(drafter, 12, 96, graphs="static", graph_buckets=BUCKETS)
+    planned: list[np.ndarray] = []
+    start = verify.start_chained
+
+    def recorded(req_ids, anchors, positions, num_drafts, drafts):
+        planned.append(num_drafts.copy())
+        return start(req_ids, anchors, positions, num_drafts, drafts)
+
+    verify.start_chained = recorded
+    engine = SpeculativeEngine(
+        verify, draft, make_policy("fixed-1", _sps(), drafter.block_size), draft_ahead=True, chain_verify=True,
+        chain_draft=True, service_levels=ServiceLevels(),
+    )  # fmt: skip
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 127, size=int(rng.integers(2, 20))).tolist() for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, tpot_slo_ms=1e-6)
+    got = [r.token_ids for r in engine.generate(prompts, params)]
+    assert got == target.generate(prompts, max_new_tokens=40)
+    assert engine.snapshot().planned_rounds >= 2 and planned
+    assert int(planned[0].min()) == drafter.block_size, planned  # the whole block, not fixed-1's one draft

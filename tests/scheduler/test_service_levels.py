@@ -29,6 +29,7 @@ from scheduler.service_levels import (
     behind_target,
     join_slack_s,
     joiners_allowed,
+    late_lengths,
     lateness_weights,
     merge_tiers,
     next_pause_count,
@@ -329,3 +330,13 @@ def test_tier_snapshots_survive_the_hubs_wire() -> None:
     back = snapshot_from_dict(msgpack.unpackb(msgpack.packb(snapshot_to_dict(snap))))
     assert back == snap
     assert merge_snapshots([snap, back]).tiers[0].requests == 4
+
+
+def test_late_lengths_give_late_requests_their_whole_blocks() -> None:
+    """In a planned round a late request verifies every draft its cap allows (at most the block); the others
+    keep their planned lengths; no late request changes nothing."""
+    planned = np.array([2, 2, 2, 0])
+    caps = np.array([7, 3, 7, 5])
+    late = np.array([True, True, False, False])
+    assert late_lengths(planned, caps, late, 5).tolist() == [5, 3, 2, 0]
+    assert late_lengths(planned, caps, None, 5) is planned
