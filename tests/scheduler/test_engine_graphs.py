@@ -860,3 +860,28 @@ def test_late_requests_verify_whole_blocks_in_chained_rounds(pair) -> None:
     assert got == target.generate(prompts, max_new_tokens=40)
     assert engine.snapshot().planned_rounds >= 2 and planned
     assert int(planned[0].min()) == drafter.block_size, planned  # the whole block, not fixed-1's one draft
+
+
+def test_lower_tiers_sitting_out_chained_rounds_keep_greedy_output(pair) -> None:
+    """``pause_lower_tiers`` on the chained pipeline: the late high-tier requests' rounds are plain rounds over a
+    subset of the running requests (drafted ahead and behind for that subset, planned whole blocks for the late
+    ones), the paused lower-tier requests rejoin later at their committed anchors; every output is still the
+    target's greedy output."""
+    target, drafter = pair
+    verify = VerifyEngine(target, 12, 96, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS)
+    draft = DraftEngine(drafter, 12, 96, graphs="static", graph_buckets=BUCKETS)
+    engine = SpeculativeEngine(
+        verify, draft, make_policy("fixed-2", _sps(), drafter.block_size), draft_ahead=True, chain_verify=True,
+        chain_draft=True, service_levels=ServiceLevels(pause_lower_tiers=True),
+    )  # fmt: skip
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 127, size=int(rng.integers(2, 20))).tolist() for _ in range(6)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, priority=-1, tpot_slo_ms=1e-6) if i % 3 == 0
+        else SamplingParams(temperature=0.0, max_tokens=30, priority=1)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    got = [r.token_ids for r in engine.generate(prompts, params)]
+    assert got == target.generate(prompts, max_new_tokens=30)
+    snap = engine.snapshot()
+    assert snap.paused_request_rounds > 0 and snap.planned_rounds > 0
