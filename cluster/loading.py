@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cluster.cache_files import fingerprint_digest
 from cluster.compile_cache import use_compile_cache
 from cluster.config import AppConfig
-from cluster.sps_cache import EngineShape, SPSCache, fingerprint_digest, sps_fingerprint
+from cluster.sps_cache import EngineShape, SPSCache, sps_fingerprint
 from draft_service.checkpoint import load_draft_model
 from draft_service.engine import DraftEngine
 from draft_service.warmup import warm_up_draft

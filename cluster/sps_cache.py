@@ -10,7 +10,8 @@ own version. Its digest names the cache file, so a changed fingerprint misses an
 the miss names what changed against an earlier table of the same model.
 
 Files live under ``<cache_dir>/sps/`` as ``<target folder name>-<digest>.json`` and are written atomically
-(several replicas of one node may share the folder). The cache never deletes anything.
+(several replicas of one node may share the folder; names and writes: :mod:`cluster.cache_files`). The cache never
+deletes anything.
 """
 
 from __future__ import annotations
@@ -18,18 +19,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
-import re
 import struct
-import tempfile
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cluster.cache_files import entry_path, json_digest, package_version, write_atomic
 from scheduler.sps import SPSSource, load_sps
 
 logger = logging.getLogger(__name__)
@@ -48,10 +46,6 @@ class EngineShape:
     graphs: str
     draft_top_k: int
     graph_prefill_rows: int
-
-
-def _json_digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _weight_identity(path: Path) -> dict[str, Any]:
@@ -86,13 +80,6 @@ def device_identity(device: torch.device) -> dict[str, Any]:
     }
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def sps_fingerprint(
     target_dir: str | Path,
     feature_layer_ids: tuple[int, ...],
@@ -109,13 +96,13 @@ def sps_fingerprint(
         raise ValueError(f"{folder}: no weight files to fingerprint")
     return {
         "profiler_version": profiler_version,
-        "model_config": _json_digest(config),
+        "model_config": json_digest(config),
         "weights": [_weight_identity(p) for p in weights],
         "feature_layer_ids": list(feature_layer_ids),
         "dtype": dtype,
         "device": device_identity(device),
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": package_version("triton"),
         "cuda": torch.version.cuda,
         "engine": {
             "block_size": shape.block_size,
@@ -126,10 +113,6 @@ def sps_fingerprint(
             "graph_prefill_rows": shape.graph_prefill_rows if shape.graphs != "off" else 0,
         },
     }
-
-
-def fingerprint_digest(fingerprint: dict[str, Any]) -> str:
-    return _json_digest(fingerprint)[:16]
 
 
 def _changed(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
@@ -151,8 +134,7 @@ class SPSCache:
         self.root = Path(root)
 
     def path_for(self, name: str, fingerprint: dict[str, Any]) -> Path:
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
-        return self.root / f"{slug}-{fingerprint_digest(fingerprint)}.json"
+        return entry_path(self.root, name, fingerprint, "model")
 
     def lookup(self, name: str, fingerprint: dict[str, Any]) -> SPSSource | None:
         """The cached table for ``fingerprint``, or None (missing, unreadable or for another fingerprint)."""
@@ -171,13 +153,8 @@ class SPSCache:
 
     def store(self, name: str, fingerprint: dict[str, Any], sps: SPSSource) -> Path:
         """Write ``sps`` for ``fingerprint`` atomically; returns its path."""
-        path = self.path_for(name, fingerprint)
-        path.parent.mkdir(parents=True, exist_ok=True)
         body = json.dumps({"format": FORMAT, "fingerprint": fingerprint, "sps": sps.to_dict()}, indent=1) + "\n"
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-            f.write(body)
-        os.replace(f.name, path)
-        return path
+        return write_atomic(self.path_for(name, fingerprint), body)
 
     def _explain_miss(self, name: str, fingerprint: dict[str, Any]) -> None:
         """Log what changed against the newest cached table of the same model, if there is one."""

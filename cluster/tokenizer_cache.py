@@ -18,8 +18,8 @@ cached.
 
 Key: a fingerprint of the tokenizer folder (name, size and SHA-256 of every file but weight files; the folder
 may be the target model's) and of the transformers and tokenizers versions; a changed folder or library misses.
-Files are ``<folder name>-<digest>.json``, written atomically (replicas of one node may share the folder); the
-cache never deletes anything.
+Files are ``<folder name>-<digest>.json``, written atomically (replicas of one node may share the folder; names and
+writes: :mod:`cluster.cache_files`, which imports no torch); the cache never deletes anything.
 """
 
 from __future__ import annotations
@@ -27,14 +27,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
-import re
-import tempfile
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from cluster.cache_files import entry_path, package_version, write_atomic
 from scheduler.stopping import Decode, tokenizer_decode
 
 logger = logging.getLogger(__name__)
@@ -46,13 +43,6 @@ WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h
 #: Random id sequences the serialised backend is checked on before it is stored (besides every added token).
 CHECK_SEQUENCES = 256
 CHECK_MAX_LEN = 24
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _file_digest(path: Path) -> str:
@@ -72,13 +62,9 @@ def tokenizer_fingerprint(tokenizer_dir: str | Path) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "files": [{"name": p.name, "size": p.stat().st_size, "sha256": _file_digest(p)} for p in files],
-        "transformers": _version("transformers"),
-        "tokenizers": _version("tokenizers"),
+        "transformers": package_version("transformers"),
+        "tokenizers": package_version("tokenizers"),
     }
-
-
-def _digest(fingerprint: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def backend_decode(backend: Any) -> Decode:
@@ -129,8 +115,7 @@ class TokenizerCache:
         self.root = Path(root)
 
     def path_for(self, name: str, fingerprint: dict[str, Any]) -> Path:
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "tokenizer"
-        return self.root / f"{slug}-{_digest(fingerprint)}.json"
+        return entry_path(self.root, name, fingerprint, "tokenizer")
 
     def lookup(self, name: str, fingerprint: dict[str, Any]) -> Any | None:
         """The cached backend (a ``tokenizers.Tokenizer``) for ``fingerprint``, or None (missing, unreadable,
@@ -151,13 +136,8 @@ class TokenizerCache:
 
     def store(self, name: str, fingerprint: dict[str, Any], backend: str) -> Path:
         """Write ``backend`` (``Tokenizer.to_str``) for ``fingerprint`` atomically; returns its path."""
-        path = self.path_for(name, fingerprint)
-        path.parent.mkdir(parents=True, exist_ok=True)
         body = json.dumps({"fingerprint": fingerprint, "backend": backend}) + "\n"
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-            f.write(body)
-        os.replace(f.name, path)
-        return path
+        return write_atomic(self.path_for(name, fingerprint), body)
 
 
 def load_decode(tokenizer_dir: str | Path, cache_root: str | Path) -> Decode:

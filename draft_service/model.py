@@ -26,6 +26,7 @@ from torch import nn
 from draft_service.config import DraftConfig
 from draft_service.context_cache import DraftContextCache
 from draft_service.heads import ConfidenceHead, MarkovHead, build_markov_head
+from kernels.mlp import MLP
 from kernels.rms_norm import RMSNorm
 from kernels.slot_attention import slot_attention_reference
 
@@ -167,24 +168,13 @@ def _slot_attention_impl(backend: str):
     raise ValueError(f"slot attention backend must be 'triton' or 'reference', got {backend!r}")
 
 
-class DraftMLP(nn.Module):
-    def __init__(self, config: DraftConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DraftLayer(nn.Module):
     """Pre-norm decoder layer; input_layernorm applies to block rows only, never to the injected context."""
 
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
         self.self_attn = DraftAttention(config)
-        self.mlp = DraftMLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

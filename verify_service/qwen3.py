@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.mlp import MLP
 from kernels.rms_norm import RMSNorm
 from kernels.uninitialised import uninitialised
 
@@ -102,19 +103,6 @@ class GenerationConfig:
     eos_token_id: int | list[int] | None
 
 
-class MLP(nn.Module):
-    """transformers' ``Qwen3MLP`` with ``hidden_act: silu``."""
-
-    def __init__(self, config: Qwen3Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Attention(nn.Module):
     """The projections and q/k norms of transformers' ``Qwen3Attention`` (the target computes attention itself)."""
 
@@ -137,7 +125,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -118,3 +118,12 @@ def test_dspark_profile_fills_the_cache_that_serve_no_ray_reads(pair: tuple[Path
     finally:
         backend.close()
     assert info["sps"]["local"]["origin"] == {**origin, "source": "cache"}
+
+
+def test_a_table_keeps_its_file_name(tmp_path: Path) -> None:
+    """Tables written by earlier versions are found only while names and digests stay the same: pinned for a fixed
+    fingerprint (the folder name made file-safe, the first 16 hex digits of the canonical JSON's SHA-256)."""
+    fingerprint = {"format": "x/1", "files": [{"name": "tokenizer.json", "size": 3}], "b": None, "a": 1.5}
+    cache = SPSCache(tmp_path)
+    assert cache.path_for("Qwen/Qwen3 8B!", fingerprint) == tmp_path / "Qwen_Qwen3_8B-ef0a004a4332926b.json"
+    assert cache.path_for("..", fingerprint) == tmp_path / "model-ef0a004a4332926b.json"

@@ -116,3 +116,12 @@ def test_a_broken_or_unwritable_cache_costs_only_a_load_through_transformers(
         decode = load_decode(DEMO_TARGET, blocked)
     assert "tokenizer not cached" in caplog.text
     assert decode(seq) == reference.decode(seq, skip_special_tokens=True)
+
+
+def test_an_entry_keeps_its_file_name(tmp_path: Path) -> None:
+    """Caches written by earlier versions are found only while names and digests stay the same: pinned for a
+    fixed fingerprint (the folder name made file-safe, the first 16 hex digits of the canonical JSON's SHA-256)."""
+    fingerprint = {"format": "x/1", "files": [{"name": "tokenizer.json", "size": 3}], "b": None, "a": 1.5}
+    cache = TokenizerCache(tmp_path)
+    assert cache.path_for("Qwen/Qwen3 8B!", fingerprint) == tmp_path / "Qwen_Qwen3_8B-ef0a004a4332926b.json"
+    assert cache.path_for("..", fingerprint) == tmp_path / "tokenizer-ef0a004a4332926b.json"
