@@ -111,8 +111,10 @@ class ClusterSpec:
     before their drafts exist (its ``planned_lengths``; Algorithm 1 decides the others on their confidences):
     ``chained`` (the in-process round driver: only rounds no prompt joins, whose drafts were not launched for
     requests that finished since), ``relayed`` (a verifier relaying its drafters' blocks: every drafted round,
-    joiners too), ``off`` (none), or ``auto``, what the served defaults do for the placement (``chain_rounds``,
-    ``relay_drafts``): colocated chained, disaggregated relayed with one request group, else off.
+    joiners too), ``off`` (none: the default, whose rounds a policy that decides each round alone decides in
+    batches, the simulator's speed), or ``auto``, what the served defaults do for the placement
+    (``chain_rounds``, ``relay_drafts``): colocated chained, disaggregated relayed with one request group, else
+    off. A planning policy's plans learn from earlier rounds, so planned rounds run round by round.
     """
 
     placement: str = "disaggregated"
@@ -127,7 +129,7 @@ class ClusterSpec:
     verifier_scaling: PoolScaling | None = None
     drafter_scaling: PoolScaling | None = None
     control_interval_s: float = 1.0
-    planned_rounds: str = "auto"
+    planned_rounds: str = "off"
 
     def check(self, uses_drafter: bool) -> None:
         if self.placement not in PLACEMENTS:
