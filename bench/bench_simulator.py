@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.simulator.costs import load_costs
-from cluster.simulator.simulation import ClusterSpec, simulate
+from cluster.simulator.simulation import PLANNED_ROUNDS, ClusterSpec, simulate
 from cluster.simulator.traces import load_traces
 from cluster.simulator.workload import LengthSpec, generated
 from scheduler.sts import STSCalibration
@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--costs", type=Path, default=ROOT / "docs" / "simulator" / "costs_h200.json")
     parser.add_argument("--traces", type=Path, default=ROOT / "tests" / "data" / "sim_traces_demo_mbpp.npz")
     parser.add_argument("--sts", type=Path, default=ROOT / "models" / "demo" / "draft_dspark" / "sts.json")
+    parser.add_argument("--planned-rounds", choices=PLANNED_ROUNDS, default="off",
+                        help="ClusterSpec.planned_rounds (off: every round by Algorithm 1, batched when colocated)")
     parser.add_argument("--out", type=Path, default=None, help="write the measurement as JSON")
     args = parser.parse_args()
 
@@ -52,11 +54,18 @@ def main() -> None:
         np.random.default_rng(0),
     )
     if args.placement == "colocated":
-        spec = ClusterSpec(placement="colocated", verifiers=args.replicas, policy=args.policy)
+        spec = ClusterSpec(
+            placement="colocated", verifiers=args.replicas, policy=args.policy, planned_rounds=args.planned_rounds
+        )
     else:
         half = args.replicas // 2
         spec = ClusterSpec(
-            placement="disaggregated", verifiers=half, drafters=args.replicas - half, groups=2, policy=args.policy
+            placement="disaggregated",
+            verifiers=half,
+            drafters=args.replicas - half,
+            groups=2,
+            policy=args.policy,
+            planned_rounds=args.planned_rounds,
         )
     load_before = os.getloadavg()[0]
     wall, cpu = time.perf_counter(), time.process_time()
@@ -64,7 +73,8 @@ def main() -> None:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     record = {
         "command": f"PYTHONPATH=. python bench/bench_simulator.py --duration-s {args.duration_s:g} "
-        f"--rate {args.rate:g} --replicas {args.replicas} --placement {args.placement} --policy {args.policy}",
+        f"--rate {args.rate:g} --replicas {args.replicas} --placement {args.placement} --policy {args.policy} "
+        f"--planned-rounds {args.planned_rounds}",
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
         f"{platform.python_implementation()} {platform.python_version()}",

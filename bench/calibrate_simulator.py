@@ -230,12 +230,18 @@ class Predicted:
     generated: float
 
 
+#: How each layout's served engine runs its planned rounds (ClusterSpec.planned_rounds): ``--no-ray`` chains them in
+#: process, Ray's verifier relays its drafters' blocks (both on one GPU: the simulated placement is colocated).
+LAYOUT_PLANNED_ROUNDS = {"no-ray": "chained", "ray": "relayed"}
+
+
 def simulate_level(costs: Costs, trace: AcceptanceTrace, lengths: np.ndarray, policy: str, users: int,
-                   window_s: float, delay_s: float, output_len: int, slots: int, max_seq_len: int) -> Predicted:
+                   window_s: float, delay_s: float, output_len: int, slots: int, max_seq_len: int,
+                   planned_rounds: str = "auto") -> Predicted:
     """The bench's closed loop in the simulator: warm-up until every user finished one request, then the
     requests that end within ``window_s``; rates and TTFT as ``dspark bench serve`` computes them."""
     spec = ClusterSpec(placement="colocated", verifiers=1, verifier_slots=slots, drafter_slots=slots,
-                       max_seq_len=max_seq_len, policy=policy)
+                       max_seq_len=max_seq_len, policy=policy, planned_rounds=planned_rounds)
     count = max(4 * users, 64)
     while True:
         inputs = np.resize(lengths, count)
@@ -309,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             ones = [lv for lv in levels if lv.layout == layout and lv.users == 1]
             delays[layout] = max(0.0, float(np.mean([
                 lv.ttft_s - simulate_level(full[layout], trace, lengths, lv.policy, 1, lv.window_s, 0.0,
-                                           output_len, slots, max_seq_len).ttft_s for lv in ones])))
+                                           output_len, slots, max_seq_len,
+                                           LAYOUT_PLANNED_ROUNDS.get(layout, "auto")).ttft_s for lv in ones])))
         rows = []
         for lv in levels:
             if name == "all":
@@ -318,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 rest = [x for x in levels if x.users != lv.users]
                 costs = derived_costs(*bases[lv.layout], rest, lv.layout, [])
             pred = simulate_level(costs, trace, lengths, lv.policy, lv.users, lv.window_s, delays[lv.layout],
-                                  output_len, slots, max_seq_len)
+                                  output_len, slots, max_seq_len, LAYOUT_PLANNED_ROUNDS.get(lv.layout, "auto"))
             rows.append({"fit": name, "layout": lv.layout, "policy": lv.policy, "users": lv.users,
                          "measured": {"per_user": lv.per_user, "aggregate": lv.aggregate, "ttft_s": lv.ttft_s,
                                       "tau": lv.tau, "generated": lv.generated},

@@ -78,9 +78,17 @@ class RoundDriver:
     finishing: list[int] | None = None
     moving: list[int] | None = None
     observe: Callable[..., None] | None = field(init=False, default=None)  # the policy's observe_round, if any
+    # Planned rounds (the policy's planned_lengths and observe_drafts, if any; see Simulation._verify): whether
+    # this round's drafts, launched ahead after the last round, cover requests that finished in it (then the
+    # served engine's in-process round driver cannot chain the round: the policy decides on the drafts).
+    plans: Callable[[np.ndarray, int], np.ndarray | None] | None = field(init=False, default=None)
+    observe_drafts: Callable[[np.ndarray, np.ndarray], None] | None = field(init=False, default=None)
+    thinned: bool = False
 
     def __post_init__(self) -> None:
         self.observe = getattr(self.policy, "observe_round", None)
+        self.plans = getattr(self.policy, "planned_lengths", None)
+        self.observe_drafts = getattr(self.policy, "observe_drafts", None)
 
 
 @dataclass(eq=False)

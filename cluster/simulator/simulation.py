@@ -93,6 +93,9 @@ class _Joins:
         self.requests = [i for admitted in self.admitted for i in admitted]
 
 
+PLANNED_ROUNDS = ("auto", "chained", "relayed", "off")
+
+
 class SimulationError(ValueError):
     """A cluster specification the simulator cannot run (message says which setting and why)."""
 
@@ -104,7 +107,14 @@ class ClusterSpec:
     ``drafters`` counts the disaggregated drafter pool; colocated replicas hold their own drafter.
     ``verifier_scaling`` / ``drafter_scaling``: the pools' autoscaling_config (None: fixed size; colocated
     replicas scale as one pool with ``verifier_scaling``). ``control_interval_s``: how often the autoscaler
-    decides.
+    decides. ``planned_rounds``: how the served engine runs the drafted rounds whose lengths the policy plans
+    before their drafts exist (its ``planned_lengths``; Algorithm 1 decides the others on their confidences):
+    ``chained`` (the in-process round driver: only rounds no prompt joins, whose drafts were not launched for
+    requests that finished since), ``relayed`` (a verifier relaying its drafters' blocks: every drafted round,
+    joiners too), ``off`` (none: the default, whose rounds a policy that decides each round alone decides in
+    batches, the simulator's speed), or ``auto``, what the served defaults do for the placement
+    (``chain_rounds``, ``relay_drafts``): colocated chained, disaggregated relayed with one request group, else
+    off. A planning policy's plans learn from earlier rounds, so planned rounds run round by round.
     """
 
     placement: str = "disaggregated"
@@ -119,16 +129,28 @@ class ClusterSpec:
     verifier_scaling: PoolScaling | None = None
     drafter_scaling: PoolScaling | None = None
     control_interval_s: float = 1.0
+    planned_rounds: str = "off"
 
     def check(self, uses_drafter: bool) -> None:
         if self.placement not in PLACEMENTS:
             raise SimulationError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.planned_rounds not in PLANNED_ROUNDS:
+            raise SimulationError(f"planned_rounds must be one of {PLANNED_ROUNDS}, got {self.planned_rounds!r}")
         if self.verifiers < 1 or self.verifier_slots < 1 or self.drafter_slots < 1 or self.groups < 1:
             raise SimulationError("need >= 1 verifier, >= 1 slot per replica and >= 1 request group")
         if uses_drafter and self.placement == "disaggregated" and self.drafters < 1:
             raise SimulationError(f"policy {self.policy!r} drafts: a disaggregated cluster needs >= 1 drafter")
         if not self.control_interval_s > 0:
             raise SimulationError("control_interval_s must be > 0")
+
+    @property
+    def planning(self) -> str:
+        """``planned_rounds`` with ``auto`` resolved: ``chained``, ``relayed`` or ``off``."""
+        if self.planned_rounds != "auto":
+            return self.planned_rounds
+        if self.placement == "colocated":
+            return "chained"
+        return "relayed" if self.groups == 1 else "off"
 
     @property
     def gpus(self) -> int:
@@ -173,6 +195,9 @@ class SimResult:
     in_system_area: float  # integral over time of requests arrived and not finished
     waiting_area: float  # integral over time of requests routed and not admitted
     running_area: float  # integral over time of requests holding slots (admitted, not finished)
+    # Drafted rounds whose lengths the policy planned before the drafts (ClusterSpec.planned_rounds), counted round
+    # by round; a batched run (its policy plans the lengths it would decide anyway: fixed lengths) counts none.
+    planned_rounds: int = 0
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, verifiers, drafters, in system)
 
     @property
@@ -209,6 +234,9 @@ class Simulation:
             if trace.gamma != costs.block_size:
                 raise SimulationError(f"the traces have gamma {trace.gamma}, the cost file block {costs.block_size}")
         self._prototype = prototype
+        # Planned rounds as the served engine runs them (ClusterSpec.planned_rounds), for a policy that plans.
+        self.planning = spec.planning if getattr(prototype, "planned_lengths", None) is not None else "off"
+        self.planned_rounds = 0
         self.trace = trace
         self.block = costs.block_size
         self.colocated = spec.placement == "colocated"
@@ -248,7 +276,7 @@ class Simulation:
         self.batched = (
             self.colocated
             and spec.groups == 1
-            and bool(getattr(prototype, "decides_rounds_alone", False))
+            and self._decides_rounds_alone(prototype, costs.block_size)
             and 2 * self.hop + costs.round_overhead_s > 0
         )
         # The round pending on each verifier replica (at most one: one request group), undecided: when it starts,
@@ -331,6 +359,15 @@ class Simulation:
         if not self.colocated and self.uses_drafter:
             for _ in range(spec.drafters):
                 self._start_drafter(0.0, ready=0.0)
+
+    def _decides_rounds_alone(self, prototype: object, block: int) -> bool:
+        """Whether the policy decides every round alone also once a round driver asked it for planned lengths
+        (a planning scheduled policy learns its plans from earlier rounds; fixed lengths plan what they decide):
+        asked on a copy, as the first planned round will ask."""
+        if self.planning != "off":
+            prototype = copy.deepcopy(prototype)
+            prototype.planned_lengths(np.full(1, block, dtype=np.int64), block)  # type: ignore[attr-defined]
+        return bool(getattr(prototype, "decides_rounds_alone", False))
 
     # ------------------------------------------------------------------------------------------- replicas
     def _new_drafter(self, now: float, ready: float, gpu: Gpu) -> DrafterReplica:
@@ -529,7 +566,20 @@ class Simulation:
             assert self.trace is not None and driver.caps is not None
             row = self.row
             rows = driver.rows = [row[i] for i in verified]
-            lengths = driver.policy.lengths(self.trace.confidences[rows], driver.caps).tolist()
+            confidences, caps = self.trace.confidences[rows], driver.caps
+            planned = None
+            # As SpeculativeEngine.step: a relaying verifier plans every drafted round, the in-process driver
+            # (chained rounds) one no prompt joins whose drafts launched ahead hold no finished request (greedy).
+            if self.planning != "off" and (self.planning == "relayed" or not (driver.admitted or driver.thinned)):
+                assert driver.plans is not None  # planning is on only for a policy that plans
+                planned = driver.plans(caps, self.block)
+            if planned is None:
+                lengths = driver.policy.lengths(confidences, caps).tolist()
+            else:  # its drafts' confidences go back to the policy, as the engine's planned rounds do
+                self.planned_rounds += 1
+                if driver.observe_drafts is not None:
+                    driver.observe_drafts(np.asarray(confidences, dtype=np.float64), caps)
+                lengths = planned.tolist()
             accepted = self._accepted
             driver.accepted = [a if a < n else n for a, n in zip(map(accepted.__getitem__, rows), lengths, strict=True)]
             tokens = num + sum(lengths)
@@ -583,6 +633,8 @@ class Simulation:
             if outputs[i] <= 1:
                 finished.append(i)
         replica = driver.replica
+        # The engine launches the next round's drafts ahead after a round no prompt joined, for all its requests.
+        driver.thinned = bool(finished) and not driver.admitted
         freed_drafter = self._finish(driver, finished, now) if finished else False
         observe = driver.observe
         if observe is not None and verified:
@@ -1068,6 +1120,7 @@ class Simulation:
             end_s=end,
             total_rounds=self.total_rounds,
             drafted_rounds=self.drafted_rounds,
+            planned_rounds=self.planned_rounds,
             verifier_busy_s=sum(v.gpu.busy_s for v in self.verifiers),
             drafter_busy_s=0.0 if self.colocated else sum(d.gpu.busy_s for d in self.drafters),
             verifier_gpu_s=held(self.verifiers),

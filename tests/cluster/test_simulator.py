@@ -336,7 +336,10 @@ def test_batched_rounds_run_exactly_as_round_by_round(costs, trace, policy: str,
     vectorised walk for the rounds pending across the cluster, no event for a round whose end changes nothing
     outside its replica): the same run, bit for bit, as the round-by-round loop."""
     closed_loop = ClosedLoop(6, 0.004) if case == "closed loop" else None
-    spec = ClusterSpec(placement="colocated", verifiers=3, verifier_slots=8, policy=policy)
+    # dspark plans chained rounds from earlier rounds (decided round by round): batched with planning off only;
+    # the fixed-length policies plan the lengths they decide, and stay batched with the served default.
+    planned = "off" if policy == "dspark" else "auto"
+    spec = ClusterSpec(placement="colocated", verifiers=3, verifier_slots=8, policy=policy, planned_rounds=planned)
     workload = _workload(seed=4, rate=60.0, duration=6.0, cv=2.0)
     run_costs = costs
     if case == "autoscaled":
@@ -352,6 +355,46 @@ def test_batched_rounds_run_exactly_as_round_by_round(costs, trace, policy: str,
     by_round = Simulation(workload, run_costs, trace, spec, 5, closed_loop=closed_loop)
     by_round.batched = False
     _same_result(batched.run(), by_round.run())
+
+
+def test_planned_rounds_run_where_the_served_engine_plans_them(costs, trace) -> None:
+    """The served engine's planned rounds (lengths from the policy's ``planned_lengths`` before the drafts, their
+    confidences back through ``observe_drafts``): in process (chained) only rounds no prompt joins and whose
+    drafts launched ahead hold no finished request, relayed every drafted round; ``auto`` is the placement's
+    served default (colocated: chained), and a planning dspark is decided round by round."""
+    workload = _workload(seed=2, rate=30.0, duration=4.0)
+    results = {}
+    for planned in ("off", "chained", "relayed", "auto"):
+        spec = ClusterSpec(
+            placement="colocated", verifiers=1, verifier_slots=8, policy="dspark", planned_rounds=planned
+        )
+        sim = Simulation(workload, costs, trace, spec, 3)
+        assert sim.batched == (planned == "off")
+        result = results[planned] = sim.run()
+        _check_conservation(workload, result)
+        chain = sim.verifiers[0].drivers[0].policy.chain
+        assert chain.asked == (planned != "off")  # the policy was asked for plans, and learned them from drafts
+    assert results["off"].planned_rounds == 0
+    assert 0 < results["chained"].planned_rounds < results["chained"].drafted_rounds  # joiners: Algorithm 1
+    assert 0 < results["relayed"].planned_rounds <= results["relayed"].drafted_rounds
+    _same_result(results["auto"], results["chained"])
+    assert results["auto"].planned_rounds == results["chained"].planned_rounds
+    with pytest.raises(SimulationError, match="planned_rounds"):
+        simulate(workload, costs, trace, ClusterSpec(policy="dspark", planned_rounds="sometimes"))
+
+
+@pytest.mark.parametrize("policy", ["fixed-3", "full"])
+def test_planned_rounds_of_fixed_lengths_verify_the_planned_lengths(costs, trace, policy: str) -> None:
+    """A fixed-length policy plans the lengths it decides: relayed, every drafted round is planned, and the run
+    is the one that decides every round on its drafts (the same lengths, verified and accepted)."""
+    workload = _workload(seed=5, rate=30.0, duration=3.0)
+    runs = {}
+    for planned in ("relayed", "off"):
+        spec = ClusterSpec(placement="disaggregated", verifiers=1, drafters=1, policy=policy, planned_rounds=planned)
+        runs[planned] = simulate(workload, costs, trace, spec, seed=1)
+    assert runs["relayed"].planned_rounds == runs["relayed"].drafted_rounds > 0
+    assert runs["off"].planned_rounds == 0
+    _same_result(runs["relayed"], runs["off"])
 
 
 def test_one_new_recorded_prompt_is_the_same_draw_as_an_array_of_one(trace) -> None:
