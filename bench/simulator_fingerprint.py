@@ -7,10 +7,14 @@ first-token and finish times, emitted tokens, rounds and rejection, and every ru
 time, Little's-law areas and autoscaling timeline. Run it on two commits and compare the last line:
 
     PYTHONPATH=. python bench/simulator_fingerprint.py
+
+Every case runs with ``--planned-rounds`` (default ``off``, Algorithm 1 in every drafted round: the fingerprint
+measured since before planned rounds existed; ``auto``, the simulator's default, fingerprints the planned rounds).
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +23,7 @@ import numpy as np
 
 from cluster.simulator.autoscaler import PoolScaling
 from cluster.simulator.costs import load_costs
-from cluster.simulator.simulation import ClosedLoop, ClusterSpec, SimResult, simulate
+from cluster.simulator.simulation import PLANNED_ROUNDS, ClosedLoop, ClusterSpec, SimResult, simulate
 from cluster.simulator.traces import load_traces
 from cluster.simulator.workload import LengthSpec, Workload, generated
 from scheduler.sts import STSCalibration
@@ -58,6 +62,10 @@ def fingerprint(result: SimResult) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--planned-rounds", choices=PLANNED_ROUNDS, default="off",
+                        help="ClusterSpec.planned_rounds of every case (default off: the fingerprint as before)")
+    planned = parser.parse_args().planned_rounds
     costs = load_costs(ROOT / "docs" / "simulator" / "costs_h200.json")
     fast_start = replace(costs, verifier_start_s=1.0, drafter_start_s=1.0)
     trace = load_traces(
@@ -106,6 +114,7 @@ def main() -> None:
     cases.append(("64 colocated at 500/s", _workload(500.0, 2.0, output="uniform:96:160"), costs, large, None))
     total = hashlib.sha256()
     for name, workload, case_costs, spec, closed_loop in cases:
+        spec = replace(spec, planned_rounds=planned)
         result = simulate(workload, case_costs, trace, spec, seed=3, closed_loop=closed_loop)
         print(f"{fingerprint(result)}  {result.total_rounds:>7} rounds  {name}")
         total.update(fingerprint(result).encode())

@@ -628,28 +628,46 @@ def schedule_recorded_rounds(
     table_for: Callable[[int], SPSTable],
     *,
     draft_cost: DraftCost | None = None,
+    survivals: tuple[np.ndarray, np.ndarray] | None = None,
+    objective: np.ndarray | None = None,
 ) -> np.ndarray:
     """:func:`schedule_lengths_rounds` of rounds whose confidences are rows of ``recorded``: round k's request r
     drafted the block of row ``rows[k, r]``, its confidences zeroed from position ``max_lengths[k, r]`` on (its
     cap, as :mod:`scheduler.policy` zeroes them). The same lengths as ``schedule_lengths_rounds(capped
     confidences, ...)``: a survival past the cap is a product with a zero, 0 (tests/scheduler/test_sched_rounds.py).
+    ``survivals``: :func:`recorded_round_survivals` of these rounds, if the caller has them. ``objective`` [N]:
+    filled with each round's Theta at its lengths, as the walk computes it (within a few ulps of tau / step
+    time, with the draft cost's seconds added; +infinity for a round walked alone, and meaningless for a round
+    of no request).
     """
     rounds, width = rows.shape
     counts = _round_counts(num_requests, rounds, width)
     gamma = recorded.gamma
     if rounds == 0 or width == 0 or gamma == 0:
         return np.zeros((rounds, width), dtype=np.int64)
-    caps = max_lengths * _first(width, counts)  # padding: nothing to verify
-    grid = recorded.survival.take(rows, axis=0)
-    grid *= _first(gamma, caps, np.float64)  # 1 before the cap, 0 from it on (x * 0.0 = 0.0 for a survival x)
-    lengths, alone = _walk_rounds(grid, counts, table_for, draft_cost, recorded.near_ties)
+    caps, grid = survivals if survivals is not None else recorded_round_survivals(recorded, rows, max_lengths, counts)
+    lengths, alone = _walk_rounds(grid, counts, table_for, draft_cost, recorded.near_ties, objective)
     for k in alone:  # near ties: walk alone
+        if objective is not None:
+            objective[k] = np.inf
         count = int(counts[k])
         confidences = recorded.table[rows[k, :count]]
         capped = np.where(np.arange(gamma)[None, :] < caps[k, :count, None], confidences, 0.0)
         lengths[k] = 0
         lengths[k, :count] = schedule_lengths(capped, table_for(count), draft_cost=draft_cost)
     return lengths
+
+
+def recorded_round_survivals(
+    recorded: RecordedConfidences, rows: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For rounds replaying rows ``rows`` [N, R] of ``recorded`` (round k's requests the first
+    ``num_requests[k]``): their caps [N, R], 0 on padding, and the survivals :func:`schedule_recorded_rounds`
+    walks [N, R, gamma] (``recorded.survival`` of the rows, zero from each cap on and on padding)."""
+    caps = max_lengths * _first(rows.shape[1], np.asarray(num_requests, dtype=np.int64))  # padding: nothing
+    grid = recorded.survival.take(rows, axis=0)
+    grid *= _first(recorded.gamma, caps, np.float64)  # 1 before the cap, 0 from it on (x * 0.0 = 0.0 for a survival x)
+    return caps, grid
 
 
 _first_tables: dict[tuple[int, type], np.ndarray] = {}
@@ -679,6 +697,7 @@ def _walk_rounds(
     table_for: Callable[[int], SPSTable],
     draft_cost: DraftCost | None,
     near_ties: bool = True,
+    objective: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[int]]:
     """The walk of :func:`schedule_lengths_rounds` on survivals ``grid`` [N, R, gamma] (C-contiguous, zero on
     padding). Returns the lengths [N, R] and the rounds to walk alone instead (near ties, too many items). Only
@@ -721,6 +740,8 @@ def _walk_rounds(
     at = np.arange(0, rounds * (n + 1), n + 1)
     at += stop
     last = np.negative(ranked.reshape(-1).take(at))[:, None, None]  # v (infinite when none is admitted)
+    if objective is not None:  # Theta at the stop (negated)
+        np.negative(theta.reshape(-1).take(at), out=objective)
     admitted = grid >= last
     if np.count_nonzero(admitted) != sum(stop.tolist()):
         above = grid > last

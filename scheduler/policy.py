@@ -22,12 +22,13 @@ import numpy as np
 from scheduler.algorithm import (
     DraftCost,
     RecordedConfidences,
+    recorded_round_survivals,
     schedule_lengths,
     schedule_lengths_rounds,
     schedule_recorded_rounds,
 )
 from scheduler.async_capacity import AsyncCapacityScheduler
-from scheduler.chain_plan import CHAIN_TOLERANCE, ChainPlanner
+from scheduler.chain_plan import CHAIN_TOLERANCE, ChainPlanner, ChainPlanners
 from scheduler.draft_cost_estimate import OnlineDraftCost
 from scheduler.draft_gate import DraftGate
 from scheduler.service_levels import weighted_confidences
@@ -81,6 +82,27 @@ class DecidesRoundsAlone(Protocol):
     def lengths_of_recorded_rounds(
         self, recorded: RecordedConfidences, rows: np.ndarray, max_lengths: np.ndarray, num_requests: np.ndarray
     ) -> np.ndarray: ...
+
+
+class PlansInStacks(Protocol):
+    """A policy whose planned rounds (``planned_lengths``, then ``observe_drafts``) and scheduled rounds depend
+    on nothing but its chain planner's state, the caps and the confidences while ``plans_in_stacks``: the rounds
+    of many round drivers, each with its own copy, are then decided in stacks, their planners held by one
+    :class:`scheduler.chain_plan.ChainPlanners` (see :meth:`DSparkScheduled.plan_recorded_rounds`)."""
+
+    plans_in_stacks: bool
+    chain_tolerance: float
+
+    def plan_recorded_rounds(
+        self,
+        planners: ChainPlanners,
+        drivers: np.ndarray,
+        recorded: RecordedConfidences,
+        rows: np.ndarray,
+        max_lengths: np.ndarray,
+        num_requests: np.ndarray,
+        asking: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def _rounds_capped(confidences: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
@@ -335,6 +357,56 @@ class DSparkScheduled(_LearnsRoundCosts):
         return schedule_recorded_rounds(
             recorded, rows, max_lengths, num_requests, self.sps.table_for, draft_cost=self._cost.current()
         )
+
+    @property
+    def plans_in_stacks(self) -> bool:
+        """No gate and a fixed draft cost: a planned round's lengths and what its drafts teach depend on nothing
+        but the planner's state, the caps and the confidences, so the rounds of many round drivers (one policy
+        each) can be decided in stacks (:meth:`plan_recorded_rounds`)."""
+        return self.gate is None and self._cost.estimator is None
+
+    def plan_recorded_rounds(
+        self,
+        planners: ChainPlanners,
+        drivers: np.ndarray,
+        recorded: RecordedConfidences,
+        rows: np.ndarray,
+        max_lengths: np.ndarray,
+        num_requests: np.ndarray,
+        asking: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A stack of rounds of different round drivers, at most one each (round k: driver ``drivers[k]``, whose
+        policy's planner is ``planners``' row; its confidences rows ``rows[k]`` of ``recorded``, its caps, its
+        requests the first ``num_requests[k]``): what each driver's own policy (a copy of this one) does round by
+        round. Where ``asking[k]`` the driver asks :meth:`planned_lengths`; a planned round verifies those lengths
+        and its drafts go to :meth:`observe_drafts`, the others get :meth:`lengths` (Algorithm 1, one vectorised
+        walk for the stack, as :meth:`lengths_of_recorded_rounds`). Returns the lengths [N, R] (zero on padding)
+        and whether each round was planned. Only while :attr:`plans_in_stacks`."""
+        if not self.plans_in_stacks:
+            raise ValueError("this policy learns from its rounds: decide them one by one")
+        table_for, cost = self.sps.table_for, self._cost.current()
+        num_requests = np.asarray(num_requests, dtype=np.int64)
+        caps, survival = survivals = recorded_round_survivals(recorded, rows, max_lengths, num_requests)
+        key = planners.key(drivers, num_requests)
+        planned, planned_lengths = planners.planned(
+            drivers, key, caps, num_requests, recorded.gamma, table_for, asking
+        )
+        theta_a = np.empty(rows.shape[0])  # (filled for every round of a request)
+        chosen = schedule_recorded_rounds(
+            recorded, rows, max_lengths, num_requests, table_for, draft_cost=cost, survivals=survivals,
+            objective=theta_a,
+        )
+
+        def confidences(k: int) -> np.ndarray:  # round k's own, as lengths() and observe_drafts() cap them
+            count = int(num_requests[k])
+            return _capped(recorded.table[rows[k, :count]], max_lengths[k, :count])
+
+        scheduled = np.less(planned, num_requests > 0)  # drafted, Algorithm 1's lengths
+        planners.observe(
+            drivers, key, survival, caps, chosen, theta_a, num_requests, table_for, cost, confidences, planned,
+            scheduled,
+        )
+        return np.where(planned[:, None], planned_lengths, chosen), planned
 
     def planned_lengths(self, max_lengths: np.ndarray, block_size: int) -> np.ndarray | None:
         """The lengths before the drafts exist (a chained round), or None to let Algorithm 1 decide on the

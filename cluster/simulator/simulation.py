@@ -45,7 +45,8 @@ from cluster.simulator.traces import AcceptanceTrace
 from cluster.simulator.workload import Workload
 from scheduler.admission import draft_caps
 from scheduler.algorithm import RecordedConfidences
-from scheduler.policy import DecidesRoundsAlone, make_policy
+from scheduler.chain_plan import ChainPlanners
+from scheduler.policy import DecidesRoundsAlone, PlansInStacks, make_policy
 
 _DRAFT_DONE, _ROUND_END, _TICK, _READY, _WAKE = 0, 1, 2, 3, 4
 # Rows of a batch's time parts (Simulation._parts), in the order a round adds them to its start time.
@@ -111,10 +112,11 @@ class ClusterSpec:
     before their drafts exist (its ``planned_lengths``; Algorithm 1 decides the others on their confidences):
     ``chained`` (the in-process round driver: only rounds no prompt joins, whose drafts were not launched for
     requests that finished since), ``relayed`` (a verifier relaying its drafters' blocks: every drafted round,
-    joiners too), ``off`` (none: the default, whose rounds a policy that decides each round alone decides in
-    batches, the simulator's speed), or ``auto``, what the served defaults do for the placement
-    (``chain_rounds``, ``relay_drafts``): colocated chained, disaggregated relayed with one request group, else
-    off. A planning policy's plans learn from earlier rounds, so planned rounds run round by round.
+    joiners too), ``off`` (none: Algorithm 1 decides every drafted round on its confidences), or ``auto`` (the
+    default), what the served defaults do for the placement (``chain_rounds``, ``relay_drafts``): colocated
+    chained, disaggregated relayed with one request group, else off. A planning dspark's plans learn from its
+    earlier rounds, and batched runs (colocated, one request group) decide its rounds with every replica's
+    planner as a row of one :class:`scheduler.chain_plan.ChainPlanners`.
     """
 
     placement: str = "disaggregated"
@@ -129,7 +131,7 @@ class ClusterSpec:
     verifier_scaling: PoolScaling | None = None
     drafter_scaling: PoolScaling | None = None
     control_interval_s: float = 1.0
-    planned_rounds: str = "off"
+    planned_rounds: str = "auto"
 
     def check(self, uses_drafter: bool) -> None:
         if self.placement not in PLACEMENTS:
@@ -195,8 +197,7 @@ class SimResult:
     in_system_area: float  # integral over time of requests arrived and not finished
     waiting_area: float  # integral over time of requests routed and not admitted
     running_area: float  # integral over time of requests holding slots (admitted, not finished)
-    # Drafted rounds whose lengths the policy planned before the drafts (ClusterSpec.planned_rounds), counted round
-    # by round; a batched run (its policy plans the lengths it would decide anyway: fixed lengths) counts none.
+    # Drafted rounds whose lengths the policy planned before the drafts (ClusterSpec.planned_rounds).
     planned_rounds: int = 0
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, verifiers, drafters, in system)
 
@@ -273,10 +274,13 @@ class Simulation:
         self.queue = EventQueue()
         # Batched rounds (:meth:`_flush`): replicas that run their rounds on their own GPU (colocated, one request
         # group) with a policy that decides every round alone. Per request state then lives in numpy arrays.
+        # A planning policy whose plans depend on its planner's state alone (dspark with a fixed draft cost, no
+        # gate) is batched too: every round driver's planner is a row of one ChainPlanners.
+        plans_in_stacks = self.planning != "off" and bool(getattr(prototype, "plans_in_stacks", False))
         self.batched = (
             self.colocated
             and spec.groups == 1
-            and self._decides_rounds_alone(prototype, costs.block_size)
+            and (plans_in_stacks or self._decides_rounds_alone(prototype, costs.block_size))
             and 2 * self.hop + costs.round_overhead_s > 0
         )
         # The round pending on each verifier replica (at most one: one request group), undecided: when it starts,
@@ -297,9 +301,18 @@ class Simulation:
         self._member_table = np.full((slots, spec.verifier_slots), workload.size, dtype=np.int64)
         self._deadline = math.inf  # the earliest deadline of a pending round (no earlier)
         self._clock = 0.0
+        # Planned rounds in a batched run: the planners of a policy that plans in stacks (None: the policy decides
+        # every round alone, and plans, when asked, the lengths it decides), and whether each replica's last round
+        # ended with a finished request and no joiner (RoundDriver.thinned).
+        self._planners: ChainPlanners | None = None
+        self._thinned = np.zeros(slots, dtype=bool)
         if self.batched:
-            # The policy decides each round alone: one object decides for every round driver (theirs are copies).
+            # The policy decides each round alone, or plans from its planner's state alone: one object decides for
+            # every round driver (theirs are copies), with every driver's planner in one ChainPlanners.
             self._rounds_policy = cast(DecidesRoundsAlone, prototype)
+            if plans_in_stacks:
+                self._stack_policy = cast(PlansInStacks, prototype)
+                self._planners = ChainPlanners(slots, spec.verifier_slots, self._stack_policy.chain_tolerance)
             # Per request, one row: emitted tokens, trace row, rounds, end of its recorded prompt's rows, output
             # tokens and prompt tokens less one (its position then is that plus its emitted tokens) (a round reads
             # and writes them in one gather and one scatter); the last row is the padding of a batch (never
@@ -406,6 +419,9 @@ class Simulation:
         self._start, self._count = grown(self._start, 0.0), grown(self._count, 0)
         self._due, self._gate = grown(self._due, math.inf), grown(self._gate, math.inf)
         self._waits, self._gpu_busy = grown(self._waits, False), grown(self._gpu_busy, 0.0)
+        self._thinned = grown(self._thinned, False)
+        if self._planners is not None:
+            self._planners.grow(slots)
         self._member_table = grown(self._member_table, len(self.arrival))
         self._grow_parts(slots)
         self._tile_steps(slots)
@@ -744,8 +760,9 @@ class Simulation:
         vectorised walk for all of them), accepted tokens, GPU steps and end times, and what their ends will do.
 
         Why this is the same run as round by round: a pending round's outcome depends only on its own requests'
-        state at its start (recorded rows, emitted tokens; the policy learns nothing from earlier rounds, and the
-        replica's GPU runs no one else's steps), which nothing changes before the round ends; its state updates
+        state at its start (recorded rows, emitted tokens; the policy learns nothing from earlier rounds, or only
+        through its replica's planner, which only that replica's rounds change, one per batch; and the replica's
+        GPU runs no one else's steps), which nothing changes before the round ends; its state updates
         touch only its own requests, read by nothing but their next round. The run loop flushes before it
         handles any event at or after the earliest time a pending round could end (``_deadline``), so every
         round end is on the queue before its time comes, and events happen in the same order. Every number is
@@ -771,19 +788,23 @@ class Simulation:
             self.total_rounds += take.size
             if self.uses_drafter:  # every round that verifies a request drafts (only joiners: a prefill round)
                 self.drafted_rounds += len(count_list) - count_list.count(0)
-            tokens, events = self._advance_requests(take, counts, width)
+            tokens, events = self._advance_requests(take, counts, width, joins)
             totals, step = self._join(counts, tokens, width, joins, events)
             end = self._round_ends(take, counts, totals, step, 0 not in count_list)
             self._schedule_ends(take, take_list, end, totals, joins, events)
         self._deadline = float(_minimum(self._due))
 
-    def _advance_requests(self, take: np.ndarray, counts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    def _advance_requests(
+        self, take: np.ndarray, counts: np.ndarray, width: int, joins: _Joins
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The rounds' requests (of the replicas ``take``, ``counts`` each, at most ``width``) decide their lengths
         and emit their accepted tokens + 1. Returns each round's verify batch (anchors + drafts) and whether its
         end is an event so far (requests wait for the replica; its requests that finish or run out of recorded
         rows are marked on its driver, in member order)."""
         events = self._waits[take]
         if not width:  # prefill-only rounds
+            if self.planning != "off":
+                self._thinned[take] = False  # (every such round has joiners)
             return counts, events
         members = self._member_table[:, :width].take(take, axis=0)  # past a round's requests: padding
         rows_state = self._state.take(members, axis=0)  # [rounds, R, columns]
@@ -792,7 +813,10 @@ class Simulation:
         if self.uses_drafter:  # (a round of no request, only joiners, has only padding: nothing to draft)
             rows = rows_state[:, :, _ROW]
             caps = draft_caps(o - e, rows_state[:, :, _POS] + e, self.spec.max_seq_len, self.block)
-            lengths = self._rounds_policy.lengths_of_recorded_rounds(self._recorded, rows, caps, counts)
+            if self.planning == "off":
+                lengths = self._rounds_policy.lengths_of_recorded_rounds(self._recorded, rows, caps, counts)
+            else:
+                lengths = self._planned_lengths(take, counts, rows, caps, joins)
             tokens = lengths @ self._ones[:width]
             tokens += counts
             e += np.minimum(self._accepted_rows[rows], lengths)  # accepted + 1 tokens, at most what it still needs
@@ -803,10 +827,37 @@ class Simulation:
             self._count_round(rows_state, self._plain_step)
         self._records.put(members, rows_state.view(self._record))
         self._state[-1] = self._padding
+        if self.planning != "off":  # as _end_round sets RoundDriver.thinned (those with finished requests: _mark)
+            self._thinned[take] = False
         self._mark(take, members, e >= o, events, True)
+        if joins.slots and self.planning != "off":
+            self._thinned[joins.slots] = False
         if self.uses_drafter:
             self._mark(take, members, rows >= rows_state[:, :, _ROW_END], events, False)
         return tokens, events
+
+    def _planned_lengths(
+        self, take: np.ndarray, counts: np.ndarray, rows: np.ndarray, caps: np.ndarray, joins: _Joins
+    ) -> np.ndarray:
+        """The lengths of a batch's drafted rounds where the policy plans (:meth:`_verify`'s ``planned`` branch for
+        each round): the rounds the served engine plans ask for plans (relayed: every drafted one; chained: those
+        no prompt joins and whose replica's last round ended with no finished request); a policy that plans in
+        stacks decides them with every replica's planner, one that decides each round alone plans, when asked,
+        the lengths it decides. Counts the planned rounds."""
+        if self.planning == "chained":  # (False < True: a round of requests, not thinned)
+            asking = np.less(self._thinned.take(take), counts > 0)
+            if joins.slots:
+                asking[joins.rounds] = False
+        else:
+            asking = counts > 0
+        if self._planners is None:
+            self.planned_rounds += int(np.count_nonzero(asking))
+            return self._rounds_policy.lengths_of_recorded_rounds(self._recorded, rows, caps, counts)
+        lengths, planned = self._stack_policy.plan_recorded_rounds(
+            self._planners, take, self._recorded, rows, caps, counts, asking
+        )
+        self.planned_rounds += int(np.count_nonzero(planned))
+        return lengths
 
     @staticmethod
     def _count_round(rows_state: np.ndarray, step: np.ndarray) -> None:
@@ -823,6 +874,8 @@ class Simulation:
         if not hit_k.size:
             return
         events[hit_k] = True
+        if done and self.planning != "off":
+            self._thinned[take[hit_k]] = True
         driver_at = self._driver_at
         for slot, i in zip(take[hit_k].tolist(), members[hits].tolist(), strict=True):
             driver = driver_at[slot]

@@ -307,6 +307,7 @@ def _same_result(a: SimResult, b: SimResult) -> None:
         "end_s",
         "total_rounds",
         "drafted_rounds",
+        "planned_rounds",
         "verifier_busy_s",
         "drafter_busy_s",
         "verifier_gpu_s",
@@ -329,24 +330,32 @@ def _same_result(a: SimResult, b: SimResult) -> None:
         ("dspark", "closed loop"),
         ("dspark", "autoscaled"),
         ("dspark", "many replicas"),
+        ("dspark", "chained"),
+        ("dspark", "relayed"),
+        ("dspark", "chained closed loop"),
+        ("dspark", "chained autoscaled"),
+        ("dspark", "chained many replicas"),
+        ("dspark", "relayed many replicas"),
+        ("full", "relayed"),
+        ("fixed-1", "chained"),
     ],
 )
 def test_batched_rounds_run_exactly_as_round_by_round(costs, trace, policy: str, case: str) -> None:
-    """Replicas on their own GPU with a policy that decides each round alone are decided in batches (one
-    vectorised walk for the rounds pending across the cluster, no event for a round whose end changes nothing
-    outside its replica): the same run, bit for bit, as the round-by-round loop."""
-    closed_loop = ClosedLoop(6, 0.004) if case == "closed loop" else None
-    # dspark plans chained rounds from earlier rounds (decided round by round): batched with planning off only;
-    # the fixed-length policies plan the lengths they decide, and stay batched with the served default.
-    planned = "off" if policy == "dspark" else "auto"
+    """Replicas on their own GPU with a policy that decides each round alone, or plans rounds from its planner's
+    state alone (dspark with planned rounds, chained or relayed: every replica's planner a row of one
+    ChainPlanners), are decided in batches (one vectorised walk for the rounds pending across the cluster, no
+    event for a round whose end changes nothing outside its replica): the same run, bit for bit, as the
+    round-by-round loop, planned rounds included."""
+    closed_loop = ClosedLoop(6, 0.004) if "closed loop" in case else None
+    planned = case.split()[0] if case.split()[0] in ("chained", "relayed") else "off"
     spec = ClusterSpec(placement="colocated", verifiers=3, verifier_slots=8, policy=policy, planned_rounds=planned)
     workload = _workload(seed=4, rate=60.0, duration=6.0, cv=2.0)
     run_costs = costs
-    if case == "autoscaled":
+    if case.endswith("autoscaled"):
         scaling = SCALING
         spec = replace(spec, verifiers=1, verifier_slots=128, verifier_scaling=scaling, control_interval_s=0.5)
         run_costs = replace(costs, verifier_start_s=1.0, drafter_start_s=1.0)
-    if case == "many replicas":
+    if case.endswith("many replicas"):
         spec = replace(spec, verifiers=16, verifier_slots=128)
         lengths = LengthSpec.parse("uniform:11:399"), LengthSpec.parse("uniform:1:160")
         workload = generated(300.0, 2.0, *lengths, np.random.default_rng(1))
@@ -354,14 +363,17 @@ def test_batched_rounds_run_exactly_as_round_by_round(costs, trace, policy: str,
     assert batched.batched
     by_round = Simulation(workload, run_costs, trace, spec, 5, closed_loop=closed_loop)
     by_round.batched = False
-    _same_result(batched.run(), by_round.run())
+    result = batched.run()
+    _same_result(result, by_round.run())
+    assert (result.planned_rounds > 0) == (planned != "off")
 
 
 def test_planned_rounds_run_where_the_served_engine_plans_them(costs, trace) -> None:
     """The served engine's planned rounds (lengths from the policy's ``planned_lengths`` before the drafts, their
     confidences back through ``observe_drafts``): in process (chained) only rounds no prompt joins and whose
     drafts launched ahead hold no finished request, relayed every drafted round; ``auto`` is the placement's
-    served default (colocated: chained), and a planning dspark is decided round by round."""
+    served default (colocated: chained); a planning dspark with a fixed draft cost is decided in batches, every
+    replica's planner a row of one ChainPlanners (asked, and learning from the drafts, where rounds are planned)."""
     workload = _workload(seed=2, rate=30.0, duration=4.0)
     results = {}
     for planned in ("off", "chained", "relayed", "auto"):
@@ -369,11 +381,13 @@ def test_planned_rounds_run_where_the_served_engine_plans_them(costs, trace) -> 
             placement="colocated", verifiers=1, verifier_slots=8, policy="dspark", planned_rounds=planned
         )
         sim = Simulation(workload, costs, trace, spec, 3)
-        assert sim.batched == (planned == "off")
+        assert sim.batched
         result = results[planned] = sim.run()
         _check_conservation(workload, result)
-        chain = sim.verifiers[0].drivers[0].policy.chain
-        assert chain.asked == (planned != "off")  # the policy was asked for plans, and learned them from drafts
+        planners = sim._planners
+        assert (planners is not None) == (planned != "off")
+        if planners is not None:  # the policy was asked for plans, and learned them from drafts
+            assert planners.asked[0] and (planners.plans[0] >= 0).any()
     assert results["off"].planned_rounds == 0
     assert 0 < results["chained"].planned_rounds < results["chained"].drafted_rounds  # joiners: Algorithm 1
     assert 0 < results["relayed"].planned_rounds <= results["relayed"].drafted_rounds
@@ -394,7 +408,7 @@ def test_planned_rounds_of_fixed_lengths_verify_the_planned_lengths(costs, trace
         runs[planned] = simulate(workload, costs, trace, spec, seed=1)
     assert runs["relayed"].planned_rounds == runs["relayed"].drafted_rounds > 0
     assert runs["off"].planned_rounds == 0
-    _same_result(runs["relayed"], runs["off"])
+    _same_result(runs["relayed"], replace(runs["off"], planned_rounds=runs["relayed"].planned_rounds))
 
 
 def test_one_new_recorded_prompt_is_the_same_draw_as_an_array_of_one(trace) -> None:

@@ -6,11 +6,13 @@ draft; counts and past rounds only."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
-from scheduler.algorithm import DraftCost, schedule_lengths
-from scheduler.chain_plan import CHAIN_TOLERANCE, RECHECK, uniform_choice
+from scheduler.algorithm import DraftCost, RecordedConfidences, schedule_lengths
+from scheduler.chain_plan import CHAIN_TOLERANCE, RECHECK, ChainPlanners, uniform_choice
 from scheduler.draft_gate import DraftGate
 from scheduler.policy import DSparkAsync, DSparkScheduled, make_policy
 from scheduler.sps import RequestSPS, SPSTable
@@ -178,3 +180,62 @@ def test_the_async_variant_plans_the_caps_when_its_capacity_holds_every_draft() 
     doubtful.lengths(np.full((8, GAMMA), 0.3), eight)
     assert doubtful._scheduler.next_capacity < 8 * GAMMA
     assert doubtful.planned_lengths(eight, GAMMA) is None
+
+
+def _stack_cases() -> list[tuple[object, DraftCost | None, float]]:
+    flat = SPSTable([1, 1024], [1000.0, 1000.0])  # exactly flat: exact ties between uniform lengths
+    return [
+        (_h200_by_requests(), None, CHAIN_TOLERANCE),
+        (_h200_by_requests(), DraftCost(fixed_s=4e-4, per_request_s=2e-5, per_token_s=1e-6), CHAIN_TOLERANCE),
+        (_h200_by_requests(), None, 0.0),
+        (flat, None, 0.0),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_stacks_of_rounds_plan_as_each_drivers_own_policy_round_by_round(case: int) -> None:
+    """``plan_recorded_rounds`` (ChainPlanners: every driver's planner as arrays, one walk per stack) decides
+    and learns exactly what each round driver's own DSparkScheduled does round by round: planned_lengths where
+    the driver asks, observe_drafts after a planned round, lengths (Algorithm 1, every RECHECK-th re-planning)
+    for the others; random request counts, caps, ties, zeros, tiny survivals and padding."""
+    sps, cost, tolerance = _stack_cases()[case]
+    rng = np.random.default_rng(case)
+    table = rng.choice([0.0, 1e-9, 0.3, 0.5, 0.9, 1.0], size=(60, GAMMA), p=[0.05, 0.05, 0.2, 0.2, 0.3, 0.2])
+    table[:30] = rng.random((30, GAMMA))
+    recorded = RecordedConfidences(table)
+    drivers, width = 6, 9
+    prototype = DSparkScheduled(sps, draft_cost=cost, chain_tolerance=tolerance)  # type: ignore[arg-type]
+    assert prototype.plans_in_stacks
+    own = [copy.deepcopy(prototype) for _ in range(drivers)]
+    planners = ChainPlanners(drivers, width, tolerance)
+    planned_total = 0
+    for _ in range(400):
+        take = np.flatnonzero(rng.random(drivers) < 0.7)
+        if not take.size:
+            continue
+        counts = rng.choice([1, 2, 3, 8, width], size=take.size)
+        rows = rng.integers(0, table.shape[0], size=(take.size, width))
+        caps = rng.choice([0, 1, 3, GAMMA, GAMMA + 2], size=(take.size, width), p=[0.05, 0.05, 0.1, 0.6, 0.2])
+        asking = rng.random(take.size) < 0.8
+        lengths, planned = prototype.plan_recorded_rounds(planners, take, recorded, rows, caps, counts, asking)
+        for k, d in enumerate(take.tolist()):
+            count = int(counts[k])
+            policy, row_caps, confidences = own[d], caps[k, :count], table[rows[k, :count]]
+            plan = policy.planned_lengths(row_caps, GAMMA) if asking[k] else None
+            if plan is None:
+                expected = policy.lengths(confidences, row_caps)
+            else:
+                policy.observe_drafts(confidences, row_caps)
+                expected = plan
+            assert bool(planned[k]) == (plan is not None)
+            assert lengths[k, :count].tolist() == expected.tolist()
+            assert not lengths[k, count:].any()
+            planned_total += plan is not None
+    for d, policy in enumerate(own):  # the same state: plans and re-plan counters by request count
+        chain = policy.chain
+        assert bool(planners.asked[d]) == chain.asked
+        assert {r: int(planners.plans[d, r]) for r in range(width + 1) if planners.plans[d, r] >= 0} == chain._plans
+        assert {r: int(planners.scheduled[d, r]) for r in range(width + 1) if planners.scheduled[d, r]} == {
+            r: n for r, n in chain._scheduled.items() if n
+        }
+    assert planned_total > 100
