@@ -39,9 +39,9 @@ def main() -> None:
     parser.add_argument("--costs", type=Path, default=ROOT / "docs" / "simulator" / "costs_h200.json")
     parser.add_argument("--traces", type=Path, default=ROOT / "tests" / "data" / "sim_traces_demo_mbpp.npz")
     parser.add_argument("--sts", type=Path, default=ROOT / "models" / "demo" / "draft_dspark" / "sts.json")
-    parser.add_argument("--planned-rounds", choices=PLANNED_ROUNDS, default="auto",
-                        help="ClusterSpec.planned_rounds (auto, the default: colocated, chained rounds; off: every "
-                        "round by Algorithm 1)")
+    parser.add_argument("--planned-rounds", choices=PLANNED_ROUNDS, default="off",
+                        help="ClusterSpec.planned_rounds (off, the default: every round by Algorithm 1; auto: "
+                        "colocated, chained rounds)")
     parser.add_argument("--out", type=Path, default=None, help="write the measurement as JSON")
     args = parser.parse_args()
 

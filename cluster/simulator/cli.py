@@ -243,10 +243,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-cost", choices=DRAFT_COSTS, default="none", help="the policies' draft-cost setting")
     p.add_argument("--placement", choices=PLACEMENTS, default="disaggregated",
                    help="drafter and verifier on one GPU (colocated) or in separate pools")
-    p.add_argument("--planned-rounds", choices=PLANNED_ROUNDS, default="auto",
+    p.add_argument("--planned-rounds", choices=PLANNED_ROUNDS, default="off",
                    help="rounds whose lengths the policy plans before the drafts, as the served engine runs them "
-                        "(chained in process, relayed by a verifier; auto, the default: the served defaults per "
-                        "placement; off: Algorithm 1 every round)")
+                        "(chained in process, relayed by a verifier; auto: the served defaults per placement, "
+                        "1.3-1.5x slower; off: Algorithm 1 every round)")
     p.add_argument("--verifier-slots", type=int, default=128, help="requests a verifier replica holds")
     p.add_argument("--drafter-slots", type=int, default=128, help="requests a drafter replica holds")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context positions per request")

@@ -108,15 +108,15 @@ class ClusterSpec:
     ``drafters`` counts the disaggregated drafter pool; colocated replicas hold their own drafter.
     ``verifier_scaling`` / ``drafter_scaling``: the pools' autoscaling_config (None: fixed size; colocated
     replicas scale as one pool with ``verifier_scaling``). ``control_interval_s``: how often the autoscaler
-    decides. ``planned_rounds``: how the served engine runs the drafted rounds whose lengths the policy plans
-    before their drafts exist (its ``planned_lengths``; Algorithm 1 decides the others on their confidences):
-    ``chained`` (the in-process round driver: only rounds no prompt joins, whose drafts were not launched for
-    requests that finished since), ``relayed`` (a verifier relaying its drafters' blocks: every drafted round,
-    joiners too), ``off`` (none: Algorithm 1 decides every drafted round on its confidences), or ``auto`` (the
-    default), what the served defaults do for the placement (``chain_rounds``, ``relay_drafts``): colocated
-    chained, disaggregated relayed with one request group, else off. A planning dspark's plans learn from its
-    earlier rounds, and batched runs (colocated, one request group) decide its rounds with every replica's
-    planner as a row of one :class:`scheduler.chain_plan.ChainPlanners`.
+    decides. ``planned_rounds``: how the served engine runs the drafted rounds whose lengths the policy plans before
+    their drafts exist (its ``planned_lengths``; Algorithm 1 decides the others on their confidences): ``chained``
+    (the in-process round driver: only rounds no prompt joins, whose drafts were not launched for requests that
+    finished since), ``relayed`` (a verifier relaying its drafters' blocks: every drafted round, joiners too),
+    ``off`` (the default: none, Algorithm 1 decides every drafted round on its confidences; the fastest, and what
+    the pool plans of docs/DEPLOYMENT.md used), or ``auto``, what the served defaults do for the placement
+    (``chain_rounds``, ``relay_drafts``): colocated chained, disaggregated relayed with one request group, else off.
+    A planning dspark's plans learn from its earlier rounds, and batched runs (colocated, one request group) decide
+    its rounds with every replica's planner as a row of one :class:`scheduler.chain_plan.ChainPlanners`.
     """
 
     placement: str = "disaggregated"
@@ -131,7 +131,7 @@ class ClusterSpec:
     verifier_scaling: PoolScaling | None = None
     drafter_scaling: PoolScaling | None = None
     control_interval_s: float = 1.0
-    planned_rounds: str = "auto"
+    planned_rounds: str = "off"
 
     def check(self, uses_drafter: bool) -> None:
         if self.placement not in PLACEMENTS:
