@@ -664,22 +664,24 @@ def recorded_round_survivals(
     """For rounds replaying rows ``rows`` [N, R] of ``recorded`` (round k's requests the first
     ``num_requests[k]``): their caps [N, R], 0 on padding, and the survivals :func:`schedule_recorded_rounds`
     walks [N, R, gamma] (``recorded.survival`` of the rows, zero from each cap on and on padding)."""
-    caps = max_lengths * _first(rows.shape[1], np.asarray(num_requests, dtype=np.int64))  # padding: nothing
+    caps = max_lengths * prefix_mask(rows.shape[1], np.asarray(num_requests, dtype=np.int64))  # padding: nothing
     grid = recorded.survival.take(rows, axis=0)
-    grid *= _first(recorded.gamma, caps, np.float64)  # 1 before the cap, 0 from it on (x * 0.0 = 0.0 for a survival x)
+    # 1 before the cap, 0 from it on (x * 0.0 = 0.0 for a survival x)
+    grid *= prefix_mask(recorded.gamma, caps, np.float64)
     return caps, grid
 
 
-_first_tables: dict[tuple[int, type], np.ndarray] = {}
+_prefix_mask_tables: dict[tuple[int, type], np.ndarray] = {}
 
 
-def _first(size: int, limits: np.ndarray, dtype: type = np.bool_) -> np.ndarray:
+def prefix_mask(size: int, limits: np.ndarray, dtype: type = np.bool_) -> np.ndarray:
     """``arange(size) < limits[..., None]`` as ``dtype``, from a table (limits below 0 taken as 0, above ``size``
     as ``size``): one gather instead of a broadcast comparison, whose fixed cost is the larger one on a stack of
     small rounds."""
-    table = _first_tables.get((size, dtype))
+    table = _prefix_mask_tables.get((size, dtype))
     if table is None:
-        table = _first_tables[(size, dtype)] = (np.arange(size)[None, :] < np.arange(size + 1)[:, None]).astype(dtype)
+        below = np.arange(size)[None, :] < np.arange(size + 1)[:, None]
+        table = _prefix_mask_tables[(size, dtype)] = below.astype(dtype)
     return table.take(limits, axis=0, mode="clip")
 
 

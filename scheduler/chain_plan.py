@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from scheduler.algorithm import DraftCost, _first
+from scheduler.algorithm import DraftCost, prefix_mask
 from scheduler.sps import SPSTable
 
 CHAIN_TOLERANCE = 0.05
@@ -197,7 +197,7 @@ def uniform_plans(
     tau += column
     # B_L - R = sum_r min(cap_r, L): the positions before L within the caps (small integers: exact as floats);
     # the step times' flat index of B_L, R * (row + 1) + (B_L - R), comes out the same
-    at = np.matmul(_first(gamma, max_lengths, np.float64).reshape(rounds, width * gamma), before)
+    at = np.matmul(prefix_mask(gamma, max_lengths, np.float64).reshape(rounds, width * gamma), before)
     at += column * (times.shape[1] + 1)
     round_s = times.take(at.astype(np.int64))
     if draft_cost is not None:  # (DraftCost.seconds is elementwise in the request count too)
