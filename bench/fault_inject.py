@@ -373,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verifiers", type=int, default=1,
                         help="verifier replicas; more than 1 serves deploy/serve_config.yaml with that many and one "
                         "drafter, engines as with 1 (default: 1: the flags' demo deployment, one replica each)")
+    parser.add_argument("--spare-workers", type=int, default=None,
+                        help="the server's --spare-workers (default: the server's own, 1 on its embedded cluster)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (default: none)")
     args = parser.parse_args(argv)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -382,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         command += ["--config", str(_replicas_config(args.port, args.verifiers))]
     else:
         command += ["--max-requests", "16", "--max-seq-len", "256"]
+    if args.spare_workers is not None:
+        command += ["--spare-workers", str(args.spare_workers)]
     log_path = Path(f"/tmp/fault_inject_{args.port}.log")
     with log_path.open("w") as log:
         server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -80,6 +80,7 @@ def test_serve_starts_its_own_cluster_lists_its_ports_and_stops_on_sigterm() -> 
             seen.append(lines.get())
         steady = "".join(seen)[len(started):]
         assert "register_" not in steady, steady
+        _assert_a_preloaded_spare_waits(proc.pid)
         stop = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -100,6 +101,22 @@ def test_serve_starts_its_own_cluster_lists_its_ports_and_stops_on_sigterm() -> 
 def _descendants(pid: int) -> list[Any]:
     psutil = importlib.import_module("psutil")  # Ray's vendored copy: on the path once ray is imported
     return psutil.Process(pid).children(recursive=True)
+
+
+def _assert_a_preloaded_spare_waits(pid: int, timeout_s: float = 120) -> None:
+    """An idle Ray worker of the embedded cluster (``ray::IDLE``) has torch loaded already: the spare that a
+    replica which dies restarts in (``--spare-workers``, 1 by default)."""
+    def loads_torch(process: Any) -> bool:
+        try:
+            return (" ".join(process.cmdline()).startswith("ray::IDLE")
+                    and "libtorch" in Path(f"/proc/{process.pid}/maps").read_text())
+        except Exception:  # the process ended meanwhile
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while not any(loads_torch(process) for process in _descendants(pid)):
+        assert time.monotonic() < deadline, "no idle worker with torch loaded"
+        time.sleep(1)
 
 
 def _assert_strangers_are_refused(pid: int, started: str) -> None:

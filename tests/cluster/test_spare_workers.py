@@ -1,0 +1,78 @@
+"""Spare Ray workers: a new actor starts in a spare that already imported the preloaded modules, and the keeper
+starts another in its place (a real one-node Ray cluster on loopback)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import ray
+from ray.core.generated import common_pb2
+
+from cluster.spare_workers import SpareWorkers, is_spare
+from tests.ray_start import init_local_ray
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+#: A stdlib module no Ray worker imports by itself: seen in an actor's process only if the worker preloaded it.
+MARKER = "colorsys"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    init_local_ray(address="local", num_cpus=2, object_store_memory=96 * 2**20, include_dashboard=False,
+                   _system_config={"preload_python_modules": [MARKER]})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def __init__(self) -> None:
+        self.preloaded = MARKER in sys.modules  # before this actor imports anything
+
+    def where(self) -> tuple[int, bool]:
+        return os.getpid(), self.preloaded
+
+
+def _spares(keeper: SpareWorkers, want: int, timeout_s: float = 120) -> set[int]:
+    """The pids of the node's spares once there are ``want`` of them (the keeper tops up meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (pids,) = (set(node) for node in keeper.top_up().values())
+        if len(pids) >= want or time.monotonic() > deadline:
+            assert len(pids) >= want, f"{len(pids)} spares after {timeout_s:.0f} s"
+            return pids
+        time.sleep(0.5)
+
+
+def test_an_actor_starts_in_a_preloaded_spare_and_the_keeper_replaces_it(cluster: None) -> None:
+    keeper = SpareWorkers(1)
+    before = _spares(keeper, 1)
+    probe = Probe.remote()
+    pid, preloaded = ray.get(probe.where.remote(), timeout=120)
+    assert pid in before, "the actor took a spare instead of a new process"
+    assert preloaded, "the spare had imported the preloaded module before the actor's constructor ran"
+    after = _spares(keeper, 1)
+    assert pid not in after and after, "the keeper started another spare in its place"
+    ray.kill(probe)
+
+
+def test_only_idle_workers_that_never_ran_anything_are_spares() -> None:
+    idle = common_pb2.CoreWorkerStats(worker_type=0, actor_id=b"\xff" * 16, num_executed_tasks=0)
+    assert is_spare(idle)
+    assert is_spare(common_pb2.CoreWorkerStats(worker_type=0))  # no actor id at all
+    assert not is_spare(common_pb2.CoreWorkerStats(worker_type=0, actor_id=b"\x01" * 16))  # hosts an actor
+    assert not is_spare(common_pb2.CoreWorkerStats(worker_type=0, num_executed_tasks=3))  # ran plain tasks
+    assert not is_spare(common_pb2.CoreWorkerStats(worker_type=1))  # a driver
+
+
+def test_a_negative_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        SpareWorkers(-1)
