@@ -16,6 +16,7 @@ and goes on trying, so a Ray that changes them serves as before, only with resta
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
@@ -30,6 +31,10 @@ KEEP_ALIVE_S = 24 * 3600
 POLL_S = 2.0
 #: How long a requested spare may take to register before the keeper asks for it again.
 START_GRACE_S = 60.0
+#: How long a node stays short of spares before the keeper starts more: a replacement takes its spare when the
+#: node is busiest (the replacement's constructor runs, its streams resume), and the next spare's imports, a few
+#: CPU seconds, should not compete with that.
+REFILL_DELAY_S = 5.0
 #: ``rpc.WorkerType.WORKER`` (drivers, spill and restore workers are never spares).
 _WORKER = 0
 logger = logging.getLogger(__name__)
@@ -46,15 +51,22 @@ def is_spare(worker: Any) -> bool:
     return worker.worker_type == _WORKER and not _hosts_actor(worker.actor_id) and worker.num_executed_tasks == 0
 
 
+def _generated(name: str) -> Any:
+    """A module of Ray's generated protobuf code (``ray.core.generated``, which has no type stubs)."""
+    return importlib.import_module(f"ray.core.generated.{name}")
+
+
 def _hosts_actor(actor_id: bytes) -> bool:
     return bool(actor_id) and actor_id != b"\xff" * len(actor_id)
 
 
 @dataclass
 class _Node:
-    """One raylet: its stub, and when the keeper last asked it for spares that have not registered yet."""
+    """One raylet: its stub, since when it is short of spares, and when the keeper last asked it for spares
+    that have not registered yet."""
 
     stub: Any
+    short_since: float | None = None
     requested_at: float | None = None
     started: int = 0
 
@@ -62,16 +74,17 @@ class _Node:
 class SpareWorkers:
     """Keeps ``count`` spare workers on every alive node of the connected cluster, from a daemon thread.
 
-    Contract: call from a process connected with ``ray.init``; :meth:`stop` ends the thread. A node is asked for
-    ``count - spares`` workers when it has fewer, and not again until they registered or
-    :data:`START_GRACE_S` passed (a worker that is still importing is already listed, so this rarely waits).
+    Contract: call from a process connected with ``ray.init``; :meth:`stop` ends the thread. A node that has had
+    fewer than ``count`` spares for ``refill_delay_s`` is asked for the missing ones, and not again until they
+    registered or :data:`START_GRACE_S` passed (a worker that is still importing is already listed).
     """
 
-    def __init__(self, count: int, *, poll_s: float = POLL_S) -> None:
+    def __init__(self, count: int, *, poll_s: float = POLL_S, refill_delay_s: float = REFILL_DELAY_S) -> None:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         self.count = count
         self.poll_s = poll_s
+        self.refill_delay_s = refill_delay_s
         self._nodes: dict[str, _Node] = {}
         self._stop = threading.Event()
         self._failing = False
@@ -96,8 +109,8 @@ class SpareWorkers:
     def top_up(self) -> dict[str, list[int]]:
         """One pass over the alive nodes: returns the pids of each node's spares now (before any start)."""
         import ray
-        from ray.core.generated import node_manager_pb2
 
+        node_manager_pb2 = _generated("node_manager_pb2")
         spares: dict[str, list[int]] = {}
         for info in ray.nodes():
             if not info.get("Alive"):
@@ -109,8 +122,12 @@ class SpareWorkers:
             have = len(pids)
             now = time.monotonic()
             if have >= self.count:
-                node.requested_at = None
-            elif node.requested_at is None or now - node.requested_at > START_GRACE_S:
+                node.short_since = node.requested_at = None
+                continue
+            node.short_since = now if node.short_since is None else node.short_since
+            if now - node.short_since < self.refill_delay_s:
+                continue
+            if node.requested_at is None or now - node.requested_at > START_GRACE_S:
                 self._prestart(node, self.count - have)
                 node.requested_at = now
         return spares
@@ -119,18 +136,17 @@ class SpareWorkers:
         node = self._nodes.get(info["NodeID"])
         if node is None:
             from ray._private.grpc_utils import init_grpc_channel
-            from ray.core.generated import node_manager_pb2_grpc
 
             channel = init_grpc_channel(f"{info['NodeManagerAddress']}:{info['NodeManagerPort']}")
-            node = self._nodes[info["NodeID"]] = _Node(node_manager_pb2_grpc.NodeManagerServiceStub(channel))
+            stub = _generated("node_manager_pb2_grpc").NodeManagerServiceStub(channel)
+            node = self._nodes[info["NodeID"]] = _Node(stub)
         return node
 
     @staticmethod
     def _prestart(node: _Node, number: int) -> None:
-        from ray.core.generated import common_pb2, node_manager_pb2
-
-        node.stub.PrestartWorkers(node_manager_pb2.PrestartWorkersRequest(
-            language=common_pb2.Language.PYTHON, keep_alive_duration_secs=KEEP_ALIVE_S, num_workers=number,
+        node.stub.PrestartWorkers(_generated("node_manager_pb2").PrestartWorkersRequest(
+            language=_generated("common_pb2").Language.PYTHON, keep_alive_duration_secs=KEEP_ALIVE_S,
+            num_workers=number,
         ), timeout=10.0)
         node.started += number
 

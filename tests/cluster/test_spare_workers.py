@@ -53,7 +53,7 @@ def _spares(keeper: SpareWorkers, want: int, timeout_s: float = 120) -> set[int]
 
 
 def test_an_actor_starts_in_a_preloaded_spare_and_the_keeper_replaces_it(cluster: None) -> None:
-    keeper = SpareWorkers(1)
+    keeper = SpareWorkers(1, refill_delay_s=0.0)
     before = _spares(keeper, 1)
     probe = Probe.remote()
     pid, preloaded = ray.get(probe.where.remote(), timeout=120)
@@ -76,3 +76,14 @@ def test_only_idle_workers_that_never_ran_anything_are_spares() -> None:
 def test_a_negative_count_is_refused() -> None:
     with pytest.raises(ValueError, match="count must be >= 0"):
         SpareWorkers(-1)
+
+
+def test_a_node_short_of_spares_waits_the_refill_delay(cluster: None) -> None:
+    _spares(SpareWorkers(1, refill_delay_s=0.0), 1)
+    probe = Probe.remote()
+    ray.get(probe.where.remote(), timeout=120)  # took the spare
+    patient = SpareWorkers(1, refill_delay_s=3600.0)
+    assert all(not pids for pids in patient.top_up().values())
+    patient.top_up()
+    assert patient.started == 0, "no spare is started while the node recovers"
+    ray.kill(probe)
