@@ -13,6 +13,10 @@ A round of one round driver (a verifier replica's request group), as the served 
 5. host time (commit), then every request emits accepted + 1 tokens (at most what it still needs); finished
    requests free their slots; the policy gets the round's timings (``observe_round``); the next round starts.
 
+A plain round of a policy that never drafts runs ``ClusterSpec.decode_steps`` verify steps behind one hop each
+way and one host time (the served ``scheduler.decode_steps``): a token per step for each request that still needs
+one.
+
 Steps queue on the GPUs they run on (:class:`cluster.simulator.replicas.Gpu`), which is where placement,
 pipelined groups and a drafter pool shared by several verifiers interact. Autoscaling runs at every control
 tick (:mod:`cluster.simulator.autoscaler`); new replicas take requests once started; replicas scaled down drain
