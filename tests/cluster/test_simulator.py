@@ -491,3 +491,17 @@ def test_decode_steps_default_as_served_on_a_gpu(costs, trace) -> None:
     for bad in (0, 65, "many"):
         with pytest.raises(SimulationError, match="decode_steps"):
             simulate(workload, costs, None, ClusterSpec(policy="autoregressive", decode_steps=bad))
+
+
+def test_cli_takes_decode_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run.json"
+    common = ["simulate", "run", "--costs", str(COSTS), "--policy", "autoregressive", "--no-progress"]
+    rounds = {}
+    for steps in ("1", "8", "auto"):  # auto: the default placement is disaggregated, as served 8
+        assert main([*common, "--rate", "20", "--duration-s", "2", "--decode-steps", steps, "--json", str(out)]) == 0
+        rounds[steps] = json.loads(out.read_text())["summary"]["rounds"]
+    assert rounds["8"] == rounds["auto"] < rounds["1"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*common, "--decode-steps", "0"])
+    assert "expected auto or 1-64" in capsys.readouterr().err
