@@ -63,7 +63,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +112,16 @@ class Level:
 
     @property
     def passes_per_round(self) -> float:
-        """Target passes a request takes part in per round: 1, or with several decode steps the mean steps of its
-        rounds, (output - 1) / ceil((output - 1) / steps) (the benchmark's requests all have ``output_len``
-        tokens, the first from the prefill; each round decodes ``decode_steps`` of the rest but the last)."""
-        decoded = self.output_len - 1
-        return decoded / math.ceil(decoded / self.decode_steps) if self.decode_steps > 1 and decoded > 0 else 1.0
+        """Target passes a request takes part in per round (:func:`passes_per_round`)."""
+        return passes_per_round(self.output_len, self.decode_steps)
+
+
+def passes_per_round(output_len: int, decode_steps: int) -> float:
+    """Target passes a request takes part in per round: 1, or with several decode steps the mean steps of its
+    rounds, (output - 1) / ceil((output - 1) / steps) (the benchmark's requests all have ``output_len`` tokens,
+    the first from the prefill; each round decodes ``decode_steps`` of the rest but the last)."""
+    decoded = output_len - 1
+    return decoded / math.ceil(decoded / decode_steps) if decode_steps > 1 and decoded > 0 else 1.0
 
 
 def matrices_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -164,21 +169,20 @@ def measured_levels(matrix: dict[str, Any]) -> list[Level]:
                 continue
             c = int(lv["load"]["value"])
             rounds = float(spec["rounds"])
-            level = Level(
+            tau = spec.get("mean_acceptance_length") or 1.0
+            # tokens a verification commits: tau (drafted), or a token per pass of its decode steps (plain)
+            per_item = tau if steps == 1 else passes_per_round(output_len, steps)
+            out.append(Level(
                 layout=run["layout"], policy=run["policy"], users=c, window_s=lv["window_s"],
                 per_user=lv["tokens_per_s_per_user"]["median"], aggregate=lv["output_throughput"],
                 ttft_s=lv["ttft_s"]["p50"], round_s=lv["window_s"] / rounds, draft_s=split["draft"] / 1e3,
                 verify_s=split["verify"] / 1e3,
                 batch_tokens=c * (1.0 + (spec.get("verify_tokens_per_request_round") or 0.0)),
                 joins_per_round=lv["completed"] / rounds, mean_prompt=lv["prompt_tokens"] / max(lv["completed"], 1),
-                tau=spec.get("mean_acceptance_length") or 1.0, generated=0.0, decode_steps=steps,
-                slots=int(meta["slots"]), max_seq_len=int(meta["max_seq_len"]), output_len=output_len, files=files,
-                matrix=str(meta["date"]),
-            )
-            # tokens a verification commits: tau (drafted), or a token per pass of its decode steps (plain)
-            per_item = level.tau if level.decode_steps == 1 else level.passes_per_round
-            generated = (float(spec["drafts"]) * per_item + lv["completed"]) / lv["window_s"]
-            out.append(replace(level, generated=generated))
+                tau=tau, generated=(float(spec["drafts"]) * per_item + lv["completed"]) / lv["window_s"],
+                decode_steps=steps, slots=int(meta["slots"]), max_seq_len=int(meta["max_seq_len"]),
+                output_len=output_len, files=files, matrix=str(meta["date"]),
+            ))
     return out
 
 
