@@ -1,13 +1,16 @@
 """Calibrate the cluster simulator against the measured HTTP serving matrix, and say how close it comes.
 
-Input: a serving-matrix results file (``bench/serve_matrix.py``; default
-``docs/simulator/serve_matrix_calibration.json``, the matrix the calibration table was fitted on:
-one H200, the demo pair inflated to the Qwen3-4B shape, closed loops of 1 / 8 / 32 / 128 users, 128-token
+Input: serving-matrix results files (``bench/serve_matrix.py``, or a file keeping several of its runs under
+labels; default ``docs/simulator/serve_matrix_calibration.json``, the matrix the first calibration table was fitted
+on: one H200, the demo pair inflated to the Qwen3-4B shape, closed loops of 1 / 8 / 32 / 128 users, 128-token
 outputs, humaneval + mbpp prompts) and the simulator's measured cost file (``docs/simulator/costs_h200.json``:
 the SPS tables of the verify step by request count and the prefill token table, profiled on the same GPU and
-model). For every measured cell (layout, policy, concurrency) it simulates the same closed loop (the same users,
-the same prompts in the same order with their token lengths, 128 tokens each, the same warm-up and window) and
-prints predicted against measured per-user tokens/s (median of 1 / TPOT), aggregate tokens/s and TTFT p50.
+model). For every measured cell (layout, policy, concurrency, matrix run) it simulates the same closed loop (the
+same users, the same prompts in the same order with their token lengths, the run's output length, slots and
+``max_seq_len``, the same warm-up and window, counted as the bench counts: :func:`_window_stats`) and prints
+predicted against measured per-user tokens/s (median of 1 / TPOT), aggregate tokens/s, the engine's generation
+rate and TTFT p50. A Ray autoregressive run decodes its recorded ``scheduler.decode_steps`` per round
+(:func:`run_decode_steps`), as the simulator's ``ClusterSpec.decode_steps``.
 
 The verify tables are the ones the layout's dspark server served with when the results file recorded them
 (``dspark bench serve`` keeps the server's model cards), else the cost file's profiled tables.
@@ -20,16 +23,17 @@ verifier on the one GPU, so the simulated placement is ``colocated``):
 - its split: draft, schedule and verify milliseconds per round (the served path's own timers; in Ray they are
   call times, gRPC hops included, so the cost files set hops to 0);
 - the verify tokens per request per round, hence the batch B = c * (1 + that) the verify step held, and the
-  prompt tokens and requests that joined during the window.
+  prompt tokens and requests that joined during the window; with several decode steps a round runs a pass per
+  step, (output - 1) / ceil((output - 1) / steps) of them on average (:attr:`Level.passes_per_round`).
 
 Not measured, so derived here (the same rules for every cell, nothing tuned by hand):
 
 - ``draft(R)``: the measured draft ms per round at R = c, the mean over the layout's drafting cells;
-- ``host(R)`` per round, drafted and plain: measured round time - SPS-predicted verify step at (c, B) - the
-  draft ms - the predicted prefill of the requests that joined per round (measured joins per round, times the
-  prefill table's cost of the mean measured prompt). Drafted from the layout's drafting cells (mean), plain
-  from its autoregressive cell; a negative value (draft and verify overlap on the device in ``--no-ray``'s
-  chained rounds) is kept at 0 and reported;
+- ``host(R)`` per round, drafted and plain: measured round time - SPS-predicted verify step at (c, B) times the
+  passes per round - the draft ms - the predicted prefill of the requests that joined per round (measured joins
+  per round, times the prefill table's cost of the mean measured prompt). Drafted from the layout's drafting
+  cells (mean), plain from its autoregressive cells (mean over the runs that measured the level); a negative
+  value (draft and verify overlap on the device in ``--no-ray``'s chained rounds) is kept at 0 and reported;
 - ``delay``: the client-to-scheduler time the simulator does not model (HTTP, the ingress, tokenising, the
   first chunk's way back): measured TTFT p50 - simulated TTFT p50 at c = 1, the mean over the layout's cells,
   added to every simulated request of that layout. Its TTFT at c = 1 is therefore fitted, not predicted.
@@ -44,12 +48,17 @@ files given (default: the first 96 prompts of HumanEval and of MBPP, the two ser
 has the commands that recorded them); the served tau is printed beside the simulated one, since a trace whose
 acceptance differs from the served prompts' moves every token rate by the same factor.
 
+The engine's generation rate, measured: the tokens the server committed in the window by its counters (every
+verification's, tau each, or a token per pass with several decode steps, and the first token of each request
+that joined), over the window; simulated: the tokens every request emitted inside the window.
+
     PYTHONPATH=. python bench/calibrate_simulator.py --json docs/simulator/calibration.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -61,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from cluster.bench_serve.workload import prompt_set_requests
+from cluster.config import GPU_DECODE_STEPS
 from cluster.simulator.costs import Costs, parse_costs
 from cluster.simulator.simulation import ClosedLoop, ClusterSpec, SimResult, simulate
 from cluster.simulator.traces import AcceptanceTrace, load_traces
@@ -73,7 +83,8 @@ GOALS = {"per_user": 0.10, "aggregate": 0.10, "ttft": 0.20}
 
 @dataclass(frozen=True)
 class Level:
-    """One measured level of one cell, with what the calibration reads from it."""
+    """One measured level of one cell, with what the calibration reads from it, and the settings of the matrix
+    run it belongs to (``matrix``: that run's date, which tells apart cells measured in several runs)."""
 
     layout: str
     policy: str
@@ -89,13 +100,68 @@ class Level:
     joins_per_round: float
     mean_prompt: float
     tau: float
-    generated: float  # tokens/s the engine generated during the window: rounds / window * c * tau
+    # tokens/s the engine committed during the window, from the server's counters: every verification's tokens
+    # (drafts counts them, tau per verification; with several decode steps, a token per pass) and the joins' first
+    generated: float
+    decode_steps: int  # plain decoding steps per round (scheduler.decode_steps of a Ray autoregressive run)
+    slots: int
+    max_seq_len: int
+    output_len: int
+    files: tuple[str, ...]  # the prompt files, by name, in the benchmark's order
+    matrix: str
+
+    @property
+    def passes_per_round(self) -> float:
+        """Target passes a request takes part in per round (:func:`passes_per_round`)."""
+        return passes_per_round(self.output_len, self.decode_steps)
+
+
+def passes_per_round(output_len: int, decode_steps: int) -> float:
+    """Target passes a request takes part in per round: 1, or with several decode steps the mean steps of its
+    rounds, (output - 1) / ceil((output - 1) / steps) (the benchmark's requests all have ``output_len`` tokens,
+    the first from the prefill; each round decodes ``decode_steps`` of the rest but the last)."""
+    decoded = output_len - 1
+    return decoded / math.ceil(decoded / decode_steps) if decode_steps > 1 and decoded > 0 else 1.0
+
+
+def matrices_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The serving matrices of a results file: the file itself (``bench/serve_matrix.py`` writes ``runs`` and
+    ``matrix``), or each value of a file that keeps several runs of the script under labels."""
+    if "runs" in doc:
+        return [doc]
+    return [value for value in doc.values() if isinstance(value, dict) and "runs" in value]
+
+
+def run_decode_steps(matrix: dict[str, Any], run: dict[str, Any]) -> int:
+    """The plain decoding steps per round a matrix run served with: ``decode_steps`` of the Ray configs'
+    scheduler section (``--ray-scheduler decode_steps=N`` in the matrix's command; ``auto``: the served default on
+    the matrix's device) for an autoregressive run in the ``ray`` layout (the disaggregated placement, where it
+    applies), else 1 (``--no-ray`` and the colocated placement decode one token per round; a matrix that does
+    not set it ran before it existed or with one step)."""
+    if run["layout"] != "ray" or run["policy"] != "autoregressive":
+        return 1
+    command = [str(part) for part in matrix["matrix"]["command"]]
+    settings = []
+    for k, part in enumerate(command):
+        if part == "--ray-scheduler":
+            settings += itertools.takewhile(lambda item: not item.startswith("--"), command[k + 1 :])
+    for item in settings:
+        key, _, value = item.partition("=")
+        if key == "decode_steps":
+            if value == "auto":
+                return GPU_DECODE_STEPS if matrix["matrix"]["device"] != "cpu" else 1
+            return int(value)
+    return 1
 
 
 def measured_levels(matrix: dict[str, Any]) -> list[Level]:
     """Every closed-loop level of the matrix with the server's round counters (levels without are skipped)."""
     out = []
+    meta = matrix["matrix"]
     for run in matrix["runs"]:
+        steps = run_decode_steps(matrix, run)
+        output_len = int(run["workload"]["output_len"])
+        files = tuple(Path(f).name for f in run["workload"]["files"])
         for lv in run["levels"]:
             spec = lv.get("speculative") or {}
             split = spec.get("round_split_ms")
@@ -103,6 +169,9 @@ def measured_levels(matrix: dict[str, Any]) -> list[Level]:
                 continue
             c = int(lv["load"]["value"])
             rounds = float(spec["rounds"])
+            tau = spec.get("mean_acceptance_length") or 1.0
+            # tokens a verification commits: tau (drafted), or a token per pass of its decode steps (plain)
+            per_item = tau if steps == 1 else passes_per_round(output_len, steps)
             out.append(Level(
                 layout=run["layout"], policy=run["policy"], users=c, window_s=lv["window_s"],
                 per_user=lv["tokens_per_s_per_user"]["median"], aggregate=lv["output_throughput"],
@@ -110,15 +179,17 @@ def measured_levels(matrix: dict[str, Any]) -> list[Level]:
                 verify_s=split["verify"] / 1e3,
                 batch_tokens=c * (1.0 + (spec.get("verify_tokens_per_request_round") or 0.0)),
                 joins_per_round=lv["completed"] / rounds, mean_prompt=lv["prompt_tokens"] / max(lv["completed"], 1),
-                tau=spec.get("mean_acceptance_length") or 1.0,
-                generated=c * (spec.get("mean_acceptance_length") or 1.0) / (lv["window_s"] / rounds),
+                tau=tau, generated=(float(spec["drafts"]) * per_item + lv["completed"]) / lv["window_s"],
+                decode_steps=steps, slots=int(meta["slots"]), max_seq_len=int(meta["max_seq_len"]),
+                output_len=output_len, files=files, matrix=str(meta["date"]),
             ))
     return out
 
 
 def _host_of(level: Level, base: Costs) -> float:
-    """Measured round time minus what the cost file prices (verify step, prefill of the joins) and the draft."""
-    verify = base.verify_s(level.users, max(level.users, round(level.batch_tokens)))
+    """Measured round time minus what the cost file prices (verify step, or a round's decode steps, each a step of
+    the level's requests; prefill of the joins) and the draft."""
+    verify = base.verify_s(level.users, max(level.users, round(level.batch_tokens))) * level.passes_per_round
     prefill = level.joins_per_round * base.prefill_s(round(level.mean_prompt))
     return level.round_s - verify - prefill - level.draft_s
 
@@ -151,7 +222,8 @@ def _round_terms(level: Level, base: Costs) -> dict[str, float]:
     """A level's measured round and the terms the host time is derived from, in ms: what the served verify step
     took against what the SPS table says (the gap is the verify-under-load excess the host curve absorbs)."""
     return {"round": level.round_s * 1e3, "draft": level.draft_s * 1e3, "verify_measured": level.verify_s * 1e3,
-            "verify_sps": base.verify_s(level.users, max(level.users, round(level.batch_tokens))) * 1e3,
+            "verify_sps": base.verify_s(level.users, max(level.users, round(level.batch_tokens)))
+            * level.passes_per_round * 1e3,
             "host": _host_of(level, base) * 1e3}
 
 
@@ -237,11 +309,13 @@ LAYOUT_PLANNED_ROUNDS = {"no-ray": "chained", "ray": "relayed"}
 
 def simulate_level(costs: Costs, trace: AcceptanceTrace, lengths: np.ndarray, policy: str, users: int,
                    window_s: float, delay_s: float, output_len: int, slots: int, max_seq_len: int,
-                   planned_rounds: str = "auto") -> Predicted:
+                   planned_rounds: str = "auto", decode_steps: int = 1) -> Predicted:
     """The bench's closed loop in the simulator: warm-up until every user finished one request, then the
-    requests that end within ``window_s``; rates and TTFT as ``dspark bench serve`` computes them."""
+    requests that end within ``window_s`` after that; rates and TTFT as ``dspark bench serve`` computes them
+    (:func:`_window_stats`). ``decode_steps``: plain decoding steps per round (``ClusterSpec.decode_steps``)."""
     spec = ClusterSpec(placement="colocated", verifiers=1, verifier_slots=slots, drafter_slots=slots,
-                       max_seq_len=max_seq_len, policy=policy, planned_rounds=planned_rounds)
+                       max_seq_len=max_seq_len, policy=policy, planned_rounds=planned_rounds,
+                       decode_steps=decode_steps)
     count = max(4 * users, 64)
     while True:
         inputs = np.resize(lengths, count)
@@ -255,7 +329,13 @@ def simulate_level(costs: Costs, trace: AcceptanceTrace, lengths: np.ndarray, po
 
 
 def _window_stats(result: SimResult, t0: float, window_s: float, delay_s: float) -> Predicted:
-    inside = (result.finish_s >= t0) & (result.finish_s <= t0 + window_s) & ~result.rejected
+    """The level's numbers as ``dspark bench serve`` counts them (``cluster.bench_serve.load.run_closed``): its
+    window opens once every user finished its first request (``t0``: the last of them ended then), so the
+    requests that ended at ``t0`` or before, the last warm-up request and every request that ended with it, are
+    not counted; it counts those that end in the next ``window_s``, and its aggregate is their output tokens over
+    the window. (With equal output lengths the requests of a level end in waves, those of one round together:
+    a window counting the wave that ends at ``t0`` would count a whole wave more.)"""
+    inside = (result.finish_s > t0) & (result.finish_s <= t0 + window_s) & ~result.rejected
     sent = result.arrival_s[inside] - delay_s  # when the simulated user sent it
     first, finish, out = result.first_token_s[inside], result.finish_s[inside], result.output_tokens[inside]
     tpot = (finish - first) / np.maximum(out - 1, 1)
@@ -280,7 +360,9 @@ def _err(predicted: float, measured: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--matrix", type=Path, default=ROOT / "docs" / "simulator" / "serve_matrix_calibration.json")
+    p.add_argument("--matrix", type=Path, nargs="+",
+                   default=[ROOT / "docs" / "simulator" / "serve_matrix_calibration.json"],
+                   help="serving-matrix results files (a file of several labelled matrices counts as all of them)")
     p.add_argument("--costs", type=Path, default=ROOT / "docs" / "simulator" / "costs_h200.json")
     p.add_argument("--traces", type=Path, nargs="+",
                    default=[ROOT / "tests" / "data" / f"sim_traces_demo_{name}.npz" for name in ("humaneval", "mbpp")],
@@ -293,19 +375,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="write each layout's cost file fitted on all levels here (costs_served_<layout>.json)")
     args = p.parse_args(argv)
 
-    matrix = json.loads(args.matrix.read_text())
+    matrices = [m for path in args.matrix for m in matrices_of(json.loads(path.read_text()))]
     base_doc = json.loads(args.costs.read_text())
     traces = args.traces
     trace = joined_traces(traces, STSCalibration.load(args.sts))
-    first_run = matrix["runs"][0]
-    files = [args.prompts_dir / Path(f).name for f in first_run["workload"]["files"]]
-    lengths = prompt_lengths(files, args.tokenizer)
-    output_len = int(first_run["workload"]["output_len"])
-    slots, max_seq_len = int(matrix["matrix"]["slots"]), int(matrix["matrix"]["max_seq_len"])
-    levels = measured_levels(matrix)
+    levels = [lv for m in matrices for lv in measured_levels(m)]
+    prompts = {names: prompt_lengths([args.prompts_dir / name for name in names], args.tokenizer)
+               for names in {lv.files for lv in levels}}
     layouts = sorted({lv.layout for lv in levels})
-    bases = {layout: layout_base(base_doc, matrix, layout) for layout in layouts}
+    every_run = {"runs": [run for m in matrices for run in m["runs"]]}  # the first served table of a layout wins
+    bases = {layout: layout_base(base_doc, every_run, layout) for layout in layouts}
     began = time.perf_counter()
+
+    def predict(costs: Costs, lv: Level, users: int, delay_s: float) -> Predicted:
+        return simulate_level(costs, trace, prompts[lv.files], lv.policy, users, lv.window_s, delay_s,
+                              lv.output_len, lv.slots, lv.max_seq_len, LAYOUT_PLANNED_ROUNDS.get(lv.layout, "auto"),
+                              lv.decode_steps)
 
     def run_fit(name: str) -> list[dict[str, Any]]:
         clamped: list[str] = []
@@ -314,9 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts:  # the client-side delay, fitted at c = 1 on the all-level costs
             ones = [lv for lv in levels if lv.layout == layout and lv.users == 1]
             delays[layout] = max(0.0, float(np.mean([
-                lv.ttft_s - simulate_level(full[layout], trace, lengths, lv.policy, 1, lv.window_s, 0.0,
-                                           output_len, slots, max_seq_len,
-                                           LAYOUT_PLANNED_ROUNDS.get(layout, "auto")).ttft_s for lv in ones])))
+                lv.ttft_s - predict(full[layout], lv, 1, 0.0).ttft_s for lv in ones])))
         rows = []
         for lv in levels:
             if name == "all":
@@ -324,13 +407,16 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 rest = [x for x in levels if x.users != lv.users]
                 costs = derived_costs(*bases[lv.layout], rest, lv.layout, [])
-            pred = simulate_level(costs, trace, lengths, lv.policy, lv.users, lv.window_s, delays[lv.layout],
-                                  output_len, slots, max_seq_len, LAYOUT_PLANNED_ROUNDS.get(lv.layout, "auto"))
+            pred = predict(costs, lv, lv.users, delays[lv.layout])
             rows.append({"fit": name, "layout": lv.layout, "policy": lv.policy, "users": lv.users,
+                         "decode_steps": lv.decode_steps, "matrix": lv.matrix,
                          "measured": {"per_user": lv.per_user, "aggregate": lv.aggregate, "ttft_s": lv.ttft_s,
                                       "tau": lv.tau, "generated": lv.generated},
+                         # tau per target pass, as the server counts it: with several decode steps a round's
+                         # tokens are its passes' (the simulated tokens per round over its passes: 1)
                          "predicted": {"per_user": pred.per_user, "aggregate": pred.aggregate,
-                                       "ttft_s": pred.ttft_s, "tau": pred.tau, "generated": pred.generated},
+                                       "ttft_s": pred.ttft_s, "tau": pred.tau / lv.passes_per_round,
+                                       "generated": pred.generated},
                          "error": {"per_user": _err(pred.per_user, lv.per_user),
                                    "aggregate": _err(pred.aggregate, lv.aggregate),
                                    "generated": _err(pred.generated, lv.generated),
@@ -354,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "command": "PYTHONPATH=. python bench/calibrate_simulator.py", "date": time.strftime("%Y-%m-%d"),
             "verify_tables": {layout: bases[layout][0]["verify"]["source"] for layout in layouts},
-            "matrix": str(args.matrix.relative_to(ROOT) if args.matrix.is_relative_to(ROOT) else args.matrix),
+            "matrix": [str(m.relative_to(ROOT) if m.is_relative_to(ROOT) else m) for m in args.matrix],
             "traces": [str(t.relative_to(ROOT) if t.is_relative_to(ROOT) else t) for t in traces],
             "goals": GOALS, "cells": rows}, indent=1) + "\n")
     return 0
@@ -367,15 +453,16 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         miss = "" if abs(err) <= goal else " **miss**"
         return f"{pred * scale:.{digits}f} / {meas * scale:.{digits}f} ({err:+.1%}){miss}"
 
-    out = ["| cell | c | tok/s per user: pred / meas (err) | aggregate tok/s (bench) | generated tok/s (engine) "
-           "| TTFT p50 ms | tau pred / meas |",
-           "| --- | ---: | --- | --- | --- | --- | --- |"]
+    out = ["| cell | matrix (UTC) | c | tok/s per user: pred / meas (err) | aggregate tok/s (bench) "
+           "| generated tok/s (engine) | TTFT p50 ms | tau pred / meas |",
+           "| --- | --- | ---: | --- | --- | --- | --- | --- |"]
     for r in rows:
         m, q, e = r["measured"], r["predicted"], r["error"]
         ttft = cell(q["ttft_s"], m["ttft_s"], e["ttft"], GOALS["ttft"], 1, 1e3)
         if r["ttft_fitted"]:
             ttft = ttft.replace(" **miss**", "") + " (fitted)"
-        out.append(f"| {r['layout']} {r['policy']} | {r['users']} "
+        steps = f" ({r['decode_steps']} steps)" if r.get("decode_steps", 1) > 1 else ""
+        out.append(f"| {r['layout']} {r['policy']}{steps} | {r.get('matrix', '')[11:16]} | {r['users']} "
                    f"| {cell(q['per_user'], m['per_user'], e['per_user'], GOALS['per_user'], 0)} "
                    f"| {cell(q['aggregate'], m['aggregate'], e['aggregate'], GOALS['aggregate'], 0)} "
                    f"| {cell(q['generated'], m['generated'], e['generated'], GOALS['aggregate'], 0)} "

@@ -9,7 +9,9 @@ time, Little's-law areas and autoscaling timeline. Run it on two commits and com
     PYTHONPATH=. python bench/simulator_fingerprint.py
 
 Every case runs with ``--planned-rounds`` (default ``off``, Algorithm 1 in every drafted round: the fingerprint
-measured since before planned rounds existed; ``auto``, the simulator's default, fingerprints the planned rounds).
+measured since before planned rounds existed; ``auto``, the simulator's default, fingerprints the planned rounds)
+and ``--decode-steps`` (default ``auto``: autoregressive decodes several tokens per disaggregated round, as served;
+``1``: one token per plain round, the fingerprint measured before decode steps were modelled).
 """
 
 from __future__ import annotations
@@ -65,7 +67,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--planned-rounds", choices=PLANNED_ROUNDS, default="off",
                         help="ClusterSpec.planned_rounds of every case (default off: the fingerprint as before)")
-    planned = parser.parse_args().planned_rounds
+    parser.add_argument("--decode-steps", default="auto",
+                        help="ClusterSpec.decode_steps of every case: auto (default) or a count (1: as before)")
+    args = parser.parse_args()
+    planned = args.planned_rounds
+    decode_steps = args.decode_steps if args.decode_steps == "auto" else int(args.decode_steps)
     costs = load_costs(ROOT / "docs" / "simulator" / "costs_h200.json")
     fast_start = replace(costs, verifier_start_s=1.0, drafter_start_s=1.0)
     trace = load_traces(
@@ -114,7 +120,7 @@ def main() -> None:
     cases.append(("64 colocated at 500/s", _workload(500.0, 2.0, output="uniform:96:160"), costs, large, None))
     total = hashlib.sha256()
     for name, workload, case_costs, spec, closed_loop in cases:
-        spec = replace(spec, planned_rounds=planned)
+        spec = replace(spec, planned_rounds=planned, decode_steps=decode_steps)
         result = simulate(workload, case_costs, trace, spec, seed=3, closed_loop=closed_loop)
         print(f"{fingerprint(result)}  {result.total_rounds:>7} rounds  {name}")
         total.update(fingerprint(result).encode())

@@ -17,5 +17,6 @@ traces and costs from a measured cost file. Modules, one role each:
 - :mod:`.planner`: the best placement and drafter:verifier ratio for a GPU budget;
 - :mod:`.cli`: ``dspark simulate run`` and ``dspark simulate plan``.
 
-It imports downward only (scheduler, cluster.autoscaling); nothing in the serving path imports it.
+It imports downward only (scheduler, cluster.autoscaling, cluster.config for the served ``decode_steps`` default);
+nothing in the serving path imports it.
 """

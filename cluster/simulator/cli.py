@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 import yaml
 
+from cluster.config import GPU_DECODE_STEPS
 from cluster.simulator.autoscaler import PoolScaling, ScalingConfigError
 from cluster.simulator.costs import PLACEMENTS, CostFileError, Costs, load_costs
 from cluster.simulator.planner import candidates, plan, recommended_autoscaling
 from cluster.simulator.report import Slo, Summary, summarize
-from cluster.simulator.simulation import PLANNED_ROUNDS, ClusterSpec, SimulationError, simulate
+from cluster.simulator.simulation import MAX_DECODE_STEPS, PLANNED_ROUNDS, ClusterSpec, SimulationError, simulate
 from cluster.simulator.traces import AcceptanceTrace, TraceFileError, load_traces
 from cluster.simulator.workload import LengthSpec, Workload, WorkloadError, generated, replayed
 from scheduler.policy import DRAFT_COSTS
@@ -75,6 +76,7 @@ def _spec(args: argparse.Namespace, **overrides: Any) -> ClusterSpec:
         "drafter_scaling": drafter_scaling,
         "control_interval_s": args.control_interval_s,
         "planned_rounds": args.planned_rounds,
+        "decode_steps": args.decode_steps,
     }
     settings.update(overrides)
     return ClusterSpec(**settings)
@@ -235,6 +237,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decode_steps(text: str) -> int | str:
+    """``--decode-steps``: ``auto`` or a count of 1 to :data:`MAX_DECODE_STEPS`."""
+    if text == "auto":
+        return text
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if not 1 <= steps <= MAX_DECODE_STEPS:
+        raise argparse.ArgumentTypeError(f"expected auto or 1-{MAX_DECODE_STEPS}, got {text!r}")
+    return steps
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costs", type=Path, required=True, help="cost file of the GPU type (dspark-sim-costs/1 JSON)")
     p.add_argument("--traces", type=Path, default=None, help="decoding traces (.npz of `dspark eval --save-traces`)")
@@ -247,6 +262,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="rounds whose lengths the policy plans before the drafts, as the served engine runs them "
                         "(chained in process, relayed by a verifier; auto: the served defaults per placement, "
                         "1.3-1.5x slower; off: Algorithm 1 every round)")
+    p.add_argument("--decode-steps", type=_decode_steps, default="auto",
+                   help="autoregressive: tokens per plain round, one verifier Step (scheduler.decode_steps; auto: "
+                        f"{GPU_DECODE_STEPS} disaggregated, 1 colocated, as served on GPUs)")
     p.add_argument("--verifier-slots", type=int, default=128, help="requests a verifier replica holds")
     p.add_argument("--drafter-slots", type=int, default=128, help="requests a drafter replica holds")
     p.add_argument("--max-seq-len", type=int, default=4096, help="context positions per request")

@@ -68,6 +68,7 @@ class RoundDriver:
     caps: np.ndarray | None = None
     rows: list[int] | None = None  # the trace rows the round's drafts replayed (drafted rounds)
     accepted: list[int] | None = None  # per request of ``verified`` (drafted rounds)
+    steps: list[int] | None = None  # per request of ``verified``: its tokens in a plain round of several decode steps
     draft_s: float = 0.0
     verify_s: float = 0.0
     host_s: float = 0.0

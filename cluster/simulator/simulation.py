@@ -13,6 +13,10 @@ A round of one round driver (a verifier replica's request group), as the served 
 5. host time (commit), then every request emits accepted + 1 tokens (at most what it still needs); finished
    requests free their slots; the policy gets the round's timings (``observe_round``); the next round starts.
 
+A plain round of a policy that never drafts runs ``ClusterSpec.decode_steps`` verify steps behind one hop each
+way and one host time (the served ``scheduler.decode_steps``): a token per step for each request that still needs
+one.
+
 Steps queue on the GPUs they run on (:class:`cluster.simulator.replicas.Gpu`), which is where placement,
 pipelined groups and a drafter pool shared by several verifiers interact. Autoscaling runs at every control
 tick (:mod:`cluster.simulator.autoscaler`); new replicas take requests once started; replicas scaled down drain
@@ -31,11 +35,12 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from heapq import heappop
-from typing import cast
+from typing import Literal, cast
 
 import numpy as np
 from tqdm import tqdm
 
+from cluster.config import GPU_DECODE_STEPS
 from cluster.simulator.autoscaler import PoolAutoscaler, PoolScaling
 from cluster.simulator.clock import EventQueue
 from cluster.simulator.costs import PLACEMENTS, Costs
@@ -95,6 +100,8 @@ class _Joins:
 
 
 PLANNED_ROUNDS = ("auto", "chained", "relayed", "off")
+#: The most plain decoding steps per round, as the served ``scheduler.decode_steps`` allows.
+MAX_DECODE_STEPS = 64
 
 
 class SimulationError(ValueError):
@@ -117,6 +124,18 @@ class ClusterSpec:
     (``chain_rounds``, ``relay_drafts``): colocated chained, disaggregated relayed with one request group, else off.
     A planning dspark's plans learn from its earlier rounds, and batched runs (colocated, one request group) decide
     its rounds with every replica's planner as a row of one :class:`scheduler.chain_plan.ChainPlanners`.
+
+    ``decode_steps``: with a policy that never drafts (``autoregressive``), the plain decoding steps one round
+    runs (the served ``scheduler.decode_steps``, one ``Step`` to the verifier): the round pays its hops, host time
+    and overhead once and runs that many verify steps back to back on the verifier's GPU, each request emitting
+    one token per step until it has its output (a request that finishes mid-round emits no more; the round's
+    later steps verify only the requests still decoding); waiting requests join only at the next round.
+    ``auto`` resolves as the served default on a GPU verifier (:meth:`cluster.config.SchedulerConfig.decode_steps_on`
+    with a CUDA device): :data:`cluster.config.GPU_DECODE_STEPS` in the disaggregated placement, whose rounds go
+    to the verifier replica over the data plane, 1 colocated, where the in-process engine decodes one token per
+    round. An explicit count applies in either placement (a disaggregated deployment whose pools share one GPU is
+    simulated colocated: the calibration sets its served count). Policies that draft decode one token per plain
+    round, as the served engine does.
     """
 
     placement: str = "disaggregated"
@@ -132,6 +151,7 @@ class ClusterSpec:
     drafter_scaling: PoolScaling | None = None
     control_interval_s: float = 1.0
     planned_rounds: str = "off"
+    decode_steps: int | Literal["auto"] = "auto"
 
     def check(self, uses_drafter: bool) -> None:
         if self.placement not in PLACEMENTS:
@@ -144,6 +164,19 @@ class ClusterSpec:
             raise SimulationError(f"policy {self.policy!r} drafts: a disaggregated cluster needs >= 1 drafter")
         if not self.control_interval_s > 0:
             raise SimulationError("control_interval_s must be > 0")
+        if self.decode_steps != "auto" and not (
+            isinstance(self.decode_steps, int) and 1 <= self.decode_steps <= MAX_DECODE_STEPS
+        ):
+            raise SimulationError(f"decode_steps must be auto or 1-{MAX_DECODE_STEPS}, got {self.decode_steps!r}")
+
+    def plain_decode_steps(self, uses_drafter: bool) -> int:
+        """Tokens a plain round decodes per request (``decode_steps`` with ``auto`` resolved; 1 for a policy
+        that drafts, whose plain rounds are single target passes in the served engine too)."""
+        if uses_drafter:
+            return 1
+        if self.decode_steps == "auto":
+            return GPU_DECODE_STEPS if self.placement == "disaggregated" else 1
+        return self.decode_steps
 
     @property
     def planning(self) -> str:
@@ -227,6 +260,7 @@ class Simulation:
             raise SimulationError(str(error)) from None
         self.uses_drafter = prototype.uses_drafter
         spec.check(self.uses_drafter)
+        self.decode_steps = spec.plain_decode_steps(self.uses_drafter)
         if self.uses_drafter:
             if trace is None:
                 raise SimulationError(
@@ -606,9 +640,26 @@ class Simulation:
         prompt = sum([inputs[i] for i in driver.admitted]) if driver.admitted else 0
         costs = self.costs
         step = costs.verify_s(max(num, 1), max(tokens, 1)) + costs.prefill_s(prompt)
+        if self.decode_steps > 1 and num:
+            step += self._more_decode_steps(driver)
         end = driver.replica.gpu.run(now + self.hop, step)
         driver.verify_s, driver.verify_tokens = step, tokens
         self.queue.push(end + self.hop + driver.host_s + costs.round_overhead_s, _ROUND_END, driver)
+
+    def _more_decode_steps(self, driver: RoundDriver) -> float:
+        """A plain round of several decode steps (``decode_steps`` > 1): sets each verified request's tokens
+        (``driver.steps``: the steps it takes part in, at most what it still needs, as the served engine caps
+        them) and returns the time of the steps after the first, each a verify step of the requests still
+        decoding (one token each), as the verifier runs them back to back (``VerifyEngine.decode``)."""
+        emitted, outputs, cap = self.emitted, self.output_tokens, self.decode_steps
+        steps = driver.steps = [min(outputs[i] - emitted[i], cap) for i in driver.verified]
+        verify_s = self.costs.verify_s
+        seconds = 0.0
+        active = len(steps)
+        for k in range(2, max(steps) + 1):
+            active -= steps.count(k - 1)  # the requests whose last step was the one before
+            seconds += verify_s(active, active)
+        return seconds
 
     def _end_round(self, driver: RoundDriver, now: float) -> None:
         self.total_rounds += 1
@@ -618,7 +669,15 @@ class Simulation:
         finished: list[int] = []
         accepted = driver.accepted
         moved_on: list[int] = []  # requests whose recorded prompt ran out this round
-        if accepted is None:
+        if accepted is None and driver.steps is not None:  # several decode steps: each request's own count
+            for i, n in zip(verified, driver.steps, strict=True):
+                e = emitted[i] + n  # (at most what it still needs)
+                emitted[i] = e
+                rounds[i] += 1
+                if e >= outputs[i]:
+                    finished.append(i)
+            driver.steps = None
+        elif accepted is None:
             for i in verified:
                 e = emitted[i] + 1  # at most what it still needs: a request in a round needs at least one more
                 emitted[i] = e
@@ -788,24 +847,29 @@ class Simulation:
             self.total_rounds += take.size
             if self.uses_drafter:  # every round that verifies a request drafts (only joiners: a prefill round)
                 self.drafted_rounds += len(count_list) - count_list.count(0)
-            tokens, events = self._advance_requests(take, counts, width, joins)
+            tokens, events, more_steps = self._advance_requests(take, counts, width, joins)
             totals, step = self._join(counts, tokens, width, joins, events)
+            if more_steps is not None:
+                step += more_steps
             end = self._round_ends(take, counts, totals, step, 0 not in count_list)
             self._schedule_ends(take, take_list, end, totals, joins, events)
         self._deadline = float(_minimum(self._due))
 
     def _advance_requests(
         self, take: np.ndarray, counts: np.ndarray, width: int, joins: _Joins
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The rounds' requests (of the replicas ``take``, ``counts`` each, at most ``width``) decide their lengths
-        and emit their accepted tokens + 1. Returns each round's verify batch (anchors + drafts) and whether its
-        end is an event so far (requests wait for the replica; its requests that finish or run out of recorded
-        rows are marked on its driver, in member order)."""
+        and emit their accepted tokens + 1 (plain rounds of several decode steps: a token per step, at most what
+        each still needs). Returns each round's verify batch (anchors + drafts), whether its end is an event so far
+        (requests wait for the replica; its requests that finish or run out of recorded rows are marked on its
+        driver, in member order) and, with several decode steps, the time of each round's steps after the first
+        (:meth:`_more_decode_steps` of each round: the same sums in the same order; else None)."""
         events = self._waits[take]
+        more_steps = None
         if not width:  # prefill-only rounds
             if self.planning != "off":
                 self._thinned[take] = False  # (every such round has joiners)
-            return counts, events
+            return counts, events, more_steps
         members = self._member_table[:, :width].take(take, axis=0)  # past a round's requests: padding
         rows_state = self._state.take(members, axis=0)  # [rounds, R, columns]
         e = rows_state[:, :, _E]
@@ -824,7 +888,11 @@ class Simulation:
             np.minimum(e, o, out=e)
         else:  # one token each (a request in a round still needs one)
             tokens = counts
+            if self.decode_steps > 1:
+                more_steps = self._more_decode_steps_batch(counts, width, e, o)
             self._count_round(rows_state, self._plain_step)
+            if self.decode_steps > 1:  # the other steps' tokens, at most what each still needs
+                e += np.minimum(o - e, self.decode_steps - 1)
         self._records.put(members, rows_state.view(self._record))
         self._state[-1] = self._padding
         if self.planning != "off":  # as _end_round sets RoundDriver.thinned (those with finished requests: _mark)
@@ -834,7 +902,20 @@ class Simulation:
             self._thinned[joins.slots] = False
         if self.uses_drafter:
             self._mark(take, members, rows >= rows_state[:, :, _ROW_END], events, False)
-        return tokens, events
+        return tokens, events, more_steps
+
+    def _more_decode_steps_batch(self, counts: np.ndarray, width: int, e: np.ndarray, o: np.ndarray) -> np.ndarray:
+        """:meth:`_more_decode_steps` for a batch of plain rounds (``counts`` requests each, emitted ``e`` and
+        output ``o`` tokens [rounds, width] before the round, padding past each round's requests): per round, the
+        steps after the first summed in step order from 0.0, a step no request of the round takes adding 0.0
+        (which leaves a sum as it is), so each round's time is the round-by-round sum bit for bit."""
+        members = np.arange(width) < counts[:, None]
+        steps = np.where(members, np.minimum(o - e, self.decode_steps), 0)
+        seconds = np.zeros(counts.size)
+        for k in range(2, int(_maximum(steps, axis=None)) + 1):
+            active = np.count_nonzero(steps >= k, axis=1)
+            seconds += np.where(active > 0, self._verify_table(active, active, width), 0.0)
+        return seconds
 
     def _planned_lengths(
         self, take: np.ndarray, counts: np.ndarray, rows: np.ndarray, caps: np.ndarray, joins: _Joins

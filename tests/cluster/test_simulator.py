@@ -338,6 +338,9 @@ def _same_result(a: SimResult, b: SimResult) -> None:
         ("dspark", "relayed many replicas"),
         ("full", "relayed"),
         ("fixed-1", "chained"),
+        ("autoregressive", "decode steps"),
+        ("autoregressive", "decode steps closed loop"),
+        ("autoregressive", "decode steps many replicas"),
     ],
 )
 def test_batched_rounds_run_exactly_as_round_by_round(costs, trace, policy: str, case: str) -> None:
@@ -349,6 +352,8 @@ def test_batched_rounds_run_exactly_as_round_by_round(costs, trace, policy: str,
     closed_loop = ClosedLoop(6, 0.004) if "closed loop" in case else None
     planned = case.split()[0] if case.split()[0] in ("chained", "relayed") else "off"
     spec = ClusterSpec(placement="colocated", verifiers=3, verifier_slots=8, policy=policy, planned_rounds=planned)
+    if case.startswith("decode steps"):  # plain rounds of several decode steps, requests finishing mid-round
+        spec = replace(spec, decode_steps=8)
     workload = _workload(seed=4, rate=60.0, duration=6.0, cv=2.0)
     run_costs = costs
     if case.endswith("autoscaled"):
@@ -420,3 +425,83 @@ def test_one_new_recorded_prompt_is_the_same_draw_as_an_array_of_one(trace) -> N
             assert starts.tolist() == trace.starts[prompts].tolist()
             assert ends.tolist() == trace.starts[prompts + 1].tolist()
         assert one.bit_generator.state == array.bit_generator.state
+
+
+def _plain_round_s(costs, spec: ClusterSpec, requests: int, steps: list[float]) -> float:
+    """A plain round of ``requests`` requests as the simulator times it: a hop to the verifier, its steps, a hop
+    back, host time and the per-round overhead."""
+    hop = costs.hop_s(spec.placement)
+    return hop + sum(steps) + hop + costs.host_plain(requests) + costs.round_overhead_s
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_decode_steps_emit_that_many_tokens_per_round(costs, placement: str) -> None:
+    """A plain round of N decode steps is N verify steps behind one hop each way and one host time: a request
+    emits N tokens a round, its tokens and the verifier's work are those of N one-step rounds, and only the
+    per-round times are paid once instead of N times."""
+    one = Workload(np.zeros(1), np.array([50]), np.array([17]))  # the prefill's token, then 16 decoded
+    spec = ClusterSpec(placement=placement, policy="autoregressive", decode_steps=8)
+    steps8 = simulate(one, costs, None, spec)
+    steps1 = simulate(one, costs, None, replace(spec, decode_steps=1))
+    for result in (steps8, steps1):
+        _check_conservation(one, result)
+    assert steps8.rounds.tolist() == [2] and steps1.rounds.tolist() == [16]  # verify rounds (the prefill's not)
+    assert steps8.total_rounds == 3 and steps1.total_rounds == 17
+    assert steps8.verifier_busy_s == pytest.approx(steps1.verifier_busy_s, rel=1e-12)  # the same target passes
+    first = steps8.first_token_s[0]
+    assert first == steps1.first_token_s[0]
+    verify = costs.verify_s(1, 1)
+    assert steps8.finish_s[0] - first == pytest.approx(2 * _plain_round_s(costs, spec, 1, [verify] * 8), rel=1e-12)
+    assert steps1.finish_s[0] - first == pytest.approx(16 * _plain_round_s(costs, spec, 1, [verify]), rel=1e-12)
+
+
+def test_a_request_finishing_mid_round_stops_there_and_joiners_wait_for_the_next_round(costs) -> None:
+    """Two requests decode together, 8 steps a round: the one that needs 4 more tokens takes part in the
+    round's first 4 steps (its slot frees at the round's end, when the verifier answers), the others run with
+    one request; a request that arrives during the round is prefilled in the next one."""
+    spec = ClusterSpec(placement="disaggregated", policy="autoregressive", decode_steps=8)
+    workload = Workload(np.array([0.0, 0.0, 0.02]), np.array([50, 60, 40]), np.array([5, 17, 3]))
+    result = simulate(workload, costs, None, spec)
+    _check_conservation(workload, result)
+    prefilled = result.first_token_s[0]
+    assert result.first_token_s[1] == prefilled  # both prefilled in the first round
+    two, one = costs.verify_s(2, 2), costs.verify_s(1, 1)
+    mixed = _plain_round_s(costs, spec, 2, [two] * 4 + [one] * 4)
+    assert result.finish_s[0] - prefilled == pytest.approx(mixed, rel=1e-12)  # 4 tokens, at the round's end
+    assert prefilled < workload.arrival_s[2] < result.finish_s[0]  # arrives during that round ...
+    assert result.admit_s[2] == result.finish_s[0]  # ... and joins the next one
+    assert result.rounds.tolist() == [1, 2, 1]  # 4 tokens; 8 + 8; 2 (after its prefill's)
+    assert result.total_rounds == 4  # the prefills, the mixed round, B's last 8 with C's prefill, C's last 2
+
+
+def test_decode_steps_default_as_served_on_a_gpu(costs, trace) -> None:
+    """``auto``: the served default on a CUDA verifier, several steps disaggregated, one colocated (in-process);
+    a drafting policy decodes one token per plain round whatever the setting; counts outside 1-64 are refused."""
+    from cluster.config import GPU_DECODE_STEPS, SchedulerConfig
+
+    served = SchedulerConfig(policy="autoregressive").decode_steps_on("cuda")
+    assert ClusterSpec(placement="disaggregated").plain_decode_steps(False) == served == GPU_DECODE_STEPS
+    assert ClusterSpec(placement="colocated").plain_decode_steps(False) == 1
+    assert ClusterSpec(placement="colocated", decode_steps=4).plain_decode_steps(False) == 4
+    assert ClusterSpec(placement="disaggregated", decode_steps=4).plain_decode_steps(True) == 1
+    workload = _workload(rate=30.0, duration=2.0)
+    spec = ClusterSpec(placement="disaggregated", policy="dspark")
+    eight = replace(spec, decode_steps=8)
+    _same_result(simulate(workload, costs, trace, spec), simulate(workload, costs, trace, eight))
+    for bad in (0, 65, "many"):
+        with pytest.raises(SimulationError, match="decode_steps"):
+            simulate(workload, costs, None, ClusterSpec(policy="autoregressive", decode_steps=bad))
+
+
+def test_cli_takes_decode_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run.json"
+    common = ["simulate", "run", "--costs", str(COSTS), "--policy", "autoregressive", "--no-progress"]
+    rounds = {}
+    for steps in ("1", "8", "auto"):  # auto: the default placement is disaggregated, as served 8
+        assert main([*common, "--rate", "20", "--duration-s", "2", "--decode-steps", steps, "--json", str(out)]) == 0
+        rounds[steps] = json.loads(out.read_text())["summary"]["rounds"]
+    assert rounds["8"] == rounds["auto"] < rounds["1"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*common, "--decode-steps", "0"])
+    assert "expected auto or 1-64" in capsys.readouterr().err
