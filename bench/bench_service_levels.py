@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--slo-admission", choices=("refuse", "queue"), default="queue")
     p.add_argument("--slo-attainment", default="0.95", help="the server's pacing goal, a share or off")
+    p.add_argument("--join-hold-ms", type=float, default=0.0,
+                   help="the server's join hold: how long a prompt may wait to join with others while a target runs")
     p.add_argument("--prompts-dir", type=Path, default=ROOT.parent / "shared" / "data" / "prompts")
     p.add_argument("--prompt-sets", nargs="+", default=["humaneval", "mbpp"])
     p.add_argument("--output-len", type=int, default=64)
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--no-ray", "--target", str(target), "--draft", str(draft),
            "--device", device, "--dtype", dtype, "--max-requests", str(args.max_requests), "--max-seq-len",
            str(args.max_seq_len), "--slo-admission", args.slo_admission, "--slo-attainment", args.slo_attainment,
+           "--join-hold-ms", str(args.join_hold_ms),
            "--served-model-name", MODEL_NAME,
            "--port", str(args.port), "--log-level", "warning"]
     print("$ " + " ".join(cmd), flush=True)
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "device": torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
             "dtype": dtype, "inflate": args.inflate, "slots": args.max_requests, "slo_admission": args.slo_admission,
-            "slo_attainment": args.slo_attainment,
+            "slo_attainment": args.slo_attainment, "join_hold_ms": args.join_hold_ms,
             "overload": args.overload, "high_share": args.high_share, "offered_rate": rate, **calibration}
     (args.out_dir / "service_levels.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
     text = f"# Service levels, {meta['date']}\n\n{json.dumps(meta)}\n\n{goal(rows)}\n\n{table(rows)}\n"

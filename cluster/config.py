@@ -110,7 +110,8 @@ class ServiceLevelsConfig(_Strict):
     of requests that are not behind a target (1 = no lateness weighting), ``pause_lower_tiers``: whether the
     requests of a lower tier than a late request sit out its rounds, and ``slo_attainment``: the share of each
     tier's requests with a target meant to meet it, which the scheduler paces the tier for (null: pace every
-    request at its target itself)."""
+    request at its target itself), and ``join_hold_ms``: while a request with a target runs, how long a prompt may
+    wait to join so that prompts join rounds together and the rounds between are chained (0: at once)."""
 
     default_priority: int = Field(0, ge=-100, le=100)
     default_speculative: Literal["auto", "off", "on"] = "auto"
@@ -119,6 +120,7 @@ class ServiceLevelsConfig(_Strict):
     on_target_weight: float = Field(0.1, gt=0, le=1)
     pause_lower_tiers: bool = False
     slo_attainment: float | None = Field(0.95, gt=0, lt=1)
+    join_hold_ms: float = Field(0.0, ge=0, le=10000)
 
     def levels(self) -> ServiceLevels:
         """The scheduler's record of these settings."""

@@ -90,7 +90,7 @@ def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         "scheduler": pick("policy", "draft_cost"),
         "network": pick("api_key"),
     }
-    levels = pick("slo_admission", "slo_attainment")
+    levels = pick("slo_admission", "slo_attainment", "join_hold_ms")
     if levels.get("slo_attainment") == "off":
         levels["slo_attainment"] = None
     if levels:

@@ -76,6 +76,9 @@ def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection
     add("--slo-attainment", "share of each tier's requests with a tpot_slo_ms meant to meet it, which the "
         "scheduler paces the tier for; off paces every request at its target itself", "0.95",
         type=_attainment, default=None)
+    add("--join-hold-ms", "while a request with a tpot_slo_ms runs, how long a prompt may wait so that prompts "
+        "join rounds together and the rounds between them are chained", "0 (join at once)", type=float,
+        default=None)
     add("--max-requests", "KV / context slots, i.e. concurrent requests, per replica", "64", type=int,
         default=None)
     add("--max-seq-len", "slot length = max prompt + completion tokens", "1024", type=int, default=None)

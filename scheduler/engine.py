@@ -62,6 +62,7 @@ from scheduler.service_levels import (
     TierMetrics,
     admission_order,
     behind_target,
+    holds_joiners,
     join_slack_s,
     joiners_allowed,
     late_lengths,
@@ -1069,7 +1070,7 @@ class SpeculativeEngine:
         requests' targets leave room and the queued targets let them (:meth:`_eligible`). ``off`` requests need
         no drafter slot. The admitted requests are a prefix of that order (the first that does not fit ends it)."""
         admitted: list[RequestState] = []
-        if not self._waiting:
+        if not self._waiting or self._holding_joiners():
             return admitted
         waiting = list(self._waiting)
         if (
@@ -1111,6 +1112,18 @@ class SpeculativeEngine:
                 self._no_drafter.add(req.req_id)
             admitted.append(req)
         return admitted
+
+    def _holding_joiners(self) -> bool:
+        """Whether this round admits nobody so that waiting prompts join a later round together
+        (:func:`holds_joiners`); only where rounds without a joining prompt are chained (a pipeline that chains,
+        greedy requests), the rounds that holding buys (relayed rounds take joining prompts as they are)."""
+        hold_s = self.service_levels.join_hold_ms / 1000.0
+        running = self._running.values()
+        if hold_s <= 0.0 or not self._chain_verify or not all(map(_GREEDY, running)):
+            return False
+        targets = any(r.level.tpot_slo_s is not None for r in running)
+        oldest = min(r.metrics.arrival_time for r in self._waiting)
+        return holds_joiners(hold_s, time.perf_counter() - oldest, targets)
 
     def _eligible(self, waiting: list[RequestState]) -> list[RequestState]:
         """The waiting requests (in admission order) that may join now.

@@ -89,7 +89,9 @@ class ServiceLevels:
     lower tier than a late one sit it out (:func:`paused`, :func:`next_pause_count`): weighting alone leaves a
     high request sharing every round with every best-effort one, whose round time it cannot shorten.
     ``slo_attainment``: the share of a tier's requests with a target that should meet it, which its pace factor
-    steers to (:class:`PaceTracker`); None judges every request against its target itself."""
+    steers to (:class:`PaceTracker`); None judges every request against its target itself. ``join_hold_ms``: while
+    a running request has a target, how long a prompt may wait so that prompts join rounds together
+    (:func:`holds_joiners`); 0 admits each prompt at the first round it fits."""
 
     default_priority: int = 0
     default_speculative: Speculative = "auto"
@@ -98,6 +100,7 @@ class ServiceLevels:
     on_target_weight: float = 0.1
     pause_lower_tiers: bool = False
     slo_attainment: float | None = 0.95
+    join_hold_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.default_speculative not in SPECULATIVE_MODES:
@@ -114,6 +117,8 @@ class ServiceLevels:
             raise ValueError(f"on_target_weight must be in (0, 1], got {self.on_target_weight}")
         if self.slo_attainment is not None and not 0.0 < self.slo_attainment < 1.0:
             raise ValueError(f"slo_attainment must be in (0, 1) or None, got {self.slo_attainment}")
+        if not (math.isfinite(self.join_hold_ms) and self.join_hold_ms >= 0.0):
+            raise ValueError(f"join_hold_ms must be a number >= 0, got {self.join_hold_ms}")
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,15 @@ def joiners_allowed(slacks: Sequence[float], join_cost_s: float) -> int:
     if least < 0.0:
         return 0
     return -1 if join_cost_s <= 0.0 else int(least // join_cost_s)
+
+
+def holds_joiners(hold_s: float, oldest_wait_s: float, targets_running: bool) -> bool:
+    """Whether a round admits no prompt yet (``join_hold_ms``): a round that a prompt joins is not planned (its
+    verify step also prefills, so it is not chained behind the drafts), so while running requests have targets,
+    prompts that arrive within ``hold_s`` of the oldest waiting one join one round together, and the rounds
+    between are planned. The oldest prompt never waits longer than ``hold_s``; with no running target nothing is
+    held (an idle or best-effort server admits at once). Timings and counts only: lossless."""
+    return hold_s > 0.0 and targets_running and oldest_wait_s < hold_s
 
 
 def lateness_weights(late: np.ndarray, on_target_weight: float) -> np.ndarray | None:

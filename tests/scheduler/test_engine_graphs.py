@@ -885,3 +885,56 @@ def test_lower_tiers_sitting_out_chained_rounds_keep_greedy_output(pair) -> None
     assert got == target.generate(prompts, max_new_tokens=30)
     snap = engine.snapshot()
     assert snap.paused_request_rounds > 0 and snap.planned_rounds > 0
+
+
+def _hold_engine(pair, join_hold_ms: float) -> tuple[SpeculativeEngine, TargetModel]:
+    target, drafter = pair
+    verify = VerifyEngine(target, 12, 96, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS)
+    draft = DraftEngine(drafter, 12, 96, graphs="static", graph_buckets=BUCKETS)
+    engine = SpeculativeEngine(
+        verify, draft, make_policy("fixed-2", _sps(), drafter.block_size), draft_ahead=True, chain_verify=True,
+        chain_draft=True, service_levels=ServiceLevels(join_hold_ms=join_hold_ms),
+    )  # fmt: skip
+    return engine, target
+
+
+def _joins(engine: SpeculativeEngine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[dict, dict]:
+    """Run ``prompts[0]`` alone for one round, then queue the others and step to the end: returns each request's
+    tokens and the round each first emitted in."""
+    ids = [engine.add_request(prompts[0], params[0])]
+    tokens: dict[str, list[int]] = {}
+    first: dict[str, int] = {}
+    round_index = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.new_token_ids:
+                first.setdefault(out.req_id, round_index)
+        if round_index == 0:
+            ids += [engine.add_request(p, q) for p, q in zip(prompts[1:], params[1:], strict=True)]
+        round_index += 1
+    return {i: tokens[i] for i in ids}, first
+
+
+def test_prompts_wait_to_join_together_while_a_target_runs(pair) -> None:
+    """``join_hold_ms``: while a request with a TPOT target runs on the chained pipeline, prompts that arrive
+    wait (here the hold outlasts the run: they join once no target runs), the rounds between stay chained, and
+    every output is still the target's greedy output; with no hold they join at the next round."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 127, size=int(rng.integers(2, 20))).tolist() for _ in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, tpot_slo_ms=1e6)] + [
+        SamplingParams(temperature=0.0, max_tokens=12)
+    ] * 3
+    held, target = _hold_engine(pair, 1e9)
+    tokens, first = _joins(held, prompts, params)
+    assert list(tokens.values()) == [
+        target.generate([p], max_new_tokens=n.max_tokens)[0] for p, n in zip(prompts, params, strict=True)
+    ]
+    ids = list(tokens)
+    assert all(first[i] > first[ids[0]] + 1 for i in ids[1:]), first  # none joined beside the target's request
+    assert len({first[i] for i in ids[1:]}) == 1, first  # they joined together
+    assert held.snapshot().planned_rounds > 0
+    at_once, _ = _hold_engine(pair, 0.0)
+    tokens_at_once, first_at_once = _joins(at_once, prompts, params)
+    assert tokens_at_once == dict(zip(tokens_at_once, tokens.values(), strict=True))
+    assert all(first_at_once[i] == 1 for i in list(tokens_at_once)[1:]), first_at_once

@@ -27,6 +27,7 @@ from scheduler.service_levels import (
     SLOUnattainableError,
     admission_order,
     behind_target,
+    holds_joiners,
     join_slack_s,
     joiners_allowed,
     late_lengths,
@@ -340,3 +341,14 @@ def test_late_lengths_give_late_requests_their_whole_blocks() -> None:
     late = np.array([True, True, False, False])
     assert late_lengths(planned, caps, late, 5).tolist() == [5, 3, 2, 0]
     assert late_lengths(planned, caps, None, 5) is planned
+
+
+def test_prompts_are_held_only_while_a_target_runs_and_never_past_the_hold() -> None:
+    assert holds_joiners(0.02, 0.0, True) and holds_joiners(0.02, 0.019, True)
+    assert not holds_joiners(0.02, 0.02, True)  # the oldest prompt waited the whole hold: everyone joins
+    assert not holds_joiners(0.02, 0.0, False)  # no running target: nothing to protect
+    assert not holds_joiners(0.0, 0.0, True)  # off by default
+    with pytest.raises(ValueError, match="join_hold_ms"):
+        ServiceLevels(join_hold_ms=-1.0)
+    with pytest.raises(ValueError, match="join_hold_ms"):
+        ServiceLevels(join_hold_ms=float("nan"))
