@@ -862,18 +862,25 @@ def test_late_requests_verify_whole_blocks_in_chained_rounds(pair) -> None:
     assert int(planned[0].min()) == drafter.block_size, planned  # the whole block, not fixed-1's one draft
 
 
+def _chained_engine(pair, policy: str, levels: ServiceLevels) -> tuple[SpeculativeEngine, TargetModel]:
+    """An engine on the chained pipeline (drafts ahead and behind, verify chained behind the drafts), static
+    steps on CPU."""
+    target, drafter = pair
+    verify = VerifyEngine(target, 12, 96, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS)
+    draft = DraftEngine(drafter, 12, 96, graphs="static", graph_buckets=BUCKETS)
+    engine = SpeculativeEngine(
+        verify, draft, make_policy(policy, _sps(), drafter.block_size), draft_ahead=True, chain_verify=True,
+        chain_draft=True, service_levels=levels,
+    )  # fmt: skip
+    return engine, target
+
+
 def test_lower_tiers_sitting_out_chained_rounds_keep_greedy_output(pair) -> None:
     """``pause_lower_tiers`` on the chained pipeline: the late high-tier requests' rounds are plain rounds over a
     subset of the running requests (drafted ahead and behind for that subset, planned whole blocks for the late
     ones), the paused lower-tier requests rejoin later at their committed anchors; every output is still the
     target's greedy output."""
-    target, drafter = pair
-    verify = VerifyEngine(target, 12, 96, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS)
-    draft = DraftEngine(drafter, 12, 96, graphs="static", graph_buckets=BUCKETS)
-    engine = SpeculativeEngine(
-        verify, draft, make_policy("fixed-2", _sps(), drafter.block_size), draft_ahead=True, chain_verify=True,
-        chain_draft=True, service_levels=ServiceLevels(pause_lower_tiers=True),
-    )  # fmt: skip
+    engine, target = _chained_engine(pair, "fixed-2", ServiceLevels(pause_lower_tiers=True))
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 127, size=int(rng.integers(2, 20))).tolist() for _ in range(6)]
     params = [
@@ -885,17 +892,6 @@ def test_lower_tiers_sitting_out_chained_rounds_keep_greedy_output(pair) -> None
     assert got == target.generate(prompts, max_new_tokens=30)
     snap = engine.snapshot()
     assert snap.paused_request_rounds > 0 and snap.planned_rounds > 0
-
-
-def _hold_engine(pair, join_hold_ms: float) -> tuple[SpeculativeEngine, TargetModel]:
-    target, drafter = pair
-    verify = VerifyEngine(target, 12, 96, graphs="static", max_drafts=drafter.block_size, graph_buckets=BUCKETS)
-    draft = DraftEngine(drafter, 12, 96, graphs="static", graph_buckets=BUCKETS)
-    engine = SpeculativeEngine(
-        verify, draft, make_policy("fixed-2", _sps(), drafter.block_size), draft_ahead=True, chain_verify=True,
-        chain_draft=True, service_levels=ServiceLevels(join_hold_ms=join_hold_ms),
-    )  # fmt: skip
-    return engine, target
 
 
 def _joins(engine: SpeculativeEngine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[dict, dict]:
@@ -925,7 +921,7 @@ def test_prompts_wait_to_join_together_while_a_target_runs(pair) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=24, tpot_slo_ms=1e6)] + [
         SamplingParams(temperature=0.0, max_tokens=12)
     ] * 3
-    held, target = _hold_engine(pair, 1e9)
+    held, target = _chained_engine(pair, "fixed-2", ServiceLevels(join_hold_ms=1e9))
     tokens, first = _joins(held, prompts, params)
     assert list(tokens.values()) == [
         target.generate([p], max_new_tokens=n.max_tokens)[0] for p, n in zip(prompts, params, strict=True)
@@ -934,7 +930,7 @@ def test_prompts_wait_to_join_together_while_a_target_runs(pair) -> None:
     assert all(first[i] > first[ids[0]] + 1 for i in ids[1:]), first  # none joined beside the target's request
     assert len({first[i] for i in ids[1:]}) == 1, first  # they joined together
     assert held.snapshot().planned_rounds > 0
-    at_once, _ = _hold_engine(pair, 0.0)
+    at_once, _ = _chained_engine(pair, "fixed-2", ServiceLevels())
     tokens_at_once, first_at_once = _joins(at_once, prompts, params)
     assert tokens_at_once == dict(zip(tokens_at_once, tokens.values(), strict=True))
     assert all(first_at_once[i] == 1 for i in list(tokens_at_once)[1:]), first_at_once
