@@ -41,8 +41,11 @@ logger = logging.getLogger(__name__)
 
 
 def preload_system_config() -> dict[str, Any]:
-    """The ``_system_config`` entry of a new cluster whose workers import :data:`PRELOAD_MODULES` at start."""
-    return {"preload_python_modules": list(PRELOAD_MODULES)}
+    """The ``_system_config`` of a new cluster whose workers import :data:`PRELOAD_MODULES` when they start, and
+    whose raylet does not prestart idle workers for the first driver: Ray would start up to one per core, each
+    importing those modules (hundreds of MiB each on a many-core GPU host), where the keeper starts the spares
+    asked for."""
+    return {"preload_python_modules": list(PRELOAD_MODULES), "prestart_worker_first_driver": False}
 
 
 def is_spare(worker: Any) -> bool:
