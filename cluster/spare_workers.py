@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ class _Node:
     that have not registered yet."""
 
     stub: Any
-    short_since: float | None = None
+    short_since: float | None = -math.inf  # a node first seen is topped up at once: it has not just lost one
     requested_at: float | None = None
     started: int = 0
 
@@ -77,8 +78,8 @@ class _Node:
 class SpareWorkers:
     """Keeps ``count`` spare workers on every alive node of the connected cluster, from a daemon thread.
 
-    Contract: call from a process connected with ``ray.init``; :meth:`stop` ends the thread. A node that has had
-    fewer than ``count`` spares for ``refill_delay_s`` is asked for the missing ones, and not again until they
+    Contract: call from a process connected with ``ray.init``; :meth:`stop` ends the thread. A node first seen
+    short of ``count`` spares, or one that has been short for ``refill_delay_s``, is asked for the missing ones, and not again until they
     registered or :data:`START_GRACE_S` passed (a worker that is still importing is already listed).
     """
 
