@@ -318,6 +318,16 @@ def _same_result(a: SimResult, b: SimResult) -> None:
         "timeline",
     ):
         assert getattr(a, name) == getattr(b, name), name
+    # The rounds logged: one a round, its verified requests and joins as the per-request counts have them; the
+    # batched run logs them a batch at a time (another order), the same rounds.
+    for result in (a, b):
+        assert result.round_end_s.size == result.round_requests.size == result.round_joins.size == result.total_rounds
+        assert result.round_requests.sum() == result.rounds.sum()
+        assert result.round_joins.sum() == np.isfinite(result.admit_s).sum()
+    rounds = [(r.round_end_s, r.round_requests, r.round_joins) for r in (a, b)]
+    order = [np.lexsort((joins, requests, ends)) for ends, requests, joins in rounds]
+    for x, y in zip(*rounds, strict=True):
+        np.testing.assert_array_equal(x[order[0]], y[order[1]])
 
 
 @pytest.mark.parametrize(
