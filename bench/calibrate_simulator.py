@@ -359,7 +359,8 @@ def simulate_level(costs: Costs, trace: AcceptanceTrace, lengths: np.ndarray, po
     while True:
         inputs = np.resize(lengths, count)
         workload = Workload(np.zeros(count), inputs, np.full(count, output_len, dtype=np.int64))
-        result = simulate(workload, costs, trace, spec, seed=0, closed_loop=ClosedLoop(users, delay_s))
+        result = simulate(workload, costs, trace, spec, seed=0, closed_loop=ClosedLoop(users, delay_s),
+                          log_rounds=True)
         t0 = float(np.max(result.finish_s[:users]))
         if float(np.nanmax(result.finish_s)) >= t0 + window_s:
             break

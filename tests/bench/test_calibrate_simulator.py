@@ -131,7 +131,7 @@ def test_the_simulated_split_is_counted_over_the_window() -> None:
     users, count = 4, 40
     workload = Workload(np.zeros(count), np.full(count, 50), np.full(count, 16))
     spec = ClusterSpec(placement="colocated", policy="autoregressive", verifier_slots=users)
-    result = simulate(workload, costs, None, spec, closed_loop=ClosedLoop(users, 0.002))
+    result = simulate(workload, costs, None, spec, closed_loop=ClosedLoop(users, 0.002), log_rounds=True)
     t0 = float(np.max(result.finish_s[:users]))
     window = 2.5 * (float(result.finish_s[users]) - t0)
     split = _window_stats(result, t0, window, 0.002).split
