@@ -48,6 +48,13 @@ files given (default: the first 96 prompts of HumanEval and of MBPP, the two ser
 has the commands that recorded them); the served tau is printed beside the simulated one, since a trace whose
 acceptance differs from the served prompts' moves every token rate by the same factor.
 
+Where the matrix holds the server's own split of TTFT (``dspark bench serve`` from a server that counts it: the
+mean time from a request's arrival at the round driver to its admission, and from there to its first token, and
+the requests verified and prompts joining per round), each cell also gets the simulator's same four numbers
+over the same window (:func:`_window_split`), printed in a second table and kept as ``served_split`` of the cell:
+the part of the measured TTFT the simulator misses is in the queue, in the round that prefills, or outside the
+round driver (the client delay). Older matrices calibrate as before, without them.
+
 The engine's generation rate, measured: the tokens the server committed in the window by its counters (every
 verification's, tau each, or a token per pass with several decode steps, and the first token of each request
 that joined), over the window; simulated: the tokens every request emitted inside the window.
@@ -82,6 +89,33 @@ GOALS = {"per_user": 0.10, "aggregate": 0.10, "ttft": 0.20}
 
 
 @dataclass(frozen=True)
+class ServedSplit:
+    """The time to first token inside the server and its rounds' load over a level's window, as the server
+    counts them (or, in :class:`Predicted`, as the simulator has them): means over the requests whose first token
+    came in the window and over the target passes that ended in it."""
+
+    queue_s: float
+    admission_s: float
+    requests_per_round: float
+    joins_per_round: float
+
+    def to_dict(self) -> dict[str, float]:
+        """Milliseconds for the times (as ``dspark bench serve`` writes them), counts as they are."""
+        return {"queue_ms": self.queue_s * 1e3, "admission_to_first_token_ms": self.admission_s * 1e3,
+                "requests_per_round": self.requests_per_round, "joins_per_round": self.joins_per_round}
+
+
+def served_split(spec: dict[str, Any]) -> ServedSplit | None:
+    """A level's :class:`ServedSplit` from its server counters (``speculative`` of a level), None when the
+    results file has none (written before the server counted them, or a level with no first token or round)."""
+    split = spec.get("ttft_split_ms")
+    if not split or spec.get("requests_per_round") is None or spec.get("joins_per_round") is None:
+        return None
+    return ServedSplit(split["queue"] / 1e3, split["admission_to_first_token"] / 1e3,
+                       float(spec["requests_per_round"]), float(spec["joins_per_round"]))
+
+
+@dataclass(frozen=True)
 class Level:
     """One measured level of one cell, with what the calibration reads from it, and the settings of the matrix
     run it belongs to (``matrix``: that run's date, which tells apart cells measured in several runs)."""
@@ -109,6 +143,10 @@ class Level:
     output_len: int
     files: tuple[str, ...]  # the prompt files, by name, in the benchmark's order
     matrix: str
+    # The server's own counts of the level (None from a matrix that predates them): the mean time from a
+    # request's arrival at the round driver to its admission and from there to its first token, and the
+    # requests verified and prompts joining per target pass (cluster.bench_serve.server_metrics).
+    served: ServedSplit | None = None
 
     @property
     def passes_per_round(self) -> float:
@@ -181,7 +219,7 @@ def measured_levels(matrix: dict[str, Any]) -> list[Level]:
                 joins_per_round=lv["completed"] / rounds, mean_prompt=lv["prompt_tokens"] / max(lv["completed"], 1),
                 tau=tau, generated=(float(spec["drafts"]) * per_item + lv["completed"]) / lv["window_s"],
                 decode_steps=steps, slots=int(meta["slots"]), max_seq_len=int(meta["max_seq_len"]),
-                output_len=output_len, files=files, matrix=str(meta["date"]),
+                output_len=output_len, files=files, matrix=str(meta["date"]), served=served_split(spec),
             ))
     return out
 
@@ -300,6 +338,7 @@ class Predicted:
     ttft_s: float
     tau: float
     generated: float
+    split: ServedSplit  # the simulated counterpart of Level.served, over the same window (NaN where empty)
 
 
 #: How each layout's served engine runs its planned rounds (ClusterSpec.planned_rounds): ``--no-ray`` chains them in
@@ -320,7 +359,8 @@ def simulate_level(costs: Costs, trace: AcceptanceTrace, lengths: np.ndarray, po
     while True:
         inputs = np.resize(lengths, count)
         workload = Workload(np.zeros(count), inputs, np.full(count, output_len, dtype=np.int64))
-        result = simulate(workload, costs, trace, spec, seed=0, closed_loop=ClosedLoop(users, delay_s))
+        result = simulate(workload, costs, trace, spec, seed=0, closed_loop=ClosedLoop(users, delay_s),
+                          log_rounds=True)
         t0 = float(np.max(result.finish_s[:users]))
         if float(np.nanmax(result.finish_s)) >= t0 + window_s:
             break
@@ -351,7 +391,27 @@ def _window_stats(result: SimResult, t0: float, window_s: float, delay_s: float)
     generated = float(((n_all - 1) * overlap).sum() + firsts) / window_s
     return Predicted(per_user=float(np.median(1.0 / tpot)), aggregate=float(out.sum() / window_s),
                      ttft_s=float(np.median(first - sent)),
-                     tau=float((out - 1).sum() / drafted) if drafted else math.nan, generated=generated)
+                     tau=float((out - 1).sum() / drafted) if drafted else math.nan, generated=generated,
+                     split=_window_split(result, t0, window_s))
+
+
+def _window_split(result: SimResult, t0: float, window_s: float) -> ServedSplit:
+    """:class:`ServedSplit` of the simulated window, counted as the server counts it: the requests whose first
+    token came in the window (arrival at the scheduler to the round that prefills them, and that round's end),
+    the rounds that ended in it (prefill-only rounds included)."""
+    first = result.first_token_s
+    with np.errstate(invalid="ignore"):
+        firsts = (first >= t0) & (first <= t0 + window_s)
+    ends = result.round_end_s
+    rounds = (ends > t0) & (ends <= t0 + window_s)
+
+    def mean(values: np.ndarray) -> float:
+        return float(values.mean()) if values.size else math.nan
+
+    return ServedSplit(queue_s=mean((result.admit_s - result.arrival_s)[firsts]),
+                       admission_s=mean((first - result.admit_s)[firsts]),
+                       requests_per_round=mean(result.round_requests[rounds]),
+                       joins_per_round=mean(result.round_joins[rounds]))
 
 
 def _err(predicted: float, measured: float) -> float:
@@ -423,9 +483,13 @@ def main(argv: list[str] | None = None) -> int:
                                    "ttft": _err(pred.ttft_s, lv.ttft_s)},
                          "delay_s": delays[lv.layout], "ttft_fitted": lv.users == 1,
                          "round_ms": _round_terms(lv, bases[lv.layout][1])})
+            if lv.served is not None:  # (a matrix without the server's split: the row as before)
+                rows[-1]["served_split"] = {"measured": lv.served.to_dict(), "predicted": pred.split.to_dict()}
         print(f"\n## fit: {name} (negative host times kept at 0: {', '.join(clamped) or 'none'}; "
               f"client delay: {', '.join(f'{k} {v * 1e3:.1f} ms' for k, v in delays.items())})\n")
         print(table(rows))
+        if any("served_split" in r for r in rows):
+            print("\n" + split_table(rows))
         return rows
 
     rows = run_fit("all") + run_fit("held-out")
@@ -467,6 +531,32 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
                    f"| {cell(q['aggregate'], m['aggregate'], e['aggregate'], GOALS['aggregate'], 0)} "
                    f"| {cell(q['generated'], m['generated'], e['generated'], GOALS['aggregate'], 0)} "
                    f"| {ttft} | {q['tau']:.2f} / {m['tau']:.2f} |")
+    return "\n".join(out)
+
+
+def split_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: the server's time to first token in its round driver (queue to admission, admission to first
+    token) and its rounds' load, simulated / measured, for the rows that have them; with the TTFT p50 beside them
+    it says which part of TTFT the simulator misses (what neither holds is the way to the round driver and back,
+    the client delay)."""
+    out = ["| cell | matrix (UTC) | c | TTFT p50 ms: pred / meas | queue ms | admission to first token ms "
+           "| requests per round | joins per round |", "| --- | --- | ---: | --- | --- | --- | --- | --- |"]
+
+    def pair(q: float, m: float, digits: int) -> str:
+        return f"{q:.{digits}f} / {m:.{digits}f}"
+
+    for r in rows:
+        split = r.get("served_split")
+        if split is None:
+            continue
+        m, q = split["measured"], split["predicted"]
+        steps = f" ({r['decode_steps']} steps)" if r.get("decode_steps", 1) > 1 else ""
+        out.append(f"| {r['layout']} {r['policy']}{steps} | {r.get('matrix', '')[11:16]} | {r['users']} "
+                   f"| {pair(r['predicted']['ttft_s'] * 1e3, r['measured']['ttft_s'] * 1e3, 1)} "
+                   f"| {pair(q['queue_ms'], m['queue_ms'], 1)} "
+                   f"| {pair(q['admission_to_first_token_ms'], m['admission_to_first_token_ms'], 1)} "
+                   f"| {pair(q['requests_per_round'], m['requests_per_round'], 1)} "
+                   f"| {pair(q['joins_per_round'], m['joins_per_round'], 2)} |")
     return "\n".join(out)
 
 

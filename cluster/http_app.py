@@ -346,6 +346,28 @@ class _SpecDecodeCollector:
             "relayed (disaggregated) rounds.",
             s.planned_rounds,
         )
+        # The time to first token in the round driver, and the prompts that join rounds (scheduler.metrics).
+        yield counter(
+            "dspark_request_first_tokens",
+            "Requests whose first token came from their prefill (the count of the two time sums below).",
+            s.first_tokens,
+        )
+        yield counter(
+            "dspark_request_queue_seconds",
+            "Summed over those requests: arrival at the round driver to admission (the round that prefills them).",
+            s.queue_time_s,
+        )
+        yield counter(
+            "dspark_request_admission_to_first_token_seconds",
+            "Summed over those requests: admission to first token (the round that prefills them).",
+            s.admission_to_first_token_s,
+        )
+        yield counter("dspark_round_joined_prompts", "Prompts prefilled by rounds (joins).", s.joined_prompts)
+        yield counter(
+            "dspark_prefill_only_rounds",
+            "Target passes that only prefilled joining prompts, verifying no request (not in dspark_rounds).",
+            s.prefill_only_rounds,
+        )
         yield counter(
             "dspark_output_tokens",
             "Tokens emitted by engine rounds (a request's first token comes from its prefill, not a round).",

@@ -941,6 +941,8 @@ class SpeculativeEngine:
             outputs, verified_counts, accepted_counts = self._commit_results(admitted, verified, results, decided)
         finally:  # the finished requests' slots, also when a commit failed part-way
             self._release_finished()
+        if admitted:
+            self.metrics.record_joins(len(admitted), bool(verified))
         if len(verified_counts):
             num_out = sum(map(len, map(_NEW_TOKENS, outputs)))
             verify_s = t3 - t2
@@ -1103,7 +1105,9 @@ class SpeculativeEngine:
         drafted_ids = {id(r) for r in drafted}
         taken = {id(r) for r in candidates}
         self._waiting = deque(r for r in self._waiting if id(r) not in taken)
+        now = time.perf_counter()
         for req in candidates:
+            req.metrics.admission_time = now
             self._running[req.req_id] = req
             if req.level.speculative == "off":
                 self._off.add(req.req_id)
@@ -1226,7 +1230,9 @@ class SpeculativeEngine:
             finish = FinishReason.STOP
         metrics = req.metrics
         if prefill and not resumed:
-            metrics.first_token_time = time.perf_counter()
+            first = metrics.first_token_time = time.perf_counter()
+            admitted = metrics.admission_time
+            self.metrics.record_first_token(admitted - metrics.arrival_time, first - admitted)
         else:
             metrics.verified.append(num_drafts)
             metrics.accepted.append(num_accepted)

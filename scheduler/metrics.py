@@ -13,6 +13,15 @@ calls), ``round_draft_time_s`` and ``round_verify_time_s`` what is left of each 
 rest of the rounds' wall time (admission, building the messages' inputs, commit, releases). So round draft, round
 verify, schedule, transfer and host add up to the rounds' wall time; each grows by a non-negative amount per
 round (Prometheus counters).
+
+The time to first token as the round driver sees it: ``queue_time_s`` sums, over the requests whose first token
+came from their prefill (``first_tokens`` of them; a request moved here after a failure or resumed, which
+samples nothing, is not counted), the time from their arrival at the round driver to their admission (the round
+that prefills them), and ``admission_to_first_token_s`` the time from there to their first token. ``joined_prompts``
+counts the prompts prefilled by rounds (resumed ones included) and ``prefill_only_rounds`` the target passes
+that prefilled and verified no request (not in ``rounds``): joins and requests (``num_drafts``) per target pass
+divide by ``rounds + prefill_only_rounds``. Sums and counts, so that replicas' snapshots add up and a scraper
+takes means over any window from two readings.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ class RequestMetrics:
     accepted: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     arrival_time: float = 0.0
+    admission_time: float = 0.0  # when the round that prefills it admitted it (its latest admission)
     finish_time: float | None = None
     num_output_tokens: int = 0
 
@@ -82,6 +92,14 @@ class MetricsSnapshot:
     # Drafted rounds whose lengths were planned before their drafts existed: chained (in process) or relayed
     # (disaggregated) rounds, the ones the round pipeline overlaps most.
     planned_rounds: int = 0
+    # The time to first token in the round driver (module docstring): requests whose first token came from their
+    # prefill, and the sums over them of arrival to admission and of admission to first token.
+    first_tokens: int = 0
+    queue_time_s: float = 0.0
+    admission_to_first_token_s: float = 0.0
+    # Prompts prefilled by rounds, and target passes that verified no request (prefill only, not in ``rounds``).
+    joined_prompts: int = 0
+    prefill_only_rounds: int = 0
     # Per priority tier (scheduler.service_levels.TierSnapshot): requests, tokens, TPOT, SLO attainment, refusals.
     tiers: tuple[TierSnapshot, ...] = ()
 
@@ -114,6 +132,11 @@ class EngineMetrics:
         self.rounds_without_draft = 0
         self.paused_request_rounds = 0
         self.planned_rounds = 0
+        self.first_tokens = 0
+        self.queue_time_s = 0.0
+        self.admission_to_first_token_s = 0.0
+        self.joined_prompts = 0
+        self.prefill_only_rounds = 0
         self.num_drafts = 0
         self.num_output_tokens = 0
         self._num_draft_tokens = 0
@@ -171,6 +194,20 @@ class EngineMetrics:
         self.transfer_in_replica_time_s += draft_transfer[1] + verify_transfer[1]
         self.host_time_s += host_s
         self._recent_rounds.append(draft_s + schedule_s + verify_s)
+
+    def record_joins(self, joined: int, verified: bool) -> None:
+        """Count a target pass's ``joined`` prompts (> 0); ``verified``: whether it verified a request too (a
+        round :meth:`record_round` records), else it was a prefill-only pass."""
+        self.joined_prompts += joined
+        if not verified:
+            self.prefill_only_rounds += 1
+
+    def record_first_token(self, queue_s: float, admission_s: float) -> None:
+        """Count a request's first token from its prefill: ``queue_s`` from its arrival at the round driver to
+        its admission, ``admission_s`` from there to the first token."""
+        self.first_tokens += 1
+        self.queue_time_s += queue_s
+        self.admission_to_first_token_s += admission_s
 
     def _fold(self) -> None:
         """Add the kept rounds to the token and per-position counts (one pass over all of them)."""
@@ -248,6 +285,11 @@ class EngineMetrics:
             transfer_in_replica_time_s=self.transfer_in_replica_time_s,
             paused_request_rounds=self.paused_request_rounds,
             planned_rounds=self.planned_rounds,
+            first_tokens=self.first_tokens,
+            queue_time_s=self.queue_time_s,
+            admission_to_first_token_s=self.admission_to_first_token_s,
+            joined_prompts=self.joined_prompts,
+            prefill_only_rounds=self.prefill_only_rounds,
         )
 
 
@@ -291,6 +333,11 @@ def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         transfer_in_replica_time_s=sum(s.transfer_in_replica_time_s for s in snapshots),
         paused_request_rounds=sum(s.paused_request_rounds for s in snapshots),
         planned_rounds=sum(s.planned_rounds for s in snapshots),
+        first_tokens=sum(s.first_tokens for s in snapshots),
+        queue_time_s=sum(s.queue_time_s for s in snapshots),
+        admission_to_first_token_s=sum(s.admission_to_first_token_s for s in snapshots),
+        joined_prompts=sum(s.joined_prompts for s in snapshots),
+        prefill_only_rounds=sum(s.prefill_only_rounds for s in snapshots),
         tiers=merge_tiers([s.tiers for s in snapshots]),
     )
 

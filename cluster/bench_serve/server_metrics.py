@@ -12,6 +12,13 @@ vLLM's names are used (``vllm:spec_decode_num_drafts`` and friends), which dspar
   (``dspark_round_*_seconds``), and ``transfer_in_replica``, the part of transfer inside the replicas'
   processes around their engine calls; from a server without them, draft, schedule and verify as the phases'
   wall times (``dspark_{draft,schedule,verify}_seconds``, transfer inside draft and verify);
+- the time to first token in the server's round driver (dspark-serve): mean milliseconds from a request's
+  arrival there to its admission (``queue``) and from its admission to its first token
+  (``admission_to_first_token``), over the requests whose first token came in the level
+  (``dspark_request_{queue,admission_to_first_token}_seconds`` over ``dspark_request_first_tokens``): what
+  is left of the measured TTFT is the way to the round driver and the first chunk's way back;
+- requests verified and prompts joining per target pass (dspark-serve): ``drafts`` and
+  ``dspark_round_joined_prompts`` over the rounds plus the prefill-only passes (``dspark_prefill_only_rounds``);
 - generation tokens: output tokens of the requests the server finished (``vllm:generation_tokens``).
 
 A server without these counters (or without ``/metrics``) gives ``None``: the benchmark still runs.
@@ -20,6 +27,7 @@ A server without these counters (or without ``/metrics``) gives ``None``: the be
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -40,6 +48,11 @@ COUNTERS = (
     "dspark_verify_seconds",
     *(f"dspark_round_{part}_seconds" for part in ("draft", "verify", "schedule", "transfer", "host")),
     "dspark_round_transfer_in_replica_seconds",
+    "dspark_request_first_tokens",
+    "dspark_request_queue_seconds",
+    "dspark_request_admission_to_first_token_seconds",
+    "dspark_round_joined_prompts",
+    "dspark_prefill_only_rounds",
 )
 
 Snapshot = dict[str, dict[str, float]]
@@ -97,6 +110,10 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
         "planned_rounds": None,
         "generation_tokens": delta("vllm:generation_tokens") if "vllm:generation_tokens" in after else None,
         "round_split_ms": None,
+        "first_tokens": None,
+        "ttft_split_ms": None,
+        "requests_per_round": None,
+        "joins_per_round": None,
     }
     if "dspark_rounds" in after:
         rounds = delta("dspark_rounds")
@@ -117,4 +134,23 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
             out["round_split_ms"] = {
                 part: 1000.0 * delta(f"dspark_{part}_seconds") / rounds for part in ("draft", "schedule", "verify")
             }
+        if "dspark_request_first_tokens" in after:
+            out.update(_ttft_split(delta, drafts, rounds))
     return out
+
+
+def _ttft_split(delta: Callable[[str], float], drafts: float, rounds: float) -> dict[str, Any]:
+    """``first_tokens``, ``ttft_split_ms``, ``requests_per_round`` and ``joins_per_round`` from a server that
+    counts them (``delta``: a counter's change over the level; ``drafts``, ``rounds``: those of the level); a
+    mean over nothing (no first token, no target pass in the level) is ``None``."""
+    first = delta("dspark_request_first_tokens")
+    passes = rounds + delta("dspark_prefill_only_rounds")
+    return {
+        "first_tokens": first,
+        "ttft_split_ms": {
+            "queue": 1000.0 * delta("dspark_request_queue_seconds") / first,
+            "admission_to_first_token": 1000.0 * delta("dspark_request_admission_to_first_token_seconds") / first,
+        } if first else None,
+        "requests_per_round": drafts / passes if passes else None,
+        "joins_per_round": delta("dspark_round_joined_prompts") / passes if passes else None,
+    }

@@ -232,6 +232,11 @@ class SimResult:
     running_area: float  # integral over time of requests holding slots (admitted, not finished)
     # Drafted rounds whose lengths the policy planned before the drafts (ClusterSpec.planned_rounds).
     planned_rounds: int = 0
+    # Per round (in no particular order): when it ended, the requests it verified and the prompts that joined it;
+    # empty unless the run logged its rounds (simulate's ``log_rounds``).
+    round_end_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    round_requests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    round_joins: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, verifiers, drafters, in system)
 
     @property
@@ -251,6 +256,7 @@ class Simulation:
         seed: int,
         replay_in_order: bool = False,
         closed_loop: ClosedLoop | None = None,
+        log_rounds: bool = False,
     ) -> None:
         self.costs = costs
         self.spec = spec
@@ -389,6 +395,13 @@ class Simulation:
         self._starved: set[VerifierReplica] = set()
         self.total_rounds = 0
         self.drafted_rounds = 0
+        # SimResult.round_*, when asked (a long run has millions of rounds): a round by round run's rounds one by
+        # one (_end_round), a batched run's a batch at a time (_flush: their ends, verified counts, and the batch
+        # positions and sizes of their joins).
+        self._round_log: list[tuple[float, int, int]] | None = [] if log_rounds else None
+        self._batch_log: list[tuple[np.ndarray, np.ndarray, list[int], list[int]]] | None = (
+            [] if log_rounds else None
+        )
         self._in_system = 0
         self._waiting = 0
         self._last_t = 0.0
@@ -665,6 +678,8 @@ class Simulation:
         self.total_rounds += 1
         self.drafted_rounds += driver.drafting
         verified = driver.verified
+        if self._round_log is not None:
+            self._round_log.append((now, len(verified), len(driver.admitted)))
         emitted, outputs, rounds = self.emitted, self.output_tokens, self.rounds
         finished: list[int] = []
         accepted = driver.accepted
@@ -852,6 +867,8 @@ class Simulation:
             if more_steps is not None:
                 step += more_steps
             end = self._round_ends(take, counts, totals, step, 0 not in count_list)
+            if self._batch_log is not None:
+                self._batch_log.append((end, counts, joins.rounds, joins.sizes))
             self._schedule_ends(take, take_list, end, totals, joins, events)
         self._deadline = float(_minimum(self._due))
 
@@ -1184,6 +1201,25 @@ class Simulation:
             self._remove_if_done(replica, now)
 
     # ------------------------------------------------------------------------------------------------ loop
+    def _rounds_logged(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every round's end, verified requests and joined prompts (:attr:`SimResult.round_end_s` and the next;
+        empty when the run did not log them)."""
+        ends, requests, joins = [], [], []
+        if self._round_log:
+            one_by_one = np.array(self._round_log, dtype=np.float64).reshape(-1, 3)
+            ends.append(one_by_one[:, 0])
+            requests.append(one_by_one[:, 1].astype(np.int64))
+            joins.append(one_by_one[:, 2].astype(np.int64))
+        for end, counts, positions, sizes in self._batch_log or ():
+            joined = np.zeros(end.size, dtype=np.int64)
+            joined[positions] = sizes
+            ends.append(end)
+            requests.append(counts.astype(np.int64))
+            joins.append(joined)
+        if not ends:
+            return np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate(ends), np.concatenate(requests), np.concatenate(joins)
+
     def run(self, progress: bool = False) -> SimResult:
         arrival = self.arrival
         n = len(arrival)
@@ -1239,6 +1275,8 @@ class Simulation:
             for replica in self.verifiers:  # (its free_at is not kept: a batched round never waits for its GPU)
                 replica.gpu.busy_s = float(self._gpu_busy[replica.index])
 
+        round_end, round_requests, round_joins = self._rounds_logged()
+
         def held(replicas: list[VerifierReplica] | list[DrafterReplica]) -> float:
             return sum((r.removed_s if r.removed_s is not None else end) - r.created_s for r in replicas)
 
@@ -1255,6 +1293,9 @@ class Simulation:
             total_rounds=self.total_rounds,
             drafted_rounds=self.drafted_rounds,
             planned_rounds=self.planned_rounds,
+            round_end_s=round_end,
+            round_requests=round_requests,
+            round_joins=round_joins,
             verifier_busy_s=sum(v.gpu.busy_s for v in self.verifiers),
             drafter_busy_s=0.0 if self.colocated else sum(d.gpu.busy_s for d in self.drafters),
             verifier_gpu_s=held(self.verifiers),
@@ -1276,11 +1317,13 @@ def simulate(
     progress: bool = False,
     replay_in_order: bool = False,
     closed_loop: ClosedLoop | None = None,
+    log_rounds: bool = False,
 ) -> SimResult:
     """Run ``workload`` on the cluster ``spec`` until every request has finished (or was rejected).
 
     ``replay_in_order``: request i replays recorded prompt i (modulo their number) instead of a random one, to
     replay a recorded run request by request. ``closed_loop``: send the requests as a closed loop of users
     (:class:`ClosedLoop`) instead of at their arrival times; ``arrival_s`` of the result holds when each
-    request reached the scheduler."""
-    return Simulation(workload, costs, trace, spec, seed, replay_in_order, closed_loop).run(progress)
+    request reached the scheduler. ``log_rounds``: keep every round's end, verified requests and joins
+    (``SimResult.round_end_s``, ``round_requests``, ``round_joins``; off by default: a long run has millions)."""
+    return Simulation(workload, costs, trace, spec, seed, replay_in_order, closed_loop, log_rounds).run(progress)

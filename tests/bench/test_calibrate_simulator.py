@@ -1,7 +1,8 @@
 """bench/calibrate_simulator.py on the shipped serving matrices: the derived costs follow their rule, every measured
 cell is simulated in both fits, the bench's aggregate of the autoregressive cells (round model only, no acceptance
-trace involved), counted as the bench counts it, comes within the 10 % goal when fitted on all levels, and Ray's
-autoregressive runs are simulated with the decode steps they served with."""
+trace involved), counted as the bench counts it, comes within the 10 % goal when fitted on all levels, Ray's
+autoregressive runs are simulated with the decode steps they served with, and a matrix holding the server's split
+of TTFT gets the simulator's beside it (one without is calibrated as before)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from bench.calibrate_simulator import (
     matrices_of,
     measured_levels,
     run_decode_steps,
+    served_split,
     served_sps,
 )
 from cluster.config import GPU_DECODE_STEPS
@@ -120,3 +122,52 @@ def test_the_matrices_with_decode_steps_are_calibrated(tmp_path: Path) -> None:
     assert ray == {(4, 1), (4, 8), (4, 32), (8, 1), (8, 8), (8, 32), (8, 128)}
     for row in plain:  # a token per target pass, as the server counts it, however many passes a round runs
         assert row["predicted"]["tau"] == pytest.approx(1.0) == row["measured"]["tau"]
+
+
+def test_the_simulated_split_is_counted_over_the_window() -> None:
+    """The simulator's counterpart of the server's split: the requests whose first token came in the window
+    (arrival to admission, admission to the prefill round's end) and the rounds that ended in it."""
+    costs = load_costs(ROOT / "docs" / "simulator" / "costs_h200.json")
+    users, count = 4, 40
+    workload = Workload(np.zeros(count), np.full(count, 50), np.full(count, 16))
+    spec = ClusterSpec(placement="colocated", policy="autoregressive", verifier_slots=users)
+    result = simulate(workload, costs, None, spec, closed_loop=ClosedLoop(users, 0.002), log_rounds=True)
+    t0 = float(np.max(result.finish_s[:users]))
+    window = 2.5 * (float(result.finish_s[users]) - t0)
+    split = _window_stats(result, t0, window, 0.002).split
+    firsts = (result.first_token_s >= t0) & (result.first_token_s <= t0 + window)
+    assert firsts.sum() >= users
+    assert split.queue_s == pytest.approx(np.mean((result.admit_s - result.arrival_s)[firsts]))
+    assert split.admission_s == pytest.approx(np.mean((result.first_token_s - result.admit_s)[firsts]))
+    assert split.queue_s >= 0 and split.admission_s > 0
+    rounds = (result.round_end_s > t0) & (result.round_end_s <= t0 + window)
+    # A wave's prefill round verifies no request; a first token comes at the end of the round the request joined.
+    assert split.requests_per_round == pytest.approx(result.round_requests[rounds].mean())
+    assert 0 < split.requests_per_round < users
+    assert split.joins_per_round * rounds.sum() == pytest.approx(firsts.sum())
+
+
+def test_a_matrix_with_the_served_split_is_compared_with_the_simulated_one(tmp_path: Path) -> None:
+    """Levels whose server counted its TTFT split carry it and the simulated one (``served_split``); the others
+    are the rows they were."""
+    matrix = json.loads(COLUMNS.read_text())
+    level = matrix["runs"][0]["levels"][1]
+    assert served_split(level["speculative"]) is None  # recorded before the server counted it
+    level["speculative"].update(first_tokens=40, ttft_split_ms={"queue": 3.0, "admission_to_first_token": 7.0},
+                                requests_per_round=7.5, joins_per_round=0.25)
+    path = tmp_path / "matrix.json"
+    path.write_text(json.dumps(matrix))
+    out = tmp_path / "calibration.json"
+    assert main(["--matrix", str(path), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["cells"]
+    with_split = [r for r in rows if "served_split" in r]
+    users = int(level["load"]["value"])
+    assert {(r["fit"], r["layout"], r["policy"], r["users"]) for r in with_split} == {
+        (fit, matrix["runs"][0]["layout"], matrix["runs"][0]["policy"], users) for fit in ("all", "held-out")
+    }
+    for row in with_split:
+        measured, predicted = row["served_split"]["measured"], row["served_split"]["predicted"]
+        assert measured == pytest.approx({"queue_ms": 3.0, "admission_to_first_token_ms": 7.0,
+                                          "requests_per_round": 7.5, "joins_per_round": 0.25})
+        assert predicted["queue_ms"] >= 0 and predicted["admission_to_first_token_ms"] > 0
+        assert 0 < predicted["requests_per_round"] <= users and predicted["joins_per_round"] > 0

@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from cluster.bench_serve import server_metrics
+from cluster.bench_serve import report, server_metrics
 from cluster.bench_serve.fanout import shares
 from cluster.bench_serve.load import LoadLevel, Window, _schedule, arrival_times
 from cluster.bench_serve.stats import (
@@ -206,6 +206,27 @@ def test_speculative_counters_from_prometheus_text() -> None:
     assert d is not None and d["round_split_ms"] == pytest.approx(
         {"draft": 1.0, "verify": 2.0, "schedule": 0.5, "transfer": 3.0, "host": 1.0}
     )
+    assert d["first_tokens"] is None and d["ttft_split_ms"] is None and d["joins_per_round"] is None
+    assert report.server_ttft_cell(d) == "-"
+
+    def with_ttft(base: str, first: int, queue_s: float, admitted_s: float, joined: int, prefill_only: int) -> str:
+        """The round driver's time-to-first-token counters and the joins of dspark-serve."""
+        values = {"dspark_request_first_tokens": first, "dspark_request_queue_seconds": queue_s,
+                  "dspark_request_admission_to_first_token_seconds": admitted_s,
+                  "dspark_round_joined_prompts": joined, "dspark_prefill_only_rounds": prefill_only}
+        lines = [line for name, v in values.items()
+                 for line in (f"# TYPE {name} counter", f'{name}_total{{model_name="m"}} {v}')]
+        return base + "\n".join(lines) + "\n"
+
+    d = server_metrics.speculative_delta(
+        server_metrics.parse(with_ttft(text(10, 40, 20, [8, 6, 4, 2], 10), 4, 0.1, 0.2, 4, 1)),
+        server_metrics.parse(with_ttft(text(30, 100, 70, [26, 20, 15, 9], 30), 14, 0.6, 0.4, 19, 6)),
+    )
+    assert d is not None and d["first_tokens"] == 10
+    assert d["ttft_split_ms"] == pytest.approx({"queue": 50.0, "admission_to_first_token": 20.0})
+    # 20 rounds and 5 prefill-only passes: 20 request-rounds and 15 joins over 25 passes
+    assert d["requests_per_round"] == pytest.approx(0.8) and d["joins_per_round"] == pytest.approx(0.6)
+    assert report.server_ttft_cell(d) == "50.0 + 20.0"
 
 
 # ------------------------------------------------------------------------------------------ workloads

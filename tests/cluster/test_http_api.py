@@ -327,6 +327,11 @@ def test_metrics_have_spec_decode_counters(server: Server) -> None:
     assert value("dspark_rounds") > 0 and value("dspark_verify_seconds") > 0 and value("dspark_draft_seconds") > 0
     assert 0 <= value("dspark_rounds_without_draft") < value("dspark_rounds")
     assert value("dspark_tau") >= 1.0 and value("dspark_verify_tokens_per_round") >= 1.0
+    # The time to first token in the round driver: every request so far got its first token from its prefill.
+    first = value("dspark_request_first_tokens")
+    assert first > 0 and value("dspark_round_joined_prompts") == first
+    assert value("dspark_request_queue_seconds") >= 0 and value("dspark_request_admission_to_first_token_seconds") > 0
+    assert value("dspark_prefill_only_rounds") >= 1  # the first request joined an idle engine
     assert value("vllm:prompt_tokens") > 0 and value("vllm:generation_tokens") > 0
     assert value("vllm:request_success", finished_reason="length") > 0
     assert value("dspark_num_requests_running") >= 0 and "dspark_num_requests_waiting" in families

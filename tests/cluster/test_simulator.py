@@ -318,6 +318,18 @@ def _same_result(a: SimResult, b: SimResult) -> None:
         "timeline",
     ):
         assert getattr(a, name) == getattr(b, name), name
+    # The rounds logged (when asked): one a round, its verified requests and joins as the per-request counts have
+    # them; the batched run logs them a batch at a time (another order), the same rounds.
+    if not a.round_end_s.size and not b.round_end_s.size:
+        return
+    for result in (a, b):
+        assert result.round_end_s.size == result.round_requests.size == result.round_joins.size == result.total_rounds
+        assert result.round_requests.sum() == result.rounds.sum()
+        assert result.round_joins.sum() == np.isfinite(result.admit_s).sum()
+    rounds = [(r.round_end_s, r.round_requests, r.round_joins) for r in (a, b)]
+    order = [np.lexsort((joins, requests, ends)) for ends, requests, joins in rounds]
+    for x, y in zip(*rounds, strict=True):
+        np.testing.assert_array_equal(x[order[0]], y[order[1]])
 
 
 @pytest.mark.parametrize(
@@ -364,9 +376,9 @@ def test_batched_rounds_run_exactly_as_round_by_round(costs, trace, policy: str,
         spec = replace(spec, verifiers=16, verifier_slots=128)
         lengths = LengthSpec.parse("uniform:11:399"), LengthSpec.parse("uniform:1:160")
         workload = generated(300.0, 2.0, *lengths, np.random.default_rng(1))
-    batched = Simulation(workload, run_costs, trace, spec, 5, closed_loop=closed_loop)
+    batched = Simulation(workload, run_costs, trace, spec, 5, closed_loop=closed_loop, log_rounds=True)
     assert batched.batched
-    by_round = Simulation(workload, run_costs, trace, spec, 5, closed_loop=closed_loop)
+    by_round = Simulation(workload, run_costs, trace, spec, 5, closed_loop=closed_loop, log_rounds=True)
     by_round.batched = False
     result = batched.run()
     _same_result(result, by_round.run())

@@ -116,9 +116,12 @@ def test_draining_verifier_finishes_its_requests_and_gets_no_new_ones(topology: 
         hub.unregister_verifier(owner_of_a)
         assert hub.num_verifiers == 1
         after = await hub.metrics()  # the removed group's counters stay in the totals
-        counters = ("rounds", "num_drafts", "num_accepted_tokens", "num_output_tokens", "accepted_per_position")
+        counters = ("rounds", "num_drafts", "num_accepted_tokens", "num_output_tokens", "accepted_per_position",
+                    "first_tokens", "queue_time_s", "admission_to_first_token_s", "joined_prompts")
         assert [getattr(after, k) for k in counters] == [getattr(before, k) for k in counters]
         assert after.num_output_tokens > 0
+        # Both groups' first tokens and joins, summed: a, b, c and d, each prefilled once.
+        assert after.first_tokens == after.joined_prompts == 4 and after.admission_to_first_token_s > 0
         # Gone for good: a late heartbeat is ignored, unknown ids are harmless.
         hub.register_verifier(owner_of_a, topology.servers[2].address, SPS)
         assert hub.num_verifiers == 1

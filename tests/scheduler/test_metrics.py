@@ -64,11 +64,20 @@ def test_verifier_groups_snapshots_merge_and_cross_the_wire_as_dicts() -> None:
     a.record_round([3], [1], 0.01, 0.001, 0.02, output_tokens=2)
     b.record_round([0, 0], [0, 0], 0.0, 0.001, 0.02, output_tokens=2, drafted=False)
     b.record_round([2, 1], [2, 0], 0.01, 0.001, 0.02, output_tokens=5)
+    a.record_joins(2, verified=False)
+    a.record_first_token(0.5, 0.25)
+    a.record_first_token(0.25, 0.25)
+    b.record_joins(1, verified=True)
+    b.record_first_token(1.0, 0.5)
     merged = merge_snapshots([a.snapshot(running=1), b.snapshot(running=2)])
     assert (merged.rounds, merged.rounds_without_draft, merged.num_drafts, merged.running) == (3, 1, 5, 3)
+    assert (merged.first_tokens, merged.queue_time_s, merged.admission_to_first_token_s) == (3, 1.75, 1.0)
+    assert (merged.joined_prompts, merged.prefill_only_rounds) == (3, 1)
     assert merged.accepted_per_position == (2, 1, 0) and merged.num_output_tokens == 9
     assert snapshot_from_dict(snapshot_to_dict(merged)) == merged
     older = snapshot_to_dict(merged)
-    del older["rounds_without_draft"]  # a peer from before the counter existed
+    for name in ("rounds_without_draft", "first_tokens", "queue_time_s", "joined_prompts", "prefill_only_rounds"):
+        del older[name]  # a peer from before the counter existed
     assert snapshot_from_dict(older).rounds_without_draft == 0
+    assert snapshot_from_dict(older).first_tokens == 0 and snapshot_from_dict(older).prefill_only_rounds == 0
     assert merge_snapshots([]).rounds_without_draft == 0

@@ -153,6 +153,40 @@ def test_more_requests_than_kv_slots_wait_and_complete(random_pair: tuple[Path, 
     assert [r.token_ids for r in results] == target.generate(prompts, max_new_tokens=6)
 
 
+def test_first_token_split_and_joins_are_counted(random_pair: tuple[Path, Path]) -> None:
+    """The round driver's split of the time to first token adds up over the requests whose first token came from
+    their prefill (arrival to admission, admission to first token), and every target pass is counted once:
+    ``rounds`` (they verify) or ``prefill_only_rounds``; a continuation joins but samples no first token. The
+    counting changes no token: the outputs are the target's own greedy ones."""
+    target_dir, draft_dir = random_pair
+    engine, target = _engines(target_dir, draft_dir, "dspark", max_requests=2)
+    prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=6 + i)) for i, p in enumerate(prompts)]
+    reference = target.generate([*prompts, prompts[0]], max_new_tokens=12)
+    ids.append(engine.add_request([*prompts[0], *reference[-1][:2]], SamplingParams(temperature=0.0, max_tokens=4),
+                                  emitted=2))
+    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    finished = {}
+    passes = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.req_id] += out.new_token_ids
+            if out.finished:
+                finished[out.req_id] = out.metrics
+        passes += 1
+    assert [outputs[rid] for rid in ids[:5]] == [reference[i][: 6 + i] for i in range(5)]
+    assert outputs[ids[5]] == reference[-1][2:6]
+    snap = engine.snapshot()
+    fresh = [finished[rid] for rid in ids[:5]]
+    assert snap.first_tokens == 5 and snap.joined_prompts == 6
+    assert snap.rounds + snap.prefill_only_rounds == passes and snap.prefill_only_rounds >= 1
+    assert snap.queue_time_s == pytest.approx(sum(m.admission_time - m.arrival_time for m in fresh))
+    assert snap.admission_to_first_token_s == pytest.approx(sum(m.first_token_time - m.admission_time for m in fresh))
+    assert all(m.arrival_time <= m.admission_time <= m.first_token_time for m in fresh)
+    # Two slots: the later requests waited for earlier ones to finish.
+    assert fresh[4].admission_time >= min(m.finish_time for m in fresh[:2])
+
+
 @pytest.mark.parametrize(
     ("prompt", "message"),
     [([], "empty"), ([1, 2, 10_000], "vocabulary"), (list(range(100)) * 2, "at most")],
