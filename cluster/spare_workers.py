@@ -79,9 +79,9 @@ class SpareWorkers:
     """Keeps ``count`` spare workers on every alive node of the connected cluster, from a daemon thread.
 
     Contract: call from a process connected with ``ray.init``; :meth:`stop` ends the thread. A node first seen
-    short of ``count`` spares, or one that has been short for ``refill_delay_s``, is asked for the missing ones, and not again until they
-    registered or :data:`START_GRACE_S` passed (a worker that is still importing is already listed).
-    """
+    short of ``count`` spares, or one that has been short for ``refill_delay_s``, is asked for the missing ones,
+    and not again until they registered or :data:`START_GRACE_S` passed (a worker that is still importing is
+    already listed)."""
 
     def __init__(self, count: int, *, poll_s: float = POLL_S, refill_delay_s: float = REFILL_DELAY_S) -> None:
         if count < 0:
