@@ -18,6 +18,8 @@ from tests.ray_start import init_local_ray
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 #: A stdlib module no Ray worker imports by itself: seen in an actor's process only if the worker preloaded it.
+#: (The cluster is configured as ``preload_system_config`` configures one, with this module: no idle workers
+#: but the keeper's.)
 MARKER = "colorsys"
 
 
@@ -25,7 +27,7 @@ MARKER = "colorsys"
 def cluster() -> Iterator[None]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     init_local_ray(address="local", num_cpus=2, object_store_memory=96 * 2**20, include_dashboard=False,
-                   _system_config={"preload_python_modules": [MARKER]})
+                   _system_config={"preload_python_modules": [MARKER], "prestart_worker_first_driver": False})
     try:
         yield
     finally:
