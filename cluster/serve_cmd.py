@@ -62,10 +62,12 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
                         "an embedded local cluster of this process's own)")
     parser.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the embedded Ray node "
                         "(default: the machine's cores, at least 4)")
-    parser.add_argument("--spare-workers", type=int, default=None, help="idle Ray workers kept on every node, "
-                        "so that a replica that dies restarts in one of them; on an embedded cluster every worker "
-                        "imports torch, Serve's replica and this application when it starts; 0: none (default: 1 "
-                        "on an embedded cluster, 0 on a joined one)")
+    from cluster.serve_local import non_negative
+
+    parser.add_argument("--spare-workers", type=non_negative(int), default=None, help="idle Ray workers kept on "
+                        "every node, so that a replica that dies restarts in one of them; on an embedded cluster every "
+                        "worker imports torch, Serve's replica and this application when it starts; 0: none "
+                        "(default: 1 on an embedded cluster, 0 on a joined one)")
 
 
 def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,9 +140,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from cluster.spare_workers import SpareWorkers, preload_system_config
 
     spare_count = args.spare_workers if args.spare_workers is not None else (0 if args.address else 1)
-    if spare_count < 0:
-        logger.error("--spare-workers must be >= 0, got %d", spare_count)
-        return 2
     spares = SpareWorkers(spare_count)
     install_stop_signals()
     try:

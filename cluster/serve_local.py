@@ -28,6 +28,21 @@ DEFAULT_MODEL_NAME = "dspark-demo"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def non_negative(kind: type[int] | type[float]) -> Any:
+    """An argparse type: a number of ``kind`` that is >= 0 (a usage error otherwise)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = -1
+        if not value >= 0:  # also NaN
+            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+        return value
+
+    return parse
+
+
 def _attainment(text: str) -> str | float:
     """``--slo-attainment``: a share in (0, 1), or ``off``."""
     if text == "off":
@@ -77,7 +92,8 @@ def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection
         "scheduler paces the tier for; off paces every request at its target itself", "0.95",
         type=_attainment, default=None)
     add("--join-hold-ms", "while a request with a tpot_slo_ms runs, how long a prompt may wait so that prompts "
-        "join rounds together and the rounds between them are chained", "0 (join at once)", type=float,
+        "join rounds together and the rounds between them are chained", "0 (join at once)",
+        type=non_negative(float),
         default=None)
     add("--max-requests", "KV / context slots, i.e. concurrent requests, per replica", "64", type=int,
         default=None)

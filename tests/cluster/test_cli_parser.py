@@ -97,20 +97,22 @@ def test_every_option_of_every_command_has_help_and_its_default(monkeypatch: pyt
 
 
 def test_service_level_flags_reach_the_config() -> None:
-    """``--slo-admission`` and ``--slo-attainment`` (a share, or ``off`` for pacing at the target itself) set
-    the scheduler's service levels in both modes; an out-of-range share is a usage error."""
+    """``--slo-admission``, ``--slo-attainment`` (a share, or ``off`` for pacing at the target itself) and
+    ``--join-hold-ms`` set the scheduler's service levels in both modes; an out-of-range value is a usage error
+    (so is a negative ``--spare-workers``)."""
     from cluster.cli import build_parser
     from cluster.config import AppConfig
     from cluster.serve_cmd import app_args_from_flags
 
-    def levels(*flags: str) -> tuple[str, float | None]:
+    def levels(*flags: str) -> tuple[str, float | None, float]:
         args = build_parser().parse_args(["serve", *flags])
         config = AppConfig.from_args(app_args_from_flags(args)).scheduler.service_levels
-        return config.slo_admission, config.slo_attainment
+        return config.slo_admission, config.slo_attainment, config.join_hold_ms
 
-    assert levels() == ("refuse", 0.95)
-    assert levels("--slo-admission", "queue", "--slo-attainment", "off") == ("queue", None)
-    assert levels("--slo-attainment", "0.9") == ("refuse", 0.9)
-    for bad in ("1", "0", "most"):
+    assert levels() == ("refuse", 0.95, 0.0)
+    assert levels("--slo-admission", "queue", "--slo-attainment", "off") == ("queue", None, 0.0)
+    assert levels("--slo-attainment", "0.9", "--join-hold-ms", "20") == ("refuse", 0.9, 20.0)
+    for flag, bad in (("--slo-attainment", "1"), ("--slo-attainment", "0"), ("--slo-attainment", "most"),
+                      ("--join-hold-ms", "-1"), ("--spare-workers", "-1"), ("--spare-workers", "two")):
         with pytest.raises(SystemExit):
-            build_parser().parse_args(["serve", "--slo-attainment", bad])
+            build_parser().parse_args(["serve", flag, bad])
