@@ -13,7 +13,9 @@ Steps, all over HTTP against one `dspark serve --no-ray` started here:
 2. ``no tiers``: open loop at ``--overload`` x the saturating rate, split into a high population
    (``--high-share`` of the arrivals; its target measured, not sent) and a low one, neither sending any field;
 3. ``tiers``: the same arrivals, the high population sending ``priority=-1`` and ``tpot_slo_ms``, the low one
-   ``priority=1``.
+   ``priority=1``;
+4. with ``--also-join-hold-ms X``: the server restarted with that join hold, ``tiers`` again (the same
+   calibration, rate and populations), an A/B of the hold on one machine.
 
 It reports, for both runs, the high population's SLO attainment (a refused request is a miss), its TPOT and
 TTFT, the low population's completions, and the aggregate goodput (requests/s that met their population's
@@ -61,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-attainment", default="0.95", help="the server's pacing goal, a share or off")
     p.add_argument("--join-hold-ms", type=float, default=0.0,
                    help="the server's join hold: how long a prompt may wait to join with others while a target runs")
+    p.add_argument("--also-join-hold-ms", type=float, default=None,
+                   help="then restart the server with this join hold and run the tiers again (same calibration)")
     p.add_argument("--prompts-dir", type=Path, default=ROOT.parent / "shared" / "data" / "prompts")
     p.add_argument("--prompt-sets", nargs="+", default=["humaneval", "mbpp"])
     p.add_argument("--output-len", type=int, default=64)
@@ -173,34 +177,45 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     target, draft = (args.target, args.draft) if args.inflate is None else inflate(args, device, dtype)
     requests = prompt_set_requests([args.prompts_dir / f"{n}.jsonl" for n in args.prompt_sets], args.output_len)
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--no-ray", "--target", str(target), "--draft", str(draft),
-           "--device", device, "--dtype", dtype, "--max-requests", str(args.max_requests), "--max-seq-len",
-           str(args.max_seq_len), "--slo-admission", args.slo_admission, "--slo-attainment", args.slo_attainment,
-           "--join-hold-ms", str(args.join_hold_ms),
-           "--served-model-name", MODEL_NAME,
-           "--port", str(args.port), "--log-level", "warning"]
-    print("$ " + " ".join(cmd), flush=True)
-    proc, started = start_server(cmd, args.scratch / "server.log", None)
+    def serve(join_hold_ms: float) -> list[str]:
+        return [sys.executable, "-m", "cluster.cli", "serve", "--no-ray", "--target", str(target), "--draft",
+                str(draft), "--device", device, "--dtype", dtype, "--max-requests", str(args.max_requests),
+                "--max-seq-len", str(args.max_seq_len), "--slo-admission", args.slo_admission, "--slo-attainment",
+                args.slo_attainment, "--join-hold-ms", str(join_hold_ms), "--served-model-name", MODEL_NAME,
+                "--port", str(args.port), "--log-level", "warning"]
+
+    servers: list[tuple[float, tuple[tuple[str, bool], ...]]] = [
+        (args.join_hold_ms, (("no tiers", False), ("tiers", True)))]
+    if args.also_join_hold_ms is not None:
+        servers.append((args.also_join_hold_ms, ((f"tiers, join hold {args.also_join_hold_ms:g} ms", True),)))
     url = f"http://127.0.0.1:{args.port}"
-    try:
-        wait_until_serving(url, proc, started, args.startup_timeout_s)
-        calibration = calibrate(args, url, requests)
-        rate = args.overload * calibration["saturating_rate"]
-        print(f"calibration {calibration}; offered {rate:.2f} requests/s", flush=True)
-        window = Window(duration_s=args.duration, warmup_requests=2)
-        runs: dict[str, dict[str, Any]] = {}
-        for name, tiers in (("no tiers", False), ("tiers", True)):
-            pops = populations(rate, args.high_share, calibration["tpot_slo_ms"], tiers)
-            runs[name] = run(_config(url, requests, [LoadLevel("open", rate)], window, name, pops))
-            print(table([row(name, runs[name]["levels"][0])]), flush=True)
-    finally:
-        stop(proc)
-    wait_port_free(args.port)
+    window = Window(duration_s=args.duration, warmup_requests=2)
+    runs: dict[str, dict[str, Any]] = {}
+    calibration: dict[str, float] = {}
+    rate = 0.0
+    for join_hold_ms, named in servers:
+        cmd = serve(join_hold_ms)
+        print("$ " + " ".join(cmd), flush=True)
+        proc, started = start_server(cmd, args.scratch / "server.log", None)
+        try:
+            wait_until_serving(url, proc, started, args.startup_timeout_s)
+            if not calibration:
+                calibration = calibrate(args, url, requests)
+                rate = args.overload * calibration["saturating_rate"]
+                print(f"calibration {calibration}; offered {rate:.2f} requests/s", flush=True)
+            for name, tiers in named:
+                pops = populations(rate, args.high_share, calibration["tpot_slo_ms"], tiers)
+                runs[name] = run(_config(url, requests, [LoadLevel("open", rate)], window, name, pops))
+                print(table([row(name, runs[name]["levels"][0])]), flush=True)
+        finally:
+            stop(proc)
+        wait_port_free(args.port)
     rows = [row(name, result["levels"][0]) for name, result in runs.items()]
     meta = {"command": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "device": torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
             "dtype": dtype, "inflate": args.inflate, "slots": args.max_requests, "slo_admission": args.slo_admission,
             "slo_attainment": args.slo_attainment, "join_hold_ms": args.join_hold_ms,
+            "also_join_hold_ms": args.also_join_hold_ms,
             "overload": args.overload, "high_share": args.high_share, "offered_rate": rate, **calibration}
     (args.out_dir / "service_levels.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
     text = f"# Service levels, {meta['date']}\n\n{json.dumps(meta)}\n\n{goal(rows)}\n\n{table(rows)}\n"
