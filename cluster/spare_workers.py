@@ -100,10 +100,11 @@ class SpareWorkers:
             self._thread.start()
 
     def stop(self) -> None:
-        """Stop the keeper; the spares themselves end with their cluster (or when their keep-alive runs out)."""
+        """Stop the keeper; the spares themselves end with their cluster (or when their keep-alive runs out). Waits
+        at most a second: the thread is a daemon, and a stop is on the clock of a SIGTERM's grace period."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=1.0)
 
     @property
     def started(self) -> int:
