@@ -2,7 +2,7 @@
 
 A replica that dies is replaced by Serve in a new Ray worker process, and before the replacement's constructor
 runs that process starts Ray's worker, imports Serve's replica and this application's module (torch with it):
-2.5-5 s of a restart on a CPU. Ray gives an actor an idle worker that has never run anything when one is
+most of a restart once the engines load quickly. Ray gives an actor an idle worker that has never run anything when one is
 there, so a node that always holds ``count`` such spares, each with those modules imported, starts a
 replacement's constructor at once (docs/benchmarks/reliability.md, "Spare workers").
 
@@ -44,8 +44,7 @@ logger = logging.getLogger(__name__)
 def preload_system_config() -> dict[str, Any]:
     """The ``_system_config`` of a new cluster whose workers import :data:`PRELOAD_MODULES` when they start, and
     whose raylet does not prestart idle workers for the first driver: Ray would start up to one per core, each
-    importing those modules (hundreds of MiB each on a many-core GPU host), where the keeper starts the spares
-    asked for."""
+    holding those modules in memory, where the keeper starts only the spares asked for."""
     return {"preload_python_modules": list(PRELOAD_MODULES), "prestart_worker_first_driver": False}
 
 
