@@ -2,8 +2,8 @@
 
 A replica that dies is replaced by Serve in a new Ray worker process, and before the replacement's constructor
 runs that process starts Ray's worker, imports Serve's replica and this application's module (torch with it):
-most of a restart once the engines load quickly. Ray gives an actor an idle worker that has never run anything when one is
-there, so a node that always holds ``count`` such spares, each with those modules imported, starts a
+most of a restart once the engines load quickly. Ray gives an actor an idle worker that has never run anything
+when one is there, so a node that always holds ``count`` such spares, each with those modules imported, starts a
 replacement's constructor at once (docs/benchmarks/reliability.md, "Spare workers").
 
 Two Ray mechanisms, both of the raylet: ``preload_python_modules`` (a system config of a new cluster: every
