@@ -346,6 +346,17 @@ class _SpecDecodeCollector:
             "relayed (disaggregated) rounds.",
             s.planned_rounds,
         )
+        yield counter(
+            "dspark_planned_round_seconds",
+            "Wall time of the planned rounds (their five round-split parts).",
+            s.planned_round_time_s,
+        )
+        yield counter(
+            "dspark_joined_rounds",
+            "Rounds that prefilled joining prompts while verifying requests (never planned).",
+            s.joined_rounds,
+        )
+        yield counter("dspark_joined_round_seconds", "Wall time of the joined rounds.", s.joined_round_time_s)
         # The time to first token in the round driver, and the prompts that join rounds (scheduler.metrics).
         yield counter(
             "dspark_request_first_tokens",

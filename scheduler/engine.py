@@ -328,6 +328,7 @@ class SpeculativeEngine:
         # outside the drafters. A remote engine reports the replicas' time of its last call (``last_server_s``,
         # scheduler.remote); an in-process engine has no transfer.
         self._round_started = 0.0
+        self._round_planned = False  # this round's lengths were planned before its drafts (metrics)
         self._draft_transfer = NO_TRANSFER
         # A drafter pool that lost every replica runs its requests detached (scheduler.remote, degraded mode).
         self._is_detached = self.draft.is_detached if isinstance(self.draft, DetachingDrafter) else None
@@ -504,6 +505,7 @@ class SpeculativeEngine:
     def step(self) -> list[RequestOutput]:
         """Run one round; returns the deltas of every request that emitted tokens or finished."""
         self._round_started = time.perf_counter()
+        self._round_planned = False
         self._draft_transfer = NO_TRANSFER
         admitted = self._admit()
         # Admitted requests were inserted last into the (insertion-ordered) running dict.
@@ -718,7 +720,7 @@ class SpeculativeEngine:
         verify step starts on the device then), the verify time from there to its results."""
         draft, chaining = self._launching, self._chaining
         assert draft is not None and chaining is not None  # chained rounds are enabled only with both
-        self.metrics.planned_rounds += 1
+        self._round_planned = True
         if ahead is not None and ahead.pending is not None and ahead.batch is not None:
             pending, batch = ahead.pending, ahead.batch
         else:
@@ -764,7 +766,7 @@ class SpeculativeEngine:
         a dead one. The wait for the blocks counts as drafting, the rest as verifying."""
         relaying = self._relaying
         assert relaying is not None  # relayed rounds run only on a relaying verifier
-        self.metrics.planned_rounds += 1
+        self._round_planned = True
         num = len(verified)
         outcome = relaying.step_relayed(
             [r.prefill_item() for r in admitted],
@@ -961,6 +963,8 @@ class SpeculativeEngine:
                 draft_transfer=self._draft_transfer[:2],
                 verify_transfer=verify_transfer[:2],
                 host_s=max(host_s, 0.0),
+                planned=self._round_planned,
+                joined=bool(admitted),
             )
             seconds = draft_s + schedule_s + t3 - t2
             plain = self._plain_round_s

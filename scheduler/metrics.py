@@ -21,7 +21,10 @@ that prefills them), and ``admission_to_first_token_s`` the time from there to t
 counts the prompts prefilled by rounds (resumed ones included) and ``prefill_only_rounds`` the target passes
 that prefilled and verified no request (not in ``rounds``): joins and requests (``num_drafts``) per target pass
 divide by ``rounds + prefill_only_rounds``. Sums and counts, so that replicas' snapshots add up and a scraper
-takes means over any window from two readings.
+takes means over any window from two readings. ``planned_round_time_s`` and ``joined_round_time_s`` are the
+wall times (the five parts' sum) of the planned rounds and of the rounds that prefilled joining prompts while
+verifying requests (``joined_rounds``; a round is never both), so a scraper can say what chaining saves and
+what a join costs the running requests.
 """
 
 from __future__ import annotations
@@ -92,6 +95,11 @@ class MetricsSnapshot:
     # Drafted rounds whose lengths were planned before their drafts existed: chained (in process) or relayed
     # (disaggregated) rounds, the ones the round pipeline overlaps most.
     planned_rounds: int = 0
+    # The wall time of those rounds, and the rounds that prefilled joining prompts while verifying requests (a
+    # joined round: never planned) with theirs: what a planned, a joined and any other round takes.
+    planned_round_time_s: float = 0.0
+    joined_rounds: int = 0
+    joined_round_time_s: float = 0.0
     # The time to first token in the round driver (module docstring): requests whose first token came from their
     # prefill, and the sums over them of arrival to admission and of admission to first token.
     first_tokens: int = 0
@@ -132,6 +140,9 @@ class EngineMetrics:
         self.rounds_without_draft = 0
         self.paused_request_rounds = 0
         self.planned_rounds = 0
+        self.planned_round_time_s = 0.0
+        self.joined_rounds = 0
+        self.joined_round_time_s = 0.0
         self.first_tokens = 0
         self.queue_time_s = 0.0
         self.admission_to_first_token_s = 0.0
@@ -170,15 +181,25 @@ class EngineMetrics:
         draft_transfer: tuple[float, float] = (0.0, 0.0),
         verify_transfer: tuple[float, float] = (0.0, 0.0),
         host_s: float = 0.0,
+        planned: bool = False,
+        joined: bool = False,
     ) -> None:
         """Record one round over R requests: ``verified[r]`` draft tokens sent, ``accepted[r]`` of them accepted;
         ``drafted``: whether the drafter ran; the transfer parts of the draft and verify phases (each a pair: the
         part between 0 and its phase, and of that the part inside the replicas' processes) and the round's host
-        time (>= 0) as in the module docstring. Both arrays are kept (not copied) until the next fold: pass arrays
-        or lists nobody changes afterwards."""
+        time (>= 0) as in the module docstring; ``planned``: its lengths were planned before its drafts existed;
+        ``joined``: it prefilled joining prompts too. Both arrays are kept (not copied) until the next fold: pass
+        arrays or lists nobody changes afterwards."""
         self.rounds += 1
         if not drafted:
             self.rounds_without_draft += 1
+        wall_s = draft_s + schedule_s + verify_s + host_s
+        if planned:
+            self.planned_rounds += 1
+            self.planned_round_time_s += wall_s
+        if joined:
+            self.joined_rounds += 1
+            self.joined_round_time_s += wall_s
         self.num_drafts += len(verified)
         self.num_output_tokens += output_tokens
         kept = self._kept
@@ -285,6 +306,9 @@ class EngineMetrics:
             transfer_in_replica_time_s=self.transfer_in_replica_time_s,
             paused_request_rounds=self.paused_request_rounds,
             planned_rounds=self.planned_rounds,
+            planned_round_time_s=self.planned_round_time_s,
+            joined_rounds=self.joined_rounds,
+            joined_round_time_s=self.joined_round_time_s,
             first_tokens=self.first_tokens,
             queue_time_s=self.queue_time_s,
             admission_to_first_token_s=self.admission_to_first_token_s,
@@ -333,6 +357,9 @@ def merge_snapshots(snapshots: Sequence[MetricsSnapshot]) -> MetricsSnapshot:
         transfer_in_replica_time_s=sum(s.transfer_in_replica_time_s for s in snapshots),
         paused_request_rounds=sum(s.paused_request_rounds for s in snapshots),
         planned_rounds=sum(s.planned_rounds for s in snapshots),
+        planned_round_time_s=sum(s.planned_round_time_s for s in snapshots),
+        joined_rounds=sum(s.joined_rounds for s in snapshots),
+        joined_round_time_s=sum(s.joined_round_time_s for s in snapshots),
         first_tokens=sum(s.first_tokens for s in snapshots),
         queue_time_s=sum(s.queue_time_s for s in snapshots),
         admission_to_first_token_s=sum(s.admission_to_first_token_s for s in snapshots),

@@ -151,6 +151,7 @@ class PipelinedEngine(SpeculativeEngine):
     def step(self) -> list[RequestOutput]:
         """One tick: verify one group (prefilling requests admitted into it) while the next group drafts."""
         self._round_started = time.perf_counter()
+        self._round_planned = False  # a pipelined group's lengths are Algorithm 1's on its drafts
         self._draft_transfer = NO_TRANSFER  # drafting overlaps the tick on the drafter thread: not split
         g = self._next_group()
         if g is None:

@@ -42,6 +42,9 @@ COUNTERS = (
     "dspark_rounds",
     "dspark_rounds_without_draft",
     "dspark_planned_rounds",
+    "dspark_planned_round_seconds",
+    "dspark_joined_rounds",
+    "dspark_joined_round_seconds",
     "vllm:generation_tokens",
     "dspark_draft_seconds",
     "dspark_schedule_seconds",
@@ -110,6 +113,7 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
         "planned_rounds": None,
         "generation_tokens": delta("vllm:generation_tokens") if "vllm:generation_tokens" in after else None,
         "round_split_ms": None,
+        "round_ms_by_kind": None,
         "first_tokens": None,
         "ttft_split_ms": None,
         "requests_per_round": None,
@@ -124,12 +128,15 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
         if rounds and "dspark_round_transfer_seconds" in after:
             out["round_split_ms"] = {
                 part: 1000.0 * delta(f"dspark_round_{part}_seconds") / rounds
-                for part in ("draft", "verify", "schedule", "transfer", "host")
+                for part in _SPLIT_PARTS
             }
             if "dspark_round_transfer_in_replica_seconds" in after:  # a sub-part of transfer, not a sixth part
                 out["round_split_ms"]["transfer_in_replica"] = (
                     1000.0 * delta("dspark_round_transfer_in_replica_seconds") / rounds
                 )
+            if "dspark_joined_rounds" in after:
+                wall_s = sum(delta(f"dspark_round_{part}_seconds") for part in _SPLIT_PARTS)
+                out["round_ms_by_kind"] = _round_ms_by_kind(delta, rounds, wall_s)
         elif rounds:
             out["round_split_ms"] = {
                 part: 1000.0 * delta(f"dspark_{part}_seconds") / rounds for part in ("draft", "schedule", "verify")
@@ -137,6 +144,23 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
         if "dspark_request_first_tokens" in after:
             out.update(_ttft_split(delta, drafts, rounds))
     return out
+
+
+_SPLIT_PARTS = ("draft", "verify", "schedule", "transfer", "host")
+
+
+def _round_ms_by_kind(delta: Callable[[str], float], rounds: float, wall_s: float) -> dict[str, Any]:
+    """Rounds and mean ms per round of each kind: ``planned`` (lengths planned before the drafts: chained or
+    relayed), ``joined`` (prefilling joining prompts too) and ``other`` (the rest: Algorithm 1 on the drafts, or
+    no drafter); ``wall_s``: all rounds' wall time. A mean over no round is ``None``."""
+    counts = {"planned": delta("dspark_planned_rounds"), "joined": delta("dspark_joined_rounds")}
+    seconds = {"planned": delta("dspark_planned_round_seconds"), "joined": delta("dspark_joined_round_seconds")}
+    counts["other"] = rounds - counts["planned"] - counts["joined"]
+    seconds["other"] = wall_s - seconds["planned"] - seconds["joined"]
+    return {
+        kind: {"rounds": counts[kind], "ms": 1000.0 * seconds[kind] / counts[kind] if counts[kind] > 0 else None}
+        for kind in ("planned", "joined", "other")
+    }
 
 
 def _ttft_split(delta: Callable[[str], float], drafts: float, rounds: float) -> dict[str, Any]:

@@ -227,6 +227,27 @@ def test_speculative_counters_from_prometheus_text() -> None:
     # 20 rounds and 5 prefill-only passes: 20 request-rounds and 15 joins over 25 passes
     assert d["requests_per_round"] == pytest.approx(0.8) and d["joins_per_round"] == pytest.approx(0.6)
     assert report.server_ttft_cell(d) == "50.0 + 20.0"
+    assert d["round_ms_by_kind"] is None  # a server without the counters of round kinds
+
+    def with_kinds(base: str, planned: int, planned_s: float, joined: int, joined_s: float) -> str:
+        """The planned and joined rounds of dspark-serve, and their wall time."""
+        values = {"dspark_planned_rounds": planned, "dspark_planned_round_seconds": planned_s,
+                  "dspark_joined_rounds": joined, "dspark_joined_round_seconds": joined_s}
+        lines = [line for name, v in values.items()
+                 for line in (f"# TYPE {name} counter", f'{name}_total{{model_name="m"}} {v}')]
+        return base + "\n".join(lines) + "\n"
+
+    # 20 rounds of 7.5 ms (150 ms): 10 planned of 6 ms, 4 joined of 9 ms, the other 6 of 9 ms
+    d = server_metrics.speculative_delta(
+        server_metrics.parse(with_kinds(with_split(text(10, 40, 20, [8, 6, 4, 2], 10), 10), 2, 0.01, 1, 0.015)),
+        server_metrics.parse(with_kinds(with_split(text(30, 100, 70, [26, 20, 15, 9], 30), 30), 12, 0.07, 5, 0.051)),
+    )
+    assert d is not None and d["planned_rounds"] == 10
+    assert d["round_ms_by_kind"] == {
+        "planned": {"rounds": 10, "ms": pytest.approx(6.0)},
+        "joined": {"rounds": 4, "ms": pytest.approx(9.0)},
+        "other": {"rounds": 6, "ms": pytest.approx(9.0)},
+    }
 
 
 # ------------------------------------------------------------------------------------------ workloads

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from scheduler.metrics import EngineMetrics, RequestMetrics, merge_snapshots, snapshot_from_dict, snapshot_to_dict
 
@@ -69,15 +70,23 @@ def test_verifier_groups_snapshots_merge_and_cross_the_wire_as_dicts() -> None:
     a.record_first_token(0.25, 0.25)
     b.record_joins(1, verified=True)
     b.record_first_token(1.0, 0.5)
+    a.record_round([2], [2], 0.001, 0.0, 0.002, output_tokens=3, host_s=0.001, planned=True)
+    b.record_round([1], [0], 0.002, 0.001, 0.004, output_tokens=1, host_s=0.001, joined=True)
     merged = merge_snapshots([a.snapshot(running=1), b.snapshot(running=2)])
-    assert (merged.rounds, merged.rounds_without_draft, merged.num_drafts, merged.running) == (3, 1, 5, 3)
+    assert (merged.rounds, merged.rounds_without_draft, merged.num_drafts, merged.running) == (5, 1, 7, 3)
+    # a round's wall time is its five parts' sum: draft, schedule, verify (transfer inside them) and host
+    assert (merged.planned_rounds, merged.joined_rounds) == (1, 1)
+    assert merged.planned_round_time_s == pytest.approx(0.004)
+    assert merged.joined_round_time_s == pytest.approx(0.008)
     assert (merged.first_tokens, merged.queue_time_s, merged.admission_to_first_token_s) == (3, 1.75, 1.0)
     assert (merged.joined_prompts, merged.prefill_only_rounds) == (3, 1)
-    assert merged.accepted_per_position == (2, 1, 0) and merged.num_output_tokens == 9
+    assert merged.accepted_per_position == (3, 2, 0) and merged.num_output_tokens == 13
     assert snapshot_from_dict(snapshot_to_dict(merged)) == merged
     older = snapshot_to_dict(merged)
-    for name in ("rounds_without_draft", "first_tokens", "queue_time_s", "joined_prompts", "prefill_only_rounds"):
+    for name in ("rounds_without_draft", "first_tokens", "queue_time_s", "joined_prompts", "prefill_only_rounds",
+                 "planned_round_time_s", "joined_rounds", "joined_round_time_s"):
         del older[name]  # a peer from before the counter existed
+    assert snapshot_from_dict(older).joined_rounds == 0 and snapshot_from_dict(older).planned_round_time_s == 0
     assert snapshot_from_dict(older).rounds_without_draft == 0
     assert snapshot_from_dict(older).first_tokens == 0 and snapshot_from_dict(older).prefill_only_rounds == 0
     assert merge_snapshots([]).rounds_without_draft == 0

@@ -180,6 +180,11 @@ def test_first_token_split_and_joins_are_counted(random_pair: tuple[Path, Path])
     fresh = [finished[rid] for rid in ids[:5]]
     assert snap.first_tokens == 5 and snap.joined_prompts == 6
     assert snap.rounds + snap.prefill_only_rounds == passes and snap.prefill_only_rounds >= 1
+    # Rounds of prompts joining running requests, none planned (no chained rounds here), and their wall time
+    # within all rounds'.
+    wall_s = snap.round_draft_time_s + snap.round_verify_time_s + snap.schedule_time_s + snap.host_time_s
+    assert 1 <= snap.joined_rounds <= snap.rounds and snap.planned_rounds == snap.planned_round_time_s == 0
+    assert 0 < snap.joined_round_time_s <= wall_s + 1e-9
     assert snap.queue_time_s == pytest.approx(sum(m.admission_time - m.arrival_time for m in fresh))
     assert snap.admission_to_first_token_s == pytest.approx(sum(m.first_token_time - m.admission_time for m in fresh))
     assert all(m.arrival_time <= m.admission_time <= m.first_token_time for m in fresh)
