@@ -334,7 +334,7 @@ def test_metrics_have_spec_decode_counters(server: Server) -> None:
     assert value("dspark_prefill_only_rounds") >= 1  # the first request joined an idle engine
     joined = value("dspark_joined_rounds")  # rounds of prompts joining running requests, and their wall time
     assert 0 <= joined <= value("dspark_rounds") and (value("dspark_joined_round_seconds") > 0) == (joined > 0)
-    assert 0 <= value("dspark_planned_rounds") and value("dspark_planned_round_seconds") >= 0
+    assert value("dspark_planned_rounds") >= 0 and value("dspark_planned_round_seconds") >= 0
     assert value("vllm:prompt_tokens") > 0 and value("vllm:generation_tokens") > 0
     assert value("vllm:request_success", finished_reason="length") > 0
     assert value("dspark_num_requests_running") >= 0 and "dspark_num_requests_waiting" in families
