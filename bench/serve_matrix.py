@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sps", type=Path, default=None, help="SPS table file given to every server")
     p.add_argument("--extra-serve-args", nargs=argparse.REMAINDER, default=[],
                    help="appended to every `dspark serve --no-ray` command line")
+    p.add_argument("--ray-serve-flags", default="", metavar="FLAGS",
+                   help="appended to every Ray `dspark serve --config` command line (one string, split like a shell "
+                        "does), e.g. \"--no-direct-ingress\"")
     p.add_argument("--ray-engine", nargs="+", default=[], metavar="KEY=VALUE",
                    help="set in the Ray configs' engine section (VALUE read as YAML), e.g. relay_drafts=false")
     p.add_argument("--ray-scheduler", nargs="+", default=[], metavar="KEY=VALUE",
@@ -160,7 +164,7 @@ def serve_command(args: argparse.Namespace, layout: str, policy: str, target: Pa
     if layout.startswith("ray"):
         placement = "colocated" if layout == "ray-colocated" else "disaggregated"
         config = ray_config(args, target, draft, policy, device, dtype, slots, port, placement, cache)
-        return [*base, "--config", str(config)]
+        return [*base, "--config", str(config), *shlex.split(args.ray_serve_flags)]
     cmd = [*base, "--no-ray", "--target", str(target), "--draft", str(draft), "--policy", policy,
            "--device", device, "--dtype", dtype, "--max-requests", str(slots), "--max-seq-len",
            str(args.max_seq_len), "--served-model-name", MODEL_NAME, "--port", str(port)]

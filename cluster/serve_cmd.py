@@ -4,6 +4,11 @@ With no ``--config`` it serves the shipped demo pair on CPU on 127.0.0.1:8000. `
 config file (the same file ``serve deploy`` takes and the KubeRay manifest embeds): the application whose
 ``import_path`` is ``cluster.app:build_app`` gets its ``args``, and each entry under ``deployments`` overrides that
 deployment's options (replicas, autoscaling, resources).
+
+On an embedded cluster whose ingress runs one replica, that replica answers HTTP on the port itself (Ray Serve's
+direct ingress, :func:`direct_ingress_environment`): a request skips Serve's HTTP proxy, a process and a Ray
+streaming call each way (tokens included), which is most of what the Ray placements add to the time to first token.
+Serve's proxy still runs, on a free loopback port of its own (Serve needs one), and is logged.
 """
 
 from __future__ import annotations
@@ -64,10 +69,44 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the machine's cores, at least 4)")
     from cluster.serve_local import non_negative
 
+    parser.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=None,
+                        help="the ingress replica answers HTTP on --port itself, without Serve's HTTP proxy in between "
+                        "(default: on for an embedded cluster whose ingress has one replica, else off)")
     parser.add_argument("--spare-workers", type=non_negative(int), default=None, help="idle Ray workers kept on "
                         "every node, so that a replica that dies restarts in one of them; on an embedded cluster every "
                         "worker imports torch, Serve's replica and this application when it starts; 0: none "
                         "(default: 1 on an embedded cluster, 0 on a joined one)")
+
+
+def direct_ingress_environment(port: int) -> dict[str, str]:
+    """The Ray Serve settings that make the one ingress replica of an embedded cluster serve HTTP on ``port``.
+
+    Serve allocates direct-ingress ports from a range: here exactly ``port`` (the range's end is exclusive), given
+    back at once when the replica dies (no quarantine, which exists for load balancers in front of many nodes),
+    so its replacement listens on the same port; no minimum draining period either (nothing in front of it needs
+    time to notice), so a stop deletes the application within its budget. The variables must be in the
+    environment of every Ray process before the cluster starts: the embedded cluster's processes inherit it."""
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+
+
+def single_ingress(overrides: dict[str, dict[str, Any]]) -> bool:
+    """Whether the application runs one ingress replica (the default): direct ingress serves one per port, and
+    several need Serve's proxy to spread requests over them."""
+    ingress = overrides.get("Ingress", {})
+    return ingress.get("num_replicas", 1) == 1 and not ingress.get("autoscaling_config")
+
+
+def free_port(host: str) -> int:
+    """A port that ``host`` has free now (for Serve's proxy when the ingress replica takes the advertised one)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,6 +179,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from cluster.spare_workers import SpareWorkers, preload_system_config
 
     spare_count = args.spare_workers if args.spare_workers is not None else (0 if args.address else 1)
+    direct = args.direct_ingress
+    if direct is None:
+        direct = not args.address and single_ingress(overrides)
+    elif direct and (args.address or not single_ingress(overrides)):
+        logger.error("cannot start: --direct-ingress needs an embedded cluster and one Ingress replica")
+        return 2
+    proxy_port = free_port(args.host) if direct else args.port
     spares = SpareWorkers(spare_count)
     install_stop_signals()
     try:
@@ -152,6 +198,8 @@ def run_serve(args: argparse.Namespace) -> int:
             if not network.get("grpc_host"):
                 network["grpc_host"] = "127.0.0.1"
             secure_embedded_cluster(network)
+            if direct:
+                os.environ.update(direct_ingress_environment(args.port))
             ray.init(
                 # A fresh head of our own, always: without "local" Ray joins the cluster it finds (RAY_ADDRESS, the
                 # last cluster started on this machine), e.g. a killed dspark serve's cluster that is still dying.
@@ -165,10 +213,10 @@ def run_serve(args: argparse.Namespace) -> int:
                 _system_config=preload_system_config() if spare_count else {},
             )
         install_stop_signals()  # Ray's core worker installed a SIGTERM handler of its own (a stack dump)
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": args.host, "port": proxy_port})
         serve.run(assemble_app(app_args, overrides), name=APP_NAME, route_prefix="/")
         spares.start()
-        _log_endpoints(serve.get_deployment_handle("Scheduler", app_name=APP_NAME), args)
+        _log_endpoints(serve.get_deployment_handle("Scheduler", app_name=APP_NAME), args, proxy_port)
         threading.Event().wait()  # until SIGINT / SIGTERM raise KeyboardInterrupt here
     except KeyboardInterrupt:
         logger.info("stopping: deleting the application (at most %.0f s)", STOP_BUDGET_S)
@@ -223,9 +271,10 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
-def _log_endpoints(scheduler: Any, args: argparse.Namespace) -> None:
+def _log_endpoints(scheduler: Any, args: argparse.Namespace, proxy_port: int) -> None:
     """Log the HTTP URL and every gRPC address, once the pool replicas have registered (bounded wait: a replica
-    that registers later is served all the same, only not listed here)."""
+    that registers later is served all the same, only not listed here), and Serve's proxy where the ingress
+    replica answers on the port itself."""
     deadline = time.monotonic() + ENDPOINTS_WAIT_S
     while True:
         endpoints = scheduler.endpoints.remote().result(timeout_s=30)
@@ -236,6 +285,9 @@ def _log_endpoints(scheduler: Any, args: argparse.Namespace) -> None:
     for kind in ("verifiers", "drafters", "engines"):
         for replica_id, address in sorted(endpoints[kind].items()):
             logger.info("%s %s gRPC on %s", kind[:-1], replica_id, address)
+    if proxy_port != args.port:
+        logger.info("Serve's HTTP proxy on http://%s:%d (the ingress replica answers on port %d itself)",
+                    args.host, proxy_port, args.port)
     logger.info("serving on http://%s:%d/v1 (Ctrl-C to stop)", args.host, args.port)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_matrix import main
+from bench.serve_matrix import main, parse_args, serve_command
 
 
 @pytest.mark.slow
@@ -34,3 +34,13 @@ def test_a_cell_starts_cold_then_warm_on_its_cache_folder(tmp_path: Path) -> Non
     assert [lv["first_wave"]["requests"] for lv in run["levels"]] == [1, 2]
     md = (out / "serve_matrix.md").read_text()
     assert "| no-ray dspark | cold |" in md and "| no-ray dspark | warm |" in md and "first wave" in md
+
+
+def test_ray_cells_take_the_ray_serve_flags(tmp_path: Path) -> None:
+    args = parse_args(["--scratch", str(tmp_path), "--out-dir", str(tmp_path), "--ray-serve-flags",
+                       "--no-direct-ingress --spare-workers 0"])
+    ray = serve_command(args, "ray-colocated", "dspark", Path("t"), Path("d"), "cpu", "float32", 2, 8391, None)
+    assert ray[-6:-3] == ["serve", "--config", str(tmp_path / "serve-colocated-dspark.yaml")]
+    assert ray[-3:] == ["--no-direct-ingress", "--spare-workers", "0"]
+    local = serve_command(args, "no-ray", "dspark", Path("t"), Path("d"), "cpu", "float32", 2, 8391, None)
+    assert "--no-direct-ingress" not in local  # a flag of the Ray mode only

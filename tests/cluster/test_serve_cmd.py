@@ -75,6 +75,8 @@ def test_serve_starts_its_own_cluster_lists_its_ports_and_stops_on_sigterm() -> 
         _assert_strangers_are_refused(proc.pid, started)
         body = {"model": "dspark-demo", "prompt": "import os\n", "max_tokens": 4, "temperature": 0}
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).status_code == 200
+        proxy = _assert_the_ingress_replica_listens(proc.pid, port, started)
+        assert httpx.post(f"{proxy}/v1/completions", json=body, timeout=120).status_code == 200  # Serve's way too
         time.sleep(5)  # steady state: heartbeats run every 2 s and must not print a line each
         while not lines.empty():
             seen.append(lines.get())
@@ -101,6 +103,15 @@ def test_serve_starts_its_own_cluster_lists_its_ports_and_stops_on_sigterm() -> 
 def _descendants(pid: int) -> list[Any]:
     psutil = importlib.import_module("psutil")  # Ray's vendored copy: on the path once ray is imported
     return psutil.Process(pid).children(recursive=True)
+
+
+def _assert_the_ingress_replica_listens(pid: int, port: int, started: str) -> str:
+    """Direct ingress (the default of an embedded cluster): the process listening on the advertised port is the
+    Ingress replica itself, not Serve's proxy, whose own port is logged; returns the proxy's URL."""
+    listeners = [p for p in _descendants(pid)
+                 if any(c.status == "LISTEN" and c.laddr.port == port for c in p.net_connections(kind="tcp"))]
+    assert len(listeners) == 1 and "ServeReplica:dspark:Ingress" in " ".join(listeners[0].cmdline()), listeners
+    return re.search(r"Serve's HTTP proxy on (http://\S+)", started).group(1)  # type: ignore[union-attr]
 
 
 def _assert_a_preloaded_spare_waits(pid: int, timeout_s: float = 120) -> None:
