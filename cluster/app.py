@@ -48,6 +48,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.autoscaling import engine_load
 from cluster.config import AppConfig
 from cluster.rpc import HealthStatus, ServerThread, SyncRpcClient
+from cluster.spare_workers import SpareWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -354,6 +355,12 @@ class SchedulerReplica:
         self.server = ServerThread([self.hub.service()], host=_grpc_host(self.config),
                                    token=self.config.network.grpc_token)
         self._drafter_registered = asyncio.Event()  # set by the first drafter registration (register_verifier)
+        # The one keeper of the application's spare workers: the scheduler is its one replica that always runs.
+        self._spares = SpareWorkers(self.config.spare_workers)
+        self._spares.start()
+
+    async def __del__(self) -> None:
+        self._spares.stop()
 
     async def register_drafter(self, replica_id: str, address: str) -> bool:
         """The drafter's heartbeat (:meth:`SchedulerHub.heartbeat`): False when refused, logged once per

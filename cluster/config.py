@@ -233,11 +233,17 @@ class AppConfig(_Strict):
     :mod:`cluster.sps_cache`), with Triton's kernels (:mod:`cluster.compile_cache`) and the scheduler's
     detokeniser (:mod:`cluster.tokenizer_cache`); default ``$DSPARK_CACHE_DIR``, else ``~/.cache/dspark``. Each
     replica resolves it on its own node, so on a cluster it should be a volume that outlives the pod
-    (docs/DEPLOYMENT.md)."""
+    (docs/DEPLOYMENT.md).
+
+    ``spare_workers``: idle Ray workers the Scheduler replica keeps on every node, so that a replica which dies
+    restarts in one (:mod:`cluster.spare_workers`); they pay only on a cluster whose workers preload the
+    application (``dspark serve``'s embedded cluster does; a RayService through its head's ``system-config``,
+    docs/DEPLOYMENT.md). ``dspark serve --spare-workers`` sets it."""
 
     model_name: str = "dspark-demo"
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
     cache_dir: str | None = None
+    spare_workers: int = Field(0, ge=0, le=64)
     models: ModelConfig = ModelConfig()
     draft_pool: PoolConfig = PoolConfig(resource="draft_pool")
     verify_pool: PoolConfig = PoolConfig(resource="verify_pool")

@@ -72,10 +72,11 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=None,
                         help="the ingress replica answers HTTP on --port itself, without Serve's HTTP proxy in between "
                         "(default: on for an embedded cluster whose ingress has one replica, else off)")
-    parser.add_argument("--spare-workers", type=non_negative(int), default=None, help="idle Ray workers kept on "
-                        "every node, so that a replica that dies restarts in one of them; on an embedded cluster every "
-                        "worker imports torch, Serve's replica and this application when it starts; 0: none "
-                        "(default: 1 on an embedded cluster, 0 on a joined one)")
+    parser.add_argument("--spare-workers", type=non_negative(int), default=None, help="idle Ray workers the "
+                        "scheduler keeps on every node, so that a replica that dies restarts in one of them (the "
+                        "config's spare_workers); on an embedded cluster every worker imports torch, Serve's replica "
+                        "and this application when it starts; 0: none (default: the config's, else 1 on an embedded "
+                        "cluster and 0 on a joined one)")
 
 
 def direct_ingress_environment(port: int) -> dict[str, str]:
@@ -176,9 +177,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app import assemble_app
-    from cluster.spare_workers import SpareWorkers, preload_system_config
+    from cluster.spare_workers import preload_system_config
 
-    spare_count = args.spare_workers if args.spare_workers is not None else (0 if args.address else 1)
+    if args.spare_workers is not None:
+        app_args["spare_workers"] = args.spare_workers
+    elif not args.address:
+        app_args.setdefault("spare_workers", 1)
+    spare_count = app_args.get("spare_workers", 0)
     direct = args.direct_ingress
     if direct is None:
         direct = not args.address and single_ingress(overrides)
@@ -186,7 +191,6 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.error("cannot start: --direct-ingress needs an embedded cluster and one Ingress replica")
         return 2
     proxy_port = free_port(args.host) if direct else args.port
-    spares = SpareWorkers(spare_count)
     install_stop_signals()
     try:
         if args.address:
@@ -215,13 +219,11 @@ def run_serve(args: argparse.Namespace) -> int:
         install_stop_signals()  # Ray's core worker installed a SIGTERM handler of its own (a stack dump)
         serve.start(http_options={"host": args.host, "port": proxy_port})
         serve.run(assemble_app(app_args, overrides), name=APP_NAME, route_prefix="/")
-        spares.start()
         _log_endpoints(serve.get_deployment_handle("Scheduler", app_name=APP_NAME), args, proxy_port)
         threading.Event().wait()  # until SIGINT / SIGTERM raise KeyboardInterrupt here
     except KeyboardInterrupt:
         logger.info("stopping: deleting the application (at most %.0f s)", STOP_BUDGET_S)
     finally:
-        spares.stop()
         _stop(serve, ray, joined=bool(args.address))
     return 0
 

@@ -8,8 +8,11 @@ replacement's constructor at once (docs/benchmarks/reliability.md, "Spare worker
 
 Two Ray mechanisms, both of the raylet: ``preload_python_modules`` (a system config of a new cluster: every
 worker of the node imports these modules when it starts) and its ``PrestartWorkers`` call (start idle workers
-kept alive for a given time). :class:`SpareWorkers` keeps the spares topped up from the driver of ``dspark serve``:
-it polls each alive node's workers (``GetNodeStats``) and asks the node for more when a replacement took one.
+kept alive for a given time). :class:`SpareWorkers` keeps the spares topped up from the application's Scheduler
+replica (``AppConfig.spare_workers``): it polls each alive node's workers (``GetNodeStats``) and asks the node for
+more when a replacement took one. The preload is the cluster's: ``dspark serve`` starts its embedded cluster with
+:func:`preload_system_config`; any other cluster (a RayService) sets the same in every node's environment
+(:func:`preload_environment`), which Ray reads as it does its system config.
 Both are Ray internals (``ray._private``, ``ray.core.generated``): the keeper logs the first error they raise
 and goes on trying, so a Ray that changes them serves as before, only with restarts at Ray's own speed.
 """
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +50,14 @@ def preload_system_config() -> dict[str, Any]:
     return {"preload_python_modules": list(PRELOAD_MODULES), "prestart_worker_first_driver": False}
 
 
+def preload_environment() -> dict[str, str]:
+    """:func:`preload_system_config` as the environment variables a node's raylet reads (``RAY_<name>``; a list
+    is comma-separated): set in every Ray pod of a cluster that ``dspark serve`` did not start."""
+    config = preload_system_config()
+    return {"RAY_preload_python_modules": ",".join(config["preload_python_modules"]),
+            "RAY_prestart_worker_first_driver": str(config["prestart_worker_first_driver"]).lower()}
+
+
 def is_spare(worker: Any) -> bool:
     """Whether a ``CoreWorkerStats`` is an idle worker that can still host an actor: a task worker that has run
     nothing and hosts no actor (Ray gives an actor only a worker that never ran a plain task)."""
@@ -69,7 +79,7 @@ class _Node:
     that have not registered yet."""
 
     stub: Any
-    short_since: float | None = -math.inf  # a node first seen is topped up at once: it has not just lost one
+    short_since: float | None = None
     requested_at: float | None = None
     started: int = 0
 
@@ -77,10 +87,11 @@ class _Node:
 class SpareWorkers:
     """Keeps ``count`` spare workers on every alive node of the connected cluster, from a daemon thread.
 
-    Contract: call from a process connected with ``ray.init``; :meth:`stop` ends the thread. A node first seen
-    short of ``count`` spares, or one that has been short for ``refill_delay_s``, is asked for the missing ones,
-    and not again until they registered or :data:`START_GRACE_S` passed (a worker that is still importing is
-    already listed)."""
+    Contract: call from a process connected with ``ray.init``; :meth:`stop` ends the thread. A node that has been
+    short of ``count`` spares for ``refill_delay_s`` (counted from when the keeper first saw it short: a keeper
+    starts with its application, or again in a restarted scheduler, when replicas are still starting) is asked for
+    the missing ones, and not again until they registered or :data:`START_GRACE_S` passed (a worker that is still
+    importing is already listed)."""
 
     def __init__(self, count: int, *, poll_s: float = POLL_S, refill_delay_s: float = REFILL_DELAY_S) -> None:
         if count < 0:

@@ -4,15 +4,17 @@ starts another in its place (a real one-node Ray cluster on loopback)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import ray
 from ray.core.generated import common_pb2
 
-from cluster.spare_workers import SpareWorkers, is_spare
+from cluster.spare_workers import PRELOAD_MODULES, SpareWorkers, is_spare, preload_environment
 from tests.ray_start import init_local_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -21,6 +23,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 #: (The cluster is configured as ``preload_system_config`` configures one, with this module: no idle workers
 #: but the keeper's.)
 MARKER = "colorsys"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,8 @@ def test_a_negative_count_is_refused() -> None:
 
 
 def test_a_node_that_lost_its_spare_waits_the_refill_delay(cluster: None) -> None:
-    """A node first seen is topped up at once; one whose spare a new actor just took waits the refill delay."""
+    """A node whose spare a new actor just took waits the refill delay, as does a node the keeper first sees."""
+    _spares(SpareWorkers(1, refill_delay_s=0.0), 1)
     keeper = SpareWorkers(1, refill_delay_s=3600.0)
     _spares(keeper, 1)
     started = keeper.started
@@ -91,3 +95,31 @@ def test_a_node_that_lost_its_spare_waits_the_refill_delay(cluster: None) -> Non
     keeper.top_up()
     assert keeper.started == started, "no spare is started while the node recovers"
     ray.kill(probe)
+
+
+_PRELOADED_ACTOR = """
+import os, ray
+ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=1, object_store_memory=96 * 2**20,
+         include_dashboard=False)
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def modules(self):
+        import sys
+        return sorted(m for m in {PRELOAD_MODULES!r} if m in sys.modules)
+
+print(ray.get(Probe.remote().modules.remote(), timeout=120))
+"""
+
+
+def test_a_cluster_configured_by_environment_preloads_the_application() -> None:
+    """What a RayService sets in its pods (docs/DEPLOYMENT.md): with :func:`preload_environment` a node's workers
+    import torch, Serve's replica and this application before an actor's constructor runs."""
+    env = preload_environment()
+    assert env == {"RAY_preload_python_modules": ",".join(PRELOAD_MODULES),
+                   "RAY_prestart_worker_first_driver": "false"}
+    script = _PRELOADED_ACTOR.replace("{PRELOAD_MODULES!r}", repr(PRELOAD_MODULES))
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "RAY_AUTH_MODE": "disabled", **env},
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == repr(sorted(PRELOAD_MODULES)), done.stdout
