@@ -337,6 +337,24 @@ def _readiness_probe_errors(cluster: Mapping[str, Any], serve_port: int) -> list
     return []
 
 
+def _preload_errors(cluster: Mapping[str, Any]) -> list[str]:
+    """``spare_workers`` pays only where every Ray pod's workers preload the application
+    (:func:`cluster.spare_workers.preload_environment`); without it a spare is a bare worker, and Ray prestarts
+    idle workers of its own."""
+    from cluster.spare_workers import preload_environment
+
+    groups = [(("spec", "rayClusterConfig", "headGroupSpec"), cluster.get("headGroupSpec", {}))]
+    groups += [(("spec", "rayClusterConfig", "workerGroupSpecs", i), g)
+               for i, g in enumerate(cluster.get("workerGroupSpecs", []))]
+    errors = []
+    for path, group in groups:
+        for name, value in preload_environment().items():
+            if _env_value(group, name) != value:
+                errors.append(f"{format_path((*path, 'template', 'spec', 'containers', 0, 'env'))}: {name} must be "
+                              f"{value!r} for args.spare_workers (the pod's workers preload the application)")
+    return errors
+
+
 def rayservice_errors(doc: Mapping[str, Any]) -> list[str]:
     """The embedded Serve config, and whether the cluster can actually host it (pools, GPUs, models, secrets)."""
     from pydantic import ValidationError
@@ -359,6 +377,8 @@ def rayservice_errors(doc: Mapping[str, Any]) -> list[str]:
     deployments = {d["name"]: d for d in app.get("deployments", [])}
     cluster = spec.get("rayClusterConfig", {})
     errors += _readiness_probe_errors(cluster, int((raw.get("http_options") or {}).get("port", 8000)))
+    if config.spare_workers:
+        errors += _preload_errors(cluster)
     groups = cluster.get("workerGroupSpecs", [])
     head = ("spec", "rayClusterConfig", "headGroupSpec")
     needs_models: list[tuple[tuple[Any, ...], Mapping[str, Any]]] = [(head, cluster.get("headGroupSpec", {}))]

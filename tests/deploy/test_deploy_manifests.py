@@ -166,6 +166,12 @@ BROKEN = {
         "spec.rayClusterConfig.headGroupSpec.template.spec.containers[0].readinessProbe: the probe must ask the "
         "serve port's /health (:8001/health)",
     ),
+    "spares on a pod that does not preload": (
+        lambda d: _container(_worker(d, 0)).update(env=[e for e in _container(_worker(d, 0))["env"]
+                                                        if e["name"] != "RAY_preload_python_modules"]),
+        "spec.rayClusterConfig.workerGroupSpecs[0].template.spec.containers[0].env: RAY_preload_python_modules must "
+        "be 'torch,ray.serve._private.replica,cluster.app' for args.spare_workers",
+    ),
     "serveConfigV2 not YAML": (
         lambda d: d["spec"].update(serveConfigV2="applications: [\n"),
         "spec.serveConfigV2: not YAML",
