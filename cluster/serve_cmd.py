@@ -6,9 +6,9 @@ config file (the same file ``serve deploy`` takes and the KubeRay manifest embed
 deployment's options (replicas, autoscaling, resources).
 
 On an embedded cluster whose ingress runs one replica, that replica answers HTTP on the port itself (Ray Serve's
-direct ingress, :func:`direct_ingress_environment`): a request skips Serve's HTTP proxy, a process and a Ray
-streaming call each way (tokens included), which is most of what the Ray placements add to the time to first token.
-Serve's proxy still runs, on a free loopback port of its own (Serve needs one), and is logged.
+direct ingress, :func:`direct_ingress_environment`): a request and its streamed chunks skip Serve's HTTP proxy, a
+process and a Ray streaming call each way. Serve's proxy still runs, on a free port of the same host (Serve needs
+one), and is logged.
 """
 
 from __future__ import annotations
