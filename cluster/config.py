@@ -237,8 +237,9 @@ class AppConfig(_Strict):
 
     ``spare_workers``: idle Ray workers the Scheduler replica keeps on every node, so that a replica which dies
     restarts in one (:mod:`cluster.spare_workers`); they pay only on a cluster whose workers preload the
-    application (``dspark serve``'s embedded cluster does; a RayService through its head's ``system-config``,
-    docs/DEPLOYMENT.md). ``dspark serve --spare-workers`` sets it."""
+    application (``dspark serve``'s embedded cluster does; a RayService through every pod's environment,
+    :func:`cluster.spare_workers.preload_environment`, docs/DEPLOYMENT.md). ``dspark serve --spare-workers`` sets
+    it."""
 
     model_name: str = "dspark-demo"
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
