@@ -343,6 +343,7 @@ class SchedulerReplica:
             model_name=self.config.model_name,
             policy=self.config.scheduler.policy,
             draft_cost=self.config.scheduler.draft_cost,
+            chain_tolerance=self.config.scheduler.chain_tolerance,
             request_groups=self.config.scheduler.request_groups,
             decode=decode,
             token=self.config.network.grpc_token,

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from scheduler.chain_plan import CHAIN_TOLERANCE
 from scheduler.service_levels import ServiceLevels
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +155,11 @@ class SchedulerConfig(_Strict):
     :data:`GPU_DECODE_STEPS` on a CUDA verifier, where the message is a large part of a decoding step, and 1
     elsewhere, where it is not (:meth:`decode_steps_on`). The in-process placement decodes one token per round.
 
+    ``chain_tolerance``: with ``dspark``, how much of Algorithm 1's objective a uniform length planned before the
+    drafts exist may give up for the round to be planned (chained in process, relayed disaggregated) rather than
+    decided on its own confidences (:mod:`scheduler.chain_plan`); 0 plans only where the plan is Algorithm 1's
+    own decision. Lossless at any value: a plan depends on counts and earlier rounds' confidences only.
+
     ``drain_timeout_s``: how long a drafter or verifier replica that Serve stops (autoscaling down, rolling
     update) keeps serving the requests it holds before it goes; keep the deployment's
     ``graceful_shutdown_timeout_s`` above it (``build_app`` defaults it to this plus a margin)."""
@@ -163,6 +169,7 @@ class SchedulerConfig(_Strict):
     max_running_per_verifier: int | None = Field(None, ge=1)
     request_groups: int = Field(1, ge=1, le=8)
     decode_steps: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
+    chain_tolerance: float = Field(CHAIN_TOLERANCE, ge=0, le=1)
     drain_timeout_s: float = Field(120.0, gt=0)
     service_levels: ServiceLevelsConfig = ServiceLevelsConfig()
 

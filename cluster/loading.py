@@ -272,7 +272,7 @@ def build_round_engine(
 
     def driver() -> SpeculativeEngine:
         policy = make_policy(config.scheduler.policy, None if loaded is None else loaded.sps, block_size,
-                             config.scheduler.draft_cost)
+                             config.scheduler.draft_cost, config.scheduler.chain_tolerance)
         return SpeculativeEngine(
             verify,
             draft,

@@ -129,7 +129,7 @@ def app_args_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "models": models,
         "engine": pick("max_requests", "max_seq_len", "draft_top_k", "graphs"),
-        "scheduler": pick("policy", "draft_cost"),
+        "scheduler": pick("policy", "draft_cost", "chain_tolerance"),
         "network": pick("api_key"),
     }
     levels = pick("slo_admission", "slo_attainment", "join_hold_ms")

@@ -56,6 +56,17 @@ def _attainment(text: str) -> str | float:
     return value
 
 
+def _share(text: str) -> float:
+    """``--chain-tolerance``: a share in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got {text!r}")
+    return value
+
+
 def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection[str] | None = None) -> None:
     """The model, engine and HTTP options of ``dspark serve`` (both modes), one definition each.
 
@@ -82,6 +93,9 @@ def add_local_arguments(parser: argparse.ArgumentParser, *, services: Collection
         "dspark", default="dspark")
     add("--draft-cost", "dspark policies: charge no draft time, or the draft time measured while serving (and "
         "skip drafting when a plain round is faster)", "none", choices=("none", "measured"), default="none")
+    add("--chain-tolerance", "dspark: share of Algorithm 1's objective a length planned before the drafts exist "
+        "may give up, so that the round chains (in process) or is relayed (disaggregated); 0 to 1",
+        "0.05", type=_share, default=None)
     add("--sps", "SPS JSON: a token table or tables by request count", "the SPS cache's table for this model and "
         "engine, profiled at start when missing", type=Path, default=None)
     add("--cache-dir", "cache folder of profiled SPS tables", "$DSPARK_CACHE_DIR, else ~/.cache/dspark",

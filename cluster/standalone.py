@@ -35,7 +35,8 @@ _ENGINE_OPTIONS = ("--target", "--draft", "--policy", "--max-requests", "--max-s
 SERVE_OPTIONS_TAKEN: dict[str, tuple[str, ...]] = {
     "draft-server": _ENGINE_OPTIONS,
     "verify-server": (*_ENGINE_OPTIONS, "--sps", "--cache-dir"),
-    "scheduler": ("--target", "--tokenizer", "--policy", "--draft-cost", "--served-model-name", "--host", "--port",
+    "scheduler": ("--target", "--tokenizer", "--policy", "--draft-cost", "--chain-tolerance",
+                  "--served-model-name", "--host", "--port",
                   "--api-key", "--log-level"),
 }
 
@@ -214,6 +215,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         model_name=config.model_name,
         policy=config.scheduler.policy,
         draft_cost=config.scheduler.draft_cost,
+        chain_tolerance=config.scheduler.chain_tolerance,
         request_groups=config.scheduler.request_groups,
         decode=tokenizer_decode(engine_tokenizer),
         token=config.network.grpc_token,

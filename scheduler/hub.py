@@ -39,6 +39,7 @@ from cluster.readiness import IntervalLog, Readiness, ReadinessGate
 from cluster.rpc import Service
 from kernels.sampling import SamplingParams
 from scheduler.admission import least_loaded
+from scheduler.chain_plan import CHAIN_TOLERANCE
 from scheduler.colocated import EngineReplica, EngineReplicas
 from scheduler.engine import RequestRejectedError, SpeculativeEngine
 from scheduler.failover import Failover, release_stale
@@ -71,6 +72,7 @@ class SchedulerHub:
         model_name: str,
         policy: str,
         draft_cost: str = "none",
+        chain_tolerance: float = CHAIN_TOLERANCE,
         request_groups: int = 1,
         decode: Callable[[Sequence[int]], str] | None,
         eos_token_ids: Sequence[int] = (),
@@ -91,6 +93,7 @@ class SchedulerHub:
         self.service_levels = service_levels
         self.policy = policy
         self.draft_cost = draft_cost
+        self.chain_tolerance = chain_tolerance
         self.request_groups = request_groups
         self.decode = decode
         self.eos_token_ids = tuple(eos_token_ids)
@@ -164,7 +167,7 @@ class SchedulerHub:
             with warnings.catch_warnings():  # the verifier warned when it measured or loaded it, once per start
                 warnings.simplefilter("ignore", SPSMonotonicityWarning)
                 table = load_sps(sps) if sps else None
-            policy = make_policy(self.policy, table, block_size, self.draft_cost)
+            policy = make_policy(self.policy, table, block_size, self.draft_cost, self.chain_tolerance)
             options: dict[str, Any] = {
                 "decode": self.decode,
                 "eos_token_ids": self.eos_token_ids or verifier.eos_token_ids,

@@ -501,12 +501,19 @@ def uses_sps(spec: str) -> bool:
     return spec in ("dspark", "dspark-async")
 
 
-def make_policy(spec: str, sps: SPSSource | None, block_size: int, draft_cost: str = "none") -> VerifyPolicy:
+def make_policy(
+    spec: str,
+    sps: SPSSource | None,
+    block_size: int,
+    draft_cost: str = "none",
+    chain_tolerance: float = CHAIN_TOLERANCE,
+) -> VerifyPolicy:
     """Build a policy from its config name: ``autoregressive``, ``fixed-N``, ``full``, ``dspark``, ``dspark-async``.
 
     ``draft_cost``: ``none`` (Algorithm 1's plain objective, never skips the drafter) or ``measured`` (the
     scheduled policies learn T_draft online from the round driver's timings and get a draft gate that skips
     the drafter when a plain round is predicted faster); the fixed-length policies ignore it.
+    ``chain_tolerance``: ``dspark``'s planned rounds (:mod:`scheduler.chain_plan`); the others ignore it.
     """
     if draft_cost not in DRAFT_COSTS:
         raise ValueError(f"unknown draft_cost {draft_cost!r}: use none or measured")
@@ -523,9 +530,9 @@ def make_policy(spec: str, sps: SPSSource | None, block_size: int, draft_cost: s
         if sps is None:
             raise ValueError(f"policy {spec!r} needs an SPS table (profile one with `dspark profile`)")
         if draft_cost == "none":
-            return DSparkScheduled(sps) if spec == "dspark" else DSparkAsync(sps)
+            return DSparkScheduled(sps, chain_tolerance=chain_tolerance) if spec == "dspark" else DSparkAsync(sps)
         gate = DraftGate(sps, DraftCost())  # its costs come from the estimator every round
         if spec == "dspark":
-            return DSparkScheduled(sps, gate=gate, estimator=OnlineDraftCost())
+            return DSparkScheduled(sps, gate=gate, estimator=OnlineDraftCost(), chain_tolerance=chain_tolerance)
         return DSparkAsync(sps, gate=gate, estimator=OnlineDraftCost())
     raise ValueError(f"unknown policy {spec!r}: use autoregressive, fixed-N, full, dspark or dspark-async")

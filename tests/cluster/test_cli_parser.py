@@ -96,6 +96,28 @@ def test_every_option_of_every_command_has_help_and_its_default(monkeypatch: pyt
                 assert "default" in parser._get_formatter()._expand_help(action), (prog, action.option_strings)
 
 
+def test_chain_tolerance_reaches_the_config_and_the_policy() -> None:
+    """``--chain-tolerance`` sets ``scheduler.chain_tolerance`` (0.05 unset), which the dspark policy's chain
+    planner takes; the config refuses a value outside [0, 1]."""
+    from cluster.cli import build_parser
+    from cluster.config import AppConfig
+    from cluster.serve_cmd import app_args_from_flags
+    from scheduler.policy import DSparkScheduled, make_policy
+    from scheduler.sps import SPSTable
+
+    def tolerance(*flags: str) -> float:
+        args = build_parser().parse_args(["serve", *flags])
+        return AppConfig.from_args(app_args_from_flags(args)).scheduler.chain_tolerance
+
+    assert tolerance() == 0.05
+    assert tolerance("--chain-tolerance", "0.2") == 0.2
+    assert tolerance("--no-ray", "--chain-tolerance", "0") == 0.0
+    policy = make_policy("dspark", SPSTable([1, 64], [100.0, 90.0]), 7, chain_tolerance=0.2)
+    assert isinstance(policy, DSparkScheduled) and policy.chain_tolerance == 0.2
+    with pytest.raises(ValueError, match="chain_tolerance"):
+        AppConfig.from_args({"scheduler": {"chain_tolerance": 2}})
+
+
 def test_service_level_flags_reach_the_config() -> None:
     """``--slo-admission``, ``--slo-attainment`` (a share, or ``off`` for pacing at the target itself) and
     ``--join-hold-ms`` set the scheduler's service levels in both modes; an out-of-range value is a usage error
@@ -113,6 +135,7 @@ def test_service_level_flags_reach_the_config() -> None:
     assert levels("--slo-admission", "queue", "--slo-attainment", "off") == ("queue", None, 0.0)
     assert levels("--slo-attainment", "0.9", "--join-hold-ms", "20") == ("refuse", 0.9, 20.0)
     for flag, bad in (("--slo-attainment", "1"), ("--slo-attainment", "0"), ("--slo-attainment", "most"),
-                      ("--join-hold-ms", "-1"), ("--spare-workers", "-1"), ("--spare-workers", "two")):
+                      ("--join-hold-ms", "-1"), ("--spare-workers", "-1"), ("--spare-workers", "two"),
+                      ("--chain-tolerance", "1.5"), ("--chain-tolerance", "-0.1"), ("--chain-tolerance", "nan")):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", flag, bad])
