@@ -222,7 +222,8 @@ class LocalBackend:
         check_context(len(prompt_ids), params.max_tokens, self.max_context)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), self)
         prompt = [int(t) for t in prompt_ids]
-        self._enqueue(lambda: self._submit(req_id, prompt, params, stream, resume))
+        arrived = time.perf_counter()  # the request waits from here, through the round in flight, to admission
+        self._enqueue(lambda: self._submit(req_id, prompt, params, stream, resume, arrived))
         finished = False
         try:
             while True:
@@ -324,11 +325,19 @@ class LocalBackend:
             return True
 
     def _submit(
-        self, req_id: str, prompt: list[int], params: SamplingParams, stream: _Stream, resume: Resume | None
+        self,
+        req_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        stream: _Stream,
+        resume: Resume | None,
+        arrived: float,
     ) -> None:
         try:
             emitted, chars = (resume.tokens, resume.chars) if resume is not None else (0, 0)
-            self.engine.add_request(prompt, params, req_id, emitted=emitted, emitted_chars=chars)
+            self.engine.add_request(
+                prompt, params, req_id, emitted=emitted, emitted_chars=chars, arrival_time=arrived
+            )
         except ValueError as error:
             stream.put(error)
             return

@@ -352,8 +352,13 @@ class SpeculativeEngine:
         *,
         emitted: int = 0,
         emitted_chars: int = 0,
+        arrival_time: float | None = None,
     ) -> str:
         """Queue a request; it joins at the next round with free capacity. Raises RequestRejectedError on bad input.
+
+        ``arrival_time`` (``time.perf_counter``; default: now): when the caller received the request. A caller
+        that hands requests over between rounds passes the time of the hand-over, so the wait for the round in
+        flight counts as queueing (the TTFT split, the join hold and TPOT pacing all start there).
 
         A continuation (``emitted`` > 0) resumes a request that an earlier run streamed part of (its scheduler was
         lost): the last ``emitted`` ids of ``prompt`` are that output, ``emitted_chars`` the characters of its text
@@ -413,7 +418,7 @@ class SpeculativeEngine:
             anchor=output[-1] if output else -1,
             level=level,
         )
-        req.metrics.arrival_time = time.perf_counter()
+        req.metrics.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self._waiting.append(req)
         return req_id
 

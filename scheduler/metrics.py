@@ -14,17 +14,17 @@ rest of the rounds' wall time (admission, building the messages' inputs, commit,
 verify, schedule, transfer and host add up to the rounds' wall time; each grows by a non-negative amount per
 round (Prometheus counters).
 
-The time to first token as the round driver sees it: ``queue_time_s`` sums, over the requests whose first token
-came from their prefill (``first_tokens`` of them; a request moved here after a failure or resumed, which
-samples nothing, is not counted), the time from their arrival at the round driver to their admission (the round
-that prefills them), and ``admission_to_first_token_s`` the time from there to their first token. ``joined_prompts``
-counts the prompts prefilled by rounds (resumed ones included) and ``prefill_only_rounds`` the target passes
-that prefilled and verified no request (not in ``rounds``): joins and requests (``num_drafts``) per target pass
-divide by ``rounds + prefill_only_rounds``. Sums and counts, so that replicas' snapshots add up and a scraper
-takes means over any window from two readings. ``planned_round_time_s`` and ``joined_round_time_s`` are the
-wall times (the five parts' sum) of the planned rounds and of the rounds that prefilled joining prompts while
-verifying requests (``joined_rounds``; a round is never both), so a scraper can say what chaining saves and
-what a join costs the running requests.
+The time to first token as the round driver sees it: ``queue_time_s`` sums, over the requests whose first token came
+from their prefill (``first_tokens`` of them; a request moved here after a failure or resumed, which samples
+nothing, is not counted), the time from their arrival at the round driver (handed to its backend: the wait for the
+round in flight counts) to their admission (the round that prefills them), and ``admission_to_first_token_s`` the
+time from there to their first token. ``joined_prompts`` counts the prompts prefilled by rounds (resumed ones
+included) and ``prefill_only_rounds`` the target passes that prefilled and verified no request (not in ``rounds``):
+joins and requests (``num_drafts``) per target pass divide by ``rounds + prefill_only_rounds``. Sums and counts, so
+that replicas' snapshots add up and a scraper takes means over any window from two readings.
+``planned_round_time_s`` and ``joined_round_time_s`` are the wall times (the five parts' sum) of the planned rounds
+and of the rounds that prefilled joining prompts while verifying requests (``joined_rounds``; a round is never
+both), so a scraper can say what chaining saves and what a join costs the running requests.
 """
 
 from __future__ import annotations

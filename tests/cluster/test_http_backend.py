@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,50 @@ def test_concurrent_generates_equal_target_greedy(pair: tuple[Path, Path]) -> No
         assert snap.num_drafts > 0 and snap.running == snap.waiting == 0
     finally:
         backend.close()
+
+
+def test_queue_time_counts_the_wait_for_the_round_in_flight(pair: tuple[Path, Path]) -> None:
+    """A request handed to the backend while a round runs waits for that round to end before the engine sees it:
+    the TTFT split counts that wait as queueing (from the hand-over), not from the engine's add_request. The
+    round in flight is held until the second request was handed over, and then 0.2 s longer."""
+    backend, _ = _backend(pair)
+    engine = backend.engine
+    step = engine.step
+    slow, in_round, handed_over = threading.Event(), threading.Event(), threading.Event()
+
+    def held_step() -> list:
+        if slow.is_set():
+            slow.clear()
+            in_round.set()
+            assert handed_over.wait(60)
+            time.sleep(0.2)
+        return step()
+
+    engine.step = held_step  # type: ignore[method-assign]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+
+    async def main() -> None:
+        first = backend.generate("a", [3, 5, 7], greedy)
+        await first.__anext__()  # "a" runs: its rounds go on
+        slow.set()
+        assert await asyncio.to_thread(in_round.wait, 60)
+        second = asyncio.create_task(_collect(backend, "b", [11, 13], greedy))
+        await asyncio.sleep(0)  # the task hands "b" over (its generator's first step) ...
+        handed_over.set()  # ... before the held round may end
+        await asyncio.gather(second, _drain(first))
+
+    try:
+        asyncio.run(main())
+        snap = asyncio.run(backend.metrics())
+        assert snap.first_tokens == 2
+        assert snap.queue_time_s >= 0.2
+    finally:
+        backend.close()
+
+
+async def _drain(stream: AsyncIterator[GenerateDelta]) -> None:
+    async for _ in stream:
+        pass
 
 
 def test_rejections_come_from_the_first_delta(pair: tuple[Path, Path]) -> None:
