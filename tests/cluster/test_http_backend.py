@@ -4,9 +4,9 @@ close of the iterator, shutdown. A tiny random target/drafter pair keeps it fast
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -82,15 +82,16 @@ def test_concurrent_generates_equal_target_greedy(pair: tuple[Path, Path]) -> No
 def test_queue_time_counts_the_wait_for_the_round_in_flight(pair: tuple[Path, Path]) -> None:
     """A request handed to the backend while a round runs waits for that round to end before the engine sees it:
     the TTFT split counts that wait as queueing (from the hand-over), not from the engine's add_request. The
-    round in flight is held until the second request was handed over, and then 0.2 s longer."""
+    round in flight (the first request's second round: it was admitted in the first) is held until the second
+    request was handed over, and then 0.2 s longer."""
     backend, _ = _backend(pair)
     engine = backend.engine
     step = engine.step
-    slow, in_round, handed_over = threading.Event(), threading.Event(), threading.Event()
+    in_round, handed_over = threading.Event(), threading.Event()
+    rounds = itertools.count()
 
     def held_step() -> list:
-        if slow.is_set():
-            slow.clear()
+        if next(rounds) == 1:  # the second round only
             in_round.set()
             assert handed_over.wait(60)
             time.sleep(0.2)
@@ -100,14 +101,12 @@ def test_queue_time_counts_the_wait_for_the_round_in_flight(pair: tuple[Path, Pa
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
 
     async def main() -> None:
-        first = backend.generate("a", [3, 5, 7], greedy)
-        await first.__anext__()  # "a" runs: its rounds go on
-        slow.set()
+        first = asyncio.create_task(_collect(backend, "a", [3, 5, 7], greedy))
         assert await asyncio.to_thread(in_round.wait, 60)
         second = asyncio.create_task(_collect(backend, "b", [11, 13], greedy))
         await asyncio.sleep(0)  # the task hands "b" over (its generator's first step) ...
         handed_over.set()  # ... before the held round may end
-        await asyncio.gather(second, _drain(first))
+        await asyncio.gather(first, second)
 
     try:
         asyncio.run(main())
@@ -116,11 +115,6 @@ def test_queue_time_counts_the_wait_for_the_round_in_flight(pair: tuple[Path, Pa
         assert snap.queue_time_s >= 0.2
     finally:
         backend.close()
-
-
-async def _drain(stream: AsyncIterator[GenerateDelta]) -> None:
-    async for _ in stream:
-        pass
 
 
 def test_rejections_come_from_the_first_delta(pair: tuple[Path, Path]) -> None:
