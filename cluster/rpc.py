@@ -456,6 +456,10 @@ class ServerThread:
     """An :class:`RpcServer` on its own event loop in a daemon thread, for tests, scripts and sync programs.
 
     Handlers run on that loop; :meth:`run` executes a coroutine there (e.g. to inspect service state).
+    :meth:`stop` stops the loop and ends the thread but never closes the loop, for the reason given at
+    :class:`_ThreadLoop`: the handlers' own channels (a verifier's feature links to a drafter) are torn down on
+    it, and grpc may deliver such a channel's last event (a GOAWAY from a peer stopping at the same time) after
+    ``close`` returned; for a closed loop that event raises inside grpc's poller.
     """
 
     def __init__(self, services: Sequence[Service], **options: Any) -> None:
@@ -481,7 +485,7 @@ class ServerThread:
         return future.result(timeout_s)
 
     def stop(self, grace_s: float | None = None) -> None:
-        if self._loop.is_closed():
+        if not self._thread.is_alive():
             return
         try:
             self.run(self.server.stop(grace_s))
@@ -491,7 +495,6 @@ class ServerThread:
     def _shutdown_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
-        self._loop.close()
 
     def __enter__(self) -> ServerThread:
         return self
