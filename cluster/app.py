@@ -454,7 +454,7 @@ class IngressReplica:
             # A stream cut by the scheduler's death waits this long for its replacement to continue it.
             continue_timeout_s=self.config.network.readiness_timeout_s,
         )
-        return build_app(backend, tokenizer, api_key=self.config.network.api_key)
+        return build_app(backend, tokenizer, api_key=self.config.network.api_key, collectors=[backend.route_times])
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

@@ -137,6 +137,7 @@ class _GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope.setdefault("state", {})[ARRIVED_STATE] = time.perf_counter()  # see _RequestClock
         receive = _hang_up_on_failure(receive)
         if self.api_key is not None and scope["path"].startswith("/v1/") and not self._authorised(scope):
             await self._reject(
@@ -269,12 +270,48 @@ class _HttpMetrics:
             buckets=(*buckets, 120.0, 300.0),
             registry=self.registry,
         )
+        # Where the ingress's part of TTFT goes (_RequestClock), summed over the requests that got a first delta.
+        self.first_deltas = Counter(
+            "dspark_http_first_deltas",
+            "Generation requests whose first delta came from the backend (the count of the three time sums below).",
+            labels,
+            registry=self.registry,
+        )
+        self.parse_s = Counter(
+            "dspark_http_parse_seconds",
+            "Summed over those requests: arrival at the app to the endpoint's start (body, JSON, validation).",
+            labels,
+            registry=self.registry,
+        )
+        self.tokenize_s = Counter(
+            "dspark_http_tokenize_seconds",
+            "Summed over those requests: tokenising the prompt (or rendering the chat), waits for the tokenizer "
+            "and its thread included.",
+            labels,
+            registry=self.registry,
+        )
+        self.backend_s = Counter(
+            "dspark_http_backend_first_delta_seconds",
+            "Summed over those requests: handing the request to the backend to its first delta (routing, the way "
+            "to the round driver and back, and the round driver's own part: dspark_request_*).",
+            labels,
+            registry=self.registry,
+        )
 
     def error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()
 
     def abort(self) -> None:
         self.aborted.labels(self.model_name).inc()
+
+    def first_delta(self, clock: _RequestClock) -> None:
+        """A request's first delta arrived now: its TTFT (from its arrival) and the ingress's parts of it."""
+        now, m = time.perf_counter(), self.model_name
+        self.ttft.labels(m).observe(now - clock.arrived)
+        self.first_deltas.labels(m).inc()
+        self.parse_s.labels(m).inc(clock.handler - clock.arrived)
+        self.tokenize_s.labels(m).inc(clock.submitted - clock.handler)
+        self.backend_s.labels(m).inc(now - clock.submitted)
 
     def finished(self, delta: GenerateDelta, started: float) -> None:
         m = self.model_name
@@ -465,6 +502,25 @@ def _tier_families(tiers: Sequence[TierSnapshot], labels: list[str], values: lis
 
 
 # ----------------------------------------------------------------------------------------------- service
+#: The request state key (``scope["state"]``) under which the middleware records a request's arrival.
+ARRIVED_STATE = "dspark_arrived"
+
+
+class _RequestClock:
+    """When a generation request arrived at the app (stamped by the middleware, before it reads the body), when
+    its endpoint started, and when it was handed to the backend (``time.perf_counter``): TTFT counts from the
+    arrival, as vLLM's does, and ``/metrics`` sums its parts (``dspark_http_*_seconds``)."""
+
+    def __init__(self, request: Request) -> None:
+        self.handler = time.perf_counter()
+        self.arrived: float = request.scope.get("state", {}).get(ARRIVED_STATE, self.handler)
+        self.submitted = self.handler
+
+    def submit(self) -> None:
+        """The prompt is tokenised: the request goes to the backend now."""
+        self.submitted = time.perf_counter()
+
+
 class _Run:
     """One backend generation as the app sees it: the stream plus whether it reached its final delta, or was
     lost with the backend (then there is nothing to abort)."""
@@ -624,11 +680,13 @@ def build_app(
     api_key: str | None = None,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    collectors: Sequence[Any] = (),
 ) -> FastAPI:
     """The OpenAI-compatible app for ``backend``; ``tokenizer`` is a transformers tokenizer (chat template too).
 
     ``api_key``: when set, every /v1/* request needs ``Authorization: Bearer <api_key>`` (health and metrics stay
-    open for probes and scrapers, as in vLLM).
+    open for probes and scrapers, as in vLLM). ``collectors``: more Prometheus collectors for ``/metrics`` (the
+    backend's own, e.g. :class:`~cluster.remote_backend.RouteTimes`).
     """
     app = FastAPI(
         title="dspark-serve",
@@ -636,6 +694,8 @@ def build_app(
         description="OpenAI-compatible API of dspark-serve (lossless DSpark speculative decoding).",
     )
     service = _Service(backend, tokenizer)
+    for collector in collectors:
+        service.metrics.registry.register(collector)
     app.add_middleware(
         _GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, on_error=service.metrics.error
     )
@@ -692,6 +752,7 @@ def build_app(
         responses={**_ERRORS, 200: {"content": _SSE_DOC}},
     )
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        clock = _RequestClock(request)
         service.check_model(body.model)
         check_supported(body)
         prompt = body.prompt
@@ -702,9 +763,10 @@ def build_app(
         else:
             prompt_ids = list(prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-        started = time.perf_counter()
+        clock.submit()
         run, first = await service.start(request, body, prompt_ids, max_tokens, "prompt", "cmpl")
-        service.metrics.ttft.labels(backend.model_name).observe(time.perf_counter() - started)
+        service.metrics.first_delta(clock)
+        started = clock.arrived
         created = int(time.time())
         head = {"id": run.req_id, "object": "text_completion", "created": created, "model": backend.model_name}
 
@@ -742,6 +804,7 @@ def build_app(
         responses={**_ERRORS, 200: {"content": _SSE_DOC}},
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        clock = _RequestClock(request)
         service.check_model(body.model)
         check_supported(body)
         if getattr(tokenizer, "chat_template", None) is None:
@@ -764,9 +827,10 @@ def build_app(
         if not prompt_ids:
             raise APIError(400, "the messages render to an empty prompt", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        started = time.perf_counter()
+        clock.submit()
         run, first = await service.start(request, body, prompt_ids, max_tokens, "messages", "chatcmpl")
-        service.metrics.ttft.labels(backend.model_name).observe(time.perf_counter() - started)
+        service.metrics.first_delta(clock)
+        started = clock.arrived
         created = int(time.time())
         if body.stream:
             head = {

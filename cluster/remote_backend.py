@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 import grpc
+from prometheus_client.core import CounterMetricFamily
 
 from cluster import contract
 from cluster.backend import BackendNotReadyError, BackendUnavailableError, GenerateDelta, Resume
@@ -91,6 +93,29 @@ class CounterBaseline:
         return snapshot if self._retired is None else merge_snapshots([self._retired, snapshot])
 
 
+class RouteTimes:
+    """The ``Route`` calls of a routed backend, for the ingress's ``/metrics``: how many answered and their summed
+    wall time (the ingress's call to the scheduler and back), a Prometheus collector of two counters."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.routes = 0
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.routes += 1
+        self.seconds += seconds
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, doc, value in (
+            ("dspark_http_routes", "Route calls answered by the scheduler (the colocated placement).", self.routes),
+            ("dspark_http_route_seconds", "Summed wall time of those Route calls.", self.seconds),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
 class RemoteBackend:
     """Each request is one server stream of deltas; the first message or an INVALID_ARGUMENT arrives at once.
 
@@ -99,7 +124,7 @@ class RemoteBackend:
     streamed from (the scheduler's, or an engine replica's when the scheduler reads a replica's metrics through
     this class). ``routed``: ask the scheduler's ``Route`` first (see the module doc). ``continue_timeout_s``: how
     long a stream cut by the loss of its scheduler (or engine replica) waits for one to continue on (only with a
-    resolver: a fixed address is not restarted elsewhere).
+    resolver: a fixed address is not restarted elsewhere). ``route_times`` counts the ``Route`` calls.
     """
 
     def __init__(
@@ -133,6 +158,7 @@ class RemoteBackend:
         self._counters = CounterBaseline()
         self._continue_timeout_s = continue_timeout_s
         self._attempts: dict[str, str] = {}  # req id -> its continuation's id, while a continued stream runs
+        self.route_times = RouteTimes(model_name)
 
     async def _client(self) -> RpcClient:
         # grpc.aio channels belong to the event loop that created them.
@@ -262,11 +288,14 @@ class RemoteBackend:
 
     async def _route(self, req_id: str) -> str | None:
         """The engine replica the scheduler admitted ``req_id`` to (None: stream from the scheduler itself)."""
+        client = await self._client()
+        started = time.perf_counter()
         try:
-            reply = await contract.ROUTE.acall(await self._client(), {"req_id": req_id}, timeout_s=self._timeout_s)
+            reply = await contract.ROUTE.acall(client, {"req_id": req_id}, timeout_s=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
             _raise_request_error(exc)
             raise self._unreachable(exc) from None
+        self.route_times.add(time.perf_counter() - started)
         return reply["address"]
 
     async def _generate_on(self, req_id: str, address: str, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

@@ -47,10 +47,21 @@ def server_ttft_cell(spec: dict[str, Any]) -> str:
     return f"{_fmt(split['queue'], 1, 1)} + {_fmt(split['admission_to_first_token'], 1, 1)}"
 
 
+def ingress_ttft_cell(spec: dict[str, Any]) -> str:
+    """``parse + tokenize + backend (route)`` mean ms in the ingress (``-`` from a server or a results file
+    without them; no route outside the colocated placement)."""
+    part = spec.get("ingress_ttft_ms")
+    if not part:
+        return "-"
+    route = "" if part["route"] is None else f" (route {_fmt(part['route'], 1, 2)})"
+    return f"{_fmt(part['parse'], 1, 2)} + {_fmt(part['tokenize'], 1, 2)} + {_fmt(part['backend'], 1, 1)}{route}"
+
+
 def level_table(result: Result) -> str:
     """Markdown table of one run, a row per level."""
     head = ("| load | done | errors | tok/s/user p50 (p10) | aggregate tok/s | TTFT p50 / p99 ms "
-            "| server TTFT: queue + to first token ms | requests / joins per round | TPOT p50 / p99 ms "
+            "| server TTFT: queue + to first token ms | ingress TTFT: parse + tokenize + backend ms "
+            "| requests / joins per round | TPOT p50 / p99 ms "
             "| ITL p50 / p99 ms | E2E p50 / p99 s | goodput req/s (met) | tau | verify tok/req/round "
             "| client lag p99 ms | first wave max E2E (x steady at its rank), TTFT (x steady p50) |")
     rows = [head, "| --- " * (head.count("|") - 1) + "|"]
@@ -63,6 +74,7 @@ def level_table(result: Result) -> str:
             f"| {lv['load']['label']} | {lv['completed']} | {_errors(lv)} "
             f"| {_fmt(user['median'])} ({_fmt(user['p10'])}) | {_fmt(lv['output_throughput'])} "
             f"| {_fmt(lv['ttft_s']['p50'], 1e3)} / {_fmt(lv['ttft_s']['p99'], 1e3)} | {server_ttft_cell(spec)} "
+            f"| {ingress_ttft_cell(spec)} "
             f"| {_fmt(spec.get('requests_per_round'), 1, 1)} / {_fmt(spec.get('joins_per_round'), 1, 2)} "
             f"| {_fmt(lv['tpot_s']['p50'], 1e3, 1)} / {_fmt(lv['tpot_s']['p99'], 1e3, 1)} "
             f"| {_fmt(lv['itl_s']['p50'], 1e3, 1)} / {_fmt(lv['itl_s']['p99'], 1e3, 1)} "

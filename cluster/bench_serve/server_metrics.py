@@ -17,6 +17,11 @@ vLLM's names are used (``vllm:spec_decode_num_drafts`` and friends), which dspar
   (``admission_to_first_token``), over the requests whose first token came in the level
   (``dspark_request_{queue,admission_to_first_token}_seconds`` over ``dspark_request_first_tokens``): what
   is left of the measured TTFT is the way to the round driver and the first chunk's way back;
+- the ingress's part of the time to first token (dspark-serve): mean milliseconds per request from its arrival at
+  the HTTP app to its endpoint (``parse``), tokenising (``tokenize``) and from the hand-over to the backend to the
+  first delta (``backend``), over the requests that got one (``dspark_http_*_seconds`` over
+  ``dspark_http_first_deltas``), and the mean ``Route`` call of the colocated placement (``route``; ``None``
+  without routes). ``backend`` holds ``route``, the round driver's part above, and the hops between them;
 - requests verified and prompts joining per target pass (dspark-serve): ``drafts`` and
   ``dspark_round_joined_prompts`` over the rounds plus the prefill-only passes (``dspark_prefill_only_rounds``);
 - generation tokens: output tokens of the requests the server finished (``vllm:generation_tokens``).
@@ -56,6 +61,12 @@ COUNTERS = (
     "dspark_request_admission_to_first_token_seconds",
     "dspark_round_joined_prompts",
     "dspark_prefill_only_rounds",
+    "dspark_http_first_deltas",
+    "dspark_http_parse_seconds",
+    "dspark_http_tokenize_seconds",
+    "dspark_http_backend_first_delta_seconds",
+    "dspark_http_routes",
+    "dspark_http_route_seconds",
 )
 
 Snapshot = dict[str, dict[str, float]]
@@ -116,6 +127,7 @@ def speculative_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
         "round_ms_by_kind": None,
         "first_tokens": None,
         "ttft_split_ms": None,
+        "ingress_ttft_ms": _ingress_ttft(delta) if "dspark_http_first_deltas" in after else None,
         "requests_per_round": None,
         "joins_per_round": None,
     }
@@ -160,6 +172,20 @@ def _round_ms_by_kind(delta: Callable[[str], float], rounds: float, wall_s: floa
     return {
         kind: {"rounds": counts[kind], "ms": 1000.0 * seconds[kind] / counts[kind] if counts[kind] > 0 else None}
         for kind in ("planned", "joined", "other")
+    }
+
+
+def _ingress_ttft(delta: Callable[[str], float]) -> dict[str, Any] | None:
+    """Mean ms per request of the ingress's parts of TTFT (module doc); ``None`` when no request started."""
+    first = delta("dspark_http_first_deltas")
+    if not first:
+        return None
+    routes = delta("dspark_http_routes")
+    return {
+        "parse": 1000.0 * delta("dspark_http_parse_seconds") / first,
+        "tokenize": 1000.0 * delta("dspark_http_tokenize_seconds") / first,
+        "backend": 1000.0 * delta("dspark_http_backend_first_delta_seconds") / first,
+        "route": 1000.0 * delta("dspark_http_route_seconds") / routes if routes else None,
     }
 
 

@@ -228,6 +228,34 @@ def test_speculative_counters_from_prometheus_text() -> None:
     assert d["requests_per_round"] == pytest.approx(0.8) and d["joins_per_round"] == pytest.approx(0.6)
     assert report.server_ttft_cell(d) == "50.0 + 20.0"
     assert d["round_ms_by_kind"] is None  # a server without the counters of round kinds
+    assert d["ingress_ttft_ms"] is None and report.ingress_ttft_cell(d) == "-"  # nor the ingress's
+
+    def with_ingress(base: str, first: int, parse_s: float, tokenize_s: float, backend_s: float,
+                     routes: int | None, route_s: float) -> str:
+        """The ingress's counters of its part of TTFT (and of Route calls, when the placement routes)."""
+        values = {"dspark_http_first_deltas": first, "dspark_http_parse_seconds": parse_s,
+                  "dspark_http_tokenize_seconds": tokenize_s, "dspark_http_backend_first_delta_seconds": backend_s}
+        if routes is not None:
+            values.update({"dspark_http_routes": routes, "dspark_http_route_seconds": route_s})
+        lines = [line for name, v in values.items()
+                 for line in (f"# TYPE {name} counter", f'{name}_total{{model_name="m"}} {v}')]
+        return base + "\n".join(lines) + "\n"
+
+    base_before, base_after = text(10, 40, 20, [8, 6, 4, 2], 10), text(30, 100, 70, [26, 20, 15, 9], 30)
+    d = server_metrics.speculative_delta(
+        server_metrics.parse(with_ingress(base_before, 5, 0.01, 0.02, 0.5, None, 0.0)),
+        server_metrics.parse(with_ingress(base_after, 15, 0.03, 0.04, 1.5, None, 0.0)),
+    )
+    assert d is not None and d["ingress_ttft_ms"] == pytest.approx(
+        {"parse": 2.0, "tokenize": 2.0, "backend": 100.0, "route": None}
+    )
+    assert report.ingress_ttft_cell(d) == "2.00 + 2.00 + 100.0"
+    d = server_metrics.speculative_delta(
+        server_metrics.parse(with_ingress(base_before, 5, 0.01, 0.02, 0.5, 5, 0.005)),
+        server_metrics.parse(with_ingress(base_after, 15, 0.03, 0.04, 1.5, 15, 0.015)),
+    )
+    assert d is not None and d["ingress_ttft_ms"]["route"] == pytest.approx(1.0)
+    assert report.ingress_ttft_cell(d) == "2.00 + 2.00 + 100.0 (route 1.00)"
 
     def with_kinds(base: str, planned: int, planned_s: float, joined: int, joined_s: float) -> str:
         """The planned and joined rounds of dspark-serve, and their wall time."""

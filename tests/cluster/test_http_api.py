@@ -338,6 +338,11 @@ def test_metrics_have_spec_decode_counters(server: Server) -> None:
     joined = value("dspark_joined_rounds")  # rounds of prompts joining running requests, and their wall time
     assert 0 <= joined <= value("dspark_rounds") and (value("dspark_joined_round_seconds") > 0) == (joined > 0)
     assert value("dspark_planned_rounds") >= 0 and value("dspark_planned_round_seconds") >= 0
+    # The ingress's part of TTFT: every request so far got a first delta after its parse and tokenising.
+    assert value("dspark_http_first_deltas") >= 1
+    assert value("dspark_http_parse_seconds") >= 0 and value("dspark_http_tokenize_seconds") > 0
+    assert value("dspark_http_backend_first_delta_seconds") > 0
+    assert "dspark_http_routes" not in families  # in process: nothing is routed
     assert value("vllm:prompt_tokens") > 0 and value("vllm:generation_tokens") > 0
     assert value("vllm:request_success", finished_reason="length") > 0
     assert value("dspark_num_requests_running") >= 0 and "dspark_num_requests_waiting" in families

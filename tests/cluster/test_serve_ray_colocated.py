@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from ray_start import start_local_cluster
 from slo_refusal import assert_unattainable_target_refused
 from stats import chi_square_p_value
@@ -199,6 +200,11 @@ def test_concurrent_requests_and_disconnect_free_the_slots(served: dict) -> None
     assert _handle("Scheduler").endpoints.remote().result()["engines"]  # still registered
     text = httpx.get(f"{served['base']}/metrics", timeout=30).text
     assert "dspark_output_tokens_total" in text
+    # Every request was routed by the scheduler first, and the ingress timed each Route call.
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    routes = sum(s.value for s in families["dspark_http_routes"] if s.name.endswith("_total"))
+    assert routes >= 10 and sum(s.value for s in families["dspark_http_route_seconds"]) > 0
+    assert sum(s.value for s in families["dspark_http_first_deltas"] if s.name.endswith("_total")) >= 10
 
 
 def test_unattainable_target_is_refused_with_429_and_retry_after(served: dict) -> None:
