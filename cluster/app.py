@@ -48,7 +48,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.autoscaling import engine_load
 from cluster.config import AppConfig
 from cluster.rpc import HealthStatus, ServerThread, SyncRpcClient
-from cluster.spare_workers import SpareWorkers
+from cluster.spare_workers import SpareWorkers, honour_ray_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +178,7 @@ class DrafterReplica:
     def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle) -> None:
         from cluster.loading import build_drafter_service
 
+        honour_ray_cpu_threads()
         self.config = AppConfig.from_args(args).resolve_secrets()
         self.service = build_drafter_service(self.config, _grpc_host(self.config))
         token = self.config.network.grpc_token
@@ -222,6 +223,7 @@ class VerifierReplica:
     def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle) -> None:
         from cluster.loading import build_verifier_service
 
+        honour_ray_cpu_threads()
         self.config = AppConfig.from_args(args).resolve_secrets()
         self.service = build_verifier_service(self.config)
         sps = self.service.sps
@@ -274,6 +276,7 @@ class EngineReplica:
         from cluster.backend_rpc import backend_methods
         from cluster.loading import build_local_backend
 
+        honour_ray_cpu_threads()
         self.config = AppConfig.from_args(args).resolve_secrets()
         tokenizer = AutoTokenizer.from_pretrained(self.config.models.tokenizer_path, local_files_only=True)
         self.backend = build_local_backend(self.config, tokenizer=tokenizer)
@@ -335,6 +338,7 @@ class SchedulerReplica:
         from cluster.tokenizer_cache import load_decode
         from scheduler.hub import SchedulerHub
 
+        honour_ray_cpu_threads()
         self.config = AppConfig.from_args(args).resolve_secrets()
         # Not AutoTokenizer: a restarted scheduler reads its detokeniser from the start-up cache and never imports
         # transformers, which it needs for nothing else (see cluster.tokenizer_cache).
@@ -431,6 +435,7 @@ class IngressReplica:
     def __init__(self, args: dict[str, Any], scheduler: DeploymentHandle, *pools: DeploymentHandle) -> None:
         # The pool handles are unused here: binding them is what makes Serve deploy the drafter and verifier pools
         # as part of this application.
+        honour_ray_cpu_threads()
         self.config = AppConfig.from_args(args).resolve_secrets()
         self.scheduler = scheduler
         self.pools = pools

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -56,6 +57,20 @@ def preload_environment() -> dict[str, str]:
     config = preload_system_config()
     return {"RAY_preload_python_modules": ",".join(config["preload_python_modules"]),
             "RAY_prestart_worker_first_driver": str(config["prestart_worker_first_driver"]).lower()}
+
+
+def honour_ray_cpu_threads() -> None:
+    """Give torch as many intra-op threads as Ray assigned this actor (``OMP_NUM_THREADS``; a replica's first step).
+
+    Ray sets that variable from an actor's ``num_cpus`` (at least 1) when the actor is created, unless the operator
+    set it. A worker that preloaded torch (:data:`PRELOAD_MODULES`) read it before, unset, and would use every
+    core: the CPU replicas of a node would each run as many threads as it has cores, and a verifier's SPS profile
+    would time its steps by the wall clock (``scheduler.profiling``)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        import torch
+
+        torch.set_num_threads(int(value))
 
 
 def is_spare(worker: Any) -> bool:

@@ -104,9 +104,15 @@ ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=1, object_store
 
 @ray.remote(num_cpus=0)
 class Probe:
-    def modules(self):
+    def __init__(self):
         import sys
-        return sorted(m for m in {PRELOAD_MODULES!r} if m in sys.modules)
+        self.preloaded = sorted(m for m in {PRELOAD_MODULES!r} if m in sys.modules)
+        from cluster.spare_workers import honour_ray_cpu_threads
+        honour_ray_cpu_threads()  # what every replica does first
+
+    def modules(self):
+        import torch
+        return self.preloaded, os.environ["OMP_NUM_THREADS"], torch.get_num_threads()
 
 print(ray.get(Probe.remote().modules.remote(), timeout=120))
 """
@@ -114,7 +120,8 @@ print(ray.get(Probe.remote().modules.remote(), timeout=120))
 
 def test_a_cluster_configured_by_environment_preloads_the_application() -> None:
     """What a RayService sets in its pods (docs/DEPLOYMENT.md): with :func:`preload_environment` a node's workers
-    import torch, Serve's replica and this application before an actor's constructor runs."""
+    import torch, Serve's replica and this application before an actor's constructor runs, and a replica's torch
+    still runs as many threads as Ray assigned it (:func:`honour_ray_cpu_threads`)."""
     env = preload_environment()
     assert env == {"RAY_preload_python_modules": ",".join(PRELOAD_MODULES),
                    "RAY_prestart_worker_first_driver": "false"}
@@ -122,4 +129,6 @@ def test_a_cluster_configured_by_environment_preloads_the_application() -> None:
     done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "RAY_AUTH_MODE": "disabled", **env},
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == repr(sorted(PRELOAD_MODULES)), done.stdout
+    # The preloaded torch read OMP_NUM_THREADS before Ray set it for the actor (1 thread for less than one CPU);
+    # the replica's first step gives torch that count instead of every core.
+    assert done.stdout.strip().splitlines()[-1] == repr((sorted(PRELOAD_MODULES), "1", 1)), done.stdout
