@@ -11,8 +11,9 @@ Rules this module keeps:
   caches are freed for others; the abort is shielded from the cancellation that the disconnect itself causes.
 - Every 503 (not ready yet, a replica or the scheduler gone) carries ``Retry-After``: it is retryable; so does a
   429 (a TPOT target the scheduler cannot meet at the current load, refused at admission).
-- The tokenizer is used from worker threads under one lock (a Rust tokenizer must not be re-entered while its
-  settings are in use), so a long prompt never blocks the event loop.
+- The tokenizer is used under one lock (a Rust tokenizer must not be re-entered while its settings are in use):
+  a short prompt on the event loop itself when the lock is free (a thread hop costs more than its tokenising), a
+  long one in a worker thread, so a long prompt never blocks the event loop.
 """
 
 from __future__ import annotations
@@ -502,6 +503,8 @@ def _tier_families(tiers: Sequence[TierSnapshot], labels: list[str], values: lis
 
 
 # ----------------------------------------------------------------------------------------------- service
+#: Prompts (or chat contents) up to this many characters are tokenised on the event loop (see the module doc).
+INLINE_TOKENIZE_CHARS = 4096
 #: The request state key (``scope["state"]``) under which the middleware records a request's arrival.
 ARRIVED_STATE = "dspark_arrived"
 
@@ -595,7 +598,15 @@ class _Service:
         self.created = int(time.time())
         self._tokenizer_lock = threading.Lock()
 
-    async def tokenize(self, fn: Callable[[], T]) -> T:
+    async def tokenize(self, fn: Callable[[], T], chars: int) -> T:
+        """``fn()`` (tokenising ``chars`` characters) under the tokenizer's lock: here when the text is short and
+        the lock free, else in a worker thread (waiting there for the lock never holds the event loop)."""
+        if chars <= INLINE_TOKENIZE_CHARS and self._tokenizer_lock.acquire(blocking=False):
+            try:
+                return fn()
+            finally:
+                self._tokenizer_lock.release()
+
         def locked() -> T:
             with self._tokenizer_lock:
                 return fn()
@@ -759,7 +770,9 @@ def build_app(
         if isinstance(prompt, list) and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of exactly one prompt (the schema allows no more)
         if isinstance(prompt, str):
-            prompt_ids = await service.tokenize(lambda: list(tokenizer.encode(prompt, add_special_tokens=True)))
+            prompt_ids = await service.tokenize(
+                lambda: list(tokenizer.encode(prompt, add_special_tokens=True)), len(prompt)
+            )
         else:
             prompt_ids = list(prompt)
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
@@ -821,7 +834,7 @@ def build_app(
             return [int(t) for t in ids]
 
         try:
-            prompt_ids = await service.tokenize(render)
+            prompt_ids = await service.tokenize(render, sum(len(m["content"]) for m in conversation))
         except (TemplateError, ValueError, TypeError) as error:  # templates may raise on messages they reject
             raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
         if not prompt_ids:

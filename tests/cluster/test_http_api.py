@@ -4,8 +4,10 @@ client disconnects free the engine's slots, and /metrics carries the spec-decode
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ from http_harness import DEMO_TARGET, MODEL, demo_backend, demo_tokenizer, free_
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.backend import LocalBackend
-from cluster.http_app import build_app
+from cluster.http_app import INLINE_TOKENIZE_CHARS, _Service, build_app
 from verify_service.target import TargetModel
 
 MAX_REQUESTS = 4
@@ -362,3 +364,36 @@ def test_models_health_and_openapi(server: Server) -> None:
     assert {"200", "400", "401", "404", "413", "429"} == set(completion["responses"])  # 400, not FastAPI's 422
     request = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     assert request["n"]["maximum"] == 1 and request["stop"]["anyOf"]  # ranges are documented for fuzzers
+
+
+def test_short_prompts_are_tokenised_on_the_event_loop_and_nothing_waits_there_for_the_tokenizer(
+    server: Server,
+) -> None:
+    """A short prompt is tokenised on the event loop itself (no thread hop); a long one, and a short one while the
+    tokenizer is busy elsewhere, in a worker thread, so the loop runs on meanwhile."""
+    service = _Service(server.backend, server.tokenizer)
+    short = PROMPTS[0]
+    long = short * (INLINE_TOKENIZE_CHARS // len(short) + 1)
+
+    def encode(text: str):
+        return lambda: (threading.get_ident(), server.encode(text))
+
+    async def scenario() -> None:
+        loop_thread = threading.get_ident()
+        assert await service.tokenize(encode(short), len(short)) == (loop_thread, server.encode(short))
+        ident, ids = await service.tokenize(encode(long), len(long))
+        assert ident != loop_thread and ids == server.encode(long)
+        lock = service._tokenizer_lock
+        lock.acquire()  # the tokenizer busy in another request's thread
+        releaser = threading.Timer(2.0, lock.release)  # a loop blocked on the lock would run on after this only
+        releaser.start()
+        try:
+            task = asyncio.ensure_future(service.tokenize(encode(short), len(short)))
+            await asyncio.sleep(0.05)  # the task starts and waits for the lock in a thread, not on this loop
+            assert lock.locked() and not task.done(), "the event loop waited for the tokenizer"
+            ident, ids = await task
+            assert ident != loop_thread and ids == server.encode(short)
+        finally:
+            releaser.join()
+
+    asyncio.run(scenario())
