@@ -57,6 +57,30 @@ def ingress_ttft_cell(spec: dict[str, Any]) -> str:
     return f"{_fmt(part['parse'], 1, 2)} + {_fmt(part['tokenize'], 1, 2)} + {_fmt(part['backend'], 1, 1)}{route}"
 
 
+#: The parts of a level's mean TTFT in the order a request meets them (:func:`ttft_parts`).
+TTFT_PARTS = ("to the app and back", "parse", "tokenize", "route", "to the round driver and back", "queue",
+              "admission to first token")
+
+
+def ttft_parts(level: dict[str, Any]) -> dict[str, float] | None:
+    """Mean ms of each part of a level's TTFT (:data:`TTFT_PARTS`), from the client's mean TTFT, the ingress's
+    split (``ingress_ttft_ms``) and the round driver's (``ttft_split_ms``); ``None`` without both splits. Two
+    parts are what the clocks leave: "to the app and back" (the client's TTFT beyond the ingress's parts: the way
+    to the app, the first chunk's way back, the client) and "to the round driver and back" (the ingress's
+    ``backend`` beyond its ``route`` and the round driver's part). Each split is a mean over the requests its
+    own counters saw, so a difference can come out slightly negative."""
+    spec = level.get("speculative") or {}
+    ingress, driver, mean_s = spec.get("ingress_ttft_ms"), spec.get("ttft_split_ms"), level["ttft_s"]["mean"]
+    if not ingress or not driver or mean_s is None:
+        return None
+    route = ingress["route"] or 0.0
+    inside = driver["queue"] + driver["admission_to_first_token"]
+    values = (1e3 * mean_s - ingress["parse"] - ingress["tokenize"] - ingress["backend"], ingress["parse"],
+              ingress["tokenize"], route, ingress["backend"] - route - inside, driver["queue"],
+              driver["admission_to_first_token"])
+    return dict(zip(TTFT_PARTS, values, strict=True))
+
+
 def level_table(result: Result) -> str:
     """Markdown table of one run, a row per level."""
     head = ("| load | done | errors | tok/s/user p50 (p10) | aggregate tok/s | TTFT p50 / p99 ms "
@@ -146,8 +170,9 @@ def side_by_side(results: Sequence[Result]) -> str:
 
 
 def plot(results: Sequence[Result], out_dir: Path, stem: str = "bench_serve") -> list[Path]:
-    """``<stem>_pareto.png`` (aggregate vs per-user tokens/s) and ``<stem>_latency.png`` (TTFT / TPOT / E2E
-    percentiles by level); returns the paths written."""
+    """``<stem>_pareto.png`` (aggregate vs per-user tokens/s), ``<stem>_latency.png`` (TTFT / TPOT / E2E
+    percentiles by level) and, from a server that splits its TTFT, ``<stem>_ttft.png`` (where the mean TTFT goes,
+    by level); returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,7 +218,42 @@ def plot(results: Sequence[Result], out_dir: Path, stem: str = "bench_serve") ->
     paths.append(out_dir / f"{stem}_latency.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
-    return paths
+    ttft = _plot_ttft_parts(plt, results, out_dir / f"{stem}_ttft.png")
+    return paths if ttft is None else [*paths, ttft]
+
+
+def _plot_ttft_parts(plt: Any, results: Sequence[Result], path: Path) -> Path | None:
+    """Stacked bars of :func:`ttft_parts` by level, a panel per run that has them (negative parts drawn as 0)."""
+    panels: list[tuple[int, Result, list[tuple[str, dict[str, float]]]]] = []
+    for i, result in enumerate(results):
+        bars = [(lv["load"]["label"], parts) for lv in result["levels"] if (parts := ttft_parts(lv)) is not None]
+        if bars:
+            panels.append((i, result, bars))
+    if not panels:
+        return None
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 4 * rows), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for ax, (i, result, bars) in zip(axes.flat, panels, strict=False):
+        labels = [label for label, _ in bars]
+        bottom = [0.0] * len(bars)
+        for part, color in zip(TTFT_PARTS, colors, strict=False):
+            heights = [max(parts[part], 0.0) for _, parts in bars]
+            ax.bar(labels, heights, bottom=bottom, color=color, label=part)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        ax.set_title(_label(result, i), fontsize=9)
+        ax.set_xlabel("load")
+        ax.set_ylabel("mean TTFT (ms)")
+        ax.grid(alpha=0.3, axis="y")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("Where the mean time to first token goes (client, ingress, round driver)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def write(results: Sequence[Result], out_dir: Path, stem: str = "bench_serve") -> list[Path]:

@@ -416,6 +416,13 @@ def test_closed_loop_sweep_against_a_real_server(server: str, prompts: Path, tmp
     assert "| c=1 |" in md and "| c=2 |" in md and "first wave max E2E" in md
     assert (tmp_path / "bench_serve_pareto.png").stat().st_size > 0
     assert (tmp_path / "bench_serve_latency.png").stat().st_size > 0
+    # The server splits its TTFT (ingress and round driver): the parts add up to the client's mean TTFT.
+    for lv in doc["levels"]:
+        parts = report.ttft_parts(lv)
+        assert parts is not None and list(parts) == list(report.TTFT_PARTS) and parts["route"] == 0.0
+        assert sum(parts.values()) == pytest.approx(1e3 * lv["ttft_s"]["mean"])
+        assert parts["tokenize"] > 0 and parts["admission to first token"] > 0
+    assert (tmp_path / "bench_serve_ttft.png").stat().st_size > 0
 
 
 @pytest.mark.slow
