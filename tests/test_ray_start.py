@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,19 @@ import ray
 from ray_start import ATTEMPTS, kill_stray_ray_children, start_with_retry
 
 TIMEOUT = Exception("The current node timed out during startup. This could happen because ...")
+
+
+def _skip_ray_node_waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Ray's node start-up waits up to its fixed 30 s for the node to register, timed by ``time.monotonic`` of
+    ``ray._private.node``: that clock is given an offset, and a test that makes a node's lookup fail adds 31 s
+    to it (the returned list's one value), so Ray's own wait times out at its next check instead of 30 s later."""
+    import ray._private.node as node_module
+
+    offset = [0.0]
+    clock = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+    clock.monotonic = lambda: time.monotonic() + offset[0]
+    monkeypatch.setattr(node_module, "time", clock)
+    return offset
 
 
 def test_a_node_start_timeout_is_retried_after_cleanup() -> None:
@@ -80,17 +95,21 @@ def test_only_children_running_rays_code_are_killed() -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_real_node_start_timeout_is_recovered(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first node's raylet never shows up in the GCS (its lookup is made to fail), so Ray gives up after its
-    30 s; the starter kills that node's processes and the second start gives a working one-node cluster."""
+    """The first node's raylet never shows up in the GCS (its lookup is made to fail), so Ray gives up (its 30 s
+    skipped: ``_skip_ray_node_waits``); the starter kills that node's processes and the second start gives a
+    working one-node cluster."""
     import ray._private.services as services
     from ray_start import init_local_ray
 
     real_get_node = services.get_node
     lookups = {"failed": 0}
+    offset = _skip_ray_node_waits(monkeypatch)
 
     def get_node_failing_for_the_first_node(gcs_address: str, node_id: str):
         if lookups.setdefault("first", node_id) == node_id:
             lookups["failed"] += 1
+            if lookups["failed"] > 1:  # Ray's wait retried the lookup: its 30 s are up at its next check
+                offset[0] += 31.0
             raise RuntimeError("node info not available (test)")
         return real_get_node(gcs_address, node_id)
 
@@ -114,11 +133,13 @@ def test_a_worker_node_start_timeout_restarts_the_whole_cluster(monkeypatch: pyt
 
     real_get_node = services.get_node
     seen: list[str] = []
+    offset = _skip_ray_node_waits(monkeypatch)  # Ray's 30 s wait for the worker, skipped
 
     def get_node_failing_for_the_first_worker(gcs_address: str, node_id: str):
         if node_id not in seen:
             seen.append(node_id)
         if len(seen) >= 2 and node_id == seen[1]:  # seen[0] is the first head
+            offset[0] += 31.0
             raise RuntimeError("node info not available (test)")
         return real_get_node(gcs_address, node_id)
 
