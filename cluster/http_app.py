@@ -123,7 +123,9 @@ class _GuardMiddleware:
 
     The key is checked first so an unauthenticated client learns nothing about the request format; the body is
     read here in full up to the limit (without a trusted Content-Length a chunked upload could be endless).
-    ``on_error`` is told the status of every error answered here, as the app's handlers tell it theirs.
+    ``on_error`` is told the status of every error answered here, as the app's handlers tell it theirs. Every
+    HTTP request's arrival is stamped in its ``scope["state"]`` first (``ARRIVED_STATE``, read by
+    :class:`_RequestClock`), so TTFT and its parse part start before the body is read.
     """
 
     def __init__(
