@@ -13,7 +13,8 @@ completions with the official ``openai`` client from ``--clients`` threads, and 
    Ray's state API needs the dashboard, which ``dspark serve`` leaves off. Recorded per fault: streams cut (in
    flight at the kill and ended with an error) and the ones that completed, whether every completion ended with the
    same text as those before the fault (one greedy request: nothing sent twice or lost across a continued stream),
-   the time until the first completion started after the kill succeeded, the longest stall of streams that
+   the time until the first completion started after the kill succeeded and until the first token of a request
+   sent after the kill (back to serving: a new request is answered), the longest stall of streams that
    survived the kill, the errors as the client saw them (exception class, HTTP status, error code), how long
    ``/health`` took to answer, when it first said something else than 200 and when 200 again, whether every
    Prometheus counter served by the ingress stayed monotonic, and how many rounds
@@ -59,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from load_test import replica_processes  # noqa: E402
+from timing import cpu_name  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n"
 METHODS = {
@@ -76,6 +78,7 @@ class Outcome:
 
     start: float
     chunks: list[float] = field(default_factory=list)
+    first_token: float | None = None  # the first chunk with text
     end: float = 0.0
     error: str | None = None  # None: completed
     text: str = ""
@@ -101,7 +104,10 @@ class Load:
                                                         max_tokens=self.max_tokens, temperature=0)
                 for chunk in stream:
                     outcome.chunks.append(time.monotonic())
-                    outcome.text += "".join(choice.text for choice in chunk.choices)
+                    text = "".join(choice.text for choice in chunk.choices)
+                    if text and outcome.first_token is None:
+                        outcome.first_token = outcome.chunks[-1]
+                    outcome.text += text
             except openai.APIStatusError as error:
                 outcome.error = f"{type(error).__name__} status={error.status_code} code={_code(error.body)}"
             except openai.APIError as error:  # an error event on a started stream: no HTTP status
@@ -311,6 +317,7 @@ def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, 
     outcomes = [o for o in list(load.outcomes) if o.end >= killed]
     in_flight = [o for o in outcomes if o.start < killed]
     later_ok = [o.end - killed for o in outcomes if o.start >= killed and o.error is None]
+    later_first = [o.first_token - killed for o in outcomes if o.start >= killed and o.first_token is not None]
     survivors = [o for o in in_flight if o.error is None]
     # Every completion is of the same greedy request: one completed before the fault has the text all must have.
     reference = next((o.text for o in load.outcomes if o.error is None and o.end < killed), None)
@@ -331,6 +338,7 @@ def inject(role: str, server: subprocess.Popen[str], base_url: str, load: Load, 
         "completed_with_other_text": None if reference is None else sum(o.text != reference for o in outcomes
                                                                            if o.error is None),
         "first_success_after_kill_s": min(later_ok) if later_ok else None,
+        "first_token_after_kill_s": min(later_first) if later_first else None,
         "max_stall_of_surviving_streams_s": max(stalls) if stalls else None,
         "client_errors": errors,
         "health_not_200_at_s": down_at,
@@ -423,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "server": " ".join(command[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "load_average": os.getloadavg()},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "load_average": os.getloadavg()},
         "clients": args.clients,
         "max_tokens": args.max_tokens,
     })

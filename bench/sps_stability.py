@@ -11,6 +11,9 @@ process: 1 is what a Ray verifier replica of one CPU gets (Ray sets ``OMP_NUM_TH
 CPUs), and with 1 a CPU profile times steps by the thread's CPU time (:func:`scheduler.profiling.host_step_timer`).
 
     python bench/sps_stability.py --profiles 8 --out docs/benchmarks/sps_stability_cpu.json
+    python bench/sps_stability.py --device cuda --dtype bfloat16 --target T --draft D --profiles 5 --out X.json
+
+``--target`` / ``--draft`` profile another pair (e.g. the demo pair inflated to a real shape by ``dspark inflate``).
 """
 
 from __future__ import annotations
@@ -33,20 +36,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from timing import cpu_name  # noqa: E402
+
 from cluster.config import AppConfig  # noqa: E402
 from cluster.loading import _profile_sps, build_verify_engine, drafter_block_size  # noqa: E402
 from scheduler.profiling import PROFILER_VERSION  # noqa: E402
 from scheduler.sps import SPSMonotonicityWarning, SPSTable  # noqa: E402
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _spread(values: list[float]) -> float:
@@ -67,13 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-requests", type=int, default=64, help="engine slots, as dspark serve (default: 64)")
     parser.add_argument("--max-seq-len", type=int, default=1024, help="engine context (default: 1024)")
     parser.add_argument("--device", default="cpu", help="device (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the models' dtype (default: float32)")
+    parser.add_argument("--target", default=None, help="target model folder (default: the demo target)")
+    parser.add_argument("--draft", default=None, help="drafter folder (default: the demo drafter)")
     parser.add_argument("--graphs", default="auto", help="engine step mode, as dspark serve (default: auto)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads, as a Ray verifier replica of one CPU has (default: 1)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here (default: none)")
     args = parser.parse_args(argv)
+    models: dict[str, Any] = {"device": args.device, "dtype": args.dtype}
+    models.update({key: value for key, value in (("target", args.target), ("draft", args.draft)) if value})
     config = AppConfig.from_args({
-        "models": {"device": args.device},
+        "models": models,
         "engine": {"max_requests": args.max_requests, "max_seq_len": args.max_seq_len, "graphs": args.graphs},
     })
     torch.set_num_threads(args.threads)
@@ -115,14 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
                         "python": platform.python_version(),
                         "torch": torch.__version__},
             "load_average": os.getloadavg(),
             "load_average_per_profile": loads,
             "profiler_version": PROFILER_VERSION,
             "config": {"max_requests": args.max_requests, "max_seq_len": args.max_seq_len, "device": args.device,
-                       "graphs": args.graphs, "block_size": block_size},
+                       "dtype": args.dtype, "target": config.models.target, "graphs": args.graphs,
+                       "block_size": block_size},
             "profile_seconds": seconds,
             "monotonicity_warnings": warned,
             "max_spread": max(spreads),

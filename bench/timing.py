@@ -1,12 +1,14 @@
-"""Timing helpers the kernel benchmarks share: median of CUDA-event timings (wall clock on CPU), one replay of
-a captured CUDA graph (how the engines run their steps), and the device copy bandwidth the kernels' achieved
-bandwidth is compared with."""
+"""Timing helpers the benchmarks share: median of CUDA-event timings (wall clock on CPU), one replay of a
+captured CUDA graph (how the engines run their steps), the device copy bandwidth the kernels' achieved bandwidth
+is compared with, and the CPU's name for a result's machine record."""
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -52,3 +54,14 @@ def copy_bandwidth(num_bytes: int, device: torch.device, repeats: int) -> float:
     dst = torch.empty_like(src)
     ms = timed(lambda: dst.copy_(src), device, repeats)
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def cpu_name() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (else what :mod:`platform` says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
