@@ -34,7 +34,7 @@ stage sps_gpu 420 bash -c "
   python3 -m cluster.cli inflate --target models/demo/target --draft models/demo/draft_dspark --shape qwen3-4b \
     --out $inflated --dtype bfloat16 --device cuda &&
   python3 bench/sps_stability.py --device cuda --dtype bfloat16 --target $inflated/target \
-    --draft $inflated/draft --profiles 5 --out $out/sps_stability_gpu.json"
+    --draft $inflated/draft --profiles 8 --out $out/sps_stability_gpu.json"
 python3 - "$out" <<'EOF'
 import json, sys
 from pathlib import Path

@@ -49,6 +49,36 @@ def _spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values)
 
 
+def machine_speed(device: torch.device, seconds: float = 1.0) -> float:
+    """How fast the machine runs a fixed memory-bound workload now, in calls/s: 20 products of a fixed matrix with
+    8 columns, like a verify step's weight reads: on a CPU an fp32 2048 x 4096 one (32 MiB, the demo target's
+    size) timed by the thread's CPU time (the profiler's clock with one thread), on a GPU a bf16 8192 x 8192 one
+    timed by CUDA events; the lower quartile of the calls made in ``seconds``. How much it moves between profiles
+    is how much the machine's own speed moved: what no statistic within one profile can remove."""
+    if device.type == "cuda":
+        weight = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        columns = torch.randn(8192, 8, device=device, dtype=torch.bfloat16)
+    else:
+        weight, columns = torch.randn(2048, 4096), torch.randn(4096, 8)
+    samples: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(samples) < 8:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                weight @ columns
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.thread_time_ns()
+            for _ in range(20):
+                weight @ columns
+            samples.append((time.thread_time_ns() - began) / 1e9)
+    return 1.0 / float(np.quantile(samples, 0.25))
+
+
 def _tables(sps: Any) -> dict[str, SPSTable]:
     """A token table as ``{"tokens": table}``; tables by request count as ``{"R=<r>": table}``."""
     if isinstance(sps, SPSTable):
@@ -84,16 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     seconds: list[float] = []
     loads: list[float] = []
     warned: list[int] = []
+    speeds: list[float] = []  # the machine's speed around each profile: the mean of before and after
+    device = verify.target.device
     for i in range(args.profiles):
+        before = machine_speed(device)
         started = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", SPSMonotonicityWarning)
             profiles.append(_tables(_profile_sps(config, verify, block_size)))
         seconds.append(time.perf_counter() - started)
+        speeds.append((before + machine_speed(device)) / 2)
         loads.append(os.getloadavg()[0])
         warned.append(sum(issubclass(w.category, SPSMonotonicityWarning) for w in caught))
         print(f"profile {i + 1}/{args.profiles}: {seconds[-1]:.1f} s, {warned[-1]} monotonicity warnings, "
-              f"load average {loads[-1]:.2f}", flush=True)
+              f"machine speed {speeds[-1]:.1f}/s, load average {loads[-1]:.2f}", flush=True)
     rows = []
     for name in profiles[0]:
         first = profiles[0][name]
@@ -111,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| {100 * r['shape_spread']:.1f} % |")
     print(f"\nspread over B: max {100 * max(spreads):.1f} %, median {100 * statistics.median(spreads):.1f} %; "
           f"shape: max {100 * max(shapes):.1f} %, median {100 * statistics.median(shapes):.1f} %; "
+          f"the machine's speed {100 * _spread(speeds):.1f} %; "
           f"profile time {min(seconds):.1f}-{max(seconds):.1f} s; load average {min(loads):.2f}-{max(loads):.2f}")
     if args.out is not None:
         result = {
@@ -132,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             "median_spread": statistics.median(spreads),
             "max_shape_spread": max(shapes),
             "median_shape_spread": statistics.median(shapes),
+            "machine_speed": speeds,
+            "machine_speed_spread": _spread(speeds),
             "rows": rows,
         }
         args.out.write_text(json.dumps(result, indent=2) + "\n")

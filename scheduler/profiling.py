@@ -204,7 +204,7 @@ def profile_graph_sps(
     batch_sizes: Sequence[int],
     context: int = 64,
     warmup: int = 2,
-    repeats: int = 7,
+    repeats: int = 15,
 ) -> tuple[SPSTable, list[float]]:
     """SPS(B) of the engine's own graph-path verify step (host packing, replay and result copy: what a round
     pays), and the device time of the replays alone (seconds, median per B). The runner never advances the
@@ -235,7 +235,7 @@ def profile_graph_sps_by_requests(
     request_counts: Sequence[int],
     context: int = 64,
     warmup: int = 2,
-    repeats: int = 7,
+    repeats: int = 15,
 ) -> tuple[RequestSPS, dict[int, list[float]]]:
     """SPS tables by request count of the engine's graph-path verify step: for every R, the step where R
     requests each verify the anchor and l drafts (B = R * (l + 1), l = 0 .. chunk - 1), as
