@@ -69,8 +69,9 @@ def test_triton_equals_reference(top_k: int, dtype: torch.dtype) -> None:
 def test_truncated_mode_over_many_tiles_equals_reference(top_k: int, flat: bool) -> None:
     """V = 2000 is 16 tiles: top-5 re-reads only the 5 best tiles, top-20 needs every tile, and a flat z
     (all values tied, ids decide) puts more tokens above the tile bound than the candidate buffer holds,
-    which takes the exact extraction fallback."""
-    inputs = make_inputs(seed=top_k, vocab=2000)
+    which takes the exact extraction fallback. Two steps (the second conditioned on the first's tokens) and
+    four requests (greedy and three temperatures) cover every path; more only lengthen the interpreted run."""
+    inputs = make_inputs(num_req=4, gamma=2, seed=top_k, vocab=2000)
     if flat:
         inputs["base_logits"] = torch.zeros_like(inputs["base_logits"])
         inputs["w2"] = torch.zeros_like(inputs["w2"])
@@ -114,8 +115,8 @@ def test_per_request_k_eff_truncates_inside_the_top_k_and_equals_the_reference(d
     token is one of them (k_eff = 1: the argmax with probability 1); k_eff = K everywhere is no k_eff. The base
     logits are the real-vocabulary view of a wider (padded) row, as the draft engine passes them."""
     top_k = 7
-    inputs = make_inputs(num_req=6, gamma=3, vocab=300, seed=11, dtype=dtype)  # rows 0 and 4 are greedy
-    padded = torch.full((6, 3, 309), 50.0, dtype=dtype, device=DEVICE)  # padded ids would win every race
+    inputs = make_inputs(num_req=6, gamma=2, vocab=300, seed=11, dtype=dtype)  # rows 0 and 4 are greedy
+    padded = torch.full((6, 2, 309), 50.0, dtype=dtype, device=DEVICE)  # padded ids would win every race
     padded[..., :300] = inputs["base_logits"]
     inputs["base_logits"] = padded[..., :300]
     k_eff = torch.tensor([3, 1, 7, 2, 5, 4], device=DEVICE)
