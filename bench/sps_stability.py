@@ -40,8 +40,8 @@ from timing import cpu_name  # noqa: E402
 
 from cluster.config import AppConfig  # noqa: E402
 from cluster.loading import _profile_sps, build_verify_engine, drafter_block_size  # noqa: E402
-from scheduler.profiling import PROFILER_VERSION  # noqa: E402
-from scheduler.sps import SPSMonotonicityWarning, SPSTable  # noqa: E402
+from scheduler.profiling import PROFILER_VERSION, host_step_timer  # noqa: E402
+from scheduler.sps import SPSMonotonicityWarning, SPSTable, cuda_event_timer  # noqa: E402
 
 
 def _spread(values: list[float]) -> float:
@@ -51,31 +51,27 @@ def _spread(values: list[float]) -> float:
 
 def machine_speed(device: torch.device, seconds: float = 1.0) -> float:
     """How fast the machine runs a fixed memory-bound workload now, in calls/s: 20 products of a fixed matrix with
-    8 columns, like a verify step's weight reads: on a CPU an fp32 2048 x 4096 one (32 MiB, the demo target's
-    size) timed by the thread's CPU time (the profiler's clock with one thread), on a GPU a bf16 8192 x 8192 one
-    timed by CUDA events; the lower quartile of the calls made in ``seconds``. How much it moves between profiles
-    is how much the machine's own speed moved: what no statistic within one profile can remove."""
+    8 columns, like a verify step's weight reads (on a CPU an fp32 2048 x 4096 one, 32 MiB, the demo target's
+    size; on a GPU a bf16 8192 x 8192 one), timed by the profiler's own clock (CUDA events on a GPU,
+    :func:`scheduler.profiling.host_step_timer` on a CPU); the lower quartile of the calls made in ``seconds``.
+    How much it moves between profiles is how much the machine's own speed moved: what no statistic within one
+    profile can remove."""
     if device.type == "cuda":
         weight = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
         columns = torch.randn(8192, 8, device=device, dtype=torch.bfloat16)
+        timer = cuda_event_timer(device)
     else:
         weight, columns = torch.randn(2048, 4096), torch.randn(4096, 8)
+        timer = host_step_timer(device)
+
+    def call() -> None:
+        for _ in range(20):
+            weight @ columns
+
     samples: list[float] = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(samples) < 8:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                weight @ columns
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            began = time.thread_time_ns()
-            for _ in range(20):
-                weight @ columns
-            samples.append((time.thread_time_ns() - began) / 1e9)
+        samples.append(timer(call))
     return 1.0 / float(np.quantile(samples, 0.25))
 
 
