@@ -10,10 +10,9 @@
 set -uo pipefail
 out=${1:?usage: bench/gpu_reliability.sh OUT_DIR}
 stages=" ${STAGES:-sps_cpu fault fault2 sps_gpu} "
-mkdir -p "$out" /tmp/site
-tar xJf .gpu-ray/ray-serve-2.60.0-py312-gpu-site.tar.xz -C /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+source bench/gpu_site.sh
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its exit code, never abort the call
   local name=$1 limit=$2; shift 2

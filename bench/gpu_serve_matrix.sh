@@ -9,10 +9,9 @@
 set -uo pipefail
 out=${1:?usage: bench/gpu_serve_matrix.sh OUT_DIR [TIME_LIMIT_S]}
 limit=${2:-540}
-mkdir -p "$out" /tmp/site
-tar xJf .gpu-ray/ray-serve-2.60.0-py312-gpu-site.tar.xz -C /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+mkdir -p "$out"
+source bench/gpu_site.sh
+export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # TIME_LIMIT_S stops starting cells; a cell started before it still runs to its end, so the run is cut at
 # HARD_LIMIT_S (default: TIME_LIMIT_S + 60) to leave the call time to pack the server logs: the results file is

@@ -19,14 +19,7 @@ prompts=.data/prompts
 [[ -d $prompts ]] || prompts=../shared/data/prompts
 if "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   # The GPU image's Python 3.12 lacks the client's packages: the carried trees (a CPU run has them installed).
-  mkdir -p /tmp/site
-  if compgen -G ".gpu-ray/*.tar.xz" > /dev/null; then
-    tar xJf .gpu-ray/ray-serve-*.tar.xz -C /tmp/site
-  fi
-  if compgen -G ".whl/*.whl" > /dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  fi
-  export PYTHONPATH="/tmp/site:$PWD"
+  PYTHON=$py source bench/gpu_site.sh
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   args=(--inflate qwen3-4b --max-requests 32 --output-len 64 --duration 15 --calibration-s 8)
 else
